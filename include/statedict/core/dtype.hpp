@@ -1,0 +1,297 @@
+// statedict: element types, their names in every format, and exact float conversions.
+// SPDX-License-Identifier: MIT
+#pragma once
+
+#include <array>
+#include <bit>
+#include <complex>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "error.hpp"
+
+namespace statedict::inline v0 {
+
+/// Element types: every safetensors dtype statedict handles, plus C128 (PyTorch's complex128, which
+/// safetensors cannot store).
+enum class dtype : std::uint8_t {
+  BOOL,
+  U8,
+  I8,
+  I16,
+  U16,
+  I32,
+  U32,
+  I64,
+  U64,
+  F16,
+  BF16,
+  F32,
+  F64,
+  F8_E4M3,
+  F8_E5M2,
+  C64,
+  C128,
+};
+
+inline constexpr std::size_t dtype_count = 17;
+
+/// Everything statedict knows about one dtype.
+struct dtype_info {
+  dtype id;
+  std::uint8_t itemsize;              ///< bytes per element
+  std::string_view name;              ///< safetensors name ("F32"); C128 is statedict's own name
+  std::string_view torch_name;        ///< `torch.<name>` global ("float32")
+  std::string_view storage_name;      ///< legacy typed storage class ("FloatStorage"); empty: UntypedStorage only
+  std::int8_t safetensors_rank;       ///< position in safetensors' Dtype enum (its write order); -1: not storable
+  bool is_floating;                   ///< real floating point
+  bool is_complex;
+  bool is_signed;                     ///< signed integer or floating
+};
+
+namespace detail {
+// safetensors' Dtype enum order is BOOL, F4, F6_E2M3, F6_E3M2, U8, I8, F8_E5M2, F8_E4M3, F8_E8M0,
+// F8_E4M3FNUZ, F8_E5M2FNUZ, I16, U16, F16, BF16, I32, U32, F32, C64, F64, I64, U64; its writer sorts
+// by that position, descending.
+// clang-format off
+inline constexpr std::array<dtype_info, dtype_count> dtype_table{{
+  {dtype::BOOL,    1, "BOOL",    "bool",          "BoolStorage",          0,  false, false, false},
+  {dtype::U8,      1, "U8",      "uint8",         "ByteStorage",          4,  false, false, false},
+  {dtype::I8,      1, "I8",      "int8",          "CharStorage",          5,  false, false, true},
+  {dtype::I16,     2, "I16",     "int16",         "ShortStorage",         11, false, false, true},
+  {dtype::U16,     2, "U16",     "uint16",        "",                     12, false, false, false},
+  {dtype::I32,     4, "I32",     "int32",         "IntStorage",           15, false, false, true},
+  {dtype::U32,     4, "U32",     "uint32",        "",                     16, false, false, false},
+  {dtype::I64,     8, "I64",     "int64",         "LongStorage",          20, false, false, true},
+  {dtype::U64,     8, "U64",     "uint64",        "",                     21, false, false, false},
+  {dtype::F16,     2, "F16",     "float16",       "HalfStorage",          13, true,  false, true},
+  {dtype::BF16,    2, "BF16",    "bfloat16",      "BFloat16Storage",      14, true,  false, true},
+  {dtype::F32,     4, "F32",     "float32",       "FloatStorage",         17, true,  false, true},
+  {dtype::F64,     8, "F64",     "float64",       "DoubleStorage",        19, true,  false, true},
+  {dtype::F8_E4M3, 1, "F8_E4M3", "float8_e4m3fn", "",                     7,  true,  false, true},
+  {dtype::F8_E5M2, 1, "F8_E5M2", "float8_e5m2",   "",                     6,  true,  false, true},
+  {dtype::C64,     8, "C64",     "complex64",     "ComplexFloatStorage",  18, false, true,  true},
+  {dtype::C128,   16, "C128",    "complex128",    "ComplexDoubleStorage", -1, false, true,  true},
+}};
+// clang-format on
+}  // namespace detail
+
+constexpr const dtype_info& info(dtype t) noexcept { return detail::dtype_table[static_cast<std::size_t>(t)]; }
+constexpr std::size_t itemsize(dtype t) noexcept { return info(t).itemsize; }
+/// The safetensors name, used everywhere statedict prints a dtype ("F32", "BF16", ...).
+constexpr std::string_view name(dtype t) noexcept { return info(t).name; }
+constexpr bool is_floating(dtype t) noexcept { return info(t).is_floating; }
+
+/// Parses a safetensors dtype name ("F32"). Unknown names give nullopt.
+constexpr std::optional<dtype> dtype_from_name(std::string_view n) noexcept {
+  for (const auto& i : detail::dtype_table)
+    if (i.name == n) return i.id;
+  return std::nullopt;
+}
+
+/// Parses a PyTorch dtype name as pickled (`torch.float32` global -> "float32"), including the
+/// aliases PyTorch accepts ("float", "half", "long", "cfloat", ...).
+constexpr std::optional<dtype> dtype_from_torch_name(std::string_view n) noexcept {
+  for (const auto& i : detail::dtype_table)
+    if (i.torch_name == n) return i.id;
+  struct alias {
+    std::string_view n;
+    dtype t;
+  };
+  constexpr alias aliases[] = {{"float", dtype::F32},  {"double", dtype::F64},    {"half", dtype::F16},
+                               {"long", dtype::I64},   {"int", dtype::I32},       {"short", dtype::I16},
+                               {"cfloat", dtype::C64}, {"cdouble", dtype::C128}};
+  for (const auto& a : aliases)
+    if (a.n == n) return a.t;
+  return std::nullopt;
+}
+
+/// Parses a legacy typed storage class name ("FloatStorage").
+constexpr std::optional<dtype> dtype_from_storage_name(std::string_view n) noexcept {
+  for (const auto& i : detail::dtype_table)
+    if (!i.storage_name.empty() && i.storage_name == n) return i.id;
+  return std::nullopt;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Element types for typed access. The 16- and 8-bit floats are bit containers; arithmetic goes
+// through float with the exact conversions below.
+
+struct bfloat16 {
+  std::uint16_t bits;
+  friend constexpr bool operator==(bfloat16, bfloat16) = default;
+};
+struct float16 {
+  std::uint16_t bits;
+  friend constexpr bool operator==(float16, float16) = default;
+};
+struct float8_e4m3 {
+  std::uint8_t bits;
+  friend constexpr bool operator==(float8_e4m3, float8_e4m3) = default;
+};
+struct float8_e5m2 {
+  std::uint8_t bits;
+  friend constexpr bool operator==(float8_e5m2, float8_e5m2) = default;
+};
+
+namespace detail {
+template <class T>
+struct dtype_of_impl;
+// clang-format off
+template <> struct dtype_of_impl<bool> { static constexpr dtype value = dtype::BOOL; };
+template <> struct dtype_of_impl<std::uint8_t> { static constexpr dtype value = dtype::U8; };
+template <> struct dtype_of_impl<std::int8_t> { static constexpr dtype value = dtype::I8; };
+template <> struct dtype_of_impl<std::int16_t> { static constexpr dtype value = dtype::I16; };
+template <> struct dtype_of_impl<std::uint16_t> { static constexpr dtype value = dtype::U16; };
+template <> struct dtype_of_impl<std::int32_t> { static constexpr dtype value = dtype::I32; };
+template <> struct dtype_of_impl<std::uint32_t> { static constexpr dtype value = dtype::U32; };
+template <> struct dtype_of_impl<std::int64_t> { static constexpr dtype value = dtype::I64; };
+template <> struct dtype_of_impl<std::uint64_t> { static constexpr dtype value = dtype::U64; };
+template <> struct dtype_of_impl<float16> { static constexpr dtype value = dtype::F16; };
+template <> struct dtype_of_impl<bfloat16> { static constexpr dtype value = dtype::BF16; };
+template <> struct dtype_of_impl<float> { static constexpr dtype value = dtype::F32; };
+template <> struct dtype_of_impl<double> { static constexpr dtype value = dtype::F64; };
+template <> struct dtype_of_impl<float8_e4m3> { static constexpr dtype value = dtype::F8_E4M3; };
+template <> struct dtype_of_impl<float8_e5m2> { static constexpr dtype value = dtype::F8_E5M2; };
+template <> struct dtype_of_impl<std::complex<float>> { static constexpr dtype value = dtype::C64; };
+template <> struct dtype_of_impl<std::complex<double>> { static constexpr dtype value = dtype::C128; };
+// clang-format on
+}  // namespace detail
+
+/// The dtype of a C++ element type: `dtype_of<float>` is F32.
+template <class T>
+inline constexpr dtype dtype_of = detail::dtype_of_impl<std::remove_cv_t<T>>::value;
+
+template <class T>
+concept element_type = requires { detail::dtype_of_impl<std::remove_cv_t<T>>::value; };
+
+// ---------------------------------------------------------------------------------------------
+// Exact conversions, bit for bit what PyTorch computes (c10/util/BFloat16.h, Half.h,
+// Float8_e4m3fn.h, Float8_e5m2.h): round to nearest, ties to even.
+
+/// f32 -> bf16. NaN becomes the quiet NaN 0x7fc0 (sign dropped, as PyTorch does); overflow rounds to inf.
+constexpr std::uint16_t bf16_from_f32(float f) noexcept {
+  const auto u = std::bit_cast<std::uint32_t>(f);
+  if ((u & 0x7fffffffU) > 0x7f800000U) return 0x7fc0;
+  const std::uint32_t lsb = (u >> 16) & 1U;
+  return static_cast<std::uint16_t>((u + 0x7fffU + lsb) >> 16);
+}
+
+/// bf16 -> f32, exact.
+constexpr float f32_from_bf16(std::uint16_t h) noexcept {
+  return std::bit_cast<float>(static_cast<std::uint32_t>(h) << 16);
+}
+
+/// f32 -> f16 (IEEE binary16). NaN keeps its sign and becomes 0x7e00; beyond 65520 rounds to inf.
+constexpr std::uint16_t f16_from_f32(float f) noexcept {
+  const auto u = std::bit_cast<std::uint32_t>(f);
+  const auto sign = static_cast<std::uint16_t>((u >> 16) & 0x8000U);
+  const std::uint32_t a = u & 0x7fffffffU;
+  if (a > 0x7f800000U) return static_cast<std::uint16_t>(sign | 0x7e00U);           // NaN
+  if (a >= 0x477ff000U) return static_cast<std::uint16_t>(sign | 0x7c00U);          // >= 65520: inf
+  if (a >= 0x38800000U) {                                                            // normal f16
+    const std::uint32_t r = a - 0x38000000U;                                         // rebias 127 -> 15
+    return static_cast<std::uint16_t>(sign | ((r + 0x0fffU + ((r >> 13) & 1U)) >> 13));
+  }
+  if (a <= 0x33000000U) return sign;                                                 // <= 2^-25: zero
+  // Subnormal f16: value = m * 2^-24 with m the 24-bit significand shifted right.
+  const std::uint32_t e = a >> 23;
+  const std::uint32_t m = (a & 0x7fffffU) | 0x800000U;
+  const std::uint32_t shift = 126U - e;  // 14..24
+  std::uint32_t q = m >> shift;
+  const std::uint32_t rem = m & ((1U << shift) - 1U);
+  const std::uint32_t half = 1U << (shift - 1U);
+  if (rem > half || (rem == half && (q & 1U))) ++q;
+  return static_cast<std::uint16_t>(sign | q);
+}
+
+/// f16 -> f32, exact (NaN payloads kept).
+constexpr float f32_from_f16(std::uint16_t h) noexcept {
+  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000U) << 16;
+  const std::uint32_t e = (h >> 10) & 0x1fU;
+  std::uint32_t m = h & 0x3ffU;
+  if (e == 0x1f) return std::bit_cast<float>(sign | 0x7f800000U | (m << 13));
+  if (e != 0) return std::bit_cast<float>(sign | ((e + 112U) << 23) | (m << 13));
+  if (m == 0) return std::bit_cast<float>(sign);
+  // Subnormal: normalise.
+  std::uint32_t exp = 113;
+  while ((m & 0x400U) == 0) {
+    m <<= 1;
+    --exp;
+  }
+  return std::bit_cast<float>(sign | (exp << 23) | ((m & 0x3ffU) << 13));
+}
+
+namespace detail {
+/// Rounds |f| (bits `a`, finite, below the format's overflow threshold) to a small float format
+/// with `mbits` mantissa bits and exponent bias `bias`; returns the unsigned encoding.
+constexpr std::uint32_t round_to_small_float(std::uint32_t a, unsigned mbits, unsigned bias) noexcept {
+  const std::uint32_t min_normal_exp = 127U - bias + 1U;  // f32 exponent of the format's smallest normal
+  const std::uint32_t e = a >> 23;
+  if (e >= min_normal_exp) {
+    const unsigned drop = 23U - mbits;
+    const std::uint32_t r = a - ((127U - bias) << 23);
+    return (r + ((1U << (drop - 1U)) - 1U) + ((r >> drop) & 1U)) >> drop;
+  }
+  // Subnormal in the target (or zero): value = q * 2^(1 - bias - mbits).
+  if (e == 0) return 0;  // f32 subnormals are far below every small format's range
+  const std::uint32_t m = (a & 0x7fffffU) | 0x800000U;
+  // f32 value = m * 2^(e - 150); q = m * 2^(e - 150 - (1 - bias - mbits)).
+  const std::int32_t shift = 150 - static_cast<std::int32_t>(e) + 1 - static_cast<std::int32_t>(bias) -
+                             static_cast<std::int32_t>(mbits);
+  if (shift >= 25) return 0;  // below half of the smallest subnormal
+  const auto s = static_cast<std::uint32_t>(shift);
+  std::uint32_t q = m >> s;
+  const std::uint32_t rem = m & ((1U << s) - 1U);
+  const std::uint32_t half = 1U << (s - 1U);
+  if (rem > half || (rem == half && (q & 1U))) ++q;
+  return q;
+}
+}  // namespace detail
+
+/// f32 -> float8_e4m3fn (OCP FP8 E4M3: no infinities, NaN = S.1111.111, max 448). As in PyTorch,
+/// NaN, infinities and values that round beyond 448 all become NaN (0x7f with the sign).
+constexpr std::uint8_t f8e4m3_from_f32(float f) noexcept {
+  const auto u = std::bit_cast<std::uint32_t>(f);
+  const auto sign = static_cast<std::uint8_t>((u >> 24) & 0x80U);
+  const std::uint32_t a = u & 0x7fffffffU;
+  if (a >= 0x43f00000U) return static_cast<std::uint8_t>(sign | 0x7fU);  // >= 480 (or inf/NaN)
+  return static_cast<std::uint8_t>(sign | detail::round_to_small_float(a, 3, 7));
+}
+
+/// float8_e4m3fn -> f32, exact. NaN gives 0x7ff00000 with the sign, as PyTorch does.
+constexpr float f32_from_f8e4m3(std::uint8_t x) noexcept {
+  const std::uint32_t sign = static_cast<std::uint32_t>(x & 0x80U) << 24;
+  const std::uint32_t e = (x >> 3) & 0xfU;
+  std::uint32_t m = x & 7U;
+  if (e == 0xf && m == 7) return std::bit_cast<float>(sign | 0x7ff00000U);
+  if (e != 0) return std::bit_cast<float>(sign | ((e + 120U) << 23) | (m << 20));
+  if (m == 0) return std::bit_cast<float>(sign);
+  std::uint32_t exp = 121;
+  while ((m & 8U) == 0) {
+    m <<= 1;
+    --exp;
+  }
+  return std::bit_cast<float>(sign | (exp << 23) | ((m & 7U) << 20));
+}
+
+/// f32 -> float8_e5m2 (OCP FP8 E5M2, IEEE-like with inf). NaN -> 0x7f, overflow (>= 61440) -> inf,
+/// each with the sign, as PyTorch does.
+constexpr std::uint8_t f8e5m2_from_f32(float f) noexcept {
+  const auto u = std::bit_cast<std::uint32_t>(f);
+  const auto sign = static_cast<std::uint8_t>((u >> 24) & 0x80U);
+  const std::uint32_t a = u & 0x7fffffffU;
+  if (a > 0x7f800000U) return static_cast<std::uint8_t>(sign | 0x7fU);
+  if (a >= 0x47700000U) return static_cast<std::uint8_t>(sign | 0x7cU);  // >= 61440 rounds to inf
+  return static_cast<std::uint8_t>(sign | detail::round_to_small_float(a, 2, 15));
+}
+
+/// float8_e5m2 -> f32, exact (it is the top byte of an f16).
+constexpr float f32_from_f8e5m2(std::uint8_t x) noexcept {
+  return f32_from_f16(static_cast<std::uint16_t>(static_cast<std::uint16_t>(x) << 8));
+}
+
+}  // namespace statedict::inline v0

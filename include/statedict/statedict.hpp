@@ -1,0 +1,15 @@
+// statedict: read, transform, shard and consolidate ML checkpoints ("state dicts") without a
+// framework at run time. This umbrella header includes every module that needs only the standard
+// library and nlohmann/json. Bridges to optional dependencies are separate:
+//   <statedict/reflect.hpp>           aggregates <-> Value (Boost.PFR)
+//   <statedict/interop/xtensor.hpp>   TensorView -> xt::adapt views
+// SPDX-License-Identifier: MIT
+#pragma once
+
+#include "core/config.hpp"
+#include "core/error.hpp"
+#include "core/shape.hpp"
+#include "core/dtype.hpp"
+#include "core/cast.hpp"
+#include "core/tensor.hpp"
+#include "core/value.hpp"
