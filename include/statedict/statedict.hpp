@@ -13,3 +13,6 @@
 #include "core/cast.hpp"
 #include "core/tensor.hpp"
 #include "core/value.hpp"
+#include "core/source.hpp"
+#include "io/file.hpp"
+#include "shard/checkpoint.hpp"

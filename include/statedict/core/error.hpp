@@ -157,7 +157,7 @@ class plan_error : public error { public: using error::error; };
 /// Quotes a name from an input file for an error message: single quotes, control and non-ASCII
 /// bytes escaped as \xNN, long names cut in the middle, so one hostile name cannot forge or flood
 /// the one-line message.
-inline std::string quoted(std::string_view s, std::size_t max_len = 160) {
+inline std::string quote(std::string_view s, std::size_t max_len = 160) {
   static constexpr char hex[] = "0123456789abcdef";
   std::string out;
   out.reserve(s.size() + 2);

@@ -44,7 +44,7 @@ class Key {
   [[nodiscard]] bool is_int() const noexcept { return v_.index() == 0; }
   [[nodiscard]] bool is_string() const noexcept { return v_.index() == 1; }
   [[nodiscard]] std::int64_t as_int() const {
-    if (!is_int()) throw_error(errors::value_kind, "key " + quoted(std::get<1>(v_)) + " is a string, not an int");
+    if (!is_int()) throw_error(errors::value_kind, "key " + quote(std::get<1>(v_)) + " is a string, not an int");
     return std::get<0>(v_);
   }
   [[nodiscard]] const std::string& as_string() const {
@@ -346,11 +346,11 @@ inline const Value* Dict::find(const Key& k) const {
 }
 inline Value& Dict::at(const Key& k) {
   if (Value* v = find(k)) return *v;
-  throw_error(errors::missing_key, "no key " + (k.is_int() ? k.str() : quoted(k.str())));
+  throw_error(errors::missing_key, "no key " + (k.is_int() ? k.str() : quote(k.str())));
 }
 inline const Value& Dict::at(const Key& k) const {
   if (const Value* v = find(k)) return *v;
-  throw_error(errors::missing_key, "no key " + (k.is_int() ? k.str() : quoted(k.str())));
+  throw_error(errors::missing_key, "no key " + (k.is_int() ? k.str() : quote(k.str())));
 }
 inline Value& Dict::set(Key k, Value v) {
   if (Value* existing = find(k)) {
@@ -362,7 +362,7 @@ inline Value& Dict::set(Key k, Value v) {
   return items_.back().second;
 }
 inline Value& Dict::insert(Key k, Value v) {
-  if (find(k)) throw_error(errors::duplicate_key, "key " + (k.is_int() ? k.str() : quoted(k.str())) + " already present");
+  if (find(k)) throw_error(errors::duplicate_key, "key " + (k.is_int() ? k.str() : quote(k.str())) + " already present");
   items_.emplace_back(std::move(k), std::move(v));
   index_new_last();
   return items_.back().second;

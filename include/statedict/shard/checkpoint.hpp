@@ -1,0 +1,111 @@
+// statedict: ShardedCheckpoint, the one description every reader produces and every writer consumes.
+// SPDX-License-Identifier: MIT
+//
+// A checkpoint is a list of logical tensors (name, dtype, global shape). Each tensor's elements are
+// held by chunks: an n-d box of its index space, or a range of its row-major flattened index, plus
+// where those elements are stored (which byte source, at which byte offset, with which element
+// strides, in which stored dtype). Padding is simply not covered by any chunk. Elements held by
+// several chunks (a bias replicated on every rank) are listed once per copy.
+//
+// The same structure describes a destination layout (where each element must go), which is what
+// the planner (shard/plan.hpp) intersects with a source description.
+//
+// No file knowledge here: sources are ByteSource objects (core/source.hpp) made by io/ and formats/.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <variant>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "../core/dtype.hpp"
+#include "../core/shape.hpp"
+#include "../core/source.hpp"
+
+namespace statedict::inline v0 {
+
+/// An n-d box of a tensor's index space: `offsets[d] <= i[d] < offsets[d] + sizes[d]`.
+struct Box {
+  shape_t offsets;
+  shape_t sizes;
+  friend bool operator==(const Box&, const Box&) = default;
+};
+
+/// A range `[begin, end)` of a tensor's row-major flattened index.
+struct FlatRange {
+  std::uint64_t begin = 0;
+  std::uint64_t end = 0;
+  [[nodiscard]] std::uint64_t size() const noexcept { return end - begin; }
+  friend bool operator==(const FlatRange&, const FlatRange&) = default;
+};
+
+/// Where a chunk's elements are stored.
+struct Placement {
+  std::uint32_t source = 0;       ///< index into the description's sources (or destinations)
+  std::uint64_t byte_offset = 0;  ///< byte offset of the chunk's first element in that source
+  /// Element strides over the chunk's own shape (the box sizes, or {size} for a flat range);
+  /// empty means row-major contiguous.
+  shape_t strides;
+  dtype stored = dtype::F32;      ///< element type as stored; the executor casts to the logical dtype
+  friend bool operator==(const Placement&, const Placement&) = default;
+};
+
+/// Some elements of a logical tensor and where they are.
+struct Chunk {
+  std::variant<Box, FlatRange> region;
+  Placement at;
+  friend bool operator==(const Chunk&, const Chunk&) = default;
+};
+
+/// One logical (global) tensor.
+struct TensorInfo {
+  std::string name;
+  statedict::dtype dtype = statedict::dtype::F32;
+  shape_t shape;
+  std::vector<Chunk> chunks;
+};
+
+/// A whole checkpoint: its tensors, the byte sources they live in, and everything that is not a
+/// tensor (the flatten skeleton, see core/flatten.hpp).
+struct ShardedCheckpoint {
+  /// Detected format ("safetensors", "torch", "hf_sharded", "dcp", "deepspeed_zero3", ...).
+  std::string format;
+  /// Byte sources that Placement::source indexes.
+  std::vector<std::shared_ptr<const ByteSource>> sources;
+  /// Logical tensors in checkpoint order; names are unique.
+  std::vector<TensorInfo> tensors;
+  /// The flatten skeleton (structure, key types, non-tensor values, aliases). Null means a flat
+  /// dict of `tensors`, in order.
+  nlohmann::json skeleton;
+  /// Free-form string metadata of the input (safetensors `__metadata__`, format versions, ...).
+  std::map<std::string, std::string> metadata;
+
+  /// The tensor named `name`, or nullptr. The name index is rebuilt when tensors are added or
+  /// removed; call reindex() after renaming tensors in place.
+  [[nodiscard]] const TensorInfo* find(std::string_view name) const {
+    if (index_.size() != tensors.size()) reindex();
+    auto it = index_.find(std::string(name));
+    if (it == index_.end()) return nullptr;
+    if (tensors[it->second].name != name) {  // renamed in place without reindex(): recover
+      reindex();
+      it = index_.find(std::string(name));
+      if (it == index_.end()) return nullptr;
+    }
+    return &tensors[it->second];
+  }
+  void reindex() const {
+    index_.clear();
+    for (std::size_t i = 0; i < tensors.size(); ++i) index_.emplace(tensors[i].name, i);
+  }
+
+ private:
+  mutable std::unordered_map<std::string, std::size_t> index_;
+};
+
+}  // namespace statedict::inline v0
