@@ -1,0 +1,83 @@
+#!/bin/sh
+# The whole test suite, from a fresh Debian 12 machine (run as root, or with sudo available):
+#
+#   ./tools/test.sh
+#
+# Installs what it needs, then:
+#   1. checks that single_include/ is up to date and that error ids are unique and documented;
+#   2. builds everything with g++ (warnings are errors) and runs the suite, including the interop
+#      tests against real PyTorch and the CMake consumer projects;
+#   3. builds with clang and -fsanitize=address,undefined and runs the suite again;
+#   4. builds the suite against the single header and runs it;
+#   5. builds the libFuzzer targets (clang, ASan + UBSan) and runs each for a while.
+# STATEDICT_STAGES picks stages (default "check gcc asan single fuzz"); STATEDICT_FUZZ_SECONDS sets
+# the time per fuzzer (default 30). Build trees go under build/.
+set -eu
+
+here=$(cd "$(dirname "$0")/.." && pwd)
+cd "$here"
+stages=${STATEDICT_STAGES:-check gcc asan single fuzz}
+fuzz_seconds=${STATEDICT_FUZZ_SECONDS:-30}
+jobs=${STATEDICT_JOBS:-$(nproc)}
+
+packages="cmake make g++ clang python3 nlohmann-json3-dev doctest-dev libxtensor-dev libboost1.81-dev \
+libbenchmark-dev python3-torch python3-numpy libfuzzer-14-dev libclang-rt-14-dev"
+missing=""
+for p in $packages; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
+done
+if [ -n "$missing" ]; then
+  echo "== installing:$missing"
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo=sudo
+  $sudo apt-get update
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y $packages
+fi
+
+stage() { case " $stages " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+t0=$(date +%s)
+elapsed() { echo "   ($(( $(date +%s) - t0 )) s so far)"; }
+
+run_suite() {  # name, build dir, cmake options...
+  name=$1 dir=$2
+  shift 2
+  echo "== $name: configure + build ($dir)"
+  cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo "$@" >"$dir.configure.log" 2>&1 || {
+    cat "$dir.configure.log"
+    exit 1
+  }
+  cmake --build "$dir" -j "$jobs"
+  echo "== $name: test"
+  (cd "$dir" && ctest -j "$jobs" --output-on-failure --timeout 1200)
+  elapsed
+}
+
+mkdir -p build
+if stage check; then
+  echo "== check: single header and error ids"
+  python3 tools/amalgamate.py --check
+  python3 tools/check_error_ids.py
+fi
+if stage gcc; then
+  CXX=g++ run_suite "g++" build/gcc
+fi
+if stage asan; then
+  # Sanitized builds abort on the first report; detect_leaks catches leaks too.
+  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+    CXX=clang++ run_suite "clang + ASan/UBSan" build/asan -DSTATEDICT_SANITIZE=ON
+fi
+if stage single; then
+  CXX=g++ run_suite "single header" build/single -DSTATEDICT_TEST_SINGLE_HEADER=ON -DSTATEDICT_BUILD_EXAMPLES=OFF
+fi
+if stage fuzz && [ -f tests/fuzz/CMakeLists.txt ]; then
+  echo "== fuzz: build (clang, libFuzzer, ASan + UBSan)"
+  CXX=clang++ cmake -S . -B build/fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSTATEDICT_BUILD_FUZZERS=ON \
+    -DSTATEDICT_BUILD_TESTS=OFF -DSTATEDICT_BUILD_EXAMPLES=OFF >build/fuzz.configure.log 2>&1 || {
+    cat build/fuzz.configure.log
+    exit 1
+  }
+  cmake --build build/fuzz -j "$jobs"
+  python3 tests/fuzz/run_all.py --build build/fuzz --seconds "$fuzz_seconds" --jobs "$jobs"
+  elapsed
+fi
+echo "== all stages passed: $stages"
