@@ -1,0 +1,1 @@
+"""Fixture generator helpers for DeepSpeed ZeRO and FSDP/OLMo sharded checkpoints (see README.md)."""
