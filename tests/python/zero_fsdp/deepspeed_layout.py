@@ -396,6 +396,23 @@ def _write_stage12(case, out_root, ckpt_dir, net, lp_net, groups, hps, state, pa
                     if save_frozen else None)
 
     module_sd = lp_net.state_dict()  # engine.module_state_dict
+    # stage_1_and_2.py _update_model_bit16_weights: after flattening, every trainable parameter's data
+    # is a view into its group's bit16 flat buffer (round-robin order, zero padding at the end).  A
+    # plain torch.save therefore writes one storage per group holding all its params at offsets.
+    lp_by_id = {id(p): lp_params_of(lp_net, param_names[id(p)]) for g in groups for p in g}
+    views = {}
+    for rr in rr_orders:
+        if not rr:
+            continue
+        flat = align_dense([lp_by_id[id(p)].detach() for p in rr], align)
+        off = 0
+        for p in rr:
+            views[param_names[id(p)]] = flat.narrow(0, off, p.numel()).view(p.shape)
+            off += p.numel()
+    for key in list(module_sd.keys()):
+        owner = shared_params(lp_net).get(key, key)
+        if owner in views:
+            module_sd[key] = views[owner]
     model = _model_states(case, lp_net, module_sd, param_shapes, frozen_shapes, frozen_frags, ds_config)
     _save(case, model, os.path.join(ckpt_dir, "mp_rank_00_model_states.pt"), 0,
           cpu_tensors=list(frozen_frags.values()) if frozen_frags else ())
@@ -554,3 +571,7 @@ def _manifests(case, net, lp_net, opt, groups, hps, state, step, param_names, z)
             for k, v in hp.items():
                 om.add_value(f"optim.param_groups.{i}.{k}", v)
     return man, om
+
+
+def lp_params_of(lp_net, name):
+    return dict(lp_net.named_parameters())[name]
