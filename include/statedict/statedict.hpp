@@ -14,5 +14,7 @@
 #include "core/tensor.hpp"
 #include "core/value.hpp"
 #include "core/source.hpp"
+#include "core/sha256.hpp"
 #include "io/file.hpp"
+#include "io/safetensors.hpp"
 #include "shard/checkpoint.hpp"
