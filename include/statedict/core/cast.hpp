@@ -5,6 +5,11 @@
 // BF16, F32, F64), rounding to nearest even exactly as PyTorch (a double narrower than f32 is first
 // rounded to f32, as PyTorch's `Half(double)`/`BFloat16(double)` do); C64 <-> C128. Integer casts are
 // not offered: a checkpoint converter must not silently change integer data.
+//
+// The bytes are those `tensor.to(dtype)` writes in PyTorch 1.13 on an x86 CPU, NaNs included
+// (tests/interop-dtype.cpp compares against tables PyTorch wrote): a NaN cast to BF16 from F32 or
+// F64 is 0xffff (ATen's vectorised kernel), from F16 or F8 0x7fc0 (c10's scalar conversion); to
+// F16 it is 0x7e00 with the sign; F16 -> F32 sets the quiet bit.
 #pragma once
 
 #include <complex>
@@ -44,39 +49,108 @@ inline void store_unaligned(std::byte* p, T v) noexcept {
   std::memcpy(p, &v, sizeof(T));
 }
 
-inline float load_as_f32(dtype t, const std::byte* p) noexcept {
-  switch (t) {
-    case dtype::F32: return load_unaligned<float>(p);
-    case dtype::BF16: return f32_from_bf16(load_unaligned<std::uint16_t>(p));
-    case dtype::F16: return f32_from_f16(load_unaligned<std::uint16_t>(p));
-    case dtype::F8_E4M3: return f32_from_f8e4m3(load_unaligned<std::uint8_t>(p));
-    case dtype::F8_E5M2: return f32_from_f8e5m2(load_unaligned<std::uint8_t>(p));
-    case dtype::F64: return static_cast<float>(load_unaligned<double>(p));
-    default: return 0.0F;
+/// How one real floating dtype is stored (its bit container) and converted through f32, which
+/// holds every value of the narrower formats exactly.
+template <dtype D>
+struct float_codec;
+template <>
+struct float_codec<dtype::F32> {
+  using storage = float;
+  static constexpr float widen(float x) noexcept { return x; }
+  static constexpr float narrow(float f, std::uint16_t /*bf16 nan*/) noexcept { return f; }
+};
+template <>
+struct float_codec<dtype::BF16> {
+  using storage = std::uint16_t;
+  static constexpr float widen(std::uint16_t x) noexcept { return f32_from_bf16(x); }
+  static constexpr std::uint16_t narrow(float f, std::uint16_t nan) noexcept { return bf16_from_f32(f, nan); }
+};
+template <>
+struct float_codec<dtype::F16> {
+  using storage = std::uint16_t;
+  static constexpr float widen(std::uint16_t x) noexcept { return f32_from_f16(x); }
+  static constexpr std::uint16_t narrow(float f, std::uint16_t /*bf16 nan*/) noexcept { return f16_from_f32(f); }
+};
+template <>
+struct float_codec<dtype::F8_E4M3> {
+  using storage = std::uint8_t;
+  static constexpr float widen(std::uint8_t x) noexcept { return f32_from_f8e4m3(x); }
+  static constexpr std::uint8_t narrow(float f, std::uint16_t /*bf16 nan*/) noexcept { return f8e4m3_from_f32(f); }
+};
+template <>
+struct float_codec<dtype::F8_E5M2> {
+  using storage = std::uint8_t;
+  static constexpr float widen(std::uint8_t x) noexcept { return f32_from_f8e5m2(x); }
+  static constexpr std::uint8_t narrow(float f, std::uint16_t /*bf16 nan*/) noexcept { return f8e5m2_from_f32(f); }
+};
+template <>
+struct float_codec<dtype::F64> {
+  using storage = double;
+};
+
+/// One element From -> To, as PyTorch's CPU tensor cast computes it.
+template <dtype From, dtype To>
+constexpr typename float_codec<To>::storage convert_float(typename float_codec<From>::storage x) noexcept {
+  if constexpr (From == To) {
+    return x;
+  } else if constexpr (To == dtype::F64) {
+    return static_cast<double>(float_codec<From>::widen(x));
+  } else if constexpr (From == dtype::F64) {
+    // Rounded to f32 first, then to the narrower format (PyTorch's `Half(double)` and
+    // `BFloat16(double)` take a float): two roundings, which a single rounding can differ from.
+    return float_codec<To>::narrow(static_cast<float>(x), bf16_nan_vectorised);
+  } else {
+    // To bf16, NaN is written as PyTorch writes it for this source: 0xffff by the vectorised f32
+    // kernel, 0x7fc0 by the scalar conversion it uses for the narrower sources.
+    constexpr std::uint16_t nan = From == dtype::F32 ? bf16_nan_vectorised : bf16_nan_scalar;
+    return float_codec<To>::narrow(float_codec<From>::widen(x), nan);
   }
 }
 
-inline void store_from_f32(dtype t, std::byte* p, float f) noexcept {
-  switch (t) {
-    case dtype::F32: store_unaligned(p, f); break;
-    case dtype::BF16: store_unaligned(p, bf16_from_f32(f)); break;
-    case dtype::F16: store_unaligned(p, f16_from_f32(f)); break;
-    case dtype::F8_E4M3: store_unaligned(p, f8e4m3_from_f32(f)); break;
-    case dtype::F8_E5M2: store_unaligned(p, f8e5m2_from_f32(f)); break;
-    case dtype::F64: store_unaligned(p, static_cast<double>(f)); break;
-    default: break;
+/// Casts n elements From -> To between byte buffers of any alignment. Elements go through small
+/// aligned blocks on the stack, so the conversion loop itself works on typed, non-aliasing arrays
+/// and vectorises; the copies in and out are memcpy.
+template <dtype From, dtype To>
+inline void cast_floats(const std::byte* src, std::byte* dst, std::size_t n) noexcept {
+  using S = typename float_codec<From>::storage;
+  using D = typename float_codec<To>::storage;
+  constexpr std::size_t block = 1024;
+  alignas(64) S in[block];
+  alignas(64) D out[block];
+  for (std::size_t done = 0; done < n;) {
+    const std::size_t k = n - done < block ? n - done : block;
+    std::memcpy(in, src + done * sizeof(S), k * sizeof(S));
+    for (std::size_t i = 0; i < k; ++i) out[i] = convert_float<From, To>(in[i]);
+    std::memcpy(dst + done * sizeof(D), out, k * sizeof(D));
+    done += k;
   }
 }
 
-/// Tight loop for one (from, to) pair, so the compiler can specialise and vectorise it.
-template <class Load, class Store>
-inline void cast_loop(const std::byte* src, std::size_t src_size, std::byte* dst, std::size_t dst_size, std::size_t n,
-                      Load load, Store store) noexcept {
-  for (std::size_t i = 0; i < n; ++i) store(dst + i * dst_size, load(src + i * src_size));
+template <dtype From>
+inline void cast_floats_from(const std::byte* src, dtype to, std::byte* dst, std::size_t n) noexcept {
+  switch (to) {
+    case dtype::F32: return cast_floats<From, dtype::F32>(src, dst, n);
+    case dtype::BF16: return cast_floats<From, dtype::BF16>(src, dst, n);
+    case dtype::F16: return cast_floats<From, dtype::F16>(src, dst, n);
+    case dtype::F64: return cast_floats<From, dtype::F64>(src, dst, n);
+    case dtype::F8_E4M3: return cast_floats<From, dtype::F8_E4M3>(src, dst, n);
+    case dtype::F8_E5M2: return cast_floats<From, dtype::F8_E5M2>(src, dst, n);
+    default: return;  // not floating: refused by check_cast before
+  }
+}
+
+template <class From, class To>
+inline void cast_complex(const std::byte* src, std::byte* dst, std::size_t n) noexcept {
+  for (std::size_t i = 0; i < n; ++i) {
+    const auto v = load_unaligned<std::complex<From>>(src + i * sizeof(std::complex<From>));
+    store_unaligned(dst + i * sizeof(std::complex<To>),
+                    std::complex<To>(static_cast<To>(v.real()), static_cast<To>(v.imag())));
+  }
 }
 }  // namespace detail
 
-/// Casts `n` contiguous elements from `src` (dtype `from`) to `dst` (dtype `to`). Neither pointer
+/// Casts `n` contiguous elements from `src` (dtype `from`) to `dst` (dtype `to`), producing the bytes
+/// `tensor.to(dtype)` produces in PyTorch 1.13 on a CPU (NaN encodings included). Neither pointer
 /// needs any alignment. The ranges must not overlap unless from == to and src == dst.
 inline void cast_run(dtype from, const std::byte* src, dtype to, std::byte* dst, std::size_t n) {
   using namespace detail;
@@ -85,38 +159,17 @@ inline void cast_run(dtype from, const std::byte* src, dtype to, std::byte* dst,
     return;
   }
   check_cast(from, to);
-  const std::size_t ss = itemsize(from), ds = itemsize(to);
-  if (info(from).is_complex) {  // C64 <-> C128
-    if (from == dtype::C64)
-      cast_loop(src, ss, dst, ds, n, load_unaligned<std::complex<float>>, [](std::byte* p, std::complex<float> v) {
-        store_unaligned(p, std::complex<double>(v));
-      });
-    else
-      cast_loop(src, ss, dst, ds, n, load_unaligned<std::complex<double>>, [](std::byte* p, std::complex<double> v) {
-        store_unaligned(p, std::complex<float>(v));
-      });
-    return;
+  switch (from) {
+    case dtype::F32: return cast_floats_from<dtype::F32>(src, to, dst, n);
+    case dtype::BF16: return cast_floats_from<dtype::BF16>(src, to, dst, n);
+    case dtype::F16: return cast_floats_from<dtype::F16>(src, to, dst, n);
+    case dtype::F64: return cast_floats_from<dtype::F64>(src, to, dst, n);
+    case dtype::F8_E4M3: return cast_floats_from<dtype::F8_E4M3>(src, to, dst, n);
+    case dtype::F8_E5M2: return cast_floats_from<dtype::F8_E5M2>(src, to, dst, n);
+    case dtype::C64: return cast_complex<float, double>(src, dst, n);
+    case dtype::C128: return cast_complex<double, float>(src, dst, n);
+    default: return;  // refused by check_cast
   }
-  // Hot pairs get their own loops.
-  if (from == dtype::F32 && to == dtype::BF16)
-    return cast_loop(src, ss, dst, ds, n, load_unaligned<float>,
-                     [](std::byte* p, float f) { store_unaligned(p, bf16_from_f32(f)); });
-  if (from == dtype::F32 && to == dtype::F16)
-    return cast_loop(src, ss, dst, ds, n, load_unaligned<float>,
-                     [](std::byte* p, float f) { store_unaligned(p, f16_from_f32(f)); });
-  if (from == dtype::BF16 && to == dtype::F32)
-    return cast_loop(src, ss, dst, ds, n, load_unaligned<std::uint16_t>,
-                     [](std::byte* p, std::uint16_t h) { store_unaligned(p, f32_from_bf16(h)); });
-  if (from == dtype::F16 && to == dtype::F32)
-    return cast_loop(src, ss, dst, ds, n, load_unaligned<std::uint16_t>,
-                     [](std::byte* p, std::uint16_t h) { store_unaligned(p, f32_from_f16(h)); });
-  if (to == dtype::F64) {
-    for (std::size_t i = 0; i < n; ++i) store_unaligned(dst + i * ds, static_cast<double>(load_as_f32(from, src + i * ss)));
-    return;
-  }
-  // Everything else goes through f32 (exact for every source narrower than F64; F64 sources are
-  // rounded to f32 first, as PyTorch does).
-  for (std::size_t i = 0; i < n; ++i) store_from_f32(to, dst + i * ds, load_as_f32(from, src + i * ss));
 }
 
 }  // namespace statedict::inline v0

@@ -7,9 +7,11 @@
 #include <complex>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <type_traits>
 
 #include "error.hpp"
 
@@ -169,60 +171,74 @@ template <class T>
 concept element_type = requires { detail::dtype_of_impl<std::remove_cv_t<T>>::value; };
 
 // ---------------------------------------------------------------------------------------------
-// Exact conversions, bit for bit what PyTorch computes (c10/util/BFloat16.h, Half.h,
-// Float8_e4m3fn.h, Float8_e5m2.h): round to nearest, ties to even.
+// Exact conversions, bit for bit what PyTorch 1.13 computes on a CPU (c10/util/BFloat16.h, Half.h,
+// Float8_e4m3fn.h, Float8_e5m2.h, and ATen's vectorised cast kernel): round to nearest, ties to
+// even. tests/interop-dtype.cpp checks them against tables written by PyTorch itself.
+//
+// The 16-bit conversions are written without branches (selects only), so that loops over them
+// vectorise: cast_run converts multi-gigabyte checkpoints with them.
 
-/// f32 -> bf16. NaN becomes the quiet NaN 0x7fc0 (sign dropped, as PyTorch does); overflow rounds to inf.
-constexpr std::uint16_t bf16_from_f32(float f) noexcept {
+static_assert(std::numeric_limits<float>::is_iec559 && std::numeric_limits<double>::is_iec559,
+              "statedict's float conversions assume IEEE 754 binary32/binary64 with round-to-nearest");
+
+/// The bf16 bits PyTorch writes for a NaN. Its CPU tensor cast from f32 or f64 (ATen's vectorised
+/// kernel, `tensor.to(torch.bfloat16)`) writes 0xffff whatever the NaN; the scalar
+/// `c10::BFloat16(float)`, which the tensor cast uses from f16 (and which `torch.tensor(nan,
+/// dtype=torch.bfloat16)` uses), writes 0x7fc0.
+inline constexpr std::uint16_t bf16_nan_vectorised = 0xffff;
+inline constexpr std::uint16_t bf16_nan_scalar = 0x7fc0;
+
+/// f32 -> bf16; overflow rounds to inf. A NaN becomes `nan` (default: what `tensor.to(torch.bfloat16)`
+/// writes for an f32 tensor, see bf16_nan_vectorised).
+constexpr std::uint16_t bf16_from_f32(float f, std::uint16_t nan = bf16_nan_vectorised) noexcept {
   const auto u = std::bit_cast<std::uint32_t>(f);
-  if ((u & 0x7fffffffU) > 0x7f800000U) return 0x7fc0;
-  const std::uint32_t lsb = (u >> 16) & 1U;
-  return static_cast<std::uint16_t>((u + 0x7fffU + lsb) >> 16);
+  const auto rounded = static_cast<std::uint16_t>((u + 0x7fffU + ((u >> 16) & 1U)) >> 16);
+  return (u & 0x7fffffffU) > 0x7f800000U ? nan : rounded;
 }
 
-/// bf16 -> f32, exact.
+/// bf16 -> f32, exact (NaN payloads kept, as PyTorch does: a bf16 is the top half of an f32).
 constexpr float f32_from_bf16(std::uint16_t h) noexcept {
   return std::bit_cast<float>(static_cast<std::uint32_t>(h) << 16);
 }
 
-/// f32 -> f16 (IEEE binary16). NaN keeps its sign and becomes 0x7e00; beyond 65520 rounds to inf.
+/// f32 -> f16 (IEEE binary16). NaN keeps its sign and becomes 0x7e00; from 65520 up rounds to inf.
 constexpr std::uint16_t f16_from_f32(float f) noexcept {
+  // Written as straight-line code that combines candidates with masks: with a branch, or a select
+  // the compiler turns into one, GCC sinks the float addition below into it and then refuses to
+  // vectorise the loop (a float operation "could trap").
   const auto u = std::bit_cast<std::uint32_t>(f);
-  const auto sign = static_cast<std::uint16_t>((u >> 16) & 0x8000U);
+  const std::uint32_t sign = (u >> 16) & 0x8000U;
   const std::uint32_t a = u & 0x7fffffffU;
-  if (a > 0x7f800000U) return static_cast<std::uint16_t>(sign | 0x7e00U);           // NaN
-  if (a >= 0x477ff000U) return static_cast<std::uint16_t>(sign | 0x7c00U);          // >= 65520: inf
-  if (a >= 0x38800000U) {                                                            // normal f16
-    const std::uint32_t r = a - 0x38000000U;                                         // rebias 127 -> 15
-    return static_cast<std::uint16_t>(sign | ((r + 0x0fffU + ((r >> 13) & 1U)) >> 13));
-  }
-  if (a <= 0x33000000U) return sign;                                                 // <= 2^-25: zero
-  // Subnormal f16: value = m * 2^-24 with m the 24-bit significand shifted right.
-  const std::uint32_t e = a >> 23;
-  const std::uint32_t m = (a & 0x7fffffU) | 0x800000U;
-  const std::uint32_t shift = 126U - e;  // 14..24
-  std::uint32_t q = m >> shift;
-  const std::uint32_t rem = m & ((1U << shift) - 1U);
-  const std::uint32_t half = 1U << (shift - 1U);
-  if (rem > half || (rem == half && (q & 1U))) ++q;
-  return static_cast<std::uint16_t>(sign | q);
+  // Normal f16: rebias the exponent 127 -> 15 and round away 13 bits. Clamping at 65520 (0x477ff000,
+  // which rounds to 0x7c00) sends everything larger, infinities and NaNs included, to inf.
+  const std::uint32_t c = a < 0x477ff000U ? a : 0x477ff000U;
+  const std::uint32_t r = c - 0x38000000U;
+  const std::uint32_t normal = (r + 0x0fffU + ((r >> 13) & 1U)) >> 13;
+  // Subnormal f16 (|f| < 2^-14): adding 0.5 leaves |f| rounded (to nearest even, by the FPU) to a
+  // multiple of 2^-24, the f16 subnormal step, in the low mantissa bits of the sum. 0x3f000000 is 0.5.
+  const std::uint32_t subnormal = std::bit_cast<std::uint32_t>(std::bit_cast<float>(a) + 0.5F) - 0x3f000000U;
+  const std::uint32_t is_subnormal = 0U - static_cast<std::uint32_t>(a < 0x38800000U);
+  const std::uint32_t is_nan = 0U - static_cast<std::uint32_t>(a > 0x7f800000U);
+  const std::uint32_t out = (subnormal & is_subnormal) | (normal & ~is_subnormal) | (is_nan & 0x0200U);  // NaN: 0x7e00
+  return static_cast<std::uint16_t>(sign | out);
 }
 
-/// f16 -> f32, exact (NaN payloads kept).
+/// f16 -> f32, exact. A NaN keeps its sign and payload and becomes quiet (the quiet bit set), as
+/// PyTorch's conversion (and the x86 F16C instruction) does. Straight-line, like f16_from_f32.
 constexpr float f32_from_f16(std::uint16_t h) noexcept {
   const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000U) << 16;
-  const std::uint32_t e = (h >> 10) & 0x1fU;
-  std::uint32_t m = h & 0x3ffU;
-  if (e == 0x1f) return std::bit_cast<float>(sign | 0x7f800000U | (m << 13));
-  if (e != 0) return std::bit_cast<float>(sign | ((e + 112U) << 23) | (m << 13));
-  if (m == 0) return std::bit_cast<float>(sign);
-  // Subnormal: normalise.
-  std::uint32_t exp = 113;
-  while ((m & 0x400U) == 0) {
-    m <<= 1;
-    --exp;
-  }
-  return std::bit_cast<float>(sign | (exp << 23) | ((m & 0x3ffU) << 13));
+  const std::uint32_t e = h & 0x7c00U;
+  const std::uint32_t m = h & 0x3ffU;
+  // Normal: rebias the exponent 15 -> 127. Subnormal (and zero): m * 2^-24, exact in f32.
+  const std::uint32_t normal = (static_cast<std::uint32_t>(h & 0x7fffU) << 13) + 0x38000000U;
+  const std::uint32_t subnormal = std::bit_cast<std::uint32_t>(static_cast<float>(m) * 0x1p-24F);
+  const std::uint32_t is_subnormal = 0U - static_cast<std::uint32_t>(e == 0);
+  const std::uint32_t is_inf_nan = 0U - static_cast<std::uint32_t>(e == 0x7c00U);
+  const std::uint32_t is_nan = is_inf_nan & (0U - static_cast<std::uint32_t>(m != 0));
+  std::uint32_t out = (subnormal & is_subnormal) | (normal & ~is_subnormal);
+  out += is_inf_nan & 0x38000000U;  // inf/NaN: the rebiased exponent 143 becomes 255
+  out |= is_nan & 0x400000U;        // quiet bit
+  return std::bit_cast<float>(sign | out);
 }
 
 namespace detail {
@@ -289,7 +305,8 @@ constexpr std::uint8_t f8e5m2_from_f32(float f) noexcept {
   return static_cast<std::uint8_t>(sign | detail::round_to_small_float(a, 2, 15));
 }
 
-/// float8_e5m2 -> f32, exact (it is the top byte of an f16).
+/// float8_e5m2 -> f32, exact: it is the top byte of an f16, widened as f32_from_f16 does (so NaNs
+/// come out quiet, as in PyTorch).
 constexpr float f32_from_f8e5m2(std::uint8_t x) noexcept {
   return f32_from_f16(static_cast<std::uint16_t>(static_cast<std::uint16_t>(x) << 8));
 }
