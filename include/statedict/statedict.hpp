@@ -17,4 +17,5 @@
 #include "core/sha256.hpp"
 #include "io/file.hpp"
 #include "io/safetensors.hpp"
+#include "io/hf_sharded.hpp"
 #include "shard/checkpoint.hpp"
