@@ -1,0 +1,227 @@
+// io/file.hpp: mapped and pread input files, atomic output files and directories.
+#include <doctest/doctest.h>
+
+#include <statedict/io/file.hpp>
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+using namespace statedict;
+namespace fs = std::filesystem;
+
+namespace {
+
+fs::path tmp_dir(const std::string& sub) {
+  fs::path d = fs::path(STATEDICT_TEST_TMP) / "unit-file" / sub;
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d;
+}
+
+std::string read_all(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
+
+void write_all(const fs::path& p, const std::string& s) {
+  std::ofstream f(p, std::ios::binary);
+  f << s;
+}
+
+std::span<const std::byte> bytes(std::string_view s) { return std::as_bytes(std::span<const char>(s.data(), s.size())); }
+
+std::string str(std::span<const std::byte> b) { return std::string(reinterpret_cast<const char*>(b.data()), b.size()); }
+
+int id_of(auto&& f) {
+  try {
+    f();
+  } catch (const error& e) {
+    return e.id();
+  }
+  return 0;
+}
+
+/// Names in `dir` (temporaries included).
+std::vector<std::string> listing(const fs::path& dir) {
+  std::vector<std::string> out;
+  for (const auto& e : fs::directory_iterator(dir)) out.push_back(e.path().filename().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("InputFile maps a file; views keep the mapping alive after the file object is gone") {
+  const fs::path d = tmp_dir("map");
+  write_all(d / "a.bin", "hello, mapped world");
+  keep_alive owner;
+  const std::byte* data = nullptr;
+  {
+    auto f = InputFile::open(d / "a.bin");
+    CHECK(f->mapped());
+    CHECK(f->mode() == read_mode::mmap);
+    CHECK(f->size() == 19);
+    CHECK(f->fd() >= 0);
+    CHECK(f->name() == (d / "a.bin").string());
+    data = f->data();
+    REQUIRE(data != nullptr);
+    owner = f->owner();
+    std::byte buf[6];
+    f->read(7, buf);
+    CHECK(str(buf) == "mapped");
+    f->advise(0, 19, access_hint::sequential);
+    f->advise(5, 1000, access_hint::willneed);  // past the end: clipped, never fails
+    f->advise(1000, 10, access_hint::dontneed);
+  }
+  fs::remove(d / "a.bin");  // the mapping outlives the name and the InputFile
+  CHECK(str(std::span<const std::byte>(data, 5)) == "hello");
+  owner.reset();
+}
+
+TEST_CASE("InputFile in pread mode reads without mapping") {
+  const fs::path d = tmp_dir("pread");
+  write_all(d / "a.bin", "0123456789");
+  auto f = InputFile::open(d / "a.bin", read_mode::pread);
+  CHECK_FALSE(f->mapped());
+  CHECK(f->data() == nullptr);
+  std::byte buf[4];
+  f->read(6, buf);
+  CHECK(str(buf) == "6789");
+  Region r = read_region(*f, 2, 3);
+  CHECK(str(r.span()) == "234");
+  // Out-of-range reads are format errors, not crashes.
+  CHECK(id_of([&] { f->read(8, buf); }) == 116);
+  CHECK(id_of([&] { f->read(~std::uint64_t{0}, buf); }) == 116);
+  // A file that shrank after it was opened.
+  CHECK(::truncate((d / "a.bin").c_str(), 4) == 0);
+  CHECK(id_of([&] { f->read(6, buf); }) == 386);
+}
+
+TEST_CASE("InputFile refuses what it cannot open") {
+  const fs::path d = tmp_dir("refuse");
+  CHECK(id_of([&] { (void)InputFile::open(d / "missing"); }) == 380);
+  CHECK(id_of([&] { (void)InputFile::open(d); }) == 383);
+  write_all(d / "empty", "");
+  auto e = InputFile::open(d / "empty");
+  CHECK(e->size() == 0);
+  CHECK_FALSE(e->mapped());
+  e->read(0, {});
+  try {
+    (void)InputFile::open(d / "missing");
+  } catch (const io_error& err) {
+    CHECK(std::string(err.what()).find("missing") != std::string::npos);
+  }
+}
+
+TEST_CASE("OutputFile appears only on commit, replaces atomically, and cleans up when abandoned") {
+  const fs::path d = tmp_dir("out");
+  write_all(d / "x.bin", "old");
+  {
+    OutputFile f = OutputFile::create(d / "x.bin");
+    CHECK(f.path() == d / "x.bin");
+    CHECK(f.temp_path().parent_path() == d);
+    f.write(std::string_view("new "));
+    f.write(bytes("content"));
+    CHECK(f.position() == 11);
+    CHECK(read_all(d / "x.bin") == "old");  // untouched until commit
+    CHECK(fs::exists(f.temp_path()));
+    f.commit();
+    f.commit();  // idempotent
+  }
+  CHECK(read_all(d / "x.bin") == "new content");
+  CHECK(listing(d) == std::vector<std::string>{"x.bin"});
+  {
+    OutputFile f = OutputFile::create(d / "x.bin");
+    f.write(std::string_view("never"));
+  }  // abandoned: temporary removed, old file kept
+  CHECK(read_all(d / "x.bin") == "new content");
+  CHECK(listing(d) == std::vector<std::string>{"x.bin"});
+  {
+    OutputFile f = OutputFile::create(d / "y.bin");
+    OutputFile g = std::move(f);  // moves keep one owner of the temporary
+    g.write(std::string_view("y"));
+    g.commit();
+  }
+  CHECK(read_all(d / "y.bin") == "y");
+}
+
+TEST_CASE("OutputFile positioned writes, resize and seek") {
+  const fs::path d = tmp_dir("pwrite");
+  OutputFile f = OutputFile::create(d / "p.bin");
+  f.resize(10);
+  f.pwrite(6, bytes("WXYZ"));
+  f.pwrite(0, bytes("ab"));
+  f.seek(2);
+  f.write(std::string_view("cd"));
+  f.commit();
+  const std::string s = read_all(d / "p.bin");
+  CHECK(s.size() == 10);
+  CHECK(s.substr(0, 4) == "abcd");
+  CHECK(s.substr(6) == "WXYZ");
+  CHECK(s[4] == '\0');
+}
+
+TEST_CASE("temporaries of dead writers are removed by the next writer of the same target") {
+  const fs::path d = tmp_dir("stale");
+  // A pid that cannot exist (above the kernel's pid_max limit of 2^22).
+  const std::string stale = ".t.bin.statedict-99999999-0.tmp";
+  write_all(d / stale, "partial");
+  const std::string mine = ".t.bin.statedict-" + std::to_string(::getpid()) + "-999.tmp";
+  write_all(d / mine, "ours, still running");
+  write_all(d / ".other.bin.statedict-99999999-0.tmp", "another target");
+  {
+    OutputFile f = OutputFile::create(d / "t.bin");
+    f.write(std::string_view("t"));
+    f.commit();
+  }
+  const auto names = listing(d);
+  CHECK(std::find(names.begin(), names.end(), stale) == names.end());
+  CHECK(std::find(names.begin(), names.end(), mine) != names.end());
+  CHECK(std::find(names.begin(), names.end(), ".other.bin.statedict-99999999-0.tmp") != names.end());
+}
+
+TEST_CASE("OutputDir appears whole on commit and replaces an existing directory in one step") {
+  const fs::path root = tmp_dir("dir");
+  const fs::path target = root / "ckpt";
+  {
+    OutputDir o = OutputDir::create(target);
+    OutputFile a = o.create_file("a.txt");
+    a.write(std::string_view("A"));
+    a.commit();
+    OutputFile b = o.create_file("sub/b.txt");
+    b.write(std::string_view("B"));
+    b.commit();
+    CHECK_FALSE(fs::exists(target));
+    o.commit();
+  }
+  CHECK(read_all(target / "a.txt") == "A");
+  CHECK(read_all(target / "sub/b.txt") == "B");
+  CHECK(listing(root) == std::vector<std::string>{"ckpt"});
+  {
+    OutputDir o = OutputDir::create(root / "ckpt/");  // a trailing slash names the same directory
+    OutputFile c = o.create_file("c.txt");
+    c.write(std::string_view("C"));
+    c.commit();
+    o.commit();
+  }
+  CHECK(listing(target) == std::vector<std::string>{"c.txt"});  // old files gone with the old tree
+  CHECK(listing(root) == std::vector<std::string>{"ckpt"});
+  {
+    OutputDir o = OutputDir::create(target);
+    OutputFile c = o.create_file("never.txt");
+    c.write(std::string_view("x"));
+    c.commit();
+  }  // abandoned: target untouched, temporary tree removed
+  CHECK(listing(target) == std::vector<std::string>{"c.txt"});
+  CHECK(listing(root) == std::vector<std::string>{"ckpt"});
+  write_all(root / "plain", "a file");
+  CHECK(id_of([&] {
+          OutputDir o = OutputDir::create(root / "plain");
+          o.commit();
+        }) == 387);
+}
