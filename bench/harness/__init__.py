@@ -1,0 +1,1 @@
+"""The benchmark harness used by bench/run.py (measurement, cache control, cases, report, chart)."""

@@ -1,0 +1,343 @@
+"""The benchmark cases B1..B6 (see bench/README.md for what each measures and why)."""
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+from . import cache, stcheck
+from .runner import Peer
+
+PY = "/usr/bin/python3"  # Debian's python3 with PyTorch 1.13 (the pyenv python3 on PATH has no torch)
+MiB = 1 << 20
+GiB = 1 << 30
+
+TARGETS = {
+    "B1": "statedict <= 1.5x cp and peak anonymous RSS <= 256 MiB",
+    "B2": "statedict <= 1.3x cp",
+    "B3": "statedict <= 50 ms",
+    "B4": "statedict <= 1.3x cp",
+    "B5": "flatten + unflatten <= 50 ms",
+    "B6": "statedict time linear in size (R^2 >= 0.98) and peak anonymous RSS flat "
+          "(max - min <= max(32 MiB, 25% of min))",
+}
+
+
+def cp_argv(src, dst):
+    """cp of the same bytes, then fsync of the copy and its directory (statedict fsyncs its output)."""
+    if os.path.isdir(src):
+        script = 'cp -r --reflink=never "$1" "$2" && find "$2" -type f -exec sync {} + && sync "$2"'
+    else:
+        script = 'cp --reflink=never "$1" "$2" && sync "$2" "$(dirname "$2")"'
+    return ["sh", "-c", script, "cp-limit", src, dst]
+
+
+def st_equal(ref):
+    def check(peer, _stdout):
+        if not peer.output or not os.path.exists(peer.output):
+            return "no output file"
+        return stcheck.same_tensors(peer.output, ref)
+    return check
+
+
+def inspect_json_matches(ref_st):
+    def check(_peer, stdout):
+        try:
+            with open(stdout) as f:
+                got = json.load(f)
+        except (OSError, ValueError) as e:
+            return f"stdout is not one JSON object: {e}"
+        hdr, _ = stcheck.header(ref_st)
+        tensors = got.get("tensors", {})
+        if set(tensors) != set(hdr):
+            return f"{len(tensors)} tensors listed, the file has {len(hdr)}"
+        for name, e in hdr.items():
+            t = tensors[name]
+            if t.get("dtype") != e["dtype"] or list(t.get("shape", [])) != list(e["shape"]):
+                return f"{name!r}: {t} vs {e['dtype']}{e['shape']}"
+        return None
+    return check
+
+
+def _ratio_verdict(results, limit, cond="warm", anon_cap_mib=None):
+    tool = next((r for r in results if r["kind"] == "statedict"), None)
+    cp = next((r for r in results if r["kind"] == "limit"), None)
+    if tool is None or tool["status"] == "unavailable":
+        return "n/a", "statedict: not available in this build" + (f" ({tool['message']})" if tool else "")
+    if tool["status"] == "error":
+        return "ERROR", f"statedict failed: {tool['message']}"
+    if tool["status"] == "wrong":
+        return "MISS", f"statedict output is wrong: {tool['message']}"
+    if cp is None or cp["status"] != "ok" or not cp["summary"].get(cond):
+        return "n/a", "cp reference did not run"
+    t, c = tool["summary"][cond], cp["summary"][cond]
+    ratio = t["wall_median"] / c["wall_median"]
+    ok = ratio <= limit
+    detail = f"{ratio:.2f}x cp ({cond}, target <= {limit}x)"
+    if anon_cap_mib is not None:
+        if t["peak_anon_kib"] is None:
+            ok = False
+            detail += "; peak anon RSS not sampled"
+        else:
+            anon = t["peak_anon_kib"] / 1024
+            ok = ok and anon <= anon_cap_mib
+            detail += f"; peak anon RSS {anon:.0f} MiB (target <= {anon_cap_mib} MiB)"
+    return ("PASS" if ok else "MISS"), detail
+
+
+def _abs_verdict(results, limit_s, cond="warm"):
+    tool = next((r for r in results if r["kind"] == "statedict"), None)
+    if tool is None or tool["status"] == "unavailable":
+        return "n/a", "statedict: not available in this build" + (f" ({tool['message']})" if tool else "")
+    if tool["status"] == "error":
+        return "ERROR", f"statedict failed: {tool['message']}"
+    if tool["status"] == "wrong":
+        return "MISS", f"statedict output is wrong: {tool['message']}"
+    m = tool["summary"][cond]["wall_median"]
+    return ("PASS" if m <= limit_s else "MISS"), f"{m * 1000:.1f} ms ({cond}, target <= {limit_s * 1000:.0f} ms)"
+
+
+def _header_facts(st_path):
+    hdr, off = stcheck.header(st_path)
+    dtypes = {}
+    for e in hdr.values():
+        dtypes[e["dtype"]] = dtypes.get(e["dtype"], 0) + 1
+    return {"tensors": len(hdr), "dtypes": dtypes, "bytes": os.path.getsize(st_path) - off}
+
+
+# ------------------------------------------------------------------------------------------- B1
+def zero_peers(ctx, case_id, root, ref):
+    sd = ctx.statedict
+    w = ctx.work
+    out = {k: os.path.join(w, f"{case_id}-{k}.safetensors") for k in ("statedict", "classic", "cp")}
+    return [
+        Peer("statedict", [sd, "convert", root, out["statedict"]], kind="statedict", inputs=[root],
+             output=out["statedict"], validate=st_equal(ref), binary=sd),
+        Peer("zero_to_fp32 algorithm (torch 1.13)", [PY, os.path.join(ctx.peers, "zero3_classic.py"), root,
+                                                      out["classic"]],
+             inputs=[root], output=out["classic"], validate=st_equal(ref)),
+        Peer("cp of the output bytes", cp_argv(ref, out["cp"]), kind="limit", inputs=[ref], output=out["cp"]),
+    ]
+
+
+def b1(ctx, runner):
+    root, ref = ctx.zero(ctx.args.zero_gib)
+    peers = zero_peers(ctx, "B1", root, ref)
+    results = runner.run("B1", peers, ctx.args.reps, ctx.args.cold_reps, ctx.args.cold_method)
+    status, detail = _ratio_verdict(results, 1.5, anon_cap_mib=256)
+    f = _header_facts(ref)
+    return {
+        "title": "ZeRO-3 consolidation -> safetensors",
+        "input": f"DeepSpeed ZeRO-3 checkpoint, {ctx.args.zero_ranks} ranks, "
+                 f"{cache.total_bytes([root]) / GiB:.2f} GiB on disk (fp32 params + exp_avg + exp_avg_sq); "
+                 f"output: {f['tensors']} fp32 tensors, {f['bytes'] / GiB:.2f} GiB safetensors",
+        "results": results, "verdict": status, "detail": detail, "size_gib": ctx.args.zero_gib,
+    }
+
+
+# ------------------------------------------------------------------------------------------- B2
+def b2(ctx, runner):
+    pt, st = ctx.pt()
+    sd, w = ctx.statedict, ctx.work
+    o = {k: os.path.join(w, f"B2-{k}") for k in ("statedict.safetensors", "st.safetensors", "pt.pt",
+                                                 "cp.safetensors")}
+    peers = [
+        Peer("statedict", [sd, "convert", pt, o["statedict.safetensors"]], kind="statedict", inputs=[pt],
+             output=o["statedict.safetensors"], validate=st_equal(st), binary=sd),
+        Peer("torch.load + safetensors writer", [PY, os.path.join(ctx.peers, "pt_to_safetensors.py"), pt,
+                                                 o["st.safetensors"]],
+             inputs=[pt], output=o["st.safetensors"], validate=st_equal(st)),
+        Peer("torch.load + torch.save", [PY, os.path.join(ctx.peers, "pt_to_safetensors.py"), pt, o["pt.pt"]],
+             inputs=[pt], output=o["pt.pt"]),
+        Peer("cp of the output bytes", cp_argv(st, o["cp.safetensors"]), kind="limit", inputs=[st],
+             output=o["cp.safetensors"]),
+    ]
+    results = runner.run("B2", peers, ctx.args.reps, ctx.args.cold_reps, ctx.args.cold_method)
+    status, detail = _ratio_verdict(results, 1.3)
+    f = _header_facts(st)
+    return {
+        "title": ".pt -> .safetensors",
+        "input": f"torch.save file, {os.path.getsize(pt) / GiB:.2f} GiB, {f['tensors']} tensors "
+                 f"({', '.join(f'{n} {d}' for d, n in sorted(f['dtypes'].items()))})",
+        "results": results, "verdict": status, "detail": detail,
+    }
+
+
+# ------------------------------------------------------------------------------------------- B3
+def b3(ctx, runner):
+    pt, st = ctx.pt()
+    sd = ctx.statedict
+    peers = [
+        Peer("statedict inspect --json", [sd, "inspect", pt, "--json"], kind="statedict", inputs=[pt],
+             stdout=True, validate=inspect_json_matches(st), binary=sd),
+        Peer("torch.load", [PY, os.path.join(ctx.peers, "torch_load.py"), pt], inputs=[pt]),
+        Peer("torch.load(weights_only=True)", [PY, os.path.join(ctx.peers, "torch_load.py"), pt, "--weights-only"],
+             inputs=[pt]),
+        Peer("python3 -c 'import torch' (context: fixed cost)", [PY, "-c", "import torch"], kind="context"),
+    ]
+    results = runner.run("B3", peers, ctx.args.reps, ctx.args.cold_reps, ctx.args.cold_method)
+    status, detail = _abs_verdict(results, 0.050)
+    f = _header_facts(st)
+    return {
+        "title": "inspect a .pt",
+        "input": f"the B2 torch.save file, {os.path.getsize(pt) / GiB:.2f} GiB, {f['tensors']} tensors",
+        "results": results, "verdict": status, "detail": detail,
+    }
+
+
+# ------------------------------------------------------------------------------------------- B4
+def b4(ctx, runner):
+    root, ref = ctx.zero(ctx.args.zero_gib)
+    sd, w = ctx.statedict, ctx.work
+    out_sd = os.path.join(w, "B4-statedict.dcp")
+    cp_src = os.path.join(w, "B4-cp-source")
+    out_cp = os.path.join(w, "B4-cp.out")
+    state = {"src": None}
+    if os.path.lexists(cp_src):
+        shutil.rmtree(cp_src)
+
+    def keep_output(peer):  # cp copies exactly what statedict wrote (same files, same bytes)
+        if os.path.isdir(peer.output):
+            os.rename(peer.output, cp_src)
+            state["src"] = cp_src
+
+    def cp_source():
+        return state["src"] or ref
+
+    peers = [
+        Peer("statedict", [sd, "convert", root, out_sd, "--to", "dcp", "--world-size", "3"], kind="statedict",
+             inputs=[root], output=out_sd, binary=sd, after_warmup=keep_output),
+        Peer("cp of the output bytes", lambda: cp_argv(cp_source(), out_cp), kind="limit",
+             inputs=lambda: [cp_source()], output=out_cp),
+    ]
+    results = runner.run("B4", peers, ctx.args.reps, ctx.args.cold_reps, ctx.args.cold_method)
+    status, detail = _ratio_verdict(results, 1.3)
+    src = cp_source()
+    note = (f"cp copies statedict's own warm-up output ({cache.total_bytes([src]) / GiB:.2f} GiB, "
+            f"{sum(1 for _ in cache.files_under([src]))} files)" if state["src"] else
+            f"statedict did not run: cp copies the consolidated weights ({os.path.getsize(ref) / GiB:.2f} GiB), "
+            "the expected size of a weights-only output")
+    if state["src"]:
+        shutil.rmtree(cp_src, ignore_errors=True)
+    return {
+        "title": "reshard 8 -> 3 ranks (ZeRO-3 -> DCP)",
+        "input": f"the B1 checkpoint ({ctx.args.zero_ranks}-rank ZeRO-3, {cache.total_bytes([root]) / GiB:.2f} GiB); "
+                 f"output: torch.distributed.checkpoint directory for 3 ranks; {note}",
+        "results": results, "verdict": status, "detail": detail,
+    }
+
+
+# ------------------------------------------------------------------------------------------- B5
+def _gbench_figure(benchmarks):
+    """Sum of the median real times (s) of the flatten + unflatten benchmarks, and the rule used."""
+    med = {}
+    for b in benchmarks:
+        if b.get("run_type") == "aggregate" and b.get("aggregate_name") != "median":
+            continue
+        name = b.get("run_name") or b["name"]
+        scale = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}[b.get("time_unit", "ns")]
+        if b.get("run_type") == "aggregate" or name not in med:
+            med[name] = b["real_time"] * scale
+    rt = {n: v for n, v in med.items() if "roundtrip" in n.lower() or "round_trip" in n.lower()}
+    if rt:
+        return sum(rt.values()), f"round-trip benchmark(s): {', '.join(rt)}", med
+    fl = {n: v for n, v in med.items() if "flatten" in n.lower()}
+    if fl:
+        return sum(fl.values()), f"sum of {', '.join(fl)}", med
+    return None, "no flatten benchmark found", med
+
+
+def b5(ctx, runner):
+    binary = os.path.join(ctx.bin_dir, "bench-flatten")
+    base = {"title": "flatten + unflatten, 100k-leaf optimizer tree (in-process, Google Benchmark)",
+            "input": f"{os.path.relpath(binary, ctx.repo)} (bench/bench-flatten.cpp)", "results": []}
+    if not os.path.exists(binary):
+        return dict(base, verdict="n/a", detail="bench-flatten: not available in this build (bench/bench-flatten.cpp "
+                                                 "not written yet, or the build failed)")
+    argv = [binary, "--benchmark_format=json", f"--benchmark_repetitions={ctx.args.reps}",
+            "--benchmark_report_aggregates_only=true"]
+    ctx.log("  " + " ".join(argv))
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=ctx.args.timeout)
+    if p.returncode != 0:
+        return dict(base, verdict="ERROR", detail=f"exit {p.returncode}: {p.stderr.strip()[-300:]}")
+    data = json.loads(p.stdout)
+    total, rule, med = _gbench_figure(data.get("benchmarks", []))
+    if total is None:
+        return dict(base, verdict="n/a", detail=rule, gbench=med)
+    return dict(base, verdict="PASS" if total <= 0.050 else "MISS",
+                detail=f"{total * 1000:.1f} ms ({rule}; median of {ctx.args.reps} repetitions; target <= 50 ms)",
+                gbench=med, gbench_context=data.get("context", {}))
+
+
+# ------------------------------------------------------------------------------------------- B6
+def _linfit(xs, ys):
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    b = sxy / sxx if sxx else 0.0
+    a = my - b * mx
+    ss_tot = sum((y - my) ** 2 for y in ys)
+    ss_res = sum((y - a - b * x) ** 2 for x, y in zip(xs, ys))
+    return a, b, (1 - ss_res / ss_tot) if ss_tot else 1.0
+
+
+def b6(ctx, runner, b1_result=None):
+    points = []
+    for gib in ctx.args.scale_gib:
+        if b1_result is not None and math.isclose(gib, ctx.args.zero_gib):
+            ctx.log(f"  {gib:g} GiB: the B1 measurement (same data, same run)")
+            points.append({"gib": gib, "results": b1_result["results"], "from_b1": True})
+            continue
+        root, ref = ctx.zero(gib)
+        ctx.log(f"  {gib:g} GiB")
+        res = runner.run(f"B6-{gib:g}", zero_peers(ctx, f"B6-{gib:g}", root, ref), ctx.args.scale_reps, 0, "none")
+        points.append({"gib": gib, "results": res, "from_b1": False})
+    base = {"title": "scaling: B1 at several sizes", "points": points,
+            "input": "ZeRO-3 checkpoints of " + ", ".join(f"{p['gib']:g}" for p in points) +
+                     f" GiB ({ctx.args.zero_ranks} ranks, same structure, wider tensors), warm page cache"}
+    series = {}
+    for p in points:
+        for r in p["results"]:
+            s = r["summary"].get("warm")
+            if r["status"] in ("ok", "wrong") and s:
+                series.setdefault(r["name"], []).append((p["gib"], s["wall_median"], (s["peak_anon_kib"] or 0) / 1024))
+    base["series"] = series
+    fits = {}
+    for name, pts in series.items():
+        if len(pts) >= 2:
+            a, b, r2 = _linfit([x for x, _, _ in pts], [y for _, y, _ in pts])
+            fits[name] = {"intercept_s": a, "s_per_gib": b, "r2": r2,
+                          "anon_min_mib": min(m for _, _, m in pts), "anon_max_mib": max(m for _, _, m in pts)}
+    base["fits"] = fits
+    tool = next((n for p in points for r in p["results"] if r["kind"] == "statedict" for n in [r["name"]]), None)
+    if tool not in fits or len(series.get(tool, [])) < len(points):
+        return dict(base, verdict="n/a", detail="statedict: not available in this build")
+    f = fits[tool]
+    flat = f["anon_max_mib"] - f["anon_min_mib"] <= max(32.0, 0.25 * f["anon_min_mib"])
+    ok = f["r2"] >= 0.98 and flat
+    return dict(base, verdict="PASS" if ok else "MISS",
+                detail=f"time = {f['intercept_s']:.2f} s + {f['s_per_gib']:.2f} s/GiB, R^2 = {f['r2']:.3f}; "
+                       f"peak anon RSS {f['anon_min_mib']:.0f}..{f['anon_max_mib']:.0f} MiB")
+
+
+ALL = ["B1", "B2", "B3", "B4", "B5", "B6"]
+
+
+def run_all(ctx, runner, selected):
+    out = {}
+    for cid in ALL:
+        if cid not in selected:
+            continue
+        ctx.log(f"== {cid}: {TARGETS[cid]}")
+        t0 = ctx.clock()
+        if cid == "B6":
+            out[cid] = b6(ctx, runner, out.get("B1"))
+        else:
+            out[cid] = {"B1": b1, "B2": b2, "B3": b3, "B4": b4, "B5": b5}[cid](ctx, runner)
+        out[cid]["target"] = TARGETS[cid]
+        out[cid]["seconds"] = ctx.clock() - t0
+        ctx.log(f"   {cid}: {out[cid]['verdict']} -- {out[cid]['detail']}  ({out[cid]['seconds']:.0f}s)")
+        sys.stdout.flush()
+    return out
