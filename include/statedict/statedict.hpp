@@ -19,3 +19,6 @@
 #include "io/safetensors.hpp"
 #include "io/hf_sharded.hpp"
 #include "shard/checkpoint.hpp"
+#include "shard/box.hpp"
+#include "shard/cover.hpp"
+#include "shard/layout.hpp"

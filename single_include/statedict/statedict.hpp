@@ -352,9 +352,11 @@ inline bool is_contiguous(std::span<const dim_t> shape, std::span<const dim_t> s
 #include <complex>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <type_traits>
 
 
 namespace statedict::inline v0 {
@@ -513,60 +515,74 @@ template <class T>
 concept element_type = requires { detail::dtype_of_impl<std::remove_cv_t<T>>::value; };
 
 // ---------------------------------------------------------------------------------------------
-// Exact conversions, bit for bit what PyTorch computes (c10/util/BFloat16.h, Half.h,
-// Float8_e4m3fn.h, Float8_e5m2.h): round to nearest, ties to even.
+// Exact conversions, bit for bit what PyTorch 1.13 computes on a CPU (c10/util/BFloat16.h, Half.h,
+// Float8_e4m3fn.h, Float8_e5m2.h, and ATen's vectorised cast kernel): round to nearest, ties to
+// even. tests/interop-dtype.cpp checks them against tables written by PyTorch itself.
+//
+// The 16-bit conversions are written without branches (selects only), so that loops over them
+// vectorise: cast_run converts multi-gigabyte checkpoints with them.
 
-/// f32 -> bf16. NaN becomes the quiet NaN 0x7fc0 (sign dropped, as PyTorch does); overflow rounds to inf.
-constexpr std::uint16_t bf16_from_f32(float f) noexcept {
+static_assert(std::numeric_limits<float>::is_iec559 && std::numeric_limits<double>::is_iec559,
+              "statedict's float conversions assume IEEE 754 binary32/binary64 with round-to-nearest");
+
+/// The bf16 bits PyTorch writes for a NaN. Its CPU tensor cast from f32 or f64 (ATen's vectorised
+/// kernel, `tensor.to(torch.bfloat16)`) writes 0xffff whatever the NaN; the scalar
+/// `c10::BFloat16(float)`, which the tensor cast uses from f16 (and which `torch.tensor(nan,
+/// dtype=torch.bfloat16)` uses), writes 0x7fc0.
+inline constexpr std::uint16_t bf16_nan_vectorised = 0xffff;
+inline constexpr std::uint16_t bf16_nan_scalar = 0x7fc0;
+
+/// f32 -> bf16; overflow rounds to inf. A NaN becomes `nan` (default: what `tensor.to(torch.bfloat16)`
+/// writes for an f32 tensor, see bf16_nan_vectorised).
+constexpr std::uint16_t bf16_from_f32(float f, std::uint16_t nan = bf16_nan_vectorised) noexcept {
   const auto u = std::bit_cast<std::uint32_t>(f);
-  if ((u & 0x7fffffffU) > 0x7f800000U) return 0x7fc0;
-  const std::uint32_t lsb = (u >> 16) & 1U;
-  return static_cast<std::uint16_t>((u + 0x7fffU + lsb) >> 16);
+  const auto rounded = static_cast<std::uint16_t>((u + 0x7fffU + ((u >> 16) & 1U)) >> 16);
+  return (u & 0x7fffffffU) > 0x7f800000U ? nan : rounded;
 }
 
-/// bf16 -> f32, exact.
+/// bf16 -> f32, exact (NaN payloads kept, as PyTorch does: a bf16 is the top half of an f32).
 constexpr float f32_from_bf16(std::uint16_t h) noexcept {
   return std::bit_cast<float>(static_cast<std::uint32_t>(h) << 16);
 }
 
-/// f32 -> f16 (IEEE binary16). NaN keeps its sign and becomes 0x7e00; beyond 65520 rounds to inf.
+/// f32 -> f16 (IEEE binary16). NaN keeps its sign and becomes 0x7e00; from 65520 up rounds to inf.
 constexpr std::uint16_t f16_from_f32(float f) noexcept {
+  // Written as straight-line code that combines candidates with masks: with a branch, or a select
+  // the compiler turns into one, GCC sinks the float addition below into it and then refuses to
+  // vectorise the loop (a float operation "could trap").
   const auto u = std::bit_cast<std::uint32_t>(f);
-  const auto sign = static_cast<std::uint16_t>((u >> 16) & 0x8000U);
+  const std::uint32_t sign = (u >> 16) & 0x8000U;
   const std::uint32_t a = u & 0x7fffffffU;
-  if (a > 0x7f800000U) return static_cast<std::uint16_t>(sign | 0x7e00U);           // NaN
-  if (a >= 0x477ff000U) return static_cast<std::uint16_t>(sign | 0x7c00U);          // >= 65520: inf
-  if (a >= 0x38800000U) {                                                            // normal f16
-    const std::uint32_t r = a - 0x38000000U;                                         // rebias 127 -> 15
-    return static_cast<std::uint16_t>(sign | ((r + 0x0fffU + ((r >> 13) & 1U)) >> 13));
-  }
-  if (a <= 0x33000000U) return sign;                                                 // <= 2^-25: zero
-  // Subnormal f16: value = m * 2^-24 with m the 24-bit significand shifted right.
-  const std::uint32_t e = a >> 23;
-  const std::uint32_t m = (a & 0x7fffffU) | 0x800000U;
-  const std::uint32_t shift = 126U - e;  // 14..24
-  std::uint32_t q = m >> shift;
-  const std::uint32_t rem = m & ((1U << shift) - 1U);
-  const std::uint32_t half = 1U << (shift - 1U);
-  if (rem > half || (rem == half && (q & 1U))) ++q;
-  return static_cast<std::uint16_t>(sign | q);
+  // Normal f16: rebias the exponent 127 -> 15 and round away 13 bits. Clamping at 65520 (0x477ff000,
+  // which rounds to 0x7c00) sends everything larger, infinities and NaNs included, to inf.
+  const std::uint32_t c = a < 0x477ff000U ? a : 0x477ff000U;
+  const std::uint32_t r = c - 0x38000000U;
+  const std::uint32_t normal = (r + 0x0fffU + ((r >> 13) & 1U)) >> 13;
+  // Subnormal f16 (|f| < 2^-14): adding 0.5 leaves |f| rounded (to nearest even, by the FPU) to a
+  // multiple of 2^-24, the f16 subnormal step, in the low mantissa bits of the sum. 0x3f000000 is 0.5.
+  const std::uint32_t subnormal = std::bit_cast<std::uint32_t>(std::bit_cast<float>(a) + 0.5F) - 0x3f000000U;
+  const std::uint32_t is_subnormal = 0U - static_cast<std::uint32_t>(a < 0x38800000U);
+  const std::uint32_t is_nan = 0U - static_cast<std::uint32_t>(a > 0x7f800000U);
+  const std::uint32_t out = (subnormal & is_subnormal) | (normal & ~is_subnormal) | (is_nan & 0x0200U);  // NaN: 0x7e00
+  return static_cast<std::uint16_t>(sign | out);
 }
 
-/// f16 -> f32, exact (NaN payloads kept).
+/// f16 -> f32, exact. A NaN keeps its sign and payload and becomes quiet (the quiet bit set), as
+/// PyTorch's conversion (and the x86 F16C instruction) does. Straight-line, like f16_from_f32.
 constexpr float f32_from_f16(std::uint16_t h) noexcept {
   const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000U) << 16;
-  const std::uint32_t e = (h >> 10) & 0x1fU;
-  std::uint32_t m = h & 0x3ffU;
-  if (e == 0x1f) return std::bit_cast<float>(sign | 0x7f800000U | (m << 13));
-  if (e != 0) return std::bit_cast<float>(sign | ((e + 112U) << 23) | (m << 13));
-  if (m == 0) return std::bit_cast<float>(sign);
-  // Subnormal: normalise.
-  std::uint32_t exp = 113;
-  while ((m & 0x400U) == 0) {
-    m <<= 1;
-    --exp;
-  }
-  return std::bit_cast<float>(sign | (exp << 23) | ((m & 0x3ffU) << 13));
+  const std::uint32_t e = h & 0x7c00U;
+  const std::uint32_t m = h & 0x3ffU;
+  // Normal: rebias the exponent 15 -> 127. Subnormal (and zero): m * 2^-24, exact in f32.
+  const std::uint32_t normal = (static_cast<std::uint32_t>(h & 0x7fffU) << 13) + 0x38000000U;
+  const std::uint32_t subnormal = std::bit_cast<std::uint32_t>(static_cast<float>(m) * 0x1p-24F);
+  const std::uint32_t is_subnormal = 0U - static_cast<std::uint32_t>(e == 0);
+  const std::uint32_t is_inf_nan = 0U - static_cast<std::uint32_t>(e == 0x7c00U);
+  const std::uint32_t is_nan = is_inf_nan & (0U - static_cast<std::uint32_t>(m != 0));
+  std::uint32_t out = (subnormal & is_subnormal) | (normal & ~is_subnormal);
+  out += is_inf_nan & 0x38000000U;  // inf/NaN: the rebiased exponent 143 becomes 255
+  out |= is_nan & 0x400000U;        // quiet bit
+  return std::bit_cast<float>(sign | out);
 }
 
 namespace detail {
@@ -633,7 +649,8 @@ constexpr std::uint8_t f8e5m2_from_f32(float f) noexcept {
   return static_cast<std::uint8_t>(sign | detail::round_to_small_float(a, 2, 15));
 }
 
-/// float8_e5m2 -> f32, exact (it is the top byte of an f16).
+/// float8_e5m2 -> f32, exact: it is the top byte of an f16, widened as f32_from_f16 does (so NaNs
+/// come out quiet, as in PyTorch).
 constexpr float f32_from_f8e5m2(std::uint8_t x) noexcept {
   return f32_from_f16(static_cast<std::uint16_t>(static_cast<std::uint16_t>(x) << 8));
 }
@@ -647,6 +664,11 @@ constexpr float f32_from_f8e5m2(std::uint8_t x) noexcept {
 // BF16, F32, F64), rounding to nearest even exactly as PyTorch (a double narrower than f32 is first
 // rounded to f32, as PyTorch's `Half(double)`/`BFloat16(double)` do); C64 <-> C128. Integer casts are
 // not offered: a checkpoint converter must not silently change integer data.
+//
+// The bytes are those `tensor.to(dtype)` writes in PyTorch 1.13 on an x86 CPU, NaNs included
+// (tests/interop-dtype.cpp compares against tables PyTorch wrote): a NaN cast to BF16 from F32 or
+// F64 is 0xffff (ATen's vectorised kernel), from F16 or F8 0x7fc0 (c10's scalar conversion); to
+// F16 it is 0x7e00 with the sign; F16 -> F32 sets the quiet bit.
 
 #include <complex>
 #include <cstddef>
@@ -683,39 +705,108 @@ inline void store_unaligned(std::byte* p, T v) noexcept {
   std::memcpy(p, &v, sizeof(T));
 }
 
-inline float load_as_f32(dtype t, const std::byte* p) noexcept {
-  switch (t) {
-    case dtype::F32: return load_unaligned<float>(p);
-    case dtype::BF16: return f32_from_bf16(load_unaligned<std::uint16_t>(p));
-    case dtype::F16: return f32_from_f16(load_unaligned<std::uint16_t>(p));
-    case dtype::F8_E4M3: return f32_from_f8e4m3(load_unaligned<std::uint8_t>(p));
-    case dtype::F8_E5M2: return f32_from_f8e5m2(load_unaligned<std::uint8_t>(p));
-    case dtype::F64: return static_cast<float>(load_unaligned<double>(p));
-    default: return 0.0F;
+/// How one real floating dtype is stored (its bit container) and converted through f32, which
+/// holds every value of the narrower formats exactly.
+template <dtype D>
+struct float_codec;
+template <>
+struct float_codec<dtype::F32> {
+  using storage = float;
+  static constexpr float widen(float x) noexcept { return x; }
+  static constexpr float narrow(float f, std::uint16_t /*bf16 nan*/) noexcept { return f; }
+};
+template <>
+struct float_codec<dtype::BF16> {
+  using storage = std::uint16_t;
+  static constexpr float widen(std::uint16_t x) noexcept { return f32_from_bf16(x); }
+  static constexpr std::uint16_t narrow(float f, std::uint16_t nan) noexcept { return bf16_from_f32(f, nan); }
+};
+template <>
+struct float_codec<dtype::F16> {
+  using storage = std::uint16_t;
+  static constexpr float widen(std::uint16_t x) noexcept { return f32_from_f16(x); }
+  static constexpr std::uint16_t narrow(float f, std::uint16_t /*bf16 nan*/) noexcept { return f16_from_f32(f); }
+};
+template <>
+struct float_codec<dtype::F8_E4M3> {
+  using storage = std::uint8_t;
+  static constexpr float widen(std::uint8_t x) noexcept { return f32_from_f8e4m3(x); }
+  static constexpr std::uint8_t narrow(float f, std::uint16_t /*bf16 nan*/) noexcept { return f8e4m3_from_f32(f); }
+};
+template <>
+struct float_codec<dtype::F8_E5M2> {
+  using storage = std::uint8_t;
+  static constexpr float widen(std::uint8_t x) noexcept { return f32_from_f8e5m2(x); }
+  static constexpr std::uint8_t narrow(float f, std::uint16_t /*bf16 nan*/) noexcept { return f8e5m2_from_f32(f); }
+};
+template <>
+struct float_codec<dtype::F64> {
+  using storage = double;
+};
+
+/// One element From -> To, as PyTorch's CPU tensor cast computes it.
+template <dtype From, dtype To>
+constexpr typename float_codec<To>::storage convert_float(typename float_codec<From>::storage x) noexcept {
+  if constexpr (From == To) {
+    return x;
+  } else if constexpr (To == dtype::F64) {
+    return static_cast<double>(float_codec<From>::widen(x));
+  } else if constexpr (From == dtype::F64) {
+    // Rounded to f32 first, then to the narrower format (PyTorch's `Half(double)` and
+    // `BFloat16(double)` take a float): two roundings, which a single rounding can differ from.
+    return float_codec<To>::narrow(static_cast<float>(x), bf16_nan_vectorised);
+  } else {
+    // To bf16, NaN is written as PyTorch writes it for this source: 0xffff by the vectorised f32
+    // kernel, 0x7fc0 by the scalar conversion it uses for the narrower sources.
+    constexpr std::uint16_t nan = From == dtype::F32 ? bf16_nan_vectorised : bf16_nan_scalar;
+    return float_codec<To>::narrow(float_codec<From>::widen(x), nan);
   }
 }
 
-inline void store_from_f32(dtype t, std::byte* p, float f) noexcept {
-  switch (t) {
-    case dtype::F32: store_unaligned(p, f); break;
-    case dtype::BF16: store_unaligned(p, bf16_from_f32(f)); break;
-    case dtype::F16: store_unaligned(p, f16_from_f32(f)); break;
-    case dtype::F8_E4M3: store_unaligned(p, f8e4m3_from_f32(f)); break;
-    case dtype::F8_E5M2: store_unaligned(p, f8e5m2_from_f32(f)); break;
-    case dtype::F64: store_unaligned(p, static_cast<double>(f)); break;
-    default: break;
+/// Casts n elements From -> To between byte buffers of any alignment. Elements go through small
+/// aligned blocks on the stack, so the conversion loop itself works on typed, non-aliasing arrays
+/// and vectorises; the copies in and out are memcpy.
+template <dtype From, dtype To>
+inline void cast_floats(const std::byte* src, std::byte* dst, std::size_t n) noexcept {
+  using S = typename float_codec<From>::storage;
+  using D = typename float_codec<To>::storage;
+  constexpr std::size_t block = 1024;
+  alignas(64) S in[block];
+  alignas(64) D out[block];
+  for (std::size_t done = 0; done < n;) {
+    const std::size_t k = n - done < block ? n - done : block;
+    std::memcpy(in, src + done * sizeof(S), k * sizeof(S));
+    for (std::size_t i = 0; i < k; ++i) out[i] = convert_float<From, To>(in[i]);
+    std::memcpy(dst + done * sizeof(D), out, k * sizeof(D));
+    done += k;
   }
 }
 
-/// Tight loop for one (from, to) pair, so the compiler can specialise and vectorise it.
-template <class Load, class Store>
-inline void cast_loop(const std::byte* src, std::size_t src_size, std::byte* dst, std::size_t dst_size, std::size_t n,
-                      Load load, Store store) noexcept {
-  for (std::size_t i = 0; i < n; ++i) store(dst + i * dst_size, load(src + i * src_size));
+template <dtype From>
+inline void cast_floats_from(const std::byte* src, dtype to, std::byte* dst, std::size_t n) noexcept {
+  switch (to) {
+    case dtype::F32: return cast_floats<From, dtype::F32>(src, dst, n);
+    case dtype::BF16: return cast_floats<From, dtype::BF16>(src, dst, n);
+    case dtype::F16: return cast_floats<From, dtype::F16>(src, dst, n);
+    case dtype::F64: return cast_floats<From, dtype::F64>(src, dst, n);
+    case dtype::F8_E4M3: return cast_floats<From, dtype::F8_E4M3>(src, dst, n);
+    case dtype::F8_E5M2: return cast_floats<From, dtype::F8_E5M2>(src, dst, n);
+    default: return;  // not floating: refused by check_cast before
+  }
+}
+
+template <class From, class To>
+inline void cast_complex(const std::byte* src, std::byte* dst, std::size_t n) noexcept {
+  for (std::size_t i = 0; i < n; ++i) {
+    const auto v = load_unaligned<std::complex<From>>(src + i * sizeof(std::complex<From>));
+    store_unaligned(dst + i * sizeof(std::complex<To>),
+                    std::complex<To>(static_cast<To>(v.real()), static_cast<To>(v.imag())));
+  }
 }
 }  // namespace detail
 
-/// Casts `n` contiguous elements from `src` (dtype `from`) to `dst` (dtype `to`). Neither pointer
+/// Casts `n` contiguous elements from `src` (dtype `from`) to `dst` (dtype `to`), producing the bytes
+/// `tensor.to(dtype)` produces in PyTorch 1.13 on a CPU (NaN encodings included). Neither pointer
 /// needs any alignment. The ranges must not overlap unless from == to and src == dst.
 inline void cast_run(dtype from, const std::byte* src, dtype to, std::byte* dst, std::size_t n) {
   using namespace detail;
@@ -724,38 +815,17 @@ inline void cast_run(dtype from, const std::byte* src, dtype to, std::byte* dst,
     return;
   }
   check_cast(from, to);
-  const std::size_t ss = itemsize(from), ds = itemsize(to);
-  if (info(from).is_complex) {  // C64 <-> C128
-    if (from == dtype::C64)
-      cast_loop(src, ss, dst, ds, n, load_unaligned<std::complex<float>>, [](std::byte* p, std::complex<float> v) {
-        store_unaligned(p, std::complex<double>(v));
-      });
-    else
-      cast_loop(src, ss, dst, ds, n, load_unaligned<std::complex<double>>, [](std::byte* p, std::complex<double> v) {
-        store_unaligned(p, std::complex<float>(v));
-      });
-    return;
+  switch (from) {
+    case dtype::F32: return cast_floats_from<dtype::F32>(src, to, dst, n);
+    case dtype::BF16: return cast_floats_from<dtype::BF16>(src, to, dst, n);
+    case dtype::F16: return cast_floats_from<dtype::F16>(src, to, dst, n);
+    case dtype::F64: return cast_floats_from<dtype::F64>(src, to, dst, n);
+    case dtype::F8_E4M3: return cast_floats_from<dtype::F8_E4M3>(src, to, dst, n);
+    case dtype::F8_E5M2: return cast_floats_from<dtype::F8_E5M2>(src, to, dst, n);
+    case dtype::C64: return cast_complex<float, double>(src, dst, n);
+    case dtype::C128: return cast_complex<double, float>(src, dst, n);
+    default: return;  // refused by check_cast
   }
-  // Hot pairs get their own loops.
-  if (from == dtype::F32 && to == dtype::BF16)
-    return cast_loop(src, ss, dst, ds, n, load_unaligned<float>,
-                     [](std::byte* p, float f) { store_unaligned(p, bf16_from_f32(f)); });
-  if (from == dtype::F32 && to == dtype::F16)
-    return cast_loop(src, ss, dst, ds, n, load_unaligned<float>,
-                     [](std::byte* p, float f) { store_unaligned(p, f16_from_f32(f)); });
-  if (from == dtype::BF16 && to == dtype::F32)
-    return cast_loop(src, ss, dst, ds, n, load_unaligned<std::uint16_t>,
-                     [](std::byte* p, std::uint16_t h) { store_unaligned(p, f32_from_bf16(h)); });
-  if (from == dtype::F16 && to == dtype::F32)
-    return cast_loop(src, ss, dst, ds, n, load_unaligned<std::uint16_t>,
-                     [](std::byte* p, std::uint16_t h) { store_unaligned(p, f32_from_f16(h)); });
-  if (to == dtype::F64) {
-    for (std::size_t i = 0; i < n; ++i) store_unaligned(dst + i * ds, static_cast<double>(load_as_f32(from, src + i * ss)));
-    return;
-  }
-  // Everything else goes through f32 (exact for every source narrower than F64; F64 sources are
-  // rounded to f32 first, as PyTorch does).
-  for (std::size_t i = 0; i < n; ++i) store_from_f32(to, dst + i * ds, load_as_f32(from, src + i * ss));
 }
 
 }  // namespace statedict::inline v0
@@ -1752,6 +1822,170 @@ inline Region read_region(const ByteSource& src, std::uint64_t offset, std::uint
 }
 
 }  // namespace statedict::inline v0
+// ---- statedict/core/sha256.hpp ----
+// statedict: SHA-256 (FIPS 180-4) of byte streams, incremental, and of a tensor's elements.
+// SPDX-License-Identifier: MIT
+//
+// `Sha256 h; h.update(bytes); ...; h.hex()` hashes any stream in pieces of any size.
+// `sha256_hex(view)` is the digest the command line prints for `inspect --hash`: the tensor's
+// elements in row-major order, little-endian, no padding, whatever the view's strides (the same
+// bytes numpy's `tobytes()` gives for the tensor), so equal tensors hash equal across formats.
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string>
+#include <string_view>
+
+
+namespace statedict::inline v0 {
+
+/// Incremental SHA-256. Feed bytes with update(), read the digest once with digest() or hex();
+/// after that the object must be reset() before reuse.
+class Sha256 {
+ public:
+  using digest_type = std::array<std::uint8_t, 32>;
+
+  Sha256() noexcept { reset(); }
+
+  void reset() noexcept {
+    static constexpr std::uint32_t init[8] = {0x6a09e667U, 0xbb67ae85U, 0x3c6ef372U, 0xa54ff53aU,
+                                              0x510e527fU, 0x9b05688cU, 0x1f83d9abU, 0x5be0cd19U};
+    std::memcpy(state_, init, sizeof state_);
+    length_ = 0;
+    fill_ = 0;
+  }
+
+  Sha256& update(std::span<const std::byte> bytes) noexcept {
+    const auto* p = reinterpret_cast<const std::uint8_t*>(bytes.data());
+    std::size_t n = bytes.size();
+    length_ += n;
+    if (fill_ != 0) {
+      const std::size_t take = n < 64 - fill_ ? n : 64 - fill_;
+      std::memcpy(block_ + fill_, p, take);
+      fill_ += take;
+      p += take;
+      n -= take;
+      if (fill_ < 64) return *this;
+      compress(block_);
+      fill_ = 0;
+    }
+    while (n >= 64) {
+      compress(p);
+      p += 64;
+      n -= 64;
+    }
+    if (n != 0) {
+      std::memcpy(block_, p, n);
+      fill_ = n;
+    }
+    return *this;
+  }
+  Sha256& update(std::string_view s) noexcept { return update(std::as_bytes(std::span<const char>(s.data(), s.size()))); }
+
+  /// The 32-byte digest of everything fed so far (finishes the stream).
+  digest_type digest() noexcept {
+    const std::uint64_t bits = length_ * 8U;
+    const std::uint8_t pad = 0x80;
+    update(std::as_bytes(std::span<const std::uint8_t>(&pad, 1)));
+    const std::uint8_t zero[64] = {};
+    const std::size_t zeros = fill_ <= 56 ? 56 - fill_ : 120 - fill_;
+    update(std::as_bytes(std::span<const std::uint8_t>(zero, zeros)));
+    std::uint8_t len[8];
+    for (int i = 0; i < 8; ++i) len[i] = static_cast<std::uint8_t>(bits >> (56 - 8 * i));
+    update(std::as_bytes(std::span<const std::uint8_t>(len, 8)));
+    digest_type out{};
+    for (std::size_t i = 0; i < 8; ++i)
+      for (std::size_t j = 0; j < 4; ++j) out[4 * i + j] = static_cast<std::uint8_t>(state_[i] >> (24 - 8 * j));
+    return out;
+  }
+
+  /// The digest as 64 lower-case hex digits (finishes the stream).
+  std::string hex() noexcept {
+    static constexpr char digits[] = "0123456789abcdef";
+    const digest_type d = digest();
+    std::string s(64, '0');
+    for (std::size_t i = 0; i < 32; ++i) {
+      s[2 * i] = digits[d[i] >> 4];
+      s[2 * i + 1] = digits[d[i] & 15U];
+    }
+    return s;
+  }
+
+ private:
+  static constexpr std::uint32_t rotr(std::uint32_t x, int n) noexcept { return (x >> n) | (x << (32 - n)); }
+
+  void compress(const std::uint8_t* p) noexcept {
+    static constexpr std::uint32_t k[64] = {
+        0x428a2f98U, 0x71374491U, 0xb5c0fbcfU, 0xe9b5dba5U, 0x3956c25bU, 0x59f111f1U, 0x923f82a4U, 0xab1c5ed5U,
+        0xd807aa98U, 0x12835b01U, 0x243185beU, 0x550c7dc3U, 0x72be5d74U, 0x80deb1feU, 0x9bdc06a7U, 0xc19bf174U,
+        0xe49b69c1U, 0xefbe4786U, 0x0fc19dc6U, 0x240ca1ccU, 0x2de92c6fU, 0x4a7484aaU, 0x5cb0a9dcU, 0x76f988daU,
+        0x983e5152U, 0xa831c66dU, 0xb00327c8U, 0xbf597fc7U, 0xc6e00bf3U, 0xd5a79147U, 0x06ca6351U, 0x14292967U,
+        0x27b70a85U, 0x2e1b2138U, 0x4d2c6dfcU, 0x53380d13U, 0x650a7354U, 0x766a0abbU, 0x81c2c92eU, 0x92722c85U,
+        0xa2bfe8a1U, 0xa81a664bU, 0xc24b8b70U, 0xc76c51a3U, 0xd192e819U, 0xd6990624U, 0xf40e3585U, 0x106aa070U,
+        0x19a4c116U, 0x1e376c08U, 0x2748774cU, 0x34b0bcb5U, 0x391c0cb3U, 0x4ed8aa4aU, 0x5b9cca4fU, 0x682e6ff3U,
+        0x748f82eeU, 0x78a5636fU, 0x84c87814U, 0x8cc70208U, 0x90befffaU, 0xa4506cebU, 0xbef9a3f7U, 0xc67178f2U};
+    std::uint32_t w[64];
+    for (int i = 0; i < 16; ++i)
+      w[i] = (std::uint32_t{p[4 * i]} << 24) | (std::uint32_t{p[4 * i + 1]} << 16) | (std::uint32_t{p[4 * i + 2]} << 8) |
+             std::uint32_t{p[4 * i + 3]};
+    for (int i = 16; i < 64; ++i) {
+      const std::uint32_t s0 = rotr(w[i - 15], 7) ^ rotr(w[i - 15], 18) ^ (w[i - 15] >> 3);
+      const std::uint32_t s1 = rotr(w[i - 2], 17) ^ rotr(w[i - 2], 19) ^ (w[i - 2] >> 10);
+      w[i] = w[i - 16] + s0 + w[i - 7] + s1;
+    }
+    std::uint32_t a = state_[0], b = state_[1], c = state_[2], d = state_[3], e = state_[4], f = state_[5],
+                  g = state_[6], h = state_[7];
+    for (int i = 0; i < 64; ++i) {
+      const std::uint32_t t1 = h + (rotr(e, 6) ^ rotr(e, 11) ^ rotr(e, 25)) + ((e & f) ^ (~e & g)) + k[i] + w[i];
+      const std::uint32_t t2 = (rotr(a, 2) ^ rotr(a, 13) ^ rotr(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
+      h = g;
+      g = f;
+      f = e;
+      e = d + t1;
+      d = c;
+      c = b;
+      b = a;
+      a = t1 + t2;
+    }
+    state_[0] += a;
+    state_[1] += b;
+    state_[2] += c;
+    state_[3] += d;
+    state_[4] += e;
+    state_[5] += f;
+    state_[6] += g;
+    state_[7] += h;
+  }
+
+  std::uint32_t state_[8];
+  std::uint8_t block_[64];
+  std::uint64_t length_;
+  std::size_t fill_;
+};
+
+/// SHA-256 of a byte range, as 64 hex digits.
+inline std::string sha256_hex(std::span<const std::byte> bytes) { return Sha256().update(bytes).hex(); }
+inline std::string sha256_hex(std::string_view s) { return Sha256().update(s).hex(); }
+
+/// Feeds a tensor's elements to `h`: row-major, little-endian, no padding; strided and misaligned
+/// views are fine (each contiguous run is fed as it lies in memory).
+inline void update(Sha256& h, const TensorView& v) {
+  v.for_each_run([&](const std::byte* p, std::uint64_t count) {
+    h.update(std::span<const std::byte>(p, static_cast<std::size_t>(count * v.itemsize())));
+  });
+}
+
+/// SHA-256 of a tensor's elements (row-major, little-endian, no padding): `inspect --hash`.
+inline std::string sha256_hex(const TensorView& v) {
+  Sha256 h;
+  update(h, v);
+  return h.hex();
+}
+
+}  // namespace statedict::inline v0
 // ---- statedict/io/file.hpp ----
 // statedict: input files (memory-mapped or pread) and output files that appear atomically.
 // SPDX-License-Identifier: MIT
@@ -2145,6 +2379,56 @@ class OutputDir {
 };
 
 }  // namespace statedict::inline v0
+// ---- statedict/io/safetensors.hpp ----
+// statedict: safetensors files: a validated zero-copy reader and a streaming, atomic writer.
+// SPDX-License-Identifier: MIT
+//
+// Format (huggingface/safetensors): u64 little-endian N, N bytes of UTF-8 JSON (the header), then
+// the data section. The header maps each tensor name to {"dtype", "shape", "data_offsets"} (byte
+// offsets into the data section) plus an optional "__metadata__" string-to-string map.
+//
+// Reading: `safetensors::File::open(path)` maps the file (or reads it with pread), validates the
+// header with every rule of the reference reader (`read_metadata`, `Metadata::validate`), each
+// violation with its own error id naming the file and the tensor, and exposes the tensors in file
+// order as TensorViews into the mapping (no copy; each view keeps the mapping alive).
+// `describe()` gives the ShardedCheckpoint of the file; `to_value()` the Value tree.
+//
+// Writing: `safetensors::write(path, inputs, options)` computes the header from names, dtypes and
+// shapes first (`safetensors::layout`, also usable on its own), then streams each tensor's bytes in
+// file order from its view or byte source, casting on the fly when asked, through a fixed-size
+// buffer; the file appears atomically. The output is byte-identical to the reference writer's
+// (`serialize_to_file`) for the same tensors and metadata.
+//
+// statedict's own `__metadata__` keys (every other key is the user's and is kept as is):
+//   "statedict.aliases"   JSON object {alias name: stored tensor name}: tied tensors written once
+//   "statedict.skeleton"  the flatten skeleton (core/flatten.hpp) of a nested state, compact JSON
+// docs/safetensors.md describes the rules, the ids and where statedict differs from the reference.
+
+#include <fcntl.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
 // ---- statedict/shard/checkpoint.hpp ----
 // statedict: ShardedCheckpoint, the one description every reader produces and every writer consumes.
 // SPDX-License-Identifier: MIT
@@ -2215,6 +2499,19 @@ struct TensorInfo {
   std::vector<Chunk> chunks;
 };
 
+/// Where each element of each tensor must go: the destination side of a plan (shard/plan.hpp).
+/// The same TensorInfo/Chunk structure as a ShardedCheckpoint, with Placement::source indexing
+/// `names` (output files, ranks, buffers) and Placement::stored the dtype to write. Layouts
+/// (shard/layout.hpp) and writers produce it. Bytes that no chunk covers (padding) are left as the
+/// sink has them (zero in a fresh file or buffer).
+struct Destination {
+  std::vector<TensorInfo> tensors;
+  /// One name per destination, for messages (a file name, "rank3").
+  std::vector<std::string> names;
+  /// Byte size of each destination, padding included; empty or 0 means "as far as chunks reach".
+  std::vector<std::uint64_t> sizes;
+};
+
 /// A whole checkpoint: its tensors, the byte sources they live in, and everything that is not a
 /// tensor (the flatten skeleton, see core/flatten.hpp).
 struct ShardedCheckpoint {
@@ -2252,4 +2549,3115 @@ struct ShardedCheckpoint {
   mutable std::unordered_map<std::string, std::size_t> index_;
 };
 
+}  // namespace statedict::inline v0
+
+namespace statedict::inline v0 {
+
+namespace errors {
+// clang-format off
+// Reader: one id per rule of the reference reader (its error name in brackets), then statedict's own.
+inline constexpr error_id st_header_too_large   {301, error_kind::limit,       "safetensors.header_too_large"};   // [HeaderTooLarge]
+inline constexpr error_id st_header_too_small   {302, error_kind::format,      "safetensors.header_too_small"};   // [HeaderTooSmall]
+inline constexpr error_id st_header_length      {303, error_kind::format,      "safetensors.header_length"};      // [InvalidHeaderLength]
+inline constexpr error_id st_header_utf8        {304, error_kind::format,      "safetensors.header_utf8"};        // [InvalidHeader]
+inline constexpr error_id st_header_json        {305, error_kind::format,      "safetensors.header_json"};        // [InvalidHeaderDeserialization]: syntax
+inline constexpr error_id st_header_not_object  {306, error_kind::format,      "safetensors.header_not_object"};  // [InvalidHeaderDeserialization]
+inline constexpr error_id st_json_depth         {307, error_kind::limit,       "safetensors.json_depth"};         // [InvalidHeaderDeserialization]: recursion limit
+inline constexpr error_id st_duplicate_key      {308, error_kind::format,      "safetensors.duplicate_key"};      // statedict (reference: last wins)
+inline constexpr error_id st_tensor_info        {309, error_kind::format,      "safetensors.tensor_info"};        // [InvalidHeaderDeserialization]: schema
+inline constexpr error_id st_unknown_dtype      {310, error_kind::format,      "safetensors.unknown_dtype"};      // [InvalidHeaderDeserialization]
+inline constexpr error_id st_bad_dim            {311, error_kind::format,      "safetensors.bad_dim"};            // [InvalidHeaderDeserialization]: not a usize
+inline constexpr error_id st_bad_offset_value   {312, error_kind::format,      "safetensors.bad_offset_value"};   // [InvalidHeaderDeserialization]: not a usize
+inline constexpr error_id st_metadata_type      {313, error_kind::format,      "safetensors.metadata_type"};      // [InvalidHeaderDeserialization]
+inline constexpr error_id st_invalid_offset     {314, error_kind::format,      "safetensors.invalid_offset"};     // [InvalidOffset]
+inline constexpr error_id st_overflow           {315, error_kind::format,      "safetensors.overflow"};           // [ValidationOverflow]
+inline constexpr error_id st_misaligned_slice   {316, error_kind::format,      "safetensors.misaligned_slice"};   // [MisalignedSlice]
+inline constexpr error_id st_size_mismatch      {317, error_kind::format,      "safetensors.size_mismatch"};      // [TensorInvalidInfo]
+inline constexpr error_id st_incomplete_buffer  {318, error_kind::format,      "safetensors.incomplete_buffer"};  // [MetadataIncompleteBuffer]
+inline constexpr error_id st_too_many_dims      {319, error_kind::limit,       "safetensors.too_many_dims"};      // statedict limit
+inline constexpr error_id st_too_many_tensors   {320, error_kind::limit,       "safetensors.too_many_tensors"};   // statedict limit
+inline constexpr error_id st_dim_too_large      {321, error_kind::limit,       "safetensors.dim_too_large"};      // statedict: dims are int64
+inline constexpr error_id st_unsupported_dtype  {322, error_kind::unsupported, "safetensors.unsupported_dtype"};  // valid, but no statedict dtype
+inline constexpr error_id st_statedict_metadata {323, error_kind::format,      "safetensors.statedict_metadata"}; // bad statedict.* metadata
+inline constexpr error_id st_no_such_tensor     {324, error_kind::key,         "safetensors.no_such_tensor"};
+// Writer.
+inline constexpr error_id st_write_dtype        {330, error_kind::unsupported, "safetensors.write_dtype"};        // C128 has no safetensors dtype
+inline constexpr error_id st_write_name         {331, error_kind::key,         "safetensors.write_name"};         // duplicate, reserved or non-UTF-8 name
+inline constexpr error_id st_write_header_large {332, error_kind::limit,       "safetensors.write_header_too_large"};
+inline constexpr error_id st_write_input        {333, error_kind::usage,       "safetensors.write_input"};        // inconsistent input
+inline constexpr error_id st_write_metadata     {334, error_kind::usage,       "safetensors.write_metadata"};     // reserved key or non-UTF-8 text
+// clang-format on
+}  // namespace errors
+
+namespace safetensors {
+
+/// `__metadata__` key holding tied tensors: a JSON object {alias name: stored tensor name}.
+inline constexpr std::string_view aliases_key = "statedict.aliases";
+/// `__metadata__` key holding the flatten skeleton of a nested state (compact JSON text).
+inline constexpr std::string_view skeleton_key = "statedict.skeleton";
+
+/// A safetensors dtype as the reference knows it (its `Dtype` enum), with statedict's dtype when
+/// statedict handles it.
+struct dtype_entry {
+  std::string_view name;
+  std::uint8_t bits;                     ///< bits per element (F4 = 4, F6_* = 6)
+  std::optional<statedict::dtype> type;  ///< nullopt: valid in files, but statedict has no such dtype
+};
+
+/// The reference's Dtype enum, in enum order (its writer sorts by this position, descending).
+inline constexpr std::array<dtype_entry, 22> dtype_table{{
+    {"BOOL", 8, statedict::dtype::BOOL},
+    {"F4", 4, std::nullopt},
+    {"F6_E2M3", 6, std::nullopt},
+    {"F6_E3M2", 6, std::nullopt},
+    {"U8", 8, statedict::dtype::U8},
+    {"I8", 8, statedict::dtype::I8},
+    {"F8_E5M2", 8, statedict::dtype::F8_E5M2},
+    {"F8_E4M3", 8, statedict::dtype::F8_E4M3},
+    {"F8_E8M0", 8, std::nullopt},
+    {"F8_E4M3FNUZ", 8, std::nullopt},
+    {"F8_E5M2FNUZ", 8, std::nullopt},
+    {"I16", 16, statedict::dtype::I16},
+    {"U16", 16, statedict::dtype::U16},
+    {"F16", 16, statedict::dtype::F16},
+    {"BF16", 16, statedict::dtype::BF16},
+    {"I32", 32, statedict::dtype::I32},
+    {"U32", 32, statedict::dtype::U32},
+    {"F32", 32, statedict::dtype::F32},
+    {"C64", 64, statedict::dtype::C64},
+    {"F64", 64, statedict::dtype::F64},
+    {"I64", 64, statedict::dtype::I64},
+    {"U64", 64, statedict::dtype::U64},
+}};
+
+/// Index into dtype_table of a dtype name, or -1.
+inline int dtype_index(std::string_view name) noexcept {
+  for (std::size_t i = 0; i < dtype_table.size(); ++i)
+    if (dtype_table[i].name == name) return static_cast<int>(i);
+  return -1;
+}
+
+/// Caps on hostile input. Every default accepts every file the reference reader accepts, except
+/// where noted.
+struct limits {
+  /// Largest header (N) accepted: the reference's MAX_HEADER_SIZE. Also the cap the writer
+  /// enforces, so that what statedict writes the reference can read.
+  std::uint64_t max_header_bytes = 100'000'000;
+  /// Deepest JSON nesting accepted (containers, the top-level object counting as 1): serde_json's
+  /// recursion limit, which the reference inherits, allows 127.
+  std::size_t max_json_depth = 127;
+  /// Most dimensions per tensor. The reference has no cap (only the header size bounds it).
+  std::size_t max_rank = 1024;
+  /// Most tensors per file. The reference has no cap; a 100 MB header holds about 2 million.
+  std::size_t max_tensors = 10'000'000;
+};
+
+/// One tensor of a file.
+struct TensorEntry {
+  std::string name;
+  std::string_view dtype_name;             ///< the reference's name ("F32", "F8_E8M0", ...)
+  std::optional<statedict::dtype> dtype;   ///< nullopt for the dtypes statedict lacks (see dtype_table)
+  std::uint8_t dtype_bits = 0;
+  shape_t shape;
+  std::uint64_t begin = 0;  ///< byte offsets relative to the data section (data_offsets)
+  std::uint64_t end = 0;
+  [[nodiscard]] std::uint64_t nbytes() const noexcept { return end - begin; }
+};
+
+struct open_options {
+  read_mode mode = read_mode::mmap;
+  limits lim{};
+};
+
+namespace detail {
+
+/// True when [s, s + n) is valid UTF-8 (Rust's `str::from_utf8` rules: no overlong forms, no
+/// surrogates, nothing above U+10FFFF); otherwise `bad_at` is the offset of the first bad byte.
+inline bool valid_utf8(const unsigned char* s, std::size_t n, std::size_t& bad_at) noexcept {
+  std::size_t i = 0;
+  while (i < n) {
+    while (i + 8 <= n) {
+      std::uint64_t w;
+      std::memcpy(&w, s + i, 8);
+      if ((w & 0x8080808080808080ULL) != 0) break;
+      i += 8;
+    }
+    if (i >= n) break;
+    const unsigned char c = s[i];
+    if (c < 0x80) {
+      ++i;
+      continue;
+    }
+    std::size_t need = 0;
+    unsigned char lo = 0x80, hi = 0xBF;
+    if (c >= 0xC2 && c <= 0xDF) {
+      need = 1;
+    } else if (c == 0xE0) {
+      need = 2, lo = 0xA0;
+    } else if ((c >= 0xE1 && c <= 0xEC) || c == 0xEE || c == 0xEF) {
+      need = 2;
+    } else if (c == 0xED) {
+      need = 2, hi = 0x9F;
+    } else if (c == 0xF0) {
+      need = 3, lo = 0x90;
+    } else if (c >= 0xF1 && c <= 0xF3) {
+      need = 3;
+    } else if (c == 0xF4) {
+      need = 3, hi = 0x8F;
+    } else {
+      bad_at = i;
+      return false;
+    }
+    if (i + need >= n) {  // not enough bytes left
+      bad_at = i;
+      return false;
+    }
+    if (s[i + 1] < lo || s[i + 1] > hi) {
+      bad_at = i;
+      return false;
+    }
+    for (std::size_t k = 2; k <= need; ++k)
+      if ((s[i + k] & 0xC0) != 0x80) {
+        bad_at = i;
+        return false;
+      }
+    i += need + 1;
+  }
+  return true;
+}
+
+inline bool valid_utf8(std::string_view s) noexcept {
+  std::size_t bad = 0;
+  return valid_utf8(reinterpret_cast<const unsigned char*>(s.data()), s.size(), bad);
+}
+
+/// Appends `s` as a JSON string the way serde_json writes it: `"` and `\` escaped, control
+/// characters as \b \t \n \f \r or \u00xx (lower-case hex), everything else (UTF-8) raw.
+inline void append_json_string(std::string& out, std::string_view s) {
+  static constexpr char hex[] = "0123456789abcdef";
+  out += '"';
+  std::size_t run = 0;
+  for (std::size_t i = 0; i < s.size(); ++i) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    if (c >= 0x20 && c != '"' && c != '\\') continue;
+    out.append(s.data() + run, i - run);
+    run = i + 1;
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\b': out += "\\b"; break;
+      case '\t': out += "\\t"; break;
+      case '\n': out += "\\n"; break;
+      case '\f': out += "\\f"; break;
+      case '\r': out += "\\r"; break;
+      default:
+        out += "\\u00";
+        out += hex[c >> 4];
+        out += hex[c & 15];
+    }
+  }
+  out.append(s.data() + run, s.size() - run);
+  out += '"';
+}
+
+inline void append_uint(std::string& out, std::uint64_t v) {
+  char buf[24];
+  char* p = buf + sizeof buf;
+  do {
+    *--p = static_cast<char>('0' + v % 10);
+    v /= 10;
+  } while (v != 0);
+  out.append(p, static_cast<std::size_t>(buf + sizeof buf - p));
+}
+
+/// A one-line, bounded, printable rendering of a JSON parser message (it may quote input bytes).
+inline std::string sanitize_message(std::string_view m) {
+  std::string q = quote(m, 240);
+  return q.substr(1, q.size() - 2);
+}
+
+/// SAX handler for nlohmann::json::sax_parse that reads a safetensors header straight into
+/// entries, enforcing the reference's schema (serde: HashMetadata / TensorInfo / Dtype) as it goes.
+class header_parser {
+ public:
+  using json = nlohmann::json;
+
+  header_parser(const limits& lim, const std::string& where) : lim_(lim), where_(where) {}
+
+  std::vector<TensorEntry> entries;
+  std::optional<std::vector<std::pair<std::string, std::string>>> metadata;
+
+  // --- nlohmann SAX interface
+  bool null() { return scalar(kind::null, 0); }
+  bool boolean(bool) { return scalar(kind::boolean, 0); }
+  bool number_integer(json::number_integer_t) { return scalar(kind::negative, 0); }
+  bool number_unsigned(json::number_unsigned_t v) { return scalar(kind::unsigned_int, v); }
+  bool number_float(json::number_float_t v, const json::string_t&) {
+    // serde_json refuses numbers that overflow f64, even in fields it ignores.
+    if (!std::isfinite(v)) fail(errors::st_header_json, where_, "number out of range");
+    return scalar(kind::floating, 0);
+  }
+  bool string(json::string_t& s) {
+    string_ = &s;
+    return scalar(kind::string, 0);
+  }
+  bool binary(json::binary_t&) { return scalar(kind::null, 0); }  // never produced by the JSON lexer
+
+  bool start_object(std::size_t) {
+    push_check();
+    const ctx c = top();
+    if (c == ctx::skip || next_ == want::ignored) return push(ctx::skip);
+    if (c == ctx::shape) bad_dim("an object");
+    if (c == ctx::offsets) bad_offset("an object");
+    switch (next_) {
+      case want::root: return push(ctx::top);
+      case want::tensor:
+        cur_ = TensorEntry{};
+        cur_.name = std::move(key_);
+        fields_ = 0;
+        return push(ctx::tensor);
+      case want::meta:
+        metadata.emplace();
+        meta_keys_.clear();
+        return push(ctx::meta);
+      default: return type_error("an object");
+    }
+  }
+
+  bool key(json::string_t& k) {
+    switch (top()) {
+      case ctx::top:
+        if (k == "__metadata__") {
+          if (seen_meta_) fail(errors::st_duplicate_key, where_, "key '__metadata__' appears twice in the header");
+          seen_meta_ = true;
+          next_ = want::meta;
+        } else {
+          key_ = std::move(k);
+          next_ = want::tensor;
+        }
+        return true;
+      case ctx::tensor: {
+        unsigned bit = 0;
+        if (k == "dtype") {
+          bit = 1, next_ = want::dtype;
+        } else if (k == "shape") {
+          bit = 2, next_ = want::shape;
+        } else if (k == "data_offsets") {
+          bit = 4, next_ = want::offsets;
+        } else {
+          next_ = want::ignored;  // serde ignores unknown fields
+          return true;
+        }
+        if (fields_ & bit) fail(errors::st_duplicate_key, tensor_where(), "field " + quote(k) + " appears twice");
+        fields_ |= bit;
+        return true;
+      }
+      case ctx::meta:
+        if (!meta_keys_.insert(k).second)
+          fail(errors::st_duplicate_key, where_ + ": __metadata__", "key " + quote(k) + " appears twice");
+        meta_key_ = std::move(k);
+        next_ = want::meta_value;
+        return true;
+      default: return true;  // skip
+    }
+  }
+
+  bool end_object() {
+    const ctx c = top();
+    stack_.pop_back();
+    if (c == ctx::tensor) {
+      if ((fields_ & 1U) == 0) fail(errors::st_tensor_info, tensor_where(), "missing field 'dtype'");
+      if ((fields_ & 2U) == 0) fail(errors::st_tensor_info, tensor_where(), "missing field 'shape'");
+      if ((fields_ & 4U) == 0) fail(errors::st_tensor_info, tensor_where(), "missing field 'data_offsets'");
+      if (entries.size() >= lim_.max_tensors)
+        fail(errors::st_too_many_tensors, where_,
+             "more than " + std::to_string(lim_.max_tensors) + " tensors (limits::max_tensors)");
+      entries.push_back(std::move(cur_));
+    }
+    after_value();
+    return true;
+  }
+
+  bool start_array(std::size_t) {
+    push_check();
+    const ctx c = top();
+    if (c == ctx::skip || next_ == want::ignored) return push(ctx::skip);
+    if (c == ctx::shape) bad_dim("an array");
+    if (c == ctx::offsets) bad_offset("an array");
+    switch (next_) {
+      case want::shape: return push(ctx::shape);
+      case want::offsets:
+        offsets_n_ = 0;
+        return push(ctx::offsets);
+      case want::tensor:
+        // serde would also take [dtype, shape, data_offsets] for a struct; statedict does not.
+        fail(errors::st_tensor_info, where_ + ": tensor " + quote(key_), "tensor info is an array, not an object");
+      default: return type_error("an array");
+    }
+  }
+
+  bool end_array() {
+    const ctx c = top();
+    stack_.pop_back();
+    if (c == ctx::offsets && offsets_n_ != 2)
+      fail(errors::st_tensor_info, tensor_where(),
+           "data_offsets has " + std::to_string(offsets_n_) + " elements, expected [begin, end]");
+    after_value();
+    return true;
+  }
+
+  bool parse_error(std::size_t position, const std::string&, const nlohmann::detail::exception& ex) {
+    fail(errors::st_header_json, where_,
+         "invalid JSON near header byte " + std::to_string(position) + ": " + sanitize_message(ex.what()));
+  }
+
+  void finish() const {
+    if (!stack_.empty() || next_ == want::root) fail(errors::st_header_json, where_, "incomplete JSON");
+  }
+
+ private:
+  enum class ctx : std::uint8_t { none, top, tensor, shape, offsets, meta, skip };
+  enum class want : std::uint8_t { root, key, tensor, meta, meta_value, dtype, shape, offsets, ignored, done };
+  enum class kind : std::uint8_t { null, boolean, negative, unsigned_int, floating, string };
+
+  [[noreturn]] static void fail(const error_id& id, const std::string& where, std::string detail) {
+    throw_error(id, where, std::move(detail));
+  }
+  std::string tensor_where() const { return where_ + ": tensor " + quote(cur_.name); }
+
+  ctx top() const noexcept { return stack_.empty() ? ctx::none : stack_.back(); }
+  void push_check() const {
+    if (stack_.size() >= lim_.max_json_depth)
+      fail(errors::st_json_depth, where_,
+           "JSON nested deeper than " + std::to_string(lim_.max_json_depth) + " levels (limits::max_json_depth)");
+  }
+  bool push(ctx c) {
+    stack_.push_back(c);
+    next_ = c == ctx::skip ? want::ignored : want::key;
+    return true;
+  }
+  /// After a complete value, the containing object expects a key again.
+  void after_value() {
+    const ctx c = top();
+    if (c == ctx::none) next_ = want::done;
+    else if (c == ctx::skip) next_ = want::ignored;
+    else next_ = want::key;
+  }
+
+  [[noreturn]] void bad_dim(const char* what) const {
+    fail(errors::st_bad_dim, tensor_where(),
+         std::string("shape element is ") + what + ", expected a non-negative integer");
+  }
+  [[noreturn]] void bad_offset(const char* what) const {
+    fail(errors::st_bad_offset_value, tensor_where(),
+         std::string("data_offsets element is ") + what + ", expected a non-negative integer");
+  }
+  [[noreturn]] bool type_error(const char* what) const {
+    switch (next_) {
+      case want::root: fail(errors::st_header_not_object, where_, std::string("header is ") + what + ", not a JSON object");
+      case want::tensor:
+        fail(errors::st_tensor_info, where_ + ": tensor " + quote(key_), std::string("tensor info is ") + what + ", not an object");
+      case want::meta:
+        fail(errors::st_metadata_type, where_, std::string("__metadata__ is ") + what + ", not an object of strings");
+      case want::meta_value:
+        fail(errors::st_metadata_type, where_ + ": __metadata__ key " + quote(meta_key_),
+             std::string("value is ") + what + ", not a string");
+      case want::dtype: fail(errors::st_tensor_info, tensor_where(), std::string("dtype is ") + what + ", not a string");
+      case want::shape: fail(errors::st_tensor_info, tensor_where(), std::string("shape is ") + what + ", not an array");
+      case want::offsets:
+        fail(errors::st_tensor_info, tensor_where(), std::string("data_offsets is ") + what + ", not an array");
+      default: fail(errors::st_header_json, where_, std::string("unexpected ") + what);
+    }
+  }
+  static const char* describe(kind k) noexcept {
+    switch (k) {
+      case kind::null: return "null";
+      case kind::boolean: return "a boolean";
+      case kind::negative: return "a negative integer";
+      case kind::unsigned_int: return "an integer";
+      case kind::floating: return "a floating-point number";
+      case kind::string: return "a string";
+    }
+    return "a value";
+  }
+
+  bool scalar(kind k, std::uint64_t v) {
+    const ctx c = top();
+    if (c == ctx::skip || next_ == want::ignored) {
+      after_value();
+      return true;
+    }
+    if (c == ctx::shape) {
+      if (k != kind::unsigned_int) bad_dim(describe(k));
+      if (cur_.shape.size() >= lim_.max_rank)
+        fail(errors::st_too_many_dims, tensor_where(),
+             "more than " + std::to_string(lim_.max_rank) + " dimensions (limits::max_rank)");
+      if (v > max_size)
+        fail(errors::st_dim_too_large, tensor_where(), "dimension " + std::to_string(v) + " exceeds 2^63-1");
+      cur_.shape.push_back(static_cast<dim_t>(v));
+      return true;
+    }
+    if (c == ctx::offsets) {
+      if (k != kind::unsigned_int) bad_offset(describe(k));
+      if (offsets_n_ >= 2) fail(errors::st_tensor_info, tensor_where(), "data_offsets has more than 2 elements");
+      (offsets_n_ == 0 ? cur_.begin : cur_.end) = v;
+      ++offsets_n_;
+      return true;
+    }
+    switch (next_) {
+      case want::meta:
+        if (k == kind::null) {  // Option<HashMap>: null means no metadata
+          after_value();
+          return true;
+        }
+        type_error(describe(k));
+      case want::meta_value:
+        if (k != kind::string) type_error(describe(k));
+        metadata->emplace_back(std::move(meta_key_), std::move(*string_));
+        after_value();
+        return true;
+      case want::dtype: {
+        if (k != kind::string) type_error(describe(k));
+        const int i = dtype_index(*string_);
+        if (i < 0) fail(errors::st_unknown_dtype, tensor_where(), "unknown dtype " + quote(*string_));
+        const auto& d = dtype_table[static_cast<std::size_t>(i)];
+        cur_.dtype_name = d.name;
+        cur_.dtype = d.type;
+        cur_.dtype_bits = d.bits;
+        after_value();
+        return true;
+      }
+      default: type_error(describe(k));
+    }
+  }
+
+  const limits& lim_;
+  const std::string& where_;
+  std::vector<ctx> stack_;
+  want next_ = want::root;
+  std::string key_;
+  std::string meta_key_;
+  std::unordered_set<std::string> meta_keys_;
+  json::string_t* string_ = nullptr;
+  TensorEntry cur_;
+  unsigned fields_ = 0;
+  unsigned offsets_n_ = 0;
+  bool seen_meta_ = false;
+};
+
+/// Errors found by reading the parsed JSON against the schema (as opposed to parsing it).
+inline bool is_schema_error(const error_id& id) noexcept {
+  return id == errors::st_duplicate_key || id == errors::st_tensor_info || id == errors::st_unknown_dtype ||
+         id == errors::st_bad_dim || id == errors::st_bad_offset_value || id == errors::st_metadata_type ||
+         id == errors::st_header_not_object;
+}
+
+/// Parses JSON text for syntax only (with serde_json's depth and number-range rules); throws
+/// errors::st_header_json or errors::st_json_depth.
+inline void check_syntax(const char* first, std::uint64_t n, const limits& lim, const std::string& where) {
+  struct syntax_only {
+    const limits& lim;
+    const std::string& where;
+    std::size_t depth = 0;
+    bool null() { return true; }
+    bool boolean(bool) { return true; }
+    bool number_integer(nlohmann::json::number_integer_t) { return true; }
+    bool number_unsigned(nlohmann::json::number_unsigned_t) { return true; }
+    bool number_float(nlohmann::json::number_float_t v, const nlohmann::json::string_t&) {
+      if (!std::isfinite(v)) throw_error(errors::st_header_json, where, "number out of range");
+      return true;
+    }
+    bool string(nlohmann::json::string_t&) { return true; }
+    bool binary(nlohmann::json::binary_t&) { return true; }
+    bool key(nlohmann::json::string_t&) { return true; }
+    bool open() {
+      if (depth >= lim.max_json_depth)
+        throw_error(errors::st_json_depth, where,
+                    "JSON nested deeper than " + std::to_string(lim.max_json_depth) + " levels (limits::max_json_depth)");
+      ++depth;
+      return true;
+    }
+    bool start_object(std::size_t) { return open(); }
+    bool start_array(std::size_t) { return open(); }
+    bool end_object() { return --depth, true; }
+    bool end_array() { return --depth, true; }
+    bool parse_error(std::size_t position, const std::string&, const nlohmann::detail::exception& ex) {
+      throw_error(errors::st_header_json, where,
+                  "invalid JSON near header byte " + std::to_string(position) + ": " + sanitize_message(ex.what()));
+    }
+  } s{lim, where};
+  nlohmann::json::sax_parse(first, first + n, &s, nlohmann::json::input_format_t::json, true, false);
+}
+
+/// Everything `File` holds; shared by copies of a File.
+struct file_state {
+  std::shared_ptr<const ByteSource> source;
+  std::string name;
+  std::uint64_t header_size = 0;  // N
+  std::vector<TensorEntry> entries;
+  std::unordered_map<std::string_view, std::size_t> index;
+  std::optional<std::map<std::string, std::string>> raw_metadata;
+  std::map<std::string, std::string> metadata;  // without statedict's keys
+  std::vector<std::pair<std::string, std::string>> aliases;
+  std::unordered_map<std::string_view, std::size_t> alias_index;  // alias -> entry
+  nlohmann::json skeleton;
+};
+
+}  // namespace detail
+
+/// A validated safetensors file. Copies share the same state (cheap).
+class File {
+ public:
+  /// Opens and validates `path` (mapped by default; `read_mode::pread` reads with positioned reads).
+  static File open(const std::filesystem::path& path, const open_options& opt = {}) {
+    return open(InputFile::open(path, opt.mode), opt.lim);
+  }
+
+  /// Validates a file held by any byte source (a mapping, a pread file, a buffer, a slice).
+  static File open(std::shared_ptr<const ByteSource> src, const limits& lim = {}) {
+    File f;
+    auto st = std::make_shared<detail::file_state>();
+    st->source = std::move(src);
+    st->name = st->source->name();
+    parse(*st, lim);
+    f.s_ = std::move(st);
+    return f;
+  }
+
+  [[nodiscard]] const std::string& name() const noexcept { return s_->name; }
+  [[nodiscard]] const std::shared_ptr<const ByteSource>& source() const noexcept { return s_->source; }
+  /// N: the header's length in bytes (JSON and padding).
+  [[nodiscard]] std::uint64_t header_size() const noexcept { return s_->header_size; }
+  /// Byte offset of the data section in the file: 8 + N.
+  [[nodiscard]] std::uint64_t data_offset() const noexcept { return 8 + s_->header_size; }
+  /// Tensors in file order (by data offset).
+  [[nodiscard]] const std::vector<TensorEntry>& entries() const noexcept { return s_->entries; }
+  [[nodiscard]] std::size_t size() const noexcept { return s_->entries.size(); }
+  /// The stored tensor named `name`, or nullptr (aliases are not stored tensors; see resolve()).
+  [[nodiscard]] const TensorEntry* find(std::string_view name) const {
+    auto it = s_->index.find(name);
+    return it == s_->index.end() ? nullptr : &s_->entries[it->second];
+  }
+  /// The stored tensor `name` refers to, following an alias; nullptr when neither.
+  [[nodiscard]] const TensorEntry* resolve(std::string_view name) const {
+    if (const TensorEntry* e = find(name)) return e;
+    auto it = s_->alias_index.find(name);
+    return it == s_->alias_index.end() ? nullptr : &s_->entries[it->second];
+  }
+  /// `__metadata__` exactly as in the file (nullopt when absent or null).
+  [[nodiscard]] const std::optional<std::map<std::string, std::string>>& raw_metadata() const noexcept {
+    return s_->raw_metadata;
+  }
+  /// `__metadata__` without statedict's own keys: the user's metadata.
+  [[nodiscard]] const std::map<std::string, std::string>& metadata() const noexcept { return s_->metadata; }
+  /// Tied tensors: (alias, stored tensor) pairs recorded by statedict's writer.
+  [[nodiscard]] const std::vector<std::pair<std::string, std::string>>& aliases() const noexcept { return s_->aliases; }
+  /// The flatten skeleton statedict stored, or null (a plain flat file).
+  [[nodiscard]] const nlohmann::json& skeleton() const noexcept { return s_->skeleton; }
+
+  /// The tensor as a view. Mapped or in-memory sources: zero copy, the view keeps the mapping
+  /// alive. pread sources: the bytes are read now into a fresh aligned buffer.
+  [[nodiscard]] TensorView view(const TensorEntry& e) const {
+    if (!e.dtype)
+      throw_error(errors::st_unsupported_dtype, "file " + quote(name()) + ": tensor " + quote(e.name),
+                  "dtype " + std::string(e.dtype_name) + " is valid safetensors but statedict has no such dtype");
+    const std::uint64_t off = data_offset() + e.begin;
+    if (const std::byte* base = s_->source->data())
+      return TensorView::contiguous(*e.dtype, e.shape, base + off, s_->source->owner());
+    Tensor t(*e.dtype, e.shape);
+    s_->source->read(off, std::span<std::byte>(t.data(), static_cast<std::size_t>(e.nbytes())));
+    return t.view();
+  }
+  /// The tensor (or alias) named `name`; throws errors::st_no_such_tensor.
+  [[nodiscard]] TensorView view(std::string_view name) const {
+    const TensorEntry* e = resolve(name);
+    if (!e) throw_error(errors::st_no_such_tensor, "file " + quote(this->name()), "no tensor " + quote(name));
+    return view(*e);
+  }
+  [[nodiscard]] TensorView view(std::size_t i) const { return view(s_->entries.at(i)); }
+
+  /// The file as a ShardedCheckpoint: format "safetensors", one source (this file), one chunk per
+  /// tensor covering its whole box, skeleton from statedict's metadata (null for a plain file),
+  /// metadata = the user's `__metadata__`. Aliases without a skeleton are listed as further tensors
+  /// with the same chunk. Reads no tensor data.
+  [[nodiscard]] ShardedCheckpoint describe() const {
+    ShardedCheckpoint c;
+    c.format = "safetensors";
+    c.sources.push_back(s_->source);
+    c.tensors.reserve(s_->entries.size() + (s_->skeleton.is_null() ? s_->aliases.size() : 0));
+    for (const TensorEntry& e : s_->entries) c.tensors.push_back(info_of(e, e.name));
+    if (s_->skeleton.is_null())
+      for (const auto& [alias, target] : s_->aliases) c.tensors.push_back(info_of(*find(target), alias));
+    c.skeleton = s_->skeleton;
+    c.metadata = s_->metadata;
+    return c;
+  }
+
+  /// The file as a Value: without a skeleton, a dict {name: tensor} in file order, then the
+  /// aliases (the same view as their target). With a skeleton, use core/flatten.hpp's unflatten
+  /// on `tensors()` and `skeleton()`.
+  [[nodiscard]] Value to_flat_dict() const {
+    Dict d;
+    d.reserve(s_->entries.size() + s_->aliases.size());
+    for (const TensorEntry& e : s_->entries) d.insert(e.name, view(e));
+    for (const auto& [alias, target] : s_->aliases) d.insert(alias, d.at(target));
+    return Value(std::move(d));
+  }
+
+ private:
+  [[nodiscard]] TensorInfo info_of(const TensorEntry& e, const std::string& as) const {
+    if (!e.dtype)
+      throw_error(errors::st_unsupported_dtype, "file " + quote(name()) + ": tensor " + quote(e.name),
+                  "dtype " + std::string(e.dtype_name) + " is valid safetensors but statedict has no such dtype");
+    TensorInfo t;
+    t.name = as;
+    t.dtype = *e.dtype;
+    t.shape = e.shape;
+    Chunk ch;
+    ch.region = Box{shape_t(e.shape.size(), 0), e.shape};
+    ch.at.source = 0;
+    ch.at.byte_offset = data_offset() + e.begin;
+    ch.at.stored = *e.dtype;
+    t.chunks.push_back(std::move(ch));
+    return t;
+  }
+
+  static void parse(detail::file_state& st, const limits& lim) {
+    const ByteSource& src = *st.source;
+    const std::string where = "file " + quote(st.name);
+    const std::uint64_t len = src.size();
+    if (len < 8) throw_error(errors::st_header_too_small, where, "file has " + std::to_string(len) + " bytes, fewer than 8");
+    std::byte nb[8];
+    src.read(0, nb);
+    std::uint64_t n = 0;
+    for (int i = 7; i >= 0; --i) n = (n << 8) | std::to_integer<std::uint64_t>(nb[i]);
+    if (n > lim.max_header_bytes)
+      throw_error(errors::st_header_too_large, where,
+                  "header length " + std::to_string(n) + " exceeds the cap of " + std::to_string(lim.max_header_bytes) +
+                      " bytes (limits::max_header_bytes)");
+    if (n > len - 8)
+      throw_error(errors::st_header_length, where,
+                  "header length " + std::to_string(n) + " runs past the end of the " + std::to_string(len) + "-byte file");
+    st.header_size = n;
+    const Region hr = read_region(src, 8, n);
+    const auto* h = reinterpret_cast<const unsigned char*>(hr.data);
+    std::size_t bad = 0;
+    if (!detail::valid_utf8(h, static_cast<std::size_t>(n), bad))
+      throw_error(errors::st_header_utf8, where, "header is not UTF-8 (bad byte at header offset " + std::to_string(bad) + ")");
+    if (n >= 3 && h[0] == 0xEF && h[1] == 0xBB && h[2] == 0xBF)
+      throw_error(errors::st_header_json, where, "header starts with a byte-order mark, which is not JSON");
+    // A raw NUL is never valid JSON (nlohmann's lexer would take it for the end of the input).
+    if (const void* z = std::memchr(h, 0, static_cast<std::size_t>(n)))
+      throw_error(errors::st_header_json, where,
+                  "NUL byte at header offset " + std::to_string(static_cast<const unsigned char*>(z) - h));
+
+    detail::header_parser p(lim, where);
+    const char* first = reinterpret_cast<const char*>(h);
+    try {
+      nlohmann::json::sax_parse(first, first + n, &p, nlohmann::json::input_format_t::json, true, false);
+      p.finish();
+    } catch (const error& e) {
+      // serde parses the whole text before it checks the schema: a syntax error anywhere wins.
+      if (detail::is_schema_error(e.code())) detail::check_syntax(first, n, lim, where);
+      throw;
+    }
+
+    // File order: by (begin, end), stable (the reference sorts by data_offsets).
+    std::vector<std::uint32_t> perm(p.entries.size());
+    for (std::size_t i = 0; i < perm.size(); ++i) perm[i] = static_cast<std::uint32_t>(i);
+    bool sorted = true;
+    for (std::size_t i = 1; i < p.entries.size() && sorted; ++i)
+      if (std::pair(p.entries[i].begin, p.entries[i].end) < std::pair(p.entries[i - 1].begin, p.entries[i - 1].end))
+        sorted = false;
+    if (sorted) {
+      st.entries = std::move(p.entries);
+    } else {
+      std::stable_sort(perm.begin(), perm.end(), [&](std::uint32_t a, std::uint32_t b) {
+        return std::pair(p.entries[a].begin, p.entries[a].end) < std::pair(p.entries[b].begin, p.entries[b].end);
+      });
+      st.entries.reserve(perm.size());
+      for (std::uint32_t i : perm) st.entries.push_back(std::move(p.entries[i]));
+    }
+
+    // Names are unique (statedict's rule; the reference keeps the last of duplicates).
+    st.index.reserve(st.entries.size());
+    for (std::size_t i = 0; i < st.entries.size(); ++i)
+      if (!st.index.emplace(st.entries[i].name, i).second)
+        throw_error(errors::st_duplicate_key, where + ": tensor " + quote(st.entries[i].name),
+                    "the name appears twice in the header");
+
+    // Metadata::validate, rule by rule in the reference's order.
+    std::uint64_t start = 0;
+    for (const TensorEntry& e : st.entries) {
+      const std::string at = where + ": tensor " + quote(e.name);
+      if (e.begin != start || e.end < e.begin)
+        throw_error(errors::st_invalid_offset, at,
+                    "data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) + "], expected to start at " +
+                        std::to_string(start) + " (offsets must be contiguous from 0)");
+      start = e.end;
+      std::uint64_t numel = 1;
+      for (dim_t d : e.shape)
+        if (__builtin_mul_overflow(numel, static_cast<std::uint64_t>(d), &numel))
+          throw_error(errors::st_overflow, at, "element count of shape " + to_string(e.shape) + " overflows 64 bits");
+      std::uint64_t bits = 0;
+      if (__builtin_mul_overflow(numel, std::uint64_t{e.dtype_bits}, &bits))
+        throw_error(errors::st_overflow, at,
+                    "bit size of " + std::string(e.dtype_name) + to_string(e.shape) + " overflows 64 bits");
+      if (bits % 8 != 0)
+        throw_error(errors::st_misaligned_slice, at,
+                    std::string(e.dtype_name) + to_string(e.shape) + " is not a whole number of bytes");
+      if (e.end - e.begin != bits / 8)
+        throw_error(errors::st_size_mismatch, at,
+                    std::string(e.dtype_name) + to_string(e.shape) + " needs " + std::to_string(bits / 8) +
+                        " bytes, data_offsets give " + std::to_string(e.end - e.begin));
+      if (numel > max_size)
+        throw_error(errors::st_overflow, at, "element count " + std::to_string(numel) + " exceeds 2^63-1");
+    }
+    const std::uint64_t data_len = len - 8 - n;
+    if (start != data_len)
+      throw_error(errors::st_incomplete_buffer, where,
+                  "tensor data ends at byte " + std::to_string(start) + " of the data section, which has " +
+                      std::to_string(data_len) + " bytes (no holes or trailing bytes allowed)");
+
+    if (p.metadata) {
+      st.raw_metadata.emplace();
+      for (auto& [k, v] : *p.metadata) st.raw_metadata->emplace(k, v);
+      for (const auto& [k, v] : *st.raw_metadata)
+        if (k != aliases_key && k != skeleton_key) st.metadata.emplace(k, v);
+      read_statedict_metadata(st, where);
+    }
+  }
+
+  static void read_statedict_metadata(detail::file_state& st, const std::string& where) {
+    const auto& md = *st.raw_metadata;
+    if (auto it = md.find(std::string(aliases_key)); it != md.end()) {
+      const std::string at = where + ": __metadata__ " + quote(aliases_key);
+      nlohmann::ordered_json j = nlohmann::ordered_json::parse(it->second, nullptr, false);
+      if (!j.is_object()) throw_error(errors::st_statedict_metadata, at, "not a JSON object of strings");
+      for (auto& [alias, target] : j.items()) {
+        if (!target.is_string()) throw_error(errors::st_statedict_metadata, at, "alias " + quote(alias) + " is not a string");
+        const std::string& t = target.get_ref<const std::string&>();
+        auto e = st.index.find(t);
+        if (e == st.index.end())
+          throw_error(errors::st_statedict_metadata, at, "alias " + quote(alias) + " refers to a missing tensor " + quote(t));
+        if (st.index.count(alias))
+          throw_error(errors::st_statedict_metadata, at, "alias " + quote(alias) + " is also a stored tensor");
+        st.aliases.emplace_back(alias, t);
+      }
+      st.alias_index.reserve(st.aliases.size());
+      for (const auto& [alias, target] : st.aliases)
+        if (!st.alias_index.emplace(alias, st.index.at(target)).second)
+          throw_error(errors::st_statedict_metadata, at, "alias " + quote(alias) + " appears twice");
+    }
+    if (auto it = md.find(std::string(skeleton_key)); it != md.end()) {
+      st.skeleton = nlohmann::json::parse(it->second, nullptr, false);
+      if (st.skeleton.is_discarded() || !st.skeleton.is_object())
+        throw_error(errors::st_statedict_metadata, where + ": __metadata__ " + quote(skeleton_key), "not a JSON object");
+    }
+  }
+
+  std::shared_ptr<const detail::file_state> s_;
+};
+
+// =============================================================================================
+// Writer
+
+/// What the layout needs to know of one tensor.
+struct TensorSpec {
+  std::string name;
+  statedict::dtype dtype = statedict::dtype::F32;
+  shape_t shape;
+};
+
+/// One tensor placed in a file being written.
+struct LayoutEntry {
+  std::size_t index = 0;  ///< position in the specs given to layout()
+  std::uint64_t begin = 0;  ///< data_offsets, relative to the data section
+  std::uint64_t end = 0;
+};
+
+/// Where everything goes in a file: the header bytes and each tensor's data offsets.
+struct Layout {
+  /// The file's first `data_start()` bytes: u64 length, JSON, space padding.
+  std::string header;
+  /// Tensors in file order (the reference's: dtype descending, then name).
+  std::vector<LayoutEntry> entries;
+  [[nodiscard]] std::uint64_t data_start() const noexcept { return header.size(); }
+  /// Total file size.
+  std::uint64_t file_size = 0;
+};
+
+namespace detail {
+inline std::string where_tensor(std::string_view name) { return "tensor " + quote(name); }
+}  // namespace detail
+
+/// Computes the header and data offsets the reference writer would produce for these tensors and
+/// this `__metadata__` (nullopt: no `__metadata__` key at all). Throws for C128, duplicate or
+/// reserved names, non-UTF-8 text, and headers above `lim.max_header_bytes`.
+inline Layout layout(std::span<const TensorSpec> specs, const std::optional<std::map<std::string, std::string>>& metadata,
+                     const limits& lim = {}) {
+  Layout out;
+  std::vector<std::size_t> order(specs.size());
+  std::vector<std::int8_t> rank(specs.size());
+  {
+    std::unordered_set<std::string_view> names;
+    names.reserve(specs.size());
+    for (std::size_t i = 0; i < specs.size(); ++i) {
+      const TensorSpec& s = specs[i];
+      order[i] = i;
+      rank[i] = info(s.dtype).safetensors_rank;
+      if (rank[i] < 0)
+        throw_error(errors::st_write_dtype, detail::where_tensor(s.name),
+                    std::string(name(s.dtype)) + " cannot be stored in safetensors");
+      if (s.name == "__metadata__")
+        throw_error(errors::st_write_name, detail::where_tensor(s.name), "the name is reserved for the metadata");
+      if (!detail::valid_utf8(s.name)) throw_error(errors::st_write_name, detail::where_tensor(s.name), "the name is not UTF-8");
+      if (!names.insert(s.name).second) throw_error(errors::st_write_name, detail::where_tensor(s.name), "the name appears twice");
+      check_shape(s.shape);
+    }
+  }
+  std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+    if (rank[a] != rank[b]) return rank[a] > rank[b];
+    return specs[a].name < specs[b].name;
+  });
+  std::string& h = out.header;
+  h.assign(8, '\0');
+  h += '{';
+  bool first = true;
+  if (metadata) {
+    h += "\"__metadata__\":{";
+    bool mfirst = true;
+    for (const auto& [k, v] : *metadata) {
+      if (!detail::valid_utf8(k) || !detail::valid_utf8(v))
+        throw_error(errors::st_write_metadata, "__metadata__ key " + quote(k), "not UTF-8");
+      if (!mfirst) h += ',';
+      mfirst = false;
+      detail::append_json_string(h, k);
+      h += ':';
+      detail::append_json_string(h, v);
+    }
+    h += '}';
+    first = false;
+  }
+  std::uint64_t offset = 0;
+  out.entries.reserve(specs.size());
+  for (std::size_t i : order) {
+    const TensorSpec& s = specs[i];
+    const std::uint64_t nbytes = byte_size(s.shape, itemsize(s.dtype));
+    if (!first) h += ',';
+    first = false;
+    detail::append_json_string(h, s.name);
+    h += ":{\"dtype\":\"";
+    h += name(s.dtype);
+    h += "\",\"shape\":[";
+    for (std::size_t d = 0; d < s.shape.size(); ++d) {
+      if (d) h += ',';
+      detail::append_uint(h, static_cast<std::uint64_t>(s.shape[d]));
+    }
+    h += "],\"data_offsets\":[";
+    detail::append_uint(h, offset);
+    h += ',';
+    const std::uint64_t end = checked_add(offset, nbytes, "data section size");
+    detail::append_uint(h, end);
+    h += "]}";
+    out.entries.push_back(LayoutEntry{i, offset, end});
+    offset = end;
+  }
+  h += '}';
+  while (h.size() % 8 != 0) h += ' ';
+  const std::uint64_t n = h.size() - 8;
+  if (n > lim.max_header_bytes)
+    throw_error(errors::st_write_header_large, "header",
+                std::to_string(n) + " bytes exceed the cap of " + std::to_string(lim.max_header_bytes) +
+                    " (readers refuse larger headers)");
+  for (int i = 0; i < 8; ++i) h[static_cast<std::size_t>(i)] = static_cast<char>((n >> (8 * i)) & 0xff);
+  out.file_size = checked_add(h.size(), offset, "file size");
+  return out;
+}
+
+/// One tensor to write: either a view, or contiguous row-major bytes in a byte source (a mapped or
+/// pread file; the writer then streams them in blocks, or with copy_file_range when possible).
+struct Input {
+  std::string name;
+  statedict::dtype dtype = statedict::dtype::F32;  ///< dtype of the data as given
+  shape_t shape;
+  TensorView view;                                 ///< the data, when `source` is null
+  std::shared_ptr<const ByteSource> source;        ///< or: the bytes at `offset` in this source
+  std::uint64_t offset = 0;
+
+  static Input of(std::string tensor_name, TensorView v) {
+    Input in;
+    in.name = std::move(tensor_name);
+    in.dtype = v.dtype();
+    in.shape = v.shape();
+    in.view = std::move(v);
+    return in;
+  }
+  static Input from_source(std::string tensor_name, statedict::dtype t, shape_t dims, std::shared_ptr<const ByteSource> src,
+                           std::uint64_t at) {
+    Input in;
+    in.name = std::move(tensor_name);
+    in.dtype = t;
+    in.shape = std::move(dims);
+    in.source = std::move(src);
+    in.offset = at;
+    return in;
+  }
+};
+
+struct write_options {
+  /// Cast floating-point tensors to this dtype (F32, BF16, F16, ...); other tensors keep theirs.
+  std::optional<statedict::dtype> cast;
+  /// The user's `__metadata__` (nullopt: none). Keys "statedict.*" are reserved.
+  std::optional<std::map<std::string, std::string>> metadata;
+  /// Further names for written tensors: (alias, stored name). Recorded under "statedict.aliases".
+  std::vector<std::pair<std::string, std::string>> aliases;
+  /// Inputs that are the very same view as an earlier input are written once and recorded as
+  /// aliases of it (tied weights).
+  bool dedupe_views = true;
+  /// A flatten skeleton to store under "statedict.skeleton" (null: none).
+  nlohmann::json skeleton;
+  /// Size of the staging buffer used for casts, strided views and pread sources.
+  std::size_t buffer_bytes = std::size_t{8} << 20;
+  /// Let the kernel copy uncast bytes between files (copy_file_range) when the source has a file
+  /// descriptor.
+  bool copy_file_range = true;
+  limits lim{};
+};
+
+/// What write() did.
+struct write_result {
+  Layout layout;
+  std::vector<TensorSpec> specs;  ///< the stored tensors (after dedupe and cast), as given to layout()
+  std::vector<std::pair<std::string, std::string>> aliases;
+  std::optional<std::map<std::string, std::string>> metadata;  ///< the `__metadata__` written
+};
+
+namespace detail {
+
+/// The output dtype of an input under `cast`.
+inline statedict::dtype out_dtype(statedict::dtype t, const std::optional<statedict::dtype>& cast) {
+  return cast && is_floating(t) ? *cast : t;
+}
+
+/// Streams bytes into an OutputFile through a fixed staging buffer.
+class stream_writer {
+ public:
+  stream_writer(OutputFile& out, std::size_t buffer_bytes, bool allow_cfr)
+      : out_(out), buf_(std::max<std::size_t>(buffer_bytes, 4096)), cfr_(allow_cfr) {}
+
+  void flush() {
+    if (fill_) out_.write(std::span<const std::byte>(buf_.data(), fill_));
+    fill_ = 0;
+  }
+  /// Appends raw bytes (large ones go straight to the file).
+  void put(const std::byte* p, std::uint64_t n) {
+    if (n >= buf_.size() / 2) {
+      flush();
+      while (n > 0) {
+        const std::size_t take = static_cast<std::size_t>(std::min<std::uint64_t>(n, std::uint64_t{1} << 30));
+        out_.write(std::span<const std::byte>(p, take));
+        p += take;
+        n -= take;
+      }
+      return;
+    }
+    if (fill_ + n > buf_.size()) flush();
+    std::memcpy(buf_.data() + fill_, p, static_cast<std::size_t>(n));
+    fill_ += static_cast<std::size_t>(n);
+  }
+  /// Appends `count` elements cast from `from` to `to`.
+  void put_cast(statedict::dtype from, const std::byte* p, statedict::dtype to, std::uint64_t count) {
+    if (from == to) return put(p, count * itemsize(from));
+    const std::size_t os = itemsize(to), is = itemsize(from);
+    while (count > 0) {
+      std::size_t room = (buf_.size() - fill_) / os;
+      if (room == 0) {
+        flush();
+        room = buf_.size() / os;
+      }
+      const std::size_t take = static_cast<std::size_t>(std::min<std::uint64_t>(count, room));
+      cast_run(from, p, to, buf_.data() + fill_, take);
+      fill_ += take * os;
+      p += take * is;
+      count -= take;
+    }
+  }
+  /// Appends `n` bytes at `offset` of `src`, cast from `from` to `to` (n counts source bytes).
+  void put_source(const ByteSource& src, std::uint64_t offset, std::uint64_t n, statedict::dtype from, statedict::dtype to) {
+    src.check_range(offset, n, "tensor data");
+    if (n == 0) return;
+    if (from == to && cfr_ && src.fd() >= 0 && try_copy_file_range(src, offset, n)) return;
+    if (const std::byte* d = src.data()) {
+      if (const auto* f = dynamic_cast<const InputFile*>(&src)) f->advise(offset, n, access_hint::sequential);
+      return put_cast(from, d + offset, to, n / itemsize(from));
+    }
+    // pread into the first half of the buffer, cast into the second.
+    flush();
+    const std::size_t is = itemsize(from);
+    std::vector<std::byte> in(std::min<std::uint64_t>(n, std::max<std::size_t>(buf_.size() / 2 / is * is, is)));
+    while (n > 0) {
+      const std::size_t take = static_cast<std::size_t>(std::min<std::uint64_t>(n, in.size()));
+      src.read(offset, std::span<std::byte>(in.data(), take));
+      put_cast(from, in.data(), to, take / is);
+      offset += take;
+      n -= take;
+    }
+  }
+
+ private:
+  bool try_copy_file_range(const ByteSource& src, std::uint64_t offset, std::uint64_t n) {
+    flush();
+    auto in_off = static_cast<loff_t>(src.fd_offset() + offset);
+    auto out_off = static_cast<loff_t>(out_.position());
+    std::uint64_t done = 0;
+    while (done < n) {
+      const ssize_t r = ::copy_file_range(src.fd(), &in_off, out_.fd(), &out_off,
+                                          static_cast<std::size_t>(std::min<std::uint64_t>(n - done, std::uint64_t{1} << 30)), 0);
+      if (r < 0) {
+        if (errno == EINTR) continue;
+        if (done == 0 && (errno == EXDEV || errno == ENOSYS || errno == EINVAL || errno == EOPNOTSUPP)) {
+          cfr_ = false;
+          return false;
+        }
+        throw_error(errors::write_failed, "file " + quote(out_.path().string()), "copy_file_range failed: " + statedict::detail::errno_text(errno));
+      }
+      if (r == 0)
+        throw_error(errors::file_shrank, "file " + quote(src.name()), "ended while copying, shorter than when opened");
+      done += static_cast<std::uint64_t>(r);
+    }
+    out_.seek(out_.position() + n);
+    return true;
+  }
+
+  OutputFile& out_;
+  std::vector<std::byte> buf_;
+  std::size_t fill_ = 0;
+  bool cfr_;
+};
+
+struct prepared {
+  std::vector<std::size_t> stored;  // indices of inputs to store
+  std::vector<TensorSpec> specs;    // their output specs, same order
+  std::vector<std::pair<std::string, std::string>> aliases;
+  std::optional<std::map<std::string, std::string>> metadata;
+};
+
+inline prepared prepare(std::span<const Input> inputs, const write_options& opt) {
+  prepared p;
+  if (opt.cast && !is_floating(*opt.cast))
+    throw_error(errors::st_write_input, "cast to " + std::string(name(*opt.cast)), "only floating dtypes are cast targets");
+  p.aliases = opt.aliases;
+  std::unordered_map<const std::byte*, std::vector<std::size_t>> by_ptr;
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    const Input& in = inputs[i];
+    if (in.source == nullptr && (in.view.dtype() != in.dtype || in.view.shape() != in.shape))
+      throw_error(errors::st_write_input, where_tensor(in.name), "dtype/shape differ from its view's");
+    if (opt.dedupe_views && in.source == nullptr && in.view.numel() != 0) {
+      auto& seen = by_ptr[in.view.data()];
+      bool dup = false;
+      for (std::size_t j : seen)
+        if (same_view(inputs[j].view, in.view)) {
+          p.aliases.emplace_back(in.name, inputs[j].name);
+          dup = true;
+          break;
+        }
+      if (dup) continue;
+      seen.push_back(i);
+    }
+    if (opt.cast) check_cast(in.dtype, out_dtype(in.dtype, opt.cast));
+    p.stored.push_back(i);
+    p.specs.push_back(TensorSpec{in.name, out_dtype(in.dtype, opt.cast), in.shape});
+  }
+  p.metadata = opt.metadata;
+  if (p.metadata)
+    for (const auto& [k, v] : *p.metadata)
+      if (k == aliases_key || k == skeleton_key)
+        throw_error(errors::st_write_metadata, "__metadata__ key " + quote(k), "reserved for statedict");
+  if (!p.aliases.empty()) {
+    std::unordered_set<std::string_view> stored;
+    for (const auto& s : p.specs) stored.insert(s.name);
+    nlohmann::ordered_json j = nlohmann::ordered_json::object();
+    for (const auto& [alias, target] : p.aliases) {
+      if (!stored.count(target))
+        throw_error(errors::st_write_input, "alias " + quote(alias), "refers to " + quote(target) + ", which is not written");
+      if (stored.count(alias) || j.contains(alias))
+        throw_error(errors::st_write_name, "alias " + quote(alias), "the name appears twice");
+      if (!valid_utf8(alias)) throw_error(errors::st_write_name, "alias " + quote(alias), "the name is not UTF-8");
+      j[alias] = target;
+    }
+    if (!p.metadata) p.metadata.emplace();
+    p.metadata->emplace(std::string(aliases_key), j.dump());
+  }
+  if (!opt.skeleton.is_null()) {
+    if (!p.metadata) p.metadata.emplace();
+    p.metadata->emplace(std::string(skeleton_key), opt.skeleton.dump());
+  }
+  return p;
+}
+
+}  // namespace detail
+
+/// Writes the tensors into an open output file, from its current position 0: header first, then
+/// each tensor's bytes in file order. Memory: one staging buffer (write_options::buffer_bytes).
+inline write_result write_to(OutputFile& out, std::span<const Input> inputs, const write_options& opt = {}) {
+  detail::prepared p = detail::prepare(inputs, opt);
+  write_result r;
+  r.layout = layout(p.specs, p.metadata, opt.lim);
+  detail::stream_writer w(out, opt.buffer_bytes, opt.copy_file_range);
+  w.put(reinterpret_cast<const std::byte*>(r.layout.header.data()), r.layout.header.size());
+  for (const LayoutEntry& e : r.layout.entries) {
+    const Input& in = inputs[p.stored[e.index]];
+    const statedict::dtype to = p.specs[e.index].dtype;
+    try {
+      if (in.source) {
+        w.put_source(*in.source, in.offset, byte_size(in.shape, itemsize(in.dtype)), in.dtype, to);
+      } else {
+        in.view.for_each_run([&](const std::byte* ptr, std::uint64_t count) { w.put_cast(in.dtype, ptr, to, count); });
+      }
+    } catch (error& err) {
+      err.add_context(detail::where_tensor(in.name));
+      throw;
+    }
+  }
+  w.flush();
+  if (out.position() != r.layout.file_size)
+    throw_error(errors::write_failed, "file " + quote(out.path().string()),
+                "wrote " + std::to_string(out.position()) + " bytes, expected " + std::to_string(r.layout.file_size));
+  r.specs = std::move(p.specs);
+  r.aliases = std::move(p.aliases);
+  r.metadata = std::move(p.metadata);
+  return r;
+}
+
+/// Writes a .safetensors file atomically (temporary name, fsync, rename).
+inline write_result write(const std::filesystem::path& path, std::span<const Input> inputs, const write_options& opt = {}) {
+  OutputFile out = OutputFile::create(path);
+  write_result r;
+  try {
+    r = write_to(out, inputs, opt);
+  } catch (error& e) {
+    e.add_context("file " + quote(path.string()));
+    throw;
+  }
+  out.commit();
+  return r;
+}
+
+/// Inputs for every tensor of a ShardedCheckpoint whose elements lie in one contiguous,
+/// row-major chunk of one source (what every safetensors file and HF shard is). Throws
+/// errors::st_write_input for a tensor split over several chunks (the executor handles those).
+inline std::vector<Input> inputs_of(const ShardedCheckpoint& c) {
+  std::vector<Input> out;
+  out.reserve(c.tensors.size());
+  for (const TensorInfo& t : c.tensors) {
+    bool whole = t.chunks.size() == 1 && t.chunks[0].at.strides.empty() && t.chunks[0].at.stored == t.dtype;
+    if (whole) {
+      const auto& reg = t.chunks[0].region;
+      if (const Box* b = std::get_if<Box>(&reg))
+        whole = b->sizes == t.shape && std::all_of(b->offsets.begin(), b->offsets.end(), [](dim_t o) { return o == 0; });
+      else {
+        const auto& fr = std::get<FlatRange>(reg);
+        whole = fr.begin == 0 && fr.end == numel(t.shape);
+      }
+    }
+    if (!whole)
+      throw_error(errors::st_write_input, detail::where_tensor(t.name), "is not one contiguous chunk of one source");
+    out.push_back(Input::from_source(t.name, t.dtype, t.shape, c.sources.at(t.chunks[0].at.source), t.chunks[0].at.byte_offset));
+  }
+  return out;
+}
+
+}  // namespace safetensors
+}  // namespace statedict::inline v0
+// ---- statedict/io/hf_sharded.hpp ----
+// statedict: Hugging Face sharded safetensors checkpoints (a directory of shards and an index).
+// SPDX-License-Identifier: MIT
+//
+// Layout (huggingface_hub `save_torch_state_dict`): `model-00001-of-00003.safetensors`, ... and
+// `model.safetensors.index.json` = {"metadata": {"total_size": N, ...}, "weight_map": {tensor: file}};
+// a checkpoint that fits in one shard is a single `model.safetensors` and no index.
+//
+// Writing: `hf::write_sharded(dir, inputs, options)` splits with huggingface_hub's
+// `split_state_dict_into_shards_factory` rule (one greedy pass in input order; a tensor larger
+// than the maximum goes alone into a shard of its own, placed before the shard still open; sizes
+// in decimal units), writes every shard with the streaming safetensors writer, and makes the whole
+// directory appear atomically (io/file.hpp OutputDir).
+//
+// Reading: `hf::Checkpoint::open(dir or index file)` validates the index against the shards
+// (every weight_map entry is in its file, no tensor in two files, no tensor missing from the index,
+// no shard name that leaves the directory) and presents all shards as one map and one
+// ShardedCheckpoint (format "hf_sharded", one source per shard). docs/safetensors.md has the details.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+
+namespace statedict::inline v0 {
+
+namespace errors {
+// clang-format off
+inline constexpr error_id hf_index_json          {350, error_kind::format,   "hf.index_json"};          // not JSON / too large / too deep
+inline constexpr error_id hf_index_schema        {351, error_kind::format,   "hf.index_schema"};        // weight_map missing or not {str: str}
+inline constexpr error_id hf_index_duplicate     {352, error_kind::format,   "hf.index_duplicate"};     // a key twice in one JSON object
+inline constexpr error_id hf_missing_tensor      {353, error_kind::format,   "hf.missing_tensor"};      // weight_map entry not in its file
+inline constexpr error_id hf_tensor_in_two_files {354, error_kind::format,   "hf.tensor_in_two_files"};
+inline constexpr error_id hf_unlisted_tensor     {355, error_kind::format,   "hf.unlisted_tensor"};     // in a shard, not in the index
+inline constexpr error_id hf_bad_shard_name      {356, error_kind::security, "hf.bad_shard_name"};      // a path, not a file name
+inline constexpr error_id hf_not_a_checkpoint    {357, error_kind::usage,    "hf.not_a_checkpoint"};
+inline constexpr error_id hf_bad_max_shard_size  {358, error_kind::usage,    "hf.bad_max_shard_size"};
+// clang-format on
+}  // namespace errors
+
+namespace hf {
+
+/// huggingface_hub's MAX_SHARD_SIZE ("5GB").
+inline constexpr std::uint64_t default_max_shard_size = 5'000'000'000;
+inline constexpr std::string_view index_name = "model.safetensors.index.json";
+inline constexpr std::string_view single_name = "model.safetensors";
+
+/// Parses a maximum shard size as huggingface_hub's `parse_size_to_int` does: a number (Python
+/// float syntax: "5", "1.5", "2e3") followed by one of the decimal units KB, MB, GB, TB (any
+/// case; KB = 1000), surrounding spaces ignored; the byte count is `int(value * unit)` computed
+/// in double precision like Python. statedict also accepts a bare integer number of bytes
+/// ("1000000", as the Python API takes an int). Binary units ("10KiB", "1GiB") are refused, as
+/// huggingface_hub refuses them; so are negative, infinite and NaN sizes.
+inline std::uint64_t parse_max_shard_size(std::string_view text) {
+  auto bad = [&](const std::string& why) -> std::uint64_t {
+    throw_error(errors::hf_bad_max_shard_size, "max shard size " + quote(text), why);
+  };
+  auto is_space = [](char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; };
+  std::string_view s = text;
+  while (!s.empty() && is_space(s.front())) s.remove_prefix(1);
+  while (!s.empty() && is_space(s.back())) s.remove_suffix(1);
+  if (s.empty()) return bad("is empty");
+  if (std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+    std::uint64_t v = 0;
+    for (char c : s)
+      if (__builtin_mul_overflow(v, 10U, &v) || __builtin_add_overflow(v, static_cast<unsigned>(c - '0'), &v))
+        return bad("does not fit 64 bits");
+    return v;
+  }
+  if (s.size() < 2) return bad("needs a unit: KB, MB, GB or TB (decimal, as huggingface_hub)");
+  std::string unit(s.substr(s.size() - 2));
+  for (char& c : unit) c = static_cast<char>(c >= 'a' && c <= 'z' ? c - 'a' + 'A' : c);
+  double mult = 0;
+  if (unit == "KB") mult = 1e3;
+  else if (unit == "MB") mult = 1e6;
+  else if (unit == "GB") mult = 1e9;
+  else if (unit == "TB") mult = 1e12;
+  else return bad("unit " + quote(unit) + " not supported: use KB, MB, GB or TB (decimal, as huggingface_hub)");
+  std::string_view num = s.substr(0, s.size() - 2);
+  while (!num.empty() && is_space(num.back())) num.remove_suffix(1);
+  // Python float(): [sign] (digits [. digits] | . digits) [e [sign] digits].
+  std::size_t i = 0;
+  if (i < num.size() && (num[i] == '+' || num[i] == '-')) ++i;
+  std::size_t digits = 0;
+  while (i < num.size() && num[i] >= '0' && num[i] <= '9') ++i, ++digits;
+  if (i < num.size() && num[i] == '.') {
+    ++i;
+    while (i < num.size() && num[i] >= '0' && num[i] <= '9') ++i, ++digits;
+  }
+  if (digits == 0) return bad("is not a number followed by a unit");
+  if (i < num.size() && (num[i] == 'e' || num[i] == 'E')) {
+    ++i;
+    if (i < num.size() && (num[i] == '+' || num[i] == '-')) ++i;
+    std::size_t ed = 0;
+    while (i < num.size() && num[i] >= '0' && num[i] <= '9') ++i, ++ed;
+    if (ed == 0) return bad("is not a number followed by a unit");
+  }
+  if (i != num.size()) return bad("is not a number followed by a unit");
+  const double v = std::strtod(std::string(num).c_str(), nullptr) * mult;
+  if (!(v >= 0)) return bad("is negative or not a number");
+  if (v >= 18446744073709551616.0) return bad("does not fit 64 bits");
+  return static_cast<std::uint64_t>(v);  // truncation, as Python's int()
+}
+
+/// One tensor as the splitter sees it.
+struct ShardItem {
+  std::string name;
+  std::uint64_t size = 0;                  ///< bytes on disk
+  std::optional<std::uint64_t> storage;    ///< tensors sharing a storage id go to one shard
+};
+
+/// Which tensors go to which file.
+struct ShardPlan {
+  struct Shard {
+    std::string filename;
+    std::vector<std::size_t> items;  ///< indices into the items, in huggingface_hub's order
+  };
+  std::vector<Shard> shards;
+  /// huggingface_hub's metadata.total_size: each storage counted once.
+  std::uint64_t total_size = 0;
+  [[nodiscard]] bool is_sharded() const noexcept { return shards.size() > 1; }
+};
+
+/// `model-00001-of-00003.safetensors`; `model.safetensors` for a single shard.
+inline std::string shard_filename(std::size_t index, std::size_t count) {
+  if (count <= 1) return std::string(single_name);
+  auto pad5 = [](std::size_t v) {
+    std::string s = std::to_string(v);
+    return s.size() < 5 ? std::string(5 - s.size(), '0') + s : s;
+  };
+  return "model-" + pad5(index + 1) + "-of-" + pad5(count) + ".safetensors";
+}
+
+/// huggingface_hub's split_state_dict_into_shards_factory, step for step. With no items it gives
+/// one empty `model.safetensors` (huggingface_hub gives no file at all).
+inline ShardPlan plan_shards(std::span<const ShardItem> items, std::uint64_t max_shard_size = default_max_shard_size) {
+  ShardPlan plan;
+  std::vector<std::vector<std::size_t>> groups;  // items sharing a storage, first one first
+  std::unordered_map<std::uint64_t, std::size_t> group_of;
+  std::vector<std::vector<std::size_t>> shards;
+  std::vector<std::size_t> current;
+  std::uint64_t current_size = 0;
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    if (items[i].storage) {
+      auto [it, fresh] = group_of.emplace(*items[i].storage, groups.size());
+      if (!fresh) {
+        groups[it->second].push_back(i);
+        continue;
+      }
+      groups.push_back({i});
+    }
+    const std::uint64_t size = items[i].size;
+    if (size > max_shard_size) {  // alone, ahead of the shard still open
+      plan.total_size += size;
+      shards.push_back({i});
+      continue;
+    }
+    if (current_size + size > max_shard_size) {
+      shards.push_back(std::move(current));
+      current.clear();
+      current_size = 0;
+    }
+    current.push_back(i);
+    current_size += size;
+    plan.total_size += size;
+  }
+  if (!current.empty()) shards.push_back(std::move(current));
+  for (const auto& g : groups) {
+    if (g.size() < 2) continue;
+    for (auto& s : shards)
+      if (std::find(s.begin(), s.end(), g[0]) != s.end()) {
+        s.insert(s.end(), g.begin() + 1, g.end());
+        break;
+      }
+  }
+  if (shards.size() <= 1) {
+    ShardPlan::Shard one{std::string(single_name), {}};
+    for (std::size_t i = 0; i < items.size(); ++i) one.items.push_back(i);
+    plan.shards.push_back(std::move(one));
+    return plan;
+  }
+  for (std::size_t k = 0; k < shards.size(); ++k)
+    plan.shards.push_back(ShardPlan::Shard{shard_filename(k, shards.size()), std::move(shards[k])});
+  return plan;
+}
+
+namespace detail {
+/// Appends `s` as Python's json.dumps (ensure_ascii=True) writes a string.
+inline void append_python_json_string(std::string& out, std::string_view s) {
+  static constexpr char hex[] = "0123456789abcdef";
+  auto u4 = [&](std::uint32_t v) {
+    out += "\\u";
+    for (int sh = 12; sh >= 0; sh -= 4) out += hex[(v >> sh) & 15U];
+  };
+  out += '"';
+  for (std::size_t i = 0; i < s.size();) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    if (c >= 0x20 && c < 0x7f && c != '"' && c != '\\') {
+      out += static_cast<char>(c);
+      ++i;
+      continue;
+    }
+    switch (c) {
+      case '"': out += "\\\""; ++i; continue;
+      case '\\': out += "\\\\"; ++i; continue;
+      case '\n': out += "\\n"; ++i; continue;
+      case '\r': out += "\\r"; ++i; continue;
+      case '\t': out += "\\t"; ++i; continue;
+      case '\b': out += "\\b"; ++i; continue;
+      case '\f': out += "\\f"; ++i; continue;
+      default: break;
+    }
+    if (c < 0x80) {
+      u4(c);
+      ++i;
+      continue;
+    }
+    // Decode one UTF-8 sequence (the input was validated as UTF-8).
+    std::uint32_t cp = 0;
+    std::size_t len = c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : 2;
+    cp = c & (len == 4 ? 0x07U : len == 3 ? 0x0FU : 0x1FU);
+    for (std::size_t k = 1; k < len && i + k < s.size(); ++k) cp = (cp << 6) | (static_cast<unsigned char>(s[i + k]) & 0x3FU);
+    i += len;
+    if (cp >= 0x10000) {
+      cp -= 0x10000;
+      u4(0xD800 + (cp >> 10));
+      u4(0xDC00 + (cp & 0x3FF));
+    } else {
+      u4(cp);
+    }
+  }
+  out += '"';
+}
+}  // namespace detail
+
+/// The index file's text exactly as huggingface_hub writes it: json.dumps(index, indent=2).
+inline std::string index_json(std::uint64_t total_size, const std::map<std::string, std::string>& metadata,
+                              const std::vector<std::pair<std::string, std::string>>& weight_map) {
+  std::string out = "{\n  \"metadata\": {\n    \"total_size\": ";
+  auto tot = metadata.find("total_size");  // a user value replaces it in place, as a dict update does
+  if (tot != metadata.end()) detail::append_python_json_string(out, tot->second);
+  else out += std::to_string(total_size);
+  for (const auto& [k, v] : metadata) {
+    if (k == "total_size") continue;
+    out += ",\n    ";
+    detail::append_python_json_string(out, k);
+    out += ": ";
+    detail::append_python_json_string(out, v);
+  }
+  out += "\n  },\n  \"weight_map\": {";
+  bool first = true;
+  for (const auto& [name, file] : weight_map) {
+    out += first ? "\n    " : ",\n    ";
+    first = false;
+    detail::append_python_json_string(out, name);
+    out += ": ";
+    detail::append_python_json_string(out, file);
+  }
+  out += first ? "}\n}" : "\n  }\n}";
+  return out;
+}
+
+struct write_options {
+  std::uint64_t max_shard_size = default_max_shard_size;
+  /// Cast floating-point tensors to this dtype; sizes are computed after the cast.
+  std::optional<statedict::dtype> cast;
+  /// The user's metadata: in the index when sharded, in the file (after "format": "pt") when not.
+  std::map<std::string, std::string> metadata;
+  /// Further names for written tensors: (alias, stored name), recorded in the stored tensor's shard.
+  std::vector<std::pair<std::string, std::string>> aliases;
+  bool dedupe_views = true;
+  /// A flatten skeleton: in the index metadata under "statedict.skeleton" when sharded, in the file
+  /// when not.
+  nlohmann::json skeleton;
+  std::size_t buffer_bytes = std::size_t{8} << 20;
+  bool copy_file_range = true;
+};
+
+struct write_result {
+  ShardPlan plan;
+  std::vector<std::string> files;  ///< written file names, index last when sharded
+  std::vector<std::pair<std::string, std::string>> aliases;
+};
+
+/// Writes a Hugging Face checkpoint directory atomically: `dir` appears complete or not at all
+/// (an existing `dir` is replaced in one step).
+inline write_result write_sharded(const std::filesystem::path& dir, std::span<const safetensors::Input> inputs,
+                                  const write_options& opt = {}) {
+  namespace st = safetensors;
+  st::write_options base;
+  base.cast = opt.cast;
+  base.aliases = opt.aliases;
+  base.dedupe_views = opt.dedupe_views;
+  // Dedupe and cast once over the whole state, so that aliases are not counted as tensors.
+  st::detail::prepared p = st::detail::prepare(inputs, base);
+  std::vector<ShardItem> items;
+  items.reserve(p.specs.size());
+  for (const auto& s : p.specs) items.push_back(ShardItem{s.name, byte_size(s.shape, itemsize(s.dtype)), std::nullopt});
+  write_result r;
+  r.plan = plan_shards(items, opt.max_shard_size);
+  r.aliases = p.aliases;
+  const bool sharded = r.plan.is_sharded();
+
+  std::unordered_map<std::string_view, std::size_t> shard_of;
+  for (std::size_t k = 0; k < r.plan.shards.size(); ++k)
+    for (std::size_t i : r.plan.shards[k].items) shard_of.emplace(p.specs[i].name, k);
+
+  OutputDir out = OutputDir::create(dir);
+  for (std::size_t k = 0; k < r.plan.shards.size(); ++k) {
+    const auto& shard = r.plan.shards[k];
+    std::vector<st::Input> sub;
+    sub.reserve(shard.items.size());
+    for (std::size_t i : shard.items) sub.push_back(inputs[p.stored[i]]);
+    st::write_options o;
+    o.cast = opt.cast;
+    o.dedupe_views = false;
+    o.buffer_bytes = opt.buffer_bytes;
+    o.copy_file_range = opt.copy_file_range;
+    std::map<std::string, std::string> md{{"format", "pt"}};
+    if (!sharded) {
+      for (const auto& [key, v] : opt.metadata) md[key] = v;
+      o.skeleton = opt.skeleton;
+    }
+    o.metadata = std::move(md);
+    for (const auto& a : p.aliases)
+      if (shard_of.at(a.second) == k) o.aliases.push_back(a);
+    OutputFile f = out.create_file(shard.filename);
+    try {
+      (void)st::write_to(f, sub, o);
+    } catch (error& e) {
+      e.add_context("file " + quote(shard.filename));
+      throw;
+    }
+    f.commit();
+    r.files.push_back(shard.filename);
+  }
+  if (sharded) {
+    std::vector<std::pair<std::string, std::string>> weight_map;
+    weight_map.reserve(p.specs.size());
+    for (const auto& shard : r.plan.shards)
+      for (std::size_t i : shard.items) weight_map.emplace_back(p.specs[i].name, shard.filename);
+    std::map<std::string, std::string> md = opt.metadata;
+    if (!opt.skeleton.is_null()) md[std::string(st::skeleton_key)] = opt.skeleton.dump();
+    const std::string text = index_json(r.plan.total_size, md, weight_map);
+    OutputFile f = out.create_file(std::string(index_name));
+    f.write(text);
+    f.commit();
+    r.files.emplace_back(index_name);
+  }
+  out.commit();
+  return r;
+}
+
+struct open_options {
+  read_mode mode = read_mode::mmap;
+  safetensors::limits lim{};
+  /// Largest index file read (huggingface_hub has no cap).
+  std::uint64_t max_index_bytes = 100'000'000;
+};
+
+/// A Hugging Face checkpoint: all shards as one map. Copies share the files.
+class Checkpoint {
+ public:
+  /// One tensor of the checkpoint.
+  struct Item {
+    std::string name;
+    std::size_t file = 0;                             ///< index into files()
+    const safetensors::TensorEntry* entry = nullptr;  ///< the stored tensor (the target, for an alias)
+    bool alias = false;
+  };
+
+  /// Opens a directory (with `model.safetensors.index.json`, or a single `model.safetensors`) or
+  /// an index file, and validates the index against the shards.
+  static Checkpoint open(const std::filesystem::path& path, const open_options& opt = {}) {
+    namespace fs = std::filesystem;
+    Checkpoint c;
+    std::error_code ec;
+    if (fs::is_directory(path, ec)) {
+      c.dir_ = path;
+      if (fs::exists(path / index_name, ec)) {
+        c.index_path_ = path / index_name;
+      } else if (fs::exists(path / single_name, ec)) {
+        c.open_single(path / single_name, opt);
+        return c;
+      } else {
+        throw_error(errors::hf_not_a_checkpoint, "directory " + quote(path.string()),
+                    "has neither " + std::string(index_name) + " nor " + std::string(single_name));
+      }
+    } else {
+      c.index_path_ = path;
+      c.dir_ = statedict::detail::parent_or_dot(path);
+    }
+    c.open_index(opt);
+    return c;
+  }
+
+  [[nodiscard]] const std::filesystem::path& directory() const noexcept { return dir_; }
+  /// The index file; empty for a single-file checkpoint.
+  [[nodiscard]] const std::filesystem::path& index_path() const noexcept { return index_path_; }
+  [[nodiscard]] const std::vector<safetensors::File>& files() const noexcept { return files_; }
+  /// Tensors in index order (weight_map order), then aliases.
+  [[nodiscard]] const std::vector<Item>& items() const noexcept { return items_; }
+  /// The index's "metadata" object (empty for a single file).
+  [[nodiscard]] const nlohmann::ordered_json& index_metadata() const noexcept { return index_metadata_; }
+
+  [[nodiscard]] const Item* find(std::string_view name) const {
+    auto it = by_name_.find(std::string(name));
+    return it == by_name_.end() ? nullptr : &items_[it->second];
+  }
+  [[nodiscard]] TensorView view(std::string_view name) const {
+    const Item* i = find(name);
+    if (!i) throw_error(errors::st_no_such_tensor, where(), "no tensor " + quote(name));
+    return files_[i->file].view(*i->entry);
+  }
+
+  /// {name: tensor} in index order, aliases last (views of their target).
+  [[nodiscard]] Value to_flat_dict() const {
+    Dict d;
+    d.reserve(items_.size());
+    for (const Item& i : items_) d.insert(i.name, files_[i.file].view(*i.entry));
+    return Value(std::move(d));
+  }
+
+  /// format "hf_sharded"; sources = the shard files; one chunk per tensor. Aliases are listed as
+  /// tensors sharing their target's chunk unless a skeleton records them.
+  [[nodiscard]] ShardedCheckpoint describe() const {
+    ShardedCheckpoint c;
+    c.format = "hf_sharded";
+    for (const auto& f : files_) c.sources.push_back(f.source());
+    c.skeleton = skeleton_;
+    for (const Item& i : items_) {
+      if (i.alias && !skeleton_.is_null()) continue;
+      const safetensors::File& f = files_[i.file];
+      const safetensors::TensorEntry& e = *i.entry;
+      if (!e.dtype)
+        throw_error(errors::st_unsupported_dtype, "file " + quote(f.name()) + ": tensor " + quote(e.name),
+                    "dtype " + std::string(e.dtype_name) + " is valid safetensors but statedict has no such dtype");
+      TensorInfo t;
+      t.name = i.name;
+      t.dtype = *e.dtype;
+      t.shape = e.shape;
+      Chunk ch;
+      ch.region = Box{shape_t(e.shape.size(), 0), e.shape};
+      ch.at.source = static_cast<std::uint32_t>(i.file);
+      ch.at.byte_offset = f.data_offset() + e.begin;
+      ch.at.stored = *e.dtype;
+      t.chunks.push_back(std::move(ch));
+      c.tensors.push_back(std::move(t));
+    }
+    c.metadata = metadata_;
+    return c;
+  }
+
+ private:
+  std::string where() const { return "checkpoint " + quote((index_path_.empty() ? dir_ : index_path_).string()); }
+
+  void open_single(const std::filesystem::path& file, const open_options& opt) {
+    files_.push_back(safetensors::File::open(file, {opt.mode, opt.lim}));
+    const auto& f = files_[0];
+    for (const auto& e : f.entries()) items_.push_back(Item{e.name, 0, &e, false});
+    for (const auto& [alias, target] : f.aliases()) items_.push_back(Item{alias, 0, f.find(target), true});
+    skeleton_ = f.skeleton();
+    metadata_ = f.metadata();
+    index_names();
+  }
+
+  void open_index(const open_options& opt) {
+    const std::string at = where();
+    const nlohmann::ordered_json index = read_index(opt);
+    if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
+      throw_error(errors::hf_index_schema, at, "expected an object with a \"weight_map\" object");
+    if (index.contains("metadata")) {
+      if (!index["metadata"].is_object()) throw_error(errors::hf_index_schema, at, "\"metadata\" is not an object");
+      index_metadata_ = index["metadata"];
+    } else {
+      index_metadata_ = nlohmann::ordered_json::object();
+    }
+    // Shard files in order of first appearance.
+    std::unordered_map<std::string, std::size_t> file_index;
+    std::vector<std::pair<std::string, std::size_t>> listed;  // (tensor, file)
+    for (const auto& [name, file] : index["weight_map"].items()) {
+      if (!file.is_string())
+        throw_error(errors::hf_index_schema, at + ": weight_map " + quote(name), "the file name is not a string");
+      const std::string& fn = file.get_ref<const std::string&>();
+      if (fn.empty() || fn == "." || fn == ".." || fn.find('/') != std::string::npos || fn.find('\0') != std::string::npos)
+        throw_error(errors::hf_bad_shard_name, at + ": weight_map " + quote(name),
+                    "shard " + quote(fn) + " is not a plain file name in the checkpoint directory");
+      auto [it, fresh] = file_index.emplace(fn, file_index.size());
+      if (fresh) names_.push_back(fn);
+      listed.emplace_back(name, it->second);
+    }
+    for (const auto& fn : names_) {
+      try {
+        files_.push_back(safetensors::File::open(dir_ / fn, {opt.mode, opt.lim}));
+      } catch (error& e) {
+        e.add_context(at);
+        throw;
+      }
+    }
+    // Every weight_map entry is in its file.
+    std::unordered_map<std::string, std::size_t> listed_file;
+    listed_file.reserve(listed.size());
+    for (const auto& [name, k] : listed) {
+      const safetensors::TensorEntry* e = files_[k].resolve(name);
+      if (!e)
+        throw_error(errors::hf_missing_tensor, at + ": tensor " + quote(name),
+                    "the index puts it in " + quote(names_[k]) + ", which does not contain it");
+      const bool is_alias = files_[k].find(name) == nullptr;
+      items_.push_back(Item{name, k, e, is_alias});
+      listed_file.emplace(items_.back().name, k);
+    }
+    // Every tensor of every shard is listed, for that shard only.
+    for (std::size_t k = 0; k < files_.size(); ++k) {
+      auto check = [&](const std::string& name) {
+        auto it = listed_file.find(name);
+        if (it == listed_file.end())
+          throw_error(errors::hf_unlisted_tensor, at + ": tensor " + quote(name),
+                      "is in " + quote(names_[k]) + " but not in the index's weight_map");
+        if (it->second != k)
+          throw_error(errors::hf_tensor_in_two_files, at + ": tensor " + quote(name),
+                      "is in both " + quote(names_[it->second]) + " and " + quote(names_[k]));
+      };
+      for (const auto& e : files_[k].entries()) check(e.name);
+      // Aliases recorded by statedict in a shard are not in the weight_map (as huggingface_hub
+      // drops shared tensors from it); they must not clash with another file's tensors.
+      for (const auto& [alias, target] : files_[k].aliases()) {
+        auto it = listed_file.find(alias);
+        if (it != listed_file.end() && it->second != k)
+          throw_error(errors::hf_tensor_in_two_files, at + ": tensor " + quote(alias),
+                      "is in " + quote(names_[it->second]) + " and an alias in " + quote(names_[k]));
+        if (it == listed_file.end()) {
+          items_.push_back(Item{alias, k, files_[k].find(target), true});
+          listed_file.emplace(items_.back().name, k);
+        }
+      }
+    }
+    for (const auto& [k, v] : index_metadata_.items()) {
+      if (k == safetensors::skeleton_key) {
+        if (!v.is_string()) throw_error(errors::hf_index_schema, at, "metadata \"statedict.skeleton\" is not a string");
+        skeleton_ = nlohmann::json::parse(v.get_ref<const std::string&>(), nullptr, false);
+        if (skeleton_.is_discarded() || !skeleton_.is_object())
+          throw_error(errors::hf_index_schema, at, "metadata \"statedict.skeleton\" is not a JSON object");
+        continue;
+      }
+      metadata_[k] = v.is_string() ? v.get<std::string>() : v.dump();
+    }
+    index_names();
+  }
+
+  nlohmann::ordered_json read_index(const open_options& opt) const {
+    const std::string at = where();
+    auto f = InputFile::open(index_path_, read_mode::pread);
+    if (f->size() > opt.max_index_bytes)
+      throw_error(errors::hf_index_json, at,
+                  "index of " + std::to_string(f->size()) + " bytes exceeds the cap of " + std::to_string(opt.max_index_bytes) +
+                      " (open_options::max_index_bytes)");
+    std::string text(static_cast<std::size_t>(f->size()), '\0');
+    f->read(0, std::as_writable_bytes(std::span<char>(text.data(), text.size())));
+    // Duplicate keys are refused (Python's json keeps the last one silently).
+    std::vector<std::unordered_set<std::string>> keys;
+    auto cb = [&](int depth, nlohmann::ordered_json::parse_event_t ev, nlohmann::ordered_json& parsed) {
+      using ev_t = nlohmann::ordered_json::parse_event_t;
+      if (depth > 127) throw_error(errors::hf_index_json, at, "JSON nested deeper than 127 levels");
+      if (ev == ev_t::object_start) keys.emplace_back();
+      else if (ev == ev_t::object_end && !keys.empty()) keys.pop_back();
+      else if (ev == ev_t::key && !keys.empty() && !keys.back().insert(parsed.get<std::string>()).second)
+        throw_error(errors::hf_index_duplicate, at, "key " + quote(parsed.get<std::string>()) + " appears twice in one object");
+      return true;
+    };
+    try {
+      return nlohmann::ordered_json::parse(text, cb);
+    } catch (const nlohmann::json::exception& e) {
+      throw_error(errors::hf_index_json, at, "invalid JSON: " + safetensors::detail::sanitize_message(e.what()));
+    }
+  }
+
+  void index_names() {
+    by_name_.reserve(items_.size());
+    for (std::size_t i = 0; i < items_.size(); ++i) by_name_.emplace(items_[i].name, i);
+  }
+
+  std::filesystem::path dir_;
+  std::filesystem::path index_path_;
+  std::vector<std::string> names_;
+  std::vector<safetensors::File> files_;
+  std::vector<Item> items_;
+  std::unordered_map<std::string, std::size_t> by_name_;
+  nlohmann::ordered_json index_metadata_ = nlohmann::ordered_json::object();
+  nlohmann::json skeleton_;
+  std::map<std::string, std::string> metadata_;
+};
+
+}  // namespace hf
+}  // namespace statedict::inline v0
+// ---- statedict/shard/box.hpp ----
+// statedict: placement algebra. Boxes and flat ranges of a tensor's index space, their
+// intersections, their decomposition into maximal contiguous row-major runs, and the affine map
+// from a chunk's global indices to element offsets in its storage (through its stored strides).
+// SPDX-License-Identifier: MIT
+//
+// No file knowledge here. Every function that takes a region or strides from a description checks
+// it (regions inside the tensor, checked 64-bit arithmetic), so hostile shapes from files raise
+// errors instead of overflowing.
+//
+// Conventions: a flat range indexes the row-major flattening of the *global* tensor. A chunk's
+// storage is addressed in elements; Placement::strides are element strides over the chunk's own
+// shape (its box sizes, or {size} for a flat range), empty meaning row-major contiguous.
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <variant>
+#include <vector>
+
+
+namespace statedict::inline v0 {
+
+namespace errors {
+// clang-format off
+inline constexpr error_id bad_region  {600, error_kind::format, "shard.bad_region"};
+inline constexpr error_id bad_strides {601, error_kind::format, "shard.bad_strides"};
+// clang-format on
+}  // namespace errors
+
+/// The region of a chunk: an n-d box or a range of the row-major flattened index.
+using ChunkRegion = std::variant<Box, FlatRange>;
+
+/// Largest tensor rank the placement algebra accepts (recursion depth of the coverage sweep).
+inline constexpr std::size_t max_placement_rank = 64;
+
+namespace detail {
+inline std::uint64_t u64(dim_t v) noexcept { return static_cast<std::uint64_t>(v); }
+inline dim_t i64(std::uint64_t v) noexcept { return static_cast<dim_t>(v); }
+}  // namespace detail
+
+// ---------------------------------------------------------------------------------------------
+// Indices
+
+/// Row-major linear index of `idx` in `shape` (idx must be inside shape; no checks).
+inline std::uint64_t linear_index(std::span<const dim_t> shape, std::span<const dim_t> idx) noexcept {
+  std::uint64_t lin = 0;
+  for (std::size_t d = 0; d < shape.size(); ++d) lin = lin * detail::u64(shape[d]) + detail::u64(idx[d]);
+  return lin;
+}
+
+/// Multi-index of row-major linear index `lin` in `shape` (lin < numel(shape)).
+inline shape_t multi_index(std::span<const dim_t> shape, std::uint64_t lin) {
+  shape_t idx(shape.size());
+  for (std::size_t d = shape.size(); d-- > 0;) {
+    const std::uint64_t n = detail::u64(shape[d]);
+    idx[d] = n ? detail::i64(lin % n) : 0;
+    lin = n ? lin / n : 0;
+  }
+  return idx;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Boxes and flat ranges
+
+/// The box covering all of `shape`.
+inline Box full_box(std::span<const dim_t> shape) {
+  return Box{shape_t(shape.size(), 0), shape_t(shape.begin(), shape.end())};
+}
+
+/// Number of elements of a box (checked).
+inline std::uint64_t numel(const Box& b) { return numel(b.sizes); }
+
+/// True when the box holds no element.
+inline bool is_empty(const Box& b) noexcept {
+  return std::any_of(b.sizes.begin(), b.sizes.end(), [](dim_t s) { return s <= 0; });
+}
+
+/// Number of elements of a region (checked).
+inline std::uint64_t region_numel(const ChunkRegion& r) {
+  if (const auto* b = std::get_if<Box>(&r)) return numel(*b);
+  const auto& f = std::get<FlatRange>(r);
+  return f.end >= f.begin ? f.end - f.begin : 0;
+}
+
+/// The shape of a chunk's own storage: the box sizes, or {size} of a flat range.
+inline shape_t region_shape(const ChunkRegion& r) {
+  if (const auto* b = std::get_if<Box>(&r)) return b->sizes;
+  return shape_t{detail::i64(std::get<FlatRange>(r).size())};
+}
+
+/// `inner` lies inside `outer` (same rank). An empty inner box lies inside any box of its rank.
+inline bool contains(const Box& outer, const Box& inner) noexcept {
+  if (outer.offsets.size() != inner.offsets.size()) return false;
+  if (is_empty(inner)) return true;
+  for (std::size_t d = 0; d < outer.offsets.size(); ++d)
+    if (inner.offsets[d] < outer.offsets[d] ||
+        inner.offsets[d] + inner.sizes[d] > outer.offsets[d] + outer.sizes[d])
+      return false;
+  return true;
+}
+
+/// The intersection of two boxes of the same rank, or nullopt when it is empty.
+inline std::optional<Box> intersect(const Box& a, const Box& b) {
+  if (a.offsets.size() != b.offsets.size()) return std::nullopt;
+  Box r{shape_t(a.offsets.size()), shape_t(a.offsets.size())};
+  for (std::size_t d = 0; d < a.offsets.size(); ++d) {
+    const dim_t lo = std::max(a.offsets[d], b.offsets[d]);
+    const dim_t hi = std::min(a.offsets[d] + a.sizes[d], b.offsets[d] + b.sizes[d]);
+    if (hi <= lo) return std::nullopt;
+    r.offsets[d] = lo;
+    r.sizes[d] = hi - lo;
+  }
+  return r;
+}
+
+/// The intersection of two flat ranges, or nullopt when it is empty.
+inline std::optional<FlatRange> intersect(const FlatRange& a, const FlatRange& b) noexcept {
+  const std::uint64_t lo = std::max(a.begin, b.begin), hi = std::min(a.end, b.end);
+  if (hi <= lo) return std::nullopt;
+  return FlatRange{lo, hi};
+}
+
+/// Row-major linear extent [first, last + 1) of a non-empty box.
+inline FlatRange linear_extent(const Box& b, std::span<const dim_t> shape) {
+  shape_t last(b.offsets.size());
+  for (std::size_t d = 0; d < last.size(); ++d) last[d] = b.offsets[d] + b.sizes[d] - 1;
+  return FlatRange{linear_index(shape, b.offsets), linear_index(shape, last) + 1};
+}
+
+/// Throws errors::bad_region unless `r` is a well-formed region of a tensor of shape `shape`
+/// (box of the right rank, offsets and sizes non-negative, inside the shape; flat range ordered and
+/// inside numel). `what` names the chunk in the message.
+inline void check_region(const ChunkRegion& r, std::span<const dim_t> shape, std::string_view what) {
+  if (shape.size() > max_placement_rank)
+    throw_error(errors::too_many_dims, std::string(what), "rank " + std::to_string(shape.size()) + " exceeds " +
+                                                              std::to_string(max_placement_rank));
+  const std::uint64_t total = numel(shape);
+  if (const auto* f = std::get_if<FlatRange>(&r)) {
+    if (f->begin > f->end || f->end > total)
+      throw_error(errors::bad_region, std::string(what),
+                  "flat range [" + std::to_string(f->begin) + ", " + std::to_string(f->end) +
+                      ") is not inside the " + std::to_string(total) + " elements of shape " + to_string(shape));
+    return;
+  }
+  const auto& b = std::get<Box>(r);
+  if (b.offsets.size() != shape.size() || b.sizes.size() != shape.size())
+    throw_error(errors::bad_region, std::string(what),
+                "box with offsets " + to_string(b.offsets) + " and sizes " + to_string(b.sizes) +
+                    " does not have the rank of shape " + to_string(shape));
+  for (std::size_t d = 0; d < shape.size(); ++d) {
+    if (b.offsets[d] < 0 || b.sizes[d] < 0 || b.offsets[d] > shape[d] || b.sizes[d] > shape[d] - b.offsets[d])
+      throw_error(errors::bad_region, std::string(what),
+                  "box with offsets " + to_string(b.offsets) + " and sizes " + to_string(b.sizes) +
+                      " is not inside shape " + to_string(shape) + " (dimension " + std::to_string(d) + ")");
+  }
+}
+
+namespace detail {
+// Emits boxes covering the relative linear range [b, e) of the block spanned by dims d..n-1, in
+// row-major order; `prefix` holds the indices of dims < d. At most one box per level on the way in
+// (head) and one on the way out (tail), so at most 2n - 1 boxes in all.
+template <class F>
+void flat_to_boxes_rec(std::span<const dim_t> shape, std::span<const std::uint64_t> block, std::size_t d,
+                       std::uint64_t b, std::uint64_t e, shape_t& prefix, F& emit) {
+  const std::size_t n = shape.size();
+  auto box_at = [&](std::uint64_t first, std::uint64_t count) {
+    Box out{shape_t(n, 0), shape_t(shape.begin(), shape.end())};
+    for (std::size_t j = 0; j < d; ++j) {
+      out.offsets[j] = prefix[j];
+      out.sizes[j] = 1;
+    }
+    out.offsets[d] = i64(first);
+    out.sizes[d] = i64(count);
+    emit(std::move(out));
+  };
+  if (d + 1 == n) {
+    box_at(b, e - b);
+    return;
+  }
+  const std::uint64_t c = block[d];  // elements per index of dim d
+  std::uint64_t i0 = b / c, i1 = e / c;
+  const std::uint64_t r0 = b % c, r1 = e % c;
+  if (i0 == i1) {  // inside one index of dim d
+    prefix[d] = i64(i0);
+    flat_to_boxes_rec(shape, block, d + 1, r0, r1, prefix, emit);
+    return;
+  }
+  if (r0 != 0) {  // head: the rest of index i0
+    prefix[d] = i64(i0);
+    flat_to_boxes_rec(shape, block, d + 1, r0, c, prefix, emit);
+    ++i0;
+  }
+  if (i1 > i0) box_at(i0, i1 - i0);  // whole indices of dim d
+  if (r1 != 0) {                     // tail: the start of index i1
+    prefix[d] = i64(i1);
+    flat_to_boxes_rec(shape, block, d + 1, 0, r1, prefix, emit);
+  }
+}
+}  // namespace detail
+
+/// Calls emit(Box) for the boxes that tile the flat range `r` of `shape` exactly, in row-major order
+/// (at most 2 * rank - 1 boxes; one box for a 0-d tensor). The range must be inside the shape.
+template <class F>
+void for_each_box(const FlatRange& r, std::span<const dim_t> shape, F&& emit) {
+  if (r.end <= r.begin) return;
+  if (shape.empty()) {
+    emit(Box{});
+    return;
+  }
+  std::vector<std::uint64_t> block(shape.size(), 1);
+  for (std::size_t d = shape.size() - 1; d-- > 0;) block[d] = block[d + 1] * detail::u64(shape[d + 1]);
+  shape_t prefix(shape.size(), 0);
+  detail::flat_to_boxes_rec(shape, block, 0, r.begin, r.end, prefix, emit);
+}
+
+/// The boxes that tile a flat range (see for_each_box).
+inline std::vector<Box> to_boxes(const FlatRange& r, std::span<const dim_t> shape) {
+  std::vector<Box> out;
+  for_each_box(r, shape, [&](Box b) { out.push_back(std::move(b)); });
+  return out;
+}
+
+/// Calls f(first, count) for each maximal contiguous row-major run [first, first + count) of the
+/// global tensor that lies in box `b`, in increasing order.
+template <class F>
+void for_each_run(const Box& b, std::span<const dim_t> shape, F&& f) {
+  if (is_empty(b)) return;
+  const std::size_t n = shape.size();
+  if (n == 0) {
+    f(std::uint64_t{0}, std::uint64_t{1});
+    return;
+  }
+  // The run spans the innermost dims that the box covers fully, plus the next one out.
+  std::size_t k = n - 1;
+  std::uint64_t run = detail::u64(b.sizes[k]);
+  while (k > 0 && b.sizes[k] == shape[k]) {
+    --k;
+    run *= detail::u64(b.sizes[k]);
+  }
+  // Odometer over dims < k; dim k's start is b.offsets[k].
+  shape_t idx(b.offsets.begin(), b.offsets.end());
+  for (;;) {
+    f(linear_index(shape, idx), run);
+    std::size_t d = k;
+    for (;;) {
+      if (d == 0) return;
+      --d;
+      if (++idx[d] < b.offsets[d] + b.sizes[d]) break;
+      idx[d] = b.offsets[d];
+    }
+  }
+}
+
+/// Calls f(first, count) for each maximal contiguous row-major run of the intersection of two
+/// regions of a tensor of shape `shape`, in increasing order.
+template <class F>
+void for_each_run(const ChunkRegion& a, const ChunkRegion& b, std::span<const dim_t> shape, F&& f) {
+  const auto* fa = std::get_if<FlatRange>(&a);
+  const auto* fb = std::get_if<FlatRange>(&b);
+  if (fa && fb) {
+    if (auto i = intersect(*fa, *fb)) f(i->begin, i->size());
+    return;
+  }
+  // Collect the runs of each box part and merge adjacent ones, so that a flat range cut into
+  // boxes still yields maximal runs.
+  std::vector<Box> pa, pb;
+  if (fa) pa = to_boxes(*fa, shape); else pa.push_back(std::get<Box>(a));
+  if (fb) pb = to_boxes(*fb, shape); else pb.push_back(std::get<Box>(b));
+  std::uint64_t cur = 0, len = 0;
+  bool have = false;
+  std::vector<FlatRange> runs;
+  for (const Box& x : pa)
+    for (const Box& y : pb)
+      if (auto i = intersect(x, y)) for_each_run(*i, shape, [&](std::uint64_t s, std::uint64_t c) { runs.push_back({s, s + c}); });
+  std::sort(runs.begin(), runs.end(), [](const FlatRange& p, const FlatRange& q) { return p.begin < q.begin; });
+  for (const FlatRange& r : runs) {
+    if (have && r.begin == cur + len) {
+      len += r.size();
+      continue;
+    }
+    if (have) f(cur, len);
+    cur = r.begin;
+    len = r.size();
+    have = true;
+  }
+  if (have) f(cur, len);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Chunks mapped to their storage
+
+/// A box of a chunk's region with the affine map from a global index `g` inside `box` to the
+/// element offset in the chunk's storage: `base + sum_d (g[d] - box.offsets[d]) * step[d]`.
+/// A box chunk is one MappedBox; a flat range is cut into at most 2n - 1 of them.
+struct MappedBox {
+  Box box;
+  std::vector<std::uint64_t> step;  ///< storage elements per unit of each global dimension
+  std::uint64_t base = 0;           ///< storage element offset of box.offsets
+
+  /// Storage element offset of global index `g` (inside box; no checks).
+  [[nodiscard]] std::uint64_t offset_of(std::span<const dim_t> g) const noexcept {
+    std::uint64_t off = base;
+    for (std::size_t d = 0; d < step.size(); ++d) off += detail::u64(g[d] - box.offsets[d]) * step[d];
+    return off;
+  }
+};
+
+/// The element strides of a chunk's storage over its own shape (Placement::strides, or row-major
+/// contiguous when empty), checked: right count, non-negative.
+inline std::vector<std::uint64_t> storage_strides(const Chunk& c, std::string_view what) {
+  const shape_t own = region_shape(c.region);
+  if (c.at.strides.empty()) {
+    const shape_t s = contiguous_strides(own);
+    return std::vector<std::uint64_t>(s.begin(), s.end());
+  }
+  if (c.at.strides.size() != own.size())
+    throw_error(errors::bad_strides, std::string(what),
+                "strides " + to_string(c.at.strides) + " do not match the chunk shape " + to_string(own));
+  std::vector<std::uint64_t> out(own.size());
+  for (std::size_t d = 0; d < own.size(); ++d) {
+    if (c.at.strides[d] < 0)
+      throw_error(errors::bad_strides, std::string(what), "negative stride in " + to_string(c.at.strides));
+    out[d] = detail::u64(c.at.strides[d]);
+  }
+  return out;
+}
+
+/// Number of storage elements a chunk spans: one past its last addressed element (0 when empty),
+/// checked against 64-bit overflow. The region must already be checked (check_region).
+inline std::uint64_t storage_extent(const Chunk& c, std::string_view what) {
+  const shape_t own = region_shape(c.region);
+  const auto st = storage_strides(c, what);
+  if (numel(own) == 0) return 0;
+  std::uint64_t last = 0;
+  for (std::size_t d = 0; d < own.size(); ++d)
+    last = checked_add(last, checked_mul(detail::u64(own[d] - 1), st[d], "chunk extent"), "chunk extent");
+  const std::uint64_t ext = checked_add(last, 1, "chunk extent");
+  if (ext > max_size)
+    throw_error(errors::overflow, std::string(what), "chunk extent " + std::to_string(ext) + " exceeds 2^63-1 elements");
+  return ext;
+}
+
+/// Checks a chunk against its tensor's shape (region and strides) and returns its mapped boxes.
+inline std::vector<MappedBox> mapped_boxes(const Chunk& c, std::span<const dim_t> shape, std::string_view what) {
+  check_region(c.region, shape, what);
+  const auto st = storage_strides(c, what);
+  (void)storage_extent(c, what);  // overflow check of the whole addressed range
+  std::vector<MappedBox> out;
+  if (const auto* b = std::get_if<Box>(&c.region)) {
+    if (!is_empty(*b)) out.push_back(MappedBox{*b, st, 0});
+    return out;
+  }
+  const auto& f = std::get<FlatRange>(c.region);
+  if (f.end <= f.begin) return out;
+  // Flat storage element e holds global linear index f.begin + e; its offset is e * s.
+  const std::uint64_t s = st.empty() ? 1 : st[0];
+  const shape_t cs = shape.empty() ? shape_t{} : contiguous_strides(shape);
+  for_each_box(f, shape, [&](Box b) {
+    MappedBox m;
+    m.step.resize(shape.size());
+    for (std::size_t d = 0; d < shape.size(); ++d) m.step[d] = detail::u64(cs[d]) * s;
+    m.base = (linear_index(shape, b.offsets) - f.begin) * s;
+    m.box = std::move(b);
+    out.push_back(std::move(m));
+  });
+  return out;
+}
+
+/// One copy pattern in storage elements: `reps` runs of `count` contiguous elements; run i starts
+/// at `a + i * a_step` in storage A and `b + i * b_step` in storage B.
+struct StorageRuns {
+  std::uint64_t a = 0, b = 0;
+  std::uint64_t count = 0, reps = 1;
+  std::uint64_t a_step = 0, b_step = 0;
+};
+
+/// Decomposes box `g` (inside both `a.box` and `b.box`) into copy patterns between the storages of
+/// two mapped boxes, in row-major order of `g`: runs are maximal for elements contiguous in both
+/// storages, one level of repetition is folded into `reps`, outer dimensions are enumerated.
+/// Calls f(StorageRuns) for each pattern.
+template <class F>
+void for_each_storage_run(const Box& g, const MappedBox& a, const MappedBox& b, F&& f) {
+  if (is_empty(g)) return;
+  struct level {
+    std::uint64_t n, sa, sb;
+  };
+  // Dimensions of size > 1, outer to inner, then merged where both storages continue evenly.
+  std::vector<level> lv;
+  std::vector<std::size_t> dim_of;
+  for (std::size_t d = 0; d < g.sizes.size(); ++d)
+    if (g.sizes[d] > 1) {
+      lv.push_back({detail::u64(g.sizes[d]), a.step[d], b.step[d]});
+      dim_of.push_back(d);
+    }
+  std::vector<level> merged;
+  for (const level& l : lv) {
+    if (!merged.empty()) {
+      level& o = merged.back();
+      if (o.sa == l.sa * l.n && o.sb == l.sb * l.n) {
+        o = level{o.n * l.n, l.sa, l.sb};
+        continue;
+      }
+    }
+    merged.push_back(l);
+  }
+  const std::uint64_t a0 = a.offset_of(g.offsets), b0 = b.offset_of(g.offsets);
+  if (merged.empty()) {
+    f(StorageRuns{a0, b0, 1, 1, 0, 0});
+    return;
+  }
+  StorageRuns r;
+  std::size_t outer;  // merged levels [0, outer) are enumerated
+  const level& in = merged.back();
+  if (in.sa == 1 && in.sb == 1) {
+    r.count = in.n;
+    if (merged.size() >= 2) {
+      const level& rep = merged[merged.size() - 2];
+      r.reps = rep.n;
+      r.a_step = rep.sa;
+      r.b_step = rep.sb;
+      outer = merged.size() - 2;
+    } else {
+      outer = 0;
+    }
+  } else {
+    r.count = 1;
+    r.reps = in.n;
+    r.a_step = in.sa;
+    r.b_step = in.sb;
+    outer = merged.size() - 1;
+  }
+  std::vector<std::uint64_t> idx(outer, 0);
+  for (;;) {
+    StorageRuns x = r;
+    x.a = a0;
+    x.b = b0;
+    for (std::size_t j = 0; j < outer; ++j) {
+      x.a += idx[j] * merged[j].sa;
+      x.b += idx[j] * merged[j].sb;
+    }
+    f(x);
+    std::size_t j = outer;
+    for (;;) {
+      if (j == 0) return;
+      --j;
+      if (++idx[j] < merged[j].n) break;
+      idx[j] = 0;
+    }
+  }
+}
+
+/// Global multi-index of storage element `e` of a chunk, or nullopt when `e` is not an element of it
+/// (a gap between strided elements). Used to name elements in messages.
+inline std::optional<shape_t> global_index_of(const Chunk& c, std::span<const dim_t> shape, std::uint64_t e) {
+  const shape_t own = region_shape(c.region);
+  if (numel(own) == 0) return std::nullopt;
+  std::vector<std::uint64_t> st;
+  try {
+    st = storage_strides(c, "chunk");
+  } catch (const error&) {
+    return std::nullopt;
+  }
+  // Peel dimensions by decreasing stride (exact for row-major and permuted layouts).
+  std::vector<std::size_t> order(own.size());
+  for (std::size_t d = 0; d < order.size(); ++d) order[d] = d;
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t x, std::size_t y) { return st[x] > st[y]; });
+  shape_t local(own.size(), 0);
+  std::uint64_t rest = e;
+  for (std::size_t d : order) {
+    if (own[d] <= 1 || st[d] == 0) continue;
+    const std::uint64_t q = std::min(rest / st[d], detail::u64(own[d] - 1));
+    local[d] = detail::i64(q);
+    rest -= q * st[d];
+  }
+  if (rest != 0) return std::nullopt;
+  if (const auto* b = std::get_if<Box>(&c.region)) {
+    for (std::size_t d = 0; d < local.size(); ++d) local[d] += b->offsets[d];
+    return local;
+  }
+  const auto& f = std::get<FlatRange>(c.region);
+  return multi_index(shape, f.begin + detail::u64(local.empty() ? 0 : local[0]));
+}
+
+}  // namespace statedict::inline v0
+// ---- statedict/shard/cover.hpp ----
+// statedict: exact coverage of a box by other boxes, proven by a sweep (no per-element work).
+// SPDX-License-Identifier: MIT
+//
+// `cover(target, boxes, ...)` decides whether the boxes cover every element of `target`, and
+// whether any element is covered twice, and produces a tiling of the target: disjoint boxes, each
+// attributed to one input box. It sweeps one dimension at a time: the start and end of every box
+// along dimension 0 cut the target into slabs; inside a slab the same boxes are active, so the slab
+// is checked once, recursively on the remaining dimensions, with only the active boxes. Adjacent
+// slabs with identical sub-tilings are merged, so the tiling stays as coarse as the input.
+//
+// Cost: O(m log m) per dimension and slab for m active boxes; chunkings along any one dimension,
+// flat ranges cut into boxes and regular grids all stay near-linear. The first problem found is the
+// row-major first uncovered or doubly covered element, reported as a multi-index.
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <vector>
+
+
+namespace statedict::inline v0 {
+
+/// A problem found by cover(): the row-major first element of the target covered by no box
+/// (`hole`) or by two boxes (`overlap`, naming the two boxes by index).
+struct CoverIssue {
+  enum class kind : std::uint8_t { hole, overlap };
+  kind what = kind::hole;
+  shape_t index;             ///< the element (global multi-index)
+  std::uint32_t first = 0;   ///< overlap: the two boxes (indices into the input span), first < second
+  std::uint32_t second = 0;
+};
+
+/// One box of a tiling, attributed to input box `which`.
+struct CoverTile {
+  Box box;
+  std::uint32_t which = 0;
+  friend bool operator==(const CoverTile&, const CoverTile&) = default;
+};
+
+namespace detail {
+class coverer {
+ public:
+  coverer(const Box& target, std::span<const Box> boxes, bool allow_overlap)
+      : t_(target), n_(target.offsets.size()), allow_(allow_overlap), where_(target.offsets) {
+    clipped_.reserve(boxes.size());
+    for (std::size_t i = 0; i < boxes.size(); ++i) {
+      auto c = intersect(target, boxes[i]);
+      if (!c && !(n_ == 0 && boxes[i].offsets.empty())) continue;
+      clipped_.push_back(c ? std::move(*c) : Box{});
+      ids_.push_back(static_cast<std::uint32_t>(i));
+    }
+  }
+
+  std::optional<CoverIssue> run(std::vector<CoverTile>* out) {
+    if (is_empty(t_) && n_ > 0) return std::nullopt;
+    std::vector<std::uint32_t> all(clipped_.size());
+    for (std::uint32_t i = 0; i < all.size(); ++i) all[i] = i;
+    std::vector<CoverTile> tiles;
+    if (!rec(0, all, tiles)) return issue_;
+    if (out) {
+      for (auto& t : tiles) t.which = ids_[t.which];
+      *out = std::move(tiles);
+    }
+    return std::nullopt;
+  }
+
+ private:
+  // Tiles dims [d, n) of the current slab with the active boxes `act` (local ids, in preference
+  // order). Tiles come back full-rank; only dims >= d are meaningful.
+  bool rec(std::size_t d, const std::vector<std::uint32_t>& act, std::vector<CoverTile>& out) {
+    if (d == n_) {
+      if (act.empty()) return fail_hole(d);
+      if (act.size() > 1 && !allow_) {
+        issue_ = CoverIssue{CoverIssue::kind::overlap, where_, ids_[act[0]], ids_[act[1]]};
+        return false;
+      }
+      out.push_back(CoverTile{Box{shape_t(n_, 0), shape_t(n_, 1)}, act[0]});
+      return true;
+    }
+    const dim_t lo = t_.offsets[d], hi = t_.offsets[d] + t_.sizes[d];
+    std::vector<dim_t> cuts;
+    cuts.reserve(2 * act.size() + 2);
+    cuts.push_back(lo);
+    cuts.push_back(hi);
+    for (std::uint32_t i : act) {
+      cuts.push_back(clipped_[i].offsets[d]);
+      cuts.push_back(clipped_[i].offsets[d] + clipped_[i].sizes[d]);
+    }
+    std::sort(cuts.begin(), cuts.end());
+    cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+    // Boxes by start along d, for the sweep; the active set is kept in preference order.
+    std::vector<std::uint32_t> by_start(act);
+    std::stable_sort(by_start.begin(), by_start.end(),
+                     [&](std::uint32_t x, std::uint32_t y) { return clipped_[x].offsets[d] < clipped_[y].offsets[d]; });
+    std::vector<std::uint32_t> live;
+    std::size_t next = 0;
+    std::vector<CoverTile> sub, prev_sub;
+    std::size_t prev_begin = 0;  // tiles of the previous slab are out[prev_begin, out.size())
+    bool have_prev = false;
+    dim_t prev_end = lo;
+    for (std::size_t c = 0; c + 1 < cuts.size(); ++c) {
+      const dim_t a = cuts[c], b = cuts[c + 1];
+      // Active in [a, b): start <= a < end (every start and end is a cut).
+      std::erase_if(live, [&](std::uint32_t i) { return clipped_[i].offsets[d] + clipped_[i].sizes[d] <= a; });
+      while (next < by_start.size() && clipped_[by_start[next]].offsets[d] <= a) {
+        const std::uint32_t i = by_start[next++];
+        if (clipped_[i].offsets[d] + clipped_[i].sizes[d] > a) live.insert(std::lower_bound(live.begin(), live.end(), i), i);
+      }
+      where_[d] = a;
+      if (live.empty()) return fail_hole(d);
+      sub.clear();
+      if (!rec(d + 1, live, sub)) return false;
+      if (have_prev && prev_end == a && sub == prev_sub) {
+        for (std::size_t k = prev_begin; k < out.size(); ++k) out[k].box.sizes[d] += b - a;
+      } else {
+        prev_begin = out.size();
+        for (CoverTile t : sub) {
+          t.box.offsets[d] = a;
+          t.box.sizes[d] = b - a;
+          out.push_back(std::move(t));
+        }
+        prev_sub.swap(sub);
+        have_prev = true;
+      }
+      prev_end = b;
+    }
+    where_[d] = t_.offsets[d];
+    return true;
+  }
+
+  bool fail_hole(std::size_t d) {
+    for (std::size_t j = d + 1; j < n_; ++j) where_[j] = t_.offsets[j];
+    issue_ = CoverIssue{CoverIssue::kind::hole, where_, 0, 0};
+    return false;
+  }
+
+  const Box& t_;
+  std::size_t n_;
+  bool allow_;
+  std::vector<Box> clipped_;
+  std::vector<std::uint32_t> ids_;
+  shape_t where_;
+  CoverIssue issue_;
+};
+}  // namespace detail
+
+/// Checks that `boxes` (clipped to `target`) cover every element of `target`, and, unless
+/// `allow_overlap`, none twice. On success fills `*tiles` (when given) with a tiling of the target
+/// by disjoint boxes, each attributed to the input box that provides it: where boxes overlap, the
+/// one with the lowest index wins. Returns the first problem otherwise. Boxes must have the
+/// target's rank; a 0-d target is one element.
+inline std::optional<CoverIssue> cover(const Box& target, std::span<const Box> boxes, bool allow_overlap,
+                                       std::vector<CoverTile>* tiles = nullptr) {
+  detail::coverer c(target, boxes, allow_overlap);
+  return c.run(tiles);
+}
+
+}  // namespace statedict::inline v0
+// ---- statedict/shard/layout.hpp ----
+// statedict: layouts. The exact placement rules of the systems that shard checkpoints, each usable
+// both to describe existing shards (a reader turns them into TensorInfo chunks) and to produce a
+// sharding (a writer turns them into a Destination for the planner).
+// SPDX-License-Identifier: MIT
+//
+// Every rule cites the function it reproduces; docs/planner.md lists them with worked examples.
+// Arithmetic is unsigned 64-bit and checked where a product could overflow.
+//
+//   chunk along a dim   torch.chunk, torch/distributed/_shard/sharding_spec/_internals.py
+//                       (get_split_size, get_chunked_dim_size), chunk_sharding_spec.py
+//                       (ChunkShardingSpec.build_metadata), DTensor Shard(dim)
+//                       (torch/distributed/tensor/placement_types.py _split_tensor,
+//                       local_shard_size_and_offset)
+//   balanced split      DeepSpeed get_data_parallel_partitions (stage_1_and_2.py) and AutoTP
+//                       get_shard_size (module_inject/tp_shard.py, without kv-head grains)
+//   FSDP flat params    torch/distributed/fsdp/_flat_param.py (_init_flat_param_and_metadata,
+//                       flatten_tensors, _get_unpadded_shard, _get_shard, _get_shard_metadata);
+//                       torch 1.13 flat_param.py (_shard_param_offsets, _shard_indices)
+//   ZeRO stage 1/2      deepspeed/runtime/utils.py align_dense_tensors, stage_1_and_2.py
+//                       (flatten_dense_tensors_aligned, get_data_parallel_partitions, groups_padding)
+//   ZeRO stage 3        deepspeed/utils/zero_to_fp32.py zero3_partitioned_param_info and
+//                       _zero3_merge_trainable_params
+//   files               whole tensors packed into files; the Hugging Face split rule itself
+//                       (split_state_dict_into_shards_factory) is io/hf_sharded.hpp plan_shards
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+
+namespace statedict::inline v0 {
+
+namespace errors {
+// clang-format off
+inline constexpr error_id bad_layout {602, error_kind::usage, "shard.bad_layout"};
+// clang-format on
+}  // namespace errors
+
+namespace layout {
+
+// =============================================================================================
+// Splitting one dimension
+
+/// A contiguous part [offset, offset + size) of one dimension (or of a flat index).
+struct Span {
+  std::uint64_t offset = 0;
+  std::uint64_t size = 0;
+  friend constexpr bool operator==(const Span&, const Span&) = default;
+};
+
+/// How a dimension of `n` indices splits into `parts`.
+enum class split_rule : std::uint8_t {
+  /// torch.chunk: parts of ceil(n / parts), the last ones smaller, trailing parts empty
+  /// (ChunkShardingSpec, DTensor Shard(dim), FSDP flat shards). The default.
+  chunk,
+  /// n / parts each, the first n % parts one larger (DeepSpeed get_data_parallel_partitions,
+  /// AutoTP get_shard_size, numpy.array_split).
+  balanced,
+  /// n must divide evenly, else errors::bad_layout (Megatron's ensure_divisibility).
+  exact,
+};
+
+/// `get_split_size`: the chunk size torch.chunk uses, ceil(n / chunks).
+constexpr std::uint64_t split_size(std::uint64_t n, std::uint64_t chunks) noexcept {
+  return chunks == 0 ? 0 : n / chunks + (n % chunks != 0 ? 1 : 0);
+}
+
+/// `get_chunked_dim_size`: size of chunk `idx`, max(min(n, split * (idx + 1)) - split * idx, 0).
+constexpr std::uint64_t chunked_dim_size(std::uint64_t n, std::uint64_t split, std::uint64_t idx) noexcept {
+  // split * idx may exceed n; compare before multiplying so that nothing overflows.
+  if (split == 0 || idx >= n / split + (n % split != 0 ? 1 : 0)) return 0;
+  const std::uint64_t start = split * idx;
+  return std::min(n - start, split);
+}
+
+/// Number of tensors torch.chunk(n, chunks) returns: ceil(n / split), or `chunks` when n == 0
+/// (torch returns `chunks` empty tensors then).
+constexpr std::uint64_t chunk_count(std::uint64_t n, std::uint64_t chunks) noexcept {
+  if (chunks == 0) return 0;
+  if (n == 0) return chunks;
+  const std::uint64_t s = split_size(n, chunks);
+  return n / s + (n % s != 0 ? 1 : 0);
+}
+
+/// Part `idx` of `n` split into `parts` by torch.chunk semantics. Parts past the last non-empty one
+/// are empty and placed at offset n, as DTensor's Shard.local_shard_size_and_offset places them
+/// (ChunkShardingSpec omits them; FSDP pads them fully).
+constexpr Span chunk(std::uint64_t n, std::uint64_t parts, std::uint64_t idx) noexcept {
+  const std::uint64_t s = split_size(n, parts);
+  const std::uint64_t size = chunked_dim_size(n, s, idx);
+  if (size == 0) return Span{n, 0};
+  return Span{s * idx, size};
+}
+
+/// Part `idx` of `n` split into `parts` with the first n % parts parts one larger.
+constexpr Span balanced(std::uint64_t n, std::uint64_t parts, std::uint64_t idx) noexcept {
+  if (parts == 0) return Span{};
+  const std::uint64_t base = n / parts, extra = n % parts;
+  return Span{idx * base + std::min(idx, extra), base + (idx < extra ? 1 : 0)};
+}
+
+/// Part `idx` of `n` split into `parts` by `rule`.
+inline Span split(std::uint64_t n, std::uint64_t parts, std::uint64_t idx, split_rule rule = split_rule::chunk) {
+  if (parts == 0 || idx >= parts)
+    throw_error(errors::bad_layout, "part " + std::to_string(idx) + " of " + std::to_string(parts) + " does not exist");
+  switch (rule) {
+    case split_rule::chunk: return chunk(n, parts, idx);
+    case split_rule::balanced: return balanced(n, parts, idx);
+    case split_rule::exact:
+      if (n % parts != 0)
+        throw_error(errors::bad_layout, "size " + std::to_string(n) + " is not divisible by " + std::to_string(parts) +
+                                            " (exact split, as Megatron requires)");
+      return Span{n / parts * idx, n / parts};
+  }
+  return Span{};
+}
+
+/// The box of part `idx` when `shape` is split along `dim` into `parts`.
+inline Box split_box(std::span<const dim_t> shape, std::size_t dim, std::uint64_t parts, std::uint64_t idx,
+                     split_rule rule = split_rule::chunk) {
+  if (dim >= shape.size())
+    throw_error(errors::bad_layout, "split dimension " + std::to_string(dim) + " of shape " + to_string(shape));
+  check_shape(shape);
+  Box b = full_box(shape);
+  const Span s = split(static_cast<std::uint64_t>(shape[dim]), parts, idx, rule);
+  b.offsets[dim] = static_cast<dim_t>(s.offset);
+  b.sizes[dim] = static_cast<dim_t>(s.size);
+  return b;
+}
+
+// =============================================================================================
+// Flat layouts: parameters flattened into per-rank buffers
+
+/// Where some elements of one parameter live in a rank's flat buffer: the parameter's flat
+/// elements `range` are at element `offset` of rank `rank`'s buffer.
+struct FlatPiece {
+  std::uint32_t rank = 0;
+  FlatRange range;
+  std::uint64_t offset = 0;
+  friend bool operator==(const FlatPiece&, const FlatPiece&) = default;
+};
+
+/// Chunks for the pieces of one parameter, given where each rank's buffer starts:
+/// `base(rank)` returns the Placement of element 0 of that buffer (source, byte offset, stored
+/// dtype); each chunk's byte offset is advanced by piece.offset elements.
+template <class Base>
+std::vector<Chunk> chunks_from(std::span<const FlatPiece> pieces, Base&& base) {
+  std::vector<Chunk> out;
+  out.reserve(pieces.size());
+  for (const FlatPiece& p : pieces) {
+    if (p.range.size() == 0) continue;
+    Placement at = base(p.rank);
+    at.byte_offset = checked_add(at.byte_offset, checked_mul(p.offset, itemsize(at.stored), "flat offset"), "flat offset");
+    at.strides.clear();
+    out.push_back(Chunk{p.range, std::move(at)});
+  }
+  return out;
+}
+
+namespace detail {
+inline void check_world(std::uint64_t ws, std::string_view what) {
+  if (ws == 0) throw_error(errors::bad_layout, std::string(what) + ": world size must be at least 1");
+}
+inline std::uint64_t sum_checked(std::span<const std::uint64_t> v) {
+  std::uint64_t s = 0;
+  for (std::uint64_t x : v) s = checked_add(s, x, "flat numel");
+  if (s > max_size) throw_error(errors::overflow, "flat numel " + std::to_string(s) + " exceeds 2^63-1");
+  return s;
+}
+inline std::uint64_t align_up(std::uint64_t n, std::uint64_t a) {
+  if (a <= 1) return n;
+  const std::uint64_t r = n % a;
+  return r == 0 ? n : checked_add(n, a - r, "aligned size");
+}
+}  // namespace detail
+
+// ---------------------------------------------------------------------------------------------
+// FSDP FlatParameter
+
+/// `_get_aligned_numel`: elements per 16 bytes, the alignment FSDP uses with use_orig_params.
+constexpr std::uint64_t fsdp_aligned_numel(dtype t) noexcept { return 16 / itemsize(t); }
+
+/// An unsharded FlatParameter (`_init_flat_param_and_metadata`): the original parameters
+/// flattened in order, with alignment padding before a parameter whose offset is not a multiple
+/// of `aligned_numel`, and (only when aligning) padding at the end to a multiple of the world size.
+struct FsdpFlatParam {
+  std::vector<std::uint64_t> numels;               ///< `_numels`: one per original parameter
+  std::vector<std::uint64_t> numels_with_padding;  ///< `_numels_with_padding`
+  std::vector<bool> is_padding;                    ///< `_is_padding_mask`
+  std::vector<std::uint64_t> offsets;              ///< start of each original parameter in the flat param
+  std::uint64_t numel = 0;                         ///< flat param numel, padding included
+};
+
+/// Lays out a FlatParameter. `aligned_numel` is 0 without address alignment (use_orig_params=False,
+/// and torch <= 2.0), else fsdp_aligned_numel(dtype).
+inline FsdpFlatParam fsdp_flat_param(std::span<const std::uint64_t> numels, std::uint64_t world_size,
+                                     std::uint64_t aligned_numel = 0) {
+  detail::check_world(world_size, "FSDP flat parameter");
+  (void)detail::sum_checked(numels);
+  FsdpFlatParam f;
+  f.numels.assign(numels.begin(), numels.end());
+  std::uint64_t total = 0;
+  for (std::uint64_t n : numels) {
+    if (aligned_numel > 0) {
+      const std::uint64_t pad = aligned_numel - total % aligned_numel;
+      if (pad > 0 && pad < aligned_numel) {
+        f.numels_with_padding.push_back(pad);
+        f.is_padding.push_back(true);
+        total = checked_add(total, pad, "flat numel");
+      }
+    }
+    f.offsets.push_back(total);
+    f.numels_with_padding.push_back(n);
+    f.is_padding.push_back(false);
+    total = checked_add(total, n, "flat numel");
+  }
+  if (aligned_numel > 0) {
+    const std::uint64_t pad = world_size - total % world_size;
+    if (pad > 0 && pad < world_size) {
+      f.numels_with_padding.push_back(pad);
+      f.is_padding.push_back(true);
+      total = checked_add(total, pad, "flat numel");
+    }
+  }
+  if (total > max_size) throw_error(errors::overflow, "flat numel " + std::to_string(total) + " exceeds 2^63-1");
+  f.numel = total;
+  return f;
+}
+
+/// One rank's shard of a flat parameter (`_get_unpadded_shard` and `_get_shard`): torch.chunk of
+/// the flat parameter into world_size parts, right-padded to the first chunk's size.
+struct FsdpShard {
+  std::uint64_t numel = 0;         ///< sharded flat param numel, padding included (the same on every rank)
+  std::uint64_t numel_padded = 0;  ///< `_shard_numel_padded`: zeros at the end of this rank's shard
+  std::uint64_t start = 0;         ///< first unsharded index this rank covers: numel * rank
+};
+
+inline FsdpShard fsdp_shard(std::uint64_t flat_numel, std::uint64_t rank, std::uint64_t world_size) {
+  detail::check_world(world_size, "FSDP shard");
+  const std::uint64_t s = split_size(flat_numel, world_size);  // chunks[0].numel()
+  const std::uint64_t mine = rank < chunk_count(flat_numel, world_size) ? chunk(flat_numel, world_size, rank).size : 0;
+  return FsdpShard{s, s - mine, checked_mul(s, rank, "FSDP shard start")};
+}
+
+/// `_ShardParamInfo` (torch >= 2.1): where an original parameter is in one rank's shard.
+/// `intra_param_end_idx` is inclusive. All fields are meaningful only when `in_shard`.
+struct ShardParamInfo {
+  bool in_shard = false;
+  std::int64_t offset_in_shard = 0;
+  std::int64_t numel_in_shard = 0;
+  std::int64_t intra_param_start_idx = 0;
+  std::int64_t intra_param_end_idx = 0;
+  friend bool operator==(const ShardParamInfo&, const ShardParamInfo&) = default;
+};
+
+/// `_get_shard_metadata(unsharded_start_idx, unsharded_end_idx)` for rank `rank` (torch >= 2.1):
+/// one entry per original parameter (padding entries skipped). A parameter of numel 0 strictly
+/// inside the shard is `in_shard` with numel_in_shard 0, as in the original.
+inline std::vector<ShardParamInfo> fsdp_shard_param_infos(const FsdpFlatParam& f, std::uint64_t rank,
+                                                          std::uint64_t world_size) {
+  const FsdpShard sh = fsdp_shard(f.numel, rank, world_size);
+  const auto start = static_cast<std::int64_t>(sh.start);
+  const std::int64_t end = start + static_cast<std::int64_t>(sh.numel) - 1;  // inclusive
+  std::vector<ShardParamInfo> out;
+  std::int64_t pos = 0;
+  for (std::size_t i = 0; i < f.numels_with_padding.size(); ++i) {
+    const std::int64_t p_start = pos, p_end = pos + static_cast<std::int64_t>(f.numels_with_padding[i]) - 1;
+    pos += static_cast<std::int64_t>(f.numels_with_padding[i]);
+    if (f.is_padding[i]) continue;
+    ShardParamInfo info;
+    if (start <= p_end && end >= p_start) {
+      info.in_shard = true;
+      if (start <= p_start) {
+        info.intra_param_start_idx = 0;
+        info.offset_in_shard = p_start - start;
+      } else {
+        info.intra_param_start_idx = start - p_start;
+        info.offset_in_shard = 0;
+      }
+      info.intra_param_end_idx = std::min(p_end, end) - p_start;
+      info.numel_in_shard = info.intra_param_end_idx - info.intra_param_start_idx + 1;
+    }
+    out.push_back(info);
+  }
+  return out;
+}
+
+/// The torch 1.13 / 2.0 form (flat_param.py `_get_shard_metadata`): for the parameters that
+/// intersect the shard, inclusive [start, end] offsets inside each (`_shard_param_offsets`), and the
+/// inclusive range of their indices (`_shard_indices`, (0, 0) when none). No alignment padding.
+struct LegacyShardMetadata {
+  std::vector<std::pair<std::int64_t, std::int64_t>> param_offsets;
+  std::pair<std::int64_t, std::int64_t> indices{0, 0};
+  friend bool operator==(const LegacyShardMetadata&, const LegacyShardMetadata&) = default;
+};
+
+inline LegacyShardMetadata fsdp_legacy_shard_metadata(std::span<const std::uint64_t> numels, std::uint64_t rank,
+                                                      std::uint64_t world_size) {
+  const std::uint64_t total = detail::sum_checked(numels);
+  const FsdpShard sh = fsdp_shard(total, rank, world_size);
+  const auto start = static_cast<std::int64_t>(sh.start);
+  const std::int64_t end = start + static_cast<std::int64_t>(sh.numel) - 1;
+  LegacyShardMetadata m;
+  std::int64_t pos = 0;
+  bool any = false;
+  for (std::size_t i = 0; i < numels.size(); ++i) {
+    const std::int64_t p_start = pos, p_end = pos + static_cast<std::int64_t>(numels[i]) - 1;
+    pos += static_cast<std::int64_t>(numels[i]);
+    if (start > p_end || end < p_start) continue;
+    const std::int64_t intra_start = start <= p_start ? 0 : start - p_start;
+    m.param_offsets.emplace_back(intra_start, std::min(p_end, end) - p_start);
+    if (!any) m.indices.first = static_cast<std::int64_t>(i);
+    m.indices.second = static_cast<std::int64_t>(i);
+    any = true;
+  }
+  return m;
+}
+
+/// For each original parameter, where its elements are: rank r's shard holds
+/// param.flatten()[intra_start : intra_end + 1] at shard element offset_in_shard. The shard is the
+/// rank's buffer (fsdp_shard().numel elements, numel_padded of them padding at the end).
+inline std::vector<std::vector<FlatPiece>> fsdp_pieces(const FsdpFlatParam& f, std::uint64_t world_size) {
+  std::vector<std::vector<FlatPiece>> out(f.numels.size());
+  for (std::uint64_t r = 0; r < world_size; ++r) {
+    const auto infos = fsdp_shard_param_infos(f, r, world_size);
+    for (std::size_t i = 0; i < infos.size(); ++i) {
+      const ShardParamInfo& s = infos[i];
+      if (!s.in_shard || s.numel_in_shard <= 0) continue;
+      out[i].push_back(FlatPiece{static_cast<std::uint32_t>(r),
+                                 FlatRange{static_cast<std::uint64_t>(s.intra_param_start_idx),
+                                           static_cast<std::uint64_t>(s.intra_param_end_idx) + 1},
+                                 static_cast<std::uint64_t>(s.offset_in_shard)});
+    }
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// DeepSpeed ZeRO stage 1 and 2
+
+/// A param group's flat buffer and its data-parallel partitions: the group is flattened and padded
+/// at the end to a multiple of `alignment_factor * dp` (align_dense_tensors with
+/// nccl_start_alignment_factor = 2), then cut into dp contiguous partitions, the first
+/// `padded % dp` one element larger (get_data_parallel_partitions; after the padding the division
+/// is exact, so all partitions have padded / dp elements).
+struct Zero12Partitions {
+  std::uint64_t numel = 0;         ///< the group's real elements
+  std::uint64_t padded_numel = 0;  ///< after align_dense_tensors
+  std::vector<Span> parts;         ///< one per rank, in the padded flat index
+};
+
+inline Zero12Partitions zero12_partitions(std::uint64_t group_numel, std::uint64_t dp,
+                                          std::uint64_t alignment_factor = 2) {
+  detail::check_world(dp, "ZeRO partitions");
+  if (alignment_factor == 0) throw_error(errors::bad_layout, "ZeRO alignment factor must be at least 1");
+  Zero12Partitions z;
+  z.numel = group_numel;
+  z.padded_numel = detail::align_up(group_numel, checked_mul(alignment_factor, dp, "ZeRO alignment"));
+  for (std::uint64_t r = 0; r < dp; ++r) z.parts.push_back(balanced(z.padded_numel, dp, r));
+  return z;
+}
+
+/// `groups_padding[rank]` (stage_1_and_2.py, current DeepSpeed): how many trailing elements of this
+/// rank's partition are padding; the saved fp32 partition keeps the first size - padding.
+/// (DeepSpeed before the per-rank rule recorded all the padding on the last rank only.)
+inline std::uint64_t zero12_group_padding(const Zero12Partitions& z, std::uint64_t rank) {
+  const Span p = z.parts.at(static_cast<std::size_t>(rank));
+  if (z.numel <= p.offset) return p.size;
+  if (z.numel < p.offset + p.size) return p.offset + p.size - z.numel;
+  return 0;
+}
+
+/// For each parameter of a group (numels in flat order: round_robin_bit16_groups order, which is
+/// the order of param_shapes), the pieces each rank's partition holds. Rank buffers are the
+/// partitions (element 0 = the partition's first element).
+inline std::vector<std::vector<FlatPiece>> zero12_pieces(std::span<const std::uint64_t> numels, std::uint64_t dp,
+                                                         std::uint64_t alignment_factor = 2) {
+  const Zero12Partitions z = zero12_partitions(detail::sum_checked(numels), dp, alignment_factor);
+  std::vector<std::vector<FlatPiece>> out(numels.size());
+  std::uint64_t pos = 0;
+  for (std::size_t i = 0; i < numels.size(); ++i) {
+    const std::uint64_t p0 = pos, p1 = pos + numels[i];
+    pos = p1;
+    for (std::size_t r = 0; r < z.parts.size(); ++r) {
+      const std::uint64_t s0 = z.parts[r].offset, s1 = s0 + z.parts[r].size;
+      const std::uint64_t lo = std::max(p0, s0), hi = std::min(p1, s1);
+      if (hi <= lo) continue;
+      out[i].push_back(FlatPiece{static_cast<std::uint32_t>(r), FlatRange{lo - p0, hi - p0}, lo - s0});
+    }
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// DeepSpeed ZeRO stage 3
+
+/// `zero3_partitioned_param_info`: every parameter is padded to a multiple of the world size and
+/// rank r holds slice r of ceil(numel / ws) elements.
+struct Zero3ParamInfo {
+  std::uint64_t partitioned_numel = 0;
+  std::uint64_t padding_numel = 0;
+  friend constexpr bool operator==(const Zero3ParamInfo&, const Zero3ParamInfo&) = default;
+};
+
+constexpr Zero3ParamInfo zero3_partitioned_param_info(std::uint64_t numel, std::uint64_t world_size) noexcept {
+  if (world_size == 0) return {};
+  const std::uint64_t rem = numel % world_size;
+  return Zero3ParamInfo{split_size(numel, world_size), rem ? world_size - rem : 0};
+}
+
+/// For each parameter (in param_shapes order; all groups of a rank concatenated, as zero_to_fp32
+/// does), the pieces: rank r's buffer holds elements [r * pn, min((r + 1) * pn, numel)) of the
+/// parameter at offset sum of the previous parameters' pn.
+inline std::vector<std::vector<FlatPiece>> zero3_pieces(std::span<const std::uint64_t> numels, std::uint64_t world_size) {
+  detail::check_world(world_size, "ZeRO-3 partitions");
+  (void)detail::sum_checked(numels);
+  std::vector<std::vector<FlatPiece>> out(numels.size());
+  std::uint64_t off = 0;
+  for (std::size_t i = 0; i < numels.size(); ++i) {
+    const std::uint64_t pn = zero3_partitioned_param_info(numels[i], world_size).partitioned_numel;
+    for (std::uint64_t r = 0; r < world_size && pn > 0; ++r) {
+      const std::uint64_t lo = r * pn;  // < numels[i] + ws, cannot overflow
+      if (lo >= numels[i]) break;
+      const std::uint64_t hi = std::min(numels[i], lo + pn);
+      out[i].push_back(FlatPiece{static_cast<std::uint32_t>(r), FlatRange{lo, hi}, off});
+    }
+    off = checked_add(off, pn, "ZeRO-3 partition offset");
+  }
+  return out;
+}
+
+// =============================================================================================
+// Destinations: a whole sharding, ready for the planner (writers) or as a source description
+// (readers, tests). Each destination is one byte buffer (a rank, a file); chunks are packed in
+// order, each chunk start aligned to `alignment` bytes.
+
+namespace detail {
+inline std::uint64_t itemsize_of(const TensorInfo& t, std::optional<dtype> stored) {
+  return itemsize(stored.value_or(t.dtype));
+}
+inline void check_tensors(std::span<const TensorInfo> tensors) {
+  for (const auto& t : tensors) (void)byte_size(t.shape, itemsize(t.dtype));
+}
+inline Chunk contiguous_chunk(ChunkRegion region, std::uint32_t dest, std::uint64_t offset, dtype stored) {
+  return Chunk{std::move(region), Placement{dest, offset, {}, stored}};
+}
+}  // namespace detail
+
+/// Copies the tensors' names, dtypes and shapes (chunks left empty).
+inline std::vector<TensorInfo> specs_of(std::span<const TensorInfo> tensors) {
+  std::vector<TensorInfo> out;
+  out.reserve(tensors.size());
+  for (const auto& t : tensors) out.push_back(TensorInfo{t.name, t.dtype, t.shape, {}});
+  return out;
+}
+
+/// Everything in one buffer, each tensor whole and row-major, in order.
+inline Destination single(std::span<const TensorInfo> tensors, std::string name = "consolidated",
+                          std::uint64_t alignment = 1, std::optional<dtype> stored = std::nullopt) {
+  detail::check_tensors(tensors);
+  Destination d;
+  d.names = {std::move(name)};
+  d.tensors = specs_of(tensors);
+  std::uint64_t off = 0;
+  for (auto& t : d.tensors) {
+    off = detail::align_up(off, alignment);
+    const dtype st = stored.value_or(t.dtype);
+    t.chunks.push_back(detail::contiguous_chunk(full_box(t.shape), 0, off, st));
+    off = checked_add(off, byte_size(t.shape, itemsize(st)), "destination size");
+  }
+  d.sizes = {off};
+  return d;
+}
+
+/// Each tensor split along its dimension dims[i] into `world` parts by `rule` (chunk along a dim,
+/// DTensor Shard(dim), tensor parallelism); dims[i] < 0 replicates the tensor on every rank. Rank r's
+/// buffer holds its part of each tensor in order. Empty parts get no chunk.
+inline Destination chunked(std::span<const TensorInfo> tensors, std::span<const int> dims, std::uint32_t world,
+                           split_rule rule = split_rule::chunk, std::uint64_t alignment = 1,
+                           std::optional<dtype> stored = std::nullopt) {
+  detail::check_world(world, "chunked layout");
+  detail::check_tensors(tensors);
+  if (dims.size() != tensors.size())
+    throw_error(errors::bad_layout, "chunked layout: " + std::to_string(dims.size()) + " dims for " +
+                                        std::to_string(tensors.size()) + " tensors");
+  Destination d;
+  for (std::uint32_t r = 0; r < world; ++r) d.names.push_back("rank" + std::to_string(r));
+  d.tensors = specs_of(tensors);
+  std::vector<std::uint64_t> off(world, 0);
+  for (std::size_t i = 0; i < d.tensors.size(); ++i) {
+    auto& t = d.tensors[i];
+    const dtype st = stored.value_or(t.dtype);
+    for (std::uint32_t r = 0; r < world; ++r) {
+      Box b = dims[i] < 0 ? full_box(t.shape) : split_box(t.shape, static_cast<std::size_t>(dims[i]), world, r, rule);
+      if (is_empty(b)) continue;
+      off[r] = detail::align_up(off[r], alignment);
+      const std::uint64_t bytes = byte_size(b.sizes, itemsize(st));
+      t.chunks.push_back(detail::contiguous_chunk(std::move(b), r, off[r], st));
+      off[r] = checked_add(off[r], bytes, "destination size");
+    }
+  }
+  d.sizes = off;
+  return d;
+}
+
+namespace detail {
+// Common builder of flat layouts: groups of tensor indices; per group, pieces per tensor and the
+// per-rank element count of the group's slot in each rank buffer.
+template <class Pieces>
+Destination flat_layout(std::span<const TensorInfo> tensors, std::span<const std::vector<std::size_t>> groups,
+                        std::uint32_t world, std::optional<dtype> stored, std::string_view what, Pieces&& pieces_of) {
+  check_world(world, what);
+  check_tensors(tensors);
+  Destination d;
+  for (std::uint32_t r = 0; r < world; ++r) d.names.push_back("rank" + std::to_string(r));
+  d.tensors = specs_of(tensors);
+  std::vector<bool> seen(tensors.size(), false);
+  std::vector<std::uint64_t> off(world, 0);  // bytes
+  for (const auto& g : groups) {
+    if (g.empty()) continue;
+    const dtype st = stored.value_or(tensors[g[0]].dtype);
+    std::vector<std::uint64_t> numels;
+    for (std::size_t i : g) {
+      if (i >= tensors.size() || seen[i])
+        throw_error(errors::bad_layout, std::string(what) + ": tensor index " + std::to_string(i) + " is out of range or in two groups");
+      seen[i] = true;
+      if (stored.value_or(tensors[i].dtype) != st)
+        throw_error(errors::bad_layout, std::string(what) + ": group mixes dtypes (" + quote(tensors[i].name) + ")");
+      numels.push_back(numel(tensors[i].shape));
+    }
+    std::vector<std::uint64_t> slot(world, 0);  // elements of this group in each rank buffer
+    const auto pieces = pieces_of(std::span<const std::uint64_t>(numels), st, slot);
+    for (std::size_t k = 0; k < g.size(); ++k) {
+      auto& t = d.tensors[g[k]];
+      auto chunks = chunks_from(std::span<const FlatPiece>(pieces[k]), [&](std::uint32_t r) {
+        return Placement{r, off[r], {}, st};
+      });
+      for (auto& c : chunks) t.chunks.push_back(std::move(c));
+    }
+    for (std::uint32_t r = 0; r < world; ++r)
+      off[r] = checked_add(off[r], checked_mul(slot[r], itemsize(st), "destination size"), "destination size");
+  }
+  d.sizes = off;
+  return d;
+}
+}  // namespace detail
+
+/// FSDP: each group is one FlatParameter; rank r's buffer holds its shard of each flat parameter in
+/// order (fsdp_shard().numel elements, the padding at the end included). `aligned` turns on the
+/// use_orig_params alignment padding.
+inline Destination fsdp(std::span<const TensorInfo> tensors, std::span<const std::vector<std::size_t>> groups,
+                        std::uint32_t world, bool aligned = false, std::optional<dtype> stored = std::nullopt) {
+  return detail::flat_layout(tensors, groups, world, stored, "FSDP layout",
+                             [&](std::span<const std::uint64_t> numels, dtype st, std::vector<std::uint64_t>& slot) {
+                               const auto f = fsdp_flat_param(numels, world, aligned ? fsdp_aligned_numel(st) : 0);
+                               std::fill(slot.begin(), slot.end(), fsdp_shard(f.numel, 0, world).numel);
+                               return fsdp_pieces(f, world);
+                             });
+}
+
+/// ZeRO stage 1/2: each group flattened and padded to a multiple of alignment_factor * dp; rank r's
+/// buffer holds its partition of each group in order (padding included).
+inline Destination zero12(std::span<const TensorInfo> tensors, std::span<const std::vector<std::size_t>> groups,
+                          std::uint32_t dp, std::uint64_t alignment_factor = 2, std::optional<dtype> stored = std::nullopt) {
+  return detail::flat_layout(tensors, groups, dp, stored, "ZeRO-1/2 layout",
+                             [&](std::span<const std::uint64_t> numels, dtype, std::vector<std::uint64_t>& slot) {
+                               const auto z = zero12_partitions(detail::sum_checked(numels), dp, alignment_factor);
+                               for (std::size_t r = 0; r < slot.size(); ++r) slot[r] = z.parts[r].size;
+                               return zero12_pieces(numels, dp, alignment_factor);
+                             });
+}
+
+/// ZeRO stage 3: every parameter padded to a multiple of the world size; rank r's buffer holds slice
+/// r of each parameter, in order.
+inline Destination zero3(std::span<const TensorInfo> tensors, std::span<const std::vector<std::size_t>> groups,
+                         std::uint32_t world, std::optional<dtype> stored = std::nullopt) {
+  return detail::flat_layout(tensors, groups, world, stored, "ZeRO-3 layout",
+                             [&](std::span<const std::uint64_t> numels, dtype, std::vector<std::uint64_t>& slot) {
+                               std::uint64_t total = 0;
+                               for (std::uint64_t n : numels)
+                                 total = checked_add(total, zero3_partitioned_param_info(n, world).partitioned_numel, "ZeRO-3 size");
+                               std::fill(slot.begin(), slot.end(), total);
+                               return zero3_pieces(numels, world);
+                             });
+}
+
+/// Whole tensors packed into files: `files[f]` lists the indices of the tensors of file f, in
+/// order (for Hugging Face shards, the split of io/hf_sharded.hpp `plan_shards`, which follows
+/// huggingface_hub's split_state_dict_into_shards_factory). Every tensor must be in one file.
+inline Destination packed(std::span<const TensorInfo> tensors, std::span<const std::vector<std::size_t>> files,
+                          std::vector<std::string> names, std::uint64_t alignment = 1,
+                          std::optional<dtype> stored = std::nullopt) {
+  detail::check_tensors(tensors);
+  if (names.size() != files.size())
+    throw_error(errors::bad_layout, "packed layout: " + std::to_string(names.size()) + " names for " +
+                                        std::to_string(files.size()) + " files");
+  Destination d;
+  d.tensors = specs_of(tensors);
+  d.names = std::move(names);
+  d.sizes.assign(files.size(), 0);
+  std::vector<bool> placed(tensors.size(), false);
+  for (std::size_t f = 0; f < files.size(); ++f)
+    for (std::size_t i : files[f]) {
+      if (i >= tensors.size() || placed[i])
+        throw_error(errors::bad_layout, "packed layout: tensor index " + std::to_string(i) + " is out of range or in two files");
+      placed[i] = true;
+      auto& t = d.tensors[i];
+      const dtype st = stored.value_or(t.dtype);
+      d.sizes[f] = detail::align_up(d.sizes[f], alignment);
+      t.chunks.push_back(detail::contiguous_chunk(full_box(t.shape), static_cast<std::uint32_t>(f), d.sizes[f], st));
+      d.sizes[f] = checked_add(d.sizes[f], byte_size(t.shape, itemsize(st)), "file size");
+    }
+  for (std::size_t i = 0; i < placed.size(); ++i)
+    if (!placed[i]) throw_error(errors::bad_layout, "packed layout: tensor " + quote(tensors[i].name) + " is in no file");
+  return d;
+}
+
+/// Views a written destination as a checkpoint to read from: the same tensors and chunks, with
+/// `sources[i]` holding destination i's bytes.
+inline ShardedCheckpoint as_checkpoint(const Destination& d, std::vector<std::shared_ptr<const ByteSource>> sources,
+                                       std::string format = "layout") {
+  ShardedCheckpoint c;
+  c.format = std::move(format);
+  c.sources = std::move(sources);
+  c.tensors = d.tensors;
+  return c;
+}
+
+}  // namespace layout
 }  // namespace statedict::inline v0

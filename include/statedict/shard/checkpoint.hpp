@@ -71,6 +71,19 @@ struct TensorInfo {
   std::vector<Chunk> chunks;
 };
 
+/// Where each element of each tensor must go: the destination side of a plan (shard/plan.hpp).
+/// The same TensorInfo/Chunk structure as a ShardedCheckpoint, with Placement::source indexing
+/// `names` (output files, ranks, buffers) and Placement::stored the dtype to write. Layouts
+/// (shard/layout.hpp) and writers produce it. Bytes that no chunk covers (padding) are left as the
+/// sink has them (zero in a fresh file or buffer).
+struct Destination {
+  std::vector<TensorInfo> tensors;
+  /// One name per destination, for messages (a file name, "rank3").
+  std::vector<std::string> names;
+  /// Byte size of each destination, padding included; empty or 0 means "as far as chunks reach".
+  std::vector<std::uint64_t> sizes;
+};
+
 /// A whole checkpoint: its tensors, the byte sources they live in, and everything that is not a
 /// tensor (the flatten skeleton, see core/flatten.hpp).
 struct ShardedCheckpoint {
