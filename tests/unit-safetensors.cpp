@@ -124,9 +124,11 @@ TEST_CASE("misaligned tensors read correctly: load() and copies work, span<T> re
   const float f4[3] = {1.0F, -0.5F, 3.25F};
   const double d2[2] = {1e300, -2.5};
   std::string data = "abc" + bytes_of(f4, 12) + bytes_of(d2, 16);
-  const std::string h = "{" + tensor_json("a", "U8", "[3]", 0, 3) + "," + tensor_json("f", "F32", "[3]", 3, 15) + "," +
-                        tensor_json("d", "F64", "[2]", 15, 31) + "}";
-  // Pad so that the data section itself starts at an address that is 8-aligned in the buffer.
+  std::string h = "{" + tensor_json("a", "U8", "[3]", 0, 3) + "," + tensor_json("f", "F32", "[3]", 3, 15) + "," +
+                  tensor_json("d", "F64", "[2]", 15, 31) + "}";
+  // Pad so that the data section starts 8-aligned in the (page-aligned) mapping: "f" is then
+  // certainly misaligned for float, "d" for double.
+  while (h.size() % 8) h += ' ';
   for (const auto mode : {read_mode::mmap, read_mode::pread}) {
     const fs::path p = tmp_dir() / "misaligned.safetensors";
     write_all(p, image(h, data));
@@ -134,8 +136,11 @@ TEST_CASE("misaligned tensors read correctly: load() and copies work, span<T> re
     TensorView f = file.view("f");
     CHECK(f.load<float>(0) == 1.0F);
     CHECK(f.load<float>(2) == 3.25F);
-    if (mode == read_mode::mmap && reinterpret_cast<std::uintptr_t>(f.data()) % alignof(float) != 0)
+    if (mode == read_mode::mmap) {
+      REQUIRE(reinterpret_cast<std::uintptr_t>(f.data()) % alignof(float) != 0);
       CHECK_THROWS_AS((void)f.span<float>(), usage_error);
+      CHECK_THROWS_AS((void)file.view("d").span<double>(), usage_error);
+    }
     Tensor c = contiguous(f);
     CHECK(c.values<float>()[1] == -0.5F);
     TensorView d = file.view("d");
@@ -210,6 +215,25 @@ TEST_CASE("InvalidHeaderDeserialization, syntax (305)") {
   CHECK(error_of(image("{\"a\":1,\"b\":" + std::string(200, '[') + "}")) == 307);
   // A number beyond f64, even in an ignored field (serde_json refuses it).
   CHECK(error_of(image("{\"t\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1],\"x\":1e400}}", "z")) == 305);
+}
+
+TEST_CASE("the header JSON grammar is serde_json's") {
+  auto with_field = [](const std::string& value) {
+    return image("{\"t\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1],\"x\":" + value + "}}", "z");
+  };
+  // Accepted in an ignored field.
+  for (const char* ok : {"0", "-0", "1.5e-3", "-12E+2", "1e308", "1e-400", "18446744073709551616", "-9223372036854775809",
+                         "true", "false", "null", "\"\\u0041\\ud83d\\ude00\\/\\b\\f\\n\\r\\t\\\\\\\"\\u0000\"", "[]",
+                         "{}", "[[],{},[{}]]", "{\"a\":[1,{\"b\":null}]}", " [ 1 , 2 ] "})
+    CHECK_MESSAGE(error_of(with_field(ok)) == 0, ok);
+  // Refused.
+  for (const char* bad : {"01", "1.", ".5", "-", "+1", "1e", "1e+", "-1e400", "tru", "nul", "falsey", "\"\\x\"",
+                          "\"\\ud800\"", "\"\\udc00\"", "\"\\ud800\\u0041\"", "\"\\u12G4\"", "\"abc", "[1 2]", "[1,]",
+                          "{\"a\" 1}", "{1:2}", "{\"a\":1,}", "[", "NaN", "Infinity", "'a'", "\"\t\""})
+    CHECK_MESSAGE(error_of(with_field(bad)) == 305, bad);
+  // Escapes in names decode to UTF-8.
+  st::File f = open_image(image("{\"h\\u00e9\\ud83d\\ude00\\u0000\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}", "z"));
+  CHECK(f.entries()[0].name == std::string("h\xc3\xa9\xf0\x9f\x98\x80\0", 8));
 }
 
 TEST_CASE("InvalidHeaderDeserialization, not an object (306)") {

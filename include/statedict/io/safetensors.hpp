@@ -24,6 +24,7 @@
 #pragma once
 
 #include <fcntl.h>
+#include <locale.h>
 #include <sys/types.h>
 #include <unistd.h>
 
@@ -155,7 +156,8 @@ struct limits {
   std::size_t max_json_depth = 127;
   /// Most dimensions per tensor. The reference has no cap (only the header size bounds it).
   std::size_t max_rank = 1024;
-  /// Most tensors per file. The reference has no cap; a 100 MB header holds about 2 million.
+  /// Most tensors per file (at most 2^32 - 2). The reference has no cap; a 100 MB header holds
+  /// about 2 million.
   std::size_t max_tensors = 10'000'000;
 };
 
@@ -283,32 +285,261 @@ inline std::string sanitize_message(std::string_view m) {
   return q.substr(1, q.size() - 2);
 }
 
-/// SAX handler for nlohmann::json::sax_parse that reads a safetensors header straight into
-/// entries, enforcing the reference's schema (serde: HashMetadata / TensorInfo / Dtype) as it goes.
+/// The "C" locale, so that number parsing never depends on the program's global locale.
+inline locale_t c_locale() {
+  static const locale_t loc = ::newlocale(LC_ALL_MASK, "C", static_cast<locale_t>(nullptr));
+  return loc;
+}
+
+/// A strict JSON (RFC 8259) reader with serde_json's rules, driving a SAX-style handler: JSON
+/// whitespace is ' ', \t, \n, \r; no comments, no trailing commas, no byte-order mark; strings
+/// may not hold raw control characters, escapes must be valid and surrogates paired; a number
+/// beyond f64 is an error even where its value is ignored. Throws errors::st_header_json with the
+/// offset of the problem. Iterative: the handler bounds the nesting depth. The input must already
+/// be valid UTF-8.
+template <class Handler>
+void parse_json(const char* const begin, const std::size_t size, Handler& h, const std::string& where) {
+  const char* p = begin;
+  const char* const end = begin + size;
+  std::string buf;
+  std::string numtext;
+  std::vector<char> stack;
+  auto fail = [&](const char* at, const char* what) {
+    throw_error(errors::st_header_json, where,
+                "invalid JSON at header byte " + std::to_string(at - begin) + ": " + what);
+  };
+  auto skip_ws = [&] {
+    while (p < end && (*p == ' ' || *p == '\n' || *p == '\r' || *p == '\t')) ++p;
+  };
+  auto hex4 = [&]() -> std::uint32_t {
+    if (end - p < 4) fail(p, "EOF in a \\u escape");
+    std::uint32_t v = 0;
+    for (int i = 0; i < 4; ++i, ++p) {
+      const char c = *p;
+      v <<= 4;
+      if (c >= '0' && c <= '9') v |= static_cast<std::uint32_t>(c - '0');
+      else if (c >= 'a' && c <= 'f') v |= static_cast<std::uint32_t>(c - 'a' + 10);
+      else if (c >= 'A' && c <= 'F') v |= static_cast<std::uint32_t>(c - 'A' + 10);
+      else fail(p, "invalid \\u escape");
+    }
+    return v;
+  };
+  auto put_utf8 = [&](std::uint32_t cp) {
+    if (cp < 0x80) {
+      buf += static_cast<char>(cp);
+    } else if (cp < 0x800) {
+      buf += static_cast<char>(0xC0 | (cp >> 6));
+      buf += static_cast<char>(0x80 | (cp & 0x3F));
+    } else if (cp < 0x10000) {
+      buf += static_cast<char>(0xE0 | (cp >> 12));
+      buf += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+      buf += static_cast<char>(0x80 | (cp & 0x3F));
+    } else {
+      buf += static_cast<char>(0xF0 | (cp >> 18));
+      buf += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+      buf += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+      buf += static_cast<char>(0x80 | (cp & 0x3F));
+    }
+  };
+  // Reads a string (p at the opening quote) into buf.
+  auto parse_string = [&] {
+    ++p;
+    buf.clear();
+    const char* run = p;
+    for (;;) {
+      if (p == end) fail(p, "EOF while parsing a string");
+      const auto c = static_cast<unsigned char>(*p);
+      if (c == '"') {
+        buf.append(run, static_cast<std::size_t>(p - run));
+        ++p;
+        return;
+      }
+      if (c < 0x20) fail(p, "control character in a string");
+      if (c != '\\') {
+        ++p;
+        continue;
+      }
+      buf.append(run, static_cast<std::size_t>(p - run));
+      ++p;
+      if (p == end) fail(p, "EOF while parsing a string");
+      switch (*p++) {
+        case '"': buf += '"'; break;
+        case '\\': buf += '\\'; break;
+        case '/': buf += '/'; break;
+        case 'b': buf += '\b'; break;
+        case 'f': buf += '\f'; break;
+        case 'n': buf += '\n'; break;
+        case 'r': buf += '\r'; break;
+        case 't': buf += '\t'; break;
+        case 'u': {
+          std::uint32_t cp = hex4();
+          if (cp >= 0xDC00 && cp <= 0xDFFF) fail(p, "lone trailing surrogate in a \\u escape");
+          if (cp >= 0xD800 && cp <= 0xDBFF) {
+            if (end - p < 2 || p[0] != '\\' || p[1] != 'u') fail(p, "lone leading surrogate in a \\u escape");
+            p += 2;
+            const std::uint32_t lo = hex4();
+            if (lo < 0xDC00 || lo > 0xDFFF) fail(p, "lone leading surrogate in a \\u escape");
+            cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+          }
+          put_utf8(cp);
+          break;
+        }
+        default: fail(p - 1, "invalid escape");
+      }
+      run = p;
+    }
+  };
+  auto digit = [&] { return p < end && *p >= '0' && *p <= '9'; };
+  auto parse_number = [&] {
+    const char* start = p;
+    const bool neg = *p == '-';
+    if (neg) ++p;
+    if (p < end && *p == '0') {
+      ++p;
+    } else if (digit()) {
+      while (digit()) ++p;
+    } else {
+      fail(p, "invalid number");
+    }
+    bool integral = true;
+    if (p < end && *p == '.') {
+      ++p;
+      if (!digit()) fail(p, "invalid number");
+      while (digit()) ++p;
+      integral = false;
+    }
+    if (p < end && (*p == 'e' || *p == 'E')) {
+      ++p;
+      if (p < end && (*p == '+' || *p == '-')) ++p;
+      if (!digit()) fail(p, "invalid number");
+      while (digit()) ++p;
+      integral = false;
+    }
+    if (integral && !neg) {
+      std::uint64_t v = 0;
+      bool fits = true;
+      for (const char* q = start; q < p && fits; ++q)
+        fits = !__builtin_mul_overflow(v, 10U, &v) && !__builtin_add_overflow(v, static_cast<unsigned>(*q - '0'), &v);
+      if (fits) return h.number_unsigned(v);
+    }
+    numtext.assign(start, p);
+    errno = 0;
+    const double d = ::strtod_l(numtext.c_str(), nullptr, c_locale());
+    if (!std::isfinite(d)) fail(start, "number out of range");
+    if (integral) return h.number_integer(0);  // a negative integer (its value never matters)
+    return h.number_float(d);
+  };
+  auto literal = [&](const char* word, std::size_t n) {
+    if (static_cast<std::size_t>(end - p) < n || std::memcmp(p, word, n) != 0) fail(p, "expected a value");
+    p += n;
+  };
+  // Reads "key" : (p at the key's quote) and hands the key over.
+  auto parse_key = [&] {
+    if (p == end || *p != '"') fail(p, p == end ? "EOF while parsing an object" : "key must be a string");
+    parse_string();
+    h.key(buf);
+    skip_ws();
+    if (p == end || *p != ':') fail(p, "expected ':'");
+    ++p;
+  };
+
+  skip_ws();
+  if (p == end) fail(p, "EOF while parsing a value");
+  for (;;) {
+    // A value starts at p (after whitespace).
+    skip_ws();
+    if (p == end) fail(p, "EOF while parsing a value");
+    bool opened = false;
+    switch (*p) {
+      case '{':
+        h.start_object(0);
+        ++p;
+        skip_ws();
+        if (p < end && *p == '}') {
+          ++p;
+          h.end_object();
+        } else {
+          stack.push_back('{');
+          parse_key();
+          opened = true;
+        }
+        break;
+      case '[':
+        h.start_array(0);
+        ++p;
+        skip_ws();
+        if (p < end && *p == ']') {
+          ++p;
+          h.end_array();
+        } else {
+          stack.push_back('[');
+          opened = true;
+        }
+        break;
+      case '"':
+        parse_string();
+        h.string(buf);
+        break;
+      case 't': literal("true", 4), h.boolean(true); break;
+      case 'f': literal("false", 5), h.boolean(false); break;
+      case 'n': literal("null", 4), h.null(); break;
+      default:
+        if (*p == '-' || (*p >= '0' && *p <= '9')) parse_number();
+        else fail(p, "expected a value");
+    }
+    if (opened) continue;
+    // After a complete value: close containers or move to the next element.
+    for (;;) {
+      skip_ws();
+      if (stack.empty()) {
+        if (p != end) fail(p, "trailing characters after the JSON value");
+        return;
+      }
+      if (p == end) fail(p, stack.back() == '{' ? "EOF while parsing an object" : "EOF while parsing a list");
+      if (*p == ',') {
+        ++p;
+        if (stack.back() == '{') {
+          skip_ws();
+          parse_key();
+        }
+        break;
+      }
+      if (stack.back() == '{' && *p == '}') {
+        ++p;
+        stack.pop_back();
+        h.end_object();
+        continue;
+      }
+      if (stack.back() == '[' && *p == ']') {
+        ++p;
+        stack.pop_back();
+        h.end_array();
+        continue;
+      }
+      fail(p, stack.back() == '{' ? "expected ',' or '}'" : "expected ',' or ']'");
+    }
+  }
+}
+
+/// Handler for parse_json that reads a safetensors header straight into entries, enforcing the
+/// reference's schema (serde: HashMetadata / TensorInfo / Dtype) as it goes.
 class header_parser {
  public:
-  using json = nlohmann::json;
-
   header_parser(const limits& lim, const std::string& where) : lim_(lim), where_(where) {}
 
   std::vector<TensorEntry> entries;
   std::optional<std::vector<std::pair<std::string, std::string>>> metadata;
 
-  // --- nlohmann SAX interface
+  // --- parse_json's handler interface
   bool null() { return scalar(kind::null, 0); }
   bool boolean(bool) { return scalar(kind::boolean, 0); }
-  bool number_integer(json::number_integer_t) { return scalar(kind::negative, 0); }
-  bool number_unsigned(json::number_unsigned_t v) { return scalar(kind::unsigned_int, v); }
-  bool number_float(json::number_float_t v, const json::string_t&) {
-    // serde_json refuses numbers that overflow f64, even in fields it ignores.
-    if (!std::isfinite(v)) fail(errors::st_header_json, where_, "number out of range");
-    return scalar(kind::floating, 0);
-  }
-  bool string(json::string_t& s) {
+  bool number_integer(std::int64_t) { return scalar(kind::negative, 0); }
+  bool number_unsigned(std::uint64_t v) { return scalar(kind::unsigned_int, v); }
+  bool number_float(double) { return scalar(kind::floating, 0); }
+  bool string(std::string& s) {
     string_ = &s;
     return scalar(kind::string, 0);
   }
-  bool binary(json::binary_t&) { return scalar(kind::null, 0); }  // never produced by the JSON lexer
 
   bool start_object(std::size_t) {
     push_check();
@@ -331,7 +562,7 @@ class header_parser {
     }
   }
 
-  bool key(json::string_t& k) {
+  bool key(std::string& k) {
     switch (top()) {
       case ctx::top:
         if (k == "__metadata__") {
@@ -411,11 +642,6 @@ class header_parser {
            "data_offsets has " + std::to_string(offsets_n_) + " elements, expected [begin, end]");
     after_value();
     return true;
-  }
-
-  bool parse_error(std::size_t position, const std::string&, const nlohmann::detail::exception& ex) {
-    fail(errors::st_header_json, where_,
-         "invalid JSON near header byte " + std::to_string(position) + ": " + sanitize_message(ex.what()));
   }
 
   void finish() const {
@@ -545,7 +771,7 @@ class header_parser {
   std::string key_;
   std::string meta_key_;
   std::unordered_set<std::string> meta_keys_;
-  json::string_t* string_ = nullptr;
+  std::string* string_ = nullptr;
   TensorEntry cur_;
   unsigned fields_ = 0;
   unsigned offsets_n_ = 0;
@@ -568,15 +794,11 @@ inline void check_syntax(const char* first, std::uint64_t n, const limits& lim, 
     std::size_t depth = 0;
     bool null() { return true; }
     bool boolean(bool) { return true; }
-    bool number_integer(nlohmann::json::number_integer_t) { return true; }
-    bool number_unsigned(nlohmann::json::number_unsigned_t) { return true; }
-    bool number_float(nlohmann::json::number_float_t v, const nlohmann::json::string_t&) {
-      if (!std::isfinite(v)) throw_error(errors::st_header_json, where, "number out of range");
-      return true;
-    }
-    bool string(nlohmann::json::string_t&) { return true; }
-    bool binary(nlohmann::json::binary_t&) { return true; }
-    bool key(nlohmann::json::string_t&) { return true; }
+    bool number_integer(std::int64_t) { return true; }
+    bool number_unsigned(std::uint64_t) { return true; }
+    bool number_float(double) { return true; }
+    bool string(std::string&) { return true; }
+    bool key(std::string&) { return true; }
     bool open() {
       if (depth >= lim.max_json_depth)
         throw_error(errors::st_json_depth, where,
@@ -588,13 +810,59 @@ inline void check_syntax(const char* first, std::uint64_t n, const limits& lim, 
     bool start_array(std::size_t) { return open(); }
     bool end_object() { return --depth, true; }
     bool end_array() { return --depth, true; }
-    bool parse_error(std::size_t position, const std::string&, const nlohmann::detail::exception& ex) {
-      throw_error(errors::st_header_json, where,
-                  "invalid JSON near header byte " + std::to_string(position) + ": " + sanitize_message(ex.what()));
-    }
   } s{lim, where};
-  nlohmann::json::sax_parse(first, first + n, &s, nlohmann::json::input_format_t::json, true, false);
+  parse_json(first, static_cast<std::size_t>(n), s, where);
 }
+
+/// Name -> position index over names stored elsewhere (open addressing, linear probing): two
+/// 32-bit words per slot and no per-name allocation, so indexing 100k names stays cache-friendly.
+class name_index {
+ public:
+  static constexpr std::size_t npos = ~std::size_t{0};
+
+  /// Prepares for `n` names.
+  void reset(std::size_t n) {
+    std::size_t cap = 16;
+    while (cap < n * 2) cap <<= 1;
+    slots_.assign(cap, slot{0, 0});
+    mask_ = cap - 1;
+  }
+  /// Adds names[i]; returns false when an equal name is already indexed.
+  template <class Names>
+  bool insert(const Names& names, std::size_t i) {
+    const std::string_view key = name_of(names[i]);
+    const std::size_t h = std::hash<std::string_view>{}(key);
+    const auto tag = static_cast<std::uint32_t>(h >> 32);
+    for (std::size_t k = h & mask_;; k = (k + 1) & mask_) {
+      slot& sl = slots_[k];
+      if (sl.pos == 0) {
+        sl = slot{static_cast<std::uint32_t>(i + 1), tag};
+        return true;
+      }
+      if (sl.tag == tag && name_of(names[sl.pos - 1]) == key) return false;
+    }
+  }
+  template <class Names>
+  [[nodiscard]] std::size_t find(const Names& names, std::string_view key) const {
+    if (slots_.empty()) return npos;
+    const std::size_t h = std::hash<std::string_view>{}(key);
+    const auto tag = static_cast<std::uint32_t>(h >> 32);
+    for (std::size_t k = h & mask_;; k = (k + 1) & mask_) {
+      const slot& sl = slots_[k];
+      if (sl.pos == 0) return npos;
+      if (sl.tag == tag && name_of(names[sl.pos - 1]) == key) return sl.pos - 1;
+    }
+  }
+
+ private:
+  struct slot {
+    std::uint32_t pos;  // index + 1; 0 = empty
+    std::uint32_t tag;  // high hash bits
+  };
+  static std::string_view name_of(const TensorEntry& e) noexcept { return e.name; }
+  std::vector<slot> slots_;
+  std::size_t mask_ = 0;
+};
 
 /// Everything `File` holds; shared by copies of a File.
 struct file_state {
@@ -602,7 +870,7 @@ struct file_state {
   std::string name;
   std::uint64_t header_size = 0;  // N
   std::vector<TensorEntry> entries;
-  std::unordered_map<std::string_view, std::size_t> index;
+  name_index index;
   std::optional<std::map<std::string, std::string>> raw_metadata;
   std::map<std::string, std::string> metadata;  // without statedict's keys
   std::vector<std::pair<std::string, std::string>> aliases;
@@ -642,8 +910,8 @@ class File {
   [[nodiscard]] std::size_t size() const noexcept { return s_->entries.size(); }
   /// The stored tensor named `name`, or nullptr (aliases are not stored tensors; see resolve()).
   [[nodiscard]] const TensorEntry* find(std::string_view name) const {
-    auto it = s_->index.find(name);
-    return it == s_->index.end() ? nullptr : &s_->entries[it->second];
+    const std::size_t i = s_->index.find(s_->entries, name);
+    return i == detail::name_index::npos ? nullptr : &s_->entries[i];
   }
   /// The stored tensor `name` refers to, following an alias; nullptr when neither.
   [[nodiscard]] const TensorEntry* resolve(std::string_view name) const {
@@ -751,17 +1019,10 @@ class File {
     std::size_t bad = 0;
     if (!detail::valid_utf8(h, static_cast<std::size_t>(n), bad))
       throw_error(errors::st_header_utf8, where, "header is not UTF-8 (bad byte at header offset " + std::to_string(bad) + ")");
-    if (n >= 3 && h[0] == 0xEF && h[1] == 0xBB && h[2] == 0xBF)
-      throw_error(errors::st_header_json, where, "header starts with a byte-order mark, which is not JSON");
-    // A raw NUL is never valid JSON (nlohmann's lexer would take it for the end of the input).
-    if (const void* z = std::memchr(h, 0, static_cast<std::size_t>(n)))
-      throw_error(errors::st_header_json, where,
-                  "NUL byte at header offset " + std::to_string(static_cast<const unsigned char*>(z) - h));
-
     detail::header_parser p(lim, where);
     const char* first = reinterpret_cast<const char*>(h);
     try {
-      nlohmann::json::sax_parse(first, first + n, &p, nlohmann::json::input_format_t::json, true, false);
+      detail::parse_json(first, static_cast<std::size_t>(n), p, where);
       p.finish();
     } catch (const error& e) {
       // serde parses the whole text before it checks the schema: a syntax error anywhere wins.
@@ -787,38 +1048,38 @@ class File {
     }
 
     // Names are unique (statedict's rule; the reference keeps the last of duplicates).
-    st.index.reserve(st.entries.size());
+    st.index.reset(st.entries.size());
     for (std::size_t i = 0; i < st.entries.size(); ++i)
-      if (!st.index.emplace(st.entries[i].name, i).second)
+      if (!st.index.insert(st.entries, i))
         throw_error(errors::st_duplicate_key, where + ": tensor " + quote(st.entries[i].name),
                     "the name appears twice in the header");
 
     // Metadata::validate, rule by rule in the reference's order.
     std::uint64_t start = 0;
     for (const TensorEntry& e : st.entries) {
-      const std::string at = where + ": tensor " + quote(e.name);
+      const auto at_ = [&] { return where + ": tensor " + quote(e.name); };
       if (e.begin != start || e.end < e.begin)
-        throw_error(errors::st_invalid_offset, at,
+        throw_error(errors::st_invalid_offset, at_(),
                     "data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) + "], expected to start at " +
                         std::to_string(start) + " (offsets must be contiguous from 0)");
       start = e.end;
       std::uint64_t numel = 1;
       for (dim_t d : e.shape)
         if (__builtin_mul_overflow(numel, static_cast<std::uint64_t>(d), &numel))
-          throw_error(errors::st_overflow, at, "element count of shape " + to_string(e.shape) + " overflows 64 bits");
+          throw_error(errors::st_overflow, at_(), "element count of shape " + to_string(e.shape) + " overflows 64 bits");
       std::uint64_t bits = 0;
       if (__builtin_mul_overflow(numel, std::uint64_t{e.dtype_bits}, &bits))
-        throw_error(errors::st_overflow, at,
+        throw_error(errors::st_overflow, at_(),
                     "bit size of " + std::string(e.dtype_name) + to_string(e.shape) + " overflows 64 bits");
       if (bits % 8 != 0)
-        throw_error(errors::st_misaligned_slice, at,
+        throw_error(errors::st_misaligned_slice, at_(),
                     std::string(e.dtype_name) + to_string(e.shape) + " is not a whole number of bytes");
       if (e.end - e.begin != bits / 8)
-        throw_error(errors::st_size_mismatch, at,
+        throw_error(errors::st_size_mismatch, at_(),
                     std::string(e.dtype_name) + to_string(e.shape) + " needs " + std::to_string(bits / 8) +
                         " bytes, data_offsets give " + std::to_string(e.end - e.begin));
       if (numel > max_size)
-        throw_error(errors::st_overflow, at, "element count " + std::to_string(numel) + " exceeds 2^63-1");
+        throw_error(errors::st_overflow, at_(), "element count " + std::to_string(numel) + " exceeds 2^63-1");
     }
     const std::uint64_t data_len = len - 8 - n;
     if (start != data_len)
@@ -844,16 +1105,15 @@ class File {
       for (auto& [alias, target] : j.items()) {
         if (!target.is_string()) throw_error(errors::st_statedict_metadata, at, "alias " + quote(alias) + " is not a string");
         const std::string& t = target.get_ref<const std::string&>();
-        auto e = st.index.find(t);
-        if (e == st.index.end())
+        if (st.index.find(st.entries, t) == detail::name_index::npos)
           throw_error(errors::st_statedict_metadata, at, "alias " + quote(alias) + " refers to a missing tensor " + quote(t));
-        if (st.index.count(alias))
+        if (st.index.find(st.entries, alias) != detail::name_index::npos)
           throw_error(errors::st_statedict_metadata, at, "alias " + quote(alias) + " is also a stored tensor");
         st.aliases.emplace_back(alias, t);
       }
       st.alias_index.reserve(st.aliases.size());
       for (const auto& [alias, target] : st.aliases)
-        if (!st.alias_index.emplace(alias, st.index.at(target)).second)
+        if (!st.alias_index.emplace(alias, st.index.find(st.entries, target)).second)
           throw_error(errors::st_statedict_metadata, at, "alias " + quote(alias) + " appears twice");
     }
     if (auto it = md.find(std::string(skeleton_key)); it != md.end()) {
