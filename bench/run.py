@@ -16,6 +16,7 @@ STATEDICT_BENCH_REPS=3).  See bench/README.md.
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -44,7 +45,7 @@ def parse_args(argv):
     a = ap.add_argument
     a("--cases", default=env_default("cases", ",".join(cases.ALL)), help="comma-separated subset of B1..B6")
     a("--reps", type=int, default=int(env_default("reps", 5)), help="warm repetitions per peer (default 5)")
-    a("--cold-reps", type=int, default=int(env_default("cold_reps", 3)), help="cold repetitions (default 3)")
+    a("--cold-reps", type=int, default=int(env_default("cold_reps", 2)), help="cold repetitions (default 2)")
     a("--scale-reps", type=int, default=int(env_default("scale_reps", 3)), help="repetitions per B6 size (default 3)")
     a("--cold-method", choices=["fadvise", "drop_caches", "none"], default=env_default("cold_method", "fadvise"))
     a("--pt-gib", type=float, default=float(env_default("pt_gib", 3.0)), help="B2/B3 .pt size (default 3)")
@@ -224,7 +225,12 @@ def selftest(ctx):
     return 0
 
 
+def _terminate(signum, _frame):
+    raise SystemExit(128 + signum)  # unwinds through measure.run, which kills the running command
+
+
 def main(argv=None):
+    signal.signal(signal.SIGTERM, _terminate)
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from harness import chart, report
     os.makedirs(args.data, exist_ok=True)

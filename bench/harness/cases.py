@@ -149,7 +149,7 @@ def b2(ctx, runner):
                                                  o["st.safetensors"]],
              inputs=[pt], output=o["st.safetensors"], validate=st_equal(st)),
         Peer("torch.load + torch.save", [PY, os.path.join(ctx.peers, "pt_to_safetensors.py"), pt, o["pt.pt"]],
-             inputs=[pt], output=o["pt.pt"]),
+             inputs=[pt], output=o["pt.pt"], cold=False),
         Peer("cp of the output bytes", cp_argv(st, o["cp.safetensors"]), kind="limit", inputs=[st],
              output=o["cp.safetensors"]),
     ]
@@ -173,8 +173,9 @@ def b3(ctx, runner):
              stdout=True, validate=inspect_json_matches(st), binary=sd),
         Peer("torch.load", [PY, os.path.join(ctx.peers, "torch_load.py"), pt], inputs=[pt]),
         Peer("torch.load(weights_only=True)", [PY, os.path.join(ctx.peers, "torch_load.py"), pt, "--weights-only"],
-             inputs=[pt]),
-        Peer("python3 -c 'import torch' (context: fixed cost)", [PY, "-c", "import torch"], kind="context"),
+             inputs=[pt], cold=False),
+        Peer("python3 -c 'import torch' (context: fixed cost)", [PY, "-c", "import torch"], kind="context",
+             cold=False),
     ]
     results = runner.run("B3", peers, ctx.args.reps, ctx.args.cold_reps, ctx.args.cold_method)
     status, detail = _abs_verdict(results, 0.050)
@@ -239,13 +240,15 @@ def _gbench_figure(benchmarks):
         scale = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}[b.get("time_unit", "ns")]
         if b.get("run_type") == "aggregate" or name not in med:
             med[name] = b["real_time"] * scale
-    rt = {n: v for n, v in med.items() if "roundtrip" in n.lower() or "round_trip" in n.lower()}
-    if rt:
-        return sum(rt.values()), f"round-trip benchmark(s): {', '.join(rt)}", med
-    fl = {n: v for n, v in med.items() if "flatten" in n.lower()}
-    if fl:
-        return sum(fl.values()), f"sum of {', '.join(fl)}", med
-    return None, "no flatten benchmark found", med
+    low = {n: n.lower().replace("_", "") for n in med}
+    both = [n for n in med if "roundtrip" in low[n] or "flattenunflatten" in low[n]]
+    if both:  # one benchmark does flatten then unflatten
+        return med[both[0]], f"{both[0]} (flatten then unflatten in one iteration)", med
+    fl = [n for n in med if "flatten" in low[n] and "unflatten" not in low[n]]
+    un = [n for n in med if "unflatten" in low[n]]
+    if fl and un:
+        return med[fl[0]] + med[un[0]], f"{fl[0]} + {un[0]}", med
+    return None, "no flatten/unflatten benchmark found", med
 
 
 def b5(ctx, runner):

@@ -1,6 +1,7 @@
 """bench/chart.png: one panel per case (median wall time per peer, min-max whiskers, peak anonymous
 RSS written on each bar) and two B6 panels (time and peak anonymous RSS against size)."""
 import os
+import textwrap
 
 import matplotlib
 
@@ -28,10 +29,11 @@ def _bars(ax, case, cid):
         for cond in ("warm", "cold"):
             s = r["summary"].get(cond)
             if s:
-                rows.append((f"{_short(r['name'])} [{cond}]", r["kind"], s, cond))
+                rows.append((textwrap.fill(_short(r["name"]), 24) + f"\n[{cond}]", r["kind"], s, cond))
         if r["status"] == "unavailable":
-            rows.append((f"{_short(r['name'])}: n/a", r["kind"], None, "warm"))
-    ax.set_title(f"{cid} {case['title']}\n{case['verdict']}: {case['detail'][:70]}", fontsize=8)
+            rows.append((textwrap.fill(_short(r["name"]), 24) + "\n[n/a]", r["kind"], None, "warm"))
+    ax.set_title(f"{cid} {case['title']}\n" + textwrap.fill(f"{case['verdict']}: {case['detail']}", 70,
+                                                             max_lines=2), fontsize=8)
     if not rows:
         ax.text(0.5, 0.5, "not available in this build", ha="center", va="center", transform=ax.transAxes)
         ax.set_axis_off()
@@ -49,13 +51,15 @@ def _bars(ax, case, cid):
                 va="center", fontsize=6.5)
     ax.set_yticks(ys)
     ax.set_yticklabels([r[0] for r in rows], fontsize=7)
+    ax.set_ylim(-0.6, len(rows) - 0.4)
     ax.set_xlim(0, top * 1.6)
     ax.set_xlabel("wall time, s (median, min-max)", fontsize=7)
     ax.tick_params(axis="x", labelsize=7)
 
 
 def _b5(ax, case):
-    ax.set_title(f"B5 {case['title'][:45]}\n{case['verdict']}: {case['detail'][:70]}", fontsize=8)
+    ax.set_title("B5 flatten + unflatten, 100k leaves\n" + textwrap.fill(f"{case['verdict']}: {case['detail']}", 70,
+                                                                        max_lines=2), fontsize=8)
     g = case.get("gbench") or {}
     if not g:
         ax.text(0.5, 0.5, "not available in this build", ha="center", va="center", transform=ax.transAxes)
@@ -70,7 +74,8 @@ def _b5(ax, case):
 
 
 def _b6(ax_t, ax_m, case):
-    ax_t.set_title(f"B6 scaling: time\n{case['verdict']}: {case['detail'][:70]}", fontsize=8)
+    ax_t.set_title("B6 scaling: median wall time\n" + textwrap.fill(f"{case['verdict']}: {case['detail']}", 70,
+                                                                   max_lines=2), fontsize=8)
     ax_m.set_title("B6 scaling: peak anonymous RSS", fontsize=8)
     series = case.get("series") or {}
     if not series:
@@ -100,42 +105,37 @@ def _b6(ax_t, ax_m, case):
 
 def draw(doc, path):
     cs = doc["cases"]
-    fig, axes = plt.subplots(2, 4, figsize=(20, 9))
-    panels = [("B1", axes[0][0]), ("B2", axes[0][1]), ("B3", axes[0][2]), ("B4", axes[0][3])]
-    for cid, ax in panels:
+    fig, axes = plt.subplots(3, 3, figsize=(18, 15))
+    for cid, ax in (("B1", axes[0][0]), ("B2", axes[0][1]), ("B3", axes[0][2]), ("B4", axes[1][0])):
         if cid in cs:
             _bars(ax, cs[cid], cid)
         else:
             ax.set_axis_off()
     if "B5" in cs:
-        _b5(axes[1][0], cs["B5"])
-    else:
-        axes[1][0].set_axis_off()
-    if "B6" in cs:
-        _b6(axes[1][1], axes[1][2], cs["B6"])
+        _b5(axes[1][1], cs["B5"])
     else:
         axes[1][1].set_axis_off()
-        axes[1][2].set_axis_off()
+    if "B6" in cs:
+        _b6(axes[2][0], axes[2][1], cs["B6"])
+    else:
+        axes[2][0].set_axis_off()
+        axes[2][1].set_axis_off()
     m = doc["machine"]
-    ax = axes[1][3]
-    ax.set_axis_off()
-    ax.text(0, 1, "\n".join([
-        "statedict vs peers vs cp",
-        f"{m['date']}",
-        f"{m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB",
-        f"kernel {m['kernel']} ({m['virtualization']})",
-        f"{m['filesystem'][:60]}",
-        f"{m['python_peers']}",
-        "",
-        "bars: median wall time, whiskers min-max;",
-        "solid = warm page cache, faded = cold (inputs",
-        "evicted with posix_fadvise DONTNEED);",
-        "labels: median and peak anonymous RSS.",
-        "blue statedict, orange Python peers,",
-        "grey cp (physical limit, incl. fsync).",
-    ]), va="top", fontsize=8, family="monospace")
+    for ax in (axes[1][2], axes[2][2]):
+        ax.set_axis_off()
+    lines = ["statedict vs its peers vs cp", m["date"], f"{m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM",
+             f"kernel {m['kernel']}", m["virtualization"], m["filesystem"], m["python_peers"], "",
+             "bars: median wall time, whiskers min-max;",
+             "solid = warm page cache, faded = cold (inputs",
+             "evicted with posix_fadvise DONTNEED);",
+             "labels: median and peak anonymous RSS.",
+             "blue: statedict, orange: Python peers (torch 1.13),",
+             "grey: cp of the same bytes + fsync (the limit).",
+             "", "details: bench/results.md, bench/README.md"]
+    axes[1][2].text(0, 1, "\n".join(textwrap.fill(x, 52) if x else x for x in lines), va="top", fontsize=9,
+                    family="monospace")
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path + ".tmp.png", dpi=90)
+    fig.savefig(path + ".tmp.png", dpi=80)
     plt.close(fig)
     os.replace(path + ".tmp.png", path)

@@ -16,8 +16,8 @@ Method (details and limits in bench/README.md, "How things are measured"):
   * peak anonymous RSS: not tracked by the kernel, so it is sampled.  A thread reads RssAnon from
     /proc/<pid>/status of the command and all its descendants every `interval` seconds (default
     2 ms; the counter read is ~15 us) and /proc/<pid>/smaps_rollup ("Anonymous:", an exact page-table
-    walk, more costly) every `rollup_interval` seconds; descendants are found by scanning /proc every
-    `scan_interval` seconds (this kernel has no /proc/<pid>/task/<tid>/children).  The peak is the
+    walk: milliseconds for a process with GiBs mapped, under its mmap lock) every `rollup_interval`
+    seconds (default 0.25); descendants are found by scanning /proc every `scan_interval` seconds (0.1) (this kernel has no /proc/<pid>/task/<tid>/children).  The peak is the
     maximum over samples of the per-sample sum over the process tree.  Samples taken before the child
     has exec'ed are discarded (a vfork'ed child still shows the harness's memory).  A spike shorter
     than the interval can be missed; bench/run.py --selftest measures what is caught.
@@ -66,7 +66,7 @@ def _descendants(root):
 
 
 class Sampler(threading.Thread):
-    def __init__(self, pid, interval=0.002, scan_interval=0.05, rollup_interval=0.05):
+    def __init__(self, pid, interval=0.002, scan_interval=0.1, rollup_interval=0.25):
         super().__init__(daemon=True)
         self.pid = pid
         self.interval = interval
@@ -158,7 +158,7 @@ def _busy_seconds():
 
 
 def run(argv, stdout_path=None, stderr_path=None, env=None, cwd=None, interval=0.002,
-        scan_interval=0.05, rollup_interval=0.05, timeout=None):
+        scan_interval=0.1, rollup_interval=0.25, timeout=None):
     out = open(stdout_path, "wb") if stdout_path else subprocess.DEVNULL
     err = open(stderr_path, "wb") if stderr_path else subprocess.DEVNULL
     try:
@@ -171,7 +171,12 @@ def run(argv, stdout_path=None, stderr_path=None, env=None, cwd=None, interval=0
         if timeout:
             timer = threading.Timer(timeout, proc.kill)
             timer.start()
-        _, status, ru = os.wait4(proc.pid, 0)
+        try:
+            _, status, ru = os.wait4(proc.pid, 0)
+        except BaseException:  # interrupted (Ctrl-C, SIGTERM): never leave the command running
+            proc.kill()
+            os.wait4(proc.pid, 0)
+            raise
         t1 = time.perf_counter()
         busy1 = _busy_seconds()
         if timer:

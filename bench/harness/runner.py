@@ -22,6 +22,7 @@ class Peer:
     validate: Optional[Callable] = None  # validate(peer, stdout_path) -> None | "what is wrong"
     binary: Optional[str] = None  # if set and missing: "not available in this build"
     after_warmup: Optional[Callable] = None  # after_warmup(peer): e.g. keep the output as cp's source
+    cold: bool = True  # also run in the cold condition (secondary variants are warm only, to save time)
     note: str = ""
 
 
@@ -129,6 +130,8 @@ class CaseRunner:
             for rep in range(n):
                 line = []
                 for peer, res in active:
+                    if cond == "cold" and not peer.cold:
+                        continue
                     if cond == "cold":
                         frac = cache.make_cold(list(cache.files_under(_value(peer.inputs))), cold_method)
                         res.resident_after_evict.append(frac)
