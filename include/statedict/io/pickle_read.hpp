@@ -1,0 +1,1235 @@
+// statedict: a safe unpickler (protocols 0-5 opcodes; what torch.save and DCP metadata use).
+// SPDX-License-Identifier: MIT
+//
+// `pickle::load(bytes, options)` turns a pickle into a Value tree and never executes anything.
+// Every GLOBAL is looked up in a registry modelled on torch.load(weights_only=True)
+// (`pickle::Registry::weights_only()`); a global that is not there is a security_error naming
+// `module.name`, unless `options.keep_unknown_objects` is set, in which case unknown objects are
+// kept as opaque `Object` nodes (class, args, state, items) - still never called. Modules that
+// only ever mean code execution (os, posix, nt, sys, subprocess, ...) are refused even then.
+//
+// How globals become Values (docs/torch-files.md has the full table):
+//   collections.OrderedDict()            -> Dict (a BUILD setting attributes such as `_metadata`
+//                                           on it is reported in Result::attributes, by path)
+//   _codecs.encode(str, 'latin1')        -> Bytes; builtins.bytes() -> empty Bytes
+//   torch.Size(tuple)                    -> tuple of ints
+//   builtins.set / frozenset             -> Object builtins.set / frozenset with `items`
+//   builtins.bytearray, BYTEARRAY8       -> Object builtins.bytearray, args [Bytes]
+//   ints beyond int64 (LONG1/LONG4)      -> Object builtins.int, args [Bytes: minimal
+//                                           little-endian two's complement]
+//   dicts with keys other than int/str   -> Object builtins.dict (collections.OrderedDict when it
+//                                           was one), items = (key, value) tuples
+//   any other allowed global, referenced -> Object, how = global (torch.float32, torch.Tensor)
+//   any other allowed global, called     -> Object, how = reduce / newobj (torch.device('cpu'))
+// The torch layer (io/torch_file.hpp) adds the tensor rebuild functions and storages.
+//
+// Hostile input: every length is checked against the bytes left before anything is allocated,
+// nesting, memo, stack, output size, string and long sizes are capped (`pickle::limits`), cyclic
+// structures are rejected, and no recursion depends on input size beyond `limits::max_depth`.
+#pragma once
+
+#include <algorithm>
+#include <bit>
+#include <charconv>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "../core/error.hpp"
+#include "../core/value.hpp"
+
+namespace statedict::inline v0 {
+
+namespace errors {
+// clang-format off
+inline constexpr error_id pk_truncated          {450, error_kind::format,      "pickle.truncated"};
+inline constexpr error_id pk_unknown_opcode     {451, error_kind::format,      "pickle.unknown_opcode"};
+inline constexpr error_id pk_unsupported_opcode {452, error_kind::unsupported, "pickle.unsupported_opcode"};
+inline constexpr error_id pk_bad_protocol       {453, error_kind::format,      "pickle.bad_protocol"};
+inline constexpr error_id pk_stack_underflow    {454, error_kind::format,      "pickle.stack_underflow"};
+inline constexpr error_id pk_no_mark            {455, error_kind::format,      "pickle.no_mark"};
+inline constexpr error_id pk_bad_memo           {456, error_kind::format,      "pickle.bad_memo"};
+inline constexpr error_id pk_forbidden_global   {457, error_kind::security,    "pickle.forbidden_global"};
+inline constexpr error_id pk_blocked_module     {458, error_kind::security,    "pickle.blocked_module"};
+inline constexpr error_id pk_bad_operand        {459, error_kind::format,      "pickle.bad_operand"};
+inline constexpr error_id pk_depth_limit        {460, error_kind::limit,       "pickle.depth_limit"};
+inline constexpr error_id pk_memo_limit         {461, error_kind::limit,       "pickle.memo_limit"};
+inline constexpr error_id pk_node_limit         {462, error_kind::limit,       "pickle.node_limit"};
+inline constexpr error_id pk_string_limit       {463, error_kind::limit,       "pickle.string_limit"};
+inline constexpr error_id pk_long_limit         {464, error_kind::limit,       "pickle.long_limit"};
+inline constexpr error_id pk_stack_limit        {465, error_kind::limit,       "pickle.stack_limit"};
+inline constexpr error_id pk_bad_utf8           {466, error_kind::format,      "pickle.bad_utf8"};
+inline constexpr error_id pk_recursive          {467, error_kind::format,      "pickle.recursive"};
+inline constexpr error_id pk_no_persistent_load {468, error_kind::format,      "pickle.no_persistent_load"};
+inline constexpr error_id pk_bad_call           {469, error_kind::format,      "pickle.bad_call"};
+inline constexpr error_id pk_bad_text           {470, error_kind::format,      "pickle.bad_text"};
+// clang-format on
+}  // namespace errors
+
+namespace pickle {
+
+/// Caps on hostile pickles. Defaults fit any real checkpoint by a wide margin; raise them when a
+/// legitimate file needs it (each error names the field).
+struct limits {
+  /// Nesting of containers in the result, and of MARKs while parsing.
+  std::size_t max_depth = 1000;
+  /// Distinct memo entries (torch.save uses about a dozen per tensor).
+  std::uint64_t max_memo = std::uint64_t{1} << 24;
+  /// Values in the result. Memo references are copied into the tree, so a small pickle can ask for
+  /// an exponential number of nodes; this stops it.
+  std::uint64_t max_nodes = std::uint64_t{1} << 23;
+  /// Items on the unpickling stack at once.
+  std::uint64_t max_stack = std::uint64_t{1} << 24;
+  /// Bytes of one str or bytes object (also checked against the bytes left in the input).
+  std::uint64_t max_string_bytes = std::uint64_t{1} << 30;
+  /// Bytes of one LONG1/LONG4 integer.
+  std::uint64_t max_long_bytes = std::uint64_t{1} << 16;
+};
+
+/// A BUILD that set attributes on a dict (an OrderedDict subclass with a `__dict__`, like
+/// `nn.Module.state_dict()` and its `_metadata`). `path` locates the dict in Result::value.
+struct Attributes {
+  Path path;
+  Dict attributes;  ///< attribute name -> value
+  friend bool operator==(const Attributes&, const Attributes&) = default;
+};
+
+struct Result {
+  Value value;
+  std::vector<Attributes> attributes;
+  std::uint64_t consumed = 0;  ///< bytes up to and including STOP
+  int protocol = 0;            ///< the PROTO operand (0 when absent)
+};
+
+class Reader;
+
+/// What a registered callable gets: its arguments as Values, and the reader (to call other
+/// registered globals, as `_rebuild_from_type_v2` does).
+struct Call {
+  const Object& callable;  ///< module and name of the global being called
+  List& args;
+  Reader& reader;
+};
+
+/// Turns a call into a Value (runs our C++ code for a known global; never Python).
+using call_fn = std::function<Value(Call&)>;
+
+/// How one allowed global is treated.
+struct Rule {
+  enum class kind : std::uint8_t {
+    object,        ///< referenced: Object(how=global); called: Object(how=reduce/newobj) with its args
+    ordered_dict,  ///< called with (): an empty dict that SETITEMS and BUILD may fill later
+    function,      ///< called: `fn` computes the Value
+  };
+  kind k = kind::object;
+  call_fn fn;  ///< for function: REDUCE and NEWOBJ
+};
+
+/// The allow-list: qualified global name ("torch._utils._rebuild_tensor_v2") -> Rule.
+class Registry {
+ public:
+  Registry& add(std::string qualified, Rule rule) {
+    rules_[std::move(qualified)] = std::move(rule);
+    return *this;
+  }
+  Registry& allow(std::string qualified) { return add(std::move(qualified), Rule{}); }
+  Registry& function(std::string qualified, call_fn fn) {
+    return add(std::move(qualified), Rule{Rule::kind::function, std::move(fn)});
+  }
+  [[nodiscard]] const Rule* find(const std::string& qualified) const {
+    auto it = rules_.find(qualified);
+    return it == rules_.end() ? nullptr : &it->second;
+  }
+  [[nodiscard]] std::size_t size() const noexcept { return rules_.size(); }
+
+  /// Globals torch.load(weights_only=True) accepts (PyTorch 1.13 and 2.x), with the generic
+  /// conversions listed at the top of this file. Tensor rebuild functions are allowed here but only
+  /// interpreted once io/torch_file.hpp registers them; without that they become Objects.
+  static Registry weights_only();
+
+ private:
+  std::unordered_map<std::string, Rule> rules_;
+};
+
+struct options {
+  pickle::limits limits{};
+  /// Keep objects of globals outside the registry as Object nodes instead of failing. They are
+  /// never executed; blocked modules (os, posix, sys, subprocess, ...) are refused regardless.
+  bool keep_unknown_objects = false;
+  /// The allow-list; nullptr means Registry::weights_only().
+  const Registry* registry = nullptr;
+  /// Resolves BINPERSID / PERSID ids (torch storages). Without it, a persistent id is an error.
+  std::function<Value(const Value& pid)> persistent_load;
+};
+
+/// Python 2 module names as Python 3 maps them (the subset that can appear in state dicts).
+inline std::string_view py3_module(std::string_view m) noexcept {
+  if (m == "__builtin__" || m == "exceptions") return "builtins";
+  if (m == "copy_reg") return "copyreg";
+  if (m == "UserDict") return "collections";
+  return m;
+}
+
+/// Modules refused even with keep_unknown_objects (they only appear in pickles to run code).
+inline bool blocked_global(std::string_view module, std::string_view name) noexcept {
+  constexpr std::string_view modules[] = {"os", "posix", "nt", "sys", "subprocess", "shutil", "socket", "pty",
+                                          "runpy", "importlib", "ctypes", "code", "codeop", "pickle", "_pickle",
+                                          "marshal", "webbrowser", "multiprocessing", "asyncio", "signal",
+                                          "commands", "popen2", "platform", "pdb", "bdb", "timeit", "trace",
+                                          "profile", "cProfile"};
+  const std::string_view root = module.substr(0, module.find('.'));
+  for (auto m : modules)
+    if (root == m) return true;
+  if (module == "builtins") {
+    constexpr std::string_view names[] = {"eval", "exec", "compile", "__import__", "open", "breakpoint",
+                                          "input", "execfile", "globals", "locals", "vars", "setattr",
+                                          "delattr", "memoryview", "help", "exit", "quit"};
+    for (auto n : names)
+      if (name == n) return true;
+  }
+  return false;
+}
+
+namespace detail {
+
+/// Validates UTF-8 as Python's decoder with "surrogatepass" does (surrogate code points encoded
+/// as three bytes are accepted, overlong forms and values beyond U+10FFFF are not).
+inline bool valid_utf8(std::string_view s) noexcept {
+  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
+  const auto* end = p + s.size();
+  while (p < end) {
+    const unsigned c = *p;
+    if (c < 0x80) {
+      ++p;
+      continue;
+    }
+    std::size_t n = 0;
+    std::uint32_t cp = 0, min = 0;
+    if ((c & 0xE0) == 0xC0) n = 1, cp = c & 0x1F, min = 0x80;
+    else if ((c & 0xF0) == 0xE0) n = 2, cp = c & 0x0F, min = 0x800;
+    else if ((c & 0xF8) == 0xF0) n = 3, cp = c & 0x07, min = 0x10000;
+    else return false;
+    if (static_cast<std::size_t>(end - p) <= n) return false;
+    for (std::size_t i = 1; i <= n; ++i) {
+      if ((p[i] & 0xC0) != 0x80) return false;
+      cp = (cp << 6) | (p[i] & 0x3FU);
+    }
+    if (cp < min || cp > 0x10FFFF) return false;
+    p += n + 1;
+  }
+  return true;
+}
+
+/// Decodes UTF-8 (already validated) into code points; false if any is above `max`.
+inline bool utf8_to_latin1(std::string_view s, std::vector<std::uint8_t>& out) {
+  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
+  const auto* end = p + s.size();
+  out.reserve(s.size());
+  while (p < end) {
+    const unsigned c = *p;
+    if (c < 0x80) {
+      out.push_back(static_cast<std::uint8_t>(c));
+      ++p;
+    } else if ((c & 0xE0) == 0xC0 && end - p >= 2) {
+      const unsigned cp = ((c & 0x1FU) << 6) | (p[1] & 0x3FU);
+      if (cp > 0xFF) return false;
+      out.push_back(static_cast<std::uint8_t>(cp));
+      p += 2;
+    } else {
+      return false;
+    }
+  }
+  return true;
+}
+
+/// Minimal little-endian two's complement of a LONG (Python's encode_long): drops redundant sign
+/// bytes. Returns true and sets `v` when the value fits int64.
+inline bool normalise_long(std::vector<std::uint8_t>& b, std::int64_t& v) {
+  if (b.empty()) {
+    v = 0;
+    return true;
+  }
+  const bool neg = (b.back() & 0x80U) != 0;
+  while (b.size() > 1) {
+    const std::uint8_t top = b.back(), next = b[b.size() - 2];
+    if ((!neg && top == 0x00 && !(next & 0x80U)) || (neg && top == 0xFF && (next & 0x80U))) b.pop_back();
+    else break;
+  }
+  if (b.size() > 8) return false;
+  std::uint64_t u = neg ? ~std::uint64_t{0} : 0;
+  for (std::size_t i = 0; i < b.size(); ++i) {
+    u &= ~(std::uint64_t{0xFF} << (8 * i));
+    u |= static_cast<std::uint64_t>(b[i]) << (8 * i);
+  }
+  v = static_cast<std::int64_t>(u);
+  return true;
+}
+
+inline std::string opcode_name(unsigned char op) {
+  std::string s = "opcode ";
+  if (op >= 0x21 && op < 0x7f) {
+    s += '\'';
+    s += static_cast<char>(op);
+    s += '\'';
+  } else {
+    static constexpr char hex[] = "0123456789abcdef";
+    s += "0x";
+    s += hex[op >> 4];
+    s += hex[op & 15];
+  }
+  return s;
+}
+}  // namespace detail
+
+/// One unpickling run. Use pickle::load(); Reader is public so that registered functions can call
+/// back (`reader.call(...)`) and report errors with the position.
+class Reader {
+ public:
+  Reader(std::span<const std::byte> bytes, const options& opts)
+      : in_(reinterpret_cast<const unsigned char*>(bytes.data())), size_(bytes.size()), opts_(opts),
+        registry_(opts.registry ? opts.registry : &default_registry()) {}
+
+  Result run();
+
+  /// Calls a registered function global with `args` (what REDUCE does); for functions such as
+  /// `_rebuild_from_type_v2` that receive another global and its arguments.
+  Value call(const Object& callable, List args) {
+    if (callable.how != object_build::global)
+      fail(errors::pk_bad_call, "calling a " + callable.qualified() + " object, which is not a global");
+    const Rule* r = registry_->find(callable.qualified());
+    if (!r || r->k != Rule::kind::function)
+      fail(errors::pk_bad_call, callable.qualified() + " is not a function statedict interprets");
+    Call c{callable, args, *this};
+    return r->fn(c);
+  }
+
+  /// Throws `id` with the current position as context.
+  [[noreturn]] void fail(const error_id& id, std::string detail) const {
+    throw_error(id, "pickle offset " + std::to_string(op_pos_), std::move(detail));
+  }
+  [[nodiscard]] const options& opts() const noexcept { return opts_; }
+
+ private:
+  static const Registry& default_registry() {
+    static const Registry r = Registry::weights_only();
+    return r;
+  }
+
+  // ------------------------------------------------------------------------------------------
+  // The object graph built while parsing. Containers are mutable until the end (pickle fills
+  // them after memoizing them); scalars and strings are small inline nodes (strings are views of
+  // the input); results of registered functions are finished Values.
+  enum class nk : std::uint8_t { none, boolean, integer, floating, str, bytes, leaf, list, tuple, dict, object, global };
+  static constexpr std::uint32_t npos = 0xFFFFFFFFU;
+
+  struct Node {
+    nk kind = nk::none;
+    std::uint32_t index = npos;  ///< str/bytes: length; leaf/list/tuple/dict/object/global: side-table index
+    union {
+      std::int64_t i;
+      double d;
+      std::uint64_t off;  ///< str/bytes: offset in the input
+    } u{};
+  };
+  struct DictData {
+    std::vector<std::uint32_t> kv;     ///< key, value, key, value, ...
+    std::vector<std::uint32_t> state;  ///< BUILD states (attribute dicts)
+    bool ordered = false;              ///< made by collections.OrderedDict
+  };
+  struct ObjData {
+    std::uint32_t global = npos;       ///< index into globals_
+    object_build how = object_build::reduce;
+    std::uint32_t args = npos;         ///< tuple node (npos: no args)
+    std::vector<std::uint32_t> state;  ///< BUILD states
+    std::vector<std::uint32_t> items;  ///< appended values, or (key, value) tuple nodes
+  };
+
+  std::uint32_t add_node(Node n) {
+    if (nodes_.size() >= npos - 1) fail(errors::pk_node_limit, "more than 2^32 objects");
+    nodes_.push_back(n);
+    return static_cast<std::uint32_t>(nodes_.size() - 1);
+  }
+  std::uint32_t add_scalar(nk k, std::int64_t i) {
+    Node n;
+    n.kind = k;
+    n.u.i = i;
+    return add_node(n);
+  }
+  std::uint32_t add_leaf(Value v) {
+    leaves_.push_back(std::move(v));
+    Node n;
+    n.kind = nk::leaf;
+    n.index = static_cast<std::uint32_t>(leaves_.size() - 1);
+    return add_node(n);
+  }
+  std::uint32_t add_seq(nk k, std::vector<std::uint32_t> items) {
+    seqs_.push_back(std::move(items));
+    Node n;
+    n.kind = k;
+    n.index = static_cast<std::uint32_t>(seqs_.size() - 1);
+    return add_node(n);
+  }
+  std::uint32_t add_dict(bool ordered) {
+    dicts_.emplace_back();
+    dicts_.back().ordered = ordered;
+    Node n;
+    n.kind = nk::dict;
+    n.index = static_cast<std::uint32_t>(dicts_.size() - 1);
+    return add_node(n);
+  }
+  std::uint32_t add_object(std::uint32_t global, object_build how, std::uint32_t args) {
+    ObjData o;
+    o.global = global;
+    o.how = how;
+    o.args = args;
+    objects_.push_back(std::move(o));
+    Node n;
+    n.kind = nk::object;
+    n.index = static_cast<std::uint32_t>(objects_.size() - 1);
+    return add_node(n);
+  }
+  /// An Object node of a builtin class with items (sets, dicts with other keys).
+  std::uint32_t add_builtin_object(std::string_view module, std::string_view name, object_build how) {
+    globals_.push_back({std::string(module), std::string(name)});
+    return add_object(static_cast<std::uint32_t>(globals_.size() - 1), how, npos);
+  }
+
+  // ------------------------------------------------------------------------------------------
+  // Input
+
+  [[nodiscard]] std::uint64_t left() const noexcept { return size_ - pos_; }
+  void need(std::uint64_t n, const char* what) const {
+    if (n > left())
+      fail(errors::pk_truncated, std::string(what) + " needs " + std::to_string(n) + " bytes, " +
+                                     std::to_string(left()) + " left");
+  }
+  std::uint64_t le(std::size_t n) {
+    need(n, "operand");
+    std::uint64_t v = 0;
+    for (std::size_t i = 0; i < n; ++i) v |= static_cast<std::uint64_t>(in_[pos_ + i]) << (8 * i);
+    pos_ += n;
+    return v;
+  }
+  std::string_view line() {
+    const void* nl = std::memchr(in_ + pos_, '\n', static_cast<std::size_t>(left()));
+    if (!nl) fail(errors::pk_truncated, "text operand without a newline");
+    const auto n = static_cast<std::size_t>(static_cast<const unsigned char*>(nl) - (in_ + pos_));
+    std::string_view s(reinterpret_cast<const char*>(in_ + pos_), n);
+    pos_ += n + 1;
+    return s;
+  }
+  std::string_view view(std::uint64_t off, std::uint64_t len) const {
+    return {reinterpret_cast<const char*>(in_ + off), static_cast<std::size_t>(len)};
+  }
+
+  // ------------------------------------------------------------------------------------------
+  // Stack and marks
+
+  [[nodiscard]] std::size_t floor() const noexcept { return marks_.empty() ? 0 : marks_.back(); }
+  void push(std::uint32_t n) {
+    if (stack_.size() >= opts_.limits.max_stack)
+      fail(errors::pk_stack_limit, "stack exceeds limits.max_stack (" + std::to_string(opts_.limits.max_stack) + ")");
+    stack_.push_back(n);
+  }
+  std::uint32_t pop() {
+    if (stack_.size() <= floor()) fail(errors::pk_stack_underflow, "pop from an empty stack");
+    const std::uint32_t n = stack_.back();
+    stack_.pop_back();
+    return n;
+  }
+  std::uint32_t& top() {
+    if (stack_.size() <= floor()) fail(errors::pk_stack_underflow, "no object on the stack");
+    return stack_.back();
+  }
+  /// Items pushed since the last MARK (removes them and the mark).
+  std::vector<std::uint32_t> pop_mark() {
+    if (marks_.empty()) fail(errors::pk_no_mark, "no MARK on the stack");
+    const std::size_t m = marks_.back();
+    marks_.pop_back();
+    std::vector<std::uint32_t> items(stack_.begin() + static_cast<std::ptrdiff_t>(m), stack_.end());
+    stack_.resize(m);
+    return items;
+  }
+
+  // ------------------------------------------------------------------------------------------
+  // Memo
+
+  void memo_put(std::uint64_t idx, std::uint32_t node) {
+    if (idx < memo_.size()) {
+      if (memo_[idx] == npos) ++memo_count_;
+      memo_[idx] = node;
+      return;
+    }
+    // Dense ids (what every pickler writes) grow the vector; wild ids go to a map.
+    if (idx < memo_.size() + 4096 + size_) {
+      memo_.resize(static_cast<std::size_t>(idx) + 1 + memo_.size() / 2, npos);
+      memo_[idx] = node;
+      ++memo_count_;
+    } else {
+      if (memo_far_.insert_or_assign(idx, node).second) ++memo_count_;
+    }
+    if (memo_count_ > opts_.limits.max_memo)
+      fail(errors::pk_memo_limit, "memo exceeds limits.max_memo (" + std::to_string(opts_.limits.max_memo) + ")");
+  }
+  std::uint32_t memo_get(std::uint64_t idx) const {
+    if (idx < memo_.size() && memo_[idx] != npos) return memo_[idx];
+    if (auto it = memo_far_.find(idx); it != memo_far_.end()) return it->second;
+    fail(errors::pk_bad_memo, "memo entry " + std::to_string(idx) + " was never stored");
+  }
+
+  // ------------------------------------------------------------------------------------------
+  // Values
+
+  std::uint32_t read_string(std::uint64_t len, bool is_bytes, const char* what) {
+    if (len > opts_.limits.max_string_bytes || len > 0xFFFFFFF0U)
+      fail(errors::pk_string_limit, std::string(what) + " of " + std::to_string(len) +
+                                        " bytes exceeds limits.max_string_bytes (" +
+                                        std::to_string(opts_.limits.max_string_bytes) + ")");
+    need(len, what);
+    Node n;
+    n.kind = is_bytes ? nk::bytes : nk::str;
+    n.u.off = pos_;
+    n.index = static_cast<std::uint32_t>(len);
+    if (!is_bytes && !detail::valid_utf8(view(pos_, len)))
+      fail(errors::pk_bad_utf8, std::string(what) + " is not valid UTF-8");
+    pos_ += len;
+    return add_node(n);
+  }
+
+  /// A Python 2 `str` (BINSTRING, SHORT_BINSTRING): str when it is valid UTF-8 (what torch.load's
+  /// encoding='utf-8' gives), bytes otherwise.
+  std::uint32_t read_py2_string(std::uint64_t len) {
+    if (len > opts_.limits.max_string_bytes || len > 0xFFFFFFF0U)
+      fail(errors::pk_string_limit, "string of " + std::to_string(len) + " bytes exceeds limits.max_string_bytes");
+    need(len, "string");
+    Node n;
+    n.kind = detail::valid_utf8(view(pos_, len)) ? nk::str : nk::bytes;
+    n.u.off = pos_;
+    n.index = static_cast<std::uint32_t>(len);
+    pos_ += len;
+    return add_node(n);
+  }
+
+  std::uint32_t read_long(std::uint64_t len) {
+    if (len > opts_.limits.max_long_bytes)
+      fail(errors::pk_long_limit, "integer of " + std::to_string(len) + " bytes exceeds limits.max_long_bytes (" +
+                                      std::to_string(opts_.limits.max_long_bytes) + ")");
+    need(len, "LONG");
+    std::vector<std::uint8_t> b(in_ + pos_, in_ + pos_ + len);
+    pos_ += len;
+    std::int64_t v = 0;
+    if (detail::normalise_long(b, v)) return add_scalar(nk::integer, v);
+    Object o{"builtins", "int", object_build::reduce, {}, {}, {}};
+    o.args.emplace_back(Bytes{std::move(b)});
+    return add_leaf(Value(std::move(o)));
+  }
+
+  std::uint32_t parse_int_text(std::string_view s, bool is_long) {
+    if (is_long && !s.empty() && s.back() == 'L') s.remove_suffix(1);
+    if (!is_long && s == "00") return add_scalar(nk::boolean, 0);
+    if (!is_long && s == "01") return add_scalar(nk::boolean, 1);
+    std::int64_t v = 0;
+    const char* b = s.data();
+    if (!s.empty() && s[0] == '+') ++b;
+    auto [p, ec] = std::from_chars(b, s.data() + s.size(), v);
+    if (ec == std::errc::result_out_of_range)
+      fail(errors::pk_unsupported_opcode, "text integer " + quote(s) + " beyond int64 (use a binary protocol)");
+    if (ec != std::errc() || p != s.data() + s.size() || s.empty()) fail(errors::pk_bad_text, "bad integer " + quote(s));
+    return add_scalar(nk::integer, v);
+  }
+
+  /// The global named by module and name, after the Python 2 -> 3 renames and the security checks.
+  std::uint32_t resolve_global(std::string_view module_in, std::string_view name) {
+    const std::string_view module = py3_module(module_in);
+    if (module.empty() || name.empty()) fail(errors::pk_bad_operand, "global with an empty module or name");
+    if (blocked_global(module, name))
+      fail(errors::pk_blocked_module, "global " + quote(std::string(module) + "." + std::string(name)) +
+                                          " is never allowed: loading this pickle with Python would run code");
+    std::string q;
+    q.reserve(module.size() + name.size() + 1);
+    q.append(module).append(".").append(name);
+    const Rule* r = registry_->find(q);
+    if (!r && !opts_.keep_unknown_objects)
+      fail(errors::pk_forbidden_global,
+           "global " + quote(q) + " is not on the allow-list (the globals torch.load(weights_only=True) accepts); "
+           "statedict never runs pickled code. If the file is trusted, keep such objects as opaque nodes "
+           "(keep_unknown_objects)");
+    globals_.push_back({std::string(module), std::string(name)});
+    Node n;
+    n.kind = nk::global;
+    n.index = static_cast<std::uint32_t>(globals_.size() - 1);
+    return add_node(n);
+  }
+
+  [[nodiscard]] std::string global_name(std::uint32_t g) const { return globals_[g].first + "." + globals_[g].second; }
+
+  /// REDUCE / NEWOBJ of global node `callable` with tuple node `args`.
+  std::uint32_t apply(std::uint32_t callable, std::uint32_t args, object_build how) {
+    const Node& c = nodes_[callable];
+    if (c.kind != nk::global)
+      fail(errors::pk_bad_operand, std::string(how == object_build::newobj ? "NEWOBJ" : "REDUCE") +
+                                       " of something that is not a global (" + kind_name(c.kind) + ")");
+    if (nodes_[args].kind != nk::tuple)
+      fail(errors::pk_bad_operand, "arguments of " + global_name(c.index) + " are a " + kind_name(nodes_[args].kind) +
+                                       ", not a tuple");
+    const std::uint32_t g = c.index;
+    const Rule* r = registry_->find(global_name(g));
+    if (r && r->k == Rule::kind::ordered_dict) {
+      const std::uint32_t d = add_dict(true);
+      // OrderedDict(iterable of pairs) also works; torch.save always passes ().
+      const auto& a = seqs_[nodes_[args].index];
+      if (!a.empty()) {
+        if (a.size() != 1 || (nodes_[a[0]].kind != nk::list && nodes_[a[0]].kind != nk::tuple))
+          fail(errors::pk_bad_call, global_name(g) + " called with arguments statedict does not interpret");
+        for (std::uint32_t pair : seqs_[nodes_[a[0]].index]) {
+          if (nodes_[pair].kind != nk::tuple || seqs_[nodes_[pair].index].size() != 2)
+            fail(errors::pk_bad_call, global_name(g) + " item is not a (key, value) pair");
+          const auto& kv = seqs_[nodes_[pair].index];
+          dicts_[nodes_[d].index].kv.push_back(kv[0]);
+          dicts_[nodes_[d].index].kv.push_back(kv[1]);
+        }
+      }
+      return d;
+    }
+    if (r && r->k == Rule::kind::function) {
+      Object callee{globals_[g].first, globals_[g].second, object_build::global, {}, {}, {}};
+      Value av = to_value(args, 0, nullptr);
+      List arg_list = std::move(av.as_list());
+      Call call{callee, arg_list, *this};
+      try {
+        return add_leaf(r->fn(call));
+      } catch (error& e) {
+        if (e.context().rfind("pickle offset", 0) != 0) e.add_context("pickle offset " + std::to_string(op_pos_));
+        throw;
+      }
+    }
+    return add_object(g, how, args);
+  }
+
+  static std::string kind_name(nk k) {
+    switch (k) {
+      case nk::none: return "None";
+      case nk::boolean: return "bool";
+      case nk::integer: return "int";
+      case nk::floating: return "float";
+      case nk::str: return "str";
+      case nk::bytes: return "bytes";
+      case nk::leaf: return "value";
+      case nk::list: return "list";
+      case nk::tuple: return "tuple";
+      case nk::dict: return "dict";
+      case nk::object: return "object";
+      case nk::global: return "global";
+    }
+    return "?";
+  }
+
+  void append_to(std::uint32_t target, const std::vector<std::uint32_t>& items, const char* op) {
+    Node& t = nodes_[target];
+    if (t.kind == nk::list) {
+      auto& v = seqs_[t.index];
+      v.insert(v.end(), items.begin(), items.end());
+    } else if (t.kind == nk::object) {
+      auto& v = objects_[t.index].items;
+      v.insert(v.end(), items.begin(), items.end());
+    } else {
+      fail(errors::pk_bad_operand, std::string(op) + " to a " + kind_name(t.kind) + ", not a list");
+    }
+  }
+
+  void setitems_on(std::uint32_t target, const std::vector<std::uint32_t>& kv, const char* op) {
+    if (kv.size() % 2) fail(errors::pk_bad_operand, std::string(op) + " with an odd number of items");
+    Node& t = nodes_[target];
+    if (t.kind == nk::dict) {
+      auto& v = dicts_[t.index].kv;
+      v.insert(v.end(), kv.begin(), kv.end());
+    } else if (t.kind == nk::object) {
+      for (std::size_t i = 0; i < kv.size(); i += 2) {
+        const std::uint32_t pair = add_seq(nk::tuple, {kv[i], kv[i + 1]});
+        objects_[nodes_[target].index].items.push_back(pair);
+      }
+    } else {
+      fail(errors::pk_bad_operand, std::string(op) + " on a " + kind_name(t.kind) + ", not a dict");
+    }
+  }
+
+  void build(std::uint32_t target, std::uint32_t state) {
+    Node& t = nodes_[target];
+    if (t.kind == nk::dict) {
+      if (!dicts_[t.index].ordered)
+        fail(errors::pk_bad_operand, "BUILD on a plain dict (only OrderedDict subclasses carry attributes)");
+      if (nodes_[state].kind == nk::none) return;
+      dicts_[t.index].state.push_back(state);
+    } else if (t.kind == nk::object) {
+      objects_[t.index].state.push_back(state);
+    } else {
+      fail(errors::pk_bad_operand, "BUILD on a " + kind_name(t.kind) + " (allowed on OrderedDict and kept objects)");
+    }
+  }
+
+  std::uint32_t persistent(std::uint32_t pid) {
+    if (!opts_.persistent_load)
+      fail(errors::pk_no_persistent_load, "persistent id (BINPERSID) in a pickle read without a persistent_load "
+                                          "(torch storages are resolved by io/torch_file.hpp)");
+    Value v = to_value(pid, 0, nullptr);
+    try {
+      return add_leaf(opts_.persistent_load(v));
+    } catch (error& e) {
+      e.add_context("pickle offset " + std::to_string(op_pos_));
+      throw;
+    }
+  }
+
+  Value to_value_leaf(std::uint32_t n) { return to_value(n, 0, nullptr); }
+
+  // ------------------------------------------------------------------------------------------
+  // Conversion of the graph into Values
+
+  struct PathLink {
+    const PathLink* parent;
+    const Key* key;
+    std::int64_t index;
+  };
+  static Path materialise(const PathLink* link) {
+    Path p;
+    for (; link; link = link->parent) p.push_back(link->key ? *link->key : Key(link->index));
+    std::reverse(p.begin(), p.end());
+    return p;
+  }
+
+  void count_node() {
+    if (++produced_ > opts_.limits.max_nodes)
+      fail(errors::pk_node_limit, "result exceeds limits.max_nodes (" + std::to_string(opts_.limits.max_nodes) +
+                                      " values); shared references are copied into the tree");
+  }
+
+  /// Converts node `n`. `path` is non-null where the node sits in the result tree proper (so dict
+  /// attributes can be reported by path); inside objects and call arguments it is null and dicts
+  /// with attributes become collections.OrderedDict objects instead.
+  Value to_value(std::uint32_t n, std::size_t depth, const PathLink* path, bool tracked = false) {
+    count_node();
+    if (visiting_.size() < nodes_.size()) visiting_.resize(nodes_.size(), 0);
+    const Node node = nodes_[n];
+    switch (node.kind) {
+      case nk::none: return Value();
+      case nk::boolean: return Value(node.u.i != 0);
+      case nk::integer: return Value(node.u.i);
+      case nk::floating: return Value(node.u.d);
+      case nk::str: return Value(std::string(view(node.u.off, node.index)));
+      case nk::bytes: {
+        Bytes b;
+        b.data.assign(in_ + node.u.off, in_ + node.u.off + node.index);
+        return Value(std::move(b));
+      }
+      case nk::leaf: return leaves_[node.index];
+      case nk::global: return Value(Object{globals_[node.index].first, globals_[node.index].second, object_build::global, {}, {}, {}});
+      default: break;
+    }
+    if (depth >= opts_.limits.max_depth)
+      fail(errors::pk_depth_limit, "nesting exceeds limits.max_depth (" + std::to_string(opts_.limits.max_depth) + ")");
+    if (visiting_[n]) fail(errors::pk_recursive, "the pickle contains a container that contains itself");
+    visiting_[n] = 1;
+    Value out;
+    switch (node.kind) {
+      case nk::list:
+      case nk::tuple: {
+        const auto& items = seqs_[node.index];
+        List l;
+        l.reserve(items.size());
+        for (std::size_t i = 0; i < items.size(); ++i) {
+          PathLink link{path, nullptr, static_cast<std::int64_t>(i)};
+          l.push_back(to_value(items[i], depth + 1, path || tracked ? &link : nullptr, path || tracked));
+        }
+        out = node.kind == nk::list ? Value::list(std::move(l)) : Value::tuple(std::move(l));
+        break;
+      }
+      case nk::dict: out = dict_value(node.index, depth, path, tracked); break;
+      case nk::object: {
+        const ObjData& od = objects_[node.index];
+        Object o{globals_[od.global].first, globals_[od.global].second, od.how, {}, {}, {}};
+        if (od.args != npos) {
+          Value a = to_value(od.args, depth + 1, nullptr);
+          o.args = std::move(a.as_list());
+        }
+        for (std::uint32_t s : od.state) o.state.push_back(to_value(s, depth + 1, nullptr));
+        for (std::uint32_t it : od.items) o.items.push_back(to_value(it, depth + 1, nullptr));
+        out = Value(std::move(o));
+        break;
+      }
+      default: break;
+    }
+    visiting_[n] = 0;
+    return out;
+  }
+
+  Value dict_value(std::uint32_t di, std::size_t depth, const PathLink* path, bool tracked) {
+    const DictData& d = dicts_[di];
+    bool plain_keys = true;
+    for (std::size_t i = 0; i < d.kv.size(); i += 2) {
+      const nk k = nodes_[d.kv[i]].kind;
+      if (k != nk::integer && k != nk::str) {
+        plain_keys = false;
+        break;
+      }
+    }
+    // Attributes are reported by path when every state is a dict of str keys.
+    bool attrs_ok = tracked && plain_keys;
+    for (std::uint32_t s : d.state) {
+      const Node& sn = nodes_[s];
+      if (sn.kind != nk::dict) {
+        attrs_ok = false;
+        continue;
+      }
+      for (std::size_t i = 0; i < dicts_[sn.index].kv.size(); i += 2)
+        if (nodes_[dicts_[sn.index].kv[i]].kind != nk::str) attrs_ok = false;
+    }
+    if (plain_keys && (d.state.empty() || attrs_ok)) {
+      // Reported in pre-order (a dict before the dicts inside it), as the writer visits them.
+      std::size_t slot = 0;
+      if (!d.state.empty()) {
+        slot = attributes_.size();
+        attributes_.push_back(Attributes{materialise(path), Dict{}});
+      }
+      Dict out;
+      out.reserve(d.kv.size() / 2);
+      for (std::size_t i = 0; i < d.kv.size(); i += 2) {
+        const Node& kn = nodes_[d.kv[i]];
+        Key key = kn.kind == nk::integer ? Key(kn.u.i) : Key(std::string(view(kn.u.off, kn.index)));
+        count_node();
+        PathLink link{path, &key, 0};
+        Value v = to_value(d.kv[i + 1], depth + 1, tracked ? &link : nullptr, tracked);
+        out.set(std::move(key), std::move(v));
+      }
+      if (!d.state.empty()) {
+        Dict attrs;
+        for (std::uint32_t s : d.state) {
+          Value sv = to_value(s, depth + 1, nullptr);
+          for (auto& [k, v] : sv.as_dict()) attrs.set(k, std::move(v));
+        }
+        attributes_[slot].attributes = std::move(attrs);
+      }
+      return Value(std::move(out));
+    }
+    Object o{d.ordered ? "collections" : "builtins", d.ordered ? "OrderedDict" : "dict", object_build::reduce, {}, {}, {}};
+    for (std::size_t i = 0; i < d.kv.size(); i += 2) {
+      List pair;
+      pair.push_back(to_value(d.kv[i], depth + 1, nullptr));
+      pair.push_back(to_value(d.kv[i + 1], depth + 1, nullptr));
+      o.items.push_back(Value::tuple(std::move(pair)));
+    }
+    for (std::uint32_t s : d.state) o.state.push_back(to_value(s, depth + 1, nullptr));
+    return Value(std::move(o));
+  }
+
+  // ------------------------------------------------------------------------------------------
+
+  const unsigned char* in_;
+  std::uint64_t size_;
+  std::uint64_t pos_ = 0;
+  std::uint64_t op_pos_ = 0;
+  const options& opts_;
+  const Registry* registry_;
+
+  std::vector<Node> nodes_;
+  std::vector<Value> leaves_;
+  std::vector<std::vector<std::uint32_t>> seqs_;
+  std::vector<DictData> dicts_;
+  std::vector<ObjData> objects_;
+  std::vector<std::pair<std::string, std::string>> globals_;
+  std::vector<std::uint32_t> stack_;
+  std::vector<std::size_t> marks_;
+  std::vector<std::uint32_t> memo_;
+  std::unordered_map<std::uint64_t, std::uint32_t> memo_far_;
+  std::uint64_t memo_count_ = 0;
+  std::vector<unsigned char> visiting_;
+  std::uint64_t produced_ = 0;
+  std::vector<Attributes> attributes_;
+};
+
+inline Result Reader::run() {
+  int protocol = 0;
+  // Nodes never outnumber input bytes by much; reserve a guess to avoid regrowth.
+  nodes_.reserve(static_cast<std::size_t>(std::min<std::uint64_t>(size_ / 3 + 16, 1U << 22)));
+  stack_.reserve(64);
+  for (;;) {
+    if (pos_ >= size_) fail(errors::pk_truncated, "pickle ends without STOP");
+    op_pos_ = pos_;
+    const unsigned char op = in_[pos_++];
+    switch (op) {
+      // --- framing and protocol
+      case 0x80: {  // PROTO
+        need(1, "PROTO");
+        protocol = in_[pos_++];
+        if (protocol > 5) fail(errors::pk_bad_protocol, "pickle protocol " + std::to_string(protocol) + " (statedict reads 0 to 5)");
+        break;
+      }
+      case 0x95: {  // FRAME: a size hint; frames hold whole opcodes
+        const std::uint64_t n = le(8);
+        if (n > left()) fail(errors::pk_truncated, "frame of " + std::to_string(n) + " bytes, " + std::to_string(left()) + " left");
+        break;
+      }
+      case '.': {  // STOP
+        const std::uint32_t root = pop();
+        Result r;
+        r.value = to_value(root, 0, nullptr, true);
+        r.attributes = std::move(attributes_);
+        r.consumed = pos_;
+        r.protocol = protocol;
+        return r;
+      }
+      // --- constants
+      case 'N': push(add_scalar(nk::none, 0)); break;
+      case 0x88: push(add_scalar(nk::boolean, 1)); break;  // NEWTRUE
+      case 0x89: push(add_scalar(nk::boolean, 0)); break;  // NEWFALSE
+      // --- integers
+      case 'J': push(add_scalar(nk::integer, static_cast<std::int32_t>(static_cast<std::uint32_t>(le(4))))); break;  // BININT
+      case 'K': push(add_scalar(nk::integer, static_cast<std::int64_t>(le(1)))); break;  // BININT1
+      case 'M': push(add_scalar(nk::integer, static_cast<std::int64_t>(le(2)))); break;  // BININT2
+      case 0x8a: push(read_long(le(1))); break;  // LONG1
+      case 0x8b: {                               // LONG4
+        const auto n = static_cast<std::int32_t>(static_cast<std::uint32_t>(le(4)));
+        if (n < 0) fail(errors::pk_bad_operand, "LONG4 with a negative length");
+        push(read_long(static_cast<std::uint64_t>(n)));
+        break;
+      }
+      case 'I': push(parse_int_text(line(), false)); break;  // INT
+      case 'L': push(parse_int_text(line(), true)); break;   // LONG (text)
+      // --- floats
+      case 'G': {  // BINFLOAT, big-endian
+        need(8, "BINFLOAT");
+        std::uint64_t bits = 0;
+        for (int i = 0; i < 8; ++i) bits = (bits << 8) | in_[pos_++];
+        Node n;
+        n.kind = nk::floating;
+        n.u.d = std::bit_cast<double>(bits);
+        push(add_node(n));
+        break;
+      }
+      case 'F': {  // FLOAT (text)
+        const std::string_view s = line();
+        double d = 0;
+        auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), d);
+        if (ec != std::errc() || p != s.data() + s.size()) fail(errors::pk_bad_text, "bad float " + quote(s));
+        Node n;
+        n.kind = nk::floating;
+        n.u.d = d;
+        push(add_node(n));
+        break;
+      }
+      // --- strings and bytes
+      case 'X': push(read_string(le(4), false, "BINUNICODE")); break;
+      case 0x8c: push(read_string(le(1), false, "SHORT_BINUNICODE")); break;
+      case 0x8d: push(read_string(le(8), false, "BINUNICODE8")); break;
+      case 'B': push(read_string(le(4), true, "BINBYTES")); break;
+      case 'C': push(read_string(le(1), true, "SHORT_BINBYTES")); break;
+      case 0x8e: push(read_string(le(8), true, "BINBYTES8")); break;
+      case 'U': push(read_py2_string(le(1))); break;  // SHORT_BINSTRING
+      case 'T': {                                     // BINSTRING
+        const auto n = static_cast<std::int32_t>(static_cast<std::uint32_t>(le(4)));
+        if (n < 0) fail(errors::pk_bad_operand, "BINSTRING with a negative length");
+        push(read_py2_string(static_cast<std::uint64_t>(n)));
+        break;
+      }
+      case 0x96: {  // BYTEARRAY8
+        const std::uint32_t b = read_string(le(8), true, "BYTEARRAY8");
+        Object o{"builtins", "bytearray", object_build::reduce, {}, {}, {}};
+        o.args.push_back(to_value_leaf(b));
+        push(add_leaf(Value(std::move(o))));
+        break;
+      }
+      case 'S':
+      case 'V':
+        fail(errors::pk_unsupported_opcode, detail::opcode_name(op) + " (protocol 0 quoted strings) is not supported");
+      case 0x97:
+      case 0x98:
+        fail(errors::pk_unsupported_opcode, detail::opcode_name(op) + " (protocol 5 out-of-band buffers) is not supported");
+      case 0x82:
+      case 0x83:
+      case 0x84:
+        fail(errors::pk_unsupported_opcode, detail::opcode_name(op) + " (extension registry) is not supported");
+      // --- containers
+      case ')': push(add_seq(nk::tuple, {})); break;
+      case ']': push(add_seq(nk::list, {})); break;
+      case '}': push(add_dict(false)); break;
+      case 0x8f: push(add_builtin_object("builtins", "set", object_build::reduce)); break;  // EMPTY_SET
+      case 0x85: {  // TUPLE1
+        const std::uint32_t a = pop();
+        push(add_seq(nk::tuple, {a}));
+        break;
+      }
+      case 0x86: {  // TUPLE2
+        const std::uint32_t b = pop(), a = pop();
+        push(add_seq(nk::tuple, {a, b}));
+        break;
+      }
+      case 0x87: {  // TUPLE3
+        const std::uint32_t c = pop(), b = pop(), a = pop();
+        push(add_seq(nk::tuple, {a, b, c}));
+        break;
+      }
+      case '(':  // MARK
+        if (marks_.size() >= opts_.limits.max_depth)
+          fail(errors::pk_depth_limit, "MARK nesting exceeds limits.max_depth (" + std::to_string(opts_.limits.max_depth) + ")");
+        marks_.push_back(stack_.size());
+        break;
+      case 't': push(add_seq(nk::tuple, pop_mark())); break;  // TUPLE
+      case 'l': push(add_seq(nk::list, pop_mark())); break;   // LIST
+      case 'd': {                                             // DICT
+        auto kv = pop_mark();
+        if (kv.size() % 2) fail(errors::pk_bad_operand, "DICT with an odd number of items");
+        const std::uint32_t d = add_dict(false);
+        dicts_[nodes_[d].index].kv = std::move(kv);
+        push(d);
+        break;
+      }
+      case 0x91: {  // FROZENSET
+        auto items = pop_mark();
+        const std::uint32_t o = add_builtin_object("builtins", "frozenset", object_build::reduce);
+        objects_[nodes_[o].index].items = std::move(items);
+        push(o);
+        break;
+      }
+      case 'a': {  // APPEND
+        const std::uint32_t v = pop();
+        append_to(top(), {v}, "APPEND");
+        break;
+      }
+      case 'e': {  // APPENDS
+        auto items = pop_mark();
+        append_to(top(), items, "APPENDS");
+        break;
+      }
+      case 0x90: {  // ADDITEMS
+        auto items = pop_mark();
+        const Node& t = nodes_[top()];
+        if (t.kind != nk::object || globals_[objects_[t.index].global].second != "set")
+          fail(errors::pk_bad_operand, "ADDITEMS to a " + kind_name(t.kind) + ", not a set");
+        auto& v = objects_[t.index].items;
+        v.insert(v.end(), items.begin(), items.end());
+        break;
+      }
+      case 's': {  // SETITEM
+        const std::uint32_t v = pop(), k = pop();
+        setitems_on(top(), {k, v}, "SETITEM");
+        break;
+      }
+      case 'u': {  // SETITEMS
+        auto kv = pop_mark();
+        setitems_on(top(), kv, "SETITEMS");
+        break;
+      }
+      // --- stack manipulation
+      case '0':  // POP
+        if (stack_.size() > floor()) stack_.pop_back();
+        else (void)pop_mark();
+        break;
+      case '1': (void)pop_mark(); break;  // POP_MARK
+      case '2': push(top()); break;       // DUP
+      // --- memo
+      case 'q': memo_put(le(1), top()); break;  // BINPUT
+      case 'r': memo_put(le(4), top()); break;  // LONG_BINPUT
+      case 0x94: memo_put(memo_count_, top()); break;  // MEMOIZE
+      case 'p': {                                      // PUT (text)
+        const std::string_view s = line();
+        std::uint64_t i = 0;
+        auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), i);
+        if (ec != std::errc() || p != s.data() + s.size()) fail(errors::pk_bad_text, "bad memo index " + quote(s));
+        memo_put(i, top());
+        break;
+      }
+      case 'h': push(memo_get(le(1))); break;  // BINGET
+      case 'j': push(memo_get(le(4))); break;  // LONG_BINGET
+      case 'g': {                              // GET (text)
+        const std::string_view s = line();
+        std::uint64_t i = 0;
+        auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), i);
+        if (ec != std::errc() || p != s.data() + s.size()) fail(errors::pk_bad_text, "bad memo index " + quote(s));
+        push(memo_get(i));
+        break;
+      }
+      // --- globals and calls
+      case 'c': {  // GLOBAL
+        const std::string_view module = line();
+        const std::string_view name = line();
+        push(resolve_global(module, name));
+        break;
+      }
+      case 0x93: {  // STACK_GLOBAL
+        const std::uint32_t nn = pop(), mn = pop();
+        if (nodes_[nn].kind != nk::str || nodes_[mn].kind != nk::str)
+          fail(errors::pk_bad_operand, "STACK_GLOBAL operands are not strings");
+        push(resolve_global(view(nodes_[mn].u.off, nodes_[mn].index), view(nodes_[nn].u.off, nodes_[nn].index)));
+        break;
+      }
+      case 'R': {  // REDUCE
+        const std::uint32_t args = pop();
+        std::uint32_t& f = top();
+        f = apply(f, args, object_build::reduce);
+        break;
+      }
+      case 0x81: {  // NEWOBJ
+        const std::uint32_t args = pop();
+        const std::uint32_t cls = pop();
+        push(apply(cls, args, object_build::newobj));
+        break;
+      }
+      case 0x92: {  // NEWOBJ_EX
+        const std::uint32_t kwargs = pop(), args = pop(), cls = pop();
+        if (nodes_[kwargs].kind != nk::dict || !dicts_[nodes_[kwargs].index].kv.empty())
+          fail(errors::pk_unsupported_opcode, "NEWOBJ_EX with keyword arguments is not supported");
+        push(apply(cls, args, object_build::newobj));
+        break;
+      }
+      case 'i': {  // INST: module, name, then args from the mark
+        const std::string_view module = line();
+        const std::string_view name = line();
+        auto items = pop_mark();
+        const std::uint32_t g = resolve_global(module, name);
+        push(apply(g, add_seq(nk::tuple, std::move(items)), object_build::reduce));
+        break;
+      }
+      case 'o': {  // OBJ: class and args from the mark
+        auto items = pop_mark();
+        if (items.empty()) fail(errors::pk_stack_underflow, "OBJ without a class");
+        const std::uint32_t cls = items.front();
+        items.erase(items.begin());
+        push(apply(cls, add_seq(nk::tuple, std::move(items)), object_build::reduce));
+        break;
+      }
+      case 'b': {  // BUILD
+        const std::uint32_t state = pop();
+        build(top(), state);
+        break;
+      }
+      // --- persistent ids
+      case 'Q': {  // BINPERSID
+        const std::uint32_t pid = pop();
+        push(persistent(pid));
+        break;
+      }
+      case 'P': {  // PERSID (text)
+        const std::string_view s = line();
+        if (!detail::valid_utf8(s)) fail(errors::pk_bad_utf8, "PERSID is not valid UTF-8");
+        Node n;
+        n.kind = nk::str;
+        n.u.off = static_cast<std::uint64_t>(reinterpret_cast<const unsigned char*>(s.data()) - in_);
+        n.index = static_cast<std::uint32_t>(s.size());
+        push(persistent(add_node(n)));
+        break;
+      }
+      default: fail(errors::pk_unknown_opcode, detail::opcode_name(op) + " is not a pickle opcode");
+    }
+  }
+}
+
+namespace detail {
+inline const List& one_sequence_arg(Call& c, std::size_t max_args = 1) {
+  static const List empty;
+  if (c.args.empty()) return empty;
+  if (c.args.size() > max_args || !c.args[0].is_sequence())
+    c.reader.fail(errors::pk_bad_call, c.callable.qualified() + " expects one list or tuple argument");
+  return c.args[0].as_list();
+}
+}  // namespace detail
+
+inline Registry Registry::weights_only() {
+  Registry r;
+  r.add("collections.OrderedDict", Rule{Rule::kind::ordered_dict, {}});
+  r.allow("collections.Counter");
+  // bytes in protocol 2: _codecs.encode(latin-1 str, 'latin1'); empty bytes: builtins.bytes().
+  r.function("_codecs.encode", [](Call& c) -> Value {
+    if (c.args.size() != 2 || !c.args[0].is_string() || !c.args[1].is_string())
+      c.reader.fail(errors::pk_bad_call, "_codecs.encode expects (str, encoding)");
+    const std::string& enc = c.args[1].as_string();
+    if (enc != "latin1" && enc != "latin-1" && enc != "iso-8859-1" && enc != "iso8859-1")
+      c.reader.fail(errors::pk_bad_call, "_codecs.encode with encoding " + quote(enc) + " (only latin1 is read)");
+    Bytes b;
+    if (!detail::utf8_to_latin1(c.args[0].as_string(), b.data))
+      c.reader.fail(errors::pk_bad_call, "_codecs.encode of a str with characters beyond latin-1");
+    return Value(std::move(b));
+  });
+  r.function("builtins.bytes", [](Call& c) -> Value {
+    if (c.args.empty()) return Value(Bytes{});
+    if (c.args.size() == 1 && c.args[0].is_bytes()) return c.args[0];
+    const List& l = detail::one_sequence_arg(c);
+    Bytes b;
+    for (const Value& v : l) {
+      if (!v.is_int() || v.as_int() < 0 || v.as_int() > 255) c.reader.fail(errors::pk_bad_call, "bytes() of a non-byte item");
+      b.data.push_back(static_cast<std::uint8_t>(v.as_int()));
+    }
+    return Value(std::move(b));
+  });
+  r.function("builtins.bytearray", [](Call& c) -> Value {
+    Object o{"builtins", "bytearray", object_build::reduce, {}, {}, {}};
+    if (c.args.empty()) o.args.emplace_back(Bytes{});
+    else if (c.args.size() == 1 && c.args[0].is_bytes()) o.args.push_back(c.args[0]);
+    else c.reader.fail(errors::pk_bad_call, "bytearray() arguments statedict does not interpret");
+    return Value(std::move(o));
+  });
+  for (const char* name : {"set", "frozenset"}) {
+    r.function(std::string("builtins.") + name, [name](Call& c) -> Value {
+      Object o{"builtins", name, object_build::reduce, {}, {}, {}};
+      o.items = detail::one_sequence_arg(c);
+      return Value(std::move(o));
+    });
+  }
+  r.allow("builtins.complex");
+  r.function("torch.Size", [](Call& c) -> Value {
+    const List& l = detail::one_sequence_arg(c);
+    for (const Value& v : l)
+      if (!v.is_int()) c.reader.fail(errors::pk_bad_call, "torch.Size of a non-int item");
+    return Value::tuple(l);
+  });
+  for (const char* name : {"torch.device", "torch.serialization._get_layout", "torch.Tensor", "torch.nn.parameter.Parameter",
+                           "torch._tensor._rebuild_from_type_v2"})
+    r.allow(name);
+  // dtypes (canonical names and the aliases PyTorch also exports)
+  for (const char* name :
+       {"float32", "float", "float64", "double", "float16", "half", "bfloat16", "complex32", "chalf", "complex64",
+        "cfloat", "complex128", "cdouble", "uint8", "int8", "int16", "short", "int32", "int", "int64", "long", "bool",
+        "qint8", "quint8", "qint32", "quint4x2", "quint2x4", "float8_e5m2", "float8_e4m3fn", "float8_e5m2fnuz",
+        "float8_e4m3fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2", "uint16", "uint32", "uint64", "bits1x8", "bits2x4",
+        "bits4x2", "bits8", "bits16", "uint1", "uint2", "uint3", "uint4", "uint5", "uint6", "uint7", "int1", "int2",
+        "int3", "int4", "int5", "int6", "int7",
+        // layouts, memory formats, quantization schemes
+        "strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc", "_mkldnn", "jagged",
+        "contiguous_format", "channels_last", "channels_last_3d", "preserve_format", "per_tensor_affine",
+        "per_tensor_symmetric", "per_channel_affine", "per_channel_symmetric", "per_channel_affine_float_qparams"})
+    r.allow(std::string("torch.") + name);
+  // storage and legacy tensor classes
+  for (const char* t : {"Double", "Float", "Half", "Long", "Int", "Short", "Char", "Byte", "Bool", "BFloat16",
+                        "ComplexDouble", "ComplexFloat", "QUInt8", "QInt8", "QInt32", "QUInt4x2", "QUInt2x4"}) {
+    r.allow(std::string("torch.") + t + "Storage");
+    r.allow(std::string("torch.cuda.") + t + "Storage");
+    r.allow(std::string("torch.") + t + "Tensor");
+    r.allow(std::string("torch.cuda.") + t + "Tensor");
+  }
+  for (const char* name : {"torch.UntypedStorage", "torch.TypedStorage", "torch.storage.UntypedStorage",
+                           "torch.storage.TypedStorage", "torch.cuda.UntypedStorage"})
+    r.allow(name);
+  for (const char* f : {"_rebuild_parameter", "_rebuild_parameter_with_state", "_rebuild_qtensor", "_rebuild_tensor",
+                        "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_sparse_tensor", "_rebuild_sparse_csr_tensor",
+                        "_rebuild_meta_tensor_no_storage", "_rebuild_wrapper_subclass",
+                        "_rebuild_device_tensor_from_numpy", "_rebuild_device_tensor_from_cpu_tensor"})
+    r.allow(std::string("torch._utils.") + f);
+  return r;
+}
+
+/// Unpickles `bytes` into a Value tree (see the top of this file). Stops at the first STOP; the
+/// result says how many bytes that took (torch's legacy format concatenates pickles).
+inline Result load(std::span<const std::byte> bytes, const options& opts = {}) {
+  Reader r(bytes, opts);
+  return r.run();
+}
+
+}  // namespace pickle
+}  // namespace statedict::inline v0

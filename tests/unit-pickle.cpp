@@ -1,0 +1,460 @@
+// Unit tests: the safe unpickler (every opcode, every limit, the allow-list) and the pickler.
+#include <doctest/doctest.h>
+
+#include <statedict/io/pickle_read.hpp>
+#include <statedict/io/pickle_write.hpp>
+
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+using namespace statedict;
+
+namespace {
+
+/// A string literal with embedded NULs, whole.
+std::string operator""_b(const char* s, std::size_t n) { return std::string(s, n); }
+
+std::span<const std::byte> bytes(std::string_view s) { return {reinterpret_cast<const std::byte*>(s.data()), s.size()}; }
+
+std::string unhex(std::string_view h) {
+  std::string s;
+  for (std::size_t i = 0; i + 1 < h.size(); i += 2) s += static_cast<char>(std::stoi(std::string(h.substr(i, 2)), nullptr, 16));
+  return s;
+}
+
+std::string hex(const std::vector<std::byte>& v) {
+  static const char* d = "0123456789abcdef";
+  std::string s;
+  for (std::byte b : v) {
+    s += d[std::to_integer<unsigned>(b) >> 4];
+    s += d[std::to_integer<unsigned>(b) & 15];
+  }
+  return s;
+}
+
+pickle::Result run(std::string_view p, const pickle::options& o = {}) { return pickle::load(bytes(p), o); }
+Value val(std::string_view p, const pickle::options& o = {}) { return run(p, o).value; }
+
+pickle::options keep() {
+  pickle::options o;
+  o.keep_unknown_objects = true;
+  return o;
+}
+
+template <class F>
+void expect_error(F&& f, const error_id& id) {
+  try {
+    f();
+    FAIL("expected error " << id.name);
+  } catch (const error& e) {
+    CHECK_MESSAGE(e.code() == id, "got " << std::string(e.what()));
+  }
+}
+
+void expect_error_p(std::string_view p, const error_id& id, const pickle::options& o = {}) {
+  expect_error([&] { (void)run(p, o); }, id);
+}
+
+std::string u32(std::uint32_t v) {
+  std::string s(4, '\0');
+  for (int i = 0; i < 4; ++i) s[static_cast<std::size_t>(i)] = static_cast<char>((v >> (8 * i)) & 0xff);
+  return s;
+}
+std::string u64(std::uint64_t v) {
+  std::string s(8, '\0');
+  for (int i = 0; i < 8; ++i) s[static_cast<std::size_t>(i)] = static_cast<char>((v >> (8 * i)) & 0xff);
+  return s;
+}
+std::string binunicode(std::string_view s) { return "X" + u32(static_cast<std::uint32_t>(s.size())) + std::string(s); }
+std::string global(std::string_view m, std::string_view n) { return "c" + std::string(m) + "\n" + std::string(n) + "\n"; }
+
+const std::string P2 = "\x80\x02";
+
+}  // namespace
+
+TEST_CASE("constants and integers") {
+  CHECK(val(P2 + "N.").is_none());
+  CHECK(val(P2 + "\x88.").as_bool());
+  CHECK_FALSE(val(P2 + "\x89.").as_bool());
+  CHECK(val("I01\n.").as_bool());
+  CHECK_FALSE(val("I00\n.").as_bool());
+  CHECK(val(P2 + "K\xff.").as_int() == 255);
+  CHECK(val(P2 + "M\x01\x02.").as_int() == 0x201);
+  CHECK(val(P2 + "J\xff\xff\xff\xff.").as_int() == -1);
+  CHECK(val(P2 + "I-42\n.").as_int() == -42);
+  CHECK(val(P2 + "L123L\n.").as_int() == 123);
+  CHECK(val(P2 + std::string("\x8a\x00", 2) + ".").as_int() == 0);
+  CHECK(val(P2 + std::string("\x8a\x05\x00\x00\x00\x80\x00", 7) + ".").as_int() == 2147483648LL);
+  CHECK(val(P2 + std::string("\x8a\x08\x00\x00\x00\x00\x00\x00\x00\x80", 10) + ".").as_int() == INT64_MIN);
+  // Non-minimal encodings of small values are still ints.
+  CHECK(val(P2 + std::string("\x8a\x0a\xfe\xff\xff\xff\xff\xff\xff\xff\xff\xff", 12) + ".").as_int() == -2);
+  // 2**64: beyond int64, an Object builtins.int with the minimal little-endian bytes.
+  const Value big = val(P2 + std::string("\x8a\x09\x00\x00\x00\x00\x00\x00\x00\x00\x01", 11) + ".");
+  REQUIRE(big.is_object());
+  CHECK(big.as_object().qualified() == "builtins.int");
+  CHECK(big.as_object().args.at(0).as_bytes().data == std::vector<std::uint8_t>{0, 0, 0, 0, 0, 0, 0, 0, 1});
+  const Value big4 = val(P2 + "\x8b" + u32(9) + std::string("\x00\x00\x00\x00\x00\x00\x00\x00\xff", 9) + ".");
+  CHECK(big4.as_object().args.at(0).as_bytes().data == std::vector<std::uint8_t>{0, 0, 0, 0, 0, 0, 0, 0, 0xff});
+  expect_error_p(P2 + "\x8b\xff\xff\xff\xff.", errors::pk_bad_operand);
+  expect_error_p("Ixyz\n.", errors::pk_bad_text);
+  expect_error_p("I99999999999999999999999\n.", errors::pk_unsupported_opcode);
+}
+
+TEST_CASE("floats: BINFLOAT is big-endian, bits are kept") {
+  CHECK(val(P2 + "G\x3f\xf8\x00\x00\x00\x00\x00\x00."_b).as_double() == 1.5);
+  const double nan = val(P2 + "G\x7f\xf8\x00\x00\x00\x00\x00\x01."_b).as_double();
+  CHECK(std::isnan(nan));
+  CHECK(std::bit_cast<std::uint64_t>(nan) == 0x7ff8000000000001ULL);
+  CHECK(std::signbit(val(P2 + "G\x80\x00\x00\x00\x00\x00\x00\x00."_b).as_double()));
+  CHECK(val("F0.25\n.").as_double() == 0.25);
+  expect_error_p("F1.2.3\n.", errors::pk_bad_text);
+}
+
+TEST_CASE("strings and bytes") {
+  CHECK(val(P2 + binunicode("h\xc3\xa9") + ".").as_string() == "h\xc3\xa9");
+  CHECK(val("\x80\x04\x8c\x02hi.").as_string() == "hi");
+  CHECK(val("\x80\x04\x8d" + u64(2) + "hi.").as_string() == "hi");
+  CHECK(val("\x80\x03" "C\x02\x00\xff."_b).as_bytes().data == std::vector<std::uint8_t>{0, 0xff});
+  CHECK(val("\x80\x03" "B" + u32(1) + "z.").as_bytes().data == std::vector<std::uint8_t>{'z'});
+  CHECK(val("\x80\x04\x8e" + u64(1) + "z.").as_bytes().data == std::vector<std::uint8_t>{'z'});
+  // Python 2 str: text when it decodes as UTF-8 (torch.load's encoding='utf-8'), bytes otherwise.
+  CHECK(val(P2 + "U\x03" "abc.").as_string() == "abc");
+  CHECK(val(P2 + "U\x01\xff.").as_bytes().data == std::vector<std::uint8_t>{0xff});
+  CHECK(val(P2 + "T" + u32(2) + "ok.").as_string() == "ok");
+  // Surrogates pass (Python's surrogatepass); invalid UTF-8 does not.
+  CHECK(val(P2 + binunicode("\xed\xa0\x80") + ".").as_string() == "\xed\xa0\x80");
+  expect_error_p(P2 + binunicode("\xc0\x80") + ".", errors::pk_bad_utf8);
+  expect_error_p(P2 + binunicode("\xff") + ".", errors::pk_bad_utf8);
+  expect_error_p(P2 + binunicode("\xf4\x90\x80\x80") + ".", errors::pk_bad_utf8);
+  const Value ba = val("\x80\x05\x96" + u64(2) + "ab.");
+  CHECK(ba.as_object().qualified() == "builtins.bytearray");
+  CHECK(ba.as_object().args.at(0).as_bytes().data == std::vector<std::uint8_t>{'a', 'b'});
+  // A length beyond the input is a truncation, never an allocation.
+  expect_error_p(P2 + "X\xe8\x03\x00\x00" "abc."_b, errors::pk_truncated);
+  expect_error_p("\x80\x04\x8d" + u64(~0ULL) + ".", errors::pk_string_limit);
+  expect_error_p(P2 + "T\xff\xff\xff\xff.", errors::pk_bad_operand);
+}
+
+TEST_CASE("containers, marks and stack operations") {
+  const Value t = val(P2 + "K\x01K\x02K\x03\x87.");
+  REQUIRE(t.is_tuple());
+  CHECK(t.as_list().size() == 3);
+  CHECK(val(P2 + "K\x01\x85.").as_list().size() == 1);
+  CHECK(val(P2 + "K\x01K\x02\x86.").as_list().size() == 2);
+  CHECK(val(P2 + ").").is_tuple());
+  CHECK(val(P2 + "(K\x01K\x02K\x03K\x04t.").as_list().size() == 4);
+  CHECK(val(P2 + "(K\x01l.").is_list());
+  const Value d = val(P2 + "(" + binunicode("a") + "K\x01K\x07K\x02" "d.");
+  CHECK(d.as_dict().at("a").as_int() == 1);
+  CHECK(d.as_dict().at(7).as_int() == 2);
+  const Value l = val(P2 + "]K\x01" "a(K\x02K\x03" "e.");
+  CHECK(l.as_list().size() == 3);
+  const Value dd = val(P2 + "}" + binunicode("k") + "K\x01s(" + binunicode("m") + "K\x02" + binunicode("k") + "K\x03u.");
+  // Setting an existing key replaces its value and keeps its position (Python's dict).
+  REQUIRE(dd.as_dict().size() == 2);
+  CHECK(dd.as_dict().items()[0].first == Key("k"));
+  CHECK(dd.as_dict().at("k").as_int() == 3);
+  // Sets (protocol 4): EMPTY_SET + ADDITEMS, FROZENSET.
+  const Value s = val("\x80\x04\x8f(K\x01K\x02\x90.");
+  CHECK(s.as_object().qualified() == "builtins.set");
+  CHECK(s.as_object().items.size() == 2);
+  const Value fs = val("\x80\x04(K\x01\x91.");
+  CHECK(fs.as_object().qualified() == "builtins.frozenset");
+  // POP, POP_MARK, DUP
+  CHECK(val(P2 + "K\x01K\x02" "0.").as_int() == 1);
+  CHECK(val(P2 + "K\x01(K\x02K\x03" "1.").as_int() == 1);
+  CHECK(val(P2 + "K\x05" "2\x86.").as_list().at(1).as_int() == 5);
+  CHECK(val(P2 + "K\x01(0.").as_int() == 1);  // POP of an empty mark pops the mark
+  // Errors
+  expect_error_p(P2 + ".", errors::pk_stack_underflow);
+  expect_error_p(P2 + "K\x01(\x85.", errors::pk_stack_underflow);  // items below a MARK are not visible
+  expect_error_p(P2 + "K\x01t.", errors::pk_no_mark);
+  expect_error_p(P2 + "(K\x01" "d.", errors::pk_bad_operand);
+  expect_error_p(P2 + "K\x01K\x02" "a.", errors::pk_bad_operand);
+  expect_error_p(P2 + "K\x01K\x02K\x03s.", errors::pk_bad_operand);
+  expect_error_p(P2 + "](K\x01\x90.", errors::pk_bad_operand);
+  expect_error_p(P2 + "}(K\x01u.", errors::pk_bad_operand);
+  expect_error_p(P2 + "K\x01", errors::pk_truncated);
+  expect_error_p(P2 + "M\x01", errors::pk_truncated);
+  expect_error_p("", errors::pk_truncated);
+}
+
+TEST_CASE("memo: PUT/GET in every form, shared containers see later mutation") {
+  CHECK(val(P2 + "K\x07q\x03" "0h\x03.").as_int() == 7);
+  CHECK(val(P2 + "K\x07r" + u32(70000) + "0j" + u32(70000) + ".").as_int() == 7);
+  CHECK(val("\x80\x04K\x07\x94K\x08\x94" "0" "0h\x01.").as_int() == 8);
+  CHECK(val("K\x07p12\n0g12\n.").as_int() == 7);
+  // A list memoized empty, referenced twice, filled afterwards: both references see the items.
+  const Value v = val(P2 + "]q\x00h\x00\x86q\x01h\x00K\x01"_b "a0.");
+  REQUIRE(v.is_tuple());
+  CHECK(v.at(0).as_list().size() == 1);
+  CHECK(v.at(1).as_list().size() == 1);
+  // Ids far beyond the input are stored sparsely.
+  CHECK(val(P2 + "K\x07r\xff\xff\xff\x7f" "0j\xff\xff\xff\x7f.").as_int() == 7);
+  expect_error_p(P2 + "h\x05.", errors::pk_bad_memo);
+  expect_error_p(P2 + "q\x00."_b, errors::pk_stack_underflow);
+  expect_error_p("K\x01px\n.", errors::pk_bad_text);
+}
+
+TEST_CASE("protocols, frames and opcodes that are refused") {
+  for (char p : {'\x02', '\x03', '\x04', '\x05'}) CHECK(val(std::string("\x80") + p + "K\x01.").as_int() == 1);
+  expect_error_p("\x80\x06K\x01.", errors::pk_bad_protocol);
+  CHECK(val("\x80\x04\x95" + u64(3) + "K\x01.").as_int() == 1);
+  expect_error_p("\x80\x04\x95" + u64(1000) + "K\x01.", errors::pk_truncated);
+  CHECK(run("\x80\x04\x95" + u64(3) + "K\x01.").protocol == 4);
+  const std::vector<std::string> refused{"S'a'\n", "Vabc\n", "\x97", "\x98", std::string("\x82\x01", 2),
+                                        std::string("\x83\x01\x00", 3), std::string("\x84\x01\x00\x00\x00", 5)};
+  for (const std::string& op : refused)
+    expect_error_p(P2 + op + ".", errors::pk_unsupported_opcode);
+  expect_error_p(P2 + "\xff.", errors::pk_unknown_opcode);
+  expect_error_p(P2 + "z.", errors::pk_unknown_opcode);
+  // STOP ends the pickle; the rest is not read (torch's legacy format concatenates pickles).
+  const auto r = run(P2 + "K\x01.garbage");
+  CHECK(r.consumed == 5);
+}
+
+TEST_CASE("allow-listed globals become plain values") {
+  // OrderedDict() -> Dict, filled later
+  const Value od = val(P2 + global("collections", "OrderedDict") + ")R(" + binunicode("a") + "K\x01u.");
+  CHECK(od.as_dict().at("a").as_int() == 1);
+  const Value od2 = val(P2 + global("collections", "OrderedDict") + "]" + binunicode("x") + "K\x02\x86" "a\x85R.");
+  CHECK(od2.as_dict().at("x").as_int() == 2);
+  // bytes: _codecs.encode(latin-1 str, 'latin1'); empty bytes via __builtin__.bytes()
+  const Value b = val(P2 + global("_codecs", "encode") + binunicode("\x00\xc3\xbf"_b) + binunicode("latin1") + "\x86R.");
+  CHECK(b.as_bytes().data == std::vector<std::uint8_t>{0, 0xff});
+  CHECK(val(P2 + global("__builtin__", "bytes") + ")R.").as_bytes().data.empty());
+  expect_error_p(P2 + global("_codecs", "encode") + binunicode("\xe4\xb8\x96") + binunicode("latin1") + "\x86R.", errors::pk_bad_call);
+  expect_error_p(P2 + global("_codecs", "encode") + binunicode("a") + binunicode("rot13") + "\x86R.", errors::pk_bad_call);
+  // torch.Size -> tuple of ints
+  const Value sz = val(P2 + global("torch", "Size") + "K\x02K\x03\x86\x85R.");
+  CHECK(sz.is_tuple());
+  CHECK(sz.at(1).as_int() == 3);
+  // set / frozenset / bytearray / complex (protocol 2 forms)
+  const Value st = val(P2 + global("__builtin__", "set") + "]K\x01" "a\x85R.");
+  CHECK(st.as_object().qualified() == "builtins.set");
+  CHECK(st.as_object().items.size() == 1);
+  const Value cx = val(P2 + global("__builtin__", "complex") + "G\x3f\xf0\x00\x00\x00\x00\x00\x00G\x40\x00\x00\x00\x00\x00\x00\x00\x86R."_b);
+  CHECK(cx.as_object().qualified() == "builtins.complex");
+  CHECK(cx.as_object().how == object_build::reduce);
+  CHECK(cx.as_object().args.at(1).as_double() == 2.0);
+  // A dtype global referenced: Object(how=global); torch.device('cpu'): Object(how=reduce)
+  const Value dt = val(P2 + global("torch", "bfloat16") + ".");
+  CHECK(dt.as_object().how == object_build::global);
+  CHECK(dt.as_object().qualified() == "torch.bfloat16");
+  const Value dev = val(P2 + global("torch", "device") + binunicode("cpu") + "\x85R.");
+  CHECK(dev.as_object().args.at(0).as_string() == "cpu");
+  // STACK_GLOBAL (protocol 4)
+  CHECK(val("\x80\x04\x8c\x05torch\x8c\x07" "float32\x93.").as_object().name == "float32");
+  expect_error_p("\x80\x04K\x01K\x02\x93.", errors::pk_bad_operand);
+}
+
+TEST_CASE("BUILD on an OrderedDict: attributes reported by path") {
+  // {"sd": OrderedDict(w=1) with _metadata = {"": {"version": 1}}}
+  const std::string sd = global("collections", "OrderedDict") + ")R" + binunicode("w") + "K\x01s}" + binunicode("_metadata") +
+                         "}" + binunicode("") + "}" + binunicode("version") + "K\x01sss" "b";
+  const auto r = run(P2 + "}" + binunicode("sd") + sd + "s.");
+  CHECK(r.value.as_dict().at("sd").as_dict().at("w").as_int() == 1);
+  REQUIRE(r.attributes.size() == 1);
+  CHECK(r.attributes[0].path == Path{Key("sd")});
+  CHECK(r.attributes[0].attributes.at("_metadata").as_dict().at("").as_dict().at("version").as_int() == 1);
+  // Under an object (inside call arguments) the dict keeps its attributes as an OrderedDict object.
+  const Value kept = val(P2 + global("m", "C") + sd + "\x85R.", keep());
+  const Object& inner = kept.as_object().args.at(0).as_object();
+  CHECK(inner.qualified() == "collections.OrderedDict");
+  CHECK(inner.state.size() == 1);
+  CHECK(inner.items.size() == 1);
+  // BUILD with None changes nothing; BUILD on a plain dict or a list is an error.
+  CHECK(run(P2 + global("collections", "OrderedDict") + ")RNb.").attributes.empty());
+  expect_error_p(P2 + "}}b.", errors::pk_bad_operand);
+  expect_error_p(P2 + "]}b.", errors::pk_bad_operand);
+}
+
+TEST_CASE("dicts with keys other than int and str") {
+  const Value d = val(P2 + "}(K\x01K\x02\x86" + binunicode("v") + "\x88K\x03u.");
+  REQUIRE(d.is_object());
+  CHECK(d.as_object().qualified() == "builtins.dict");
+  REQUIRE(d.as_object().items.size() == 2);
+  CHECK(d.as_object().items[0].at(0).is_tuple());
+  CHECK(d.as_object().items[1].at(0).is_bool());
+  const Value od = val(P2 + global("collections", "OrderedDict") + ")RG\x3f\xf0\x00\x00\x00\x00\x00\x00K\x01s."_b);
+  CHECK(od.as_object().qualified() == "collections.OrderedDict");
+}
+
+TEST_CASE("security: unknown globals are refused, or kept as data; code-running modules always refused") {
+  const std::string call_system = P2 + global("posix", "system") + binunicode("touch /tmp/x") + "\x85R.";
+  expect_error([&] { (void)run(call_system); }, errors::pk_blocked_module);
+  expect_error([&] { (void)run(call_system, keep()); }, errors::pk_blocked_module);
+  for (auto [m, n] : {std::pair{"os", "system"}, {"nt", "system"}, {"subprocess", "Popen"}, {"builtins", "eval"},
+                      {"__builtin__", "exec"}, {"builtins", "__import__"}, {"os.path", "join"}, {"sys", "modules"}}) {
+    expect_error_p(P2 + global(m, n) + ".", errors::pk_blocked_module, keep());
+  }
+  try {
+    (void)run(P2 + global("mymodule", "MyClass") + ")R.");
+    FAIL("expected a security error");
+  } catch (const security_error& e) {
+    CHECK(e.code() == errors::pk_forbidden_global);
+    CHECK(std::string(e.what()).find("'mymodule.MyClass'") != std::string::npos);
+  }
+  // Kept: REDUCE, NEWOBJ, BUILD, APPENDS and SETITEMS all land in the Object, nothing runs.
+  const Value o = val(P2 + global("mymodule", "MyClass") + "K\x01\x85R}" + binunicode("a") + "K\x02sb(K\x03K\x04" "e.", keep());
+  const Object& ob = o.as_object();
+  CHECK(ob.qualified() == "mymodule.MyClass");
+  CHECK(ob.how == object_build::reduce);
+  CHECK(ob.args.size() == 1);
+  CHECK(ob.state.at(0).as_dict().at("a").as_int() == 2);
+  CHECK(ob.items.size() == 2);
+  const Value n = val(P2 + global("mymodule", "Data") + ")\x81}b.", keep());
+  CHECK(n.as_object().how == object_build::newobj);
+  const Value ni = val("\x80\x04" + global("mymodule", "Data") + ")}\x92.", keep());
+  CHECK(ni.as_object().how == object_build::newobj);
+  expect_error_p("\x80\x04" + global("mymodule", "Data") + ")}K\x01K\x02s\x92.", errors::pk_unsupported_opcode, keep());
+  const Value dictlike = val(P2 + global("collections", "defaultdict") + ")R(K\x01K\x02u.", keep());
+  CHECK(dictlike.as_object().items.at(0).is_tuple());
+  // INST and OBJ (protocol 0/1 instance creation) go through the same checks.
+  expect_error_p("(K\x01imymodule\nC\n.", errors::pk_forbidden_global);
+  CHECK(val("(K\x01imymodule\nC\n.", keep()).as_object().args.size() == 1);
+  CHECK(val("(" + global("mymodule", "C") + "K\x01o.", keep()).as_object().args.size() == 1);
+  expect_error_p("(o.", errors::pk_stack_underflow, keep());
+  // REDUCE of something that is not a global, or with non-tuple args.
+  expect_error_p(P2 + "K\x01)R.", errors::pk_bad_operand);
+  expect_error_p(P2 + global("torch", "device") + "K\x01R.", errors::pk_bad_operand);
+  expect_error_p(P2 + "c\nx\n.", errors::pk_bad_operand);
+}
+
+TEST_CASE("persistent ids go to the caller's loader") {
+  pickle::options o;
+  std::vector<Value> seen;
+  o.persistent_load = [&](const Value& pid) -> Value {
+    seen.push_back(pid);
+    return Value(42);
+  };
+  CHECK(val(P2 + "(" + binunicode("storage") + "K\x01tQ.", o).as_int() == 42);
+  CHECK(seen.at(0).at(0).as_string() == "storage");
+  CHECK(val("Pabc\n.", o).as_int() == 42);
+  CHECK(seen.at(1).as_string() == "abc");
+  expect_error_p(P2 + "K\x01Q.", errors::pk_no_persistent_load);
+}
+
+TEST_CASE("limits: each cap has its own error") {
+  SUBCASE("depth") {
+    std::string deep = P2;
+    for (int i = 0; i < 50; ++i) deep += "]";
+    for (int i = 0; i < 49; ++i) deep += "a";
+    deep += ".";
+    pickle::options o;
+    o.limits.max_depth = 20;
+    expect_error_p(deep, errors::pk_depth_limit, o);
+    CHECK(val(deep).is_list());
+    std::string marks = P2 + std::string(30, '(') + "N.";
+    expect_error_p(marks, errors::pk_depth_limit, o);
+  }
+  SUBCASE("memo") {
+    pickle::options o;
+    o.limits.max_memo = 2;
+    expect_error_p(P2 + "Nq\x00q\x01q\x02."_b, errors::pk_memo_limit, o);
+    expect_error_p("\x80\x04N\x94\x94\x94.", errors::pk_memo_limit, o);
+  }
+  SUBCASE("nodes: a billion laughs of memo references") {
+    std::string p = P2 + "]q\x00"_b;
+    for (int i = 1; i < 40; ++i) p += "h" + std::string(1, static_cast<char>(i - 1)) + "h" + std::string(1, static_cast<char>(i - 1)) + "\x86q" + std::string(1, static_cast<char>(i));
+    p += ".";
+    expect_error_p(p, errors::pk_node_limit);
+  }
+  SUBCASE("stack") {
+    pickle::options o;
+    o.limits.max_stack = 10;
+    expect_error_p(P2 + std::string(20, 'N') + ".", errors::pk_stack_limit, o);
+  }
+  SUBCASE("strings") {
+    pickle::options o;
+    o.limits.max_string_bytes = 3;
+    expect_error_p(P2 + binunicode("abcd") + ".", errors::pk_string_limit, o);
+    expect_error_p("\x80\x03" "C\x04" "abcd.", errors::pk_string_limit, o);
+    expect_error_p(P2 + "U\x04" "abcd.", errors::pk_string_limit, o);
+  }
+  SUBCASE("longs") {
+    pickle::options o;
+    o.limits.max_long_bytes = 4;
+    expect_error_p(P2 + "\x8a\x05" + std::string(5, '\x01') + ".", errors::pk_long_limit, o);
+  }
+  SUBCASE("a list that contains itself") {
+    expect_error_p(P2 + "]q\x00h\x00"_b "a.", errors::pk_recursive);
+  }
+}
+
+TEST_CASE("writer: bytes identical to Python's pickler (protocol 2)") {
+  {
+    Dict d;
+    d.set("a", Value::list({1, 2.5, nullptr, true, false, "x", Bytes{{0, 0xff}}, Value::tuple({1, 2}), Value::tuple({1, 2, 3, 4}),
+                            -1, std::int64_t{1} << 40, 300, 70000, -2147483648LL, 2147483648LL, INT64_MIN}));
+    d.set(3, "x");
+    d.set("e", Dict{});
+    d.set("l", Value::list());
+    d.set("t", Value::tuple());
+    d.set("b", Bytes{});
+    d.set("u", "h\xc3\xa9\xf0\x9f\x98\x80");
+    CHECK(hex(pickle::dumps(Value(d))) == "80027d71002858010000006171015d7102284b014740040000000000004e88895801000000787103635f636f646563730a656e636f64650a7104580300000000c3bf710558060000006c6174696e3171068671075271084b014b02867109284b014b024b034b0474710a4affffffff8a060000000000014d2c014a701101004a000000808a0500000080008a080000000000000080654b036803580100000065710b7d710c58010000006c710d5d710e580100000074710f295801000000627110635f5f6275696c74696e5f5f0a62797465730a7111295271125801000000757113580700000068c3a9f09f98807114752e");
+  }
+  {
+    // Values read from Python's own pickle of [2**64, -2**70, 2**63] write back identically.
+    const std::string py = unhex("80025d7100288a090000000000000000018a090000000000000000c08a09000000000000008000652e");
+    CHECK(hex(pickle::dumps(val(py))) == "80025d7100288a090000000000000000018a090000000000000000c08a09000000000000008000652e");
+    const std::string sets = unhex("80025d710028635f5f6275696c74696e5f5f0a7365740a71015d71024b0161857103527104635f5f6275696c74696e5f5f0a66726f7a656e7365740a71055d71064b0261857107527108635f5f6275696c74696e5f5f0a6279746561727261790a7109635f636f646563730a656e636f64650a710a58020000006162710b58060000006c6174696e31710c86710d52710e85710f527110635f5f6275696c74696e5f5f0a636f6d706c65780a7111473ff0000000000000474000000000000000867112527113652e");
+    CHECK(hex(pickle::dumps(val(sets))) == "80025d710028635f5f6275696c74696e5f5f0a7365740a71015d71024b0161857103527104635f5f6275696c74696e5f5f0a66726f7a656e7365740a71055d71064b0261857107527108635f5f6275696c74696e5f5f0a6279746561727261790a7109635f636f646563730a656e636f64650a710a58020000006162710b58060000006c6174696e31710c86710d52710e85710f527110635f5f6275696c74696e5f5f0a636f6d706c65780a7111473ff0000000000000474000000000000000867112527113652e");
+  }
+  {
+    List l;
+    for (int i = 0; i <= 1000; ++i) l.emplace_back(i);
+    const std::string h = hex(pickle::dumps(Value::list(l)));
+    CHECK(h.substr(h.size() - 14) == "65284de80365" "2e");  // the trailing batch of one is MARK ... APPENDS
+    Dict d;
+    for (int i = 0; i <= 1000; ++i) d.set(i, i);
+    const std::string hd = hex(pickle::dumps(Value(d)));
+    CHECK(hd.substr(hd.size() - 20) == "75284de8034de80375" "2e");
+    Dict one;
+    one.set("k", Value::list({"v"}));
+    CHECK(hex(pickle::dumps(Value(one))) == "80027d710058010000006b71015d7102580100000076710361732e");
+  }
+}
+
+TEST_CASE("writer -> reader round trip, objects and attributes included") {
+  Object reduced{"mymodule", "Config", object_build::reduce, {1, "a"}, {}, {}};
+  reduced.state.emplace_back(Dict{{"x", 1}});
+  reduced.state.emplace_back(Value::tuple({nullptr, Dict{{"slot", 2}}}));
+  Object newobj{"mymodule", "Data", object_build::newobj, {}, {}, {}};
+  newobj.items = {1, 2, 3};
+  Object dictlike{"collections", "defaultdict", object_build::reduce, {}, {}, {}};
+  dictlike.items = {Value::tuple({1, 2}), Value::tuple({"k", Value::list()})};
+  Object odd_keys{"builtins", "dict", object_build::reduce, {}, {}, {}};
+  odd_keys.items = {Value::tuple({Value::tuple({1, 2}), 3})};
+  Object big{"builtins", "int", object_build::reduce, {Bytes{{0, 0, 0, 0, 0, 0, 0, 0, 1}}}, {}, {}};
+  Object dtype{"torch", "float16", object_build::global, {}, {}, {}};
+  Object fset{"builtins", "frozenset", object_build::reduce, {}, {}, {1, 2}};
+  Object barr{"builtins", "bytearray", object_build::reduce, {Bytes{{1, 2, 255}}}, {}, {}};
+  Dict inner{{"w", 1.5}};
+  Dict root{{"objs", Value::list({reduced, newobj, dictlike, odd_keys, big, dtype, fset, barr})},
+            {"nested", Value::tuple({inner, Dict{}})},
+            {"s", "repeated"},
+            {"s2", "repeated"},
+            {-5, Value::list({Bytes{}, Bytes{{'a'}}})}};
+  std::vector<pickle::Attributes> attrs{{Path{}, Dict{{"_metadata", Dict{{"", Dict{{"version", 1}}}}}}},
+                                        {Path{Key("nested"), Key(0)}, Dict{{"note", "inner"}}}};
+  const auto bytes = pickle::dumps(Value(root), &attrs);
+  const auto r = pickle::load(bytes, keep());
+  CHECK(r.value == Value(root));
+  CHECK(r.attributes == attrs);
+  // Without keep_unknown_objects, mymodule is refused; the rest is on the allow-list.
+  expect_error([&] { (void)pickle::load(bytes); }, errors::pk_forbidden_global);
+}
+
+TEST_CASE("writer: errors") {
+  expect_error([] { (void)pickle::dumps(Value("\xff")); }, errors::pk_write_utf8);
+  expect_error([] { (void)pickle::dumps(Value(Tensor::from<float>({1.F}, {1}))); }, errors::pk_unwritable);
+  Value deep = Value::list();
+  for (int i = 0; i < 1200; ++i) deep = Value::list({deep});
+  expect_error([&] { (void)pickle::dumps(deep); }, errors::pk_write_depth);
+  Object bad{"torch", "float32", object_build::global, {1}, {}, {}};
+  expect_error([&] { (void)pickle::dumps(Value(bad)); }, errors::pk_unwritable);
+}
