@@ -14,6 +14,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -102,6 +103,7 @@ int convert(const char* in_path, const char* out_path, const char* to) {
   st::File f = st::File::open(in_path);
   st::write_options o;
   o.metadata = f.raw_metadata();
+  if (const char* b = std::getenv("STATEDICT_BUFFER_KIB")) o.buffer_bytes = std::stoul(b) * 1024;
   if (to) {
     auto d = statedict::dtype_from_name(to);
     if (!d) {
@@ -110,14 +112,18 @@ int convert(const char* in_path, const char* out_path, const char* to) {
     }
     o.cast = *d;
   }
-  st::write(out_path, st::inputs_of(f.describe()), o);
+  statedict::OutputFile out = statedict::OutputFile::create(out_path);
+  st::write_to(out, st::inputs_of(f.describe()), o);
+  const auto t1 = std::chrono::steady_clock::now();
+  out.commit();  // fsync + rename
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double stream = std::chrono::duration<double>(t1 - t0).count();
   done = true;
   sampler.join();
   const long r = rss_anon_kb();
   if (r > peak.load()) peak.store(r);
-  std::printf("convert %s -> %s%s%s: %.3f s, peak RssAnon %ld kB\n", in_path, out_path, to ? " as " : "", to ? to : "", secs,
-              peak.load());
+  std::printf("convert %s -> %s%s%s: %.3f s (stream %.3f s, fsync+rename %.3f s), peak RssAnon %ld kB\n", in_path,
+              out_path, to ? " as " : "", to ? to : "", secs, stream, secs - stream, peak.load());
   return 0;
 }
 

