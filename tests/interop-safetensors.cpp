@@ -104,7 +104,9 @@ TEST_CASE("every file of the independent writer reads as its manifest says, in b
     for (const auto mode : {read_mode::mmap, read_mode::pread}) {
       st::File f = st::File::open(file, {mode, {}});
       CHECK(f.size() == m["tensors"].size());
-      for (const auto& [name, t] : m["tensors"].items()) {
+      for (const auto& kv : m["tensors"].items()) {
+        const std::string name = kv.key();
+        const json& t = kv.value();
         CAPTURE(name);
         const st::TensorEntry* e = f.find(name);
         REQUIRE(e);
