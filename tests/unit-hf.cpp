@@ -169,6 +169,8 @@ TEST_CASE("write_sharded: shards, index, tied tensors, and reading it all back a
   CHECK(c.items()[6].alias);
   for (const auto& i : in) CHECK_MESSAGE(equal_bytes(c.view(i.name), i.view), i.name);
   CHECK(c.view("lm_head.w").data() == c.view("layers.0.w").data());
+  CHECK(c.sha256("layers.3.w") == sha256_hex(ts[3].view()));
+  CHECK(c.sha256("lm_head.w") == sha256_hex(ts[0].view()));
   ShardedCheckpoint d = c.describe();
   CHECK(d.format == "hf_sharded");
   CHECK(d.sources.size() == 3);

@@ -151,6 +151,18 @@ TEST_CASE("misaligned tensors read correctly: load() and copies work, span<T> re
   }
 }
 
+TEST_CASE("sha256 streams a tensor's stored bytes in both modes, for every dtype") {
+  const fs::path p = tmp_dir() / "hash.safetensors";
+  write_all(p, image("{" + tensor_json("q", "F4", "[4]", 0, 2) + "," + tensor_json("w", "F32", "[2]", 2, 10) + "}",
+                     "ab" + std::string("\x00\x00\x80\x3f\x00\x00\x00\x40", 8)));
+  for (const auto mode : {read_mode::mmap, read_mode::pread}) {
+    st::File f = st::File::open(p, {mode, {}});
+    CHECK(f.sha256("q") == sha256_hex(std::string_view("ab")));
+    CHECK(f.sha256("w") == sha256_hex(f.view("w")));
+    CHECK_THROWS_AS((void)f.sha256("nope"), key_error);
+  }
+}
+
 TEST_CASE("pread mode reads the same bytes as mmap mode") {
   const fs::path p = tmp_dir() / "pread.safetensors";
   std::vector<float> v(1000);

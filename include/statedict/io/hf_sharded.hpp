@@ -430,6 +430,13 @@ class Checkpoint {
     return files_[i->file].view(*i->entry);
   }
 
+  /// SHA-256 of the tensor's elements (row-major, little-endian), streamed: `inspect --hash`.
+  [[nodiscard]] std::string sha256(std::string_view name) const {
+    const Item* i = find(name);
+    if (!i) throw_error(errors::st_no_such_tensor, where(), "no tensor " + quote(name));
+    return files_[i->file].sha256(*i->entry);
+  }
+
   /// {name: tensor} in index order, aliases last (views of their target).
   [[nodiscard]] Value to_flat_dict() const {
     Dict d;

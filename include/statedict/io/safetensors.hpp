@@ -52,6 +52,7 @@
 #include "../core/cast.hpp"
 #include "../core/dtype.hpp"
 #include "../core/error.hpp"
+#include "../core/sha256.hpp"
 #include "../core/shape.hpp"
 #include "../core/source.hpp"
 #include "../core/tensor.hpp"
@@ -943,6 +944,34 @@ class File {
     s_->source->read(off, std::span<std::byte>(t.data(), static_cast<std::size_t>(e.nbytes())));
     return t.view();
   }
+  /// SHA-256 (hex) of the tensor's stored bytes, which are its elements row-major and
+  /// little-endian: what `inspect --hash` prints. Streams from the source in bounded memory, in
+  /// both read modes and for every dtype (those statedict lacks included).
+  [[nodiscard]] std::string sha256(const TensorEntry& e) const {
+    Sha256 h;
+    const std::uint64_t off = data_offset() + e.begin;
+    const ByteSource& src = *s_->source;
+    if (const std::byte* base = src.data()) {
+      if (const auto* f = dynamic_cast<const InputFile*>(&src)) f->advise(off, e.nbytes(), access_hint::sequential);
+      h.update(std::span<const std::byte>(base + off, static_cast<std::size_t>(e.nbytes())));
+      return h.hex();
+    }
+    std::vector<std::byte> buf(static_cast<std::size_t>(std::min<std::uint64_t>(e.nbytes(), std::uint64_t{1} << 20)));
+    for (std::uint64_t done = 0; done < e.nbytes();) {
+      const std::size_t take = static_cast<std::size_t>(std::min<std::uint64_t>(e.nbytes() - done, buf.size()));
+      src.read(off + done, std::span<std::byte>(buf.data(), take));
+      h.update(std::span<const std::byte>(buf.data(), take));
+      done += take;
+    }
+    return h.hex();
+  }
+  /// sha256() of the tensor (or alias) named `name`.
+  [[nodiscard]] std::string sha256(std::string_view name) const {
+    const TensorEntry* e = resolve(name);
+    if (!e) throw_error(errors::st_no_such_tensor, "file " + quote(this->name()), "no tensor " + quote(name));
+    return sha256(*e);
+  }
+
   /// The tensor (or alias) named `name`; throws errors::st_no_such_tensor.
   [[nodiscard]] TensorView view(std::string_view name) const {
     const TensorEntry* e = resolve(name);
