@@ -214,3 +214,76 @@ TEST_CASE("a sharded directory written by statedict passes the strict reader sha
     CHECK(check_with_python(dir / s.filename, mf, true) == "");
   }
 }
+
+TEST_CASE("an HF directory written in Python (huggingface_hub's split and index) reads, and statedict rewrites it byte for byte") {
+  const fs::path py_dir = tmp_dir() / "hf-python";
+  fs::remove_all(py_dir);
+  fs::create_directories(py_dir);
+  // An independent writer: tests/python/gen_safetensors.py for each shard, the split of
+  // huggingface_hub's split_state_dict_into_shards_factory, the index with json.dumps(indent=2).
+  const std::string script = R"PY(
+import hashlib, json, os, sys
+sys.path.insert(0, sys.argv[2])
+import numpy as np
+import gen_safetensors as G
+out = sys.argv[1]
+rng = np.random.default_rng(7)
+names = ["model.layers.%d.weight" % i for i in range(7)] + ["model.norm.\u00e9"]
+tensors = {n: G.make(rng, "F32" if i % 2 else "BF16", [i + 1, 8]) for i, n in enumerate(names)}
+max_size, shards, cur, cur_size, total = 100, [], {}, 0, 0
+for n, t in tensors.items():
+    size = len(t[2])
+    if size > max_size:
+        total += size
+        shards.append({n: t})
+        continue
+    if cur_size + size > max_size:
+        shards.append(cur)
+        cur, cur_size = {}, 0
+    cur[n] = t
+    cur_size += size
+    total += size
+if cur:
+    shards.append(cur)
+wm = {}
+for i, sh in enumerate(shards):
+    fn = "model-%05d-of-%05d.safetensors" % (i + 1, len(shards))
+    with open(os.path.join(out, fn), "wb") as f:
+        f.write(G.serialize(sh, {"format": "pt"}))
+    for n in sh:
+        wm[n] = fn
+with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+    f.write(json.dumps({"metadata": {"total_size": total}, "weight_map": wm}, indent=2))
+with open(os.path.join(out, "..", "hf-python.manifest.json"), "w") as f:
+    json.dump({n: {"dtype": d, "shape": list(s), "sha256": hashlib.sha256(b).hexdigest()} for n, (d, s, b) in tensors.items()}, f)
+)PY";
+  write_all(tmp_dir() / "hf_python.py", script);
+  std::string log;
+  REQUIRE_MESSAGE(run(std::string(STATEDICT_PYTHON) + " " + shell_quote((tmp_dir() / "hf_python.py").string()) + " " +
+                          shell_quote(py_dir.string()) + " " + shell_quote(std::string(STATEDICT_SOURCE_DIR) + "/tests/python"),
+                      &log) == 0,
+                  log);
+  const json manifest = json::parse(read_all(tmp_dir() / "hf-python.manifest.json"));
+
+  hf::Checkpoint c = hf::Checkpoint::open(py_dir);
+  CHECK(c.files().size() >= 4);
+  CHECK(c.items().size() == manifest.size());
+  std::vector<st::Input> in;  // in the Python state dict's order
+  for (const auto& kv : manifest.items()) {
+    const std::string name = kv.key();
+    CAPTURE(name);
+    REQUIRE(c.find(name));
+    CHECK(c.sha256(name) == kv.value()["sha256"].get<std::string>());
+    CHECK(c.view(name).shape() == kv.value()["shape"].get<shape_t>());
+    in.push_back(st::Input::of(name, c.view(name)));
+  }
+  const fs::path ours = tmp_dir() / "hf-ours";
+  hf::write_options o;
+  o.max_shard_size = 100;
+  hf::write_result r = hf::write_sharded(ours, in, o);
+  REQUIRE(r.files.size() == c.files().size() + 1);
+  for (const auto& f : r.files) {
+    CAPTURE(f);
+    CHECK(read_all(ours / f) == read_all(py_dir / f));
+  }
+}
