@@ -22,4 +22,8 @@
 #include "shard/box.hpp"
 #include "shard/cover.hpp"
 #include "shard/layout.hpp"
+#include "shard/plan.hpp"
+#include "exec/sink.hpp"
+#include "exec/executor.hpp"
+#include "exec/digest.hpp"
 #include "core/visit.hpp"

@@ -1,0 +1,620 @@
+// statedict: the streaming executor. Runs a Plan (shard/plan.hpp) from byte sources into sinks
+// with a fixed memory budget, any number of threads, exact casts on the fly, and zero-copy paths.
+// SPDX-License-Identifier: MIT
+//
+// Memory: every buffer the executor allocates is counted (exec_stats::buffer_bytes) and the total
+// stays within exec_options::memory_budget whatever the plan: per thread one read buffer and one
+// write buffer of `block` bytes plus two 64 KiB conversion buffers, with
+// block = (budget / threads - 128 KiB) / 2, at most 64 MiB. Mapped sources are read in place and
+// the pages an item has consumed are released (MADV_DONTNEED), so file-backed memory does not
+// accumulate either.
+//
+// Copy paths, fastest first, for runs that need no conversion:
+//   * copy_file_range between the source file and the destination file (runs >= 1 MiB, plain
+//     files, sinks that need not see the bytes); the kernel copies page cache to page cache;
+//   * one positioned write straight from the source mapping (runs >= 64 KiB);
+//   * small runs are gathered into the write buffer and written together when contiguous.
+// Conversions read from the mapping (or a positioned read into the read buffer) and cast into the
+// write buffer with core/cast.hpp's exact rounding.
+//
+// Threads take work items (at most one block of bytes each, or a batch of small operations) in
+// plan order, so each source is read front to back. Writes never overlap (the plan is proven), so
+// the output bytes do not depend on the thread count or on timing. Ordered sinks (Sha256Sink) are
+// written by one thread, in increasing offsets: their operations form one work item that walks
+// them in destination order.
+#pragma once
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "../core/cast.hpp"
+#include "../core/error.hpp"
+#include "../core/source.hpp"
+#include "../io/file.hpp"
+#include "../shard/plan.hpp"
+#include "sink.hpp"
+
+namespace statedict::inline v0 {
+
+namespace errors {
+// clang-format off
+inline constexpr error_id sink_missing     {652, error_kind::usage,  "exec.sink_missing"};
+inline constexpr error_id source_mismatch  {653, error_kind::usage,  "exec.source_mismatch"};
+inline constexpr error_id replica_mismatch {654, error_kind::format, "exec.replica_mismatch"};
+inline constexpr error_id budget_too_small {655, error_kind::usage,  "exec.budget_too_small"};
+inline constexpr error_id copy_failed      {656, error_kind::io,     "exec.copy_failed"};
+// clang-format on
+}  // namespace errors
+
+/// 256 MiB.
+inline constexpr std::uint64_t default_memory_budget = std::uint64_t{256} << 20;
+
+/// How to run a plan.
+struct exec_options {
+  /// Bytes of buffers the executor may allocate in all (threads included).
+  std::uint64_t memory_budget = default_memory_budget;
+  /// Worker threads (the calling thread is one of them); 0 means one per CPU.
+  unsigned threads = 1;
+  /// Called with (bytes written, total bytes) from worker threads, one call at a time, at most
+  /// about a thousand times per run, and once at the end.
+  std::function<void(std::uint64_t done, std::uint64_t total)> progress;
+  /// Allow copy_file_range and writes straight from source mappings.
+  bool zero_copy = true;
+  /// Smallest run handed to copy_file_range.
+  std::uint64_t copy_file_range_min = std::uint64_t{1} << 20;
+  /// Smallest run written straight from a source mapping (smaller ones are gathered).
+  std::uint64_t direct_write_min = std::uint64_t{64} << 10;
+  /// Release the pages of mapped sources once an item has used them.
+  bool release_source_pages = true;
+  /// Largest buffer per thread and direction.
+  std::uint64_t max_block = std::uint64_t{64} << 20;
+};
+
+/// What a run did.
+struct exec_stats {
+  std::uint64_t bytes_written = 0;       ///< destination bytes produced
+  std::uint64_t bytes_in_kernel = 0;     ///< of which copied by copy_file_range
+  std::uint64_t bytes_from_mapping = 0;  ///< of which written straight from a source mapping
+  std::uint64_t bytes_converted = 0;     ///< of which produced by a dtype conversion
+  std::uint64_t elements_compared = 0;   ///< replica elements checked
+  std::uint64_t buffer_bytes = 0;        ///< peak bytes of the executor's own buffers
+  std::uint64_t block_bytes = 0;         ///< buffer size per thread and direction
+  std::uint64_t work_items = 0;
+  unsigned threads = 0;
+};
+
+namespace detail {
+
+/// Counts the executor's buffer bytes (current and peak).
+class exec_ledger {
+ public:
+  void add(std::uint64_t n) noexcept {
+    const std::uint64_t c = current_.fetch_add(n) + n;
+    std::uint64_t p = peak_.load();
+    while (c > p && !peak_.compare_exchange_weak(p, c)) {
+    }
+  }
+  void sub(std::uint64_t n) noexcept { current_.fetch_sub(n); }
+  [[nodiscard]] std::uint64_t peak() const noexcept { return peak_.load(); }
+
+ private:
+  std::atomic<std::uint64_t> current_{0}, peak_{0};
+};
+
+/// A buffer allocated once, on first use, and counted.
+class exec_buffer {
+ public:
+  exec_buffer(exec_ledger& l, std::uint64_t size) : ledger_(l), size_(size) {}
+  exec_buffer(const exec_buffer&) = delete;
+  exec_buffer& operator=(const exec_buffer&) = delete;
+  ~exec_buffer() {
+    if (data_) ledger_.sub(size_);
+  }
+  std::byte* get() {
+    if (!data_) {
+      data_.reset(new std::byte[static_cast<std::size_t>(size_)]);
+      ledger_.add(size_);
+    }
+    return data_.get();
+  }
+  [[nodiscard]] std::uint64_t size() const noexcept { return size_; }
+
+ private:
+  exec_ledger& ledger_;
+  std::uint64_t size_;
+  std::unique_ptr<std::byte[]> data_;
+};
+
+struct exec_item {
+  enum class kind : std::uint8_t { ops, lane, compare };
+  kind what = kind::ops;
+  std::uint32_t begin = 0, end = 0;  ///< ops / checks [begin, end); lane: index of the lane
+  std::uint64_t e0 = 0, e1 = 0;      ///< element range of op `begin` when sliced (e1 > 0)
+};
+
+/// Releases the pages of [offset, offset + length) of a mapped file source.
+inline void release_pages(const ByteSource& s, std::uint64_t offset, std::uint64_t length) {
+  if (const auto* f = dynamic_cast<const InputFile*>(&s)) {
+    f->advise(offset, length, access_hint::dontneed);
+  } else if (const auto* sl = dynamic_cast<const SliceSource*>(&s)) {
+    release_pages(*sl->base(), sl->offset() + offset, length);
+  }
+}
+
+inline void advise_sequential(const ByteSource& s) {
+  if (const auto* f = dynamic_cast<const InputFile*>(&s)) f->advise(0, f->size(), access_hint::sequential);
+}
+
+struct exec_shared {
+  const Plan& plan;
+  std::span<const std::shared_ptr<const ByteSource>> sources;
+  std::span<Sink* const> sinks;
+  const exec_options& opt;
+  std::uint64_t block = 0;
+  std::vector<exec_item> items;
+  std::vector<std::vector<std::uint32_t>> lanes;
+  exec_ledger ledger;
+  std::atomic<std::size_t> next{0};
+  std::atomic<bool> stop{false};
+  std::atomic<bool> cfr_ok{true};
+  std::mutex error_mutex;
+  std::exception_ptr error;
+  std::atomic<std::uint64_t> done{0}, in_kernel{0}, from_mapping{0}, converted{0}, compared{0};
+  std::uint64_t total = 0;
+  std::uint64_t progress_step = 1;
+  std::atomic<std::uint64_t> next_report{0};
+  std::mutex progress_mutex;
+
+  exec_shared(const Plan& p, std::span<const std::shared_ptr<const ByteSource>> s, std::span<Sink* const> k,
+              const exec_options& o)
+      : plan(p), sources(s), sinks(k), opt(o) {}
+
+  void progress(std::uint64_t n) {
+    const std::uint64_t d = done.fetch_add(n) + n;
+    if (!opt.progress) return;
+    std::uint64_t due = next_report.load();
+    if (d < due && d < total) return;
+    std::lock_guard<std::mutex> lock(progress_mutex);
+    due = next_report.load();
+    if (d < due && d < total) return;
+    next_report.store(d + progress_step);
+    opt.progress(std::min(done.load(), total), total);
+  }
+};
+
+class exec_worker {
+ public:
+  explicit exec_worker(exec_shared& s)
+      : s_(s), rbuf_(s.ledger, s.block), wbuf_(s.ledger, s.block), tmp_a_(s.ledger, tmp_size), tmp_b_(s.ledger, tmp_size) {}
+
+  void run() {
+    try {
+      for (;;) {
+        if (s_.stop.load()) return;
+        const std::size_t i = s_.next.fetch_add(1);
+        if (i >= s_.items.size()) return;
+        do_item(s_.items[i]);
+      }
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(s_.error_mutex);
+      if (!s_.error) s_.error = std::current_exception();
+      s_.stop.store(true);
+    }
+  }
+
+ private:
+  static constexpr std::uint64_t tmp_size = std::uint64_t{64} << 10;
+
+  void do_item(const exec_item& it) {
+    switch (it.what) {
+      case exec_item::kind::ops:
+        if (it.e1 > 0) {
+          do_op(s_.plan.ops[it.begin], it.e0, it.e1);
+        } else {
+          for (std::uint32_t k = it.begin; k < it.end; ++k) do_op(s_.plan.ops[k], 0, s_.plan.ops[k].elements());
+        }
+        break;
+      case exec_item::kind::lane: do_lane(s_.lanes[it.begin]); break;
+      case exec_item::kind::compare:
+        for (std::uint32_t k = it.begin; k < it.end; ++k) do_compare(s_.plan.checks[k]);
+        break;
+    }
+    flush();
+    release();
+  }
+
+  // ---- copies --------------------------------------------------------------------------------
+
+  void do_op(const CopyOp& o, std::uint64_t e0, std::uint64_t e1) {
+    const ByteSource& src = *s_.sources[o.src];
+    Sink& dst = *s_.sinks[o.dst];
+    const std::uint64_t ssz = itemsize(o.src_dtype), dsz = itemsize(o.dst_dtype);
+    for (std::uint64_t e = e0; e < e1;) {
+      const std::uint64_t r = e / o.count, w = e % o.count;
+      const std::uint64_t n = std::min(o.count - w, e1 - e);
+      run(o, src, dst, o.src_offset + r * o.src_step + w * ssz, o.dst_offset + r * o.dst_step + w * dsz, n);
+      e += n;
+    }
+  }
+
+  /// Ordered destination: all its runs in increasing destination offset.
+  void do_lane(const std::vector<std::uint32_t>& ops) {
+    std::vector<detail::Pattern> pats;
+    pats.reserve(ops.size());
+    for (std::uint32_t k : ops) {
+      const CopyOp& o = s_.plan.ops[k];
+      pats.push_back(detail::Pattern{o.dst_offset, o.count * itemsize(o.dst_dtype), o.reps, o.dst_step, k});
+    }
+    detail::for_each_run_merged(std::span<const detail::Pattern>(pats),
+                                [&](std::uint64_t start, std::uint64_t, std::uint32_t k, std::uint64_t rep) {
+                                  if (s_.stop.load()) return false;
+                                  const CopyOp& o = s_.plan.ops[k];
+                                  run(o, *s_.sources[o.src], *s_.sinks[o.dst], o.src_offset + rep * o.src_step, start, o.count);
+                                  return true;
+                                });
+  }
+
+  void run(const CopyOp& o, const ByteSource& src, Sink& dst, std::uint64_t so, std::uint64_t doff, std::uint64_t n) {
+    touch(o.src, so, n * itemsize(o.src_dtype));
+    if (o.plain())
+      plain(src, dst, so, doff, n * itemsize(o.src_dtype));
+    else
+      converted(o, src, dst, so, doff, n);
+  }
+
+  void plain(const ByteSource& src, Sink& dst, std::uint64_t so, std::uint64_t doff, std::uint64_t len) {
+    if (len >= s_.opt.copy_file_range_min && s_.opt.zero_copy && s_.cfr_ok.load() && src.fd() >= 0 && dst.fd() >= 0 &&
+        !dst.needs_bytes() && !dst.ordered()) {
+      flush();
+      const std::uint64_t k = kernel_copy(src, so, dst, doff, len);
+      s_.in_kernel.fetch_add(k);
+      s_.progress(k);
+      so += k;
+      doff += k;
+      len -= k;
+      if (len == 0) return;
+    }
+    const std::byte* map = src.data();
+    if (map && s_.opt.zero_copy && len >= s_.opt.direct_write_min) {
+      flush();
+      src.check_range(so, len);
+      dst.write(doff, std::span<const std::byte>(map + so, static_cast<std::size_t>(len)));
+      s_.from_mapping.fetch_add(len);
+      s_.progress(len);
+      return;
+    }
+    while (len) {
+      const std::uint64_t k = std::min(len, s_.block);
+      std::byte* p = reserve(dst, doff, k);
+      src.read(so, std::span<std::byte>(p, static_cast<std::size_t>(k)));
+      commit(k);
+      so += k;
+      doff += k;
+      len -= k;
+    }
+  }
+
+  void converted(const CopyOp& o, const ByteSource& src, Sink& dst, std::uint64_t so, std::uint64_t doff, std::uint64_t n) {
+    const std::uint64_t ssz = itemsize(o.src_dtype), dsz = itemsize(o.dst_dtype);
+    const std::uint64_t per = std::max<std::uint64_t>(1, s_.block / std::max(ssz, dsz));
+    const std::byte* map = src.data();
+    while (n) {
+      const std::uint64_t k = std::min(n, per);
+      const std::byte* sp;
+      if (map) {
+        src.check_range(so, k * ssz);
+        sp = map + so;
+      } else {
+        std::byte* b = rbuf_.get();
+        src.read(so, std::span<std::byte>(b, static_cast<std::size_t>(k * ssz)));
+        sp = b;
+      }
+      std::byte* dp = reserve(dst, doff, k * dsz);
+      convert(o, sp, dp, k);
+      commit(k * dsz);
+      s_.converted.fetch_add(k * dsz);
+      so += k * ssz;
+      doff += k * dsz;
+      n -= k;
+    }
+  }
+
+  /// Casts k elements along the op's chain, through the conversion buffers when it has steps.
+  void convert(const CopyOp& o, const std::byte* sp, std::byte* dp, std::uint64_t k) {
+    if (o.nvia == 0) {
+      cast_run(o.src_dtype, sp, o.dst_dtype, dp, static_cast<std::size_t>(k));
+      return;
+    }
+    dtype chain[4] = {o.src_dtype, o.via[0], o.via[1], o.dst_dtype};
+    if (o.nvia == 1) chain[2] = o.dst_dtype;
+    const std::size_t steps = static_cast<std::size_t>(o.nvia) + 1;
+    std::size_t widest = 1;
+    for (std::size_t j = 0; j <= steps; ++j) widest = std::max(widest, itemsize(chain[j]));
+    const std::uint64_t m = tmp_size / widest;
+    std::byte* tmp[2] = {tmp_a_.get(), tmp_b_.get()};
+    for (std::uint64_t i = 0; i < k; i += m) {
+      const std::uint64_t c = std::min(m, k - i);
+      const std::byte* in = sp + i * itemsize(chain[0]);
+      for (std::size_t j = 0; j < steps; ++j) {
+        std::byte* out = j + 1 == steps ? dp + i * itemsize(chain[steps]) : tmp[j % 2];
+        cast_run(chain[j], in, chain[j + 1], out, static_cast<std::size_t>(c));
+        in = out;
+      }
+    }
+  }
+
+  /// copy_file_range as far as it goes; returns the bytes copied (0 when not possible).
+  std::uint64_t kernel_copy(const ByteSource& src, std::uint64_t so, Sink& dst, std::uint64_t doff, std::uint64_t len) {
+    std::uint64_t copied = 0;
+    while (copied < len) {
+      auto in = static_cast<loff_t>(src.fd_offset() + so + copied);
+      auto out = static_cast<loff_t>(dst.fd_offset() + doff + copied);
+      const std::size_t want = static_cast<std::size_t>(std::min<std::uint64_t>(len - copied, std::uint64_t{1} << 30));
+      const ssize_t r = ::copy_file_range(src.fd(), &in, dst.fd(), &out, want, 0);
+      if (r < 0) {
+        if (errno == EINTR) continue;
+        if (errno == EXDEV || errno == EINVAL || errno == ENOSYS || errno == EOPNOTSUPP || errno == EBADF ||
+            errno == EPERM || errno == ETXTBSY) {
+          s_.cfr_ok.store(false);  // not for these files: positioned writes from now on
+          return copied;
+        }
+        throw_error(errors::copy_failed, "file " + quote(dst.name()),
+                    "copy_file_range from " + quote(src.name()) + " failed: " + detail::errno_text(errno));
+      }
+      if (r == 0) return copied;  // the source ended early: the read path reports it
+      copied += static_cast<std::uint64_t>(r);
+    }
+    return copied;
+  }
+
+  // ---- write buffer ----------------------------------------------------------------------------
+
+  std::byte* reserve(Sink& dst, std::uint64_t off, std::uint64_t len) {
+    if (acc_len_ && (acc_sink_ != &dst || acc_off_ + acc_len_ != off || acc_len_ + len > s_.block)) flush();
+    std::byte* b = wbuf_.get();
+    if (!acc_len_) {
+      acc_sink_ = &dst;
+      acc_off_ = off;
+    }
+    return b + acc_len_;
+  }
+  void commit(std::uint64_t len) noexcept { acc_len_ += len; }
+  void flush() {
+    if (!acc_len_) return;
+    const std::uint64_t n = acc_len_;
+    acc_len_ = 0;
+    acc_sink_->write(acc_off_, std::span<const std::byte>(wbuf_.get(), static_cast<std::size_t>(n)));
+    s_.progress(n);
+  }
+
+  // ---- pages of mapped sources ----------------------------------------------------------------
+
+  void touch(std::uint32_t src, std::uint64_t off, std::uint64_t len) {
+    if (!s_.opt.release_source_pages || !s_.sources[src]->data()) return;
+    if (!touched_.empty()) {
+      auto& t = touched_.back();
+      if (t.src == src && off <= t.hi && off + len >= t.lo) {
+        t.lo = std::min(t.lo, off);
+        t.hi = std::max(t.hi, off + len);
+        return;
+      }
+    }
+    if (touched_.size() >= 64) release();
+    touched_.push_back({src, off, off + len});
+  }
+  void release() {
+    for (const auto& t : touched_) release_pages(*s_.sources[t.src], t.lo, t.hi - t.lo);
+    touched_.clear();
+  }
+
+  // ---- replica checks --------------------------------------------------------------------------
+
+  const std::byte* bytes_of(const ByteSource& src, std::uint64_t off, std::uint64_t len, exec_buffer& buf) {
+    if (const std::byte* m = src.data()) {
+      src.check_range(off, len);
+      return m + off;
+    }
+    std::byte* b = buf.get();
+    src.read(off, std::span<std::byte>(b, static_cast<std::size_t>(len)));
+    return b;
+  }
+
+  void do_compare(const CompareOp& c) {
+    flush();
+    const ByteSource& a = *s_.sources[c.a];
+    const ByteSource& b = *s_.sources[c.b];
+    const std::uint64_t asz = itemsize(c.a_dtype), bsz = itemsize(c.b_dtype), lsz = itemsize(c.logical);
+    const bool same = c.a_dtype == c.b_dtype;
+    // Elements per step: both reads fit their buffer; converted values fit the conversion buffers.
+    std::uint64_t per = s_.block / std::max(asz, bsz);
+    if (!same) per = std::min(per, tmp_size / std::max<std::uint64_t>(lsz, 1));
+    per = std::max<std::uint64_t>(per, 1);
+    for (std::uint64_t r = 0; r < c.reps; ++r)
+      for (std::uint64_t e = 0; e < c.count;) {
+        const std::uint64_t k = std::min(per, c.count - e);
+        const std::uint64_t ao = c.a_offset + r * c.a_step + e * asz, bo = c.b_offset + r * c.b_step + e * bsz;
+        touch(c.a, ao, k * asz);
+        touch(c.b, bo, k * bsz);
+        const std::byte* pa = bytes_of(a, ao, k * asz, rbuf_);
+        const std::byte* pb = bytes_of(b, bo, k * bsz, wbuf_);
+        const std::byte* qa = pa;
+        const std::byte* qb = pb;
+        std::uint64_t isz = asz;
+        if (!same) {
+          cast_run(c.a_dtype, pa, c.logical, tmp_a_.get(), static_cast<std::size_t>(k));
+          cast_run(c.b_dtype, pb, c.logical, tmp_b_.get(), static_cast<std::size_t>(k));
+          qa = tmp_a_.get();
+          qb = tmp_b_.get();
+          isz = lsz;
+        }
+        if (std::memcmp(qa, qb, static_cast<std::size_t>(k * isz)) != 0) {
+          std::uint64_t j = 0;
+          while (std::memcmp(qa + j * isz, qb + j * isz, static_cast<std::size_t>(isz)) == 0) ++j;
+          throw_error(errors::replica_mismatch, "tensor " + quote(s_.plan.tensors[c.tensor].name),
+                      "replicas differ: " + detail::where_in(s_.plan.source_names, c.a, ao + j * asz) + " and " +
+                          detail::where_in(s_.plan.source_names, c.b, bo + j * bsz) +
+                          " (in the block of the tensor that starts at element " + to_string(c.first_index) + ")");
+        }
+        s_.compared.fetch_add(k);
+        e += k;
+      }
+  }
+
+  struct range {
+    std::uint32_t src;
+    std::uint64_t lo, hi;
+  };
+
+  exec_shared& s_;
+  exec_buffer rbuf_, wbuf_, tmp_a_, tmp_b_;
+  Sink* acc_sink_ = nullptr;
+  std::uint64_t acc_off_ = 0, acc_len_ = 0;
+  std::vector<range> touched_;
+};
+
+}  // namespace detail
+
+/// Runs `plan`: reads from `sources` (the checkpoint's byte sources, as planned) and writes into
+/// `sinks` (one per destination; null for destinations this plan does not write, e.g. another
+/// part's). Sinks get reserve(size) before and finish() after. Throws on the first error; what was
+/// written by then is garbage to be discarded (uncommitted OutputFiles remove themselves).
+inline exec_stats execute(const Plan& plan, std::span<const std::shared_ptr<const ByteSource>> sources,
+                          std::span<Sink* const> sinks, const exec_options& opt = {}) {
+  if (sources.size() != plan.source_sizes.size())
+    throw_error(errors::source_mismatch, "plan", "planned for " + std::to_string(plan.source_sizes.size()) +
+                                                     " byte sources, given " + std::to_string(sources.size()));
+  for (std::size_t i = 0; i < sources.size(); ++i)
+    if (!sources[i] || sources[i]->size() != plan.source_sizes[i])
+      throw_error(errors::source_mismatch, "source " + quote(plan.source_names[i]),
+                  "is missing or changed size since the plan was made");
+  if (sinks.size() != plan.destination_names.size())
+    throw_error(errors::sink_missing, "plan", "has " + std::to_string(plan.destination_names.size()) +
+                                                  " destinations, given " + std::to_string(sinks.size()) + " sinks");
+  for (const CopyOp& o : plan.ops)
+    if (!sinks[o.dst])
+      throw_error(errors::sink_missing, "destination " + quote(plan.destination_names[o.dst]), "has no sink");
+
+  detail::exec_shared s(plan, sources, sinks, opt);
+  // Threads and block size from the budget.
+  unsigned threads = opt.threads ? opt.threads : std::max(1U, std::thread::hardware_concurrency());
+  constexpr std::uint64_t min_block = std::uint64_t{64} << 10;
+  constexpr std::uint64_t tmp_bytes = std::uint64_t{128} << 10;
+  auto block_for = [&](unsigned t) -> std::uint64_t {
+    const std::uint64_t per = opt.memory_budget / t;
+    if (per <= tmp_bytes) return 0;
+    return std::min((per - tmp_bytes) / 2, opt.max_block) / 4096 * 4096;
+  };
+  while (threads > 1 && block_for(threads) < min_block) --threads;
+  s.block = block_for(threads);
+  {  // no bigger than the largest operation needs
+    std::uint64_t need = min_block;
+    for (const CopyOp& o : plan.ops)
+      need = std::max(need, o.elements() * std::max(itemsize(o.src_dtype), itemsize(o.dst_dtype)));
+    for (const CompareOp& c : plan.checks)
+      need = std::max(need, c.count * std::max(itemsize(c.a_dtype), itemsize(c.b_dtype)));
+    if (need < s.block) s.block = std::max(min_block, (need + 4095) / 4096 * 4096);
+  }
+  if (s.block < min_block)
+    throw_error(errors::budget_too_small, "memory budget of " + std::to_string(opt.memory_budget) +
+                                              " bytes is below the minimum of " +
+                                              std::to_string(2 * min_block + tmp_bytes) + " bytes");
+
+  // Work items: replica checks first, then ordered lanes, then the copies in plan order.
+  for (std::uint32_t k = 0; k < plan.checks.size(); ++k)
+    s.items.push_back(detail::exec_item{detail::exec_item::kind::compare, k, k + 1, 0, 0});
+  std::vector<int> lane_of(sinks.size(), -1);
+  for (std::uint32_t k = 0; k < plan.ops.size(); ++k) {
+    const std::uint32_t d = plan.ops[k].dst;
+    if (!sinks[d]->ordered()) continue;
+    if (lane_of[d] < 0) {
+      lane_of[d] = static_cast<int>(s.lanes.size());
+      s.lanes.emplace_back();
+      s.items.push_back(detail::exec_item{detail::exec_item::kind::lane, static_cast<std::uint32_t>(s.lanes.size() - 1), 0, 0, 0});
+    }
+    s.lanes[static_cast<std::size_t>(lane_of[d])].push_back(k);
+  }
+  {
+    std::uint32_t batch_begin = 0, batch_end = 0;
+    std::uint64_t batch_bytes = 0;
+    auto close_batch = [&] {
+      if (batch_end > batch_begin) s.items.push_back(detail::exec_item{detail::exec_item::kind::ops, batch_begin, batch_end, 0, 0});
+      batch_bytes = 0;
+    };
+    for (std::uint32_t k = 0; k < plan.ops.size(); ++k) {
+      const CopyOp& o = plan.ops[k];
+      if (sinks[o.dst]->ordered()) continue;
+      const std::uint64_t per_elem = std::max(itemsize(o.src_dtype), itemsize(o.dst_dtype));
+      const std::uint64_t bytes = o.elements() * per_elem;
+      if (bytes > s.block) {
+        close_batch();
+        batch_begin = batch_end = k + 1;
+        const std::uint64_t step = std::max<std::uint64_t>(1, s.block / per_elem);
+        for (std::uint64_t e = 0; e < o.elements(); e += step)
+          s.items.push_back(detail::exec_item{detail::exec_item::kind::ops, k, k + 1, e, std::min(o.elements(), e + step)});
+        continue;
+      }
+      if (batch_bytes + bytes > s.block || batch_end != k) {
+        close_batch();
+        batch_begin = k;
+      }
+      batch_end = k + 1;
+      batch_bytes += bytes;
+    }
+    close_batch();
+  }
+
+  for (std::size_t d = 0; d < sinks.size(); ++d)
+    if (sinks[d]) sinks[d]->reserve(plan.destination_sizes[d]);
+  if (opt.release_source_pages)
+    for (const auto& src : sources) detail::advise_sequential(*src);
+
+  s.total = plan.bytes();
+  s.progress_step = std::max<std::uint64_t>(s.total / 1000, 1);
+  threads = static_cast<unsigned>(std::min<std::size_t>(threads, std::max<std::size_t>(s.items.size(), 1)));
+  {
+    std::vector<std::unique_ptr<detail::exec_worker>> workers;
+    for (unsigned t = 0; t < threads; ++t) workers.push_back(std::make_unique<detail::exec_worker>(s));
+    std::vector<std::thread> pool;
+    for (unsigned t = 1; t < threads; ++t) pool.emplace_back([&, t] { workers[t]->run(); });
+    workers[0]->run();
+    for (auto& th : pool) th.join();
+  }
+  if (s.error) std::rethrow_exception(s.error);
+  for (std::size_t d = 0; d < sinks.size(); ++d)
+    if (sinks[d]) sinks[d]->finish();
+  if (opt.progress) opt.progress(s.total, s.total);
+
+  exec_stats st;
+  st.bytes_written = s.done.load();
+  st.bytes_in_kernel = s.in_kernel.load();
+  st.bytes_from_mapping = s.from_mapping.load();
+  st.bytes_converted = s.converted.load();
+  st.elements_compared = s.compared.load();
+  st.buffer_bytes = s.ledger.peak();
+  st.block_bytes = s.block;
+  st.work_items = s.items.size();
+  st.threads = threads;
+  return st;
+}
+
+/// execute() with the sources of the checkpoint the plan was made from.
+inline exec_stats execute(const Plan& plan, const ShardedCheckpoint& src, std::span<Sink* const> sinks,
+                          const exec_options& opt = {}) {
+  return execute(plan, std::span<const std::shared_ptr<const ByteSource>>(src.sources), sinks, opt);
+}
+
+}  // namespace statedict::inline v0

@@ -1,0 +1,319 @@
+// The executor (exec/executor.hpp) with real files: output bytes identical for 1..4 threads and any
+// budget, the zero-copy paths taken, the executor's own buffers within the budget, casts from
+// mapped and pread sources, CRC-32 / SHA-256 sinks, progress, errors.
+#include <doctest/doctest.h>
+
+#include <statedict/exec/digest.hpp>
+#include <statedict/exec/executor.hpp>
+#include <statedict/io/file.hpp>
+#include <statedict/shard/layout.hpp>
+
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+using namespace statedict;
+namespace fs = std::filesystem;
+
+namespace {
+
+using bytes = std::vector<std::byte>;
+
+fs::path scratch(const std::string& name) {
+  const fs::path dir = fs::path(STATEDICT_TEST_TMP) / "unit-executor" / name;
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+fs::path existing(const std::string& name) { return fs::path(STATEDICT_TEST_TMP) / "unit-executor" / name; }
+
+bytes read_file(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  std::vector<char> c((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  bytes b(c.size());
+  if (!c.empty()) std::memcpy(b.data(), c.data(), c.size());
+  return b;
+}
+
+/// Writes `dst` as files in `dir` (one per destination), from `src`.
+exec_stats write_files(const ShardedCheckpoint& src, const Destination& dst, const fs::path& dir, const exec_options& opt,
+                       const plan_options& popt = {}) {
+  const Plan plan = make_plan(src, dst, popt);
+  std::vector<OutputFile> files;
+  std::vector<std::unique_ptr<FileSink>> sinks;
+  std::vector<Sink*> ptrs;
+  files.reserve(dst.names.size());
+  for (const auto& n : dst.names) {
+    files.push_back(OutputFile::create(dir / n));
+    sinks.push_back(std::make_unique<FileSink>(files.back()));
+    ptrs.push_back(sinks.back().get());
+  }
+  const exec_stats st = execute(plan, src, ptrs, opt);
+  for (auto& f : files) f.commit();
+  return st;
+}
+
+ShardedCheckpoint open_files(const Destination& d, const fs::path& dir, read_mode mode) {
+  std::vector<std::shared_ptr<const ByteSource>> srcs;
+  for (const auto& n : d.names) srcs.push_back(InputFile::open(dir / n, mode));
+  return layout::as_checkpoint(d, std::move(srcs));
+}
+
+struct Model {
+  std::vector<TensorInfo> tensors;
+  bytes data;  // consolidated, layout::single(tensors)
+  ShardedCheckpoint checkpoint() const {
+    return layout::as_checkpoint(layout::single(tensors, "original"), {MemorySource::copy_of("original", data)});
+  }
+};
+
+Model make_model(std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  Model m;
+  m.tensors = {{"embed", dtype::F32, {1000, 384}, {}},  // 1.5 MB: large runs
+               {"w1", dtype::F32, {384, 700}, {}},
+               {"b1", dtype::F32, {700}, {}},
+               {"w2", dtype::BF16, {700, 96}, {}},
+               {"norm", dtype::F32, {}, {}},
+               {"tiny", dtype::F32, {3}, {}}};
+  const auto one = layout::single(m.tensors, "x");
+  m.data.resize(static_cast<std::size_t>(one.sizes[0]));
+  for (auto& b : m.data) b = static_cast<std::byte>(rng());
+  return m;
+}
+
+int error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const error& e) {
+    return e.id();
+  }
+  return 0;
+}
+
+}  // namespace
+
+TEST_CASE("resharding real files gives identical bytes for 1..4 threads and any budget") {
+  const Model m = make_model(1);
+  const std::vector<std::vector<std::size_t>> groups{{0, 1, 2, 4, 5}, {3}};
+  // 8 ZeRO-3 ranks on disk.
+  const Destination z8 = layout::zero3(m.tensors, groups, 8);
+  const fs::path d8 = scratch("z8");
+  exec_options opt;
+  (void)write_files(m.checkpoint(), z8, d8, opt);
+  // Reshard to 3 chunked ranks with every thread count and a few budgets.
+  std::vector<int> dims{0, 1, 0, 1, -1, -1};
+  const Destination c3 = layout::chunked(m.tensors, dims, 3);
+  std::vector<bytes> reference;
+  for (read_mode mode : {read_mode::mmap, read_mode::pread})
+    for (unsigned threads = 1; threads <= 4; ++threads)
+      for (std::uint64_t budget : {std::uint64_t{1} << 19, std::uint64_t{4} << 20, default_memory_budget}) {
+        CAPTURE(threads);
+        CAPTURE(budget);
+        const fs::path out = scratch("c3");
+        opt.threads = threads;
+        opt.memory_budget = budget;
+        const exec_stats st = write_files(open_files(z8, d8, mode), c3, out, opt);
+        CHECK(st.buffer_bytes <= budget);
+        CHECK(st.bytes_written == make_plan(open_files(z8, d8, mode), c3).bytes());
+        std::vector<bytes> got;
+        for (const auto& n : c3.names) got.push_back(read_file(out / n));
+        if (reference.empty()) reference = got;
+        CHECK(got == reference);
+      }
+  // And from those 3 files back to one: the original bytes.
+  const fs::path back = scratch("back");
+  opt.threads = 2;
+  (void)write_files(open_files(c3, existing("c3"), read_mode::mmap), layout::single(m.tensors, "one"), back, opt);
+  CHECK(read_file(back / "one") == m.data);
+}
+
+TEST_CASE("zero-copy paths: copy_file_range and writes from the mapping") {
+  const Model m = make_model(2);
+  const fs::path d1 = scratch("one");
+  exec_options opt;
+  (void)write_files(m.checkpoint(), layout::single(m.tensors, "one"), d1, opt);
+  const Destination one = layout::single(m.tensors, "one");
+  // 2 ranks along dim 0: each rank's part of `embed` is a 768 KB run; with a 256 KB threshold
+  // copy_file_range takes them (or, on a filesystem that refuses, positioned writes do).
+  std::vector<int> dims{0, 0, 0, 0, -1, -1};
+  const Destination c2 = layout::chunked(m.tensors, dims, 2);
+  opt.copy_file_range_min = 256 << 10;
+  opt.threads = 2;
+  const exec_stats st = write_files(open_files(one, d1, read_mode::mmap), c2, scratch("c2"), opt);
+  CHECK(st.bytes_in_kernel + st.bytes_from_mapping > 0);
+  CHECK(st.bytes_converted == 0);
+  // Without zero copy, through the buffers: the same bytes.
+  exec_options slow;
+  slow.zero_copy = false;
+  slow.memory_budget = 1 << 20;
+  const exec_stats st2 = write_files(open_files(one, d1, read_mode::mmap), c2, scratch("c2slow"), slow);
+  CHECK(st2.bytes_in_kernel == 0);
+  CHECK(st2.bytes_from_mapping == 0);
+  for (const auto& n : c2.names) CHECK(read_file(existing("c2") / n) == read_file(existing("c2slow") / n));
+}
+
+TEST_CASE("memory budget: the executor's buffers never exceed it") {
+  const Model m = make_model(3);
+  const auto src = m.checkpoint();
+  std::vector<TensorInfo> bf = m.tensors;
+  for (auto& t : bf) t.dtype = dtype::BF16;  // a cast everywhere: the buffers are used
+  for (std::uint64_t budget : {std::uint64_t{300} << 10, std::uint64_t{1} << 20, std::uint64_t{16} << 20})
+    for (unsigned threads : {1U, 3U, 8U}) {
+      const Plan plan = make_plan(src, layout::single(bf, "bf16", 1));
+      MemorySink sink("bf16");
+      Sink* p[] = {&sink};
+      exec_options opt;
+      opt.memory_budget = budget;
+      opt.threads = threads;
+      const exec_stats st = execute(plan, src, p, opt);
+      CHECK(st.buffer_bytes <= budget);
+      CHECK(st.buffer_bytes > 0);
+      CHECK(st.bytes_converted > 0);
+    }
+  MemorySink sink("x");
+  Sink* p[] = {&sink};
+  exec_options tiny;
+  tiny.memory_budget = 100 << 10;
+  CHECK(error_of([&] { execute(make_plan(src, layout::single(m.tensors, "x")), src, p, tiny); }) ==
+        errors::budget_too_small.id);
+}
+
+TEST_CASE("casts from pread sources equal cast_run") {
+  const Model m = make_model(4);
+  const fs::path d1 = scratch("cast");
+  exec_options opt;
+  (void)write_files(m.checkpoint(), layout::single(m.tensors, "one"), d1, opt);
+  std::vector<TensorInfo> f16{m.tensors[0], m.tensors[1]};
+  for (auto& t : f16) t.dtype = dtype::F16;
+  for (read_mode mode : {read_mode::mmap, read_mode::pread}) {
+    const auto src = open_files(layout::single(m.tensors, "one"), d1, mode);
+    const Plan plan = make_plan(src, layout::single(f16, "half"));
+    MemorySink sink("half");
+    Sink* p[] = {&sink};
+    exec_options small;
+    small.memory_budget = 512 << 10;
+    small.threads = 2;
+    execute(plan, src, p, small);
+    const std::size_t n = 1000 * 384 + 384 * 700;
+    bytes want(2 * n);
+    cast_run(dtype::F32, m.data.data(), dtype::F16, want.data(), n);
+    CHECK(bytes(sink.bytes().begin(), sink.bytes().end()) == want);
+  }
+}
+
+TEST_CASE("hashing sinks: CRC-32 of regions in any order, SHA-256 in order") {
+  const Model m = make_model(5);
+  const auto src = m.checkpoint();
+  // Column shards on 4 ranks, consolidated into a file whose records' CRCs are tracked.
+  std::vector<int> cols{1, 1, 0, 1, -1, -1};
+  const Destination c4 = layout::chunked(m.tensors, cols, 4);
+  std::vector<bytes> ranks;
+  std::vector<std::shared_ptr<const ByteSource>> rank_src;
+  {
+    const Plan plan = make_plan(src, c4);
+    std::vector<std::unique_ptr<MemorySink>> sinks;
+    std::vector<Sink*> ptrs;
+    for (const auto& n : c4.names) {
+      sinks.push_back(std::make_unique<MemorySink>(n));
+      ptrs.push_back(sinks.back().get());
+    }
+    execute(plan, src, ptrs);
+    for (auto& s : sinks) rank_src.push_back(MemorySource::copy_of(s->name(), s->bytes()));
+  }
+  const auto sharded = layout::as_checkpoint(c4, rank_src);
+  const Destination one = layout::single(m.tensors, "one.bin", 64);
+  const Plan plan = make_plan(sharded, one);
+  const fs::path dir = scratch("crc");
+  for (unsigned threads : {1U, 4U}) {
+    OutputFile f = OutputFile::create(dir / "one.bin");
+    FileSink sink(f, 100);  // after a 100-byte "header"
+    std::vector<FlatRange> regions;
+    for (const auto& t : one.tensors) {
+      const auto off = t.chunks[0].at.byte_offset;
+      regions.push_back(FlatRange{off, off + byte_size(t.shape, itemsize(t.dtype))});
+    }
+    sink.track_crc32(regions);
+    Sink* p[] = {&sink};
+    exec_options opt;
+    opt.threads = threads;
+    opt.memory_budget = 1 << 20;
+    execute(plan, sharded, p, opt);
+    f.commit();
+    const bytes file = read_file(dir / "one.bin");
+    CHECK(file.size() == 100 + one.sizes[0]);
+    for (std::size_t i = 0; i < regions.size(); ++i) {
+      const auto r = regions[i];
+      CHECK(sink.crc32(i) == zip::crc32(std::span<const std::byte>(file.data() + 100 + r.begin, r.size())));
+    }
+    CHECK(std::equal(file.begin() + 100 + static_cast<std::ptrdiff_t>(regions[1].begin),
+                     file.begin() + 100 + static_cast<std::ptrdiff_t>(regions[1].end),
+                     m.data.begin() + 1000 * 384 * 4));
+  }
+  // Whole-destination CRC-32 and SHA-256 (the latter written in order from one thread).
+  Crc32Sink crc("crc");
+  Sha256Sink sha("sha");
+  Sink* p2[] = {&crc};
+  Sink* p3[] = {&sha};
+  const Plan tight = make_plan(sharded, layout::single(m.tensors, "one"));
+  exec_options opt;
+  opt.threads = 3;
+  execute(tight, sharded, p2, opt);
+  execute(tight, sharded, p3, opt);
+  CHECK(crc.crc32() == zip::crc32(m.data));
+  CHECK(sha.hex() == sha256_hex(std::span<const std::byte>(m.data)));
+  // Per tensor, as inspect --hash prints: equal to hashing the consolidated views.
+  const auto digests = sha256_tensors(sharded, opt);
+  REQUIRE(digests.size() == m.tensors.size());
+  std::uint64_t off = 0;
+  for (std::size_t i = 0; i < m.tensors.size(); ++i) {
+    const auto& t = m.tensors[i];
+    const auto view = TensorView::contiguous(t.dtype, t.shape, m.data.data() + off);
+    CHECK(digests[i].first == t.name);
+    CHECK(digests[i].second == sha256_hex(view));
+    off += byte_size(t.shape, itemsize(t.dtype));
+  }
+  CHECK(error_of([&] {
+          Sha256Sink s;
+          s.write(10, std::as_bytes(std::span<const char>("abc", 3)));
+          s.write(5, std::as_bytes(std::span<const char>("abc", 3)));
+        }) == errors::unordered_write.id);
+}
+
+TEST_CASE("progress, padding and usage errors") {
+  const Model m = make_model(6);
+  const auto src = m.checkpoint();
+  // FSDP ranks with trailing padding: the files have their full size.
+  const std::vector<std::vector<std::size_t>> groups{{0, 1, 2, 4, 5}};
+  std::vector<TensorInfo> f32;
+  for (std::size_t i : groups[0]) f32.push_back(m.tensors[i]);
+  const Destination fs7 = layout::fsdp(f32, std::vector<std::vector<std::size_t>>{{0, 1, 2, 3, 4}}, 7, true);
+  const fs::path dir = scratch("fsdp");
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> calls;
+  exec_options opt;
+  opt.threads = 3;
+  opt.progress = [&](std::uint64_t done, std::uint64_t total) { calls.emplace_back(done, total); };
+  (void)write_files(src, fs7, dir, opt);
+  for (std::size_t r = 0; r < 7; ++r) CHECK(fs::file_size(dir / fs7.names[r]) == fs7.sizes[r]);
+  REQUIRE(!calls.empty());
+  for (std::size_t i = 1; i < calls.size(); ++i) CHECK(calls[i].first >= calls[i - 1].first);
+  CHECK(calls.back().first == calls.back().second);
+  CHECK(calls.size() < 2100);
+
+  const Plan plan = make_plan(src, layout::single(m.tensors, "x"));
+  MemorySink sink("x");
+  Sink* p[] = {&sink};
+  std::vector<std::shared_ptr<const ByteSource>> none;
+  CHECK(error_of([&] { execute(plan, none, p); }) == errors::source_mismatch.id);
+  std::vector<std::shared_ptr<const ByteSource>> shorter{MemorySource::copy_of("original", std::span(m.data).first(10))};
+  CHECK(error_of([&] { execute(plan, shorter, p); }) == errors::source_mismatch.id);
+  Sink* nul[] = {nullptr};
+  CHECK(error_of([&] { execute(plan, src, nul); }) == errors::sink_missing.id);
+  CHECK(error_of([&] { execute(plan, src, std::span<Sink* const>()); }) == errors::sink_missing.id);
+  MemorySink small("small", 10);
+  CHECK(error_of([&] { small.write(8, std::span(m.data).first(4)); }) == errors::sink_overflow.id);
+}
