@@ -106,8 +106,11 @@ class Ctx:
         name = f"zero-{gib:g}g-ws{self.args.zero_ranks}"
         return os.path.join(self.data, name), os.path.join(self.data, name + ".reference.safetensors")
 
+    def pt_dir(self):
+        return os.path.join(self.data, f"pt-{self.args.pt_gib:g}g-{self.args.pt_tensors}")
+
     def pt(self):
-        d = os.path.join(self.data, "pt")
+        d = self.pt_dir()
         return os.path.join(d, "model.pt"), os.path.join(d, "model.safetensors")
 
 
@@ -141,7 +144,7 @@ def generate(ctx, selected):
     args = ctx.args
     jobs = []
     if {"B2", "B3"} & selected:
-        jobs.append([PY, os.path.join(HERE, "gen", "gen_pt.py"), os.path.join(ctx.data, "pt"),
+        jobs.append([PY, os.path.join(HERE, "gen", "gen_pt.py"), ctx.pt_dir(),
                      "--gib", str(args.pt_gib), "--tensors", str(args.pt_tensors)])
     sizes = []
     if {"B1", "B4"} & selected:

@@ -60,6 +60,25 @@ def inspect_json_matches(ref_st):
     return check
 
 
+def dcp_equal(ctx, ref):
+    """Load the DCP output with PyTorch 1.13's own DCP reader on 3 gloo ranks
+    (tests/python/dcp_load_check.py) and compare every tensor with the reference's manifest."""
+    def check(peer, _stdout):
+        man = ref[:-len(".safetensors")] + ".manifest.json"
+        if not os.path.exists(man) or os.path.getmtime(man) < os.path.getmtime(ref):
+            with open(man + ".tmp", "w") as f:
+                json.dump(stcheck.manifest(ref), f)
+            os.replace(man + ".tmp", man)
+        ctx.log("    checking the DCP output with tests/python/dcp_load_check.py (torch 1.13, 3 gloo ranks)")
+        p = subprocess.run([PY, os.path.join(ctx.repo, "tests", "python", "dcp_load_check.py"), peer.output, man, "3"],
+                           capture_output=True, text=True, timeout=ctx.args.timeout)
+        if p.returncode == 0:
+            return None
+        lines = (p.stdout + p.stderr).strip().splitlines()
+        return f"dcp_load_check exit {p.returncode}: " + " | ".join(lines[-3:])
+    return check
+
+
 def _ratio_verdict(results, limit, cond="warm", anon_cap_mib=None):
     tool = next((r for r in results if r["kind"] == "statedict"), None)
     cp = next((r for r in results if r["kind"] == "limit"), None)
@@ -208,7 +227,7 @@ def b4(ctx, runner):
 
     peers = [
         Peer("statedict", [sd, "convert", root, out_sd, "--to", "dcp", "--world-size", "3"], kind="statedict",
-             inputs=[root], output=out_sd, binary=sd, after_warmup=keep_output),
+             inputs=[root], output=out_sd, binary=sd, after_warmup=keep_output, validate=dcp_equal(ctx, ref)),
         Peer("cp of the output bytes", lambda: cp_argv(cp_source(), out_cp), kind="limit",
              inputs=lambda: [cp_source()], output=out_cp),
     ]

@@ -47,3 +47,27 @@ def same_tensors(a, b, chunk=64 << 20):
                 if isinstance(m, mmap.mmap):
                     m.close()
     return None
+
+
+def manifest(path):
+    """The tests' manifest convention for the tensors of a safetensors file:
+    {"format", "tensors": {NAME: {"dtype", "shape", "sha256"}}, "values": {}, "aliases": {}}, where
+    sha256 covers the elements row-major, little-endian, no padding (= the safetensors bytes)."""
+    import hashlib
+    hdr, off = header(path)
+    tensors = {}
+    with open(path, "rb") as f:
+        for name in sorted(hdr, key=lambda n: hdr[n]["data_offsets"][0]):
+            e = hdr[name]
+            s, z = e["data_offsets"]
+            f.seek(off + s)
+            h = hashlib.sha256()
+            left = z - s
+            while left:
+                b = f.read(min(left, 64 << 20))
+                if not b:
+                    raise ValueError(f"{path}: truncated in {name!r}")
+                h.update(b)
+                left -= len(b)
+            tensors[name] = {"dtype": e["dtype"], "shape": list(e["shape"]), "sha256": h.hexdigest()}
+    return {"format": "safetensors", "tensors": tensors, "values": {}, "aliases": {}}
