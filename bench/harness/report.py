@@ -98,10 +98,10 @@ def write(doc, path, chart_rel):
         L.append(f"Target: {c['target']}. Result: **{c['verdict']}**: {c['detail']}.\n")
         if cid == "B5":
             if c.get("gbench"):
-                L.append("| benchmark | median real time |")
-                L.append("|---|---|")
+                L.append("| benchmark | median CPU time | median real time |")
+                L.append("|---|---|---|")
                 for n, v in c["gbench"].items():
-                    L.append(f"| {n} | {t(v)} |")
+                    L.append(f"| {n} | {t(v['cpu'])} | {t(v['real'])} |")
                 L.append("")
             continue
         if cid == "B6":
@@ -118,6 +118,12 @@ def write(doc, path, chart_rel):
                              f"| {f['anon_min_mib']:.0f} .. {f['anon_max_mib']:.0f} MiB |")
                 L.append("")
             continue
+        bgs = [run.get("background_cores", 0.0) for r in c["results"] for cond, runs in r["runs"].items()
+               if cond != "warm-up" for run in runs]
+        if bgs and sorted(bgs)[len(bgs) // 2] > 0.5:
+            L.append(f"**Noisy**: other processes kept a median of {sorted(bgs)[len(bgs) // 2]:.1f} of "
+                     f"{doc['machine']['cores']} CPUs busy during these runs; wall times are inflated (compare the "
+                     "CPU times, and rerun on a quiet machine).\n")
         L.append(peer_table(c["results"]))
         notes = [f"- {r['name']}: {r['note']}" for r in c["results"] if r.get("note")]
         if notes:
