@@ -27,3 +27,4 @@
 #include "exec/executor.hpp"
 #include "exec/digest.hpp"
 #include "core/visit.hpp"
+#include "core/flatten.hpp"

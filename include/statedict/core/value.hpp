@@ -123,6 +123,9 @@ class Dict {
   Value& set(Key k, Value v);
   /// Appends; throws errors::duplicate_key when k exists.
   Value& insert(Key k, Value v);
+  /// Appends without looking k up, for callers that have ruled out duplicates themselves (a
+  /// reader checking keys its own way); a key appended twice breaks the dict.
+  Value& append_unchecked(Key k, Value v);
   /// d.setdefault(k, None)
   Value& operator[](const Key& k);
   /// Removes k (keeping the order of the rest); returns whether it was there.
@@ -363,6 +366,11 @@ inline Value& Dict::set(Key k, Value v) {
 }
 inline Value& Dict::insert(Key k, Value v) {
   if (find(k)) throw_error(errors::duplicate_key, "key " + (k.is_int() ? k.str() : quote(k.str())) + " already present");
+  items_.emplace_back(std::move(k), std::move(v));
+  index_new_last();
+  return items_.back().second;
+}
+inline Value& Dict::append_unchecked(Key k, Value v) {
   items_.emplace_back(std::move(k), std::move(v));
   index_new_last();
   return items_.back().second;
