@@ -28,3 +28,4 @@
 #include "exec/digest.hpp"
 #include "core/visit.hpp"
 #include "core/flatten.hpp"
+#include "core/optim.hpp"
