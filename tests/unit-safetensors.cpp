@@ -644,3 +644,100 @@ TEST_CASE("a failed write leaves no file behind") {
   for (const auto& e : fs::directory_iterator(tmp_dir()))
     CHECK_MESSAGE(e.path().filename().string().find(".failed.safetensors.statedict-") == std::string::npos, e.path());
 }
+
+// ---------------------------------------------------------------------------------------------
+// Whole states (core/flatten.hpp)
+
+namespace {
+/// A training checkpoint: model with tied embeddings, optimizer with int keys, scalars, strings.
+Value training_state(std::vector<Tensor>& keep) {
+  keep.push_back(Tensor::from<float>({1, 2, 3, 4, 5, 6}, {3, 2}));
+  keep.push_back(Tensor::from<float>({0.5F, -0.5F}, {2}));
+  keep.push_back(Tensor::from<float>({0.1F, 0.2F, 0.3F, 0.4F, 0.5F, 0.6F}, {3, 2}));
+  keep.push_back(Tensor::from<std::int64_t>({42}, {}));
+  Dict model;
+  model.insert("embed.weight", keep[0]);
+  model.insert("norm.bias", keep[1]);
+  model.insert("lm_head.weight", keep[0]);  // tied
+  Dict st0;
+  st0.insert("step", keep[3]);
+  st0.insert("exp_avg", keep[2]);
+  Dict state;
+  state.insert(0, Value(std::move(st0)));
+  Dict group;
+  group.insert("lr", 1e-3);
+  group.insert("betas", Value::tuple({0.9, 0.95}));
+  group.insert("params", Value::list({0, 1}));
+  Dict optim;
+  optim.insert("state", Value(std::move(state)));
+  optim.insert("param_groups", Value::list({Value(std::move(group))}));
+  Dict root;
+  root.insert("model", Value(std::move(model)));
+  root.insert("optim", Value(std::move(optim)));
+  root.insert("epoch", 5);
+  root.insert("run", "baseline \xce\xb1");
+  root.insert("note", Value());
+  return Value(std::move(root));
+}
+}  // namespace
+
+TEST_CASE("a full nested state round-trips through one file, ties and user metadata intact") {
+  std::vector<Tensor> keep;
+  const Value state = training_state(keep);
+  const fs::path p = tmp_dir() / "state.safetensors";
+  st::write_options o;
+  o.metadata = std::map<std::string, std::string>{{"format", "pt"}};
+  st::write_result r = st::write_state(p, state, o);
+  CHECK(r.specs.size() == 4);  // the tied head is not stored twice
+  st::File f = st::File::open(p);
+  CHECK(f.metadata() == std::map<std::string, std::string>{{"format", "pt"}});
+  CHECK_FALSE(f.skeleton().is_null());
+  CHECK(f.describe().skeleton == f.skeleton());
+  for (const auto mode : {read_mode::mmap, read_mode::pread}) {
+    const Value back = st::read_state(st::File::open(p, {mode, {}}));
+    CHECK(back == state);
+    if (mode == read_mode::mmap)
+      CHECK(back["model"]["lm_head.weight"].as_tensor().data() == back["model"]["embed.weight"].as_tensor().data());
+  }
+  // The file is still a valid plain safetensors file for any other reader.
+  CHECK(f.size() == 4);
+}
+
+TEST_CASE("a cast state keeps a consistent skeleton; integer tensors are untouched") {
+  std::vector<Tensor> keep;
+  const Value state = training_state(keep);
+  const fs::path p = tmp_dir() / "state-bf16.safetensors";
+  st::write_options o;
+  o.cast = dtype::BF16;
+  st::write_state(p, state, o);
+  const Value back = st::read_state(st::File::open(p));
+  CHECK(back["model"]["embed.weight"].as_tensor().dtype() == dtype::BF16);
+  CHECK(equal_bytes(back["model"]["embed.weight"].as_tensor(), contiguous(keep[0].view(), dtype::BF16).view()));
+  CHECK(back["optim"]["state"][0]["step"].as_tensor().dtype() == dtype::I64);
+  CHECK(back["optim"]["param_groups"].at(0)["lr"] == Value(1e-3));
+  CHECK(back["run"] == Value("baseline \xce\xb1"));
+}
+
+TEST_CASE("a plain dict is written as a plain file and reads back as a flat dict") {
+  Tensor a = Tensor::from<float>({1, 2}, {2});
+  Tensor b = Tensor::from<std::int32_t>({3}, {1});
+  Dict d;
+  d.insert("b", b);
+  d.insert("a", a);
+  d.insert("a_tied", a);
+  const fs::path p = tmp_dir() / "plain.safetensors";
+  st::write_state(p, Value(d));
+  st::File f = st::File::open(p);
+  CHECK(f.skeleton().is_null());
+  CHECK(f.aliases().size() == 1);
+  const Value back = st::read_state(f);
+  CHECK(back.as_dict().size() == 3);
+  CHECK(back["a_tied"] == Value(a));
+  CHECK(back["b"] == Value(b));
+  // A file from another writer (no statedict metadata) is a flat dict in file order.
+  st::write_options o;
+  o.dedupe_views = false;
+  st::write(p, std::vector<st::Input>{st::Input::of("z", a.view()), st::Input::of("y", a.view())}, o);
+  const Value plain = st::read_state(st::File::open(p));
+  CHECK(plain.as_dict().items()[0].first == Key("y"));
+}

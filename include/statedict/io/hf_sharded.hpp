@@ -308,6 +308,7 @@ inline write_result write_sharded(const std::filesystem::path& dir, std::span<co
   base.cast = opt.cast;
   base.aliases = opt.aliases;
   base.dedupe_views = opt.dedupe_views;
+  base.skeleton = opt.skeleton;  // (a skeleton turns deduplication off: its alias nodes record ties)
   // Dedupe and cast once over the whole state, so that aliases are not counted as tensors.
   st::detail::prepared p = st::detail::prepare(inputs, base);
   std::vector<ShardItem> items;

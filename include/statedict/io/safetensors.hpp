@@ -51,6 +51,7 @@
 
 #include "../core/cast.hpp"
 #include "../core/dtype.hpp"
+#include "../core/flatten.hpp"
 #include "../core/error.hpp"
 #include "../core/sha256.hpp"
 #include "../core/shape.hpp"
@@ -860,7 +861,10 @@ class name_index {
     std::uint32_t pos;  // index + 1; 0 = empty
     std::uint32_t tag;  // high hash bits
   };
-  static std::string_view name_of(const TensorEntry& e) noexcept { return e.name; }
+  template <class E>
+  static std::string_view name_of(const E& e) noexcept {
+    return e.name;
+  }
   std::vector<slot> slots_;
   std::size_t mask_ = 0;
 };
@@ -1196,8 +1200,8 @@ inline Layout layout(std::span<const TensorSpec> specs, const std::optional<std:
   std::vector<std::size_t> order(specs.size());
   std::vector<std::int8_t> rank(specs.size());
   {
-    std::unordered_set<std::string_view> names;
-    names.reserve(specs.size());
+    detail::name_index names;
+    names.reset(specs.size());
     for (std::size_t i = 0; i < specs.size(); ++i) {
       const TensorSpec& s = specs[i];
       order[i] = i;
@@ -1208,7 +1212,7 @@ inline Layout layout(std::span<const TensorSpec> specs, const std::optional<std:
       if (s.name == "__metadata__")
         throw_error(errors::st_write_name, detail::where_tensor(s.name), "the name is reserved for the metadata");
       if (!detail::valid_utf8(s.name)) throw_error(errors::st_write_name, detail::where_tensor(s.name), "the name is not UTF-8");
-      if (!names.insert(s.name).second) throw_error(errors::st_write_name, detail::where_tensor(s.name), "the name appears twice");
+      if (!names.insert(specs, i)) throw_error(errors::st_write_name, detail::where_tensor(s.name), "the name appears twice");
       check_shape(s.shape);
     }
   }
@@ -1217,6 +1221,7 @@ inline Layout layout(std::span<const TensorSpec> specs, const std::optional<std:
     return specs[a].name < specs[b].name;
   });
   std::string& h = out.header;
+  h.reserve(64 + specs.size() * 72);
   h.assign(8, '\0');
   h += '{';
   bool first = true;
@@ -1309,7 +1314,7 @@ struct write_options {
   /// Further names for written tensors: (alias, stored name). Recorded under "statedict.aliases".
   std::vector<std::pair<std::string, std::string>> aliases;
   /// Inputs that are the very same view as an earlier input are written once and recorded as
-  /// aliases of it (tied weights).
+  /// aliases of it (tied weights). Not done when a skeleton is given (its alias nodes record ties).
   bool dedupe_views = true;
   /// A flatten skeleton to store under "statedict.skeleton" (null: none).
   nlohmann::json skeleton;
@@ -1434,6 +1439,25 @@ class stream_writer {
   bool cfr_;
 };
 
+/// Rewrites the dtype of every floating-point tensor and view node of a flatten skeleton to `to`,
+/// so that the skeleton describes what a cast write stores. Iterative (any depth).
+inline void cast_skeleton(nlohmann::json& skeleton, statedict::dtype to) {
+  std::vector<nlohmann::json*> work{&skeleton};
+  while (!work.empty()) {
+    nlohmann::json* j = work.back();
+    work.pop_back();
+    if (j->is_object()) {
+      if ((j->contains("tensor") || j->contains("view_of")) && j->contains("dtype") && (*j)["dtype"].is_string()) {
+        const auto d = dtype_from_name((*j)["dtype"].get_ref<const std::string&>());
+        if (d && is_floating(*d)) (*j)["dtype"] = std::string(name(to));
+      }
+      for (auto& [k, v] : j->items()) work.push_back(&v);
+    } else if (j->is_array()) {
+      for (auto& v : *j) work.push_back(&v);
+    }
+  }
+}
+
 struct prepared {
   std::vector<std::size_t> stored;  // indices of inputs to store
   std::vector<TensorSpec> specs;    // their output specs, same order
@@ -1451,7 +1475,8 @@ inline prepared prepare(std::span<const Input> inputs, const write_options& opt)
     const Input& in = inputs[i];
     if (in.source == nullptr && (in.view.dtype() != in.dtype || in.view.shape() != in.shape))
       throw_error(errors::st_write_input, where_tensor(in.name), "dtype/shape differ from its view's");
-    if (opt.dedupe_views && in.source == nullptr && in.view.numel() != 0) {
+    // With a skeleton, ties are the skeleton's business (its alias nodes): store what is given.
+    if (opt.dedupe_views && opt.skeleton.is_null() && in.source == nullptr && in.view.numel() != 0) {
       auto& seen = by_ptr[in.view.data()];
       bool dup = false;
       for (std::size_t j : seen)
@@ -1489,7 +1514,13 @@ inline prepared prepare(std::span<const Input> inputs, const write_options& opt)
   }
   if (!opt.skeleton.is_null()) {
     if (!p.metadata) p.metadata.emplace();
-    p.metadata->emplace(std::string(skeleton_key), opt.skeleton.dump());
+    if (opt.cast) {
+      nlohmann::json sk = opt.skeleton;
+      cast_skeleton(sk, *opt.cast);
+      p.metadata->emplace(std::string(skeleton_key), sk.dump());
+    } else {
+      p.metadata->emplace(std::string(skeleton_key), opt.skeleton.dump());
+    }
   }
   return p;
 }
@@ -1564,6 +1595,49 @@ inline std::vector<Input> inputs_of(const ShardedCheckpoint& c) {
     out.push_back(Input::from_source(t.name, t.dtype, t.shape, c.sources.at(t.chunks[0].at.source), t.chunks[0].at.byte_offset));
   }
   return out;
+}
+
+/// True when `state` is a plain dict {string name: tensor}, what a safetensors file holds without
+/// a skeleton.
+inline bool is_flat_tensor_dict(const Value& state) {
+  if (!state.is_dict()) return false;
+  for (const auto& [k, v] : state.as_dict())
+    if (!k.is_string() || !v.is_tensor()) return false;
+  return true;
+}
+
+/// Writes a whole state (model + optimizer + scalars + strings: any Value tree) into one file. A
+/// plain {name: tensor} dict becomes a plain file (entries that are the same view are written once
+/// and recorded as aliases); any other tree is flattened (core/flatten.hpp) and its skeleton stored
+/// under "statedict.skeleton", next to the user's metadata. `read_state` gives back an equal tree.
+inline write_result write_state(const std::filesystem::path& path, const Value& state, write_options opt = {}) {
+  std::vector<Input> in;
+  if (is_flat_tensor_dict(state)) {
+    in.reserve(state.as_dict().size());
+    for (const auto& [k, v] : state.as_dict()) in.push_back(Input::of(k.as_string(), v.as_tensor()));
+    return write(path, in, opt);
+  }
+  FlatStateDict flat = flatten(state);
+  in.reserve(flat.tensors.size());
+  for (const auto& [n, v] : flat.tensors) in.push_back(Input::of(n, v));
+  opt.skeleton = std::move(flat.skeleton);
+  opt.dedupe_views = false;  // ties are alias nodes of the skeleton already
+  return write(path, in, opt);
+}
+
+/// The Value tree a file holds: with a statedict skeleton, the tree that was written (unflatten);
+/// otherwise a flat dict {name: tensor} in file order, aliases resolved to views of their target.
+inline Value read_state(const File& f) {
+  if (f.skeleton().is_null()) return f.to_flat_dict();
+  NamedTensors t;
+  t.reserve(f.size());
+  for (const auto& e : f.entries()) t.emplace_back(e.name, f.view(e));
+  try {
+    return unflatten(t, f.skeleton());
+  } catch (error& e) {
+    e.add_context("file " + quote(f.name()) + ": __metadata__ " + quote(skeleton_key));
+    throw;
+  }
 }
 
 }  // namespace safetensors
