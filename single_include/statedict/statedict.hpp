@@ -1290,6 +1290,9 @@ class Dict {
   Value& set(Key k, Value v);
   /// Appends; throws errors::duplicate_key when k exists.
   Value& insert(Key k, Value v);
+  /// Appends without looking k up, for callers that have ruled out duplicates themselves (a
+  /// reader checking keys its own way); a key appended twice breaks the dict.
+  Value& append_unchecked(Key k, Value v);
   /// d.setdefault(k, None)
   Value& operator[](const Key& k);
   /// Removes k (keeping the order of the rest); returns whether it was there.
@@ -1530,6 +1533,11 @@ inline Value& Dict::set(Key k, Value v) {
 }
 inline Value& Dict::insert(Key k, Value v) {
   if (find(k)) throw_error(errors::duplicate_key, "key " + (k.is_int() ? k.str() : quote(k.str())) + " already present");
+  items_.emplace_back(std::move(k), std::move(v));
+  index_new_last();
+  return items_.back().second;
+}
+inline Value& Dict::append_unchecked(Key k, Value v) {
   items_.emplace_back(std::move(k), std::move(v));
   index_new_last();
   return items_.back().second;
@@ -2430,6 +2438,2286 @@ class OutputDir {
 
 #include <nlohmann/json.hpp>
 
+// ---- statedict/core/flatten.hpp ----
+// statedict: flatten a Value tree into named tensors plus a JSON skeleton, and back.
+// SPDX-License-Identifier: MIT
+//
+// `flatten(tree)` gives an ordered `name -> TensorView` list (the tensors, in tree pre-order) and a
+// JSON skeleton holding everything else: container kinds, key types, non-tensor leaves, and which
+// tensors are the same view (aliases) or views into another tensor's elements (view_of).
+// `unflatten(tensors, skeleton)` gives back a tree equal to the original, for every tree. The
+// skeleton format, the naming rule and the alias rule are documented in docs/flatten.md; in short:
+//
+//   {"statedict_skeleton": 1, "root": NODE}
+//   NODE := null | true | false | <JSON integer> | <finite JSON float> | "<string>"
+//         | {"float": "nan" | "inf" | "-inf" | "0x<16 hex digits>"} | {"bytes": "<base64>"}
+//         | {"str_bytes": "<base64>"}          (a string that is not valid UTF-8; also as a dict KEY)
+//         | {"tensor": NAME, "dtype": "F32", "shape": [..]}
+//         | {"alias": NAME}
+//         | {"view_of": NAME, "dtype": "F32", "offset": k, "shape": [..], "strides": [..]}
+//         | {"dict": [[KEY, NODE], ...]} | {"list": [NODE...]} | {"tuple": [NODE...]}
+//         | {"object": {"module": M, "name": N, "how": "global"|"reduce"|"newobj",
+//                       "args": [NODE...], "state": [NODE...], "items": [NODE...]}}
+//
+// A skeleton is input from files: every function that reads one validates it and throws a
+// statedict error naming the node (never crashes); all walks are iterative, so nesting depth is
+// bounded only by memory.
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <charconv>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <iterator>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+// ---- statedict/core/visit.hpp ----
+// statedict: visitors over a Value tree: walk every node with its path, transform, fold, and find
+// nodes by path or by dotted name.
+// SPDX-License-Identifier: MIT
+//
+// Paths. The path of a node is the list of keys from the root to it (`Path`, core/value.hpp):
+//   - a dict child:          its key (int or string, as stored);
+//   - a list or tuple child: its index, as an int key;
+//   - an opaque object's children (core/value.hpp `Object`) take two keys or one:
+//       args[i]  -> "args", i
+//       state[0] -> "state"          (the BUILD state; readers store at most one)
+//       items[i] -> "items", i
+//     An Object whose `state` holds more than one value (no reader makes one) uses "state", i.
+// So `{"sched": Object{args: [3], state: [{"lr": 0.1}]}}` has the paths
+// `sched.args.0` and `sched.state.lr` (as dotted names). A path is only meaningful with its tree:
+// "args" after an object node means the object's arguments, after a dict node a dict key.
+//
+// Every function here is iterative (an explicit stack), so a tree 200,000 levels deep is fine.
+// Order is pre-order: a node before its children, children in container order (dict insertion
+// order; for objects args, then state, then items).
+
+#include <charconv>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+
+namespace statedict::inline v0 {
+
+/// What a visit callback asks for after seeing a node.
+enum class visit_control : std::uint8_t {
+  descend,  ///< visit this node's children (the default; a callback returning void means this)
+  skip,     ///< do not visit this node's children
+  stop,     ///< end the walk now
+};
+
+namespace detail {
+
+/// Number of children of a node (0 for leaves).
+inline std::size_t child_count(const Value& v) noexcept {
+  switch (v.kind()) {
+    case value_kind::list:
+    case value_kind::tuple: return v.as_list().size();
+    case value_kind::dict: return v.as_dict().size();
+    case value_kind::object: {
+      const Object& o = v.as_object();
+      return o.args.size() + o.state.size() + o.items.size();
+    }
+    default: return 0;
+  }
+}
+
+/// Appends the path keys of child `i` of object `o` to `path`.
+inline void push_object_keys(const Object& o, std::size_t i, Path& path) {
+  if (i < o.args.size()) {
+    path.emplace_back("args");
+    path.emplace_back(static_cast<std::int64_t>(i));
+    return;
+  }
+  i -= o.args.size();
+  if (i < o.state.size()) {
+    path.emplace_back("state");
+    if (o.state.size() > 1) path.emplace_back(static_cast<std::int64_t>(i));
+    return;
+  }
+  path.emplace_back("items");
+  path.emplace_back(static_cast<std::int64_t>(i - o.state.size()));
+}
+
+/// Child `i` of a container (i < child_count), with its key(s) appended to `path`.
+template <class V>
+V& child_at(V& v, std::size_t i, Path& path) {
+  switch (v.kind()) {
+    case value_kind::list:
+    case value_kind::tuple:
+      path.emplace_back(static_cast<std::int64_t>(i));
+      return v.as_list()[i];
+    case value_kind::dict: {
+      auto& item = *(v.as_dict().begin() + static_cast<std::ptrdiff_t>(i));
+      path.push_back(item.first);
+      return item.second;
+    }
+    default: {
+      auto& o = v.as_object();
+      push_object_keys(o, i, path);
+      if (i < o.args.size()) return o.args[i];
+      i -= o.args.size();
+      if (i < o.state.size()) return o.state[i];
+      return o.items[i - o.state.size()];
+    }
+  }
+}
+
+inline void pop_keys(Path& path, std::size_t n) { path.erase(path.end() - static_cast<std::ptrdiff_t>(n), path.end()); }
+
+template <class V, class F>
+visit_control call_visitor(F& f, const Path& path, V& node) {
+  using R = std::invoke_result_t<F&, const Path&, V&>;
+  if constexpr (std::is_void_v<R>) {
+    f(path, node);
+    return visit_control::descend;
+  } else {
+    static_assert(std::is_same_v<std::remove_cvref_t<R>, visit_control>,
+                  "a visit callback returns void or statedict::visit_control");
+    return f(path, node);
+  }
+}
+
+template <class V, class F>
+void walk(V& root, F& f) {
+  Path path;
+  visit_control c = call_visitor<V>(f, path, root);
+  if (c != visit_control::descend || child_count(root) == 0) return;
+  struct frame {
+    V* node;
+    std::size_t next;
+    std::size_t nkeys;  // keys this node added to the path
+  };
+  std::vector<frame> stack;
+  stack.push_back({&root, 0, 0});
+  while (!stack.empty()) {
+    frame& top = stack.back();
+    if (top.next == child_count(*top.node)) {
+      pop_keys(path, top.nkeys);
+      stack.pop_back();
+      continue;
+    }
+    const std::size_t before = path.size();
+    V& child = child_at(*top.node, top.next++, path);
+    c = call_visitor<V>(f, path, child);
+    if (c == visit_control::stop) return;
+    if (c == visit_control::descend && child_count(child) != 0)
+      stack.push_back({&child, 0, path.size() - before});  // `top` is dangling from here on
+    else
+      pop_keys(path, path.size() - before);
+  }
+}
+
+/// A copy of a leaf, or an empty container of the same kind (and object header).
+inline Value shallow_copy(const Value& v) {
+  switch (v.kind()) {
+    case value_kind::list:
+    case value_kind::tuple: {
+      List l;
+      l.reserve(v.as_list().size());
+      return v.is_list() ? Value::list(std::move(l)) : Value::tuple(std::move(l));
+    }
+    case value_kind::dict: {
+      Dict d;
+      d.reserve(v.as_dict().size());
+      return Value(std::move(d));
+    }
+    case value_kind::object: {
+      const Object& o = v.as_object();
+      Object c{o.module, o.name, o.how, {}, {}, {}};
+      c.args.reserve(o.args.size());
+      c.state.reserve(o.state.size());
+      c.items.reserve(o.items.size());
+      return Value(std::move(c));
+    }
+    default: return v;
+  }
+}
+
+/// Appends an empty slot for child `i` of `src` (a container) to `dst` (its shallow copy).
+inline Value& append_child_slot(const Value& src, std::size_t i, Value& dst) {
+  switch (src.kind()) {
+    case value_kind::list:
+    case value_kind::tuple: return dst.as_list().emplace_back();
+    case value_kind::dict: return dst.as_dict().insert((src.as_dict().begin() + static_cast<std::ptrdiff_t>(i))->first, Value());
+    default: {
+      const Object& o = src.as_object();
+      Object& d = dst.as_object();
+      if (i < o.args.size()) return d.args.emplace_back();
+      i -= o.args.size();
+      if (i < o.state.size()) return d.state.emplace_back();
+      return d.items.emplace_back();
+    }
+  }
+}
+
+/// True when `s` is what `std::to_string` prints for some int64 (so an int key could print alike).
+inline bool parse_canonical_int(std::string_view s, std::int64_t& out) noexcept {
+  if (s.empty() || s.size() > 20) return false;
+  const char* b = s.data();
+  const char* e = s.data() + s.size();
+  auto [p, ec] = std::from_chars(b, e, out);
+  if (ec != std::errc() || p != e) return false;
+  return std::to_string(out) == s;
+}
+
+}  // namespace detail
+
+/// Calls `f(path, node)` for every node of `root` in pre-order, the root first (with an empty path).
+/// `f` returns void (always descend) or a visit_control. The path reference is valid only during
+/// the call.
+template <class F>
+void visit(const Value& root, F&& f) {
+  detail::walk<const Value>(root, f);
+}
+
+/// As above, with mutable nodes: `f(path, node)` may change or replace `node` (its children are
+/// then those of the new node). It must not change the node's ancestors or siblings.
+template <class F>
+void visit(Value& root, F&& f) {
+  detail::walk<Value>(root, f);
+}
+
+/// A new tree built from `root`: `f(path, node)` is called in pre-order and returns
+/// `std::optional<Value>`: nullopt keeps the node (a leaf is copied; a container is rebuilt from
+/// its children, which are visited next), a Value replaces the node and its whole subtree (the
+/// replacement is not visited).
+template <class F>
+Value transform(const Value& root, F&& f) {
+  Path path;
+  {
+    std::optional<Value> r = f(std::as_const(path), root);
+    if (r) return std::move(*r);
+  }
+  Value out = detail::shallow_copy(root);
+  if (detail::child_count(root) == 0) return out;
+  struct frame {
+    const Value* src;
+    Value* dst;
+    std::size_t next;
+    std::size_t nkeys;
+  };
+  std::vector<frame> stack;
+  stack.push_back({&root, &out, 0, 0});
+  while (!stack.empty()) {
+    frame& top = stack.back();
+    if (top.next == detail::child_count(*top.src)) {
+      detail::pop_keys(path, top.nkeys);
+      stack.pop_back();
+      continue;
+    }
+    const std::size_t i = top.next++;
+    const std::size_t before = path.size();
+    const Value& child = detail::child_at(*top.src, i, path);
+    // The slot is appended after the callback runs, so a throwing callback leaves no hole.
+    std::optional<Value> r = f(std::as_const(path), child);
+    Value& slot = detail::append_child_slot(*top.src, i, *top.dst);
+    if (r) {
+      slot = std::move(*r);
+      detail::pop_keys(path, path.size() - before);
+      continue;
+    }
+    slot = detail::shallow_copy(child);
+    if (detail::child_count(child) != 0)
+      stack.push_back({&child, &slot, 0, path.size() - before});  // `top` is dangling from here on
+    else
+      detail::pop_keys(path, path.size() - before);
+  }
+  return out;
+}
+
+/// A deep copy made without recursion (Value's copy constructor recurses; use this for trees from
+/// untrusted input of unknown depth).
+inline Value copy_tree(const Value& root) {
+  return transform(root, [](const Path&, const Value&) { return std::optional<Value>(); });
+}
+
+/// Folds `f(acc, path, node) -> acc` over every node in pre-order.
+template <class T, class F>
+T fold(const Value& root, T init, F&& f) {
+  visit(root, [&](const Path& p, const Value& v) { init = f(std::move(init), p, v); });
+  return init;
+}
+
+/// The node at `path` (see the top of this file for object paths), or nullptr.
+inline const Value* find_path(const Value& root, const Path& path) {
+  const Value* v = &root;
+  for (std::size_t i = 0; i < path.size(); ++i) {
+    const Key& k = path[i];
+    switch (v->kind()) {
+      case value_kind::list:
+      case value_kind::tuple: {
+        if (!k.is_int()) return nullptr;
+        const List& l = v->as_list();
+        if (k.as_int() < 0 || static_cast<std::uint64_t>(k.as_int()) >= l.size()) return nullptr;
+        v = &l[static_cast<std::size_t>(k.as_int())];
+        break;
+      }
+      case value_kind::dict:
+        v = v->as_dict().find(k);
+        if (!v) return nullptr;
+        break;
+      case value_kind::object: {
+        if (!k.is_string()) return nullptr;
+        const Object& o = v->as_object();
+        const std::string& part = k.as_string();
+        const List* l = nullptr;
+        if (part == "args") l = &o.args;
+        else if (part == "items") l = &o.items;
+        else if (part == "state") l = &o.state;
+        else return nullptr;
+        if (l == &o.state && o.state.size() == 1) {
+          v = &o.state[0];
+          break;
+        }
+        if (++i == path.size() || !path[i].is_int()) return nullptr;
+        const std::int64_t idx = path[i].as_int();
+        if (idx < 0 || static_cast<std::uint64_t>(idx) >= l->size()) return nullptr;
+        v = &(*l)[static_cast<std::size_t>(idx)];
+        break;
+      }
+      default: return nullptr;
+    }
+  }
+  return v;
+}
+
+inline Value* find_path(Value& root, const Path& path) {
+  return const_cast<Value*>(find_path(std::as_const(root), path));  // NOLINT(cppcoreguidelines-pro-type-const-cast)
+}
+
+/// Every path of `root` whose dotted name (`dotted(path)`) is `name`: the inverse of `dotted`,
+/// which needs the tree because a dotted name alone does not say whether "1" is an int or a
+/// string key, nor where a key containing '.' begins and ends. Pre-order; each node is visited at
+/// most once, so the cost is linear in the size of the tree.
+inline std::vector<Path> match_dotted(const Value& root, std::string_view name) {
+  std::vector<Path> out;
+  struct item {
+    const Value* node;
+    std::size_t pos;  // name[0, pos) is the dotted name of `path`
+    Path path;
+  };
+  std::vector<item> work;
+  work.push_back({&root, 0, {}});
+  while (!work.empty()) {
+    item it = std::move(work.back());
+    work.pop_back();
+    if (it.pos == name.size()) out.push_back(it.path);
+    // Below a non-root node every name grows by at least the '.' separator.
+    if (it.pos == name.size() && !it.path.empty()) continue;
+    // Children are pushed in reverse so that they pop, and match, in pre-order.
+    for (std::size_t i = detail::child_count(*it.node); i-- > 0;) {
+      Path p = it.path;
+      const Value& child = detail::child_at(*it.node, i, p);
+      std::size_t pos = it.pos;
+      bool ok = true;
+      for (std::size_t k = it.path.size(); k < p.size() && ok; ++k) {
+        if (k > 0) {
+          ok = pos < name.size() && name[pos] == '.';
+          ++pos;
+        }
+        const std::string s = p[k].str();
+        ok = ok && name.substr(pos).starts_with(s);
+        pos += s.size();
+      }
+      if (ok) work.push_back({&child, pos, std::move(p)});
+    }
+  }
+  return out;
+}
+
+/// The one path of `root` whose dotted name is `name`, or nullopt when no node or more than one
+/// node has that name (keys containing dots, int and string keys that print alike).
+inline std::optional<Path> undotted(const Value& root, std::string_view name) {
+  std::vector<Path> m = match_dotted(root, name);
+  if (m.size() != 1) return std::nullopt;
+  return std::move(m.front());
+}
+
+}  // namespace statedict::inline v0
+
+namespace statedict::inline v0 {
+
+/// Error ids of flatten / unflatten (200-219).
+namespace errors {
+// clang-format off
+inline constexpr error_id flat_malformed       {200, error_kind::format,      "flatten.malformed"};        ///< skeleton JSON does not follow the format
+inline constexpr error_id flat_version         {201, error_kind::unsupported, "flatten.version"};          ///< "statedict_skeleton" is not 1
+inline constexpr error_id flat_missing_tensor  {202, error_kind::key,         "flatten.missing_tensor"};   ///< skeleton names a tensor the map lacks
+inline constexpr error_id flat_extra_tensor    {203, error_kind::key,         "flatten.extra_tensor"};     ///< the map has a tensor no tensor node declares
+inline constexpr error_id flat_tensor_dtype    {204, error_kind::type,        "flatten.tensor_dtype"};     ///< map tensor's dtype differs from the skeleton's
+inline constexpr error_id flat_tensor_shape    {205, error_kind::shape,       "flatten.tensor_shape"};     ///< map tensor's shape differs from the skeleton's
+inline constexpr error_id flat_duplicate_name  {206, error_kind::key,         "flatten.duplicate_name"};   ///< a name declared twice, or twice in the map
+inline constexpr error_id flat_bad_alias       {207, error_kind::format,      "flatten.bad_alias"};        ///< alias / view_of target not declared earlier
+inline constexpr error_id flat_view_bounds     {208, error_kind::format,      "flatten.view_out_of_bounds"}; ///< view_of reaches outside its base
+inline constexpr error_id flat_view_base       {209, error_kind::format,      "flatten.view_base"};        ///< view_of base not contiguous, or another dtype
+inline constexpr error_id flat_duplicate_key   {210, error_kind::format,      "flatten.duplicate_key"};    ///< a skeleton dict repeats a key
+// clang-format on
+}  // namespace errors
+
+/// Tensors by name, in order.
+using NamedTensors = std::vector<std::pair<std::string, TensorView>>;
+
+/// What `flatten` returns: the tensors (unique names, tree pre-order) and the skeleton.
+struct FlatStateDict {
+  NamedTensors tensors;
+  nlohmann::json skeleton;
+
+  /// The tensor named `name`, or nullptr (a linear search).
+  [[nodiscard]] const TensorView* find(std::string_view name) const {
+    for (const auto& [n, v] : tensors)
+      if (n == name) return &v;
+    return nullptr;
+  }
+};
+
+/// Where a `view_of` node's elements are: element offset, shape and strides over the row-major
+/// flat index of its (contiguous) base tensor.
+struct ViewSpec {
+  statedict::dtype dtype = statedict::dtype::F32;
+  dim_t offset = 0;
+  shape_t shape;
+  shape_t strides;
+  friend bool operator==(const ViewSpec&, const ViewSpec&) = default;
+};
+
+/// The view `spec` of `base`. Throws flat_view_base when base is not contiguous or has another
+/// dtype, flat_view_bounds when an element would fall outside base.
+inline TensorView view_into(const TensorView& base, const ViewSpec& spec) {
+  if (spec.dtype != base.dtype())
+    throw_error(errors::flat_view_base, "a " + std::string(name(spec.dtype)) + " view of a " +
+                                            std::string(name(base.dtype())) + " tensor");
+  if (!base.is_contiguous())
+    throw_error(errors::flat_view_base, "the base tensor is not contiguous (strides " + to_string(base.strides()) + ")");
+  if (spec.shape.size() != spec.strides.size())
+    throw_error(errors::flat_view_bounds, "shape " + to_string(spec.shape) + " and strides " + to_string(spec.strides) +
+                                              " have different lengths");
+  auto bounds = [&](const std::string& why) {
+    throw_error(errors::flat_view_bounds, "view at offset " + std::to_string(spec.offset) + " with shape " +
+                                              to_string(spec.shape) + " and strides " + to_string(spec.strides) + " " +
+                                              why + " of a base of " + std::to_string(base.numel()) + " elements");
+  };
+  if (spec.offset < 0) bounds("starts before the start");
+  for (std::size_t i = 0; i < spec.shape.size(); ++i)
+    if (spec.shape[i] < 0 || spec.strides[i] < 0) bounds("has a negative size or stride: it is outside");
+  bool empty = false;
+  for (dim_t d : spec.shape) empty = empty || d == 0;
+  const auto off = static_cast<std::uint64_t>(spec.offset);
+  if (empty) {
+    if (off > base.numel()) bounds("starts past the end");
+  } else {
+    std::uint64_t last = off;
+    bool overflow = false;
+    for (std::size_t i = 0; i < spec.shape.size() && !overflow; ++i) {
+      std::uint64_t step = 0;
+      overflow = __builtin_mul_overflow(static_cast<std::uint64_t>(spec.shape[i] - 1),
+                                        static_cast<std::uint64_t>(spec.strides[i]), &step) ||
+                 __builtin_add_overflow(last, step, &last);
+    }
+    if (overflow || last >= base.numel()) bounds("reaches past the end");
+  }
+  const std::byte* data = base.data() == nullptr ? nullptr : base.data() + off * base.itemsize();
+  return TensorView(spec.dtype, spec.shape, spec.strides, data, base.owner());
+}
+
+// ================================================================================================
+// Encoding details shared by flatten and unflatten.
+
+namespace detail {
+
+using json = nlohmann::json;
+
+inline constexpr char b64_alphabet[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+
+/// Standard base64 with padding (RFC 4648 section 4).
+inline std::string base64_encode(const std::uint8_t* p, std::size_t n) {
+  std::string out;
+  out.reserve((n + 2) / 3 * 4);
+  std::size_t i = 0;
+  for (; i + 3 <= n; i += 3) {
+    const std::uint32_t v = (std::uint32_t{p[i]} << 16) | (std::uint32_t{p[i + 1]} << 8) | p[i + 2];
+    out += b64_alphabet[(v >> 18) & 63];
+    out += b64_alphabet[(v >> 12) & 63];
+    out += b64_alphabet[(v >> 6) & 63];
+    out += b64_alphabet[v & 63];
+  }
+  if (n - i == 1) {
+    const std::uint32_t v = std::uint32_t{p[i]} << 16;
+    out += b64_alphabet[(v >> 18) & 63];
+    out += b64_alphabet[(v >> 12) & 63];
+    out += "==";
+  } else if (n - i == 2) {
+    const std::uint32_t v = (std::uint32_t{p[i]} << 16) | (std::uint32_t{p[i + 1]} << 8);
+    out += b64_alphabet[(v >> 18) & 63];
+    out += b64_alphabet[(v >> 12) & 63];
+    out += b64_alphabet[(v >> 6) & 63];
+    out += '=';
+  }
+  return out;
+}
+
+inline std::string base64_encode(std::string_view s) {
+  return base64_encode(reinterpret_cast<const std::uint8_t*>(s.data()), s.size());
+}
+
+/// Strict base64 decoding: length a multiple of 4, '=' only as final padding, no whitespace, and
+/// unused bits zero (so every byte string has exactly one encoding). Returns false on bad input.
+inline bool base64_decode(std::string_view s, std::vector<std::uint8_t>& out) {
+  out.clear();
+  if (s.size() % 4 != 0) return false;
+  auto val = [](char c) -> int {
+    if (c >= 'A' && c <= 'Z') return c - 'A';
+    if (c >= 'a' && c <= 'z') return c - 'a' + 26;
+    if (c >= '0' && c <= '9') return c - '0' + 52;
+    if (c == '+') return 62;
+    if (c == '/') return 63;
+    return -1;
+  };
+  out.reserve(s.size() / 4 * 3);
+  for (std::size_t i = 0; i < s.size(); i += 4) {
+    const bool last = i + 4 == s.size();
+    int v[4];
+    int pad = 0;
+    for (int k = 0; k < 4; ++k) {
+      const char c = s[i + static_cast<std::size_t>(k)];
+      if (c == '=' && last && k >= 2) {
+        v[k] = 0;
+        ++pad;
+        continue;
+      }
+      if (pad) return false;  // data after padding
+      v[k] = val(c);
+      if (v[k] < 0) return false;
+    }
+    const auto w = (static_cast<std::uint32_t>(v[0]) << 18) | (static_cast<std::uint32_t>(v[1]) << 12) |
+                   (static_cast<std::uint32_t>(v[2]) << 6) | static_cast<std::uint32_t>(v[3]);
+    out.push_back(static_cast<std::uint8_t>(w >> 16));
+    if (pad == 2) {
+      if ((w & 0xffffU) != 0) return false;
+      break;
+    }
+    out.push_back(static_cast<std::uint8_t>((w >> 8) & 0xffU));
+    if (pad == 1) {
+      if ((w & 0xffU) != 0) return false;
+      break;
+    }
+    out.push_back(static_cast<std::uint8_t>(w & 0xffU));
+  }
+  return true;
+}
+
+/// Length of the well-formed UTF-8 sequence at s[i] (no overlong forms, no surrogates, at most
+/// U+10FFFF), or 0 when none starts there.
+inline std::size_t utf8_seq(std::string_view s, std::size_t i) noexcept {
+  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
+  const std::size_t n = s.size();
+  const unsigned c = p[i];
+  if (c < 0x80) return 1;
+  std::size_t len = 0;
+  unsigned lo = 0x80, hi = 0xbf;
+  if (c >= 0xc2 && c <= 0xdf) len = 2;
+  else if (c == 0xe0) len = 3, lo = 0xa0;
+  else if ((c >= 0xe1 && c <= 0xec) || c == 0xee || c == 0xef) len = 3;
+  else if (c == 0xed) len = 3, hi = 0x9f;
+  else if (c == 0xf0) len = 4, lo = 0x90;
+  else if (c >= 0xf1 && c <= 0xf3) len = 4;
+  else if (c == 0xf4) len = 4, hi = 0x8f;
+  else return 0;
+  if (n - i < len) return 0;
+  if (p[i + 1] < lo || p[i + 1] > hi) return 0;
+  for (std::size_t k = 2; k < len; ++k)
+    if (p[i + k] < 0x80 || p[i + k] > 0xbf) return 0;
+  return len;
+}
+
+/// Well-formed UTF-8: what a JSON writer such as nlohmann::json::dump accepts.
+inline bool valid_utf8(std::string_view s) noexcept {
+  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
+  const std::size_t n = s.size();
+  std::size_t i = 0;
+  for (; i + 8 <= n; i += 8) {  // ASCII fast path
+    std::uint64_t w;
+    std::memcpy(&w, p + i, 8);
+    if (w & 0x8080808080808080ULL) break;
+  }
+  while (i < n) {
+    const std::size_t len = utf8_seq(s, i);
+    if (len == 0) return false;
+    i += len;
+  }
+  return true;
+}
+
+/// A JSON string node, or {"str_bytes": base64} when `s` is not valid UTF-8.
+inline json encode_string(const std::string& s) {
+  if (valid_utf8(s)) return json(s);
+  json j(json::value_t::object);
+  j.get_ref<json::object_t&>().emplace("str_bytes", base64_encode(s));
+  return j;
+}
+
+inline json encode_key(const Key& k) {
+  if (k.is_int()) return json(k.as_int());
+  return encode_string(k.as_string());
+}
+
+/// A finite double as a JSON float; a non-finite one as {"float": "nan" | "inf" | "-inf" | "0x..."}.
+inline json encode_double(double d) {
+  if (std::isfinite(d)) return json(d);
+  const auto bits = std::bit_cast<std::uint64_t>(d);
+  std::string s;
+  if (bits == 0x7ff0000000000000ULL) s = "inf";
+  else if (bits == 0xfff0000000000000ULL) s = "-inf";
+  else if (bits == 0x7ff8000000000000ULL) s = "nan";
+  else {
+    static constexpr char hex[] = "0123456789abcdef";
+    s = "0x";
+    for (int sh = 60; sh >= 0; sh -= 4) s += hex[(bits >> sh) & 15U];
+  }
+  json j(json::value_t::object);
+  j.get_ref<json::object_t&>().emplace("float", std::move(s));
+  return j;
+}
+
+inline json shape_json(const shape_t& s) {
+  json::array_t a;
+  a.reserve(s.size());
+  for (dim_t d : s) a.emplace_back(d);
+  return json(std::move(a));
+}
+
+// Node members are inserted in key order with a hint at the end: no string comparisons.
+inline json tensor_node(const std::string& name, const TensorView& v) {
+  json j(json::value_t::object);
+  auto& o = j.get_ref<json::object_t&>();
+  o.emplace_hint(o.end(), "dtype", std::string(statedict::name(v.dtype())));
+  o.emplace_hint(o.end(), "shape", shape_json(v.shape()));
+  o.emplace_hint(o.end(), "tensor", name);
+  return j;
+}
+
+inline json alias_node(const std::string& target) {
+  json j(json::value_t::object);
+  j.get_ref<json::object_t&>().emplace("alias", target);
+  return j;
+}
+
+inline json view_node(const std::string& base, const ViewSpec& s) {
+  json j(json::value_t::object);
+  auto& o = j.get_ref<json::object_t&>();
+  o.emplace_hint(o.end(), "dtype", std::string(statedict::name(s.dtype)));
+  o.emplace_hint(o.end(), "offset", s.offset);
+  o.emplace_hint(o.end(), "shape", shape_json(s.shape));
+  o.emplace_hint(o.end(), "strides", shape_json(s.strides));
+  o.emplace_hint(o.end(), "view_of", base);
+  return j;
+}
+
+inline std::string_view how_name(object_build b) noexcept {
+  switch (b) {
+    case object_build::global: return "global";
+    case object_build::reduce: return "reduce";
+    case object_build::newobj: return "newobj";
+  }
+  return "reduce";
+}
+
+// ------------------------------------------------------------------------------------------------
+// An open-addressing hash index over strings owned elsewhere (no allocation per entry).
+
+class name_index {
+ public:
+  static constexpr std::uint32_t npos = UINT32_MAX;
+
+  void reserve(std::size_t n) {
+    keys_.reserve(n);
+    values_.reserve(n);
+    if (n * 2 > slots_.size()) rehash(n * 2);
+  }
+  /// Adds `s` with `value` and returns npos, or returns the value `s` already has.
+  std::uint32_t insert(std::string_view s, std::uint32_t value) {
+    if ((keys_.size() + 1) * 2 > slots_.size()) rehash(std::max<std::size_t>(16, slots_.size() * 2));
+    const std::size_t h = std::hash<std::string_view>{}(s);
+    const std::size_t mask = slots_.size() - 1;
+    for (std::size_t p = h & mask;; p = (p + 1) & mask) {
+      slot& sl = slots_[p];
+      if (sl.entry == npos) {
+        sl = {static_cast<std::uint32_t>(h), static_cast<std::uint32_t>(keys_.size())};
+        keys_.push_back(s);
+        values_.push_back(value);
+        return npos;
+      }
+      if (sl.hash == static_cast<std::uint32_t>(h) && keys_[sl.entry] == s) return values_[sl.entry];
+    }
+  }
+  /// The value of `s`, or npos.
+  [[nodiscard]] std::uint32_t find(std::string_view s) const {
+    if (slots_.empty()) return npos;
+    const std::size_t h = std::hash<std::string_view>{}(s);
+    const std::size_t mask = slots_.size() - 1;
+    for (std::size_t p = h & mask;; p = (p + 1) & mask) {
+      const slot& sl = slots_[p];
+      if (sl.entry == npos) return npos;
+      if (sl.hash == static_cast<std::uint32_t>(h) && keys_[sl.entry] == s) return values_[sl.entry];
+    }
+  }
+
+ private:
+  struct slot {
+    std::uint32_t hash;
+    std::uint32_t entry;
+  };
+  void rehash(std::size_t want) {
+    std::size_t cap = 16;
+    while (cap < want) cap *= 2;
+    slots_.assign(cap, slot{0, npos});
+    const std::size_t mask = cap - 1;
+    for (std::uint32_t i = 0; i < keys_.size(); ++i) {
+      const std::size_t h = std::hash<std::string_view>{}(keys_[i]);
+      std::size_t p = h & mask;
+      while (slots_[p].entry != npos) p = (p + 1) & mask;
+      slots_[p] = {static_cast<std::uint32_t>(h), i};
+    }
+  }
+  std::vector<slot> slots_;
+  std::vector<std::string_view> keys_;
+  std::vector<std::uint32_t> values_;
+};
+
+// ------------------------------------------------------------------------------------------------
+// Names
+
+/// A string key is written bare in a quoted name unless it is empty, contains '.' or '[', looks
+/// like an int (optional '-', then digits only), or is not valid UTF-8.
+inline bool bare_segment(const Key& k) {
+  if (k.is_int()) return true;
+  const std::string& s = k.as_string();
+  if (s.empty() || !valid_utf8(s)) return false;
+  if (s.find_first_of(".[") != std::string::npos) return false;
+  std::size_t i = s[0] == '-' ? 1 : 0;
+  if (i == s.size()) return true;
+  for (; i < s.size(); ++i)
+    if (s[i] < '0' || s[i] > '9') return true;
+  return false;
+}
+
+/// The quoted name of a path, used where dotted names collide (or are not valid UTF-8): segments
+/// joined by '.', a string key that is not bare written as `["<JSON-escaped string>"]` with no '.'
+/// before it (bytes that are not UTF-8 written as \xNN, so names are always valid UTF-8).
+/// `state.1.exp_avg` (int key 1) vs `state["1"].exp_avg` (string key "1").
+inline std::string quoted_name(const Path& p) {
+  static constexpr char hex[] = "0123456789abcdef";
+  std::string out;
+  for (std::size_t i = 0; i < p.size(); ++i) {
+    if (bare_segment(p[i])) {
+      if (i) out += '.';
+      out += p[i].str();
+      continue;
+    }
+    out += "[\"";
+    const std::string& str = p[i].as_string();
+    for (std::size_t j = 0; j < str.size();) {
+      const auto c = static_cast<unsigned char>(str[j]);
+      const std::size_t len = utf8_seq(str, j);
+      if (len == 0) {  // a byte that is not UTF-8: \xNN keeps the name valid UTF-8
+        out += "\\x";
+        out += hex[c >> 4];
+        out += hex[c & 15];
+        ++j;
+        continue;
+      }
+      if (c == '"' || c == '\\') {
+        out += '\\';
+        out += str[j];
+      } else if (c < 0x20) {
+        out += "\\u00";
+        out += hex[c >> 4];
+        out += hex[c & 15];
+      } else {
+        out.append(str, j, len);
+      }
+      j += len;
+    }
+    out += "\"]";
+  }
+  return out;
+}
+
+/// Assigns unique names to a group of n nodes in pre-order (docs/flatten.md, "Names"):
+///   1. the dotted name `dotted(i)`, when no other node of the group has the same dotted name and
+///      it is valid UTF-8;
+///   2. otherwise the quoted name `quoted(i)`;
+///   3. either way, if the name is already taken (by a fixed name or an earlier node), the first
+///      free of `NAME#2`, `NAME#3`, ...
+/// `fixed[i]`, when given and non-null, is a name the node already has (tensor nodes of a skeleton).
+/// Returns nullopt when the names are simply the dotted names (all unique, none fixed).
+template <class Dotted, class Quoted>
+std::optional<std::vector<std::string>> assign_names(std::size_t n, Dotted&& dotted, const std::vector<const std::string*>& fixed,
+                                                     Quoted&& quoted) {
+  std::vector<std::uint8_t> collides(n, 0);  // or is not valid UTF-8: either way, quote it
+  bool any = false;
+  {
+    name_index idx;
+    idx.reserve(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::string_view d = dotted(i);
+      const std::uint32_t j = idx.insert(d, static_cast<std::uint32_t>(i));
+      if (j != name_index::npos) collides[i] = collides[j] = 1, any = true;
+      if (!valid_utf8(d)) collides[i] = 1, any = true;
+    }
+  }
+  if (!any && fixed.empty()) return std::nullopt;
+  std::unordered_set<std::string> used;
+  used.reserve(n * 2);
+  for (const std::string* f : fixed)
+    if (f) used.insert(*f);
+  std::vector<std::string> names(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    if (i < fixed.size() && fixed[i]) {
+      names[i] = *fixed[i];
+      continue;
+    }
+    std::string cand = collides[i] ? std::string(quoted(i)) : std::string(dotted(i));
+    if (used.count(cand)) {
+      for (std::uint64_t k = 2;; ++k) {
+        std::string c = cand + "#" + std::to_string(k);
+        if (!used.count(c)) {
+          cand = std::move(c);
+          break;
+        }
+      }
+    }
+    used.insert(cand);
+    names[i] = std::move(cand);
+  }
+  return names;
+}
+
+// ------------------------------------------------------------------------------------------------
+// flatten
+
+class flattener {
+ public:
+  FlatStateDict run(const Value& root) {
+    json skel(json::value_t::object);
+    auto& top = skel.get_ref<json::object_t&>();
+    top.emplace("statedict_skeleton", 1);
+    json& root_slot = top["root"];
+    walk(root, root_slot);
+    decide();
+    const std::size_t n = leaves_.size();
+    std::vector<std::string> quoted;  // computed only when dotted names collide
+    auto names = assign_names(
+        n, [&](std::size_t i) { return dotted(i); }, {},
+        [&](std::size_t i) -> const std::string& {
+          if (quoted.empty())
+            visit(root, [&](const Path& p, const Value& v) {
+              if (v.is_tensor()) quoted.push_back(quoted_name(p));
+            });
+          return quoted[i];
+        });
+    auto name_of = [&](std::size_t i) { return names ? (*names)[i] : std::string(dotted(i)); };
+    FlatStateDict out;
+    std::size_t ntensors = 0;
+    for (auto k : kind_) ntensors += k == leaf_kind::tensor;
+    out.tensors.reserve(ntensors);
+    for (std::size_t i = 0; i < n; ++i) {
+      const TensorView& v = *leaves_[i].view;
+      switch (kind_[i]) {
+        case leaf_kind::tensor: {
+          std::string nm = name_of(i);
+          *leaves_[i].slot = tensor_node(nm, v);
+          out.tensors.emplace_back(std::move(nm), v);
+          break;
+        }
+        case leaf_kind::alias: *leaves_[i].slot = alias_node(name_of(target_[i])); break;
+        case leaf_kind::view:
+          *leaves_[i].slot = view_node(name_of(target_[i]), ViewSpec{v.dtype(), offset_[i], v.shape(), v.strides()});
+          break;
+      }
+    }
+    out.skeleton = std::move(skel);
+    return out;
+  }
+
+ private:
+  enum class leaf_kind : std::uint8_t { tensor, alias, view };
+  struct leaf {
+    const TensorView* view;
+    json* slot;
+  };
+  struct frame {
+    const Value* node;
+    json* arr[3];  // list/tuple items or dict pairs; for objects args, state, items
+    std::size_t next;
+    std::size_t size;
+    std::size_t prefix_len;
+    bool root;
+  };
+
+  std::vector<leaf> leaves_;
+  std::string arena_;                    // the dotted names of all leaves, back to back
+  std::vector<std::size_t> name_start_;  // leaf i's name is arena_[name_start_[i], name_start_[i + 1])
+  std::vector<leaf_kind> kind_;
+  std::vector<std::uint32_t> target_;
+  std::vector<dim_t> offset_;
+  std::vector<std::uint32_t> rank_;
+  std::string prefix_;
+
+  [[nodiscard]] std::string_view dotted(std::size_t i) const {
+    return std::string_view(arena_).substr(name_start_[i], name_start_[i + 1] - name_start_[i]);
+  }
+
+  static void append_int(std::string& s, std::int64_t v) {
+    char buf[24];
+    auto r = std::to_chars(buf, buf + sizeof buf, v);
+    s.append(buf, r.ptr);
+  }
+
+  /// Writes the skeleton node of a leaf or opens a container (arrays pre-sized, so pointers to
+  /// their elements stay valid). Returns true for a container with children.
+  bool emit(const Value& v, json& slot, frame& f) {
+    switch (v.kind()) {
+      case value_kind::none: return false;
+      case value_kind::boolean: slot = v.as_bool(); return false;
+      case value_kind::integer: slot = v.as_int(); return false;
+      case value_kind::floating: slot = encode_double(v.as_double()); return false;
+      case value_kind::string: slot = encode_string(v.as_string()); return false;
+      case value_kind::bytes: {
+        const auto& b = v.as_bytes().data;
+        json j(json::value_t::object);
+        j.get_ref<json::object_t&>().emplace("bytes", base64_encode(b.data(), b.size()));
+        slot = std::move(j);
+        return false;
+      }
+      case value_kind::tensor:
+        leaves_.push_back({&v.as_tensor(), &slot});
+        if (name_start_.empty()) name_start_.push_back(0);
+        arena_ += prefix_;
+        name_start_.push_back(arena_.size());
+        return false;
+      case value_kind::list:
+      case value_kind::tuple: {
+        const std::size_t n = v.as_list().size();
+        slot = json(json::value_t::object);
+        json& a = slot.get_ref<json::object_t&>()[v.is_list() ? "list" : "tuple"];
+        a = json::array_t(n);
+        f = {&v, {&a, nullptr, nullptr}, 0, n, prefix_.size(), false};
+        return n != 0;
+      }
+      case value_kind::dict: {
+        const Dict& d = v.as_dict();
+        slot = json(json::value_t::object);
+        json& a = slot.get_ref<json::object_t&>()["dict"];
+        a = json::array_t(d.size());
+        f = {&v, {&a, nullptr, nullptr}, 0, d.size(), prefix_.size(), false};
+        return d.size() != 0;
+      }
+      case value_kind::object: {
+        const Object& o = v.as_object();
+        slot = json(json::value_t::object);
+        json& body = slot.get_ref<json::object_t&>()["object"];
+        body = json(json::value_t::object);
+        auto& b = body.get_ref<json::object_t&>();
+        b.emplace("module", encode_string(o.module));
+        b.emplace("name", encode_string(o.name));
+        b.emplace("how", std::string(how_name(o.how)));
+        json& args = b["args"];
+        args = json::array_t(o.args.size());
+        json& state = b["state"];
+        state = json::array_t(o.state.size());
+        json& items = b["items"];
+        items = json::array_t(o.items.size());
+        const std::size_t n = o.args.size() + o.state.size() + o.items.size();
+        f = {&v, {&args, &state, &items}, 0, n, prefix_.size(), false};
+        return n != 0;
+      }
+    }
+    return false;
+  }
+
+  void walk(const Value& root, json& root_slot) {
+    std::vector<frame> stack;
+    frame f{};
+    if (!emit(root, root_slot, f)) return;
+    f.root = true;
+    stack.push_back(f);
+    while (!stack.empty()) {
+      frame& top = stack.back();
+      if (top.next == top.size) {
+        stack.pop_back();
+        continue;
+      }
+      const std::size_t i = top.next++;
+      prefix_.resize(top.prefix_len);
+      if (!top.root) prefix_ += '.';
+      const Value* child = nullptr;
+      json* slot = nullptr;
+      switch (top.node->kind()) {
+        case value_kind::list:
+        case value_kind::tuple:
+          child = &top.node->as_list()[i];
+          slot = &(*top.arr[0])[i];
+          append_int(prefix_, static_cast<std::int64_t>(i));
+          break;
+        case value_kind::dict: {
+          const auto& item = top.node->as_dict().items()[i];
+          json& pair = (*top.arr[0])[i];
+          pair = json::array_t(2);
+          pair[0] = encode_key(item.first);
+          slot = &pair[1];
+          child = &item.second;
+          if (item.first.is_int()) append_int(prefix_, item.first.as_int());
+          else prefix_ += item.first.as_string();
+          break;
+        }
+        default: {
+          const Object& o = top.node->as_object();
+          std::size_t j = i;
+          if (j < o.args.size()) {
+            child = &o.args[j];
+            slot = &(*top.arr[0])[j];
+            prefix_ += "args.";
+            append_int(prefix_, static_cast<std::int64_t>(j));
+            break;
+          }
+          j -= o.args.size();
+          if (j < o.state.size()) {
+            child = &o.state[j];
+            slot = &(*top.arr[1])[j];
+            prefix_ += "state";
+            if (o.state.size() > 1) {
+              prefix_ += '.';
+              append_int(prefix_, static_cast<std::int64_t>(j));
+            }
+            break;
+          }
+          j -= o.state.size();
+          child = &o.items[j];
+          slot = &(*top.arr[2])[j];
+          prefix_ += "items.";
+          append_int(prefix_, static_cast<std::int64_t>(j));
+          break;
+        }
+      }
+      frame nf{};
+      if (emit(*child, *slot, nf)) stack.push_back(nf);  // `top` is dangling from here on
+    }
+  }
+
+  // ---- aliases and views (docs/flatten.md, "Aliases and views")
+
+  static std::uintptr_t start_of(const TensorView& v) noexcept { return reinterpret_cast<std::uintptr_t>(v.data()); }
+
+  static std::uint64_t signature(const TensorView& v) noexcept {
+    std::uint64_t h = start_of(v) * 0x9e3779b97f4a7c15ULL ^ static_cast<std::uint64_t>(v.dtype());
+    auto mix = [&](std::uint64_t x) { h = (h ^ x) * 0x100000001b3ULL + 0x7f4a7c15ULL; };
+    for (dim_t d : v.shape()) mix(static_cast<std::uint64_t>(d));
+    mix(0xffffULL);
+    for (dim_t s : v.strides()) mix(static_cast<std::uint64_t>(s));
+    return h;
+  }
+
+  /// Stable LSD radix sort by address, a byte at a time, skipping bytes all addresses share
+  /// (typically the high ones). Equal addresses keep their pre-order.
+  static void radix_sort(std::vector<std::pair<std::uintptr_t, std::uint32_t>>& v) {
+    constexpr std::size_t digits = sizeof(std::uintptr_t);
+    std::array<std::array<std::size_t, 256>, digits> count{};
+    for (const auto& e : v)
+      for (std::size_t d = 0; d < digits; ++d) ++count[d][(e.first >> (8 * d)) & 255U];
+    std::vector<std::pair<std::uintptr_t, std::uint32_t>> tmp(v.size());
+    for (std::size_t d = 0; d < digits; ++d) {
+      auto& c = count[d];
+      if (std::find(c.begin(), c.end(), v.size()) != c.end()) continue;  // one bucket holds all
+      std::size_t sum = 0;
+      for (auto& x : c) sum += std::exchange(x, sum);
+      for (const auto& e : v) tmp[c[(e.first >> (8 * d)) & 255U]++] = e;
+      v.swap(tmp);
+    }
+  }
+
+  void decide() {
+    const std::size_t n = leaves_.size();
+    kind_.assign(n, leaf_kind::tensor);
+    target_.assign(n, 0);
+    offset_.assign(n, 0);
+    // Zero-element views are never aliased. The rest, sorted by start address, fall into clusters
+    // of transitively overlapping byte ranges; only clusters of two or more need any work.
+    std::vector<std::pair<std::uintptr_t, std::uint32_t>> order;
+    order.reserve(n);
+    for (std::size_t i = 0; i < n; ++i)
+      if (leaves_[i].view->numel() != 0) order.emplace_back(start_of(*leaves_[i].view), static_cast<std::uint32_t>(i));
+    radix_sort(order);
+    std::size_t b = 0;
+    while (b < order.size()) {
+      std::uintptr_t max_end = order[b].first + leaves_[order[b].second].view->extent_bytes();
+      std::size_t e = b + 1;
+      while (e < order.size() && order[e].first < max_end) {
+        max_end = std::max<std::uintptr_t>(max_end, order[e].first + leaves_[order[e].second].view->extent_bytes());
+        ++e;
+      }
+      if (e - b > 1) cluster(order, b, e);
+      b = e;
+    }
+  }
+
+  /// Makes leaf i a view of the tensor node behind leaf j (which contains it), when i starts a
+  /// whole number of elements into that tensor node.
+  bool try_view(std::uint32_t i, std::uint32_t j) {
+    const std::uint32_t base = kind_[j] == leaf_kind::tensor ? j : target_[j];
+    const std::uintptr_t off = start_of(*leaves_[i].view) - start_of(*leaves_[base].view);
+    if (off % leaves_[i].view->itemsize() != 0) return false;
+    kind_[i] = leaf_kind::view;
+    target_[i] = base;
+    offset_[i] = static_cast<dim_t>(off / leaves_[i].view->itemsize());
+    return true;
+  }
+
+  /// Decides aliases and views inside one cluster `order[b, e)` (sorted by start address),
+  /// visiting its leaves in pre-order. A prefix-maximum Fenwick tree per dtype over the address
+  /// ranks answers "which earlier contiguous leaf with start <= p reaches furthest?" in O(log n).
+  void cluster(const std::vector<std::pair<std::uintptr_t, std::uint32_t>>& order, std::size_t b, std::size_t e) {
+    const std::size_t k = e - b;
+    if (rank_.size() != leaves_.size()) rank_.assign(leaves_.size(), 0);
+    std::vector<std::uintptr_t> starts(k);
+    std::vector<std::uint32_t> by_index(k);
+    for (std::size_t j = 0; j < k; ++j) {
+      starts[j] = order[b + j].first;
+      by_index[j] = order[b + j].second;
+      rank_[order[b + j].second] = static_cast<std::uint32_t>(j);
+    }
+    std::sort(by_index.begin(), by_index.end());
+    using entry = std::pair<std::uintptr_t, std::uint32_t>;  // (end, leaf)
+    std::array<std::vector<entry>, dtype_count> fenwick;
+    std::unordered_map<std::uint64_t, std::vector<std::uint32_t>> same;  // signature -> tensor leaves
+    for (std::uint32_t i : by_index) {
+      const TensorView& v = *leaves_[i].view;
+      const std::uintptr_t start = start_of(v);
+      const std::uintptr_t end = start + v.extent_bytes();
+      auto& bucket = same[signature(v)];
+      bool done = false;
+      for (std::uint32_t t : bucket)
+        if (same_view(v, *leaves_[t].view)) {
+          kind_[i] = leaf_kind::alias;
+          target_[i] = t;
+          done = true;
+          break;
+        }
+      if (done) continue;  // its range is already in the tree when it is contiguous
+      auto& fw = fenwick[static_cast<std::size_t>(v.dtype())];
+      if (!fw.empty()) {
+        std::size_t p = static_cast<std::size_t>(std::upper_bound(starts.begin(), starts.end(), start) - starts.begin());
+        entry best{0, 0};
+        for (; p > 0; p &= p - 1) best = std::max(best, fw[p]);
+        if (best.first >= end && best.first != 0) {
+          // `best` contains this view, and so does the tensor node behind it. When the view is
+          // not a whole number of elements from that base (same-dtype views at odd byte offsets,
+          // which PyTorch never makes), look for any earlier container it is aligned with.
+          if (!try_view(i, best.second))
+            for (std::uint32_t j : by_index) {
+              if (j >= i) break;
+              const TensorView& w = *leaves_[j].view;
+              if (w.dtype() == v.dtype() && w.is_contiguous() && start_of(w) <= start &&
+                  start_of(w) + w.extent_bytes() >= end && try_view(i, j))
+                break;
+            }
+        }
+      }
+      if (kind_[i] == leaf_kind::tensor) bucket.push_back(i);
+      if (v.is_contiguous()) {
+        if (fw.empty()) fw.assign(k + 1, entry{0, 0});
+        for (std::size_t p = rank_[i] + 1; p <= k; p += p & (~p + 1)) fw[p] = std::max(fw[p], entry{end, i});
+      }
+    }
+  }
+};
+
+// ------------------------------------------------------------------------------------------------
+// Reading skeletons
+
+[[noreturn]] inline void malformed(std::string detail) { throw_error(errors::flat_malformed, std::move(detail)); }
+
+/// Node kinds of the skeleton format.
+enum class snode : std::uint8_t { none, boolean, integer, floating, string, bytes, tensor, alias, view, list, tuple, dict, object };
+
+struct snode_info {
+  snode kind;
+  const json* node;  ///< the node itself
+  const json* body;  ///< the value under the node's discriminating key (the node itself for scalars)
+};
+
+inline bool is_container(snode k) noexcept { return k == snode::list || k == snode::tuple || k == snode::dict || k == snode::object; }
+
+/// The kind a node-object key announces; `none` for other keys (ignored, for forward compatibility).
+inline snode discriminator(std::string_view k) noexcept {
+  switch (k.size()) {
+    case 4:
+      if (k == "dict") return snode::dict;
+      if (k == "list") return snode::list;
+      break;
+    case 5:
+      if (k == "float") return snode::floating;
+      if (k == "bytes") return snode::bytes;
+      if (k == "alias") return snode::alias;
+      if (k == "tuple") return snode::tuple;
+      break;
+    case 6:
+      if (k == "tensor") return snode::tensor;
+      if (k == "object") return snode::object;
+      break;
+    case 7:
+      if (k == "view_of") return snode::view;
+      break;
+    case 9:
+      if (k == "str_bytes") return snode::string;
+      break;
+    default: break;
+  }
+  return snode::none;
+}
+
+inline snode_info classify(const json& j) {
+  switch (j.type()) {
+    case json::value_t::null: return {snode::none, &j, &j};
+    case json::value_t::boolean: return {snode::boolean, &j, &j};
+    case json::value_t::number_integer:
+    case json::value_t::number_unsigned: return {snode::integer, &j, &j};
+    case json::value_t::number_float: return {snode::floating, &j, &j};
+    case json::value_t::string: return {snode::string, &j, &j};
+    case json::value_t::object: {
+      snode kind = snode::none;
+      const json* body = nullptr;
+      const std::string* key = nullptr;
+      for (const auto& [k, v] : j.get_ref<const json::object_t&>()) {
+        const snode d = discriminator(k);
+        if (d == snode::none) continue;
+        if (body) malformed("a node has both " + quote(*key) + " and " + quote(k));
+        kind = d;
+        body = &v;
+        key = &k;
+      }
+      if (!body) malformed("a node object has none of the keys float, bytes, str_bytes, tensor, alias, view_of, dict, list, tuple, object");
+      bool ok = false;
+      switch (kind) {
+        case snode::list:
+        case snode::tuple:
+        case snode::dict: ok = body->is_array(); break;
+        case snode::object: ok = body->is_object(); break;
+        default: ok = body->is_string(); break;
+      }
+      if (!ok) malformed("the value of " + quote(*key) + " is a JSON " + std::string(body->type_name()));
+      return {kind, &j, body};
+    }
+    default: malformed("a node is a JSON " + std::string(j.type_name()));
+  }
+}
+
+/// A JSON integer as int64 (JSON unsigned integers above 2^63-1 are out of range).
+inline std::int64_t json_int(const json& j, std::string_view what) {
+  if (j.is_number_unsigned()) {
+    const auto u = j.get<std::uint64_t>();
+    if (u > static_cast<std::uint64_t>(INT64_MAX)) malformed(std::string(what) + " " + std::to_string(u) + " exceeds 2^63-1");
+    return static_cast<std::int64_t>(u);
+  }
+  if (!j.is_number_integer()) malformed(std::string(what) + " is a JSON " + std::string(j.type_name()) + ", not an integer");
+  return j.get<std::int64_t>();
+}
+
+inline std::string decode_str_bytes(const json& b64) {
+  std::vector<std::uint8_t> raw;
+  if (!base64_decode(b64.get_ref<const std::string&>(), raw)) malformed("\"str_bytes\" is not valid base64");
+  return std::string(raw.begin(), raw.end());
+}
+
+/// A dict KEY: JSON string, JSON integer, or {"str_bytes": base64}.
+inline Key decode_key(const json& k) {
+  if (k.is_string()) return Key(k.get_ref<const std::string&>());
+  if (k.is_number_integer()) return Key(json_int(k, "an int key"));
+  if (k.is_object() && k.size() == 1) {
+    auto it = k.find("str_bytes");
+    if (it != k.end() && it->is_string()) return Key(decode_str_bytes(*it));
+  }
+  malformed("a dict key is a JSON " + std::string(k.type_name()) + "; keys are strings, integers or {\"str_bytes\": ...}");
+}
+
+inline std::string decode_string(const snode_info& n) {
+  if (n.node == n.body) return n.body->get_ref<const std::string&>();
+  return decode_str_bytes(*n.body);
+}
+
+inline double decode_float(const snode_info& n) {
+  if (n.node == n.body) return n.body->get<double>();
+  const std::string& s = n.body->get_ref<const std::string&>();
+  if (s == "nan") return std::bit_cast<double>(0x7ff8000000000000ULL);
+  if (s == "inf") return std::bit_cast<double>(0x7ff0000000000000ULL);
+  if (s == "-inf") return std::bit_cast<double>(0xfff0000000000000ULL);
+  if (s.size() == 18 && s[0] == '0' && (s[1] == 'x' || s[1] == 'X')) {
+    std::uint64_t bits = 0;
+    auto r = std::from_chars(s.data() + 2, s.data() + s.size(), bits, 16);
+    if (r.ec == std::errc() && r.ptr == s.data() + s.size() && s[2] != '+' && s[2] != '-') return std::bit_cast<double>(bits);
+  }
+  malformed("\"float\" is " + quote(s) + "; expected \"nan\", \"inf\", \"-inf\" or \"0x\" and 16 hex digits");
+}
+
+/// A scalar leaf node (None, bool, int, float, str, bytes) as a Value.
+inline Value decode_scalar(const snode_info& n) {
+  switch (n.kind) {
+    case snode::none: return Value();
+    case snode::boolean: return Value(n.body->get<bool>());
+    case snode::integer: return Value(json_int(*n.body, "an integer"));
+    case snode::floating: return Value(decode_float(n));
+    case snode::string: return Value(decode_string(n));
+    case snode::bytes: {
+      Bytes b;
+      if (!base64_decode(n.body->get_ref<const std::string&>(), b.data)) malformed("\"bytes\" is not valid base64");
+      return Value(std::move(b));
+    }
+    default: malformed("internal: not a scalar node");
+  }
+}
+
+/// The member `key` of a node object, required to have JSON type `t`.
+inline const json& member(const json& node, const char* key, json::value_t t, const char* what) {
+  const auto& o = node.get_ref<const json::object_t&>();
+  auto it = o.find(key);
+  if (it == o.end()) malformed(std::string(what) + " has no " + quote(key));
+  const bool ok = t == json::value_t::number_integer ? it->second.is_number_integer() : it->second.type() == t;
+  if (!ok) malformed(std::string(what) + ": " + quote(key) + " is a JSON " + std::string(it->second.type_name()));
+  return it->second;
+}
+
+inline statedict::dtype member_dtype(const json& node, const char* what) {
+  const std::string& s = member(node, "dtype", json::value_t::string, what).get_ref<const std::string&>();
+  auto d = dtype_from_name(s);
+  if (!d) malformed(std::string(what) + ": unknown dtype " + quote(s));
+  return *d;
+}
+
+inline shape_t dims(const json& arr, const char* key, const char* what) {
+  const auto& a = arr.get_ref<const json::array_t&>();
+  shape_t s;
+  s.reserve(a.size());
+  for (const json& d : a) {
+    const std::int64_t x = json_int(d, std::string(what) + " " + key + " entry");
+    if (x < 0) malformed(std::string(what) + ": " + key + " has a negative entry " + std::to_string(x));
+    s.push_back(x);
+  }
+  return s;
+}
+
+inline shape_t member_dims(const json& node, const char* key, const char* what) {
+  return dims(member(node, key, json::value_t::array, what), key, what);
+}
+
+inline ViewSpec decode_view(const snode_info& n) {
+  ViewSpec s;
+  s.dtype = member_dtype(*n.node, "a view_of node");
+  s.offset = json_int(member(*n.node, "offset", json::value_t::number_integer, "a view_of node"), "a view_of offset");
+  if (s.offset < 0) malformed("a view_of node has a negative offset");
+  s.shape = member_dims(*n.node, "shape", "a view_of node");
+  s.strides = member_dims(*n.node, "strides", "a view_of node");
+  if (s.shape.size() != s.strides.size())
+    malformed("a view_of node has " + std::to_string(s.shape.size()) + " sizes and " + std::to_string(s.strides.size()) + " strides");
+  return s;
+}
+
+/// A string member of a node object: a JSON string or {"str_bytes": base64}.
+inline std::string member_string(const json& node, const char* key, const char* what) {
+  const auto& o = node.get_ref<const json::object_t&>();
+  auto it = o.find(key);
+  if (it == o.end()) malformed(std::string(what) + " has no " + quote(key));
+  if (it->second.is_string()) return it->second.get_ref<const std::string&>();
+  if (it->second.is_object()) {
+    const snode_info n = classify(it->second);
+    if (n.kind == snode::string) return decode_string(n);
+  }
+  malformed(std::string(what) + ": " + quote(key) + " is not a string");
+}
+
+inline Object decode_object_header(const json& body) {
+  Object o;
+  o.module = member_string(body, "module", "an object node");
+  o.name = member_string(body, "name", "an object node");
+  const std::string& how = member(body, "how", json::value_t::string, "an object node").get_ref<const std::string&>();
+  if (how == "global") o.how = object_build::global;
+  else if (how == "reduce") o.how = object_build::reduce;
+  else if (how == "newobj") o.how = object_build::newobj;
+  else malformed("an object node has \"how\" " + quote(how) + "; expected global, reduce or newobj");
+  return o;
+}
+
+/// Where a node sits in its parent.
+enum class slot_kind : std::uint8_t { root, index, dict, args, state, items };
+
+/// Iterates a skeleton's nodes in pre-order without recursion, as events: `enter` (a container,
+/// before its children), `leaf`, `leave` (after a container's children), `done`. Validates the
+/// structure it walks (node kinds, dict pairs and keys, object parts); leaf contents are decoded
+/// by the caller.
+class skeleton_cursor {
+ public:
+  enum class ev : std::uint8_t { leaf, enter, leave, done };
+  struct event {
+    ev type;
+    snode_info node;
+    slot_kind slot;
+    std::size_t index;   ///< list index, or index within an object part
+    std::size_t part_size;  ///< size of the object part (for "state" paths)
+    Key key;             ///< the dict key (slot_kind::dict), else 0
+  };
+
+  explicit skeleton_cursor(const json& root) : root_(&root) {}
+
+  event next() {
+    if (!started_) {
+      started_ = true;
+      snode_info n = classify(*root_);
+      if (is_container(n.kind)) push(n);
+      return {is_container(n.kind) ? ev::enter : ev::leaf, n, slot_kind::root, 0, 0, Key(0)};
+    }
+    if (stack_.empty()) return {ev::done, {snode::none, nullptr, nullptr}, slot_kind::root, 0, 0, Key(0)};
+    frame& f = stack_.back();
+    if (f.next == f.size) {
+      snode_info n = f.info;
+      stack_.pop_back();
+      return {ev::leave, n, slot_kind::root, 0, 0, Key(0)};
+    }
+    const std::size_t i = f.next++;
+    const json* child = nullptr;
+    event e{ev::leaf, {}, slot_kind::index, i, 0, Key(0)};
+    switch (f.info.kind) {
+      case snode::list:
+      case snode::tuple: child = &(*f.parts[0])[i]; break;
+      case snode::dict: {
+        const json& pair = (*f.parts[0])[i];
+        if (!pair.is_array() || pair.size() != 2) malformed("a dict entry is not a [KEY, NODE] pair");
+        e.slot = slot_kind::dict;
+        e.key = decode_key(pair[0]);
+        child = &pair[1];
+        break;
+      }
+      default: {
+        std::size_t j = i;
+        std::size_t p = 0;
+        while (j >= f.part_size[p]) j -= f.part_size[p++];
+        child = &(*f.parts[p])[j];
+        e.slot = p == 0 ? slot_kind::args : p == 1 ? slot_kind::state : slot_kind::items;
+        e.index = j;
+        e.part_size = f.part_size[p];
+        break;
+      }
+    }
+    e.node = classify(*child);
+    if (is_container(e.node.kind)) {
+      e.type = ev::enter;
+      push(e.node);  // `f` is dangling from here on
+    }
+    return e;
+  }
+
+  /// After an `enter`: skip that container's children (its `leave` comes next).
+  void skip() {
+    if (!stack_.empty()) stack_.back().next = stack_.back().size;
+  }
+
+  /// The path of the node last returned (for messages; an undecodable key shows as "?").
+  [[nodiscard]] Path path() const {
+    Path p;
+    for (const frame& f : stack_) {
+      if (f.next == 0) continue;
+      const std::size_t i = f.next - 1;
+      switch (f.info.kind) {
+        case snode::list:
+        case snode::tuple: p.emplace_back(static_cast<std::int64_t>(i)); break;
+        case snode::dict: {
+          const json& pair = (*f.parts[0])[i];
+          try {
+            p.push_back(decode_key(pair.at(0)));
+          } catch (...) {
+            p.emplace_back("?");
+          }
+          break;
+        }
+        default: {
+          std::size_t j = i;
+          std::size_t k = 0;
+          while (j >= f.part_size[k]) j -= f.part_size[k++];
+          p.emplace_back(k == 0 ? "args" : k == 1 ? "state" : "items");
+          if (k != 1 || f.part_size[1] > 1) p.emplace_back(static_cast<std::int64_t>(j));
+          break;
+        }
+      }
+    }
+    return p;
+  }
+
+  [[nodiscard]] std::size_t depth() const noexcept { return stack_.size(); }
+
+ private:
+  struct frame {
+    snode_info info;
+    const json* parts[3];
+    std::size_t part_size[3];
+    std::size_t next;
+    std::size_t size;
+  };
+
+  void push(const snode_info& n) {
+    frame f{n, {nullptr, nullptr, nullptr}, {0, 0, 0}, 0, 0};
+    if (n.kind == snode::object) {
+      static constexpr const char* names[3] = {"args", "state", "items"};
+      for (int p = 0; p < 3; ++p) {
+        const json& a = member(*n.body, names[p], json::value_t::array, "an object node");
+        f.parts[p] = &a;
+        f.part_size[p] = a.size();
+      }
+      f.size = f.part_size[0] + f.part_size[1] + f.part_size[2];
+    } else {
+      f.parts[0] = n.body;
+      f.size = n.body->size();
+      f.part_size[0] = f.size;
+    }
+    stack_.push_back(f);
+  }
+
+  const json* root_;
+  bool started_ = false;
+  std::vector<frame> stack_;
+};
+
+/// Appends the path keys of an event's node to `p`; returns how many.
+inline std::size_t push_event_keys(Path& p, const skeleton_cursor::event& e) {
+  switch (e.slot) {
+    case slot_kind::root: return 0;
+    case slot_kind::index: p.emplace_back(static_cast<std::int64_t>(e.index)); return 1;
+    case slot_kind::dict: p.push_back(e.key); return 1;
+    case slot_kind::state:
+      p.emplace_back("state");
+      if (e.part_size > 1) {
+        p.emplace_back(static_cast<std::int64_t>(e.index));
+        return 2;
+      }
+      return 1;
+    case slot_kind::args:
+    case slot_kind::items:
+      p.emplace_back(e.slot == slot_kind::args ? "args" : "items");
+      p.emplace_back(static_cast<std::int64_t>(e.index));
+      return 2;
+  }
+  return 0;
+}
+
+/// The "root" node of a skeleton document, after checking the header.
+inline const json& skeleton_root(const json& skeleton) {
+  if (!skeleton.is_object()) malformed("the skeleton is a JSON " + std::string(skeleton.type_name()) + ", not an object");
+  auto v = skeleton.find("statedict_skeleton");
+  if (v == skeleton.end()) malformed("the skeleton has no \"statedict_skeleton\" version");
+  if (!v->is_number_integer()) malformed("\"statedict_skeleton\" is a JSON " + std::string(v->type_name()));
+  if (*v != 1)
+    throw_error(errors::flat_version, "skeleton version " + v->dump() + "; this statedict reads version 1");
+  auto r = skeleton.find("root");
+  if (r == skeleton.end()) malformed("the skeleton has no \"root\"");
+  return *r;
+}
+
+/// The tensors an unflatten may use, by name.
+class tensor_table {
+ public:
+  static constexpr std::uint32_t npos = name_index::npos;
+
+  void reserve(std::size_t n) {
+    index_.reserve(n);
+    names_.reserve(n);
+    views_.reserve(n);
+  }
+  void add(std::string_view name, const TensorView* v) {
+    if (index_.insert(name, static_cast<std::uint32_t>(views_.size())) != npos)
+      throw_error(errors::flat_duplicate_name, "tensor map", "the name " + quote(name) + " appears twice");
+    names_.push_back(name);
+    views_.push_back(v);
+  }
+  [[nodiscard]] std::uint32_t find(std::string_view name) const { return index_.find(name); }
+  [[nodiscard]] std::size_t size() const noexcept { return views_.size(); }
+  [[nodiscard]] std::string_view name(std::uint32_t i) const { return names_[i]; }
+  [[nodiscard]] const TensorView& view(std::uint32_t i) const { return *views_[i]; }
+  [[nodiscard]] bool declared(std::uint32_t i) const { return declared_.size() > i && declared_[i]; }
+  void declare(std::uint32_t i) {
+    if (declared_.size() != views_.size()) declared_.assign(views_.size(), 0);
+    declared_[i] = 1;
+  }
+
+ private:
+  name_index index_;
+  std::vector<std::string_view> names_;
+  std::vector<const TensorView*> views_;
+  std::vector<std::uint8_t> declared_;
+};
+
+inline bool shape_equals(const json& arr, const shape_t& s) {
+  const auto& a = arr.get_ref<const json::array_t&>();
+  if (a.size() != s.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i)
+    if (!a[i].is_number_integer() || a[i] != s[i]) return false;
+  return true;
+}
+
+/// The Value of a tensor, alias or view_of node, checked against the tensor table.
+inline Value decode_tensorish(const snode_info& n, tensor_table& tt) {
+  const std::string& name = n.body->get_ref<const std::string&>();
+  const std::uint32_t i = tt.find(name);
+  if (n.kind == snode::tensor) {
+    // One pass over the node's members (this is the hot path of unflatten).
+    const json* dtype_j = nullptr;
+    const json* shape_j = nullptr;
+    for (const auto& [k, v] : n.node->get_ref<const json::object_t&>()) {
+      if (k == "dtype") dtype_j = &v;
+      else if (k == "shape") shape_j = &v;
+    }
+    if (!dtype_j || !dtype_j->is_string() || !shape_j || !shape_j->is_array()) {
+      (void)member(*n.node, "dtype", json::value_t::string, "a tensor node");  // names what is wrong
+      (void)member(*n.node, "shape", json::value_t::array, "a tensor node");
+    }
+    const std::string& dname = dtype_j->get_ref<const std::string&>();
+    const std::optional<statedict::dtype> dt = dtype_from_name(dname);
+    if (!dt) malformed("a tensor node: unknown dtype " + quote(dname));
+    if (i == tensor_table::npos) throw_error(errors::flat_missing_tensor, "tensor " + quote(name) + " is not in the tensor map");
+    if (tt.declared(i)) throw_error(errors::flat_duplicate_name, "tensor " + quote(name) + " is declared by two tensor nodes");
+    const TensorView& v = tt.view(i);
+    if (*dt != v.dtype())
+      throw_error(errors::flat_tensor_dtype, "tensor " + quote(name) + " is " + std::string(statedict::name(v.dtype())) +
+                                                 " in the tensor map, " + std::string(statedict::name(*dt)) + " in the skeleton");
+    if (!shape_equals(*shape_j, v.shape())) {
+      (void)dims(*shape_j, "shape", "a tensor node");  // a malformed shape is a format error, not a mismatch
+      throw_error(errors::flat_tensor_shape, "tensor " + quote(name) + " has shape " + to_string(v.shape()) +
+                                                 " in the tensor map, " + shape_j->dump() + " in the skeleton");
+    }
+    tt.declare(i);
+    return Value(v);
+  }
+  const char* what = n.kind == snode::alias ? "alias" : "view_of";
+  std::optional<ViewSpec> spec;
+  if (n.kind == snode::view) spec = decode_view(n);
+  if (i == tensor_table::npos)
+    throw_error(errors::flat_missing_tensor, std::string(what) + " target " + quote(name) + " is not in the tensor map");
+  if (!tt.declared(i))
+    throw_error(errors::flat_bad_alias, std::string(what) + " target " + quote(name) + " is not declared by an earlier tensor node");
+  if (!spec) return Value(tt.view(i));
+  try {
+    return Value(view_into(tt.view(i), *spec));
+  } catch (error& e) {
+    e.add_context("view of " + quote(name));
+    throw;
+  }
+}
+
+/// Detects a repeated key while a Dict is filled with append_unchecked: a linear scan while the
+/// dict is small, an open-addressing index of item positions beyond (no allocation per key).
+class key_set {
+ public:
+  /// True when the dict's last key does not occur earlier in it.
+  bool last_is_new(const Dict& d) {
+    const auto& items = d.items();
+    const std::size_t last = items.size() - 1;
+    const Key& k = items[last].first;
+    if (last < linear_limit) {
+      for (std::size_t j = 0; j < last; ++j)
+        if (items[j].first == k) return false;
+      return true;
+    }
+    if ((last + 1) * 2 > slots_.size()) rebuild(items, last);
+    const std::size_t mask = slots_.size() - 1;
+    for (std::size_t p = k.hash() & mask;; p = (p + 1) & mask) {
+      if (slots_[p] == empty) {
+        slots_[p] = static_cast<std::uint32_t>(last);
+        return true;
+      }
+      if (items[slots_[p]].first == k) return false;
+    }
+  }
+
+ private:
+  static constexpr std::size_t linear_limit = 16;
+  static constexpr std::uint32_t empty = UINT32_MAX;
+  void rebuild(const std::vector<Dict::item>& items, std::size_t n) {
+    std::size_t cap = 64;
+    while (cap < (n + 1) * 4) cap *= 2;
+    slots_.assign(cap, empty);
+    const std::size_t mask = cap - 1;
+    for (std::size_t j = 0; j < n; ++j) {
+      std::size_t p = items[j].first.hash() & mask;
+      while (slots_[p] != empty) p = (p + 1) & mask;
+      slots_[p] = static_cast<std::uint32_t>(j);
+    }
+  }
+  std::vector<std::uint32_t> slots_;
+};
+
+/// Builds the Value of skeleton node `root` (a NODE, not the document). Tensor-like nodes need
+/// `tt`; without one they are an error.
+inline Value build_tree(const json& root, tensor_table* tt) {
+  skeleton_cursor cur(root);
+  Value result;
+  struct open_container {
+    Value* value;
+    key_set keys;  // for dicts
+  };
+  std::vector<open_container> stack;
+  try {
+    for (;;) {
+      skeleton_cursor::event e = cur.next();
+      if (e.type == skeleton_cursor::ev::done) break;
+      if (e.type == skeleton_cursor::ev::leave) {
+        stack.pop_back();
+        continue;
+      }
+      Value* slot = &result;
+      if (!stack.empty()) {
+        Value& parent = *stack.back().value;
+        switch (e.slot) {
+          case slot_kind::index: slot = &parent.as_list().emplace_back(); break;
+          case slot_kind::dict: {
+            Dict& d = parent.as_dict();
+            slot = &d.append_unchecked(std::move(e.key), Value());
+            if (!stack.back().keys.last_is_new(d)) throw_error(errors::flat_duplicate_key, "the dict repeats this key");
+            break;
+          }
+          case slot_kind::args: slot = &parent.as_object().args.emplace_back(); break;
+          case slot_kind::state: slot = &parent.as_object().state.emplace_back(); break;
+          case slot_kind::items: slot = &parent.as_object().items.emplace_back(); break;
+          case slot_kind::root: break;
+        }
+      }
+      const snode_info& n = e.node;
+      switch (n.kind) {
+        case snode::list:
+        case snode::tuple: {
+          List l;
+          l.reserve(n.body->size());
+          *slot = n.kind == snode::list ? Value::list(std::move(l)) : Value::tuple(std::move(l));
+          stack.push_back({slot, {}});
+          break;
+        }
+        case snode::dict: {
+          Dict d;
+          d.reserve(n.body->size());
+          *slot = Value(std::move(d));
+          stack.push_back({slot, {}});
+          break;
+        }
+        case snode::object: {
+          Object o = decode_object_header(*n.body);
+          o.args.reserve((*n.body)["args"].size());
+          o.state.reserve((*n.body)["state"].size());
+          o.items.reserve((*n.body)["items"].size());
+          *slot = Value(std::move(o));
+          stack.push_back({slot, {}});
+          break;
+        }
+        case snode::tensor:
+        case snode::alias:
+        case snode::view:
+          if (!tt) malformed("internal: a tensor node where none is expected");
+          *slot = decode_tensorish(n, *tt);
+          break;
+        default: *slot = decode_scalar(n); break;
+      }
+    }
+  } catch (error& err) {
+    const Path p = cur.path();
+    err.add_context(p.empty() ? std::string("skeleton root") : "skeleton node " + quote(dotted(p)));
+    throw;
+  }
+  return result;
+}
+
+inline Value unflatten_impl(tensor_table& tt, const json& skeleton) {
+  if (skeleton.is_null()) {
+    // No skeleton: a flat dict of the tensors, in order (what a plain safetensors file is).
+    Dict d;
+    d.reserve(tt.size());
+    for (std::uint32_t i = 0; i < tt.size(); ++i) d.insert(std::string(tt.name(i)), Value(tt.view(i)));
+    return Value(std::move(d));
+  }
+  Value v = build_tree(skeleton_root(skeleton), &tt);
+  for (std::uint32_t i = 0; i < tt.size(); ++i)
+    if (!tt.declared(i))
+      throw_error(errors::flat_extra_tensor, "tensor map",
+                  "tensor " + quote(tt.name(i)) + " is not declared by any tensor node of the skeleton");
+  return v;
+}
+
+template <class R>
+concept named_tensor_range = requires(const R& r) {
+  std::begin(r);
+  std::end(r);
+  requires std::convertible_to<decltype(std::begin(r)->first), std::string_view>;
+  requires std::convertible_to<decltype(std::begin(r)->second), TensorView>;
+};
+
+}  // namespace detail
+
+// ================================================================================================
+// Public API
+
+/// Flattens a tree: its tensors by name, in pre-order, plus the skeleton (docs/flatten.md).
+/// Tensors reached twice as the very same view become `alias` nodes; views whose bytes lie inside
+/// an earlier contiguous tensor of the same dtype become `view_of` nodes; each is stored once.
+inline FlatStateDict flatten(const Value& tree) { return detail::flattener().run(tree); }
+
+/// Rebuilds the tree from any name -> tensor collection (a NamedTensors list, std::map or
+/// std::unordered_map of TensorView or Tensor, ...) and a skeleton. The result equals (==) the
+/// flattened tree. Throws a statedict error naming the node or tensor when they do not match:
+/// flat_malformed, flat_version, flat_missing_tensor, flat_extra_tensor, flat_tensor_dtype,
+/// flat_tensor_shape, flat_duplicate_name, flat_bad_alias, flat_view_bounds, flat_view_base,
+/// flat_duplicate_key. A null skeleton means a flat dict of the tensors in order.
+template <detail::named_tensor_range Tensors>
+Value unflatten(const Tensors& tensors, const nlohmann::json& skeleton) {
+  detail::tensor_table tt;
+  if constexpr (requires { tensors.size(); }) tt.reserve(tensors.size());
+  std::deque<TensorView> converted;  // for collections of Tensor (or other views convertible to TensorView)
+  for (const auto& entry : tensors) {
+    if constexpr (std::is_same_v<std::remove_cvref_t<decltype(entry.second)>, TensorView>)
+      tt.add(std::string_view(entry.first), &entry.second);
+    else
+      tt.add(std::string_view(entry.first), &converted.emplace_back(TensorView(entry.second)));
+  }
+  return detail::unflatten_impl(tt, skeleton);
+}
+
+inline Value unflatten(const FlatStateDict& flat) { return unflatten(flat.tensors, flat.skeleton); }
+
+/// The skeleton of a flat dict of named tensors in order: what a plain safetensors file is.
+/// Elements are (name, TensorView-or-Tensor) pairs, or records with `.name`, `.dtype` and `.shape`
+/// (such as ShardedCheckpoint's TensorInfo). No alias detection: build a Dict and flatten it for that.
+template <class Range>
+nlohmann::json flat_skeleton(const Range& tensors) {
+  using json = nlohmann::json;
+  json::array_t pairs;
+  if constexpr (requires { tensors.size(); }) pairs.reserve(tensors.size());
+  for (const auto& t : tensors) {
+    json node(json::value_t::object);
+    auto& o = node.get_ref<json::object_t&>();
+    std::string name;
+    if constexpr (requires { t.name; t.dtype; t.shape; }) {
+      name = std::string(t.name);
+      o.emplace("dtype", std::string(statedict::name(t.dtype)));
+      o.emplace("shape", detail::shape_json(t.shape));
+    } else {
+      name = std::string(t.first);
+      const TensorView v(t.second);
+      o.emplace("dtype", std::string(statedict::name(v.dtype())));
+      o.emplace("shape", detail::shape_json(v.shape()));
+    }
+    o.emplace("tensor", name);
+    json pair = json::array_t(2);
+    pair[0] = detail::encode_string(name);
+    pair[1] = std::move(node);
+    pairs.push_back(std::move(pair));
+  }
+  json root(json::value_t::object);
+  root.get_ref<json::object_t&>().emplace("dict", std::move(pairs));
+  json skel(json::value_t::object);
+  skel.get_ref<json::object_t&>().emplace("statedict_skeleton", 1);
+  skel.get_ref<json::object_t&>().emplace("root", std::move(root));
+  return skel;
+}
+
+/// A tensor node of a skeleton: the name it has in the tensor map, its dtype and shape.
+struct SkeletonTensor {
+  std::string name;
+  statedict::dtype dtype = statedict::dtype::F32;
+  shape_t shape;
+  friend bool operator==(const SkeletonTensor&, const SkeletonTensor&) = default;
+};
+
+/// The tensor nodes of a skeleton in pre-order (the tensors a writer must store).
+inline std::vector<SkeletonTensor> skeleton_tensors(const nlohmann::json& skeleton) {
+  std::vector<SkeletonTensor> out;
+  detail::skeleton_cursor cur(detail::skeleton_root(skeleton));
+  try {
+    for (;;) {
+      auto e = cur.next();
+      if (e.type == detail::skeleton_cursor::ev::done) break;
+      if (e.type != detail::skeleton_cursor::ev::leaf || e.node.kind != detail::snode::tensor) continue;
+      out.push_back({e.node.body->get<std::string>(), detail::member_dtype(*e.node.node, "a tensor node"),
+                     detail::member_dims(*e.node.node, "shape", "a tensor node")});
+    }
+  } catch (error& err) {
+    err.add_context("skeleton node " + quote(dotted(cur.path())));
+    throw;
+  }
+  return out;
+}
+
+namespace detail {
+
+/// Walks a skeleton with the path of every node: f(event, path) for leaf and enter events, and
+/// for leave events (with the container's path).
+template <class F>
+void walk_skeleton(const json& skeleton, F&& f) {
+  skeleton_cursor cur(skeleton_root(skeleton));
+  Path path;
+  std::vector<std::size_t> nkeys;
+  try {
+    for (;;) {
+      auto e = cur.next();
+      if (e.type == skeleton_cursor::ev::done) break;
+      if (e.type == skeleton_cursor::ev::leave) {
+        f(e, std::as_const(path), cur);
+        pop_keys(path, nkeys.back());
+        nkeys.pop_back();
+        continue;
+      }
+      const std::size_t k = push_event_keys(path, e);
+      f(e, std::as_const(path), cur);
+      if (e.type == skeleton_cursor::ev::enter) nkeys.push_back(k);
+      else pop_keys(path, k);
+    }
+  } catch (error& err) {
+    const Path p = cur.path();
+    err.add_context(p.empty() ? std::string("skeleton root") : "skeleton node " + quote(dotted(p)));
+    throw;
+  }
+}
+
+/// Every tensor, alias and view_of node of a skeleton in pre-order, with its listing name:
+/// tensor nodes keep their map name; alias and view_of nodes get a name by the flatten naming
+/// rule over the same group, so the names of all three are unique together.
+struct tensorish {
+  snode kind;
+  const json* node;
+  std::string target;  ///< the map name the node declares or refers to
+  std::string name;    ///< listing name (== target for tensor nodes)
+  Path path;
+};
+
+inline std::vector<tensorish> list_tensorish(const json& skeleton) {
+  std::vector<tensorish> out;
+  walk_skeleton(skeleton, [&](const skeleton_cursor::event& e, const Path& p, skeleton_cursor&) {
+    if (e.type != skeleton_cursor::ev::leaf) return;
+    const snode k = e.node.kind;
+    if (k != snode::tensor && k != snode::alias && k != snode::view) return;
+    out.push_back({k, e.node.node, e.node.body->get<std::string>(), {}, p});
+  });
+  std::vector<std::string> dotted_names;
+  std::vector<const std::string*> fixed;
+  dotted_names.reserve(out.size());
+  fixed.reserve(out.size());
+  for (const auto& t : out) {
+    dotted_names.push_back(dotted(t.path));
+    fixed.push_back(t.kind == snode::tensor ? &t.target : nullptr);
+  }
+  auto names = assign_names(
+      out.size(), [&](std::size_t i) -> const std::string& { return dotted_names[i]; }, fixed,
+      [&](std::size_t i) { return quoted_name(out[i].path); });
+  for (std::size_t i = 0; i < out.size(); ++i) out[i].name = names ? std::move((*names)[i]) : dotted_names[i];
+  return out;
+}
+
+}  // namespace detail
+
+/// The alias and view_of nodes of a skeleton as (name, target) pairs in pre-order: `name` is the
+/// node's own name (the naming rule of docs/flatten.md, unique among tensor names), `target` the
+/// map name of the tensor whose storage it shares.
+inline std::vector<std::pair<std::string, std::string>> skeleton_aliases(const nlohmann::json& skeleton) {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (auto& t : detail::list_tensorish(skeleton))
+    if (t.kind != detail::snode::tensor) out.emplace_back(std::move(t.name), std::move(t.target));
+  return out;
+}
+
+/// The non-tensor leaves of a skeleton as (name, value) pairs in pre-order: None, bool, int,
+/// float, str and bytes leaves, and each outermost opaque object holding no tensor as one value.
+/// (Empty containers are not leaves.) Names follow the naming rule of docs/flatten.md among the
+/// values: the dotted name when unique, else the quoted name (a `#k` suffix as a last resort).
+inline std::vector<std::pair<std::string, Value>> skeleton_values(const nlohmann::json& skeleton) {
+  using ev = detail::skeleton_cursor::ev;
+  // Pass 1: which object nodes hold a tensor, alias or view_of node somewhere below them.
+  std::unordered_set<const nlohmann::json*> holds_tensor;
+  {
+    std::vector<const nlohmann::json*> objects;  // enclosing object nodes
+    detail::walk_skeleton(skeleton, [&](const detail::skeleton_cursor::event& e, const Path&, detail::skeleton_cursor&) {
+      const detail::snode k = e.node.kind;
+      if (k == detail::snode::object) {
+        if (e.type == ev::enter) objects.push_back(e.node.node);
+        else if (e.type == ev::leave) objects.pop_back();
+        return;
+      }
+      if (e.type != ev::leaf || (k != detail::snode::tensor && k != detail::snode::alias && k != detail::snode::view)) return;
+      // Mark the enclosing objects, innermost first, up to one marked before.
+      for (auto it = objects.rbegin(); it != objects.rend(); ++it)
+        if (!holds_tensor.insert(*it).second) break;
+    });
+  }
+  std::vector<Path> paths;
+  std::vector<Value> values;
+  detail::walk_skeleton(skeleton, [&](const detail::skeleton_cursor::event& e, const Path& p, detail::skeleton_cursor& cur) {
+    const detail::snode k = e.node.kind;
+    if (e.type == ev::enter && k == detail::snode::object && !holds_tensor.count(e.node.node)) {
+      paths.push_back(p);
+      values.push_back(detail::build_tree(*e.node.node, nullptr));
+      cur.skip();
+      return;
+    }
+    if (e.type != ev::leaf || k == detail::snode::tensor || k == detail::snode::alias || k == detail::snode::view) return;
+    paths.push_back(p);
+    values.push_back(detail::decode_scalar(e.node));
+  });
+  std::vector<std::string> dotted_names;
+  dotted_names.reserve(paths.size());
+  for (const auto& p : paths) dotted_names.push_back(dotted(p));
+  auto names = detail::assign_names(
+      paths.size(), [&](std::size_t i) -> const std::string& { return dotted_names[i]; }, {},
+      [&](std::size_t i) { return detail::quoted_name(paths[i]); });
+  std::vector<std::pair<std::string, Value>> out;
+  out.reserve(values.size());
+  for (std::size_t i = 0; i < values.size(); ++i)
+    out.emplace_back(names ? std::move((*names)[i]) : std::move(dotted_names[i]), std::move(values[i]));
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Subsets (`convert --only PREFIX`)
+
+/// A tensor of a subset skeleton: its name there, the map name of the tensor its elements come
+/// from, and, when it was a view of a tensor the subset dropped, which elements (`view`).
+struct SubsetTensor {
+  std::string name;
+  std::string source;
+  std::optional<ViewSpec> view;
+  friend bool operator==(const SubsetTensor&, const SubsetTensor&) = default;
+};
+
+struct SkeletonSubset {
+  nlohmann::json skeleton;
+  std::vector<SubsetTensor> tensors;  ///< in the order of the new skeleton's tensor nodes
+};
+
+/// A predicate over node paths.
+using PathFilter = std::function<bool(const Path&)>;
+
+/// Keeps a node when its dotted name equals a prefix or continues it at a '.' boundary
+/// ("model.layers.1" keeps "model.layers.1.w" but not "model.layers.10.w"; a prefix ending in '.'
+/// keeps everything below it). An empty prefix keeps everything.
+inline PathFilter name_prefix_filter(std::vector<std::string> prefixes) {
+  return [prefixes = std::move(prefixes)](const Path& p) {
+    const std::string d = dotted(p);
+    for (const auto& pre : prefixes) {
+      if (pre.empty() || d == pre) return true;
+      if (d.size() > pre.size() && d.compare(0, pre.size(), pre) == 0 && (pre.back() == '.' || d[pre.size()] == '.'))
+        return true;
+    }
+    return false;
+  };
+}
+
+/// The part of a skeleton that `keep` selects (docs/flatten.md, "Subsets"): a leaf (or empty
+/// container) is kept when keep(path) is true; a container is kept when something below it is;
+/// an opaque object is kept whole or not at all. Dropped list and tuple elements before a kept
+/// one become None, so kept elements keep their index. An alias or view_of whose target tensor
+/// was dropped becomes a tensor node of its own (its listing name), with `source`/`view` saying
+/// where its elements come from. The result's tensor nodes are listed in `tensors`.
+inline SkeletonSubset skeleton_subset(const nlohmann::json& skeleton, const PathFilter& keep) {
+  using json = nlohmann::json;
+  using ev = detail::skeleton_cursor::ev;
+  using detail::snode;
+  // Pass 1: decide, for every node in pre-order, whether it is kept.
+  struct node {
+    std::size_t parent;
+    std::size_t end;  // one past the last node of its subtree
+    snode kind;
+    bool kept;
+  };
+  std::vector<node> nodes;
+  std::vector<std::size_t> open;  // indices of enclosing containers
+  constexpr std::size_t none = static_cast<std::size_t>(-1);
+  detail::walk_skeleton(skeleton, [&](const detail::skeleton_cursor::event& e, const Path& p, detail::skeleton_cursor&) {
+    if (e.type == ev::leave) {
+      node& c = nodes[open.back()];
+      c.end = nodes.size();
+      if (c.end == open.back() + 1) c.kept = keep(p);  // an empty container
+      open.pop_back();
+      return;
+    }
+    nodes.push_back({open.empty() ? none : open.back(), nodes.size() + 1, e.node.kind, false});
+    if (e.type == ev::enter) open.push_back(nodes.size() - 1);
+    else nodes.back().kept = keep(p);
+  });
+  for (std::size_t i = nodes.size(); i-- > 0;)
+    if (nodes[i].kept && nodes[i].parent != none) nodes[nodes[i].parent].kept = true;
+  if (!nodes.empty()) nodes[0].kept = true;  // the root always stays
+  for (std::size_t i = 0; i < nodes.size(); ++i)
+    if (nodes[i].kind == snode::object && nodes[i].kept)
+      for (std::size_t j = i + 1; j < nodes[i].end; ++j) nodes[j].kept = true;
+
+  // Tensor-like nodes: names, and which map names survive as tensor nodes.
+  std::vector<detail::tensorish> tl = detail::list_tensorish(skeleton);
+  std::unordered_map<std::string, const json*> declared;  // map name -> its tensor node
+  for (const auto& t : tl)
+    if (t.kind == snode::tensor) declared.emplace(t.target, t.node);
+
+  // Pass 2: rebuild.
+  SkeletonSubset out;
+  std::unordered_set<std::string> kept_tensors;
+  std::unordered_map<std::string, std::string> promoted;  // dropped map name -> new name
+  json root;
+  std::vector<json*> stack;
+  std::size_t idx = 0, tidx = 0;
+  detail::walk_skeleton(skeleton, [&](const detail::skeleton_cursor::event& e, const Path&, detail::skeleton_cursor& cur) {
+    if (e.type == ev::leave) {
+      stack.pop_back();
+      return;
+    }
+    const std::size_t me = idx++;
+    const bool tensorish = e.node.kind == snode::tensor || e.node.kind == snode::alias || e.node.kind == snode::view;
+    const detail::tensorish* t = tensorish ? &tl[tidx++] : nullptr;
+    if (!nodes[me].kept) {
+      if (e.type == ev::enter) {
+        // Skip the subtree, staying aligned with `nodes` and `tl`; the matching leave pops a null.
+        for (std::size_t j = me + 1; j < nodes[me].end; ++j)
+          if (nodes[j].kind == snode::tensor || nodes[j].kind == snode::alias || nodes[j].kind == snode::view) ++tidx;
+        idx = nodes[me].end;
+        stack.push_back(nullptr);
+        cur.skip();
+      }
+      return;
+    }
+    json* slot = &root;
+    if (!stack.empty()) {
+      json& parent = *stack.back();
+      switch (e.slot) {
+        case detail::slot_kind::index: {
+          json& arr = parent.begin().value();
+          while (arr.size() < e.index) arr.push_back(nullptr);
+          slot = &arr.emplace_back();
+          break;
+        }
+        case detail::slot_kind::dict: {
+          json& arr = parent["dict"];
+          json pair = json::array_t(2);
+          pair[0] = detail::encode_key(e.key);
+          arr.push_back(std::move(pair));
+          slot = &arr.back()[1];
+          break;
+        }
+        case detail::slot_kind::args: slot = &parent["object"]["args"].emplace_back(); break;
+        case detail::slot_kind::state: slot = &parent["object"]["state"].emplace_back(); break;
+        case detail::slot_kind::items: slot = &parent["object"]["items"].emplace_back(); break;
+        case detail::slot_kind::root: break;
+      }
+    }
+    if (e.type == ev::enter) {
+      json c(json::value_t::object);
+      switch (e.node.kind) {
+        case snode::list: c["list"] = json::array(); break;
+        case snode::tuple: c["tuple"] = json::array(); break;
+        case snode::dict: c["dict"] = json::array(); break;
+        default: {
+          const Object o = detail::decode_object_header(*e.node.body);
+          json body(json::value_t::object);
+          body["module"] = detail::encode_string(o.module);
+          body["name"] = detail::encode_string(o.name);
+          body["how"] = std::string(detail::how_name(o.how));
+          body["args"] = json::array();
+          body["state"] = json::array();
+          body["items"] = json::array();
+          c["object"] = std::move(body);
+          break;
+        }
+      }
+      *slot = std::move(c);
+      stack.push_back(slot);
+      return;
+    }
+    if (!t) {
+      *slot = *e.node.node;  // a scalar leaf: a small, flat JSON value
+      return;
+    }
+    auto add = [&](const std::string& name, const std::string& source, std::optional<ViewSpec> view) {
+      out.tensors.push_back({name, source, std::move(view)});
+      kept_tensors.insert(name);
+    };
+    if (t->kind == snode::tensor) {
+      *slot = *e.node.node;
+      add(t->target, t->target, std::nullopt);
+      return;
+    }
+    auto it = declared.find(t->target);
+    if (it == declared.end())
+      throw_error(errors::flat_bad_alias, "target " + quote(t->target) + " is not declared by a tensor node");
+    std::string live;  // the name under which the target's elements are in the subset
+    if (kept_tensors.count(t->target)) live = t->target;
+    else if (auto pr = promoted.find(t->target); pr != promoted.end()) live = pr->second;
+    if (t->kind == snode::alias) {
+      if (!live.empty()) {
+        *slot = detail::alias_node(live);
+        return;
+      }
+      json n(json::value_t::object);
+      n["tensor"] = t->name;
+      n["dtype"] = it->second->at("dtype");
+      n["shape"] = it->second->at("shape");
+      *slot = std::move(n);
+      add(t->name, t->target, std::nullopt);
+      promoted.emplace(t->target, t->name);
+      return;
+    }
+    ViewSpec spec = detail::decode_view(e.node);
+    if (!live.empty()) {
+      *slot = detail::view_node(live, spec);
+      return;
+    }
+    json n(json::value_t::object);
+    n["tensor"] = t->name;
+    n["dtype"] = std::string(statedict::name(spec.dtype));
+    n["shape"] = detail::shape_json(spec.shape);
+    *slot = std::move(n);
+    add(t->name, t->target, std::move(spec));
+  });
+  out.skeleton = json::object();
+  out.skeleton["statedict_skeleton"] = 1;
+  out.skeleton["root"] = std::move(root);
+  return out;
+}
+
+/// The part of a flat state dict that `keep` selects (see skeleton_subset): its tensors are views
+/// of the input's, never copies.
+inline FlatStateDict select(const FlatStateDict& flat, const PathFilter& keep) {
+  SkeletonSubset s = skeleton_subset(flat.skeleton, keep);
+  std::unordered_map<std::string_view, const TensorView*> index;
+  index.reserve(flat.tensors.size());
+  for (const auto& [n, v] : flat.tensors) index.emplace(n, &v);
+  FlatStateDict out;
+  out.tensors.reserve(s.tensors.size());
+  for (auto& t : s.tensors) {
+    auto it = index.find(t.source);
+    if (it == index.end()) throw_error(errors::flat_missing_tensor, "tensor " + quote(t.source) + " is not in the tensor map");
+    out.tensors.emplace_back(std::move(t.name), t.view ? view_into(*it->second, *t.view) : *it->second);
+  }
+  out.skeleton = std::move(s.skeleton);
+  return out;
+}
+
+}  // namespace statedict::inline v0
 // ---- statedict/shard/checkpoint.hpp ----
 // statedict: ShardedCheckpoint, the one description every reader produces and every writer consumes.
 // SPDX-License-Identifier: MIT
@@ -3352,7 +5640,10 @@ class name_index {
     std::uint32_t pos;  // index + 1; 0 = empty
     std::uint32_t tag;  // high hash bits
   };
-  static std::string_view name_of(const TensorEntry& e) noexcept { return e.name; }
+  template <class E>
+  static std::string_view name_of(const E& e) noexcept {
+    return e.name;
+  }
   std::vector<slot> slots_;
   std::size_t mask_ = 0;
 };
@@ -3688,8 +5979,8 @@ inline Layout layout(std::span<const TensorSpec> specs, const std::optional<std:
   std::vector<std::size_t> order(specs.size());
   std::vector<std::int8_t> rank(specs.size());
   {
-    std::unordered_set<std::string_view> names;
-    names.reserve(specs.size());
+    detail::name_index names;
+    names.reset(specs.size());
     for (std::size_t i = 0; i < specs.size(); ++i) {
       const TensorSpec& s = specs[i];
       order[i] = i;
@@ -3700,7 +5991,7 @@ inline Layout layout(std::span<const TensorSpec> specs, const std::optional<std:
       if (s.name == "__metadata__")
         throw_error(errors::st_write_name, detail::where_tensor(s.name), "the name is reserved for the metadata");
       if (!detail::valid_utf8(s.name)) throw_error(errors::st_write_name, detail::where_tensor(s.name), "the name is not UTF-8");
-      if (!names.insert(s.name).second) throw_error(errors::st_write_name, detail::where_tensor(s.name), "the name appears twice");
+      if (!names.insert(specs, i)) throw_error(errors::st_write_name, detail::where_tensor(s.name), "the name appears twice");
       check_shape(s.shape);
     }
   }
@@ -3709,6 +6000,7 @@ inline Layout layout(std::span<const TensorSpec> specs, const std::optional<std:
     return specs[a].name < specs[b].name;
   });
   std::string& h = out.header;
+  h.reserve(64 + specs.size() * 72);
   h.assign(8, '\0');
   h += '{';
   bool first = true;
@@ -3801,7 +6093,7 @@ struct write_options {
   /// Further names for written tensors: (alias, stored name). Recorded under "statedict.aliases".
   std::vector<std::pair<std::string, std::string>> aliases;
   /// Inputs that are the very same view as an earlier input are written once and recorded as
-  /// aliases of it (tied weights).
+  /// aliases of it (tied weights). Not done when a skeleton is given (its alias nodes record ties).
   bool dedupe_views = true;
   /// A flatten skeleton to store under "statedict.skeleton" (null: none).
   nlohmann::json skeleton;
@@ -3926,6 +6218,25 @@ class stream_writer {
   bool cfr_;
 };
 
+/// Rewrites the dtype of every floating-point tensor and view node of a flatten skeleton to `to`,
+/// so that the skeleton describes what a cast write stores. Iterative (any depth).
+inline void cast_skeleton(nlohmann::json& skeleton, statedict::dtype to) {
+  std::vector<nlohmann::json*> work{&skeleton};
+  while (!work.empty()) {
+    nlohmann::json* j = work.back();
+    work.pop_back();
+    if (j->is_object()) {
+      if ((j->contains("tensor") || j->contains("view_of")) && j->contains("dtype") && (*j)["dtype"].is_string()) {
+        const auto d = dtype_from_name((*j)["dtype"].get_ref<const std::string&>());
+        if (d && is_floating(*d)) (*j)["dtype"] = std::string(name(to));
+      }
+      for (auto& [k, v] : j->items()) work.push_back(&v);
+    } else if (j->is_array()) {
+      for (auto& v : *j) work.push_back(&v);
+    }
+  }
+}
+
 struct prepared {
   std::vector<std::size_t> stored;  // indices of inputs to store
   std::vector<TensorSpec> specs;    // their output specs, same order
@@ -3943,7 +6254,8 @@ inline prepared prepare(std::span<const Input> inputs, const write_options& opt)
     const Input& in = inputs[i];
     if (in.source == nullptr && (in.view.dtype() != in.dtype || in.view.shape() != in.shape))
       throw_error(errors::st_write_input, where_tensor(in.name), "dtype/shape differ from its view's");
-    if (opt.dedupe_views && in.source == nullptr && in.view.numel() != 0) {
+    // With a skeleton, ties are the skeleton's business (its alias nodes): store what is given.
+    if (opt.dedupe_views && opt.skeleton.is_null() && in.source == nullptr && in.view.numel() != 0) {
       auto& seen = by_ptr[in.view.data()];
       bool dup = false;
       for (std::size_t j : seen)
@@ -3981,7 +6293,13 @@ inline prepared prepare(std::span<const Input> inputs, const write_options& opt)
   }
   if (!opt.skeleton.is_null()) {
     if (!p.metadata) p.metadata.emplace();
-    p.metadata->emplace(std::string(skeleton_key), opt.skeleton.dump());
+    if (opt.cast) {
+      nlohmann::json sk = opt.skeleton;
+      cast_skeleton(sk, *opt.cast);
+      p.metadata->emplace(std::string(skeleton_key), sk.dump());
+    } else {
+      p.metadata->emplace(std::string(skeleton_key), opt.skeleton.dump());
+    }
   }
   return p;
 }
@@ -4056,6 +6374,49 @@ inline std::vector<Input> inputs_of(const ShardedCheckpoint& c) {
     out.push_back(Input::from_source(t.name, t.dtype, t.shape, c.sources.at(t.chunks[0].at.source), t.chunks[0].at.byte_offset));
   }
   return out;
+}
+
+/// True when `state` is a plain dict {string name: tensor}, what a safetensors file holds without
+/// a skeleton.
+inline bool is_flat_tensor_dict(const Value& state) {
+  if (!state.is_dict()) return false;
+  for (const auto& [k, v] : state.as_dict())
+    if (!k.is_string() || !v.is_tensor()) return false;
+  return true;
+}
+
+/// Writes a whole state (model + optimizer + scalars + strings: any Value tree) into one file. A
+/// plain {name: tensor} dict becomes a plain file (entries that are the same view are written once
+/// and recorded as aliases); any other tree is flattened (core/flatten.hpp) and its skeleton stored
+/// under "statedict.skeleton", next to the user's metadata. `read_state` gives back an equal tree.
+inline write_result write_state(const std::filesystem::path& path, const Value& state, write_options opt = {}) {
+  std::vector<Input> in;
+  if (is_flat_tensor_dict(state)) {
+    in.reserve(state.as_dict().size());
+    for (const auto& [k, v] : state.as_dict()) in.push_back(Input::of(k.as_string(), v.as_tensor()));
+    return write(path, in, opt);
+  }
+  FlatStateDict flat = flatten(state);
+  in.reserve(flat.tensors.size());
+  for (const auto& [n, v] : flat.tensors) in.push_back(Input::of(n, v));
+  opt.skeleton = std::move(flat.skeleton);
+  opt.dedupe_views = false;  // ties are alias nodes of the skeleton already
+  return write(path, in, opt);
+}
+
+/// The Value tree a file holds: with a statedict skeleton, the tree that was written (unflatten);
+/// otherwise a flat dict {name: tensor} in file order, aliases resolved to views of their target.
+inline Value read_state(const File& f) {
+  if (f.skeleton().is_null()) return f.to_flat_dict();
+  NamedTensors t;
+  t.reserve(f.size());
+  for (const auto& e : f.entries()) t.emplace_back(e.name, f.view(e));
+  try {
+    return unflatten(t, f.skeleton());
+  } catch (error& e) {
+    e.add_context("file " + quote(f.name()) + ": __metadata__ " + quote(skeleton_key));
+    throw;
+  }
 }
 
 }  // namespace safetensors
@@ -4366,6 +6727,7 @@ inline write_result write_sharded(const std::filesystem::path& dir, std::span<co
   base.cast = opt.cast;
   base.aliases = opt.aliases;
   base.dedupe_views = opt.dedupe_views;
+  base.skeleton = opt.skeleton;  // (a skeleton turns deduplication off: its alias nodes record ties)
   // Dedupe and cast once over the whole state, so that aliases are not counted as tensors.
   st::detail::prepared p = st::detail::prepare(inputs, base);
   std::vector<ShardItem> items;
@@ -7774,373 +10136,334 @@ inline std::vector<std::pair<std::string, std::string>> sha256_tensors(const Sha
 }
 
 }  // namespace statedict::inline v0
-// ---- statedict/core/visit.hpp ----
-// statedict: visitors over a Value tree: walk every node with its path, transform, fold, and find
-// nodes by path or by dotted name.
+// ---- statedict/core/optim.hpp ----
+// statedict: optimizer state dicts: re-key `state` between int parameter ids and parameter names.
 // SPDX-License-Identifier: MIT
 //
-// Paths. The path of a node is the list of keys from the root to it (`Path`, core/value.hpp):
-//   - a dict child:          its key (int or string, as stored);
-//   - a list or tuple child: its index, as an int key;
-//   - an opaque object's children (core/value.hpp `Object`) take two keys or one:
-//       args[i]  -> "args", i
-//       state[0] -> "state"          (the BUILD state; readers store at most one)
-//       items[i] -> "items", i
-//     An Object whose `state` holds more than one value (no reader makes one) uses "state", i.
-// So `{"sched": Object{args: [3], state: [{"lr": 0.1}]}}` has the paths
-// `sched.args.0` and `sched.state.lr` (as dotted names). A path is only meaningful with its tree:
-// "args" after an object node means the object's arguments, after a dict node a dict key.
+// `torch.optim.Optimizer.state_dict()` is
 //
-// Every function here is iterative (an explicit stack), so a tree 200,000 levels deep is fine.
-// Order is pre-order: a node before its children, children in container order (dict insertion
-// order; for objects args, then state, then items).
+//   {"state": {0: {"step": tensor(3.), "exp_avg": ..., "exp_avg_sq": ...}, 1: {...}, ...},
+//    "param_groups": [{"lr": 0.001, "betas": (0.9, 0.999), ..., "params": [0, 1]},
+//                     {"lr": 0.001, ..., "params": [2, 3]}]}
+//
+// where the ids number the parameters in optimizer order (group 0's params, then group 1's, ...)
+// from 0, and newer PyTorch adds "param_names" to each group when the optimizer was built from
+// named parameters. `optim::by_name` turns this into the form torch.distributed.checkpoint uses:
+// `state` keyed by parameter name and each group's "params" listing names; `optim::by_id` turns
+// it back, numbering the parameters in optimizer order as PyTorch does. Every other key
+// (hyper-parameters, "param_names", extra top-level keys) is kept as it is, in its place.
+// by_name(by_id(x)) == x always; by_id(by_name(x)) == x when x's ids are PyTorch's (0, 1, ... in
+// optimizer order), which every Optimizer.state_dict() satisfies.
 
+#include <algorithm>
 #include <charconv>
 #include <cstddef>
 #include <cstdint>
-#include <optional>
+#include <span>
 #include <string>
 #include <string_view>
-#include <type_traits>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
 
 namespace statedict::inline v0 {
 
-/// What a visit callback asks for after seeing a node.
-enum class visit_control : std::uint8_t {
-  descend,  ///< visit this node's children (the default; a callback returning void means this)
-  skip,     ///< do not visit this node's children
-  stop,     ///< end the walk now
+/// Error ids of the optimizer helpers (220-239).
+namespace errors {
+// clang-format off
+inline constexpr error_id optim_malformed        {220, error_kind::format, "optim.malformed"};         ///< not {"state": dict, "param_groups": [{"params": [...]}, ...]}
+inline constexpr error_id optim_name_count       {221, error_kind::usage,  "optim.name_count"};        ///< as many names as parameters are needed
+inline constexpr error_id optim_unknown_param    {222, error_kind::key,    "optim.unknown_param"};     ///< a state entry for a parameter no group lists
+inline constexpr error_id optim_duplicate_param  {223, error_kind::key,    "optim.duplicate_param"};   ///< a parameter (id or name) listed twice
+inline constexpr error_id optim_param_names      {224, error_kind::key,    "optim.param_names"};       ///< "param_names" disagree with the names given, or are partial
+inline constexpr error_id optim_state_disagrees  {225, error_kind::format, "optim.state_disagrees"};   ///< per-parameter constant state (e.g. step) differs within a group
+inline constexpr error_id optim_no_names         {226, error_kind::usage,  "optim.no_names"};          ///< no names given and no "param_names" in the groups
+// clang-format on
+}  // namespace errors
+
+namespace optim {
+
+struct options {
+  /// State keys whose value must be the same for every parameter of a group that has one (e.g.
+  /// {"step"}: PyTorch steps all parameters of a group together, so different steps mean state
+  /// from different runs was mixed, or a parameter joined late). Not checked when empty.
+  std::vector<std::string> constant_keys;
 };
 
 namespace detail {
 
-/// Number of children of a node (0 for leaves).
-inline std::size_t child_count(const Value& v) noexcept {
+[[noreturn]] inline void malformed(std::string detail) { throw_error(errors::optim_malformed, "optimizer state", std::move(detail)); }
+
+inline const Dict& top(const Value& osd) {
+  if (!osd.is_dict()) malformed("is a " + std::string(to_string(osd.kind())) + ", not a dict");
+  const Dict& d = osd.as_dict();
+  const Value* s = d.find("state");
+  const Value* g = d.find("param_groups");
+  if (!s || !s->is_dict()) malformed("has no \"state\" dict");
+  if (!g || !g->is_list()) malformed("has no \"param_groups\" list");
+  return d;
+}
+
+/// The "params" list of every group, checked.
+inline std::vector<const List*> group_params(const Value& osd) {
+  std::vector<const List*> out;
+  const List& groups = top(osd).at("param_groups").as_list();
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    const Value* p = groups[g].is_dict() ? groups[g].as_dict().find("params") : nullptr;
+    if (!p || !p->is_list())
+      malformed("param group " + std::to_string(g) + (groups[g].is_dict() ? " has no \"params\" list" : " is not a dict"));
+    out.push_back(&p->as_list());
+  }
+  return out;
+}
+
+/// A short description of a state value for messages: numbers and one-element tensors by value.
+inline std::string describe(const Value& v) {
   switch (v.kind()) {
-    case value_kind::list:
-    case value_kind::tuple: return v.as_list().size();
-    case value_kind::dict: return v.as_dict().size();
-    case value_kind::object: {
-      const Object& o = v.as_object();
-      return o.args.size() + o.state.size() + o.items.size();
+    case value_kind::integer: return std::to_string(v.as_int());
+    case value_kind::floating: {
+      char buf[32];
+      auto r = std::to_chars(buf, buf + sizeof buf, v.as_double());
+      return std::string(buf, r.ptr);
     }
-    default: return 0;
+    case value_kind::boolean: return v.as_bool() ? "True" : "False";
+    case value_kind::tensor: {
+      const TensorView& t = v.as_tensor();
+      std::string s = "tensor " + std::string(name(t.dtype())) + " " + to_string(t.shape());
+      if (t.numel() == 1) {
+        char buf[32];
+        std::to_chars_result r{buf, {}};
+        switch (t.dtype()) {
+          case dtype::F32: r = std::to_chars(buf, buf + sizeof buf, t.load<float>(0)); break;
+          case dtype::F64: r = std::to_chars(buf, buf + sizeof buf, t.load<double>(0)); break;
+          case dtype::I64: r = std::to_chars(buf, buf + sizeof buf, t.load<std::int64_t>(0)); break;
+          case dtype::I32: r = std::to_chars(buf, buf + sizeof buf, t.load<std::int32_t>(0)); break;
+          default: break;
+        }
+        if (r.ptr != buf) s += " = " + std::string(buf, r.ptr);
+      }
+      return s;
+    }
+    default: return std::string(to_string(v.kind()));
   }
 }
 
-/// Appends the path keys of child `i` of object `o` to `path`.
-inline void push_object_keys(const Object& o, std::size_t i, Path& path) {
-  if (i < o.args.size()) {
-    path.emplace_back("args");
-    path.emplace_back(static_cast<std::int64_t>(i));
-    return;
-  }
-  i -= o.args.size();
-  if (i < o.state.size()) {
-    path.emplace_back("state");
-    if (o.state.size() > 1) path.emplace_back(static_cast<std::int64_t>(i));
-    return;
-  }
-  path.emplace_back("items");
-  path.emplace_back(static_cast<std::int64_t>(i - o.state.size()));
-}
-
-/// Child `i` of a container (i < child_count), with its key(s) appended to `path`.
-template <class V>
-V& child_at(V& v, std::size_t i, Path& path) {
-  switch (v.kind()) {
-    case value_kind::list:
-    case value_kind::tuple:
-      path.emplace_back(static_cast<std::int64_t>(i));
-      return v.as_list()[i];
-    case value_kind::dict: {
-      auto& item = *(v.as_dict().begin() + static_cast<std::ptrdiff_t>(i));
-      path.push_back(item.first);
-      return item.second;
-    }
-    default: {
-      auto& o = v.as_object();
-      push_object_keys(o, i, path);
-      if (i < o.args.size()) return o.args[i];
-      i -= o.args.size();
-      if (i < o.state.size()) return o.state[i];
-      return o.items[i - o.state.size()];
-    }
-  }
-}
-
-inline void pop_keys(Path& path, std::size_t n) { path.erase(path.end() - static_cast<std::ptrdiff_t>(n), path.end()); }
-
-template <class V, class F>
-visit_control call_visitor(F& f, const Path& path, V& node) {
-  using R = std::invoke_result_t<F&, const Path&, V&>;
-  if constexpr (std::is_void_v<R>) {
-    f(path, node);
-    return visit_control::descend;
-  } else {
-    static_assert(std::is_same_v<std::remove_cvref_t<R>, visit_control>,
-                  "a visit callback returns void or statedict::visit_control");
-    return f(path, node);
-  }
-}
-
-template <class V, class F>
-void walk(V& root, F& f) {
-  Path path;
-  visit_control c = call_visitor<V>(f, path, root);
-  if (c != visit_control::descend || child_count(root) == 0) return;
-  struct frame {
-    V* node;
-    std::size_t next;
-    std::size_t nkeys;  // keys this node added to the path
-  };
-  std::vector<frame> stack;
-  stack.push_back({&root, 0, 0});
-  while (!stack.empty()) {
-    frame& top = stack.back();
-    if (top.next == child_count(*top.node)) {
-      pop_keys(path, top.nkeys);
-      stack.pop_back();
-      continue;
-    }
-    const std::size_t before = path.size();
-    V& child = child_at(*top.node, top.next++, path);
-    c = call_visitor<V>(f, path, child);
-    if (c == visit_control::stop) return;
-    if (c == visit_control::descend && child_count(child) != 0)
-      stack.push_back({&child, 0, path.size() - before});  // `top` is dangling from here on
-    else
-      pop_keys(path, path.size() - before);
-  }
-}
-
-/// A copy of a leaf, or an empty container of the same kind (and object header).
-inline Value shallow_copy(const Value& v) {
-  switch (v.kind()) {
-    case value_kind::list:
-    case value_kind::tuple: {
-      List l;
-      l.reserve(v.as_list().size());
-      return v.is_list() ? Value::list(std::move(l)) : Value::tuple(std::move(l));
-    }
-    case value_kind::dict: {
-      Dict d;
-      d.reserve(v.as_dict().size());
-      return Value(std::move(d));
-    }
-    case value_kind::object: {
-      const Object& o = v.as_object();
-      Object c{o.module, o.name, o.how, {}, {}, {}};
-      c.args.reserve(o.args.size());
-      c.state.reserve(o.state.size());
-      c.items.reserve(o.items.size());
-      return Value(std::move(c));
-    }
-    default: return v;
-  }
-}
-
-/// Appends an empty slot for child `i` of `src` (a container) to `dst` (its shallow copy).
-inline Value& append_child_slot(const Value& src, std::size_t i, Value& dst) {
-  switch (src.kind()) {
-    case value_kind::list:
-    case value_kind::tuple: return dst.as_list().emplace_back();
-    case value_kind::dict: return dst.as_dict().insert((src.as_dict().begin() + static_cast<std::ptrdiff_t>(i))->first, Value());
-    default: {
-      const Object& o = src.as_object();
-      Object& d = dst.as_object();
-      if (i < o.args.size()) return d.args.emplace_back();
-      i -= o.args.size();
-      if (i < o.state.size()) return d.state.emplace_back();
-      return d.items.emplace_back();
-    }
-  }
-}
-
-/// True when `s` is what `std::to_string` prints for some int64 (so an int key could print alike).
-inline bool parse_canonical_int(std::string_view s, std::int64_t& out) noexcept {
-  if (s.empty() || s.size() > 20) return false;
-  const char* b = s.data();
-  const char* e = s.data() + s.size();
-  auto [p, ec] = std::from_chars(b, e, out);
-  if (ec != std::errc() || p != e) return false;
-  return std::to_string(out) == s;
+inline std::string param_label(const Value& p, std::span<const std::string> names, std::size_t pos) {
+  if (pos < names.size()) return quote(names[pos]);
+  return p.is_string() ? quote(p.as_string()) : p.is_int() ? std::to_string(p.as_int()) : "?";
 }
 
 }  // namespace detail
 
-/// Calls `f(path, node)` for every node of `root` in pre-order, the root first (with an empty path).
-/// `f` returns void (always descend) or a visit_control. The path reference is valid only during
-/// the call.
-template <class F>
-void visit(const Value& root, F&& f) {
-  detail::walk<const Value>(root, f);
-}
-
-/// As above, with mutable nodes: `f(path, node)` may change or replace `node` (its children are
-/// then those of the new node). It must not change the node's ancestors or siblings.
-template <class F>
-void visit(Value& root, F&& f) {
-  detail::walk<Value>(root, f);
-}
-
-/// A new tree built from `root`: `f(path, node)` is called in pre-order and returns
-/// `std::optional<Value>`: nullopt keeps the node (a leaf is copied; a container is rebuilt from
-/// its children, which are visited next), a Value replaces the node and its whole subtree (the
-/// replacement is not visited).
-template <class F>
-Value transform(const Value& root, F&& f) {
-  Path path;
-  {
-    std::optional<Value> r = f(std::as_const(path), root);
-    if (r) return std::move(*r);
-  }
-  Value out = detail::shallow_copy(root);
-  if (detail::child_count(root) == 0) return out;
-  struct frame {
-    const Value* src;
-    Value* dst;
-    std::size_t next;
-    std::size_t nkeys;
-  };
-  std::vector<frame> stack;
-  stack.push_back({&root, &out, 0, 0});
-  while (!stack.empty()) {
-    frame& top = stack.back();
-    if (top.next == detail::child_count(*top.src)) {
-      detail::pop_keys(path, top.nkeys);
-      stack.pop_back();
-      continue;
+/// The "param_names" of every group, concatenated in optimizer order (newer PyTorch writes them);
+/// empty when no group has them. Throws optim_param_names when only some groups have them or a
+/// group's count differs from its "params".
+inline std::vector<std::string> param_names(const Value& osd) {
+  const auto params = detail::group_params(osd);
+  const List& groups = osd["param_groups"].as_list();
+  std::vector<std::string> out;
+  std::size_t with = 0;
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    const Value* n = groups[g].as_dict().find("param_names");
+    if (!n) continue;
+    ++with;
+    if (!n->is_sequence() || n->as_list().size() != params[g]->size())
+      throw_error(errors::optim_param_names, "optimizer state",
+                  "param group " + std::to_string(g) + " has " + std::to_string(params[g]->size()) +
+                      " params but a \"param_names\" that is not a list of as many names");
+    for (const Value& x : n->as_list()) {
+      if (!x.is_string())
+        throw_error(errors::optim_param_names, "optimizer state",
+                    "param group " + std::to_string(g) + ": a \"param_names\" entry is a " + std::string(to_string(x.kind())));
+      out.push_back(x.as_string());
     }
-    const std::size_t i = top.next++;
-    const std::size_t before = path.size();
-    const Value& child = detail::child_at(*top.src, i, path);
-    // The slot is appended after the callback runs, so a throwing callback leaves no hole.
-    std::optional<Value> r = f(std::as_const(path), child);
-    Value& slot = detail::append_child_slot(*top.src, i, *top.dst);
-    if (r) {
-      slot = std::move(*r);
-      detail::pop_keys(path, path.size() - before);
-      continue;
-    }
-    slot = detail::shallow_copy(child);
-    if (detail::child_count(child) != 0)
-      stack.push_back({&child, &slot, 0, path.size() - before});  // `top` is dangling from here on
-    else
-      detail::pop_keys(path, path.size() - before);
   }
+  if (with != 0 && with != groups.size())
+    throw_error(errors::optim_param_names, "optimizer state",
+                std::to_string(with) + " of " + std::to_string(groups.size()) + " param groups have \"param_names\"");
   return out;
 }
 
-/// A deep copy made without recursion (Value's copy constructor recurses; use this for trees from
-/// untrusted input of unknown depth).
-inline Value copy_tree(const Value& root) {
-  return transform(root, [](const Path&, const Value&) { return std::optional<Value>(); });
-}
-
-/// Folds `f(acc, path, node) -> acc` over every node in pre-order.
-template <class T, class F>
-T fold(const Value& root, T init, F&& f) {
-  visit(root, [&](const Path& p, const Value& v) { init = f(std::move(init), p, v); });
-  return init;
-}
-
-/// The node at `path` (see the top of this file for object paths), or nullptr.
-inline const Value* find_path(const Value& root, const Path& path) {
-  const Value* v = &root;
-  for (std::size_t i = 0; i < path.size(); ++i) {
-    const Key& k = path[i];
-    switch (v->kind()) {
-      case value_kind::list:
-      case value_kind::tuple: {
-        if (!k.is_int()) return nullptr;
-        const List& l = v->as_list();
-        if (k.as_int() < 0 || static_cast<std::uint64_t>(k.as_int()) >= l.size()) return nullptr;
-        v = &l[static_cast<std::size_t>(k.as_int())];
-        break;
-      }
-      case value_kind::dict:
-        v = v->as_dict().find(k);
-        if (!v) return nullptr;
-        break;
-      case value_kind::object: {
-        if (!k.is_string()) return nullptr;
-        const Object& o = v->as_object();
-        const std::string& part = k.as_string();
-        const List* l = nullptr;
-        if (part == "args") l = &o.args;
-        else if (part == "items") l = &o.items;
-        else if (part == "state") l = &o.state;
-        else return nullptr;
-        if (l == &o.state && o.state.size() == 1) {
-          v = &o.state[0];
-          break;
+/// Checks that, within each param group, every parameter whose state has key `k` (for each k in
+/// `keys`) has the same value there (compared exactly: tensors by dtype, shape and bytes). Works on
+/// either form. `names`, when given, label parameters in messages (optimizer order). Throws
+/// optim_state_disagrees naming the group, the key and the parameters that differ from the first.
+inline void check_constant_state(const Value& osd, std::span<const std::string> keys, std::span<const std::string> names = {}) {
+  const auto params = detail::group_params(osd);
+  const Dict& state = osd["state"].as_dict();
+  std::size_t pos = 0;
+  for (std::size_t g = 0; g < params.size(); ++g) {
+    const std::size_t first_pos = pos;
+    for (const std::string& k : keys) {
+      const Value* ref = nullptr;
+      std::string ref_label;
+      std::vector<std::string> differ;
+      std::size_t agree = 0;
+      for (std::size_t i = 0; i < params[g]->size(); ++i) {
+        const Value& p = (*params[g])[i];
+        if (!p.is_int() && !p.is_string()) detail::malformed("param group " + std::to_string(g) + " lists a " + std::string(to_string(p.kind())));
+        const Value* s = state.find(p.is_int() ? Key(p.as_int()) : Key(p.as_string()));
+        const Value* v = s && s->is_dict() ? s->as_dict().find(k) : nullptr;
+        if (!v) continue;
+        const std::string label = detail::param_label(p, names, first_pos + i);
+        if (!ref) {
+          ref = v;
+          ref_label = label;
+          ++agree;
+        } else if (*v == *ref) {
+          ++agree;
+        } else {
+          differ.push_back(label + " has " + detail::describe(*v));
         }
-        if (++i == path.size() || !path[i].is_int()) return nullptr;
-        const std::int64_t idx = path[i].as_int();
-        if (idx < 0 || static_cast<std::uint64_t>(idx) >= l->size()) return nullptr;
-        v = &(*l)[static_cast<std::size_t>(idx)];
-        break;
       }
-      default: return nullptr;
+      if (differ.empty()) continue;
+      std::string msg = "param group " + std::to_string(g) + ": " + quote(k) + " is " + detail::describe(*ref) + " for " +
+                        ref_label + (agree > 1 ? " and " + std::to_string(agree - 1) + " more" : "") + ", but ";
+      for (std::size_t i = 0; i < differ.size() && i < 8; ++i) msg += (i ? ", " : "") + differ[i];
+      if (differ.size() > 8) msg += ", and " + std::to_string(differ.size() - 8) + " more";
+      throw_error(errors::optim_state_disagrees, "optimizer state", msg);
+    }
+    pos += params[g]->size();
+  }
+}
+
+/// Re-keys an optimizer state dict from int param ids to parameter names: `state` keyed by name,
+/// each group's "params" listing names, everything else unchanged and in place. `names` are the
+/// parameter names in optimizer order (the concatenation of the groups' "params"); when empty, the
+/// groups' "param_names" are used. State for a parameter no group lists is an error.
+inline Value by_name(const Value& osd, std::span<const std::string> names = {}, const options& opt = {}) {
+  const auto params = detail::group_params(osd);
+  std::vector<std::string> from_groups = param_names(osd);
+  std::size_t count = 0;
+  for (const List* l : params) count += l->size();
+  if (names.empty()) {
+    if (from_groups.empty() && count != 0)
+      throw_error(errors::optim_no_names, "optimizer state",
+                  "no parameter names given and the param groups have no \"param_names\"");
+    names = from_groups;
+  } else if (!from_groups.empty() && !std::equal(names.begin(), names.end(), from_groups.begin(), from_groups.end())) {
+    throw_error(errors::optim_param_names, "optimizer state", "the names given differ from the groups' \"param_names\"");
+  }
+  if (names.size() != count)
+    throw_error(errors::optim_name_count, "optimizer state",
+                std::to_string(names.size()) + " names for " + std::to_string(count) + " parameters");
+  std::unordered_map<std::int64_t, std::size_t> pos_of_id;
+  std::unordered_map<std::string_view, std::size_t> pos_of_name;
+  pos_of_id.reserve(count);
+  pos_of_name.reserve(count);
+  std::size_t pos = 0;
+  for (std::size_t g = 0; g < params.size(); ++g)
+    for (const Value& p : *params[g]) {
+      if (!p.is_int())
+        detail::malformed("param group " + std::to_string(g) + " lists a " + std::string(to_string(p.kind())) +
+                          " in \"params\"; ids are ints (already by name?)");
+      if (!pos_of_id.emplace(p.as_int(), pos).second)
+        throw_error(errors::optim_duplicate_param, "optimizer state", "param id " + std::to_string(p.as_int()) + " is listed twice");
+      if (!pos_of_name.emplace(names[pos], pos).second)
+        throw_error(errors::optim_duplicate_param, "optimizer state", "the parameter name " + quote(names[pos]) + " is given twice");
+      ++pos;
+    }
+  if (!opt.constant_keys.empty()) check_constant_state(osd, opt.constant_keys, names);
+
+  Dict out;
+  out.reserve(osd.as_dict().size());
+  for (const auto& [k, v] : osd.as_dict()) {
+    if (k == Key("state")) {
+      Dict st;
+      st.reserve(v.as_dict().size());
+      for (const auto& [id, s] : v.as_dict()) {
+        if (!id.is_int()) detail::malformed("state key " + quote(id.as_string()) + " is a string; ids are ints (already by name?)");
+        auto it = pos_of_id.find(id.as_int());
+        if (it == pos_of_id.end())
+          throw_error(errors::optim_unknown_param, "optimizer state",
+                      "state for param id " + std::to_string(id.as_int()) + ", which no param group lists");
+        st.append_unchecked(names[it->second], s);  // names are unique, checked above
+      }
+      out.append_unchecked(k, Value(std::move(st)));
+    } else if (k == Key("param_groups")) {
+      List groups;
+      groups.reserve(params.size());
+      std::size_t at = 0;
+      for (const Value& g : v.as_list()) {
+        Dict gd;
+        gd.reserve(g.as_dict().size());
+        for (const auto& [gk, gv] : g.as_dict()) {
+          if (gk == Key("params")) {
+            List l;
+            l.reserve(gv.as_list().size());
+            for (std::size_t i = 0; i < gv.as_list().size(); ++i) l.emplace_back(names[at++]);
+            gd.append_unchecked(gk, Value::list(std::move(l)));
+          } else {
+            gd.append_unchecked(gk, gv);
+          }
+        }
+        groups.emplace_back(std::move(gd));
+      }
+      out.append_unchecked(k, Value::list(std::move(groups)));
+    } else {
+      out.append_unchecked(k, v);
     }
   }
-  return v;
+  return Value(std::move(out));
 }
 
-inline Value* find_path(Value& root, const Path& path) {
-  return const_cast<Value*>(find_path(std::as_const(root), path));  // NOLINT(cppcoreguidelines-pro-type-const-cast)
-}
+/// Re-keys a by-name optimizer state dict back to int param ids, numbering the parameters in
+/// optimizer order from 0 as PyTorch does; "params" become those ids, `state` is keyed by them.
+inline Value by_id(const Value& named, const options& opt = {}) {
+  const auto params = detail::group_params(named);
+  std::unordered_map<std::string_view, std::int64_t> id_of;
+  std::int64_t next = 0;
+  for (std::size_t g = 0; g < params.size(); ++g)
+    for (const Value& p : *params[g]) {
+      if (!p.is_string())
+        detail::malformed("param group " + std::to_string(g) + " lists a " + std::string(to_string(p.kind())) +
+                          " in \"params\"; names are strings (already by id?)");
+      if (!id_of.emplace(p.as_string(), next++).second)
+        throw_error(errors::optim_duplicate_param, "optimizer state", "the parameter " + quote(p.as_string()) + " is listed twice");
+    }
+  if (!opt.constant_keys.empty()) check_constant_state(named, opt.constant_keys);
 
-/// Every path of `root` whose dotted name (`dotted(path)`) is `name`: the inverse of `dotted`,
-/// which needs the tree because a dotted name alone does not say whether "1" is an int or a
-/// string key, nor where a key containing '.' begins and ends. Pre-order; each node is visited at
-/// most once, so the cost is linear in the size of the tree.
-inline std::vector<Path> match_dotted(const Value& root, std::string_view name) {
-  std::vector<Path> out;
-  struct item {
-    const Value* node;
-    std::size_t pos;  // name[0, pos) is the dotted name of `path`
-    Path path;
-  };
-  std::vector<item> work;
-  work.push_back({&root, 0, {}});
-  while (!work.empty()) {
-    item it = std::move(work.back());
-    work.pop_back();
-    if (it.pos == name.size()) out.push_back(it.path);
-    // Below a non-root node every name grows by at least the '.' separator.
-    if (it.pos == name.size() && !it.path.empty()) continue;
-    // Children are pushed in reverse so that they pop, and match, in pre-order.
-    for (std::size_t i = detail::child_count(*it.node); i-- > 0;) {
-      Path p = it.path;
-      const Value& child = detail::child_at(*it.node, i, p);
-      std::size_t pos = it.pos;
-      bool ok = true;
-      for (std::size_t k = it.path.size(); k < p.size() && ok; ++k) {
-        if (k > 0) {
-          ok = pos < name.size() && name[pos] == '.';
-          ++pos;
-        }
-        const std::string s = p[k].str();
-        ok = ok && name.substr(pos).starts_with(s);
-        pos += s.size();
+  Dict out;
+  out.reserve(named.as_dict().size());
+  for (const auto& [k, v] : named.as_dict()) {
+    if (k == Key("state")) {
+      Dict st;
+      st.reserve(v.as_dict().size());
+      for (const auto& [name, s] : v.as_dict()) {
+        if (!name.is_string()) detail::malformed("state key " + name.str() + " is an int; names are strings (already by id?)");
+        auto it = id_of.find(name.as_string());
+        if (it == id_of.end())
+          throw_error(errors::optim_unknown_param, "optimizer state",
+                      "state for parameter " + quote(name.as_string()) + ", which no param group lists");
+        st.append_unchecked(it->second, s);  // ids are unique
       }
-      if (ok) work.push_back({&child, pos, std::move(p)});
+      out.append_unchecked(k, Value(std::move(st)));
+    } else if (k == Key("param_groups")) {
+      List groups;
+      groups.reserve(params.size());
+      for (const Value& g : v.as_list()) {
+        Dict gd;
+        gd.reserve(g.as_dict().size());
+        for (const auto& [gk, gv] : g.as_dict()) {
+          if (gk == Key("params")) {
+            List l;
+            l.reserve(gv.as_list().size());
+            for (const Value& p : gv.as_list()) l.emplace_back(id_of.at(p.as_string()));
+            gd.append_unchecked(gk, Value::list(std::move(l)));
+          } else {
+            gd.append_unchecked(gk, gv);
+          }
+        }
+        groups.emplace_back(std::move(gd));
+      }
+      out.append_unchecked(k, Value::list(std::move(groups)));
+    } else {
+      out.append_unchecked(k, v);
     }
   }
-  return out;
+  return Value(std::move(out));
 }
 
-/// The one path of `root` whose dotted name is `name`, or nullopt when no node or more than one
-/// node has that name (keys containing dots, int and string keys that print alike).
-inline std::optional<Path> undotted(const Value& root, std::string_view name) {
-  std::vector<Path> m = match_dotted(root, name);
-  if (m.size() != 1) return std::nullopt;
-  return std::move(m.front());
-}
-
+}  // namespace optim
 }  // namespace statedict::inline v0
