@@ -323,6 +323,23 @@ TEST_CASE("security: unknown globals are refused, or kept as data; code-running 
   expect_error_p(P2 + "c\nx\n.", errors::pk_bad_operand);
 }
 
+TEST_CASE("nested classes: getattr(Outer, 'Inner') called is the global Outer.Inner, still checked") {
+  // What Python writes for ShardedTensor.ProcessGroupState (torch 1.13 ShardedTensor.__reduce_ex__).
+  const std::string inner = P2 + global("__builtin__", "getattr") + global("mymodule", "Outer") + binunicode("Inner") +
+                            "\x86R)\x81.";
+  const Value v = val(inner, keep());
+  CHECK(v.as_object().qualified() == "mymodule.Outer.Inner");
+  CHECK(v.as_object().how == object_build::newobj);
+  expect_error_p(inner, errors::pk_forbidden_global);
+  // The inner name must be a plain identifier.
+  expect_error_p(P2 + global("__builtin__", "getattr") + global("mymodule", "Outer") + binunicode("a.b") +
+                     "\x86R)\x81.",
+                 errors::pk_bad_operand, keep());
+  // getattr of something other than (global, str) cannot be called.
+  expect_error_p(P2 + global("__builtin__", "getattr") + "K\x01" + binunicode("x") + "\x86R)\x81.",
+                 errors::pk_bad_operand, keep());
+}
+
 TEST_CASE("persistent ids go to the caller's loader") {
   pickle::options o;
   std::vector<Value> seen;

@@ -574,6 +574,7 @@ class Reader {
 
   /// REDUCE / NEWOBJ of global node `callable` with tuple node `args`.
   std::uint32_t apply(std::uint32_t callable, std::uint32_t args, object_build how) {
+    if (nodes_[callable].kind == nk::object) callable = nested_class(callable, how);
     const Node& c = nodes_[callable];
     if (c.kind != nk::global)
       fail(errors::pk_bad_operand, std::string(how == object_build::newobj ? "NEWOBJ" : "REDUCE") +
@@ -613,6 +614,28 @@ class Reader {
       }
     }
     return add_object(g, how, args);
+  }
+
+  /// Python pickles a nested class (`ShardedTensor.ProcessGroupState`) as `getattr(Outer, "Inner")`
+  /// and then calls the result. When opaque objects are kept, that result stands for the global
+  /// `module.Outer.Inner` (resolved and checked like any other global); anything else is refused.
+  std::uint32_t nested_class(std::uint32_t callable, object_build how) {
+    const ObjData& o = objects_[nodes_[callable].index];
+    const auto& gname = globals_[o.global];
+    const bool is_getattr = (gname.first == "builtins" || gname.first == "__builtin__") && gname.second == "getattr";
+    if (!opts_.keep_unknown_objects || !is_getattr || o.args == npos || !o.state.empty() || !o.items.empty())
+      return callable;
+    const auto& a = seqs_[nodes_[o.args].index];
+    if (a.size() != 2 || nodes_[a[0]].kind != nk::global || nodes_[a[1]].kind != nk::str) return callable;
+    const auto& outer = globals_[nodes_[a[0]].index];
+    const std::string inner(view(nodes_[a[1]].u.off, nodes_[a[1]].index));
+    if (inner.empty() || inner.find_first_of(". ") != std::string::npos)
+      fail(errors::pk_bad_operand, std::string(how == object_build::newobj ? "NEWOBJ" : "REDUCE") +
+                                       " of getattr(" + outer.first + "." + outer.second + ", " + quote(inner) +
+                                       "): not a nested class name");
+    const std::string module = outer.first;
+    const std::string name = outer.second + "." + inner;
+    return resolve_global(module, name);
   }
 
   static std::string kind_name(nk k) {
