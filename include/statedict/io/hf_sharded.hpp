@@ -446,15 +446,20 @@ class Checkpoint {
     return Value(std::move(d));
   }
 
-  /// format "hf_sharded"; sources = the shard files; one chunk per tensor. Aliases are listed as
-  /// tensors sharing their target's chunk unless a skeleton records them.
+  /// format "hf_sharded"; sources = the shard files; one chunk per stored tensor, in index order.
+  /// The skeleton is the stored one, or null for a flat dict, or (when shards record aliases) the
+  /// flat dict's skeleton with an alias node per alias.
   [[nodiscard]] ShardedCheckpoint describe() const {
     ShardedCheckpoint c;
     c.format = "hf_sharded";
     for (const auto& f : files_) c.sources.push_back(f.source());
     c.skeleton = skeleton_;
+    std::vector<std::pair<std::string, std::string>> aliases;
     for (const Item& i : items_) {
-      if (i.alias && !skeleton_.is_null()) continue;
+      if (i.alias) {
+        aliases.emplace_back(i.name, i.entry->name);
+        continue;
+      }
       const safetensors::File& f = files_[i.file];
       const safetensors::TensorEntry& e = *i.entry;
       if (!e.dtype)
@@ -472,6 +477,8 @@ class Checkpoint {
       t.chunks.push_back(std::move(ch));
       c.tensors.push_back(std::move(t));
     }
+    if (c.skeleton.is_null() && !aliases.empty())
+      c.skeleton = safetensors::File::flat_skeleton_with_aliases(c.tensors, aliases);
     c.metadata = metadata_;
     return c;
   }

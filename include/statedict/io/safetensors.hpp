@@ -985,20 +985,29 @@ class File {
   [[nodiscard]] TensorView view(std::size_t i) const { return view(s_->entries.at(i)); }
 
   /// The file as a ShardedCheckpoint: format "safetensors", one source (this file), one chunk per
-  /// tensor covering its whole box, skeleton from statedict's metadata (null for a plain file),
-  /// metadata = the user's `__metadata__`. Aliases without a skeleton are listed as further tensors
-  /// with the same chunk. Reads no tensor data.
+  /// stored tensor covering its whole box, metadata = the user's `__metadata__`. The skeleton is
+  /// the one statedict stored; for a plain file it is null (a flat dict of the tensors in file
+  /// order), or, when the file records aliases, the flat dict's skeleton with an alias node per
+  /// alias (so ties survive a conversion). Reads no tensor data.
   [[nodiscard]] ShardedCheckpoint describe() const {
     ShardedCheckpoint c;
     c.format = "safetensors";
     c.sources.push_back(s_->source);
-    c.tensors.reserve(s_->entries.size() + (s_->skeleton.is_null() ? s_->aliases.size() : 0));
+    c.tensors.reserve(s_->entries.size());
     for (const TensorEntry& e : s_->entries) c.tensors.push_back(info_of(e, e.name));
-    if (s_->skeleton.is_null())
-      for (const auto& [alias, target] : s_->aliases) c.tensors.push_back(info_of(*find(target), alias));
     c.skeleton = s_->skeleton;
+    if (c.skeleton.is_null() && !s_->aliases.empty()) c.skeleton = flat_skeleton_with_aliases(c.tensors, s_->aliases);
     c.metadata = s_->metadata;
     return c;
+  }
+
+  /// The skeleton of a flat dict: the tensors in order, then each alias as an alias node.
+  static nlohmann::json flat_skeleton_with_aliases(const std::vector<TensorInfo>& tensors,
+                                                   const std::vector<std::pair<std::string, std::string>>& aliases) {
+    nlohmann::json sk = flat_skeleton(tensors);
+    auto& items = sk["root"]["dict"];
+    for (const auto& [alias, target] : aliases) items.push_back(nlohmann::json::array({alias, {{"alias", target}}}));
+    return sk;
   }
 
   /// The file as a Value: without a skeleton, a dict {name: tensor} in file order, then the
