@@ -652,6 +652,10 @@ TEST_CASE("flatten and unflatten handle a tree 200,000 levels deep, and a hostil
   REQUIRE(f.tensors.size() == 1);
   const Value back = unflatten(f);
   CHECK(back == v);
+  // Its skeleton as text (dump() would recurse 400,000 levels deep) and back.
+  const std::string skel_text = skeleton_dump(f.skeleton);
+  CHECK(skel_text.size() > 3000000);
+  CHECK(unflatten(f.tensors, json::parse(skel_text)) == v);
 
   // 300,000 nested lists from text (nlohmann's parser is iterative), ending in a missing tensor.
   std::string text = R"({"statedict_skeleton": 1, "root": )";
@@ -826,7 +830,9 @@ TEST_CASE("property: random trees round-trip exactly, in memory and through JSON
     for (std::size_t i = 0; i < a.size(); ++i) REQUIRE(same_view(*a[i], *b[i]));
     leaves += a.size();
     // Through text, and with the tensors in another container.
-    const json parsed = json::parse(f.skeleton.dump());
+    const std::string text = f.skeleton.dump();
+    REQUIRE(skeleton_dump(f.skeleton) == text);
+    const json parsed = json::parse(text);
     REQUIRE(unflatten(f.tensors, parsed) == tree);
     std::unordered_map<std::string, TensorView> hashed(f.tensors.begin(), f.tensors.end());
     REQUIRE(unflatten(hashed, parsed) == tree);

@@ -1537,6 +1537,61 @@ nlohmann::json flat_skeleton(const Range& tensors) {
   return skel;
 }
 
+/// The compact JSON text of a skeleton (or any JSON value), exactly what `skeleton.dump()` gives,
+/// without recursion: nlohmann's dump() recurses once per nesting level, which a skeleton of a
+/// very deep tree would turn into a stack overflow. Throws nlohmann's type_error on strings that
+/// are not UTF-8, as dump() does (flatten never puts one in a skeleton).
+inline std::string skeleton_dump(const nlohmann::json& j) {
+  using json = nlohmann::json;
+  std::string out;
+  struct frame {
+    const json* v;
+    std::size_t next;                       // arrays: next element
+    json::object_t::const_iterator it;      // objects: next member
+  };
+  std::vector<frame> stack;
+  auto open = [&](const json& v) {
+    if (v.is_array()) {
+      out += '[';
+      stack.push_back({&v, 0, {}});
+    } else if (v.is_object()) {
+      out += '{';
+      stack.push_back({&v, 0, v.get_ref<const json::object_t&>().begin()});
+    } else {
+      out += v.dump();  // a scalar: no recursion
+    }
+  };
+  open(j);
+  while (!stack.empty()) {
+    frame& f = stack.back();
+    const json* child = nullptr;
+    if (f.v->is_array()) {
+      const auto& a = f.v->get_ref<const json::array_t&>();
+      if (f.next == a.size()) {
+        out += ']';
+        stack.pop_back();
+        continue;
+      }
+      if (f.next) out += ',';
+      child = &a[f.next++];
+    } else {
+      const auto& o = f.v->get_ref<const json::object_t&>();
+      if (f.it == o.end()) {
+        out += '}';
+        stack.pop_back();
+        continue;
+      }
+      if (f.it != o.begin()) out += ',';
+      out += json(f.it->first).dump();
+      out += ':';
+      child = &f.it->second;
+      ++f.it;
+    }
+    open(*child);  // `f` is dangling from here on
+  }
+  return out;
+}
+
 /// A tensor node of a skeleton: the name it has in the tensor map, its dtype and shape.
 struct SkeletonTensor {
   std::string name;
