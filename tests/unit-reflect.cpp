@@ -343,6 +343,22 @@ TEST_CASE("to_value refuses integers a state dict cannot hold") {
   CHECK(to_value(Big{(1ULL << 63) - 1})["n"].as_int() == INT64_MAX);
 }
 
+TEST_CASE("integer map keys are range-checked and must be ints") {
+  struct ByByte {
+    std::map<std::uint8_t, int> m;
+  };
+  CHECK(from_value<ByByte>(Value(Dict{{"m", Dict{{200, 1}}}})).m.at(200) == 1);
+  CHECK(error_text([] { (void)from_value<ByByte>(Value(Dict{{"m", Dict{{300, 1}}}})); }) ==
+        "[statedict.type_error.243] field 'm.300': key 300 is outside [0, 255]");
+  CHECK(error_text([] { (void)from_value<ByByte>(Value(Dict{{"m", Dict{{"7", 1}}}})); }) ==
+        "[statedict.type_error.245] field 'm.7': key '7' is a str; this map has int keys");
+  struct ByU64 {
+    std::map<std::uint64_t, int> m;
+  };
+  CHECK(error_text([] { (void)to_value(ByU64{{{~0ULL, 1}}}); }) ==
+        "[statedict.type_error.243] field 'm': map key 18446744073709551615 does not fit a state dict int (int64)");
+}
+
 TEST_CASE("custom codecs: used for their type, and their errors get the field path") {
   demo::Weather w{demo::Celsius(21.5), {demo::Celsius(1), demo::Celsius(-3)}};
   const Value v = to_value(w);
