@@ -137,7 +137,7 @@ class crc_regions {
 }  // namespace detail
 
 /// Writes into an OutputFile at `base` + offset (the file is not owned; commit it after execute).
-/// reserve() extends the file to base + size so trailing padding exists.
+/// finish() extends the file to base + the destination size, so trailing padding exists.
 class FileSink final : public Sink {
  public:
   explicit FileSink(OutputFile& file, std::uint64_t base = 0) : file_(file), base_(base), name_(file.path().string()) {}
@@ -147,11 +147,13 @@ class FileSink final : public Sink {
     file_.pwrite(base_ + offset, bytes);
     if (crc_.active()) crc_.add(offset, bytes);
   }
-  void reserve(std::uint64_t size) override {
-    struct stat st {};
-    if (::fstat(file_.fd(), &st) == 0 && static_cast<std::uint64_t>(st.st_size) < base_ + size) file_.resize(base_ + size);
-  }
+  void reserve(std::uint64_t size) override { size_ = size; }
+  /// Extends the file to base + size when the writes stopped short of it (trailing padding). Done
+  /// at the end, not up front: filling a sparse hole is slower than writing at the end on ext4.
   void finish() override {
+    struct stat st {};
+    if (::fstat(file_.fd(), &st) == 0 && static_cast<std::uint64_t>(st.st_size) < base_ + size_)
+      file_.resize(base_ + size_);
     if (crc_.active()) crc_.finish();
   }
   [[nodiscard]] int fd() const noexcept override { return file_.fd(); }
@@ -167,6 +169,7 @@ class FileSink final : public Sink {
  private:
   OutputFile& file_;
   std::uint64_t base_;
+  std::uint64_t size_ = 0;
   std::string name_;
   detail::crc_regions crc_;
 };

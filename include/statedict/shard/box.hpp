@@ -13,6 +13,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <span>
@@ -391,41 +392,37 @@ void for_each_storage_run(const Box& g, const MappedBox& a, const MappedBox& b, 
   struct level {
     std::uint64_t n, sa, sb;
   };
-  // Dimensions of size > 1, outer to inner, then merged where both storages continue evenly.
-  std::vector<level> lv;
-  std::vector<std::size_t> dim_of;
-  for (std::size_t d = 0; d < g.sizes.size(); ++d)
-    if (g.sizes[d] > 1) {
-      lv.push_back({detail::u64(g.sizes[d]), a.step[d], b.step[d]});
-      dim_of.push_back(d);
-    }
-  std::vector<level> merged;
-  for (const level& l : lv) {
-    if (!merged.empty()) {
-      level& o = merged.back();
-      if (o.sa == l.sa * l.n && o.sb == l.sb * l.n) {
-        o = level{o.n * l.n, l.sa, l.sb};
-        continue;
-      }
-    }
-    merged.push_back(l);
+  if (g.sizes.size() > max_placement_rank)
+    throw_error(errors::too_many_dims, "rank " + std::to_string(g.sizes.size()) + " exceeds " +
+                                           std::to_string(max_placement_rank));
+  // Dimensions of size > 1, outer to inner, merged where both storages continue evenly (on the
+  // stack: this runs once per copy pattern).
+  std::array<level, max_placement_rank> merged;
+  std::size_t nm = 0;
+  for (std::size_t d = 0; d < g.sizes.size(); ++d) {
+    if (g.sizes[d] <= 1) continue;
+    const level l{detail::u64(g.sizes[d]), a.step[d], b.step[d]};
+    if (nm > 0 && merged[nm - 1].sa == l.sa * l.n && merged[nm - 1].sb == l.sb * l.n)
+      merged[nm - 1] = level{merged[nm - 1].n * l.n, l.sa, l.sb};
+    else
+      merged[nm++] = l;
   }
   const std::uint64_t a0 = a.offset_of(g.offsets), b0 = b.offset_of(g.offsets);
-  if (merged.empty()) {
+  if (nm == 0) {
     f(StorageRuns{a0, b0, 1, 1, 0, 0});
     return;
   }
   StorageRuns r;
   std::size_t outer;  // merged levels [0, outer) are enumerated
-  const level& in = merged.back();
+  const level& in = merged[nm - 1];
   if (in.sa == 1 && in.sb == 1) {
     r.count = in.n;
-    if (merged.size() >= 2) {
-      const level& rep = merged[merged.size() - 2];
+    if (nm >= 2) {
+      const level& rep = merged[nm - 2];
       r.reps = rep.n;
       r.a_step = rep.sa;
       r.b_step = rep.sb;
-      outer = merged.size() - 2;
+      outer = nm - 2;
     } else {
       outer = 0;
     }
@@ -434,9 +431,9 @@ void for_each_storage_run(const Box& g, const MappedBox& a, const MappedBox& b, 
     r.reps = in.n;
     r.a_step = in.sa;
     r.b_step = in.sb;
-    outer = merged.size() - 1;
+    outer = nm - 1;
   }
-  std::vector<std::uint64_t> idx(outer, 0);
+  std::array<std::uint64_t, max_placement_rank> idx{};
   for (;;) {
     StorageRuns x = r;
     x.a = a0;

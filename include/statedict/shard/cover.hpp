@@ -44,7 +44,7 @@ namespace detail {
 class coverer {
  public:
   coverer(const Box& target, std::span<const Box> boxes, bool allow_overlap)
-      : t_(target), n_(target.offsets.size()), allow_(allow_overlap), where_(target.offsets) {
+      : t_(target), n_(target.offsets.size()), allow_(allow_overlap), where_(target.offsets), scratch_(n_ + 1) {
     clipped_.reserve(boxes.size());
     for (std::size_t i = 0; i < boxes.size(); ++i) {
       auto c = intersect(target, boxes[i]);
@@ -55,7 +55,10 @@ class coverer {
   }
 
   std::optional<CoverIssue> run(std::vector<CoverTile>* out) {
-    if (is_empty(t_) && n_ > 0) return std::nullopt;
+    if (is_empty(t_) && n_ > 0) {
+      if (out) out->clear();
+      return std::nullopt;
+    }
     std::vector<std::uint32_t> all(clipped_.size());
     for (std::uint32_t i = 0; i < all.size(); ++i) all[i] = i;
     std::vector<CoverTile> tiles;
@@ -81,8 +84,16 @@ class coverer {
       return true;
     }
     const dim_t lo = t_.offsets[d], hi = t_.offsets[d] + t_.sizes[d];
-    std::vector<dim_t> cuts;
-    cuts.reserve(2 * act.size() + 2);
+    // Scratch reused across calls at this depth (one call per depth is active at a time).
+    auto& sc = scratch_[d];
+    auto& cuts = sc.cuts;
+    auto& by_start = sc.by_start;
+    auto& live = sc.live;
+    auto& sub = sc.sub;
+    auto& prev_sub = sc.prev_sub;
+    cuts.clear();
+    live.clear();
+    prev_sub.clear();
     cuts.push_back(lo);
     cuts.push_back(hi);
     for (std::uint32_t i : act) {
@@ -92,12 +103,10 @@ class coverer {
     std::sort(cuts.begin(), cuts.end());
     cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
     // Boxes by start along d, for the sweep; the active set is kept in preference order.
-    std::vector<std::uint32_t> by_start(act);
+    by_start.assign(act.begin(), act.end());
     std::stable_sort(by_start.begin(), by_start.end(),
                      [&](std::uint32_t x, std::uint32_t y) { return clipped_[x].offsets[d] < clipped_[y].offsets[d]; });
-    std::vector<std::uint32_t> live;
     std::size_t next = 0;
-    std::vector<CoverTile> sub, prev_sub;
     std::size_t prev_begin = 0;  // tiles of the previous slab are out[prev_begin, out.size())
     bool have_prev = false;
     dim_t prev_end = lo;
@@ -137,6 +146,11 @@ class coverer {
     return false;
   }
 
+  struct scratch {
+    std::vector<dim_t> cuts;
+    std::vector<std::uint32_t> by_start, live;
+    std::vector<CoverTile> sub, prev_sub;
+  };
   const Box& t_;
   std::size_t n_;
   bool allow_;
@@ -144,6 +158,7 @@ class coverer {
   std::vector<std::uint32_t> ids_;
   shape_t where_;
   CoverIssue issue_;
+  std::vector<scratch> scratch_;
 };
 }  // namespace detail
 

@@ -435,15 +435,22 @@ inline Plan make_plan(const ShardedCheckpoint& src, const Destination& dst, cons
     std::vector<detail::SrcPiece> pieces;
     for (std::uint32_t ci = 0; ci < s->chunks.size(); ++ci) {
       const Chunk& c = s->chunks[ci];
-      const std::string what = ctx + " source chunk " + std::to_string(ci);
+      auto what = [&] { return ctx + " source chunk " + std::to_string(ci); };  // built only for errors
       if (c.at.source >= src.sources.size())
-        throw_error(errors::bad_source_id, what, "refers to byte source " + std::to_string(c.at.source) + " of " +
-                                                     std::to_string(src.sources.size()));
-      auto boxes = mapped_boxes(c, t.shape, what);
-      const std::uint64_t ext = checked_mul(storage_extent(c, what), itemsize(c.at.stored), "chunk bytes");
+        throw_error(errors::bad_source_id, what(), "refers to byte source " + std::to_string(c.at.source) + " of " +
+                                                       std::to_string(src.sources.size()));
+      std::vector<MappedBox> boxes;
+      std::uint64_t ext = 0;
+      try {
+        boxes = mapped_boxes(c, t.shape, {});
+        ext = checked_mul(storage_extent(c, {}), itemsize(c.at.stored), "chunk bytes");
+      } catch (error& e) {
+        e.add_context(what());
+        throw;
+      }
       const std::uint64_t size = plan.source_sizes[c.at.source];
       if (c.at.byte_offset > size || ext > size - c.at.byte_offset)
-        throw_error(errors::chunk_outside_source, what,
+        throw_error(errors::chunk_outside_source, what(),
                     "needs bytes [" + std::to_string(c.at.byte_offset) + ", +" + std::to_string(ext) + ") of " +
                         quote(plan.source_names[c.at.source]) + ", which has " + std::to_string(size));
       for (auto& m : boxes) {
@@ -480,24 +487,40 @@ inline Plan make_plan(const ShardedCheckpoint& src, const Destination& dst, cons
 
     // Destination pieces, checked.
     std::vector<detail::DstPiece> dpieces;
+    dtype last_checked_stored = dtype::F32;
     for (std::uint32_t ci = 0; ci < t.chunks.size(); ++ci) {
       const Chunk& c = t.chunks[ci];
-      const std::string what = ctx + " destination chunk " + std::to_string(ci);
+      auto what = [&] { return ctx + " destination chunk " + std::to_string(ci); };
       if (c.at.source >= nd)
-        throw_error(errors::bad_source_id, what, "refers to destination " + std::to_string(c.at.source) + " of " +
-                                                     std::to_string(nd));
-      auto boxes = mapped_boxes(c, t.shape, what);
-      const std::uint64_t ext = checked_mul(storage_extent(c, what), itemsize(c.at.stored), "chunk bytes");
-      const std::uint64_t end = checked_add(c.at.byte_offset, ext, "chunk end");
+        throw_error(errors::bad_source_id, what(), "refers to destination " + std::to_string(c.at.source) + " of " +
+                                                       std::to_string(nd));
+      std::vector<MappedBox> boxes;
+      std::uint64_t ext = 0, end = 0;
+      try {
+        boxes = mapped_boxes(c, t.shape, {});
+        ext = checked_mul(storage_extent(c, {}), itemsize(c.at.stored), "chunk bytes");
+        end = checked_add(c.at.byte_offset, ext, "chunk end");
+      } catch (error& e) {
+        e.add_context(what());
+        throw;
+      }
       if (ext > 0) {
         const std::uint64_t declared = c.at.source < dst.sizes.size() ? dst.sizes[c.at.source] : 0;
         if (declared != 0 && end > declared)
-          throw_error(errors::destination_too_small, what,
+          throw_error(errors::destination_too_small, what(),
                       "needs bytes up to " + std::to_string(end) + " of " + quote(dst.names[c.at.source]) +
                           ", declared as " + std::to_string(declared) + " bytes");
         plan.destination_sizes[c.at.source] = std::max(plan.destination_sizes[c.at.source], end);
       }
-      (void)detail::cast_chain(s->dtype, s->dtype, t.dtype, c.at.stored);
+      if (c.at.stored != last_checked_stored || ci == 0) {
+        try {
+          (void)detail::cast_chain(s->dtype, s->dtype, t.dtype, c.at.stored);
+        } catch (error& e) {
+          e.add_context(ctx);
+          throw;
+        }
+        last_checked_stored = c.at.stored;
+      }
       for (auto& m : boxes) dpieces.push_back(detail::DstPiece{std::move(m), ci});
     }
     if (opt.require_full_destination) {
@@ -512,6 +535,9 @@ inline Plan make_plan(const ShardedCheckpoint& src, const Destination& dst, cons
     std::vector<std::size_t> cand;
     std::vector<Box> cand_boxes;
     std::vector<CoverTile> tiles;
+    std::vector<dtype> chain;
+    std::pair<dtype, dtype> chain_key{dtype::F32, dtype::F32};
+    bool have_chain = false;
     for (const auto& dp : dpieces) {
       const Chunk& dc = t.chunks[dp.chunk];
       const FlatRange dl = linear_extent(dp.m.box, t.shape);
@@ -547,7 +573,11 @@ inline Plan make_plan(const ShardedCheckpoint& src, const Destination& dst, cons
       }
       for (const CoverTile& tile : tiles) {
         const auto& sp = kept[cand[tile.which]];
-        const auto chain = detail::cast_chain(sp.stored, s->dtype, t.dtype, dc.at.stored);
+        if (!have_chain || chain_key.first != sp.stored || chain_key.second != dc.at.stored) {
+          chain = detail::cast_chain(sp.stored, s->dtype, t.dtype, dc.at.stored);
+          chain_key = {sp.stored, dc.at.stored};
+          have_chain = true;
+        }
         CopyOp base;
         base.tensor = ti;
         base.src = sp.source;
