@@ -1,15 +1,349 @@
-// statedict command-line tool: inspect, convert, verify (see README and docs/cli.md).
+// statedict command-line tool: inspect, convert, verify (docs/cli.md).
+//
+// Exit codes: 0 success, 1 a check failed (verify), 2 bad input or usage. Errors are one line on
+// stderr: "statedict: [statedict.<kind>.<id>] <where>: <what was expected>".
+#include <unistd.h>
+
+#include <statedict/formats/convert.hpp>
+#include <statedict/formats/open.hpp>
 #include <statedict/statedict.hpp>
 
+#include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <iostream>
 #include <string>
+#include <thread>
+#include <vector>
 
-int main(int argc, char** argv) {
-  if (argc >= 2 && (std::strcmp(argv[1], "--version") == 0)) {
-    std::printf("statedict %s\n", statedict::version_string);
+#include "args.hpp"
+#include "verify.hpp"
+
+namespace sd = statedict;
+
+namespace {
+
+constexpr const char* usage_text = R"(statedict: read, convert and verify ML checkpoints without PyTorch.
+
+usage:
+  statedict inspect PATH [--json] [--hash] [--with-optimizer] [--io mmap|pread]
+  statedict convert IN OUT [--to safetensors|torch|dcp] [--dtype F32|BF16|F16]
+                    [--max-shard-size 5GB] [--world-size M] [--only NAME_PREFIX]...
+                    [--with-optimizer] [--threads N] [--memory-budget 256MiB]
+                    [--part k/K | --part index] [--check-replicas] [--io mmap|pread]
+  statedict verify A B [--rtol R] [--atol A] [--with-optimizer] [--io mmap|pread]
+  statedict --version
+
+PATH, IN, A, B: a .safetensors file, a torch.save file (.pt, .bin, any name), a Hugging Face
+sharded directory or index, a torch.distributed.checkpoint directory, a DeepSpeed ZeRO 1/2/3
+checkpoint, an OLMo/FSDP sharded checkpoint, or ShardedTensor rank files. The format is detected
+from the content. Exit codes: 0 success, 1 verify found a difference, 2 bad input or usage.
+See docs/cli.md.
+)";
+
+/// "256MiB", "1GB", "4096": binary (KiB, MiB, GiB, TiB) and decimal (KB, MB, GB, TB) units.
+std::uint64_t parse_bytes(const std::string& text, const std::string& option) {
+  std::size_t i = 0;
+  while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i]))) ++i;
+  if (i == 0) sd::throw_error(cli::errors::bad_value, option, sd::quote(text) + " is not a size like 256MiB");
+  std::uint64_t n = 0;
+  try {
+    n = std::stoull(text.substr(0, i));
+  } catch (...) {
+    sd::throw_error(cli::errors::bad_value, option, sd::quote(text) + " is too large");
+  }
+  std::string unit = text.substr(i);
+  for (auto& c : unit) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  struct u {
+    const char* name;
+    std::uint64_t mul;
+  };
+  constexpr u units[] = {{"", 1},           {"B", 1},          {"KIB", 1ULL << 10}, {"MIB", 1ULL << 20}, {"GIB", 1ULL << 30},
+                         {"TIB", 1ULL << 40}, {"KB", 1000ULL}, {"MB", 1000000ULL},  {"GB", 1000000000ULL}, {"TB", 1000000000000ULL}};
+  for (const auto& x : units)
+    if (unit == x.name) return sd::checked_mul(n, x.mul, option);
+  sd::throw_error(cli::errors::bad_value, option, "unknown unit in " + sd::quote(text) + " (use KiB, MiB, GiB, KB, MB, GB)");
+}
+
+std::uint64_t parse_count(const std::string& text, const std::string& option, std::uint64_t lo, std::uint64_t hi) {
+  std::uint64_t n = 0;
+  std::size_t used = 0;
+  try {
+    n = std::stoull(text, &used);
+  } catch (...) {
+    used = 0;
+  }
+  if (used == 0 || used != text.size() || n < lo || n > hi)
+    sd::throw_error(cli::errors::bad_value, option,
+                    sd::quote(text) + " is not a whole number from " + std::to_string(lo) + " to " + std::to_string(hi));
+  return n;
+}
+
+sd::read_mode parse_io(const cli::Args& a) {
+  const auto v = a.value("--io");
+  if (!v || *v == "mmap") return sd::read_mode::mmap;
+  if (*v == "pread") return sd::read_mode::pread;
+  a.fail(cli::errors::bad_value, "--io takes mmap or pread, not " + sd::quote(*v));
+}
+
+std::optional<sd::dtype> parse_dtype(const cli::Args& a) {
+  const auto v = a.value("--dtype");
+  if (!v) return std::nullopt;
+  const auto t = sd::dtype_from_name(*v);
+  if (!t || (*t != sd::dtype::F32 && *t != sd::dtype::BF16 && *t != sd::dtype::F16))
+    a.fail(cli::errors::bad_value, "--dtype takes F32, BF16 or F16, not " + sd::quote(*v));
+  return t;
+}
+
+/// Progress on stderr when it is a terminal: "\r  37% 1.1 GB of 3.0 GB".
+std::function<void(std::uint64_t, std::uint64_t)> progress_printer() {
+  if (!::isatty(STDERR_FILENO)) return {};
+  return [](std::uint64_t done, std::uint64_t total) {
+    const double pct = total ? 100.0 * static_cast<double>(done) / static_cast<double>(total) : 100.0;
+    std::fprintf(stderr, "\r  %3.0f%%  %.2f GB of %.2f GB", pct, static_cast<double>(done) / 1e9, static_cast<double>(total) / 1e9);
+    if (done >= total) std::fprintf(stderr, "\n");
+    std::fflush(stderr);
+  };
+}
+
+sd::exec_options exec_options_from(const cli::Args& a) {
+  sd::exec_options e;
+  const unsigned hw = std::max(1U, std::thread::hardware_concurrency());
+  e.threads = a.value("--threads") ? static_cast<unsigned>(parse_count(*a.value("--threads"), "--threads", 1, 256)) : hw;
+  if (auto b = a.value("--memory-budget")) e.memory_budget = parse_bytes(*b, "--memory-budget");
+  e.progress = progress_printer();
+  return e;
+}
+
+sd::formats::Opened open_input(const std::string& path, const cli::Args& a, std::optional<sd::dtype> dtype = std::nullopt) {
+  sd::formats::open_options o;
+  o.mode = parse_io(a);
+  o.with_optimizer = a.flag("--with-optimizer");
+  o.check_replicas = a.flag("--check-replicas");
+  o.dtype = dtype;
+  return sd::formats::open(path, o);
+}
+
+std::string shape_str(const sd::shape_t& s) { return sd::to_string(s); }
+
+// ---------------------------------------------------------------------------------------------
+
+int cmd_inspect(const std::vector<std::string>& argv) {
+  cli::Args a(argv,
+              {{"--json", false}, {"--hash", false}, {"--with-optimizer", false}, {"--io", true}, {"--threads", true},
+               {"--memory-budget", true}},
+              1, 1, "inspect");
+  const auto opened = open_input(a.positional()[0], a);
+  const sd::ShardedCheckpoint ck = sd::formats::expand_ties(opened.checkpoint);
+  std::vector<std::pair<std::string, std::string>> hashes;
+  if (a.flag("--hash")) hashes = sd::sha256_tensors(ck, exec_options_from(a));
+  const auto values = ck.skeleton.is_null() ? std::vector<std::pair<std::string, sd::Value>>{} : sd::skeleton_values(ck.skeleton);
+  const auto ties = ck.skeleton.is_null() ? std::vector<sd::formats::detail::tie>{} : sd::formats::tied_names(ck.skeleton);
+
+  if (a.flag("--json")) {
+    nlohmann::ordered_json j;
+    j["format"] = ck.format;
+    j["rule"] = opened.rule;
+    auto& tj = j["tensors"] = nlohmann::ordered_json::object();
+    for (std::size_t i = 0; i < ck.tensors.size(); ++i) {
+      const auto& t = ck.tensors[i];
+      nlohmann::ordered_json e;
+      e["dtype"] = std::string(sd::name(t.dtype));
+      e["shape"] = t.shape;
+      if (!hashes.empty()) e["sha256"] = hashes[i].second;
+      tj[t.name] = std::move(e);
+    }
+    auto& vj = j["values"] = nlohmann::ordered_json::object();
+    for (const auto& [n, v] : values) vj[n] = cli::value_json(v);
+    auto& aj = j["aliases"] = nlohmann::ordered_json::object();
+    for (const auto& t : ties) aj[t.name] = t.target;
+    if (!ck.metadata.empty()) j["metadata"] = ck.metadata;
+    std::cout << j.dump(1) << "\n";
     return 0;
   }
-  std::fprintf(stderr, "statedict: no command implemented in this build yet\n");
-  return 2;
+  // expand_ties appends the tied names after the stored tensors.
+  const std::size_t stored = ck.tensors.size() - ties.size();
+  std::uint64_t bytes = 0;
+  for (std::size_t i = 0; i < stored; ++i) bytes += sd::byte_size(ck.tensors[i].shape, sd::itemsize(ck.tensors[i].dtype));
+  std::cout << "format:  " << ck.format << "  (" << opened.rule << ")\n";
+  std::cout << "tensors: " << stored << " stored";
+  if (!ties.empty()) std::cout << " + " << ties.size() << " tied";
+  std::cout << ", " << bytes << " bytes\n";
+  std::size_t wname = 4, wdtype = 5;
+  for (const auto& t : ck.tensors) {
+    wname = std::max(wname, t.name.size());
+    wdtype = std::max(wdtype, sd::name(t.dtype).size());
+  }
+  wname = std::min<std::size_t>(wname, 80);
+  for (std::size_t i = 0; i < ck.tensors.size(); ++i) {
+    const auto& t = ck.tensors[i];
+    std::string line = "  " + t.name;
+    line.resize(std::max(line.size(), wname + 4), ' ');
+    std::string dt(sd::name(t.dtype));
+    dt.resize(wdtype + 2, ' ');
+    line += dt + shape_str(t.shape);
+    if (!hashes.empty()) line += "  " + hashes[i].second;
+    std::cout << line << "\n";
+  }
+  if (!ties.empty()) {
+    std::cout << "tied:\n";
+    for (const auto& t : ties) std::cout << "  " << t.name << " -> " << t.target << (t.view ? " (view)" : "") << "\n";
+  }
+  if (!values.empty()) {
+    std::cout << "values: " << values.size() << "\n";
+    for (const auto& [n, v] : values) std::cout << "  " << n << " = " << cli::value_json(v).dump() << "\n";
+  }
+  if (!ck.metadata.empty()) {
+    std::cout << "metadata:\n";
+    for (const auto& [k, v] : ck.metadata) std::cout << "  " << k << " = " << (v.size() > 120 ? v.substr(0, 117) + "..." : v) << "\n";
+  }
+  return 0;
+}
+
+std::string extension_of(const std::string& path) {
+  const auto slash = path.find_last_of('/');
+  const std::string base = slash == std::string::npos ? path : path.substr(slash + 1);
+  const auto dot = base.find_last_of('.');
+  if (dot == std::string::npos || dot == 0) return "";
+  std::string e = base.substr(dot);
+  for (auto& c : e) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return e;
+}
+
+int cmd_convert(const std::vector<std::string>& argv) {
+  cli::Args a(argv,
+              {{"--to", true}, {"--dtype", true}, {"--max-shard-size", true}, {"--world-size", true}, {"--only", true, true},
+               {"--with-optimizer", false}, {"--threads", true}, {"--memory-budget", true}, {"--part", true},
+               {"--check-replicas", false}, {"--io", true}},
+              2, 2, "convert");
+  const std::string in = a.positional()[0], out = a.positional()[1];
+  const auto dtype = parse_dtype(a);
+
+  // Output kind: --to, else the extension of OUT.
+  std::string to = a.value("--to").value_or("");
+  const std::string ext = extension_of(out);
+  if (to.empty()) {
+    if (ext == ".safetensors") to = "safetensors";
+    else if (ext == ".pt" || ext == ".pth" || ext == ".bin" || ext == ".ckpt") to = "torch";
+    else if (a.value("--max-shard-size")) to = "safetensors";
+    else
+      a.fail(cli::errors::usage, "cannot tell the output format from " + sd::quote(out) +
+                                     ": name it .safetensors or .pt, or give --to safetensors|torch|dcp");
+  }
+  if (to != "safetensors" && to != "torch" && to != "dcp") a.fail(cli::errors::bad_value, "--to takes safetensors, torch or dcp");
+  const bool hf_dir = to == "safetensors" && ext != ".safetensors";
+  if (to == "safetensors" && !hf_dir && a.value("--max-shard-size"))
+    a.fail(cli::errors::usage, "--max-shard-size writes a directory of shards: name OUT without .safetensors");
+  if (a.value("--world-size") && to != "dcp") a.fail(cli::errors::usage, "--world-size applies to --to dcp");
+  if (a.value("--part") && !hf_dir) a.fail(cli::errors::usage, "--part applies to Hugging Face sharded output (a directory)");
+
+  sd::formats::write_options w;
+  w.exec = exec_options_from(a);
+  w.plan.check_replicas = a.flag("--check-replicas");
+  if (auto m = a.value("--max-shard-size")) w.max_shard_size = sd::hf::parse_max_shard_size(*m);
+  if (auto m = a.value("--world-size")) w.world_size = static_cast<std::uint32_t>(parse_count(*m, "--world-size", 1, 1U << 16));
+  if (auto p = a.value("--part")) {
+    if (*p == "index") w.index_only = true;
+    else w.part = sd::parse_part(*p);
+  }
+
+  const auto t0 = std::chrono::steady_clock::now();
+  auto opened = open_input(in, a, dtype);
+  sd::ShardedCheckpoint ck = sd::formats::select(opened.checkpoint, a.values("--only"));
+  if (dtype && !opened.dtype_applied) sd::formats::cast(ck, *dtype);
+
+  std::uint64_t bytes = 0;
+  for (const auto& t : ck.tensors) bytes += sd::byte_size(t.shape, sd::itemsize(t.dtype));
+  std::string what;
+  if (to == "torch") {
+    sd::formats::write_torch(ck, out, w);
+    what = "torch.save file";
+  } else if (to == "dcp") {
+    sd::formats::write_dcp(ck, out, w);
+    what = "DCP checkpoint for " + std::to_string(w.world_size) + " rank" + (w.world_size == 1 ? "" : "s");
+  } else if (hf_dir) {
+    const auto files = sd::formats::write_hf(ck, out, w);
+    what = "Hugging Face checkpoint (" + std::to_string(files.size()) + " file" + (files.size() == 1 ? "" : "s") +
+           (w.part ? ", part " + std::to_string(w.part->index) + "/" + std::to_string(w.part->count) : "") + ")";
+  } else {
+    sd::formats::write_safetensors(ck, out, w);
+    what = "safetensors file";
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::fprintf(stderr, "statedict: wrote %s %s: %zu tensors, %.3f GB from %s in %.2f s\n", what.c_str(), sd::quote(out).c_str(),
+               ck.tensors.size(), static_cast<double>(bytes) / 1e9, ck.format.c_str(), secs);
+  return 0;
+}
+
+int cmd_verify(const std::vector<std::string>& argv) {
+  cli::Args a(argv,
+              {{"--rtol", true}, {"--atol", true}, {"--with-optimizer", false}, {"--io", true}, {"--threads", true},
+               {"--memory-budget", true}},
+              2, 2, "verify");
+  cli::verify_options vo;
+  auto num = [&](const char* opt) -> double {
+    const auto v = a.value(opt);
+    if (!v) return 0.0;
+    try {
+      std::size_t used = 0;
+      const double d = std::stod(*v, &used);
+      if (used == v->size() && d >= 0 && std::isfinite(d)) return d;
+    } catch (...) {
+    }
+    a.fail(cli::errors::bad_value, std::string(opt) + " takes a non-negative number, not " + sd::quote(*v));
+  };
+  vo.rtol = num("--rtol");
+  vo.atol = num("--atol");
+  vo.exec = exec_options_from(a);
+  vo.exec.progress = {};
+  const auto A = open_input(a.positional()[0], a);
+  const auto B = open_input(a.positional()[1], a);
+  const cli::verify_report r = cli::verify(sd::formats::expand_ties(A.checkpoint), sd::formats::expand_ties(B.checkpoint), vo);
+  for (const auto& d : r.differences) std::cout << d << "\n";
+  if (r.omitted) std::cout << "... and " << r.omitted << " more differences\n";
+  if (r.equal()) {
+    std::cout << "equal: " << r.tensors << " tensors, " << r.values << " values\n";
+    return 0;
+  }
+  std::cout << "different: " << r.differences.size() + r.omitted << " difference(s) in " << r.tensors << " tensors, " << r.values
+            << " values\n";
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  try {
+    if (args.empty() || args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
+      std::fputs(usage_text, args.empty() ? stderr : stdout);
+      return args.empty() ? 2 : 0;
+    }
+    if (args[0] == "--version") {
+      std::printf("statedict %s\n", sd::version_string);
+      return 0;
+    }
+    const std::string cmd = args[0];
+    std::vector<std::string> rest(args.begin() + 1, args.end());
+    for (const auto& r : rest)
+      if (r == "--help" || r == "-h") {
+        std::fputs(usage_text, stdout);
+        return 0;
+      }
+    if (cmd == "inspect") return cmd_inspect(rest);
+    if (cmd == "convert") return cmd_convert(rest);
+    if (cmd == "verify") return cmd_verify(rest);
+    std::fprintf(stderr, "statedict: unknown command %s (inspect, convert, verify; see statedict --help)\n", sd::quote(cmd).c_str());
+    return 2;
+  } catch (const sd::error& e) {
+    std::fprintf(stderr, "statedict: %s\n", e.what());
+    return 2;
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "statedict: out of memory\n");
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "statedict: %s\n", e.what());
+    return 2;
+  }
 }
