@@ -371,22 +371,30 @@ struct codec<T, kind::boolean> {
   static std::string expected() { return "bool"; }
 };
 
+/// Integer conversions shared by integer members and integer map keys (`what` prefixes messages).
+template <integer T>
+std::int64_t int64_of(T x, std::string_view what, const walker& w) {
+  const auto i = static_cast<plain_integer<T>>(x);
+  if (!std::in_range<std::int64_t>(i))
+    w.fail(errors::reflect_range, std::string(what) + std::to_string(i) + " does not fit a state dict int (int64)");
+  return static_cast<std::int64_t>(i);
+}
+template <integer T>
+T int_from(std::int64_t i, std::string_view what, const walker& w) {
+  using I = plain_integer<T>;
+  if (!std::in_range<I>(i))
+    w.fail(errors::reflect_range, std::string(what) + std::to_string(i) + " is outside [" +
+                                      std::to_string(std::numeric_limits<I>::min()) + ", " +
+                                      std::to_string(std::numeric_limits<I>::max()) + "]");
+  return static_cast<T>(i);
+}
+
 template <class T>
 struct codec<T, kind::integer> {
-  using I = plain_integer<T>;
-  static Value to(T x, walker& w) {
-    const auto i = static_cast<I>(x);
-    if (!std::in_range<std::int64_t>(i))
-      w.fail(errors::reflect_range, std::to_string(i) + " does not fit a state dict int (int64)");
-    return Value(static_cast<std::int64_t>(i));
-  }
+  static Value to(T x, walker& w) { return Value(int64_of(x, "", w)); }
   static T from(const Value& v, walker& w) {
     if (!v.is_int()) w.kind_error(expected(), v);
-    const std::int64_t i = v.as_int();
-    if (!std::in_range<I>(i))
-      w.fail(errors::reflect_range, std::to_string(i) + " is outside [" + std::to_string(std::numeric_limits<I>::min()) +
-                                        ", " + std::to_string(std::numeric_limits<I>::max()) + "]");
-    return static_cast<T>(i);
+    return int_from<T>(v.as_int(), "", w);
   }
   static std::string expected() { return "int"; }
 };
@@ -569,23 +577,15 @@ struct codec<T, kind::map> {
 
  private:
   static Key make_key(const K& k, walker& w) {
-    if constexpr (integer<K>) {
-      const auto i = static_cast<plain_integer<K>>(k);
-      if (!std::in_range<std::int64_t>(i))
-        w.fail(errors::reflect_range, "map key " + std::to_string(i) + " does not fit a state dict int (int64)");
-      return Key(static_cast<std::int64_t>(i));
-    } else {
+    if constexpr (integer<K>)
+      return Key(int64_of(k, "map key ", w));
+    else
       return Key(k);
-    }
   }
   static K read_key(const Key& k, walker& w) {
     if constexpr (integer<K>) {
-      using I = plain_integer<K>;
       if (!k.is_int()) w.fail(errors::reflect_key_kind, "key " + quote(k.str()) + " is a str; this map has int keys");
-      if (!std::in_range<I>(k.as_int()))
-        w.fail(errors::reflect_range, "key " + k.str() + " is outside [" + std::to_string(std::numeric_limits<I>::min()) +
-                                          ", " + std::to_string(std::numeric_limits<I>::max()) + "]");
-      return static_cast<K>(k.as_int());
+      return int_from<K>(k.as_int(), "key ", w);
     } else {
       if (!k.is_string()) w.fail(errors::reflect_key_kind, "key " + k.str() + " is an int; this map has str keys");
       return k.as_string();
