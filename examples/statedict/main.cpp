@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <iostream>
 #include <string>
 #include <thread>
@@ -255,6 +256,12 @@ int cmd_convert(const std::vector<std::string>& argv) {
 
   std::uint64_t bytes = 0;
   for (const auto& t : ck.tensors) bytes += sd::byte_size(t.shape, sd::itemsize(t.dtype));
+  // OUT's folder is made like `mkdir -p` (only once the input is known good).
+  if (const auto parent = std::filesystem::path(out).parent_path(); !parent.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(parent, ec);
+    if (ec) sd::throw_error(sd::errors::open_failed, "folder " + sd::quote(parent.string()), "cannot create: " + ec.message());
+  }
   std::string what;
   if (to == "torch") {
     sd::formats::write_torch(ck, out, w);
