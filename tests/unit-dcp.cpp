@@ -235,6 +235,38 @@ TEST_CASE("round trip through the writer: every world size, both layouts, bit-ex
   }
 }
 
+TEST_CASE("writing in parts: K processes each write their rank files, the index step checks them and writes .metadata") {
+  const ShardedCheckpoint src = from_tree(sample_tree());
+  const fs::path whole = tmp_dir("parts-whole");
+  dcp::write_options o;
+  o.world_size = 5;
+  dcp::write(src, whole, o);
+  const fs::path d = tmp_dir("parts");
+  dcp::write_options idx = o;
+  idx.index_only = true;
+  // The index before the parts: refused, naming the missing rank file; nothing written.
+  CHECK(error_of([&] { dcp::write(src, d, idx); }) == errors::dcp_write_part.id);
+  CHECK_FALSE(fs::exists(d / ".metadata"));
+  for (std::uint32_t k = 0; k < 3; ++k) {
+    dcp::write_options p = o;
+    p.part = PartSpec{k, 3};
+    dcp::write(src, d, p);
+    CHECK_FALSE(fs::exists(d / ".metadata"));  // a part never writes the index
+  }
+  dcp::write(src, d, idx);
+  for (const auto& e : fs::directory_iterator(whole)) {
+    const auto name = e.path().filename().string();
+    CAPTURE(name);
+    REQUIRE(fs::exists(d / name));
+    CHECK(read_all(d / name) == read_all(e.path()));  // byte-identical to one process's output
+  }
+  CHECK(hashes(dcp::describe(d)) == hashes(src));
+  // A rank file of the wrong size (written with other options) stops the index step.
+  fs::resize_file(d / "__4_0.distcp", fs::file_size(d / "__4_0.distcp") + 1);
+  fs::remove(d / ".metadata");
+  CHECK(error_of([&] { dcp::write(src, d, idx); }) == errors::dcp_write_part.id);
+}
+
 TEST_CASE("2.x planner_data: the nested tree is rebuilt with DCP's path rule (dict keys as str, list indices as int)") {
   const fs::path d = written("v2", dcp::class_names::torch_2, 2);
   const auto md = dcp::read_metadata(d);

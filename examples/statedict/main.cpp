@@ -237,7 +237,8 @@ int cmd_convert(const std::vector<std::string>& argv) {
   if (to == "safetensors" && !hf_dir && a.value("--max-shard-size"))
     a.fail(cli::errors::usage, "--max-shard-size writes a directory of shards: name OUT without .safetensors");
   if (a.value("--world-size") && to != "dcp") a.fail(cli::errors::usage, "--world-size applies to --to dcp");
-  if (a.value("--part") && !hf_dir) a.fail(cli::errors::usage, "--part applies to Hugging Face sharded output (a directory)");
+  if (a.value("--part") && !hf_dir && to != "dcp")
+    a.fail(cli::errors::usage, "--part applies to outputs of several files (Hugging Face shards, DCP)");
 
   sd::formats::write_options w;
   w.exec = exec_options_from(a);
@@ -268,7 +269,9 @@ int cmd_convert(const std::vector<std::string>& argv) {
     what = "torch.save file";
   } else if (to == "dcp") {
     sd::formats::write_dcp(ck, out, w);
-    what = "DCP checkpoint for " + std::to_string(w.world_size) + " rank" + (w.world_size == 1 ? "" : "s");
+    what = std::string(w.index_only ? "the index of a " : "") + "DCP checkpoint for " + std::to_string(w.world_size) +
+           " rank" + (w.world_size == 1 ? "" : "s") +
+           (w.part ? " (part " + std::to_string(w.part->index) + "/" + std::to_string(w.part->count) + ")" : "");
   } else if (hf_dir) {
     const auto files = sd::formats::write_hf(ck, out, w);
     what = "Hugging Face checkpoint (" + std::to_string(files.size()) + " file" + (files.size() == 1 ? "" : "s") +

@@ -71,8 +71,9 @@ struct write_options {
   std::uint64_t max_shard_size = hf::default_max_shard_size;
   /// DCP output: ranks that will load it.
   std::uint32_t world_size = 1;
-  /// Multi-file outputs (Hugging Face sharded): write only the files of part k of K, straight into
-  /// the final directory (each file atomically); `index_only` writes only the index, the final step.
+  /// Multi-file outputs (Hugging Face sharded, DCP): write only the files of part k of K, straight
+  /// into the final directory (each file atomically); `index_only` writes only the index (after
+  /// checking that every file exists with its planned size), the final step.
   std::optional<PartSpec> part;
   bool index_only = false;
 };
@@ -256,6 +257,15 @@ inline std::vector<std::string> write_hf(const ShardedCheckpoint& ck, const std:
   std::vector<std::string> written;
   if (opt.index_only) {
     std::filesystem::create_directories(dir);
+    for (std::size_t k = 0; k < dst.names.size(); ++k) {
+      std::error_code ec;
+      const auto have = std::filesystem::file_size(dir / dst.names[k], ec);
+      if (ec || have != dst.sizes[k])
+        throw_error(errors::convert_part, "Hugging Face checkpoint " + quote(dir.string()) + ": shard " + quote(dst.names[k]),
+                    ec ? "is missing: write every part before the index"
+                       : "has " + std::to_string(have) + " bytes, the plan expects " + std::to_string(dst.sizes[k]) +
+                             " (a part written with other options?)");
+    }
     OutputFile f = OutputFile::create(dir / std::string(hf::index_name));
     f.write(index_text());
     f.commit();
@@ -324,6 +334,8 @@ inline void write_dcp(const ShardedCheckpoint& ck, const std::filesystem::path& 
   o.world_size = opt.world_size;
   o.exec = opt.exec;
   o.plan = opt.plan;
+  o.part = opt.part;
+  o.index_only = opt.index_only;
   dcp::write(ck, dir, o);
 }
 

@@ -100,6 +100,7 @@ inline constexpr error_id dcp_item_not_archive   {733, error_kind::format,      
 inline constexpr error_id dcp_bad_world_size     {740, error_kind::usage,       "dcp.bad_world_size"};
 inline constexpr error_id dcp_write_unsupported  {741, error_kind::unsupported, "dcp.write_unsupported"};
 inline constexpr error_id dcp_write_key_conflict {742, error_kind::key,         "dcp.write_key_conflict"};
+inline constexpr error_id dcp_write_part         {743, error_kind::usage,       "dcp.write_part"};
 // clang-format on
 }  // namespace errors
 
@@ -811,6 +812,12 @@ struct write_options {
   class_names classes = class_names::torch_1_13;
   exec_options exec{};
   plan_options plan{};
+  /// Write only the rank files of part k of K (shard/plan.hpp assign_parts), each atomically,
+  /// straight into `dir`; no `.metadata`. Several processes can each write one part.
+  std::optional<PartSpec> part;
+  /// Write only `.metadata`, after checking that every rank file exists with its planned size:
+  /// the last step after all parts. The directory is complete when `.metadata` exists.
+  bool index_only = false;
 };
 
 /// The writer's sharding rule: the dimension a tensor of `shape` is chunked along for `world`
@@ -1149,13 +1156,21 @@ inline void write(const ShardedCheckpoint& src, const std::filesystem::path& dir
   const std::vector<std::byte> md_bytes =
       pickle::dumps(detail::new_object(nm.md, "Metadata", Value(std::move(md_state))));
 
-  // Files: headers and small records now, storages through the executor, CRCs and directories last.
-  OutputDir out = OutputDir::create(dir);
-  std::vector<OutputFile> files;
-  files.reserve(world);
-  for (std::uint32_t r = 0; r < world; ++r) {
-    files.push_back(out.create_file(file_name(r)));
-    files.back().resize(file_size[r]);
+  if (opt.index_only) {
+    std::filesystem::create_directories(dir);
+    for (std::uint32_t r = 0; r < world; ++r) {
+      std::error_code ec;
+      const auto have = std::filesystem::file_size(dir / file_name(r), ec);
+      if (ec || have != file_size[r])
+        throw_error(errors::dcp_write_part, "DCP checkpoint " + quote(dir.string()) + ": rank file " + quote(file_name(r)),
+                    ec ? "is missing: write every part before the index"
+                       : "has " + std::to_string(have) + " bytes, the plan expects " + std::to_string(file_size[r]) +
+                             " (a part written with other options?)");
+    }
+    OutputFile mf = OutputFile::create(dir / ".metadata");
+    mf.write(md_bytes);
+    mf.commit();
+    return;
   }
   // Destination: each tensor item's storage record. A tensor stored under two keys (an alias in
   // the skeleton) gets a second source entry of its own name, so the planner sees two tensors.
@@ -1168,12 +1183,6 @@ inline void write(const ShardedCheckpoint& src, const std::filesystem::path& dir
   std::set<std::size_t> placed;
   std::vector<std::vector<FlatRange>> crc_regions(world);
   for (const auto& it : items) {
-    OutputFile& f = files[it.rank];
-    const auto& L = it.plan.layout;
-    for (std::size_t e = 0; e < it.plan.records.size(); ++e) {
-      f.pwrite(it.offset + L.entries[e].header_offset, zip::local_header_bytes(L.entries[e], L.options));
-      if (!it.plan.records[e].storage) f.pwrite(it.offset + L.entries[e].data_offset, it.plan.records[e].bytes);
-    }
     if (!it.tensor || it.plan.storages.empty() || it.plan.storages[0].nbytes == 0) continue;
     const std::uint64_t data = it.offset + it.plan.storage_offset(0);
     crc_regions[it.rank].push_back(FlatRange{data, data + it.plan.storages[0].nbytes});
@@ -1196,18 +1205,46 @@ inline void write(const ShardedCheckpoint& src, const std::filesystem::path& dir
     }
     dst.tensors[d->second].chunks.push_back(Chunk{it.box, Placement{it.rank, data, {}, t.dtype}});
   }
-  const Plan plan = make_plan(*from, dst, opt.plan);
-  std::vector<std::unique_ptr<FileSink>> sinks;
-  std::vector<Sink*> sink_ptrs;
+  Plan plan = make_plan(*from, dst, opt.plan);
+  std::vector<bool> mine(world, true);
+  if (opt.part) {
+    const auto parts = assign_parts(plan, opt.part->count);
+    for (std::uint32_t r = 0; r < world; ++r) mine[r] = parts[r] == opt.part->index;
+    plan = select_part(plan, *opt.part);
+  }
+
+  // Files: headers and small records now, storages through the executor, CRCs and directories last.
+  std::optional<OutputDir> out;
+  if (!opt.part) out.emplace(OutputDir::create(dir));
+  else std::filesystem::create_directories(dir);
+  std::vector<std::unique_ptr<OutputFile>> files(world);
   for (std::uint32_t r = 0; r < world; ++r) {
-    sinks.push_back(std::make_unique<FileSink>(files[r]));
+    if (!mine[r]) continue;
+    files[r] = std::make_unique<OutputFile>(out ? out->create_file(file_name(r)) : OutputFile::create(dir / file_name(r)));
+    files[r]->resize(file_size[r]);
+  }
+  for (const auto& it : items) {
+    if (!files[it.rank]) continue;
+    OutputFile& f = *files[it.rank];
+    const auto& L = it.plan.layout;
+    for (std::size_t e = 0; e < it.plan.records.size(); ++e) {
+      f.pwrite(it.offset + L.entries[e].header_offset, zip::local_header_bytes(L.entries[e], L.options));
+      if (!it.plan.records[e].storage) f.pwrite(it.offset + L.entries[e].data_offset, it.plan.records[e].bytes);
+    }
+  }
+  std::vector<std::unique_ptr<FileSink>> sinks(world);
+  std::vector<Sink*> sink_ptrs(world, nullptr);
+  for (std::uint32_t r = 0; r < world; ++r) {
+    if (!files[r]) continue;
+    sinks[r] = std::make_unique<FileSink>(*files[r]);
     std::sort(crc_regions[r].begin(), crc_regions[r].end(), [](const FlatRange& a, const FlatRange& b) { return a.begin < b.begin; });
-    sinks.back()->track_crc32(crc_regions[r]);
-    sink_ptrs.push_back(sinks.back().get());
+    sinks[r]->track_crc32(crc_regions[r]);
+    sink_ptrs[r] = sinks[r].get();
   }
   (void)execute(plan, *from, sink_ptrs, opt.exec);
   for (const auto& it : items) {
-    OutputFile& f = files[it.rank];
+    if (!files[it.rank]) continue;
+    OutputFile& f = *files[it.rank];
     const auto& L = it.plan.layout;
     std::vector<std::uint32_t> crcs(it.plan.records.size(), 0);
     for (std::size_t e = 0; e < it.plan.records.size(); ++e) {
@@ -1224,13 +1261,15 @@ inline void write(const ShardedCheckpoint& src, const std::filesystem::path& dir
     }
     f.pwrite(it.offset + L.central_offset, zip::tail_bytes(L, crcs));
   }
+  for (auto& f : files)
+    if (f) f->commit();
+  if (!out) return;  // a part: the index step writes .metadata
   {
-    OutputFile mf = out.create_file(".metadata");
+    OutputFile mf = out->create_file(".metadata");
     mf.write(md_bytes);
     mf.commit();
   }
-  for (auto& f : files) f.commit();
-  out.commit();
+  out->commit();
 }
 
 }  // namespace dcp
