@@ -4,7 +4,8 @@
     tools/check_error_ids.py          fail if two error_ids share an id or a name, or docs/errors.md is stale
     tools/check_error_ids.py --write  regenerate docs/errors.md
 
-Every `inline constexpr error_id NAME{ID, error_kind::KIND, "dotted.name"};` under include/ counts.
+Every `inline constexpr error_id NAME{ID, error_kind::KIND, "dotted.name"};` under include/ counts, and
+those of the command-line tool under examples/ (ids 800-849).
 """
 from __future__ import annotations
 
@@ -16,16 +17,18 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "errors.md"
 ID_RE = re.compile(
-    r"inline\s+constexpr\s+error_id\s+(\w+)\s*\{\s*(\d+)\s*,\s*error_kind::(\w+)\s*,\s*\"([^\"]+)\"\s*\}"
+    r"inline\s+constexpr\s+(?:statedict::)?error_id\s+(\w+)\s*\{\s*(\d+)\s*,\s*(?:statedict::)?error_kind::(\w+)\s*,\s*\"([^\"]+)\"\s*\}"
 )
 
 
 def collect() -> list[tuple[int, str, str, str, str]]:
     rows = []
-    for path in sorted((ROOT / "include").rglob("*.hpp")):
+    paths = sorted((ROOT / "include").rglob("*.hpp")) + sorted((ROOT / "examples").rglob("*.hpp"))
+    for path in paths:
         text = path.read_text(encoding="utf-8")
         for m in ID_RE.finditer(text):
             ident, num, kind, name = m.group(1), int(m.group(2)), m.group(3), m.group(4)
+            kind = kind.split("::")[-1]
             rows.append((num, name, kind, ident, path.relative_to(ROOT).as_posix()))
     return sorted(rows)
 
