@@ -155,6 +155,15 @@ TEST_CASE("zero-copy paths: copy_file_range and writes from the mapping") {
   CHECK(st2.bytes_in_kernel == 0);
   CHECK(st2.bytes_from_mapping == 0);
   for (const auto& n : c2.names) CHECK(read_file(existing("c2") / n) == read_file(existing("c2slow") / n));
+  // Positioned writes straight from the mapping (pread_files off, no copy_file_range): the same bytes.
+  exec_options mapped;
+  mapped.pread_files = false;
+  mapped.copy_file_range_min = std::uint64_t{1} << 40;
+  mapped.threads = 2;
+  const exec_stats st3 = write_files(open_files(one, d1, read_mode::mmap), c2, scratch("c2map"), mapped);
+  CHECK(st3.bytes_in_kernel == 0);
+  CHECK(st3.bytes_from_mapping > 0);
+  for (const auto& n : c2.names) CHECK(read_file(existing("c2") / n) == read_file(existing("c2map") / n));
 }
 
 TEST_CASE("memory budget: the executor's buffers never exceed it") {
