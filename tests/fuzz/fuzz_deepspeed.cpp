@@ -1,0 +1,35 @@
+// Fuzz target: DeepSpeed ZeRO 1/2/3 checkpoints (formats/deepspeed.hpp): a multi-file input
+// (fuzz_common.hpp: `latest`, `global_step2/mp_rank_00_model_states.pt`,
+// `global_step2/zero_pp_rank_0_mp_rank_00_optim_states.pt`, ...) written to a scratch directory,
+// then deepspeed::detect and deepspeed::describe.
+// Flags: bit 0 with_optimizer, bit 1 frozen_from_module, bit 2 pread, bit 3 dtype BF16.
+// SPDX-License-Identifier: MIT
+#include <statedict/formats/deepspeed.hpp>
+
+#include "fuzz_common.hpp"
+#include "fuzz_limits.hpp"
+
+namespace ds = statedict::deepspeed;
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  const auto files = fuzz::split_files(data, size);
+  if (!files) return 0;
+  const auto dir = fuzz::materialise(*files);
+  if (!dir) return 0;
+  ds::options o;
+  o.limits.torch = fuzz::torch_limits();
+  o.limits.max_ranks = 64;
+  o.limits.max_entries = 1 << 14;
+  o.limits.max_converted_buffer_bytes = 1 << 20;
+  o.with_optimizer = (files->flags & 1) != 0;
+  o.frozen_from_module = (files->flags & 2) != 0;
+  o.mode = (files->flags & 4) ? statedict::read_mode::pread : statedict::read_mode::mmap;
+  if (files->flags & 8) o.dtype = statedict::dtype::BF16;
+  try {
+    (void)ds::detect(*dir, {}, o.limits);
+    (void)ds::describe(*dir, o);
+  } catch (const statedict::error& e) {
+    fuzz::note(e);
+  }
+  return 0;
+}

@@ -1,0 +1,28 @@
+// Fuzz target: the safe unpickler (io/pickle_read.hpp) in both modes: strict (weights_only
+// allow-list; an unknown global is a security_error) and keep_unknown_objects (unknown globals kept
+// as opaque Objects), with a persistent_load that answers every id.
+// SPDX-License-Identifier: MIT
+#include <statedict/io/pickle_read.hpp>
+
+#include "fuzz_common.hpp"
+#include "fuzz_limits.hpp"
+
+namespace pickle = statedict::pickle;
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  pickle::options o;
+  o.limits = fuzz::pickle_limits();
+  for (const bool keep : {false, true}) {
+    o.keep_unknown_objects = keep;
+    o.persistent_load = nullptr;
+    if (keep) o.persistent_load = [](const statedict::Value& pid) { return statedict::Value::tuple({pid}); };
+    try {
+      const pickle::Result r = pickle::load(fuzz::bytes_of(data, size), o);
+      if (r.consumed > size) __builtin_trap();
+      (void)(r.value == r.value);
+    } catch (const statedict::error& e) {
+      fuzz::note(e);
+    }
+  }
+  return 0;
+}

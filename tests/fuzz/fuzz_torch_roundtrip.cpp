@@ -1,0 +1,90 @@
+// Fuzz target: a torch.save file that reads is written back (torch::save, the torch.save layout)
+// and read again: equal Value trees (tensors compared by dtype, shape and bytes) and equal dict
+// attributes. A writer refusal is acceptable only as a statedict::error. A bare storage that
+// stays in the tree is compared by class, bytes and location: its key is a name inside the file,
+// which the writer renumbers (torch.load does not show it either).
+// SPDX-License-Identifier: MIT
+#include <statedict/io/torch_file.hpp>
+
+#include <cstdio>
+#include <cstdlib>
+
+#include "fuzz_common.hpp"
+#include "fuzz_limits.hpp"
+
+namespace torch = statedict::torch;
+using statedict::Value;
+
+namespace {
+bool same_list(const statedict::List& a, const statedict::List& b);
+
+bool same(const Value& a, const Value& b) {
+  if (a.kind() != b.kind()) return false;
+  switch (a.kind()) {
+    case statedict::value_kind::list:
+    case statedict::value_kind::tuple: return same_list(a.as_list(), b.as_list());
+    case statedict::value_kind::dict: {
+      const auto& x = a.as_dict().items();
+      const auto& y = b.as_dict().items();
+      if (x.size() != y.size()) return false;
+      for (std::size_t i = 0; i < x.size(); ++i)
+        if (!(x[i].first == y[i].first) || !same(x[i].second, y[i].second)) return false;
+      return true;
+    }
+    case statedict::value_kind::object: {
+      const statedict::Object& x = a.as_object();
+      const statedict::Object& y = b.as_object();
+      if (x.module != y.module || x.name != y.name || x.how != y.how) return false;
+      if (torch::detail::is_storage_object(x) && torch::detail::is_storage_object(y))
+        return statedict::equal_bytes(x.args[0].as_tensor(), y.args[0].as_tensor()) && x.args[2] == y.args[2];
+      return same_list(x.args, y.args) && same_list(x.state, y.state) && same_list(x.items, y.items);
+    }
+    default: return a == b;
+  }
+}
+
+bool same_list(const statedict::List& a, const statedict::List& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i)
+    if (!same(a[i], b[i])) return false;
+  return true;
+}
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  torch::load_options o;
+  o.limits = fuzz::torch_limits();
+  std::optional<torch::File> a;
+  try {
+    a = torch::read(fuzz::source_of(data, size, "fuzz.pt"), o);
+  } catch (const statedict::error& e) {
+    fuzz::note(e);
+    return 0;
+  }
+  const auto path = fuzz::scratch_root() / "roundtrip.pt";
+  try {
+    torch::save(path, *a);
+  } catch (const statedict::error& e) {
+    fuzz::note(e);
+    return 0;
+  }
+  o.limits.pickle.max_nodes = std::uint64_t{1} << 18;
+  o.mode = statedict::read_mode::pread;
+  o.verify_crc = true;
+  torch::File b;
+  try {
+    b = torch::read(path, o);
+  } catch (const statedict::error& e) {
+    std::fprintf(stderr, "torch round trip: the written file does not read: %s\n", e.what());
+    std::abort();
+  }
+  if (!same(a->value, b.value)) {
+    std::fprintf(stderr, "torch round trip: the values differ\n");
+    std::abort();
+  }
+  if (a->attributes != b.attributes) {
+    std::fprintf(stderr, "torch round trip: the attributes differ\n");
+    std::abort();
+  }
+  return 0;
+}

@@ -1,0 +1,167 @@
+#!/usr/bin/env python3
+"""Writes the seed corpora of the fuzz targets (tests/fuzz/corpus/<target>/) from the
+PyTorch-generated fixtures (tests/python/generate_all.sh; build/<dir>/fixtures).
+
+    python3 tests/fuzz/make_corpus.py --fixtures build/gcc/fixtures [--out tests/fuzz/corpus]
+
+Only small files are used (the committed corpus stays well under 2 MB). Directory-based targets
+get the multi-file encoding of tests/fuzz/fuzz_common.hpp: u8 flags, then per file u8 name
+length, name, u32 little-endian length, data. Existing seeds (crash reproducers added by hand)
+are kept; a seed with the same name is overwritten.
+"""
+import argparse
+import io
+import json
+import os
+import re
+import struct
+import sys
+import zipfile
+
+MAX_SEED = 48 * 1024
+
+
+def multi(flags, files):
+    out = bytearray([flags])
+    for name, data in files:
+        n = name.encode()
+        assert len(n) < 65
+        out += bytes([len(n)]) + n + struct.pack("<I", len(data)) + data
+    return bytes(out)
+
+
+def read(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def tree(root, prefix="", skip=()):
+    """(relative name, bytes) of every file under root, sorted, skipping names matching skip."""
+    out = []
+    for dirpath, _, names in os.walk(root):
+        for n in names:
+            rel = os.path.relpath(os.path.join(dirpath, n), root)
+            if any(re.search(s, rel) for s in skip):
+                continue
+            out.append((prefix + rel, read(os.path.join(dirpath, n))))
+    out.sort(key=lambda x: (x[0] != prefix + "latest", x[0]))
+    return out
+
+
+def safe_name(s):
+    return re.sub(r"[^A-Za-z0-9._-]", "_", s)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--fixtures", required=True)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus"))
+    a = ap.parse_args()
+    fx = a.fixtures
+    seeds = {}  # target -> {name: bytes}
+
+    def add(target, name, data):
+        if len(data) > MAX_SEED:
+            print(f"skip {target}/{name}: {len(data)} bytes", file=sys.stderr)
+            return
+        seeds.setdefault(target, {})[safe_name(name)] = data
+
+    st_dir = os.path.join(fx, "gen_safetensors")
+    st_files = sorted(f for f in os.listdir(st_dir) if f.endswith(".safetensors"))
+    for f in st_files:
+        data = read(os.path.join(st_dir, f))
+        add("safetensors", f, data)
+        add("safetensors_roundtrip", f, data)
+
+    # HF index: the shards the target creates are a.safetensors (x, y), b.safetensors (z, alias t)
+    # and model-00001-of-00002.safetensors (w).
+    idx = [
+        {"metadata": {"total_size": 34}, "weight_map": {"x": "a.safetensors", "y": "a.safetensors", "z": "b.safetensors",
+                                                          "w": "model-00001-of-00002.safetensors"}},
+        {"weight_map": {"x": "a.safetensors", "y": "a.safetensors", "z": "b.safetensors", "t": "b.safetensors",
+                        "w": "model-00001-of-00002.safetensors"}},
+        {"metadata": {"total_size": 24, "format": "pt", "statedict.skeleton": json.dumps({"root": {"dict": []}})},
+         "weight_map": {"x": "a.safetensors", "y": "a.safetensors"}},
+    ]
+    for i, j in enumerate(idx):
+        add("hf_index", f"index{i}.json", json.dumps(j, indent=2).encode())
+
+    pt_dir = os.path.join(fx, "gen_torch_files")
+    pt_files = sorted(f for f in os.listdir(pt_dir) if not f.endswith(".json"))
+    for f in pt_files:
+        data = read(os.path.join(pt_dir, f))
+        add("torch", f, data)
+        add("torch_roundtrip", f, data)
+        if data[:4] == b"PK\x03\x04":
+            add("zip", f, data)
+            with zipfile.ZipFile(io.BytesIO(data)) as z:
+                for n in z.namelist():
+                    if n.endswith("data.pkl"):
+                        add("pickle", f + ".data.pkl", z.read(n))
+                        add("pickle_roundtrip", f + ".data.pkl", z.read(n))
+        else:
+            add("pickle", f, data)  # legacy: the first pickle is the magic number
+            add("pickle_roundtrip", f, data)
+
+    sh = os.path.join(fx, "gen_sharded")
+    for d in sorted(os.listdir(sh)):
+        p = os.path.join(sh, d)
+        if not os.path.isdir(p):
+            continue
+        if d.startswith("dcp_"):
+            md = read(os.path.join(p, ".metadata"))
+            add("dcp_metadata", d + ".metadata", md)
+            add("pickle", d + ".metadata", md)
+            add("pickle_roundtrip", d + ".metadata", md)
+            if d.endswith("single_file") and d in ("dcp_w2_single_file", "dcp_w4_single_file"):
+                files = tree(p)
+                add("dcp", d, multi(0, files))
+                add("dcp", d + "_pread", multi(1, files))
+                add("open", d, multi(0, files))
+            distcp = os.path.join(p, "__0_0.distcp")
+            if os.path.exists(distcp) and d == "dcp_w2":
+                add("zip", d + "__0_0.distcp", read(distcp))
+        if d == "st_ranks_w2":
+            files = tree(p)
+            add("sharded_tensor", d, multi(0, files))
+            add("sharded_tensor", d + "_replicas", multi(1, files))
+            add("open", d, multi(2, files))
+
+    zf = os.path.join(fx, "gen_zero_fsdp")
+    for d in ("zero1_ws1_fp32", "zero3_ws1_fp32", "zero2_ws2_fp16", "zero1_ws3_fp16_elastic"):
+        p = os.path.join(zf, d)
+        if not os.path.isdir(p):
+            continue
+        files = tree(p, skip=[r"\.py$"])
+        add("deepspeed", d, multi(0, files))
+        add("deepspeed", d + "_optim", multi(1, files))
+        if d == "zero1_ws1_fp32":
+            add("open", d, multi(1, files))
+    for d in ("olmo_fsdp_torch21_flat_ws2", "olmo_fsdp_torch20_ws2"):
+        p = os.path.join(zf, d, "step2")
+        if not os.path.isdir(p):
+            continue
+        files = tree(p, skip=[r"^train/rank[1-9]", r"config\.yaml$"])
+        add("fsdp", d, multi(0, [f for f in files if not f[0].startswith("train/")]))
+        add("fsdp", d + "_optim_train", multi(3, files))
+        if d == "olmo_fsdp_torch21_flat_ws2":
+            add("open", d, multi(0, [f for f in files if not f[0].startswith("train/")]))
+
+    add("open", "one_tensor.safetensors", multi(0, [("model.safetensors", read(os.path.join(st_dir, "metadata.safetensors")))]))
+    add("open", "tied.pt", multi(0, [("tied.pt", read(os.path.join(pt_dir, "tied.pt")))]))
+    add("open", "legacy_views.pt", multi(0, [("legacy_views.pt", read(os.path.join(pt_dir, "legacy_views.pt")))]))
+
+    total = 0
+    for target, files in sorted(seeds.items()):
+        d = os.path.join(a.out, target)
+        os.makedirs(d, exist_ok=True)
+        for name, data in sorted(files.items()):
+            with open(os.path.join(d, name), "wb") as f:
+                f.write(data)
+            total += len(data)
+        print(f"{target}: {len(files)} seeds")
+    print(f"total {total} bytes")
+
+
+if __name__ == "__main__":
+    main()
