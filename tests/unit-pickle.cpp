@@ -475,3 +475,14 @@ TEST_CASE("writer: errors") {
   Object bad{"torch", "float32", object_build::global, {1}, {}, {}};
   expect_error([&] { (void)pickle::dumps(Value(bad)); }, errors::pk_unwritable);
 }
+
+TEST_CASE("writer: a global whose name holds a newline is refused, not written as a broken GLOBAL") {
+  // Found by fuzz-pickle-roundtrip: STACK_GLOBAL of module "a\nb", name "c", kept as an unknown
+  // object, was written as "ca\nb\nc\n", which reads back as another global and desynchronises.
+  const Value v = val("\x80\x04\x8c\x03" "a\nb\x94\x8c\x01" "c\x94\x93\x94."_b, keep());
+  REQUIRE(v.is_object());
+  CHECK(v.as_object().module == "a\nb");
+  expect_error([&] { (void)pickle::dumps(v); }, errors::pk_unwritable);
+  const Value called = val("\x80\x04\x8c\x01" "a\x8c\x03" "b\nc\x93)R."_b, keep());
+  expect_error([&] { (void)pickle::dumps(called); }, errors::pk_unwritable);
+}

@@ -124,6 +124,11 @@ class Writer {
     else if (m == "copyreg") m = "copy_reg";
     const std::string key = "g:" + m + "\n" + std::string(name);
     if (get_memo(key)) return;
+    // GLOBAL ends the module and the name at a newline; a protocol-4 STACK_GLOBAL read in
+    // keep_unknown_objects mode can name anything.
+    if (m.find('\n') != std::string::npos || name.find('\n') != std::string_view::npos)
+      throw_error(errors::pk_unwritable, "global " + quote(m + "." + std::string(name)),
+                  "a module or name with a newline cannot be written as a protocol-2 GLOBAL");
     op('c');
     for (char c : m) out_.push_back(static_cast<std::byte>(c));
     op('\n');
