@@ -42,7 +42,8 @@ run_suite() {  # name, build dir, cmake options...
   name=$1 dir=$2
   shift 2
   echo "== $name: configure + build ($dir)"
-  cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo "$@" >"$dir.configure.log" 2>&1 || {
+  cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSTATEDICT_FIXTURE_DIR="$here/build/fixtures" "$@" \
+    >"$dir.configure.log" 2>&1 || {
     cat "$dir.configure.log"
     exit 1
   }
