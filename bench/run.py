@@ -47,6 +47,10 @@ def parse_args(argv):
     a("--reps", type=int, default=int(env_default("reps", 5)), help="warm repetitions per peer (default 5)")
     a("--cold-reps", type=int, default=int(env_default("cold_reps", 2)), help="cold repetitions (default 2)")
     a("--scale-reps", type=int, default=int(env_default("scale_reps", 3)), help="repetitions per B6 size (default 3)")
+    a("--peer-reps", type=int, default=int(env_default("peer_reps", 2)),
+      help="warm repetitions of the Python peers, at most --reps (default 2: one run takes 20-80 s at the default sizes)")
+    a("--peer-cold-reps", type=int, default=int(env_default("peer_cold_reps", 1)),
+      help="cold repetitions of the Python peers, at most --cold-reps (default 1)")
     a("--cold-method", choices=["fadvise", "drop_caches", "none"], default=env_default("cold_method", "fadvise"))
     a("--pt-gib", type=float, default=float(env_default("pt_gib", 3.0)), help="B2/B3 .pt size (default 3)")
     a("--pt-tensors", type=int, default=int(env_default("pt_tensors", 10000)), help="B2/B3 tensor count")
@@ -71,6 +75,7 @@ def parse_args(argv):
         args.pt_gib, args.pt_tensors, args.zero_gib = 0.25, 1000, 0.3
         args.scale_gib = [0.1, 0.2, 0.3]
         args.reps, args.cold_reps, args.scale_reps = 3, 2, 2
+        args.peer_reps, args.peer_cold_reps = min(args.peer_reps, 3), min(args.peer_cold_reps, 2)
     out_prefix = "quick-" if args.quick else ""
     args.results = args.results or (os.path.join(args.data, "quick-results.md") if args.quick
                                     else os.path.join(HERE, "results.md"))
@@ -255,7 +260,9 @@ def main(argv=None):
         ok, why = cache.drop_caches_possible()
         facts["drop_caches"] = f"{'possible' if ok else 'not possible'}: {why}"
         run_t0 = ctx.clock()
+        facts["loadavg_start"] = machine.loadavg()
         results = cases.run_all(ctx, CaseRunner(ctx), selected)
+        facts["loadavg_end"] = machine.loadavg()
         doc = {
             "machine": facts,
             "config": {k: v for k, v in vars(args).items() if k not in ("report_only", "selftest")},

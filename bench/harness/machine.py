@@ -58,6 +58,11 @@ def block_info(dev):
     return ", ".join(bits)
 
 
+def loadavg():
+    """The 1, 5 and 15-minute load averages (runnable + uninterruptible tasks; 2 = both CPUs busy)."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
 def facts(data_dir, statedict=None):
     mem_kib = int((_first("/proc/meminfo", "MemTotal") or "0 kB").split()[0])
     mnt, dev, fstype = mount_of(data_dir)

@@ -41,6 +41,8 @@ def peer_table(results):
             iqr = f"{t(s['wall_q1'])} - {t(s['wall_q3'])}" if s["n"] >= 4 else "-"
             if cond == "cold" and r.get("resident_after_evict") and r["kind"] != "context":
                 name += f" <sub>(resident after eviction <= {max(r['resident_after_evict']):.0%})</sub>"
+            if cond == "warm" and r.get("resident_warm") and r["kind"] != "context":
+                name += f" <sub>(inputs resident >= {min(r['resident_warm']):.0%})</sub>"
             rows.append(f"| {cond} | {name} | **{t(s['wall_median'])}** | {t(s['wall_min'])} - {t(s['wall_max'])} "
                         f"| {iqr} | {mem(s['maxrss_kib'])} "
                         f"| {mem(s['peak_anon_kib'])} | {ratio} | {t(s.get('cpu_median'))} "
@@ -73,25 +75,48 @@ def write(doc, path, chart_rel):
     L.append(f"- bench/data: {m['filesystem']}; block device: {m['block_device'] or '?'}")
     L.append(f"- peers: {m['python_peers']} (/usr/bin/python3); {m['cp']}; compiler: {m['compiler']}")
     L.append(f"- statedict: {m.get('statedict') or 'not built'} ({doc['build']}); git {m['git']}")
-    L.append(f"- repetitions: {cfg['reps']} warm, {cfg['cold_reps']} cold per peer (B6: {cfg['scale_reps']} warm "
-             "per size), peers alternating within each repetition, after one discarded warm-up run each")
-    L.append("- page cache: **warm** = the inputs were just read by the warm-up run; **cold** = before every run "
-             f"the inputs are evicted with `{cfg['cold_method']}` "
-             "(posix_fadvise(POSIX_FADV_DONTNEED) per input file after a global sync, residency checked with "
-             "mincore; binaries and libraries stay cached). "
-             f"`echo 3 > /proc/sys/vm/drop_caches`: {m.get('drop_caches', '?')}. On a virtual machine the host "
-             "may still cache the disk image, so cold reads can be faster than the physical disk.")
+    L.append(f"- repetitions: {cfg['reps']} warm, {cfg['cold_reps']} cold for statedict and cp (B6: {cfg['scale_reps']} "
+             f"warm per size); the Python peers (20-80 s a run at these sizes) take part in the first "
+             f"{min(cfg.get('peer_reps', cfg['reps']), cfg['reps'])} warm and "
+             f"{min(cfg.get('peer_cold_reps', cfg['cold_reps']), cfg['cold_reps'])} cold ones; peers alternate within "
+             "each repetition, after one discarded warm-up run each (which also checks the output)")
+    method = {"fadvise": "posix_fadvise(POSIX_FADV_DONTNEED) on every input file after a global sync (targeted: "
+                         "binaries, libraries and other users' files stay cached)",
+              "drop_caches": "`sync; echo 3 > /proc/sys/vm/drop_caches` (global: libraries and other users' files "
+                             "are evicted too)",
+              "none": "no cold runs"}.get(cfg["cold_method"], cfg["cold_method"])
+    L.append("- page cache: **warm** = the inputs were just read by the warm-up run (the fraction of their bytes in "
+             "the page cache, from mincore before every warm run, is shown as 'inputs resident'); **cold** = before "
+             f"every run the inputs are evicted with {method}, then mincore confirms what is still resident "
+             "('resident after eviction'). "
+             f"`echo 3 > /proc/sys/vm/drop_caches`: {m.get('drop_caches', '?')}"
+             f"{'' if cfg['cold_method'] == 'drop_caches' else ' (not used by default because it is global)'}. "
+             "On a virtual machine the host may still cache the disk image, so cold reads can be faster than the "
+             "physical disk.")
     L.append("- every output is fsync'ed inside the timed run, by every peer (statedict does it itself, the Python "
              "peers call os.fsync, `cp` is followed by `sync FILE DIR`); outputs are deleted and the cache synced "
              "between runs (untimed)")
     L.append(f"- memory: peak RSS = the largest VmHWM (kernel high-water mark) of the command's processes; "
              f"peak anon RSS = the largest "
              f"sum over the process tree of RssAnon (/proc/PID/status, every {cfg['interval'] * 1000:g} ms) and "
-             "smaps_rollup Anonymous (every 50 ms); file-backed pages (mapped inputs, page cache) are not in it")
+             "smaps_rollup Anonymous (every 250 ms); file-backed pages (mapped inputs, page cache) are not in it")
     L.append("- CPU time = user + system of the command (wait4); other load = CPUs kept busy by everything else "
              "during the run (/proc/stat busy time minus the command's own, per second of wall time: other "
              "engineers' builds on this shared machine, kernel writeback of the command's output, the sampler); "
-             "medians with the maximum\n")
+             "medians with the maximum")
+    if m.get("loadavg_start"):
+        la = lambda v: " / ".join(f"{x:.2f}" for x in v)  # noqa: E731
+        L.append(f"- load average (1 / 5 / 15 min) when the cases started: {la(m['loadavg_start'])}; when they "
+                 f"ended: {la(m.get('loadavg_end') or [])} ({m['cores']} CPUs: above {m['cores']} the runs "
+                 "competed with other work for the CPUs)")
+    every = sorted(run.get("background_cores", 0.0) for c in doc["cases"].values()
+                   for r in c.get("results", []) + [x for p in c.get("points", []) if not p.get("from_b1")
+                                                    for x in p["results"]]
+                   for cond, runs in r["runs"].items() if cond != "warm-up" for run in runs)
+    if every:
+        L.append(f"- other load measured during the {len(every)} timed runs: median {every[len(every) // 2]:.2f}, "
+                 f"max {every[-1]:.2f} of {m['cores']} CPUs busy with other work")
+    L.append("")
     for cid, c in doc["cases"].items():
         L.append(f"## {cid}: {c['title']}\n")
         L.append(f"Input: {c['input']}.  ")

@@ -1,6 +1,10 @@
 """Run the peers of one case: a discarded warm-up run each, then `reps` repetitions alternating the
 peers (A B C A B C ...) with a warm page cache, then `cold_reps` repetitions with the inputs evicted
-before every run.  Outputs are deleted and the page cache synced (untimed) between runs."""
+before every run.  The Python peers (kind "peer" and "context") take part in the first
+`--peer-reps` / `--peer-cold-reps` repetitions only: at the default sizes one of their runs takes
+20-80 s here (torch.load of 3 GiB spends most of it faulting in fresh memory), 10-40x statedict's,
+so more repetitions would not change a ratio but would take the suite far past 15 minutes.
+Outputs are deleted and the page cache synced (untimed) between runs."""
 import os
 import shutil
 import statistics
@@ -35,6 +39,7 @@ class PeerResult:
     argv: list = field(default_factory=list)
     runs: dict = field(default_factory=dict)  # condition -> [Run as dict]
     resident_after_evict: list = field(default_factory=list)
+    resident_warm: list = field(default_factory=list)  # fraction of the inputs in the page cache before each warm run
     note: str = ""
 
 
@@ -124,6 +129,7 @@ class CaseRunner:
             ctx.log(f"    {r.wall:.3f}s, peak RSS {(r.maxrss_kib or 0) / 1024:.0f} MiB, "
                     f"anon {(r.peak_anon_kib or 0) / 1024:.0f} MiB")
         active = [(p, r) for p, r in zip(peers, results) if r.status in ("ok", "wrong")]
+        caps = {"warm": getattr(ctx.args, "peer_reps", reps), "cold": getattr(ctx.args, "peer_cold_reps", cold_reps)}
         for cond, n in (("warm", reps), ("cold", cold_reps)):
             if cond == "cold" and (cold_method == "none" or not n):
                 continue
@@ -132,9 +138,14 @@ class CaseRunner:
                 for peer, res in active:
                     if cond == "cold" and not peer.cold:
                         continue
+                    if peer.kind in ("peer", "context") and rep >= caps[cond]:
+                        continue
                     if cond == "cold":
                         frac = cache.make_cold(list(cache.files_under(_value(peer.inputs))), cold_method)
                         res.resident_after_evict.append(frac)
+                    elif _value(peer.inputs):
+                        r_in, t_in = cache.resident(list(cache.files_under(_value(peer.inputs))))
+                        res.resident_warm.append(r_in / t_in if t_in else 1.0)
                     r, _ = self._one(peer, res, f"{case_id}-{cond}")
                     _remove(peer.output)
                     if r.rc != 0:
