@@ -52,21 +52,26 @@ inline std::span<const std::byte> bytes_of(const std::uint8_t* data, std::size_t
   return {reinterpret_cast<const std::byte*>(data), size};
 }
 
-/// A per-process scratch directory ($TMPDIR or /tmp)/statedict-fuzz-<pid>, removed at exit.
+/// A per-process scratch directory ($TMPDIR or /tmp)/statedict-fuzz-<pid>, removed at exit. The
+/// path is never destroyed, so the exit handler can still use it.
 inline const std::filesystem::path& scratch_root() {
-  static const std::filesystem::path root = [] {
+  static const std::filesystem::path* const root = [] {
     std::error_code ec;
     std::filesystem::path base = std::filesystem::temp_directory_path(ec);
     if (ec) base = "/tmp";
-    auto p = base / ("statedict-fuzz-" + std::to_string(::getpid()));
-    std::filesystem::create_directories(p);
-    std::atexit([] {
-      std::error_code e;
-      std::filesystem::remove_all(scratch_root(), e);
-    });
+    auto* p = new std::filesystem::path(base / ("statedict-fuzz-" + std::to_string(::getpid())));
+    std::filesystem::create_directories(*p);
     return p;
   }();
-  return root;
+  static const bool cleanup = [] {
+    std::atexit([] {
+      std::error_code e;
+      std::filesystem::remove_all(*root, e);
+    });
+    return true;
+  }();
+  (void)cleanup;
+  return *root;
 }
 
 /// An empty directory `name` under the scratch root (emptied if it exists).
