@@ -90,6 +90,7 @@ inline constexpr error_id st_dim_too_large      {321, error_kind::limit,       "
 inline constexpr error_id st_unsupported_dtype  {322, error_kind::unsupported, "safetensors.unsupported_dtype"};  // valid, but no statedict dtype
 inline constexpr error_id st_statedict_metadata {323, error_kind::format,      "safetensors.statedict_metadata"}; // bad statedict.* metadata
 inline constexpr error_id st_no_such_tensor     {324, error_kind::key,         "safetensors.no_such_tensor"};
+inline constexpr error_id st_skeleton_depth     {325, error_kind::limit,       "safetensors.skeleton_depth"};     // statedict limit
 // Writer.
 inline constexpr error_id st_write_dtype        {330, error_kind::unsupported, "safetensors.write_dtype"};        // C128 has no safetensors dtype
 inline constexpr error_id st_write_name         {331, error_kind::key,         "safetensors.write_name"};         // duplicate, reserved or non-UTF-8 name
@@ -161,6 +162,11 @@ struct limits {
   /// Most tensors per file (at most 2^32 - 2). The reference has no cap; a 100 MB header holds
   /// about 2 million.
   std::size_t max_tensors = 10'000'000;
+  /// Deepest JSON nesting of the flatten skeleton statedict stores in `__metadata__` (a tree nested
+  /// N levels is about 2N deep). The skeleton is parsed without recursion, but copying and comparing
+  /// a JSON value recurses once per level, so this bounds the stack a hostile skeleton can use.
+  /// The default fits every tree the pickle reader accepts (pickle::limits::max_depth 1000).
+  std::size_t max_skeleton_depth = 4096;
 };
 
 /// One tensor of a file.
@@ -1134,11 +1140,26 @@ class File {
       for (auto& [k, v] : *p.metadata) st.raw_metadata->emplace(k, v);
       for (const auto& [k, v] : *st.raw_metadata)
         if (k != aliases_key && k != skeleton_key) st.metadata.emplace(k, v);
-      read_statedict_metadata(st, where);
+      read_statedict_metadata(st, where, lim);
     }
   }
 
-  static void read_statedict_metadata(detail::file_state& st, const std::string& where) {
+  /// Nesting depth of a JSON value (a scalar is 0), without recursion; stops counting past `cap`.
+  static std::size_t json_depth(const nlohmann::json& root, std::size_t cap) {
+    std::vector<std::pair<const nlohmann::json*, std::size_t>> todo{{&root, 0}};
+    std::size_t deepest = 0;
+    while (!todo.empty()) {
+      const auto [j, d] = todo.back();
+      todo.pop_back();
+      if (!j->is_structured()) continue;
+      deepest = std::max(deepest, d + 1);
+      if (deepest > cap) return deepest;
+      for (const auto& child : *j) todo.emplace_back(&child, d + 1);
+    }
+    return deepest;
+  }
+
+  static void read_statedict_metadata(detail::file_state& st, const std::string& where, const limits& lim) {
     const auto& md = *st.raw_metadata;
     if (auto it = md.find(std::string(aliases_key)); it != md.end()) {
       const std::string at = where + ": __metadata__ " + quote(aliases_key);
@@ -1162,6 +1183,9 @@ class File {
       st.skeleton = nlohmann::json::parse(it->second, nullptr, false);
       if (st.skeleton.is_discarded() || !st.skeleton.is_object())
         throw_error(errors::st_statedict_metadata, where + ": __metadata__ " + quote(skeleton_key), "not a JSON object");
+      if (json_depth(st.skeleton, lim.max_skeleton_depth) > lim.max_skeleton_depth)
+        throw_error(errors::st_skeleton_depth, where + ": __metadata__ " + quote(skeleton_key),
+                    "JSON nested deeper than " + std::to_string(lim.max_skeleton_depth) + " levels (limits::max_skeleton_depth)");
     }
   }
 
