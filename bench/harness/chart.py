@@ -92,7 +92,9 @@ def _b6(ax_t, ax_m, case):
         f = (case.get("fits") or {}).get(name)
         if f:
             fx = [min(xs), max(xs)]
-            ax_t.plot(fx, [f["intercept_s"] + f["s_per_gib"] * x for x in fx], ":", color=c, lw=0.8)
+            fy = [f["intercept_s"] + f["s_per_gib"] * x for x in fx]
+            if min(fy) > 0:  # log axis
+                ax_t.plot(fx, fy, ":", color=c, lw=0.8)
     for ax, yl in ((ax_t, "median wall time, s (log)"), (ax_m, "peak anonymous RSS, MiB (log)")):
         ax.set_xlabel("checkpoint size, GiB (params + Adam moments)", fontsize=7)
         ax.set_ylabel(yl, fontsize=7)
