@@ -322,8 +322,8 @@ TEST_CASE("destination builders") {
     }
     const std::vector<std::vector<std::size_t>> groups{{0, 1}, {2, 3}};
     const std::vector<TensorInfo> params(ts.begin(), ts.begin() + 4);
-    check_destination(fsdp(params, groups, w, false));
-    check_destination(fsdp(params, groups, w, true));
+    check_destination(layout::fsdp(params, groups, w, false));
+    check_destination(layout::fsdp(params, groups, w, true));
     check_destination(zero12(params, groups, w, 2, dtype::F32));
     check_destination(zero3(params, groups, w));
   }
@@ -335,7 +335,7 @@ TEST_CASE("destination builders") {
   CHECK(p.tensors[0].chunks[0].at == Placement{0, 280, {}, dtype::F32});
   CHECK_THROWS_AS(packed(ts, std::vector<std::vector<std::size_t>>{{0, 1}, {2, 3}}, {"a", "b"}), usage_error);
   CHECK_THROWS_AS(packed(ts, files, {"a"}), usage_error);
-  CHECK_THROWS_AS(fsdp(std::vector<TensorInfo>{{"x", dtype::F32, {2}, {}}, {"y", dtype::BF16, {2}, {}}},
+  CHECK_THROWS_AS(layout::fsdp(std::vector<TensorInfo>{{"x", dtype::F32, {2}, {}}, {"y", dtype::BF16, {2}, {}}},
                        std::vector<std::vector<std::size_t>>{{0, 1}}, 2),
                   usage_error);
 }
