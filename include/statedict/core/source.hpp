@@ -45,6 +45,9 @@ class ByteSource {
   /// Copies [offset, offset + dst.size()) into dst; throws errors::out_of_source when the range is
   /// not inside the source, io errors on read failure.
   virtual void read(std::uint64_t offset, std::span<std::byte> dst) const = 0;
+  /// Like read(), for a few scattered bytes (zip local headers): sources backed by a file read them
+  /// with pread instead of faulting in (and later unmapping) the mapped pages around each one.
+  virtual void peek(std::uint64_t offset, std::span<std::byte> dst) const { read(offset, dst); }
 
   /// Throws errors::out_of_source unless [offset, offset + length) lies inside the source.
   void check_range(std::uint64_t offset, std::uint64_t length, std::string_view what = "range") const {
@@ -103,6 +106,10 @@ class SliceSource final : public ByteSource {
   void read(std::uint64_t offset, std::span<std::byte> dst) const override {
     check_range(offset, dst.size());
     base_->read(offset_ + offset, dst);
+  }
+  void peek(std::uint64_t offset, std::span<std::byte> dst) const override {
+    check_range(offset, dst.size());
+    base_->peek(offset_ + offset, dst);
   }
   [[nodiscard]] const std::shared_ptr<const ByteSource>& base() const noexcept { return base_; }
   [[nodiscard]] std::uint64_t offset() const noexcept { return offset_; }

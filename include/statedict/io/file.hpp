@@ -117,19 +117,11 @@ class InputFile final : public ByteSource {
       std::memcpy(dst.data(), data() + offset, dst.size());
       return;
     }
-    std::size_t done = 0;
-    while (done < dst.size()) {
-      const ssize_t n = ::pread(h_->fd, dst.data() + done, dst.size() - done, static_cast<off_t>(offset + done));
-      if (n < 0) {
-        if (errno == EINTR) continue;
-        throw_error(errors::read_failed, "file " + quote(name_),
-                    "read at offset " + std::to_string(offset + done) + " failed: " + detail::errno_text(errno));
-      }
-      if (n == 0)
-        throw_error(errors::file_shrank, "file " + quote(name_),
-                    "ends at offset " + std::to_string(offset + done) + ", shorter than when opened");
-      done += static_cast<std::size_t>(n);
-    }
+    pread_all(offset, dst);
+  }
+  void peek(std::uint64_t offset, std::span<std::byte> dst) const override {
+    check_range(offset, dst.size());
+    if (!dst.empty()) pread_all(offset, dst);
   }
 
   /// Advises the kernel about how [offset, offset + length) will be read (mapped files only).
@@ -150,6 +142,22 @@ class InputFile final : public ByteSource {
   }
 
  private:
+  void pread_all(std::uint64_t offset, std::span<std::byte> dst) const {
+    std::size_t done = 0;
+    while (done < dst.size()) {
+      const ssize_t n = ::pread(h_->fd, dst.data() + done, dst.size() - done, static_cast<off_t>(offset + done));
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        throw_error(errors::read_failed, "file " + quote(name_),
+                    "read at offset " + std::to_string(offset + done) + " failed: " + detail::errno_text(errno));
+      }
+      if (n == 0)
+        throw_error(errors::file_shrank, "file " + quote(name_),
+                    "ends at offset " + std::to_string(offset + done) + ", shorter than when opened");
+      done += static_cast<std::size_t>(n);
+    }
+  }
+
   std::string name_;
   read_mode mode_;
   std::shared_ptr<detail::file_handle> h_;

@@ -383,24 +383,27 @@ class Archive {
     }
   }
 
-  void locate_data(Entry& en) const {
+  void locate_data(Entry& en) {
     const ByteSource& src = *source_;
     if (en.header_offset > max_size - delta_) fail(errors::zip_entry_out_of_bounds, "entry " + quote(en.name) + ": header offset overflows");
     const std::uint64_t h = en.header_offset + delta_;
     if (h > cd_offset_ || cd_offset_ - h < detail::local_header_size)
       fail(errors::zip_entry_out_of_bounds, "entry " + quote(en.name) + ": local header at offset " + std::to_string(h) +
                                                 " is not before the central directory (offset " + std::to_string(cd_offset_) + ")");
-    const Region lh = read_region(src, h, detail::local_header_size);
-    if (detail::rd32(lh.data) != detail::sig_local)
+    // The fixed header and the name in one positioned read (peek: thousands of entries must not
+    // fault in the mapped pages around each header).
+    const std::uint64_t want = std::min<std::uint64_t>(detail::local_header_size + en.name.size(), cd_offset_ - h);
+    local_buf_.resize(static_cast<std::size_t>(want));
+    src.peek(h, local_buf_);
+    const std::byte* lh = local_buf_.data();
+    if (detail::rd32(lh) != detail::sig_local)
       fail(errors::zip_bad_local_header, "entry " + quote(en.name) + ": no local header signature at offset " + std::to_string(h));
-    const std::uint64_t name_len = detail::rd16(lh.data + 26), extra_len = detail::rd16(lh.data + 28);
+    const std::uint64_t name_len = detail::rd16(lh + 26), extra_len = detail::rd16(lh + 28);
     const std::uint64_t data = h + detail::local_header_size + name_len + extra_len;
     if (data > cd_offset_)
       fail(errors::zip_bad_local_header, "entry " + quote(en.name) + ": local header runs into the central directory");
-    if (name_len != en.name.size())
-      fail(errors::zip_bad_local_header, "entry " + quote(en.name) + ": local header names another entry");
-    const Region nm = read_region(src, h + detail::local_header_size, name_len);
-    if (std::memcmp(nm.data, en.name.data(), en.name.size()) != 0)
+    if (name_len != en.name.size() ||
+        std::memcmp(lh + detail::local_header_size, en.name.data(), en.name.size()) != 0)
       fail(errors::zip_bad_local_header, "entry " + quote(en.name) + ": local header names another entry");
     if (en.stored() && en.compressed_size != en.size)
       fail(errors::zip_size_mismatch, "stored entry " + quote(en.name) + " has compressed size " +
@@ -418,6 +421,7 @@ class Archive {
   read_options options_{};
   std::vector<Entry> entries_;
   std::unordered_map<std::string, std::size_t> index_;
+  std::vector<std::byte> local_buf_;  // scratch for locate_data
   std::uint64_t delta_ = 0;
   std::uint64_t cd_offset_ = 0;
   bool zip64_ = false;
