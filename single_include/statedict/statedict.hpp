@@ -1741,6 +1741,9 @@ class ByteSource {
   /// Copies [offset, offset + dst.size()) into dst; throws errors::out_of_source when the range is
   /// not inside the source, io errors on read failure.
   virtual void read(std::uint64_t offset, std::span<std::byte> dst) const = 0;
+  /// Like read(), for a few scattered bytes (zip local headers): sources backed by a file read them
+  /// with pread instead of faulting in (and later unmapping) the mapped pages around each one.
+  virtual void peek(std::uint64_t offset, std::span<std::byte> dst) const { read(offset, dst); }
 
   /// Throws errors::out_of_source unless [offset, offset + length) lies inside the source.
   void check_range(std::uint64_t offset, std::uint64_t length, std::string_view what = "range") const {
@@ -1799,6 +1802,10 @@ class SliceSource final : public ByteSource {
   void read(std::uint64_t offset, std::span<std::byte> dst) const override {
     check_range(offset, dst.size());
     base_->read(offset_ + offset, dst);
+  }
+  void peek(std::uint64_t offset, std::span<std::byte> dst) const override {
+    check_range(offset, dst.size());
+    base_->peek(offset_ + offset, dst);
   }
   [[nodiscard]] const std::shared_ptr<const ByteSource>& base() const noexcept { return base_; }
   [[nodiscard]] std::uint64_t offset() const noexcept { return offset_; }
@@ -2111,19 +2118,11 @@ class InputFile final : public ByteSource {
       std::memcpy(dst.data(), data() + offset, dst.size());
       return;
     }
-    std::size_t done = 0;
-    while (done < dst.size()) {
-      const ssize_t n = ::pread(h_->fd, dst.data() + done, dst.size() - done, static_cast<off_t>(offset + done));
-      if (n < 0) {
-        if (errno == EINTR) continue;
-        throw_error(errors::read_failed, "file " + quote(name_),
-                    "read at offset " + std::to_string(offset + done) + " failed: " + detail::errno_text(errno));
-      }
-      if (n == 0)
-        throw_error(errors::file_shrank, "file " + quote(name_),
-                    "ends at offset " + std::to_string(offset + done) + ", shorter than when opened");
-      done += static_cast<std::size_t>(n);
-    }
+    pread_all(offset, dst);
+  }
+  void peek(std::uint64_t offset, std::span<std::byte> dst) const override {
+    check_range(offset, dst.size());
+    if (!dst.empty()) pread_all(offset, dst);
   }
 
   /// Advises the kernel about how [offset, offset + length) will be read (mapped files only).
@@ -2144,6 +2143,22 @@ class InputFile final : public ByteSource {
   }
 
  private:
+  void pread_all(std::uint64_t offset, std::span<std::byte> dst) const {
+    std::size_t done = 0;
+    while (done < dst.size()) {
+      const ssize_t n = ::pread(h_->fd, dst.data() + done, dst.size() - done, static_cast<off_t>(offset + done));
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        throw_error(errors::read_failed, "file " + quote(name_),
+                    "read at offset " + std::to_string(offset + done) + " failed: " + detail::errno_text(errno));
+      }
+      if (n == 0)
+        throw_error(errors::file_shrank, "file " + quote(name_),
+                    "ends at offset " + std::to_string(offset + done) + ", shorter than when opened");
+      done += static_cast<std::size_t>(n);
+    }
+  }
+
   std::string name_;
   read_mode mode_;
   std::shared_ptr<detail::file_handle> h_;
@@ -7727,24 +7742,27 @@ class Archive {
     }
   }
 
-  void locate_data(Entry& en) const {
+  void locate_data(Entry& en) {
     const ByteSource& src = *source_;
     if (en.header_offset > max_size - delta_) fail(errors::zip_entry_out_of_bounds, "entry " + quote(en.name) + ": header offset overflows");
     const std::uint64_t h = en.header_offset + delta_;
     if (h > cd_offset_ || cd_offset_ - h < detail::local_header_size)
       fail(errors::zip_entry_out_of_bounds, "entry " + quote(en.name) + ": local header at offset " + std::to_string(h) +
                                                 " is not before the central directory (offset " + std::to_string(cd_offset_) + ")");
-    const Region lh = read_region(src, h, detail::local_header_size);
-    if (detail::rd32(lh.data) != detail::sig_local)
+    // The fixed header and the name in one positioned read (peek: thousands of entries must not
+    // fault in the mapped pages around each header).
+    const std::uint64_t want = std::min<std::uint64_t>(detail::local_header_size + en.name.size(), cd_offset_ - h);
+    local_buf_.resize(static_cast<std::size_t>(want));
+    src.peek(h, local_buf_);
+    const std::byte* lh = local_buf_.data();
+    if (detail::rd32(lh) != detail::sig_local)
       fail(errors::zip_bad_local_header, "entry " + quote(en.name) + ": no local header signature at offset " + std::to_string(h));
-    const std::uint64_t name_len = detail::rd16(lh.data + 26), extra_len = detail::rd16(lh.data + 28);
+    const std::uint64_t name_len = detail::rd16(lh + 26), extra_len = detail::rd16(lh + 28);
     const std::uint64_t data = h + detail::local_header_size + name_len + extra_len;
     if (data > cd_offset_)
       fail(errors::zip_bad_local_header, "entry " + quote(en.name) + ": local header runs into the central directory");
-    if (name_len != en.name.size())
-      fail(errors::zip_bad_local_header, "entry " + quote(en.name) + ": local header names another entry");
-    const Region nm = read_region(src, h + detail::local_header_size, name_len);
-    if (std::memcmp(nm.data, en.name.data(), en.name.size()) != 0)
+    if (name_len != en.name.size() ||
+        std::memcmp(lh + detail::local_header_size, en.name.data(), en.name.size()) != 0)
       fail(errors::zip_bad_local_header, "entry " + quote(en.name) + ": local header names another entry");
     if (en.stored() && en.compressed_size != en.size)
       fail(errors::zip_size_mismatch, "stored entry " + quote(en.name) + " has compressed size " +
@@ -7762,6 +7780,7 @@ class Archive {
   read_options options_{};
   std::vector<Entry> entries_;
   std::unordered_map<std::string, std::size_t> index_;
+  std::vector<std::byte> local_buf_;  // scratch for locate_data
   std::uint64_t delta_ = 0;
   std::uint64_t cd_offset_ = 0;
   bool zip64_ = false;
@@ -19496,10 +19515,10 @@ inline TensorInfo view_of(const TensorInfo& base, const std::string& name, const
 /// The checkpoint with every tied name of its skeleton (an alias of a tensor, or a view into one)
 /// listed as a tensor of its own, reading the same bytes: what inspect and verify show, so that
 /// a tied name compares equal to the same tensor stored untied.
-inline ShardedCheckpoint expand_ties(ShardedCheckpoint ck) {
-  if (ck.skeleton.is_null()) return ck;
+/// `ties` are tied_names(ck.skeleton), for callers that list them too.
+inline ShardedCheckpoint expand_ties(ShardedCheckpoint ck, const std::vector<detail::tie>& ties) {
   std::vector<TensorInfo> extra;
-  for (const auto& t : tied_names(ck.skeleton)) {
+  for (const auto& t : ties) {
     const TensorInfo* base = ck.find(t.target);
     if (!base) throw_error(errors::flat_missing_tensor, "tensor " + quote(t.target), "the skeleton names it but the checkpoint lacks it");
     if (t.view) {
@@ -19510,9 +19529,15 @@ inline ShardedCheckpoint expand_ties(ShardedCheckpoint ck) {
       extra.push_back(std::move(a));
     }
   }
+  if (extra.empty()) return ck;
   for (auto& t : extra) ck.tensors.push_back(std::move(t));
   ck.reindex();
   return ck;
+}
+inline ShardedCheckpoint expand_ties(ShardedCheckpoint ck) {
+  if (ck.skeleton.is_null()) return ck;
+  const auto ties = tied_names(ck.skeleton);
+  return expand_ties(std::move(ck), ties);
 }
 
 /// The tensors and values under the given dotted-name prefixes ("model" keeps "model.w" and

@@ -114,10 +114,10 @@ inline TensorInfo view_of(const TensorInfo& base, const std::string& name, const
 /// The checkpoint with every tied name of its skeleton (an alias of a tensor, or a view into one)
 /// listed as a tensor of its own, reading the same bytes: what inspect and verify show, so that
 /// a tied name compares equal to the same tensor stored untied.
-inline ShardedCheckpoint expand_ties(ShardedCheckpoint ck) {
-  if (ck.skeleton.is_null()) return ck;
+/// `ties` are tied_names(ck.skeleton), for callers that list them too.
+inline ShardedCheckpoint expand_ties(ShardedCheckpoint ck, const std::vector<detail::tie>& ties) {
   std::vector<TensorInfo> extra;
-  for (const auto& t : tied_names(ck.skeleton)) {
+  for (const auto& t : ties) {
     const TensorInfo* base = ck.find(t.target);
     if (!base) throw_error(errors::flat_missing_tensor, "tensor " + quote(t.target), "the skeleton names it but the checkpoint lacks it");
     if (t.view) {
@@ -128,9 +128,15 @@ inline ShardedCheckpoint expand_ties(ShardedCheckpoint ck) {
       extra.push_back(std::move(a));
     }
   }
+  if (extra.empty()) return ck;
   for (auto& t : extra) ck.tensors.push_back(std::move(t));
   ck.reindex();
   return ck;
+}
+inline ShardedCheckpoint expand_ties(ShardedCheckpoint ck) {
+  if (ck.skeleton.is_null()) return ck;
+  const auto ties = tied_names(ck.skeleton);
+  return expand_ties(std::move(ck), ties);
 }
 
 /// The tensors and values under the given dotted-name prefixes ("model" keeps "model.w" and
