@@ -2032,8 +2032,10 @@ inline std::string sha256_hex(const TensorView& v) {
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <system_error>
 #include <utility>
+#include <vector>
 
 
 namespace statedict::inline v0 {
@@ -2400,6 +2402,28 @@ class OutputDir {
   std::filesystem::path temp_;
   bool committed_ = false;
 };
+
+/// A file of a multi-file output and the size its plan gives it.
+struct PlannedFile {
+  std::string name;
+  std::uint64_t size = 0;
+};
+
+/// The last step of an output written in parts (`--part index`): throws `id`, naming `kind` (a
+/// "Hugging Face checkpoint"), `dir` and the `noun` ("shard") of the file, unless every planned
+/// file exists in `dir` with its planned size.
+inline void check_parts_written(const std::filesystem::path& dir, const std::vector<PlannedFile>& files, const error_id& id,
+                                std::string_view kind, std::string_view noun) {
+  for (const PlannedFile& f : files) {
+    std::error_code ec;
+    const auto have = std::filesystem::file_size(dir / f.name, ec);
+    if (ec || have != f.size)
+      throw_error(id, std::string(kind) + " " + quote(dir.string()) + ": " + std::string(noun) + " " + quote(f.name),
+                  ec ? "is missing: write every part before the index"
+                     : "has " + std::to_string(have) + " bytes, the plan expects " + std::to_string(f.size) +
+                           " (a part written with other options?)");
+  }
+}
 
 }  // namespace statedict::inline v0
 // ---- statedict/io/safetensors.hpp ----
@@ -16086,15 +16110,9 @@ inline void write(const ShardedCheckpoint& src, const std::filesystem::path& dir
 
   if (opt.index_only) {
     std::filesystem::create_directories(dir);
-    for (std::uint32_t r = 0; r < world; ++r) {
-      std::error_code ec;
-      const auto have = std::filesystem::file_size(dir / file_name(r), ec);
-      if (ec || have != file_size[r])
-        throw_error(errors::dcp_write_part, "DCP checkpoint " + quote(dir.string()) + ": rank file " + quote(file_name(r)),
-                    ec ? "is missing: write every part before the index"
-                       : "has " + std::to_string(have) + " bytes, the plan expects " + std::to_string(file_size[r]) +
-                             " (a part written with other options?)");
-    }
+    std::vector<PlannedFile> planned;
+    for (std::uint32_t r = 0; r < world; ++r) planned.push_back({file_name(r), file_size[r]});
+    check_parts_written(dir, planned, errors::dcp_write_part, "DCP checkpoint", "rank file");
     OutputFile mf = OutputFile::create(dir / ".metadata");
     mf.write(md_bytes);
     mf.commit();
@@ -19664,15 +19682,9 @@ inline std::vector<std::string> write_hf(const ShardedCheckpoint& ck, const std:
   std::vector<std::string> written;
   if (opt.index_only) {
     std::filesystem::create_directories(dir);
-    for (std::size_t k = 0; k < dst.names.size(); ++k) {
-      std::error_code ec;
-      const auto have = std::filesystem::file_size(dir / dst.names[k], ec);
-      if (ec || have != dst.sizes[k])
-        throw_error(errors::convert_part, "Hugging Face checkpoint " + quote(dir.string()) + ": shard " + quote(dst.names[k]),
-                    ec ? "is missing: write every part before the index"
-                       : "has " + std::to_string(have) + " bytes, the plan expects " + std::to_string(dst.sizes[k]) +
-                             " (a part written with other options?)");
-    }
+    std::vector<PlannedFile> planned;
+    for (std::size_t k = 0; k < dst.names.size(); ++k) planned.push_back({dst.names[k], dst.sizes[k]});
+    check_parts_written(dir, planned, errors::convert_part, "Hugging Face checkpoint", "shard");
     OutputFile f = OutputFile::create(dir / std::string(hf::index_name));
     f.write(index_text());
     f.commit();

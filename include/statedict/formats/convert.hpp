@@ -263,15 +263,9 @@ inline std::vector<std::string> write_hf(const ShardedCheckpoint& ck, const std:
   std::vector<std::string> written;
   if (opt.index_only) {
     std::filesystem::create_directories(dir);
-    for (std::size_t k = 0; k < dst.names.size(); ++k) {
-      std::error_code ec;
-      const auto have = std::filesystem::file_size(dir / dst.names[k], ec);
-      if (ec || have != dst.sizes[k])
-        throw_error(errors::convert_part, "Hugging Face checkpoint " + quote(dir.string()) + ": shard " + quote(dst.names[k]),
-                    ec ? "is missing: write every part before the index"
-                       : "has " + std::to_string(have) + " bytes, the plan expects " + std::to_string(dst.sizes[k]) +
-                             " (a part written with other options?)");
-    }
+    std::vector<PlannedFile> planned;
+    for (std::size_t k = 0; k < dst.names.size(); ++k) planned.push_back({dst.names[k], dst.sizes[k]});
+    check_parts_written(dir, planned, errors::convert_part, "Hugging Face checkpoint", "shard");
     OutputFile f = OutputFile::create(dir / std::string(hf::index_name));
     f.write(index_text());
     f.commit();

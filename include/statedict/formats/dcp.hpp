@@ -1158,15 +1158,9 @@ inline void write(const ShardedCheckpoint& src, const std::filesystem::path& dir
 
   if (opt.index_only) {
     std::filesystem::create_directories(dir);
-    for (std::uint32_t r = 0; r < world; ++r) {
-      std::error_code ec;
-      const auto have = std::filesystem::file_size(dir / file_name(r), ec);
-      if (ec || have != file_size[r])
-        throw_error(errors::dcp_write_part, "DCP checkpoint " + quote(dir.string()) + ": rank file " + quote(file_name(r)),
-                    ec ? "is missing: write every part before the index"
-                       : "has " + std::to_string(have) + " bytes, the plan expects " + std::to_string(file_size[r]) +
-                             " (a part written with other options?)");
-    }
+    std::vector<PlannedFile> planned;
+    for (std::uint32_t r = 0; r < world; ++r) planned.push_back({file_name(r), file_size[r]});
+    check_parts_written(dir, planned, errors::dcp_write_part, "DCP checkpoint", "rank file");
     OutputFile mf = OutputFile::create(dir / ".metadata");
     mf.write(md_bytes);
     mf.commit();

@@ -29,8 +29,10 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <system_error>
 #include <utility>
+#include <vector>
 
 #include "../core/error.hpp"
 #include "../core/source.hpp"
@@ -399,5 +401,27 @@ class OutputDir {
   std::filesystem::path temp_;
   bool committed_ = false;
 };
+
+/// A file of a multi-file output and the size its plan gives it.
+struct PlannedFile {
+  std::string name;
+  std::uint64_t size = 0;
+};
+
+/// The last step of an output written in parts (`--part index`): throws `id`, naming `kind` (a
+/// "Hugging Face checkpoint"), `dir` and the `noun` ("shard") of the file, unless every planned
+/// file exists in `dir` with its planned size.
+inline void check_parts_written(const std::filesystem::path& dir, const std::vector<PlannedFile>& files, const error_id& id,
+                                std::string_view kind, std::string_view noun) {
+  for (const PlannedFile& f : files) {
+    std::error_code ec;
+    const auto have = std::filesystem::file_size(dir / f.name, ec);
+    if (ec || have != f.size)
+      throw_error(id, std::string(kind) + " " + quote(dir.string()) + ": " + std::string(noun) + " " + quote(f.name),
+                  ec ? "is missing: write every part before the index"
+                     : "has " + std::to_string(have) + " bytes, the plan expects " + std::to_string(f.size) +
+                           " (a part written with other options?)");
+  }
+}
 
 }  // namespace statedict::inline v0
