@@ -32,6 +32,15 @@
 #include <statedict/core/error.hpp>
 #include <statedict/core/source.hpp>
 
+// A target's entry point. Each fuzz_<name>.cpp is built on its own as a libFuzzer executable, or
+// (STATEDICT_FUZZ_ALL, what tests/fuzz/CMakeLists.txt does) all of them into one executable,
+// fuzz_all.cpp, that runs the target its name names: one sanitized build instead of fourteen.
+#ifdef STATEDICT_FUZZ_ALL
+#define STATEDICT_FUZZ_TARGET(data, size) int test_one_input(const std::uint8_t* data, std::size_t size)
+#else
+#define STATEDICT_FUZZ_TARGET(data, size) extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size)
+#endif
+
 namespace fuzz {
 
 /// With STATEDICT_FUZZ_VERBOSE set, prints each expected error (to see why a seed is refused, or

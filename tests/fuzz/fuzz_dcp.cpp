@@ -11,7 +11,7 @@
 
 namespace dcp = statedict::dcp;
 
-extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+STATEDICT_FUZZ_TARGET(data, size) {
   const auto files = fuzz::split_files(data, size);
   if (!files) return 0;
   const auto dir = fuzz::materialise(*files);

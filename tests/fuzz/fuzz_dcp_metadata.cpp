@@ -10,7 +10,7 @@
 namespace dcp = statedict::dcp;
 namespace pickle = statedict::pickle;
 
-extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+STATEDICT_FUZZ_TARGET(data, size) {
   dcp::limits lim;
   lim.pickle = fuzz::pickle_limits();
   lim.max_entries = 1 << 14;

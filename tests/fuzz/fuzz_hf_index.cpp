@@ -31,7 +31,7 @@ const std::filesystem::path& shard_dir() {
 }
 }  // namespace
 
-extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+STATEDICT_FUZZ_TARGET(data, size) {
   const auto& dir = shard_dir();
   if (!fuzz::write_file(dir / hf::index_name, fuzz::bytes_of(data, size))) return 0;
   hf::open_options opt;

@@ -13,7 +13,7 @@
 
 namespace pickle = statedict::pickle;
 
-extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+STATEDICT_FUZZ_TARGET(data, size) {
   pickle::options o;
   o.limits = fuzz::pickle_limits();
   o.keep_unknown_objects = true;

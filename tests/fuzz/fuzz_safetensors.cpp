@@ -8,7 +8,7 @@
 
 namespace st = statedict::safetensors;
 
-extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+STATEDICT_FUZZ_TARGET(data, size) {
   st::limits lim;
   lim.max_header_bytes = 1 << 20;
   lim.max_rank = 64;

@@ -9,7 +9,7 @@
 
 namespace torch = statedict::torch;
 
-extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+STATEDICT_FUZZ_TARGET(data, size) {
   const auto src = fuzz::source_of(data, size, "fuzz.pt");
   torch::load_options o;
   o.limits = fuzz::torch_limits();

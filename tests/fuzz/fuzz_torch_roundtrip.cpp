@@ -51,7 +51,7 @@ bool same_list(const statedict::List& a, const statedict::List& b) {
 }
 }  // namespace
 
-extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+STATEDICT_FUZZ_TARGET(data, size) {
   torch::load_options o;
   o.limits = fuzz::torch_limits();
   std::optional<torch::File> a;

@@ -7,7 +7,7 @@
 
 namespace zip = statedict::zip;
 
-extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+STATEDICT_FUZZ_TARGET(data, size) {
   zip::read_options o;
   o.limits.max_entries = 1 << 12;
   o.limits.max_central_directory_bytes = 1 << 20;
