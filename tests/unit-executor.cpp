@@ -326,3 +326,23 @@ TEST_CASE("progress, padding and usage errors") {
   MemorySink small("small", 10);
   CHECK(error_of([&] { small.write(8, std::span(m.data).first(4)); }) == errors::sink_overflow.id);
 }
+
+TEST_CASE("scheduler: items in order, but a thread moves to a destination nobody is writing") {
+  using detail::exec_item;
+  auto item = [](std::uint32_t dst) { return exec_item{exec_item::kind::ops, 0, 1, 0, 0, dst}; };
+  // Destinations 0 0 0 1 1 2, then a compare item (no destination) and one more 0.
+  std::vector<exec_item> items{item(0), item(0), item(0), item(1), item(1), item(2), exec_item{exec_item::kind::compare, 0, 1, 0, 0}, item(0)};
+  detail::exec_scheduler s;
+  s.init(items, 3);
+  const std::uint32_t none = exec_item::no_dst;
+  CHECK(s.take(items, none) == 0);  // thread A writes destination 0
+  CHECK(s.take(items, none) == 3);  // thread B: 0 is busy, first item of 1
+  CHECK(s.take(items, 0) == 1);     // A finished its item of 0: the next in order is 0 again
+  CHECK(s.take(items, 1) == 4);     // B: 0 busy (A), so 1 again, ahead of 2
+  CHECK(s.take(items, 1) == 5);     // B: 0 busy, 1 drained: 2
+  CHECK(s.take(items, 2) == 6);     // B: 0 busy, nothing else writes a file: the compare item
+  CHECK(s.take(items, 0) == 2);     // A: back to plan order
+  CHECK(s.take(items, none) == 7);  // B: only destination 0 is left, busy or not
+  CHECK(s.take(items, 0) == items.size());
+  CHECK(s.take(items, 0) == items.size());
+}

@@ -13419,9 +13419,13 @@ class Sha256Sink final : public Sink {
 // Conversions read with pread (or from the mapping) and cast into the write buffer with
 // core/cast.hpp's exact rounding.
 //
-// Threads take work items (at most one block of bytes each, or a batch of small operations) in
-// plan order, so each source is read front to back. Writes never overlap (the plan is proven), so
-// the output bytes do not depend on the thread count or on timing. Ordered sinks (Sha256Sink) are
+// Threads take work items (at most one block of bytes each, or a batch of small operations of one
+// destination) in plan order, so each source is read front to back, except that a thread skips
+// ahead to the first item of a destination no other thread is writing when there is one: writes
+// into one file serialize on its inode lock, and two threads writing the same file spent a fifth
+// of their time spinning on it (ZeRO-3 8 ranks -> DCP 3 ranks, perf: rwsem_spin_on_owner 17%).
+// Writes never overlap (the plan is proven), so the output bytes do not depend on the thread count
+// or on timing. Ordered sinks (Sha256Sink) are
 // written by one thread, in increasing offsets: their operations form one work item that walks
 // them in destination order.
 
@@ -13545,6 +13549,68 @@ struct exec_item {
   kind what = kind::ops;
   std::uint32_t begin = 0, end = 0;  ///< ops / checks [begin, end); lane: index of the lane
   std::uint64_t e0 = 0, e1 = 0;      ///< element range of op `begin` when sliced (e1 > 0)
+  std::uint32_t dst = no_dst;        ///< the one destination an ops item writes
+  static constexpr std::uint32_t no_dst = 0xffffffffU;
+};
+
+/// Hands out work items: in order, but preferring the first item of a destination that no
+/// thread is writing. Items are at most a block each, so one lock per item costs nothing.
+class exec_scheduler {
+ public:
+  void init(const std::vector<exec_item>& items, std::size_t destinations) {
+    // One queue per destination, and a last one for items that write no file (never busy).
+    const std::size_t queues = destinations + 1;
+    next_.assign(queues, 0);
+    queue_.assign(queues, {});
+    busy_.assign(queues, 0);
+    for (std::uint32_t i = 0; i < items.size(); ++i) queue_[queue_of(items[i], destinations)].push_back(i);
+    for (std::uint32_t d = 0; d < queues; ++d)
+      if (!queue_[d].empty()) open_.push_back(d);
+    taken_.assign(items.size(), 0);
+    destinations_ = destinations;
+  }
+
+  /// The next item for a thread that has just finished writing `prev` (no_dst: none), or
+  /// `count` when all are taken.
+  std::size_t take(const std::vector<exec_item>& items, std::uint32_t prev) {
+    std::lock_guard<std::mutex> lock(m_);
+    if (prev != exec_item::no_dst) --busy_[prev];
+    while (head_ < items.size() && taken_[head_]) ++head_;
+    if (head_ == items.size()) return items.size();
+    std::size_t pick = head_;
+    if (busy_[queue_of(items[head_], destinations_)] > 0) {
+      std::size_t best = items.size();
+      for (std::size_t k = 0; k < open_.size();) {
+        const std::uint32_t d = open_[k];
+        auto& q = queue_[d];
+        while (next_[d] < q.size() && taken_[q[next_[d]]]) ++next_[d];
+        if (next_[d] == q.size()) {  // drained: drop it from the scan
+          open_[k] = open_.back();
+          open_.pop_back();
+          continue;
+        }
+        if (busy_[d] == 0 && q[next_[d]] < best) best = q[next_[d]];
+        ++k;
+      }
+      if (best < items.size()) pick = best;
+    }
+    taken_[pick] = 1;
+    if (items[pick].dst != exec_item::no_dst) ++busy_[items[pick].dst];
+    return pick;
+  }
+
+ private:
+  static std::size_t queue_of(const exec_item& it, std::size_t destinations) noexcept {
+    return it.dst == exec_item::no_dst ? destinations : it.dst;
+  }
+
+  std::mutex m_;
+  std::size_t destinations_ = 0;
+  std::size_t head_ = 0;
+  std::vector<std::vector<std::uint32_t>> queue_;
+  std::vector<std::size_t> next_;
+  std::vector<std::uint32_t> busy_, open_;
+  std::vector<std::uint8_t> taken_;
 };
 
 /// Releases the pages of [offset, offset + length) of a mapped file source.
@@ -13569,7 +13635,7 @@ struct exec_shared {
   std::vector<exec_item> items;
   std::vector<std::vector<std::uint32_t>> lanes;
   exec_ledger ledger;
-  std::atomic<std::size_t> next{0};
+  exec_scheduler scheduler;
   std::atomic<bool> stop{false};
   std::atomic<bool> cfr_ok{true};
   std::mutex error_mutex;
@@ -13604,11 +13670,13 @@ class exec_worker {
 
   void run() {
     try {
+      std::uint32_t prev = exec_item::no_dst;
       for (;;) {
         if (s_.stop.load()) return;
-        const std::size_t i = s_.next.fetch_add(1);
+        const std::size_t i = s_.scheduler.take(s_.items, prev);
         if (i >= s_.items.size()) return;
         do_item(s_.items[i]);
+        prev = s_.items[i].dst;
       }
     } catch (...) {
       std::lock_guard<std::mutex> lock(s_.error_mutex);
@@ -13981,7 +14049,8 @@ inline exec_stats execute(const Plan& plan, std::span<const std::shared_ptr<cons
     std::uint32_t batch_begin = 0, batch_end = 0;
     std::uint64_t batch_bytes = 0;
     auto close_batch = [&] {
-      if (batch_end > batch_begin) s.items.push_back(detail::exec_item{detail::exec_item::kind::ops, batch_begin, batch_end, 0, 0});
+      if (batch_end > batch_begin)
+        s.items.push_back(detail::exec_item{detail::exec_item::kind::ops, batch_begin, batch_end, 0, 0, plan.ops[batch_begin].dst});
       batch_bytes = 0;
     };
     for (std::uint32_t k = 0; k < plan.ops.size(); ++k) {
@@ -13994,10 +14063,10 @@ inline exec_stats execute(const Plan& plan, std::span<const std::shared_ptr<cons
         batch_begin = batch_end = k + 1;
         const std::uint64_t step = std::max<std::uint64_t>(1, s.block / per_elem);
         for (std::uint64_t e = 0; e < o.elements(); e += step)
-          s.items.push_back(detail::exec_item{detail::exec_item::kind::ops, k, k + 1, e, std::min(o.elements(), e + step)});
+          s.items.push_back(detail::exec_item{detail::exec_item::kind::ops, k, k + 1, e, std::min(o.elements(), e + step), o.dst});
         continue;
       }
-      if (batch_bytes + bytes > s.block || batch_end != k) {
+      if (batch_bytes + bytes > s.block || batch_end != k || plan.ops[batch_begin].dst != o.dst) {
         close_batch();
         batch_begin = k;
       }
@@ -14015,6 +14084,7 @@ inline exec_stats execute(const Plan& plan, std::span<const std::shared_ptr<cons
   s.total = plan.bytes();
   s.progress_step = std::max<std::uint64_t>(s.total / 1000, 1);
   threads = static_cast<unsigned>(std::min<std::size_t>(threads, std::max<std::size_t>(s.items.size(), 1)));
+  s.scheduler.init(s.items, sinks.size());
   {
     std::vector<std::unique_ptr<detail::exec_worker>> workers;
     for (unsigned t = 0; t < threads; ++t) workers.push_back(std::make_unique<detail::exec_worker>(s));
