@@ -379,6 +379,28 @@ TEST_CASE("limits: each cap has its own error") {
     p += ".";
     expect_error_p(p, errors::pk_node_limit);
   }
+  SUBCASE("nodes: a large persistent value referenced many times") {
+    // The loader's answer is a leaf of 1,001 values; 200 references to it through two shared
+    // lists make 200,000+ values, each copy counted in full (found by fuzzing: the copies were
+    // counted as one value each and a 2 KB pickle ran for minutes).
+    pickle::options o;
+    o.limits.max_nodes = 100000;
+    o.persistent_load = [](const Value&) {
+      List l;
+      for (int i = 0; i < 1000; ++i) l.emplace_back(i);
+      return Value::list(std::move(l));
+    };
+    std::string refs;
+    for (int i = 0; i < 10; ++i) refs += "h\x00"_b;
+    std::string p = P2 + "K\x01Qq\x00" "0("_b + refs + "lq\x01" "0("_b;  // pid 1 -> memo 0; [10 x memo 0] -> memo 1
+    for (int i = 0; i < 20; ++i) p += "h\x01";
+    p += "l.";  // [20 x memo 1]: 200 copies of the 1,001-value leaf
+    expect_error_p(p, errors::pk_node_limit, o);
+    o.limits.max_nodes = 300000;
+    const Value v = val(p, o);
+    CHECK(v.as_list().size() == 20);
+    CHECK(v.at(19).at(9).as_list().size() == 1000);
+  }
   SUBCASE("stack") {
     pickle::options o;
     o.limits.max_stack = 10;

@@ -8528,7 +8528,32 @@ class Reader {
     n.u.i = i;
     return add_node(n);
   }
+  /// Values in a tree (iterative: the tree may be deep).
+  static std::uint64_t tree_size(const Value& root) {
+    std::uint64_t n = 0;
+    std::vector<const Value*> todo{&root};
+    while (!todo.empty()) {
+      const Value* v = todo.back();
+      todo.pop_back();
+      ++n;
+      if (v->is_list() || v->is_tuple()) {
+        for (const Value& c : v->as_list()) todo.push_back(&c);
+      } else if (v->is_dict()) {
+        for (const auto& kv : v->as_dict().items()) todo.push_back(&kv.second);
+      } else if (v->is_object()) {
+        const Object& o = v->as_object();
+        for (const auto* part : {&o.args, &o.state, &o.items})
+          for (const Value& c : *part) todo.push_back(&c);
+      }
+    }
+    return n;
+  }
+
   std::uint32_t add_leaf(Value v) {
+    // A leaf is copied into the result wherever it is referenced: each copy counts all its values
+    // against limits.max_nodes (a persistent id answered with a large value and then referenced
+    // through shared lists would otherwise copy without bound).
+    leaf_size_.push_back(tree_size(v));
     leaves_.push_back(std::move(v));
     Node n;
     n.kind = nk::leaf;
@@ -8893,8 +8918,8 @@ class Reader {
     return p;
   }
 
-  void count_node() {
-    if (++produced_ > opts_.limits.max_nodes)
+  void count_node(std::uint64_t n = 1) {
+    if ((produced_ += n) > opts_.limits.max_nodes)
       fail(errors::pk_node_limit, "result exceeds limits.max_nodes (" + std::to_string(opts_.limits.max_nodes) +
                                       " values); shared references are copied into the tree");
   }
@@ -8917,7 +8942,9 @@ class Reader {
         b.data.assign(in_ + node.u.off, in_ + node.u.off + node.index);
         return Value(std::move(b));
       }
-      case nk::leaf: return leaves_[node.index];
+      case nk::leaf:
+        count_node(leaf_size_[node.index] - 1);
+        return leaves_[node.index];
       case nk::global: return Value(Object{globals_[node.index].first, globals_[node.index].second, object_build::global, {}, {}, {}});
       default: break;
     }
@@ -9028,6 +9055,7 @@ class Reader {
 
   std::vector<Node> nodes_;
   std::vector<Value> leaves_;
+  std::vector<std::uint64_t> leaf_size_;  ///< values in each leaf
   std::vector<std::vector<std::uint32_t>> seqs_;
   std::vector<DictData> dicts_;
   std::vector<ObjData> objects_;
