@@ -292,6 +292,13 @@ TEST_CASE("tied weights become an alias; views into an earlier contiguous tensor
   CHECK(skeleton_aliases(f.skeleton) == std::vector<std::pair<std::string, std::string>>{
                                             {"head", "embed"}, {"t", "embed"}, {"tail", "embed"},
                                             {"col", "embed"},  {"flat", "embed"}, {"t2", "embed"}});
+  // The quick test for ties: true here; false for trees whose keys and strings merely say so.
+  CHECK(detail::may_hold_aliases(f.skeleton));
+  CHECK(detail::may_hold_aliases(flatten(dict({{"a", dict({{"x", v}, {"y", v.narrow(0, 1, 1)}})}})).skeleton));
+  Tensor u = Tensor::from<float>({0, 1}, {2});
+  const Value untied = dict({{"alias", u.view()}, {"view_of", Value(std::string("alias"))}, {"l", Value::list({Value(1)})}});
+  CHECK(!detail::may_hold_aliases(flatten(untied).skeleton));
+  CHECK(skeleton_aliases(flatten(untied).skeleton).empty());
   // unflatten gives back the very same views: aliasing survives.
   const Value back = unflatten(f);
   CHECK(back == tree);

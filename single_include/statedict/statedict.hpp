@@ -4561,6 +4561,27 @@ inline std::vector<tensorish> list_tensorish(const json& skeleton) {
   return out;
 }
 
+/// Whether any JSON object in `skeleton` has an "alias" or "view_of" member: false means the
+/// skeleton has no alias and no view_of node (those are the only nodes with such members), so
+/// listing them can be skipped. One pass without paths or names; iterative.
+inline bool may_hold_aliases(const nlohmann::json& skeleton) {
+  std::vector<const json*> todo{&skeleton};
+  while (!todo.empty()) {
+    const json* j = todo.back();
+    todo.pop_back();
+    if (j->is_object()) {
+      const auto& o = j->get_ref<const json::object_t&>();
+      if (o.count("alias") || o.count("view_of")) return true;
+      for (const auto& kv : o)
+        if (kv.second.is_structured()) todo.push_back(&kv.second);
+    } else if (j->is_array()) {
+      for (const auto& c : j->get_ref<const json::array_t&>())
+        if (c.is_structured()) todo.push_back(&c);
+    }
+  }
+  return false;
+}
+
 }  // namespace detail
 
 /// The alias and view_of nodes of a skeleton as (name, target) pairs in pre-order: `name` is the
@@ -19602,9 +19623,12 @@ struct tie {
 };
 }  // namespace detail
 
-/// The tied names of a skeleton (aliases and views), with the view's elements for views.
+/// The tied names of a skeleton (aliases and views), with the view's elements for views. For the
+/// skeleton of an opened checkpoint (validated when it was read): one without alias or view_of
+/// nodes is not walked with paths and names (a tenth of `inspect` of a 10k-tensor .pt).
 inline std::vector<detail::tie> tied_names(const nlohmann::json& skeleton) {
   std::vector<detail::tie> out;
+  if (!statedict::detail::may_hold_aliases(skeleton)) return out;
   for (const auto& t : statedict::detail::list_tensorish(skeleton)) {
     if (t.kind == statedict::detail::snode::tensor) continue;
     detail::tie x{t.name, t.target, std::nullopt};
