@@ -8,11 +8,14 @@
 #include <statedict/io/file.hpp>
 #include <statedict/shard/layout.hpp>
 
+#include <atomic>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 using namespace statedict;
@@ -327,22 +330,56 @@ TEST_CASE("progress, padding and usage errors") {
   CHECK(error_of([&] { small.write(8, std::span(m.data).first(4)); }) == errors::sink_overflow.id);
 }
 
-TEST_CASE("scheduler: items in order, but a thread moves to a destination nobody is writing") {
+TEST_CASE("scheduler: items in order, a thread moves to a destination nobody is writing, or waits") {
   using detail::exec_item;
-  auto item = [](std::uint32_t dst) { return exec_item{exec_item::kind::ops, 0, 1, 0, 0, dst}; };
-  // Destinations 0 0 0 1 1 2, then a compare item (no destination) and one more 0.
-  std::vector<exec_item> items{item(0), item(0), item(0), item(1), item(1), item(2), exec_item{exec_item::kind::compare, 0, 1, 0, 0}, item(0)};
-  detail::exec_scheduler s;
-  s.init(items, 3);
+  auto item = [](std::uint32_t dst, bool converts = false) { return exec_item{exec_item::kind::ops, 0, 1, 0, 0, dst, converts}; };
+  const std::atomic<bool> stop{false};
   const std::uint32_t none = exec_item::no_dst;
-  CHECK(s.take(items, none) == 0);  // thread A writes destination 0
-  CHECK(s.take(items, none) == 3);  // thread B: 0 is busy, first item of 1
-  CHECK(s.take(items, 0) == 1);     // A finished its item of 0: the next in order is 0 again
-  CHECK(s.take(items, 1) == 4);     // B: 0 busy (A), so 1 again, ahead of 2
-  CHECK(s.take(items, 1) == 5);     // B: 0 busy, 1 drained: 2
-  CHECK(s.take(items, 2) == 6);     // B: 0 busy, nothing else writes a file: the compare item
-  CHECK(s.take(items, 0) == 2);     // A: back to plan order
-  CHECK(s.take(items, none) == 7);  // B: only destination 0 is left, busy or not
-  CHECK(s.take(items, 0) == items.size());
-  CHECK(s.take(items, 0) == items.size());
+  SUBCASE("two threads, three files") {
+    // Destinations 0 0 0 1 1 2, a compare item (no destination), then a cast into 0.
+    std::vector<exec_item> items{item(0), item(0), item(0), item(1), item(1), item(2), exec_item{exec_item::kind::compare, 0, 1, 0, 0}, item(0, true)};
+    detail::exec_scheduler s;
+    s.init(items, 3);
+    CHECK(s.take(items, none, stop) == 0);  // thread A writes destination 0
+    CHECK(s.take(items, none, stop) == 3);  // thread B: 0 is busy, first item of 1
+    CHECK(s.take(items, 0, stop) == 1);     // A finished its item of 0: the next in order is 0 again
+    CHECK(s.take(items, 1, stop) == 4);     // B: 0 busy (A), so 1 again, ahead of 2
+    CHECK(s.take(items, 1, stop) == 5);     // B: 0 busy, 1 drained: 2
+    CHECK(s.take(items, 2, stop) == 6);     // B: 0 busy, nothing else writes a file: the compare item
+    CHECK(s.take(items, 0, stop) == 2);     // A: back to plan order
+    CHECK(s.take(items, none, stop) == 7);  // B: 0 is busy, but a cast may share it (its work is CPU)
+    CHECK(s.take(items, 0, stop) == items.size());
+    CHECK(s.take(items, 0, stop) == items.size());
+  }
+  SUBCASE("a plain copy into a busy file waits until the file is free") {
+    std::vector<exec_item> items{item(0), item(0), item(0)};
+    detail::exec_scheduler s;
+    s.init(items, 1);
+    CHECK(s.take(items, none, stop) == 0);  // A
+    std::atomic<std::size_t> got{99};
+    std::thread b([&] { got = s.take(items, none, stop); });
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    CHECK(got.load() == 99);              // B waits: A is writing the file
+    CHECK(s.take(items, 0, stop) == 1);   // A goes on with the file
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    CHECK(got.load() == 99);              // B still waits
+    CHECK(s.take(items, 0, stop) == 2);
+    CHECK(s.take(items, 0, stop) == items.size());  // A is done: B wakes to no work
+    b.join();
+    CHECK(got.load() == items.size());
+  }
+  SUBCASE("a waiting thread gives up when the run stops") {
+    std::vector<exec_item> items{item(0), item(0)};
+    detail::exec_scheduler s;
+    s.init(items, 1);
+    std::atomic<bool> stopping{false};
+    CHECK(s.take(items, none, stopping) == 0);
+    std::atomic<std::size_t> got{99};
+    std::thread b([&] { got = s.take(items, none, stopping); });
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    stopping = true;
+    s.wake_all();
+    b.join();
+    CHECK(got.load() == items.size());
+  }
 }
