@@ -384,3 +384,18 @@ TEST_CASE("hostile bytes: random corruption of a rank file gives statedict error
   MESSAGE("corrupted rank files rejected: " << failures << " of 200");
   CHECK(failures > 0);
 }
+
+TEST_CASE("describe_tree: a kept object whose module and name are not UTF-8 stays a value beside the tensors") {
+  // Found by fuzzing formats::open: flatten writes such names as {"str_bytes": ...} objects, and
+  // the search for tensor placeholders read them as strings (an escaping nlohmann type_error).
+  Dict d;
+  d.insert("meta", Value(Object{std::string("\xff\xfe"), std::string("x\xff"), object_build::reduce, {}, {}, {}}));
+  d.insert("w", detail::torch_refs::make_ref(0));
+  const std::vector<TensorInfo> described{{"", dtype::F32, {2}, {}}};
+  const auto r = detail::describe_tree::finish(Value(std::move(d)), described);
+  REQUIRE(r.tensors.size() == 1);
+  CHECK(r.tensors[0].name == "w");
+  const auto& items = r.skeleton["root"]["dict"];
+  CHECK(items[0][1]["object"]["module"].is_object());
+  CHECK(items[1][1]["tensor"] == "w");
+}

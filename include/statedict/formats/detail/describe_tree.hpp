@@ -12,6 +12,7 @@
 
 #include <cstddef>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -77,13 +78,19 @@ inline Result finish(const Value& tree, const std::vector<TensorInfo>& described
       }
     }
   };
+  // A member that is a plain JSON string, else empty: flatten writes names that are not UTF-8
+  // as {"str_bytes": ...} objects, which never name a placeholder.
+  auto text = [](const json& o, const char* key) -> std::string_view {
+    const auto it = o.find(key);
+    return it != o.end() && it->is_string() ? std::string_view(it->get_ref<const std::string&>()) : std::string_view();
+  };
   while (!stack.empty()) {
     json* n = stack.back();
     stack.pop_back();
     if (!n->is_object()) continue;
     if (auto it = n->find("object"); it != n->end() && it->is_object()) {
       const json& o = *it;
-      if (o.value("module", "") == tr::ref_module && o.value("name", "") == tr::ref_name && o.value("how", "") == "reduce") {
+      if (text(o, "module") == tr::ref_module && text(o, "name") == tr::ref_name && text(o, "how") == "reduce") {
         if (k >= out.tensors.size()) throw_error(errors::value_kind, "more tensor placeholders in the skeleton than in the tree");
         const TensorInfo& t = out.tensors[k++];
         json node(json::value_t::object);
