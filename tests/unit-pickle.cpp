@@ -508,3 +508,37 @@ TEST_CASE("writer: a global whose name holds a newline is refused, not written a
   const Value called = val("\x80\x04\x8c\x01" "a\x8c\x03" "b\nc\x93)R."_b, keep());
   expect_error([&] { (void)pickle::dumps(called); }, errors::pk_unwritable);
 }
+
+TEST_CASE("writer: the classes dict, OrderedDict, set and frozenset themselves stay globals; sets take no BUILD") {
+  // Found by fuzz-pickle-roundtrip: a bare GLOBAL collections.OrderedDict (the class, not called)
+  // was written as OrderedDict() and read back as an empty dict.
+  for (const char* name : {"OrderedDict", "dict", "set", "frozenset"}) {
+    const std::string module = std::string(name) == "OrderedDict" ? "collections" : "__builtin__";
+    const Value v = val(P2 + "]" + global(module, name) + "a.", keep());
+    REQUIRE(v.at(0).is_object());
+    CHECK(v.at(0).as_object().how == object_build::global);
+    const auto r = pickle::load(pickle::dumps(v), keep());
+    CHECK_MESSAGE(r.value == v, name);
+  }
+  // Found by the same target: a BUILD on an EMPTY_SET was kept as the set's state, which the writer
+  // could only write as set() + BUILD, a pickle that then did not load. Python refuses it too.
+  expect_error_p("\x80\x04\x8f}b."_b, errors::pk_bad_operand, keep());
+  expect_error_p("\x80\x04(\x91}b."_b, errors::pk_bad_operand, keep());
+}
+
+TEST_CASE("a dict key set twice keeps its first place and its last value; the replaced value leaves nothing") {
+  // Found by fuzz-torch-roundtrip: {"model": OrderedDict with _metadata, ..., "model": 3} reported
+  // the replaced OrderedDict's attributes at path "model", which by then held the int 3.
+  const std::string od = global("collections", "OrderedDict") + ")R" + binunicode("w") + "K\x01s}" + binunicode("_metadata") +
+                         "}sb";
+  const auto r = run(P2 + "}(" + binunicode("model") + od + binunicode("loss") + "K\x02" + binunicode("model") + "K\x03u.");
+  REQUIRE(r.value.as_dict().size() == 2);
+  CHECK(r.value.as_dict().items()[0].first == Key("model"));
+  CHECK(r.value.as_dict().items()[0].second.as_int() == 3);
+  CHECK(r.value.as_dict().items()[1].second.as_int() == 2);
+  CHECK(r.attributes.empty());
+  // Replaced the other way round, the attributes are those of the dict that stays.
+  const auto k = run(P2 + "}(" + binunicode("model") + "K\x03" + binunicode("model") + od + "u.");
+  REQUIRE(k.attributes.size() == 1);
+  CHECK(k.attributes[0].path == Path{Key("model")});
+}

@@ -718,6 +718,10 @@ class Reader {
       if (nodes_[state].kind == nk::none) return;
       dicts_[t.index].state.push_back(state);
     } else if (t.kind == nk::object) {
+      // A set (EMPTY_SET, FROZENSET) has no __dict__ and no __setstate__: Python refuses the BUILD.
+      const auto& g = globals_[objects_[t.index].global];
+      if (g.first == "builtins" && (g.second == "set" || g.second == "frozenset"))
+        fail(errors::pk_bad_operand, "BUILD on a " + g.second + " (allowed on OrderedDict and kept objects)");
       objects_[t.index].state.push_back(state);
     } else {
       fail(errors::pk_bad_operand, "BUILD on a " + kind_name(t.kind) + " (allowed on OrderedDict and kept objects)");
@@ -849,15 +853,20 @@ class Reader {
         slot = attributes_.size();
         attributes_.push_back(Attributes{materialise(path), Dict{}});
       }
+      // A key set twice keeps its first place and its last value, as in Python; only that value
+      // is converted (a replaced dict must not leave its attributes behind in the result).
       Dict out;
       out.reserve(d.kv.size() / 2);
       for (std::size_t i = 0; i < d.kv.size(); i += 2) {
         const Node& kn = nodes_[d.kv[i]];
         Key key = kn.kind == nk::integer ? Key(kn.u.i) : Key(std::string(view(kn.u.off, kn.index)));
         count_node();
+        out.set(std::move(key), Value(static_cast<std::int64_t>(i + 1)));
+      }
+      for (auto& [key, v] : out) {
+        const auto value_at = static_cast<std::size_t>(v.as_int());
         PathLink link{path, &key, 0};
-        Value v = to_value(d.kv[i + 1], depth + 1, tracked ? &link : nullptr, tracked);
-        out.set(std::move(key), std::move(v));
+        v = to_value(d.kv[value_at], depth + 1, tracked ? &link : nullptr, tracked);
       }
       if (!d.state.empty()) {
         Dict attrs;

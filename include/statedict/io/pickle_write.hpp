@@ -326,7 +326,8 @@ class Writer {
       long_bytes(o.args[0].as_bytes().data);
       return;
     }
-    if ((q == "builtins.set" || q == "builtins.frozenset") && o.args.empty() && o.state.empty()) {
+    if ((q == "builtins.set" || q == "builtins.frozenset") && o.how == object_build::reduce && o.args.empty() &&
+        o.state.empty()) {
       global(o.module, o.name);
       op(']');
       memoize();
@@ -335,7 +336,8 @@ class Writer {
       reduce();
       return;
     }
-    if ((q == "builtins.dict" || q == "collections.OrderedDict") && o.args.empty()) {
+    // The class itself (a global reference) is not an instance: it falls through to the plain global below.
+    if ((q == "builtins.dict" || q == "collections.OrderedDict") && o.how == object_build::reduce && o.args.empty()) {
       if (q == "builtins.dict") {
         op('}');
         memoize();
