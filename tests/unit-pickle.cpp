@@ -367,6 +367,23 @@ TEST_CASE("limits: each cap has its own error") {
     std::string marks = P2 + std::string(30, '(') + "N.";
     expect_error_p(marks, errors::pk_depth_limit, o);
   }
+  SUBCASE("depth: results of calls nested inside calls") {
+    // set((set((... set(([],)) ...),)),): each call's result is a leaf holding the previous one.
+    // The leaves' own height counts where they land (it did not: a chain n calls long read as a
+    // tree n levels deep whatever max_depth said, and copying it recursed n frames deep).
+    auto chain = [](int n) {
+      std::string p = P2 + global("__builtin__", "set") + "q\x00" "0]q\x01" "0"_b;
+      for (int i = 0; i < n; ++i)
+        p += "h\x00h"_b + std::string(1, static_cast<char>(i + 1)) + "\x85\x85Rq"_b + std::string(1, static_cast<char>(i + 2)) + "0";
+      return p + "h" + std::string(1, static_cast<char>(n + 1)) + ".";
+    };
+    pickle::options o;
+    o.limits.max_depth = 20;
+    const Value ok = val(chain(19), o);  // 19 nested sets around an empty list: 20 levels
+    CHECK(ok.as_object().items.at(0).is_object());
+    expect_error_p(chain(20), errors::pk_depth_limit, o);
+    expect_error_p(chain(100), errors::pk_depth_limit, o);
+  }
   SUBCASE("memo") {
     pickle::options o;
     o.limits.max_memo = 2;

@@ -365,31 +365,41 @@ class Reader {
     return add_node(n);
   }
   /// Values in a tree (iterative: the tree may be deep).
-  static std::uint64_t tree_size(const Value& root) {
-    std::uint64_t n = 0;
-    std::vector<const Value*> todo{&root};
+  struct LeafShape {
+    std::uint64_t values = 0;  ///< values in the tree
+    std::uint64_t height = 0;  ///< levels (1 for a scalar)
+  };
+  static LeafShape leaf_shape(const Value& root) {
+    LeafShape s;
+    std::vector<std::pair<const Value*, std::uint64_t>> todo{{&root, 1}};
     while (!todo.empty()) {
-      const Value* v = todo.back();
+      const auto [v, level] = todo.back();
       todo.pop_back();
-      ++n;
+      ++s.values;
+      s.height = std::max(s.height, level);
+      auto push = [&, level = level](const List& l) {
+        for (const Value& c : l) todo.emplace_back(&c, level + 1);
+      };
       if (v->is_list() || v->is_tuple()) {
-        for (const Value& c : v->as_list()) todo.push_back(&c);
+        push(v->as_list());
       } else if (v->is_dict()) {
-        for (const auto& kv : v->as_dict().items()) todo.push_back(&kv.second);
+        for (const auto& kv : v->as_dict().items()) todo.emplace_back(&kv.second, level + 1);
       } else if (v->is_object()) {
         const Object& o = v->as_object();
-        for (const auto* part : {&o.args, &o.state, &o.items})
-          for (const Value& c : *part) todo.push_back(&c);
+        push(o.args);
+        push(o.state);
+        push(o.items);
       }
     }
-    return n;
+    return s;
   }
 
   std::uint32_t add_leaf(Value v) {
     // A leaf is copied into the result wherever it is referenced: each copy counts all its values
     // against limits.max_nodes (a persistent id answered with a large value and then referenced
-    // through shared lists would otherwise copy without bound).
-    leaf_size_.push_back(tree_size(v));
+    // through shared lists would otherwise copy without bound), and its height against
+    // limits.max_depth where it lands (set(set(...)) calls nest leaves inside leaves).
+    leaf_shape_.push_back(leaf_shape(v));
     leaves_.push_back(std::move(v));
     Node n;
     n.kind = nk::leaf;
@@ -758,6 +768,10 @@ class Reader {
     return p;
   }
 
+  [[noreturn]] void depth_exceeded() {
+    fail(errors::pk_depth_limit, "nesting exceeds limits.max_depth (" + std::to_string(opts_.limits.max_depth) + ")");
+  }
+
   void count_node(std::uint64_t n = 1) {
     if ((produced_ += n) > opts_.limits.max_nodes)
       fail(errors::pk_node_limit, "result exceeds limits.max_nodes (" + std::to_string(opts_.limits.max_nodes) +
@@ -782,14 +796,17 @@ class Reader {
         b.data.assign(in_ + node.u.off, in_ + node.u.off + node.index);
         return Value(std::move(b));
       }
-      case nk::leaf:
-        count_node(leaf_size_[node.index] - 1);
+      case nk::leaf: {
+        const LeafShape& ls = leaf_shape_[node.index];
+        // Containers inside the leaf sit at depth + 0 .. depth + height - 2.
+        if (ls.height > 1 && depth + ls.height - 2 >= opts_.limits.max_depth) depth_exceeded();
+        count_node(ls.values - 1);
         return leaves_[node.index];
+      }
       case nk::global: return Value(Object{globals_[node.index].first, globals_[node.index].second, object_build::global, {}, {}, {}});
       default: break;
     }
-    if (depth >= opts_.limits.max_depth)
-      fail(errors::pk_depth_limit, "nesting exceeds limits.max_depth (" + std::to_string(opts_.limits.max_depth) + ")");
+    if (depth >= opts_.limits.max_depth) depth_exceeded();
     if (visiting_[n]) fail(errors::pk_recursive, "the pickle contains a container that contains itself");
     visiting_[n] = 1;
     Value out;
@@ -900,7 +917,7 @@ class Reader {
 
   std::vector<Node> nodes_;
   std::vector<Value> leaves_;
-  std::vector<std::uint64_t> leaf_size_;  ///< values in each leaf
+  std::vector<LeafShape> leaf_shape_;
   std::vector<std::vector<std::uint32_t>> seqs_;
   std::vector<DictData> dicts_;
   std::vector<ObjData> objects_;
