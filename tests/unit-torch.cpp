@@ -560,3 +560,20 @@ TEST_CASE("save is atomic and forces nothing on failure") {
   torch::save(tmp("z64.pt"), sample_tree(), o);
   CHECK(torch::load(tmp("z64.pt")) == sample_tree());
 }
+
+TEST_CASE("a bare storage keeps its bytes; written back, it is on 'cpu' whatever location it was read with") {
+  // {"s": <persistent id ('storage', FloatStorage, '7', 'cuda:0', 2)>}: a storage saved on its own.
+  const std::string body = "}" + str("s") + "(" + str("storage") + glob("torch", "FloatStorage") + str("7") + str("cuda:0") +
+                           integer(2) + "tQs";
+  const Value v = torch::load(torch_zip("bare.pt", pkl(body), {{"7", floats({1, 2})}}));
+  REQUIRE(v["s"].is_object());
+  const Object& s = v["s"].as_object();
+  CHECK(s.qualified() == "torch.FloatStorage");
+  CHECK(s.args.at(2).as_string() == "cuda:0");
+  torch::save(tmp("bare2.pt"), v);
+  const Value back = torch::load(tmp("bare2.pt"));
+  const Object& b = back["s"].as_object();
+  CHECK(b.qualified() == "torch.FloatStorage");
+  CHECK(equal_bytes(b.args.at(0).as_tensor(), s.args.at(0).as_tensor()));
+  CHECK(b.args.at(2).as_string() == "cpu");
+}

@@ -782,6 +782,9 @@ inline ShardedCheckpoint describe(const std::filesystem::path& path, const load_
 // as PyTorch >= 2.1 does. Tensors whose memory overlaps (same dtype) share one storage covering the
 // union of their byte ranges, so tied weights and views stay tied after torch.load; the same view
 // twice is written once and referenced (torch.load gives the same object). Storages are written once.
+// Every storage is written on 'cpu' (its bytes are in host memory, and the file then loads on a
+// machine without the device it was saved from, no map_location needed): a bare storage read with
+// another location ('cuda:0') is written back on 'cpu'.
 
 struct save_options {
   /// Folder inside the zip. Empty: torch's rule, the file's basename without its extension
