@@ -4565,18 +4565,18 @@ inline std::vector<tensorish> list_tensorish(const json& skeleton) {
 /// skeleton has no alias and no view_of node (those are the only nodes with such members), so
 /// listing them can be skipped. One pass without paths or names; iterative.
 inline bool may_hold_aliases(const nlohmann::json& skeleton) {
-  std::vector<const json*> todo{&skeleton};
-  while (!todo.empty()) {
-    const json* j = todo.back();
-    todo.pop_back();
+  std::vector<const json*> pending{&skeleton};
+  while (!pending.empty()) {
+    const json* j = pending.back();
+    pending.pop_back();
     if (j->is_object()) {
       const auto& o = j->get_ref<const json::object_t&>();
       if (o.count("alias") || o.count("view_of")) return true;
       for (const auto& kv : o)
-        if (kv.second.is_structured()) todo.push_back(&kv.second);
+        if (kv.second.is_structured()) pending.push_back(&kv.second);
     } else if (j->is_array()) {
       for (const auto& c : j->get_ref<const json::array_t&>())
-        if (c.is_structured()) todo.push_back(&c);
+        if (c.is_structured()) pending.push_back(&c);
     }
   }
   return false;
@@ -8556,19 +8556,19 @@ class Reader {
   };
   static LeafShape leaf_shape(const Value& root) {
     LeafShape s;
-    std::vector<std::pair<const Value*, std::uint64_t>> todo{{&root, 1}};
-    while (!todo.empty()) {
-      const auto [v, level] = todo.back();
-      todo.pop_back();
+    std::vector<std::pair<const Value*, std::uint64_t>> pending{{&root, 1}};
+    while (!pending.empty()) {
+      const auto [v, level] = pending.back();
+      pending.pop_back();
       ++s.values;
       s.height = std::max(s.height, level);
       auto push = [&, level = level](const List& l) {
-        for (const Value& c : l) todo.emplace_back(&c, level + 1);
+        for (const Value& c : l) pending.emplace_back(&c, level + 1);
       };
       if (v->is_list() || v->is_tuple()) {
         push(v->as_list());
       } else if (v->is_dict()) {
-        for (const auto& kv : v->as_dict().items()) todo.emplace_back(&kv.second, level + 1);
+        for (const auto& kv : v->as_dict().items()) pending.emplace_back(&kv.second, level + 1);
       } else if (v->is_object()) {
         const Object& o = v->as_object();
         push(o.args);

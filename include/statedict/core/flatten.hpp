@@ -1688,18 +1688,18 @@ inline std::vector<tensorish> list_tensorish(const json& skeleton) {
 /// skeleton has no alias and no view_of node (those are the only nodes with such members), so
 /// listing them can be skipped. One pass without paths or names; iterative.
 inline bool may_hold_aliases(const nlohmann::json& skeleton) {
-  std::vector<const json*> todo{&skeleton};
-  while (!todo.empty()) {
-    const json* j = todo.back();
-    todo.pop_back();
+  std::vector<const json*> pending{&skeleton};
+  while (!pending.empty()) {
+    const json* j = pending.back();
+    pending.pop_back();
     if (j->is_object()) {
       const auto& o = j->get_ref<const json::object_t&>();
       if (o.count("alias") || o.count("view_of")) return true;
       for (const auto& kv : o)
-        if (kv.second.is_structured()) todo.push_back(&kv.second);
+        if (kv.second.is_structured()) pending.push_back(&kv.second);
     } else if (j->is_array()) {
       for (const auto& c : j->get_ref<const json::array_t&>())
-        if (c.is_structured()) todo.push_back(&c);
+        if (c.is_structured()) pending.push_back(&c);
     }
   }
   return false;

@@ -371,19 +371,19 @@ class Reader {
   };
   static LeafShape leaf_shape(const Value& root) {
     LeafShape s;
-    std::vector<std::pair<const Value*, std::uint64_t>> todo{{&root, 1}};
-    while (!todo.empty()) {
-      const auto [v, level] = todo.back();
-      todo.pop_back();
+    std::vector<std::pair<const Value*, std::uint64_t>> pending{{&root, 1}};
+    while (!pending.empty()) {
+      const auto [v, level] = pending.back();
+      pending.pop_back();
       ++s.values;
       s.height = std::max(s.height, level);
       auto push = [&, level = level](const List& l) {
-        for (const Value& c : l) todo.emplace_back(&c, level + 1);
+        for (const Value& c : l) pending.emplace_back(&c, level + 1);
       };
       if (v->is_list() || v->is_tuple()) {
         push(v->as_list());
       } else if (v->is_dict()) {
-        for (const auto& kv : v->as_dict().items()) todo.emplace_back(&kv.second, level + 1);
+        for (const auto& kv : v->as_dict().items()) pending.emplace_back(&kv.second, level + 1);
       } else if (v->is_object()) {
         const Object& o = v->as_object();
         push(o.args);
