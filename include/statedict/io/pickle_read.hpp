@@ -394,6 +394,26 @@ class Reader {
     return s;
   }
 
+  /// Whether a tensor (a storage's bytes included) is anywhere in `root` (iterative).
+  static bool holds_tensor(const Value& root) {
+    std::vector<const Value*> pending{&root};
+    while (!pending.empty()) {
+      const Value* v = pending.back();
+      pending.pop_back();
+      if (v->is_tensor()) return true;
+      if (v->is_list() || v->is_tuple()) {
+        for (const Value& c : v->as_list()) pending.push_back(&c);
+      } else if (v->is_dict()) {
+        for (const auto& kv : v->as_dict().items()) pending.push_back(&kv.second);
+      } else if (v->is_object()) {
+        const Object& o = v->as_object();
+        for (const List* l : {&o.args, &o.state, &o.items})
+          for (const Value& c : *l) pending.push_back(&c);
+      }
+    }
+    return false;
+  }
+
   std::uint32_t add_leaf(Value v) {
     // A leaf is copied into the result wherever it is referenced: each copy counts all its values
     // against limits.max_nodes (a persistent id answered with a large value and then referenced
@@ -863,6 +883,13 @@ class Reader {
       for (std::size_t i = 0; i < dicts_[sn.index].kv.size(); i += 2)
         if (nodes_[dicts_[sn.index].kv[i]].kind != nk::str) attrs_ok = false;
     }
+    // The states are converted first: attributes that hold a tensor or a storage are not plain
+    // data (state_dict()._metadata is), and such a dict stays an OrderedDict object, states and all.
+    std::vector<Value> states;
+    states.reserve(d.state.size());
+    for (std::uint32_t s : d.state) states.push_back(to_value(s, depth + 1, nullptr));
+    if (attrs_ok)
+      for (const Value& sv : states) attrs_ok = attrs_ok && !holds_tensor(sv);
     if (plain_keys && (d.state.empty() || attrs_ok)) {
       // Reported in pre-order (a dict before the dicts inside it), as the writer visits them.
       std::size_t slot = 0;
@@ -887,10 +914,8 @@ class Reader {
       }
       if (!d.state.empty()) {
         Dict attrs;
-        for (std::uint32_t s : d.state) {
-          Value sv = to_value(s, depth + 1, nullptr);
+        for (Value& sv : states)
           for (auto& [k, v] : sv.as_dict()) attrs.set(k, std::move(v));
-        }
         attributes_[slot].attributes = std::move(attrs);
       }
       return Value(std::move(out));
@@ -902,7 +927,7 @@ class Reader {
       pair.push_back(to_value(d.kv[i + 1], depth + 1, nullptr));
       o.items.push_back(Value::tuple(std::move(pair)));
     }
-    for (std::uint32_t s : d.state) o.state.push_back(to_value(s, depth + 1, nullptr));
+    o.state = std::move(states);
     return Value(std::move(o));
   }
 

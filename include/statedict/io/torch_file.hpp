@@ -1008,6 +1008,14 @@ inline SavePlan plan_save(const Value& tree, const save_options& opts) {
   plan.archive_name = opts.archive_name.empty() ? std::string("archive") : opts.archive_name;
   if (plan.archive_name.find('/') != std::string::npos || plan.archive_name.find('\0') != std::string::npos)
     throw_error(errors::pt_bad_name, "archive name " + quote(plan.archive_name) + " contains '/' or NUL");
+  // Dict attributes are plain data (state_dict()._metadata); the reader keeps a dict whose
+  // attributes hold tensors as an OrderedDict object, which is written with its tensors.
+  for (const pickle::Attributes& a : opts.attributes)
+    for (const auto& kv : a.attributes.items())
+      if (!detail::collect_tensors(kv.second).empty())
+        throw_error(errors::pt_unwritable, "attribute " + quote(kv.first.str()) + " of the dict at " + quote(dotted(a.path)),
+                    "holds a tensor; dict attributes must be plain data (a dict with tensor attributes is an "
+                    "OrderedDict object in the tree)");
   const std::vector<detail::tensor_ref> refs = detail::collect_tensors(tree);
   detail::grouping g = detail::group_views(refs);
   std::unordered_map<const TensorView*, const std::string*> names;
