@@ -11,13 +11,15 @@
 #   4. builds the suite against the single header and runs it;
 #   5. builds the libFuzzer targets (clang, ASan + UBSan) and runs each for a while.
 # STATEDICT_STAGES picks stages (default "check gcc asan single fuzz"); STATEDICT_FUZZ_SECONDS sets
-# the time per fuzzer (default 30). Build trees go under build/.
+# the time per fuzzer (default 30), STATEDICT_FUZZ_SEED its libFuzzer seed (default 1, so that a
+# red fuzz stage replays; 0 for a random one). Build trees go under build/.
 set -eu
 
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"
 stages=${STATEDICT_STAGES:-check gcc asan single fuzz}
 fuzz_seconds=${STATEDICT_FUZZ_SECONDS:-30}
+fuzz_seed=${STATEDICT_FUZZ_SEED:-1}
 jobs=${STATEDICT_JOBS:-$(nproc)}
 
 packages="cmake make g++ clang python3 nlohmann-json3-dev doctest-dev libxtensor-dev libboost1.81-dev \
@@ -81,7 +83,7 @@ if stage fuzz && [ -f tests/fuzz/CMakeLists.txt ]; then
     exit 1
   }
   cmake --build build/fuzz -j "$jobs"
-  python3 tests/fuzz/run_all.py --build build/fuzz --seconds "$fuzz_seconds" --jobs "$jobs"
+  python3 tests/fuzz/run_all.py --build build/fuzz --seconds "$fuzz_seconds" --jobs "$jobs" --seed "$fuzz_seed"
   elapsed
 fi
 echo "== all stages passed: $stages"

@@ -4,7 +4,7 @@ corpus (tests/fuzz/corpus/<target>/, never modified), and reports per target the
 executed (libFuzzer's final stat::number_of_executed_units). Exits non-zero when any target
 crashes, leaks, runs out of memory or times out, naming the input that did it.
 
-    python3 tests/fuzz/run_all.py --build build/fuzz --seconds 30 --jobs 2 [--targets zip,pickle] [--runs R]
+    python3 tests/fuzz/run_all.py --build build/fuzz --seconds 30 --jobs 2 [--targets zip,pickle] [--runs R] [--seed S]
 
 Crash, leak, OOM and timeout inputs are kept in <build>/fuzz-results/<target>/ along with the
 target's log; reproduce one with `<build>/bin/fuzz-<target> <file>` (docs/fuzzing.md).
@@ -57,6 +57,8 @@ def run_one(target, exe, args, results_root):
                f"-timeout={args.timeout}", f"-artifact_prefix={res_dir}/", "-close_fd_mask=1"]
         if args.runs is not None:
             cmd.append(f"-runs={args.runs}")
+        if args.seed:
+            cmd.append(f"-seed={args.seed}")
         dict_file = os.path.join(HERE, "dict", corpus_name(target) + ".dict")
         if os.path.isfile(dict_file):
             cmd.append(f"-dict={dict_file}")
@@ -97,6 +99,9 @@ def main():
     ap.add_argument("--jobs", type=int, default=1, help="targets run at the same time")
     ap.add_argument("--targets", default="", help="comma-separated names (zip,pickle or fuzz-zip,...); default all")
     ap.add_argument("--runs", type=int, default=None, help="stop each target after this many inputs")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="libFuzzer -seed for every target: the same seed, corpus and build replay the same inputs "
+                         "(up to the count a run reaches in its time); 0 (default): a new random seed per run")
     ap.add_argument("--timeout", type=int, default=25, help="seconds one input may take (libFuzzer -timeout)")
     ap.add_argument("--rss-limit-mb", type=int, default=2048)
     ap.add_argument("--results", default=None, help="where crash inputs and logs go (default <build>/fuzz-results)")
@@ -117,7 +122,8 @@ def main():
     results_root = os.path.abspath(args.results or os.path.join(args.build, "fuzz-results"))
     os.makedirs(results_root, exist_ok=True)
 
-    print(f"== fuzzing {len(targets)} target(s), {args.seconds} s each, {args.jobs} at a time", flush=True)
+    seed = f"seed {args.seed}" if args.seed else "random seeds"
+    print(f"== fuzzing {len(targets)} target(s), {args.seconds} s each, {args.jobs} at a time, {seed}", flush=True)
     results = []
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         futs = [pool.submit(run_one, t, exe, args, results_root) for t, exe in targets.items()]
