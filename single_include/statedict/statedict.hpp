@@ -8198,7 +8198,9 @@ class Writer {
 //
 // How globals become Values (docs/torch-files.md has the full table):
 //   collections.OrderedDict()            -> Dict (a BUILD setting attributes such as `_metadata`
-//                                           on it is reported in Result::attributes, by path)
+//                                           on it is reported in Result::attributes, by path;
+//                                           attributes holding a tensor keep it an Object
+//                                           collections.OrderedDict with items and state)
 //   _codecs.encode(str, 'latin1')        -> Bytes; builtins.bytes() -> empty Bytes
 //   torch.Size(tuple)                    -> tuple of ints
 //   builtins.set / frozenset             -> Object builtins.set / frozenset with `items`
