@@ -306,6 +306,21 @@ TEST_CASE("hostile files: one error id each") {
                              tensor_v2("FloatStorage", "0", 4, 0, {1}, {-1}), tensor_v2("FloatStorage", "0", 4, 0, {1, 1}, {1})})
       expect_error([&] { (void)torch::load(torch_zip("neg.pt", pkl(body), {{"0", floats({1, 2, 3, 4})}})); }, errors::pt_bad_tensor);
   }
+  SUBCASE("one storage key described with two sizes or two types") {
+    // torch.load would give both tensors the first id's storage; statedict refuses the file (the
+    // legacy reader does the same). Seen by fuzz-torch-roundtrip: a bare storage declared smaller
+    // than a tensor's storage of the same key came back larger after a round trip.
+    const std::string two = tensor_v2("FloatStorage", "0", 4, 0, {4}, {1}) + tensor_v2("FloatStorage", "0", 2, 0, {2}, {1});
+    expect_error([&] { (void)torch::load(torch_zip("twosizes.pt", pkl("(" + two + "t"), {{"0", floats({1, 2, 3, 4})}})); },
+                 errors::pt_bad_storage);
+    const std::string types = tensor_v2("FloatStorage", "0", 4, 0, {4}, {1}) + tensor_v2("IntStorage", "0", 4, 0, {4}, {1});
+    expect_error([&] { (void)torch::load(torch_zip("twotypes.pt", pkl("(" + types + "t"), {{"0", floats({1, 2, 3, 4})}})); },
+                 errors::pt_bad_storage);
+    // The same description twice is the same storage (tied tensors).
+    const std::string same = tensor_v2("FloatStorage", "0", 4, 0, {4}, {1}) + tensor_v2("FloatStorage", "0", 4, 2, {2}, {1});
+    const Value v = torch::load(torch_zip("tied.pt", pkl("(" + same + "t"), {{"0", floats({1, 2, 3, 4})}}));
+    CHECK(v.as_list()[1].as_tensor().data() == v.as_list()[0].as_tensor().data() + 8);
+  }
   SUBCASE("storage record missing or too small") {
     expect_error([&] { (void)torch::load(torch_zip("nostorage.pt", pkl(ok_tensor))); }, errors::pt_missing_record);
     expect_error([&] { (void)torch::load(torch_zip("small.pt", pkl(ok_tensor), {{"0", floats({1, 2})}})); }, errors::pt_bad_storage);

@@ -10358,6 +10358,8 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
     const zip::Entry* entry;
     const std::byte* data;  ///< the record's first byte (mapping, reservation or a copy)
     keep_alive owner;
+    statedict::dtype dtype;  ///< as the key's first persistent id declared it
+    std::uint64_t numel;
   };
   std::unordered_map<std::string, cached> by_key;
   read_context ctx{&opts, false};
@@ -10385,7 +10387,7 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
       const zip::Entry* e = ar.find(rec);
       if (!e) throw_error(errors::pt_missing_record, "storage " + quote(key) + ": no record " + quote(rec));
       ar.check_readable(*e);
-      cached c{e, nullptr, {}};
+      cached c{e, nullptr, {}, t, numel};
       if (vb.base && !(vb.real && opts.verify_crc)) {
         c.data = vb.base + e->data_offset;
         c.owner = vb.owner;
@@ -10406,6 +10408,12 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
       it = by_key.emplace(key, std::move(c)).first;
     }
     const cached& c = it->second;
+    // torch.load keeps the storage the key's first persistent id made and ignores what later ones
+    // say; a file whose ids disagree is refused, as in the legacy format.
+    if (c.dtype != t || c.numel != numel)
+      throw_error(errors::pt_bad_storage, "storage " + quote(key) + " is described twice with different types or sizes (" +
+                                              std::to_string(c.numel) + " " + std::string(name(c.dtype)) + " elements, then " +
+                                              std::to_string(numel) + " " + std::string(name(t)) + ")");
     if (nbytes > c.entry->size)
       throw_error(errors::pt_bad_storage, "storage " + quote(key) + " of " + std::to_string(numel) + " " + std::string(name(t)) +
                                               " elements needs " + std::to_string(nbytes) + " bytes; its record holds " +
