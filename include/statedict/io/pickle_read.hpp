@@ -366,19 +366,15 @@ class Reader {
     n.u.i = i;
     return add_node(n);
   }
-  /// Values in a tree (iterative: the tree may be deep).
-  struct LeafShape {
-    std::uint64_t values = 0;  ///< values in the tree
-    std::uint64_t height = 0;  ///< levels (1 for a scalar)
-  };
-  static LeafShape leaf_shape(const Value& root) {
-    LeafShape s;
+  /// Calls `f(value, level)` for every value of `root` (the root is level 1) until it returns false;
+  /// iterative, as the tree may be deep.
+  template <class F>
+  static void each_value(const Value& root, F&& f) {
     std::vector<std::pair<const Value*, std::uint64_t>> pending{{&root, 1}};
     while (!pending.empty()) {
       const auto [v, level] = pending.back();
       pending.pop_back();
-      ++s.values;
-      s.height = std::max(s.height, level);
+      if (!f(*v, level)) return;
       auto push = [&, level = level](const List& l) {
         for (const Value& c : l) pending.emplace_back(&c, level + 1);
       };
@@ -393,27 +389,30 @@ class Reader {
         push(o.items);
       }
     }
+  }
+
+  struct LeafShape {
+    std::uint64_t values = 0;  ///< values in the tree
+    std::uint64_t height = 0;  ///< levels (1 for a scalar)
+  };
+  static LeafShape leaf_shape(const Value& root) {
+    LeafShape s;
+    each_value(root, [&s](const Value&, std::uint64_t level) {
+      ++s.values;
+      s.height = std::max(s.height, level);
+      return true;
+    });
     return s;
   }
 
-  /// Whether a tensor (a storage's bytes included) is anywhere in `root` (iterative).
+  /// Whether a tensor (a storage's bytes included) is anywhere in `root`.
   static bool holds_tensor(const Value& root) {
-    std::vector<const Value*> pending{&root};
-    while (!pending.empty()) {
-      const Value* v = pending.back();
-      pending.pop_back();
-      if (v->is_tensor()) return true;
-      if (v->is_list() || v->is_tuple()) {
-        for (const Value& c : v->as_list()) pending.push_back(&c);
-      } else if (v->is_dict()) {
-        for (const auto& kv : v->as_dict().items()) pending.push_back(&kv.second);
-      } else if (v->is_object()) {
-        const Object& o = v->as_object();
-        for (const List* l : {&o.args, &o.state, &o.items})
-          for (const Value& c : *l) pending.push_back(&c);
-      }
-    }
-    return false;
+    bool found = false;
+    each_value(root, [&found](const Value& v, std::uint64_t) {
+      found = v.is_tensor();
+      return !found;
+    });
+    return found;
   }
 
   std::uint32_t add_leaf(Value v) {
