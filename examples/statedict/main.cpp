@@ -8,6 +8,7 @@
 #include <statedict/formats/open.hpp>
 #include <statedict/statedict.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -130,8 +131,25 @@ std::string shape_str(const sd::shape_t& s) { return sd::to_string(s); }
 
 // ---------------------------------------------------------------------------------------------
 
-/// `s` as a JSON string (nlohmann's escaping; invalid UTF-8 is an error, as in dump()).
-std::string json_string(const std::string& s) { return nlohmann::json(s).dump(); }
+/// Appends `s` as a JSON string: printable ASCII without quotes or backslashes (nearly every
+/// tensor name) as is, anything else through nlohmann's escaping (invalid UTF-8 is an error, as
+/// in dump()). Building a json value and a serializer per name was a third of the allocations of
+/// `inspect --json` on a file of 10,000 tensors.
+void append_json_string(std::string& o, const std::string& s) {
+  const bool plain = std::all_of(s.begin(), s.end(), [](char c) { return c >= 0x20 && c <= 0x7e && c != '"' && c != '\\'; });
+  if (!plain) {
+    o += nlohmann::json(s).dump();
+    return;
+  }
+  o += '"';
+  o += s;
+  o += '"';
+}
+std::string json_string(const std::string& s) {
+  std::string o;
+  append_json_string(o, s);
+  return o;
+}
 
 int cmd_inspect(const std::vector<std::string>& argv) {
   cli::Args a(argv,
@@ -156,7 +174,7 @@ int cmd_inspect(const std::vector<std::string>& argv) {
     for (std::size_t i = 0; i < ck.tensors.size(); ++i) {
       const auto& t = ck.tensors[i];
       o += i ? ",\n  " : "\n  ";
-      o += json_string(t.name);
+      append_json_string(o, t.name);
       o += ": {\n   \"dtype\": \"";
       o += sd::name(t.dtype);
       o += "\",\n   \"shape\": [";
@@ -177,7 +195,9 @@ int cmd_inspect(const std::vector<std::string>& argv) {
       for (const auto& p : pairs) {
         o += first ? "\n  " : ",\n  ";
         first = false;
-        o += json_string(p.first) + ": " + value(p.second);
+        append_json_string(o, p.first);
+        o += ": ";
+        o += value(p.second);
       }
       o += first ? "}" : "\n }";
     };
