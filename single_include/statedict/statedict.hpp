@@ -7468,6 +7468,7 @@ inline bool crc32_accelerated() noexcept {
 #include <cstddef>
 #include <cstring>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -7598,7 +7599,7 @@ class Archive {
 
   /// The entry named `name`, or nullptr.
   [[nodiscard]] const Entry* find(std::string_view name) const {
-    auto it = index_.find(std::string(name));
+    auto it = index_.find(name);
     return it == index_.end() ? nullptr : &entries_[it->second];
   }
   /// The entry named `name`; throws errors::zip_missing_entry.
@@ -7858,7 +7859,12 @@ class Archive {
   std::shared_ptr<const ByteSource> source_;
   read_options options_{};
   std::vector<Entry> entries_;
-  std::unordered_map<std::string, std::size_t> index_;
+  /// Hashes std::string and std::string_view alike, so find() needs no temporary string.
+  struct name_hash {
+    using is_transparent = void;
+    std::size_t operator()(std::string_view s) const noexcept { return std::hash<std::string_view>{}(s); }
+  };
+  std::unordered_map<std::string, std::size_t, name_hash, std::equal_to<>> index_;
   std::vector<std::byte> local_buf_;  // scratch for locate_data
   std::uint64_t delta_ = 0;
   std::uint64_t cd_offset_ = 0;
@@ -8552,10 +8558,12 @@ class Reader {
     return add_node(n);
   }
   /// Calls `f(value, level)` for every value of `root` (the root is level 1) until it returns false;
-  /// iterative, as the tree may be deep.
+  /// iterative, as the tree may be deep. Reuses one stack for every walk (one per leaf).
   template <class F>
-  static void each_value(const Value& root, F&& f) {
-    std::vector<std::pair<const Value*, std::uint64_t>> pending{{&root, 1}};
+  void each_value(const Value& root, F&& f) {
+    auto& pending = walk_stack_;
+    pending.clear();
+    pending.emplace_back(&root, 1);
     while (!pending.empty()) {
       const auto [v, level] = pending.back();
       pending.pop_back();
@@ -8580,7 +8588,7 @@ class Reader {
     std::uint64_t values = 0;  ///< values in the tree
     std::uint64_t height = 0;  ///< levels (1 for a scalar)
   };
-  static LeafShape leaf_shape(const Value& root) {
+  LeafShape leaf_shape(const Value& root) {
     LeafShape s;
     each_value(root, [&s](const Value&, std::uint64_t level) {
       ++s.values;
@@ -8591,7 +8599,7 @@ class Reader {
   }
 
   /// Whether a tensor (a storage's bytes included) is anywhere in `root`.
-  static bool holds_tensor(const Value& root) {
+  bool holds_tensor(const Value& root) {
     bool found = false;
     each_value(root, [&found](const Value& v, std::uint64_t) {
       found = v.is_tensor();
@@ -9129,6 +9137,7 @@ class Reader {
   std::vector<Node> nodes_;
   std::vector<Value> leaves_;
   std::vector<LeafShape> leaf_shape_;
+  std::vector<std::pair<const Value*, std::uint64_t>> walk_stack_;  ///< each_value's stack
   std::vector<std::vector<std::uint32_t>> seqs_;
   std::vector<DictData> dicts_;
   std::vector<ObjData> objects_;
@@ -10110,6 +10119,7 @@ inline statedict::dtype storage_dtype(const Object& cls, bool& untyped) {
 /// bare storage; the writer writes it back as a storage.
 inline Value storage_value(const Object& cls, TensorView bytes, std::string key, std::string location) {
   Object o{cls.module, cls.name, object_build::reduce, {}, {}, {}};
+  o.args.reserve(3);
   o.args.emplace_back(std::move(bytes));
   o.args.emplace_back(std::move(key));
   o.args.emplace_back(std::move(location));

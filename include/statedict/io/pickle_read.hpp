@@ -367,10 +367,12 @@ class Reader {
     return add_node(n);
   }
   /// Calls `f(value, level)` for every value of `root` (the root is level 1) until it returns false;
-  /// iterative, as the tree may be deep.
+  /// iterative, as the tree may be deep. Reuses one stack for every walk (one per leaf).
   template <class F>
-  static void each_value(const Value& root, F&& f) {
-    std::vector<std::pair<const Value*, std::uint64_t>> pending{{&root, 1}};
+  void each_value(const Value& root, F&& f) {
+    auto& pending = walk_stack_;
+    pending.clear();
+    pending.emplace_back(&root, 1);
     while (!pending.empty()) {
       const auto [v, level] = pending.back();
       pending.pop_back();
@@ -395,7 +397,7 @@ class Reader {
     std::uint64_t values = 0;  ///< values in the tree
     std::uint64_t height = 0;  ///< levels (1 for a scalar)
   };
-  static LeafShape leaf_shape(const Value& root) {
+  LeafShape leaf_shape(const Value& root) {
     LeafShape s;
     each_value(root, [&s](const Value&, std::uint64_t level) {
       ++s.values;
@@ -406,7 +408,7 @@ class Reader {
   }
 
   /// Whether a tensor (a storage's bytes included) is anywhere in `root`.
-  static bool holds_tensor(const Value& root) {
+  bool holds_tensor(const Value& root) {
     bool found = false;
     each_value(root, [&found](const Value& v, std::uint64_t) {
       found = v.is_tensor();
@@ -944,6 +946,7 @@ class Reader {
   std::vector<Node> nodes_;
   std::vector<Value> leaves_;
   std::vector<LeafShape> leaf_shape_;
+  std::vector<std::pair<const Value*, std::uint64_t>> walk_stack_;  ///< each_value's stack
   std::vector<std::vector<std::uint32_t>> seqs_;
   std::vector<DictData> dicts_;
   std::vector<ObjData> objects_;

@@ -190,6 +190,7 @@ inline statedict::dtype storage_dtype(const Object& cls, bool& untyped) {
 /// bare storage; the writer writes it back as a storage.
 inline Value storage_value(const Object& cls, TensorView bytes, std::string key, std::string location) {
   Object o{cls.module, cls.name, object_build::reduce, {}, {}, {}};
+  o.args.reserve(3);
   o.args.emplace_back(std::move(bytes));
   o.args.emplace_back(std::move(key));
   o.args.emplace_back(std::move(location));

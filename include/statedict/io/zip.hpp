@@ -26,6 +26,7 @@
 #include <cstddef>
 #include <cstring>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -160,7 +161,7 @@ class Archive {
 
   /// The entry named `name`, or nullptr.
   [[nodiscard]] const Entry* find(std::string_view name) const {
-    auto it = index_.find(std::string(name));
+    auto it = index_.find(name);
     return it == index_.end() ? nullptr : &entries_[it->second];
   }
   /// The entry named `name`; throws errors::zip_missing_entry.
@@ -420,7 +421,12 @@ class Archive {
   std::shared_ptr<const ByteSource> source_;
   read_options options_{};
   std::vector<Entry> entries_;
-  std::unordered_map<std::string, std::size_t> index_;
+  /// Hashes std::string and std::string_view alike, so find() needs no temporary string.
+  struct name_hash {
+    using is_transparent = void;
+    std::size_t operator()(std::string_view s) const noexcept { return std::hash<std::string_view>{}(s); }
+  };
+  std::unordered_map<std::string, std::size_t, name_hash, std::equal_to<>> index_;
   std::vector<std::byte> local_buf_;  // scratch for locate_data
   std::uint64_t delta_ = 0;
   std::uint64_t cd_offset_ = 0;
