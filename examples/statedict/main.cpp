@@ -133,8 +133,8 @@ std::string shape_str(const sd::shape_t& s) { return sd::to_string(s); }
 
 /// Appends `s` as a JSON string: printable ASCII without quotes or backslashes (nearly every
 /// tensor name) as is, anything else through nlohmann's escaping (invalid UTF-8 is an error, as
-/// in dump()). Building a json value and a serializer per name was a third of the allocations of
-/// `inspect --json` on a file of 10,000 tensors.
+/// in dump()). Building a json value and a serializer per name was ~60,000 of the 690,000
+/// allocations of `inspect --json` on a file of 10,000 tensors.
 void append_json_string(std::string& o, const std::string& s) {
   const bool plain = std::all_of(s.begin(), s.end(), [](char c) { return c >= 0x20 && c <= 0x7e && c != '"' && c != '\\'; });
   if (!plain) {
