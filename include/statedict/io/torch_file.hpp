@@ -363,6 +363,16 @@ inline pickle::Registry torch_registry(const read_context& ctx) {
 
 inline std::string where(const ByteSource& src) { return "file " + quote(src.name()); }
 
+/// A storage key met again: torch.load keeps the storage its first persistent id made and ignores
+/// what later ones say; a file whose ids disagree on dtype or element count is refused (both formats).
+inline void check_same_storage(const std::string& key, statedict::dtype first_dtype, std::uint64_t first_numel,
+                               statedict::dtype t, std::uint64_t numel) {
+  if (first_dtype != t || first_numel != numel)
+    throw_error(errors::pt_bad_storage, "storage " + quote(key) + " is described twice with different types or sizes (" +
+                                            std::to_string(first_numel) + " " + std::string(name(first_dtype)) +
+                                            " elements, then " + std::to_string(numel) + " " + std::string(name(t)) + ")");
+}
+
 inline bool is_storage_tag(const Value& v) {
   if (v.is_string()) return v.as_string() == "storage";
   if (v.is_bytes()) {
@@ -488,12 +498,7 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
       it = by_key.emplace(key, std::move(c)).first;
     }
     const cached& c = it->second;
-    // torch.load keeps the storage the key's first persistent id made and ignores what later ones
-    // say; a file whose ids disagree is refused, as in the legacy format.
-    if (c.dtype != t || c.numel != numel)
-      throw_error(errors::pt_bad_storage, "storage " + quote(key) + " is described twice with different types or sizes (" +
-                                              std::to_string(c.numel) + " " + std::string(name(c.dtype)) + " elements, then " +
-                                              std::to_string(numel) + " " + std::string(name(t)) + ")");
+    check_same_storage(key, c.dtype, c.numel, t, numel);
     if (nbytes > c.entry->size)
       throw_error(errors::pt_bad_storage, "storage " + quote(key) + " of " + std::to_string(numel) + " " + std::string(name(t)) +
                                               " elements needs " + std::to_string(nbytes) + " bytes; its record holds " +
@@ -583,8 +588,7 @@ inline File read_legacy(std::shared_ptr<const ByteSource> src, const load_option
     const statedict::dtype t = storage_dtype(p[1].as_object(), untyped);
     pending pd{t, untyped, static_cast<std::uint64_t>(p[4].as_int()), p[3].as_string(), p[1].as_object()};
     auto [it, inserted] = roots.emplace(root, pd);
-    if (!inserted && (it->second.dtype != t || it->second.numel != pd.numel))
-      throw_error(errors::pt_bad_storage, "storage " + quote(root) + " is described twice with different types or sizes");
+    if (!inserted) check_same_storage(root, it->second.dtype, it->second.numel, t, pd.numel);
     return p[1].as_object();
   };
   po.persistent_load = [&](const Value& pid) -> Value {
