@@ -2,7 +2,10 @@
 
 #include <statedict/statedict.hpp>
 
+#include <cstdint>
 #include <numeric>
+#include <span>
+#include <utility>
 #include <vector>
 
 using namespace statedict;
@@ -17,6 +20,65 @@ TEST_CASE("checked sizes") {
   CHECK(is_contiguous(shape_t{2, 1, 3}, shape_t{3, 99, 1}));
   CHECK(is_contiguous(shape_t{0, 3}, shape_t{1, 5}));
   CHECK_FALSE(is_contiguous(shape_t{2, 3}, shape_t{1, 2}));
+}
+
+TEST_CASE("shape_t keeps up to five dims in place and otherwise behaves like std::vector<dim_t>") {
+  // Ranks up to inline_capacity live in the object itself: copies and moves allocate nothing.
+  const shape_t five{1, 2, 3, 4, 5};
+  shape_t copy = five;
+  CHECK(copy.capacity() == shape_t::inline_capacity);
+  CHECK(copy == five);
+  shape_t six{1, 2, 3, 4, 5, 6};
+  CHECK(six.capacity() > shape_t::inline_capacity);
+  const dim_t* heap = six.data();
+  shape_t moved = std::move(six);
+  CHECK(moved.data() == heap);  // a heap buffer is handed over, not copied
+  CHECK(six.empty());           // NOLINT(bugprone-use-after-move): a moved-from shape is empty
+  six.push_back(7);
+  CHECK(six == shape_t{7});
+  CHECK(shape_t(3) == shape_t{0, 0, 0});
+  CHECK(shape_t(2, 9) == shape_t{9, 9});
+  CHECK(shape_t{1, 2} < shape_t{1, 3});
+  CHECK(shape_t{1, 2} < shape_t{1, 2, 0});
+  const std::vector<dim_t> v{4, 5, 6, 7, 8, 9, 10};
+  CHECK(shape_t(v.begin(), v.end()).vec() == v);
+  CHECK(shape_t(std::span<const dim_t>(v)).vec() == v);
+  CHECK(numel(shape_t(v.begin(), v.begin() + 2)) == 20);  // converts to std::span
+  const nlohmann::json j = shape_t{3, 1, 4, 1, 5, 9};
+  CHECK(j.dump() == "[3,1,4,1,5,9]");
+  CHECK(j.get<shape_t>() == shape_t{3, 1, 4, 1, 5, 9});
+
+  // Random operations against std::vector as the reference, crossing the inline/heap boundary
+  // both ways (fixed seed).
+  std::uint64_t seed = 0x5eed;
+  auto rnd = [&](std::uint64_t n) {
+    seed = seed * 6364136223846793005ULL + 1442695040888963407ULL;
+    return (seed >> 33) % n;
+  };
+  shape_t a, b;
+  std::vector<dim_t> ra, rb;
+  for (int step = 0; step < 20000; ++step) {
+    const auto x = static_cast<dim_t>(rnd(1000));
+    switch (rnd(12)) {
+      case 0: case 1: a.push_back(x); ra.push_back(x); break;
+      case 2: if (!ra.empty()) { a.pop_back(); ra.pop_back(); } break;
+      case 3: { const auto at = rnd(ra.size() + 1); a.insert(a.begin() + at, x); ra.insert(ra.begin() + static_cast<std::ptrdiff_t>(at), x); break; }
+      case 4: if (!ra.empty()) { const auto at = rnd(ra.size()); a.erase(a.begin() + at); ra.erase(ra.begin() + static_cast<std::ptrdiff_t>(at)); } break;
+      case 5: { const auto n = rnd(9); a.resize(n, x); ra.resize(n, x); break; }
+      case 6: b = a; rb = ra; break;
+      case 7: a.swap(b); ra.swap(rb); break;
+      case 8: { shape_t t(std::move(a)); a = std::move(b); b = std::move(t); std::swap(ra, rb); break; }
+      case 9: a.reserve(rnd(12)); break;
+      case 10: { const auto at = rnd(ra.size() + 1); a.insert(a.begin() + at, rb.begin(), rb.end());
+                 ra.insert(ra.begin() + static_cast<std::ptrdiff_t>(at), rb.begin(), rb.end()); break; }
+      default: if (ra.size() > 3) { a.erase(a.begin() + 1, a.begin() + 3); ra.erase(ra.begin() + 1, ra.begin() + 3); } break;
+    }
+    REQUIRE(a.vec() == ra);
+    REQUIRE(b.vec() == rb);
+    REQUIRE((a == b) == (ra == rb));
+    REQUIRE((a < b) == (ra < rb));
+    REQUIRE(a.capacity() >= a.size());
+  }
 }
 
 TEST_CASE("views narrow, select and iterate runs row-major") {

@@ -2,11 +2,17 @@
 // SPDX-License-Identifier: MIT
 #pragma once
 
+#include <algorithm>
+#include <compare>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
+#include <iterator>
 #include <limits>
 #include <span>
+#include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "error.hpp"
@@ -15,7 +21,185 @@ namespace statedict::inline v0 {
 
 /// Sizes and strides are signed 64-bit, as in PyTorch. Strides count elements, not bytes.
 using dim_t = std::int64_t;
-using shape_t = std::vector<dim_t>;
+
+/// A vector of dims that keeps up to `inline_capacity` of them in place (as PyTorch keeps sizes
+/// and strides): nearly every tensor has rank <= 5, and a view is copied often (into a Value, a
+/// flattened map, a plan), so two heap blocks per copy were a large share of all allocations when
+/// reading a checkpoint of many small tensors. Higher ranks go on the heap. The interface is the
+/// part of std::vector's that shapes use, and it is a contiguous range (converts to std::span).
+class shape_t {
+ public:
+  static constexpr std::size_t inline_capacity = 5;
+  using value_type = dim_t;
+  using size_type = std::size_t;
+  using difference_type = std::ptrdiff_t;
+  using reference = dim_t&;
+  using const_reference = const dim_t&;
+  using pointer = dim_t*;
+  using const_pointer = const dim_t*;
+  using iterator = dim_t*;
+  using const_iterator = const dim_t*;
+
+  shape_t() noexcept : inline_{} {}
+  explicit shape_t(size_type n, dim_t v = 0) : shape_t() { assign(n, v); }
+  shape_t(std::initializer_list<dim_t> l) : shape_t() { assign(l.begin(), l.end()); }
+  template <class It, class = std::enable_if_t<!std::is_integral_v<It>>>
+  shape_t(It first, It last) : shape_t() {
+    assign(first, last);
+  }
+  /// From any contiguous run of dims (a std::vector<dim_t>, a span).
+  explicit shape_t(std::span<const dim_t> s) : shape_t() { assign(s.begin(), s.end()); }
+  shape_t(const shape_t& o) : shape_t() { assign(o.begin(), o.end()); }
+  shape_t(shape_t&& o) noexcept : shape_t() { steal(o); }
+  shape_t& operator=(const shape_t& o) {
+    if (this != &o) assign(o.begin(), o.end());
+    return *this;
+  }
+  shape_t& operator=(shape_t&& o) noexcept {
+    if (this != &o) {
+      release();
+      steal(o);
+    }
+    return *this;
+  }
+  shape_t& operator=(std::initializer_list<dim_t> l) {
+    assign(l.begin(), l.end());
+    return *this;
+  }
+  ~shape_t() { release(); }
+
+  [[nodiscard]] dim_t* data() noexcept { return on_heap() ? heap_ : inline_; }
+  [[nodiscard]] const dim_t* data() const noexcept { return on_heap() ? heap_ : inline_; }
+  [[nodiscard]] size_type size() const noexcept { return size_; }
+  [[nodiscard]] bool empty() const noexcept { return size_ == 0; }
+  [[nodiscard]] size_type capacity() const noexcept { return cap_; }
+  [[nodiscard]] iterator begin() noexcept { return data(); }
+  [[nodiscard]] iterator end() noexcept { return data() + size_; }
+  [[nodiscard]] const_iterator begin() const noexcept { return data(); }
+  [[nodiscard]] const_iterator end() const noexcept { return data() + size_; }
+  [[nodiscard]] const_iterator cbegin() const noexcept { return begin(); }
+  [[nodiscard]] const_iterator cend() const noexcept { return end(); }
+  [[nodiscard]] dim_t& operator[](size_type i) noexcept { return data()[i]; }
+  [[nodiscard]] const dim_t& operator[](size_type i) const noexcept { return data()[i]; }
+  [[nodiscard]] dim_t& front() noexcept { return data()[0]; }
+  [[nodiscard]] const dim_t& front() const noexcept { return data()[0]; }
+  [[nodiscard]] dim_t& back() noexcept { return data()[size_ - 1]; }
+  [[nodiscard]] const dim_t& back() const noexcept { return data()[size_ - 1]; }
+
+  void reserve(size_type n) {
+    if (n <= cap_) return;
+    if (n > std::numeric_limits<std::uint32_t>::max()) throw std::length_error("statedict::shape_t: too many dims");
+    auto* p = new dim_t[n];
+    std::copy(begin(), end(), p);
+    const std::uint32_t keep = size_;
+    release();
+    heap_ = p;
+    cap_ = static_cast<std::uint32_t>(n);
+    size_ = keep;
+  }
+  void clear() noexcept { size_ = 0; }
+  void resize(size_type n, dim_t v = 0) {
+    if (n > size_) {
+      reserve(grown(n));
+      std::fill(data() + size_, data() + n, v);
+    }
+    size_ = static_cast<std::uint32_t>(n);
+  }
+  void assign(size_type n, dim_t v) {
+    clear();
+    resize(n, v);
+  }
+  template <class It>
+  void assign(It first, It last) {
+    clear();
+    if constexpr (std::is_base_of_v<std::forward_iterator_tag, typename std::iterator_traits<It>::iterator_category>) {
+      reserve(static_cast<size_type>(std::distance(first, last)));
+      dim_t* out = data();
+      for (; first != last; ++first) *out++ = static_cast<dim_t>(*first);
+      size_ = static_cast<std::uint32_t>(out - data());
+    } else {
+      for (; first != last; ++first) push_back(static_cast<dim_t>(*first));
+    }
+  }
+  void push_back(dim_t v) {
+    if (size_ == cap_) reserve(grown(size_ + 1U));
+    data()[size_++] = v;
+  }
+  dim_t& emplace_back(dim_t v) {
+    push_back(v);
+    return back();
+  }
+  void pop_back() noexcept { --size_; }
+  iterator insert(const_iterator pos, dim_t v) {
+    const auto at = static_cast<size_type>(pos - begin());
+    push_back(v);
+    std::rotate(begin() + at, end() - 1, end());
+    return begin() + at;
+  }
+  template <class It, class = std::enable_if_t<!std::is_integral_v<It>>>
+  iterator insert(const_iterator pos, It first, It last) {
+    const auto at = static_cast<size_type>(pos - begin());
+    const size_type old = size_;
+    for (; first != last; ++first) push_back(static_cast<dim_t>(*first));
+    std::rotate(begin() + at, begin() + old, end());
+    return begin() + at;
+  }
+  iterator erase(const_iterator pos) { return erase(pos, pos + 1); }
+  iterator erase(const_iterator first, const_iterator last) {
+    const auto at = first - cbegin(), n = last - first;
+    std::copy(begin() + at + n, end(), begin() + at);
+    size_ -= static_cast<std::uint32_t>(n);
+    return begin() + at;
+  }
+  void swap(shape_t& o) noexcept {
+    shape_t t(std::move(o));
+    o = std::move(*this);
+    *this = std::move(t);
+  }
+
+  /// The same dims as a std::vector.
+  [[nodiscard]] std::vector<dim_t> vec() const { return {begin(), end()}; }
+
+  friend bool operator==(const shape_t& a, const shape_t& b) noexcept {
+    return std::equal(a.begin(), a.end(), b.begin(), b.end());
+  }
+  friend auto operator<=>(const shape_t& a, const shape_t& b) noexcept {
+    return std::lexicographical_compare_three_way(a.begin(), a.end(), b.begin(), b.end());
+  }
+  friend void swap(shape_t& a, shape_t& b) noexcept { a.swap(b); }
+
+ private:
+  [[nodiscard]] bool on_heap() const noexcept { return cap_ > inline_capacity; }
+  [[nodiscard]] size_type grown(size_type need) const noexcept { return std::max<size_type>(need, 2U * cap_); }
+  void release() noexcept {
+    if (on_heap()) {
+      delete[] heap_;
+      inline_[0] = 0;  // the inline buffer is the active member again
+    }
+    size_ = 0;
+    cap_ = inline_capacity;
+  }
+  /// Takes o's dims (o is empty, with inline storage, afterwards); this must hold nothing.
+  void steal(shape_t& o) noexcept {
+    size_ = o.size_;
+    if (o.on_heap()) {
+      heap_ = o.heap_;
+      cap_ = o.cap_;
+      o.inline_[0] = 0;
+      o.cap_ = inline_capacity;
+    } else {
+      std::copy(o.inline_, o.inline_ + o.size_, inline_);
+    }
+    o.size_ = 0;
+  }
+
+  std::uint32_t size_ = 0;
+  std::uint32_t cap_ = inline_capacity;
+  union {
+    dim_t inline_[inline_capacity];
+    dim_t* heap_;
+  };
+};
 
 /// a * b, or throws errors::overflow naming `what`.
 inline std::uint64_t checked_mul(std::uint64_t a, std::uint64_t b, std::string_view what = "size") {
