@@ -458,6 +458,7 @@ class Reader {
   /// An Object node of a builtin class with items (sets, dicts with other keys).
   std::uint32_t add_builtin_object(std::string_view module, std::string_view name, object_build how) {
     globals_.push_back({std::string(module), std::string(name)});
+    global_rules_.push_back(nullptr);  // never called: only its items are read
     return add_object(static_cast<std::uint32_t>(globals_.size() - 1), how, npos);
   }
 
@@ -622,6 +623,7 @@ class Reader {
            "statedict never runs pickled code. If the file is trusted, keep such objects as opaque nodes "
            "(keep_unknown_objects)");
     globals_.push_back({std::string(module), std::string(name)});
+    global_rules_.push_back(r);
     Node n;
     n.kind = nk::global;
     n.index = static_cast<std::uint32_t>(globals_.size() - 1);
@@ -641,7 +643,7 @@ class Reader {
       fail(errors::pk_bad_operand, "arguments of " + global_name(c.index) + " are a " + kind_name(nodes_[args].kind) +
                                        ", not a tuple");
     const std::uint32_t g = c.index;
-    const Rule* r = registry_->find(global_name(g));
+    const Rule* r = global_rules_[g];
     if (r && r->k == Rule::kind::ordered_dict) {
       const std::uint32_t d = add_dict(true);
       // OrderedDict(iterable of pairs) also works; torch.save always passes ().
@@ -660,10 +662,12 @@ class Reader {
       return d;
     }
     if (r && r->k == Rule::kind::function) {
-      Object callee{globals_[g].first, globals_[g].second, object_build::global, {}, {}, {}};
+      if (callees_.size() <= g) callees_.resize(globals_.size());
+      if (!callees_[g])  // made once per global (torch.save calls _rebuild_tensor_v2 once per tensor)
+        callees_[g] = std::make_unique<const Object>(Object{globals_[g].first, globals_[g].second, object_build::global, {}, {}, {}});
       Value av = to_value(args, 0, nullptr);
       List arg_list = std::move(av.as_list());
-      Call call{callee, arg_list, *this};
+      Call call{*callees_[g], arg_list, *this};
       try {
         return add_leaf(r->fn(call));
       } catch (error& e) {
@@ -951,6 +955,8 @@ class Reader {
   std::vector<DictData> dicts_;
   std::vector<ObjData> objects_;
   std::vector<std::pair<std::string, std::string>> globals_;
+  std::vector<const Rule*> global_rules_;  ///< globals_[i]'s rule, found once when it was resolved
+  std::vector<std::unique_ptr<const Object>> callees_;  ///< globals_[i] as the Object a Call names (stable addresses)
   std::vector<std::uint32_t> stack_;
   std::vector<std::size_t> marks_;
   std::vector<std::uint32_t> memo_;
