@@ -244,11 +244,17 @@ inline constexpr error_id too_many_dims       {115, error_kind::limit,       "co
 // statedict: shapes, strides and checked arithmetic.
 // SPDX-License-Identifier: MIT
 
+#include <algorithm>
+#include <compare>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
+#include <iterator>
 #include <limits>
 #include <span>
+#include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 
@@ -256,7 +262,185 @@ namespace statedict::inline v0 {
 
 /// Sizes and strides are signed 64-bit, as in PyTorch. Strides count elements, not bytes.
 using dim_t = std::int64_t;
-using shape_t = std::vector<dim_t>;
+
+/// A vector of dims that keeps up to `inline_capacity` of them in place (as PyTorch keeps sizes
+/// and strides): nearly every tensor has rank <= 5, and a view is copied often (into a Value, a
+/// flattened map, a plan), so two heap blocks per copy were a large share of all allocations when
+/// reading a checkpoint of many small tensors. Higher ranks go on the heap. The interface is the
+/// part of std::vector's that shapes use, and it is a contiguous range (converts to std::span).
+class shape_t {
+ public:
+  static constexpr std::size_t inline_capacity = 5;
+  using value_type = dim_t;
+  using size_type = std::size_t;
+  using difference_type = std::ptrdiff_t;
+  using reference = dim_t&;
+  using const_reference = const dim_t&;
+  using pointer = dim_t*;
+  using const_pointer = const dim_t*;
+  using iterator = dim_t*;
+  using const_iterator = const dim_t*;
+
+  shape_t() noexcept : inline_{} {}
+  explicit shape_t(size_type n, dim_t v = 0) : shape_t() { assign(n, v); }
+  shape_t(std::initializer_list<dim_t> l) : shape_t() { assign(l.begin(), l.end()); }
+  template <class It, class = std::enable_if_t<!std::is_integral_v<It>>>
+  shape_t(It first, It last) : shape_t() {
+    assign(first, last);
+  }
+  /// From any contiguous run of dims (a std::vector<dim_t>, a span).
+  explicit shape_t(std::span<const dim_t> s) : shape_t() { assign(s.begin(), s.end()); }
+  shape_t(const shape_t& o) : shape_t() { assign(o.begin(), o.end()); }
+  shape_t(shape_t&& o) noexcept : shape_t() { steal(o); }
+  shape_t& operator=(const shape_t& o) {
+    if (this != &o) assign(o.begin(), o.end());
+    return *this;
+  }
+  shape_t& operator=(shape_t&& o) noexcept {
+    if (this != &o) {
+      release();
+      steal(o);
+    }
+    return *this;
+  }
+  shape_t& operator=(std::initializer_list<dim_t> l) {
+    assign(l.begin(), l.end());
+    return *this;
+  }
+  ~shape_t() { release(); }
+
+  [[nodiscard]] dim_t* data() noexcept { return on_heap() ? heap_ : inline_; }
+  [[nodiscard]] const dim_t* data() const noexcept { return on_heap() ? heap_ : inline_; }
+  [[nodiscard]] size_type size() const noexcept { return size_; }
+  [[nodiscard]] bool empty() const noexcept { return size_ == 0; }
+  [[nodiscard]] size_type capacity() const noexcept { return cap_; }
+  [[nodiscard]] iterator begin() noexcept { return data(); }
+  [[nodiscard]] iterator end() noexcept { return data() + size_; }
+  [[nodiscard]] const_iterator begin() const noexcept { return data(); }
+  [[nodiscard]] const_iterator end() const noexcept { return data() + size_; }
+  [[nodiscard]] const_iterator cbegin() const noexcept { return begin(); }
+  [[nodiscard]] const_iterator cend() const noexcept { return end(); }
+  [[nodiscard]] dim_t& operator[](size_type i) noexcept { return data()[i]; }
+  [[nodiscard]] const dim_t& operator[](size_type i) const noexcept { return data()[i]; }
+  [[nodiscard]] dim_t& front() noexcept { return data()[0]; }
+  [[nodiscard]] const dim_t& front() const noexcept { return data()[0]; }
+  [[nodiscard]] dim_t& back() noexcept { return data()[size_ - 1]; }
+  [[nodiscard]] const dim_t& back() const noexcept { return data()[size_ - 1]; }
+
+  void reserve(size_type n) {
+    if (n <= cap_) return;
+    if (n > std::numeric_limits<std::uint32_t>::max()) throw std::length_error("statedict::shape_t: too many dims");
+    auto* p = new dim_t[n];
+    std::copy(begin(), end(), p);
+    const std::uint32_t keep = size_;
+    release();
+    heap_ = p;
+    cap_ = static_cast<std::uint32_t>(n);
+    size_ = keep;
+  }
+  void clear() noexcept { size_ = 0; }
+  void resize(size_type n, dim_t v = 0) {
+    if (n > size_) {
+      reserve(grown(n));
+      std::fill(data() + size_, data() + n, v);
+    }
+    size_ = static_cast<std::uint32_t>(n);
+  }
+  void assign(size_type n, dim_t v) {
+    clear();
+    resize(n, v);
+  }
+  template <class It>
+  void assign(It first, It last) {
+    clear();
+    if constexpr (std::is_base_of_v<std::forward_iterator_tag, typename std::iterator_traits<It>::iterator_category>) {
+      reserve(static_cast<size_type>(std::distance(first, last)));
+      dim_t* out = data();
+      for (; first != last; ++first) *out++ = static_cast<dim_t>(*first);
+      size_ = static_cast<std::uint32_t>(out - data());
+    } else {
+      for (; first != last; ++first) push_back(static_cast<dim_t>(*first));
+    }
+  }
+  void push_back(dim_t v) {
+    if (size_ == cap_) reserve(grown(size_ + 1U));
+    data()[size_++] = v;
+  }
+  dim_t& emplace_back(dim_t v) {
+    push_back(v);
+    return back();
+  }
+  void pop_back() noexcept { --size_; }
+  iterator insert(const_iterator pos, dim_t v) {
+    const auto at = static_cast<size_type>(pos - begin());
+    push_back(v);
+    std::rotate(begin() + at, end() - 1, end());
+    return begin() + at;
+  }
+  template <class It, class = std::enable_if_t<!std::is_integral_v<It>>>
+  iterator insert(const_iterator pos, It first, It last) {
+    const auto at = static_cast<size_type>(pos - begin());
+    const size_type old = size_;
+    for (; first != last; ++first) push_back(static_cast<dim_t>(*first));
+    std::rotate(begin() + at, begin() + old, end());
+    return begin() + at;
+  }
+  iterator erase(const_iterator pos) { return erase(pos, pos + 1); }
+  iterator erase(const_iterator first, const_iterator last) {
+    const auto at = first - cbegin(), n = last - first;
+    std::copy(begin() + at + n, end(), begin() + at);
+    size_ -= static_cast<std::uint32_t>(n);
+    return begin() + at;
+  }
+  void swap(shape_t& o) noexcept {
+    shape_t t(std::move(o));
+    o = std::move(*this);
+    *this = std::move(t);
+  }
+
+  /// The same dims as a std::vector.
+  [[nodiscard]] std::vector<dim_t> vec() const { return {begin(), end()}; }
+
+  friend bool operator==(const shape_t& a, const shape_t& b) noexcept {
+    return std::equal(a.begin(), a.end(), b.begin(), b.end());
+  }
+  friend auto operator<=>(const shape_t& a, const shape_t& b) noexcept {
+    return std::lexicographical_compare_three_way(a.begin(), a.end(), b.begin(), b.end());
+  }
+  friend void swap(shape_t& a, shape_t& b) noexcept { a.swap(b); }
+
+ private:
+  [[nodiscard]] bool on_heap() const noexcept { return cap_ > inline_capacity; }
+  [[nodiscard]] size_type grown(size_type need) const noexcept { return std::max<size_type>(need, 2U * cap_); }
+  void release() noexcept {
+    if (on_heap()) {
+      delete[] heap_;
+      inline_[0] = 0;  // the inline buffer is the active member again
+    }
+    size_ = 0;
+    cap_ = inline_capacity;
+  }
+  /// Takes o's dims (o is empty, with inline storage, afterwards); this must hold nothing.
+  void steal(shape_t& o) noexcept {
+    size_ = o.size_;
+    if (o.on_heap()) {
+      heap_ = o.heap_;
+      cap_ = o.cap_;
+      o.inline_[0] = 0;
+      o.cap_ = inline_capacity;
+    } else {
+      std::copy(o.inline_, o.inline_ + o.size_, inline_);
+    }
+    o.size_ = 0;
+  }
+
+  std::uint32_t size_ = 0;
+  std::uint32_t cap_ = inline_capacity;
+  union {
+    dim_t inline_[inline_capacity];
+    dim_t* heap_;
+  };
+};
 
 /// a * b, or throws errors::overflow naming `what`.
 inline std::uint64_t checked_mul(std::uint64_t a, std::uint64_t b, std::string_view what = "size") {
@@ -4077,12 +4261,13 @@ class skeleton_cursor {
   std::vector<frame> stack_;
 };
 
-/// Appends the path keys of an event's node to `p`; returns how many.
-inline std::size_t push_event_keys(Path& p, const skeleton_cursor::event& e) {
+/// Appends the path keys of an event's node to `p`; returns how many. A dict key is moved into
+/// the path (e.key is empty afterwards; read it as p.back()).
+inline std::size_t push_event_keys(Path& p, skeleton_cursor::event& e) {
   switch (e.slot) {
     case slot_kind::root: return 0;
     case slot_kind::index: p.emplace_back(static_cast<std::int64_t>(e.index)); return 1;
-    case slot_kind::dict: p.push_back(e.key); return 1;
+    case slot_kind::dict: p.push_back(std::move(e.key)); return 1;
     case slot_kind::state:
       p.emplace_back("state");
       if (e.part_size > 1) {
@@ -4499,8 +4684,9 @@ inline std::vector<SkeletonTensor> skeleton_tensors(const nlohmann::json& skelet
 namespace detail {
 
 /// Walks a skeleton with the path of every node: f(event, path) for leaf and enter events, and
-/// for leave events (with the container's path).
-template <class F>
+/// for leave events (with the container's path). With `with_path` false the path stays empty (for
+/// walks that need none: no key is copied into it).
+template <bool with_path = true, class F>
 void walk_skeleton(const json& skeleton, F&& f) {
   skeleton_cursor cur(skeleton_root(skeleton));
   Path path;
@@ -4515,7 +4701,7 @@ void walk_skeleton(const json& skeleton, F&& f) {
         nkeys.pop_back();
         continue;
       }
-      const std::size_t k = push_event_keys(path, e);
+      const std::size_t k = with_path ? push_event_keys(path, e) : 0;
       f(e, std::as_const(path), cur);
       if (e.type == skeleton_cursor::ev::enter) nkeys.push_back(k);
       else pop_keys(path, k);
@@ -4604,7 +4790,7 @@ inline std::vector<std::pair<std::string, Value>> skeleton_values(const nlohmann
   std::unordered_set<const nlohmann::json*> holds_tensor;
   {
     std::vector<const nlohmann::json*> objects;  // enclosing object nodes
-    detail::walk_skeleton(skeleton, [&](const detail::skeleton_cursor::event& e, const Path&, detail::skeleton_cursor&) {
+    detail::walk_skeleton<false>(skeleton, [&](const detail::skeleton_cursor::event& e, const Path&, detail::skeleton_cursor&) {
       const detail::snode k = e.node.kind;
       if (k == detail::snode::object) {
         if (e.type == ev::enter) objects.push_back(e.node.node);
@@ -4731,7 +4917,7 @@ inline SkeletonSubset skeleton_subset(const nlohmann::json& skeleton, const Path
   json root;
   std::vector<json*> stack;
   std::size_t idx = 0, tidx = 0;
-  detail::walk_skeleton(skeleton, [&](const detail::skeleton_cursor::event& e, const Path&, detail::skeleton_cursor& cur) {
+  detail::walk_skeleton(skeleton, [&](const detail::skeleton_cursor::event& e, const Path& path, detail::skeleton_cursor& cur) {
     if (e.type == ev::leave) {
       stack.pop_back();
       return;
@@ -4763,7 +4949,7 @@ inline SkeletonSubset skeleton_subset(const nlohmann::json& skeleton, const Path
         case detail::slot_kind::dict: {
           json& arr = parent["dict"];
           json pair = json::array_t(2);
-          pair[0] = detail::encode_key(e.key);
+          pair[0] = detail::encode_key(path.back());  // walk_skeleton moved e.key there
           arr.push_back(std::move(pair));
           slot = &arr.back()[1];
           break;
@@ -8649,6 +8835,7 @@ class Reader {
   /// An Object node of a builtin class with items (sets, dicts with other keys).
   std::uint32_t add_builtin_object(std::string_view module, std::string_view name, object_build how) {
     globals_.push_back({std::string(module), std::string(name)});
+    global_rules_.push_back(nullptr);  // never called: only its items are read
     return add_object(static_cast<std::uint32_t>(globals_.size() - 1), how, npos);
   }
 
@@ -8813,6 +9000,7 @@ class Reader {
            "statedict never runs pickled code. If the file is trusted, keep such objects as opaque nodes "
            "(keep_unknown_objects)");
     globals_.push_back({std::string(module), std::string(name)});
+    global_rules_.push_back(r);
     Node n;
     n.kind = nk::global;
     n.index = static_cast<std::uint32_t>(globals_.size() - 1);
@@ -8832,7 +9020,7 @@ class Reader {
       fail(errors::pk_bad_operand, "arguments of " + global_name(c.index) + " are a " + kind_name(nodes_[args].kind) +
                                        ", not a tuple");
     const std::uint32_t g = c.index;
-    const Rule* r = registry_->find(global_name(g));
+    const Rule* r = global_rules_[g];
     if (r && r->k == Rule::kind::ordered_dict) {
       const std::uint32_t d = add_dict(true);
       // OrderedDict(iterable of pairs) also works; torch.save always passes ().
@@ -8851,10 +9039,12 @@ class Reader {
       return d;
     }
     if (r && r->k == Rule::kind::function) {
-      Object callee{globals_[g].first, globals_[g].second, object_build::global, {}, {}, {}};
+      if (callees_.size() <= g) callees_.resize(globals_.size());
+      if (!callees_[g])  // made once per global (torch.save calls _rebuild_tensor_v2 once per tensor)
+        callees_[g] = std::make_unique<const Object>(Object{globals_[g].first, globals_[g].second, object_build::global, {}, {}, {}});
       Value av = to_value(args, 0, nullptr);
       List arg_list = std::move(av.as_list());
-      Call call{callee, arg_list, *this};
+      Call call{*callees_[g], arg_list, *this};
       try {
         return add_leaf(r->fn(call));
       } catch (error& e) {
@@ -9142,6 +9332,8 @@ class Reader {
   std::vector<DictData> dicts_;
   std::vector<ObjData> objects_;
   std::vector<std::pair<std::string, std::string>> globals_;
+  std::vector<const Rule*> global_rules_;  ///< globals_[i]'s rule, found once when it was resolved
+  std::vector<std::unique_ptr<const Object>> callees_;  ///< globals_[i] as the Object a Call names (stable addresses)
   std::vector<std::uint32_t> stack_;
   std::vector<std::size_t> marks_;
   std::vector<std::uint32_t> memo_;
@@ -10402,7 +10594,7 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
     const std::uint64_t nbytes = checked_mul(numel, itemsize(t), "storage size");
     auto it = by_key.find(key);
     if (it == by_key.end()) {
-      const std::string rec = prefix + "data/" + key;
+      std::string rec = prefix + "data/" + key;
       const zip::Entry* e = ar.find(rec);
       if (!e) throw_error(errors::pt_missing_record, "storage " + quote(key) + ": no record " + quote(rec));
       ar.check_readable(*e);
@@ -10421,7 +10613,7 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
       s.untyped = untyped;
       s.offset = e->data_offset;
       s.nbytes = e->size;
-      s.record = rec;
+      s.record = std::move(rec);  // not used below
       s.location = p[3].as_string();
       f.storages.push_back(std::move(s));
       it = by_key.emplace(key, std::move(c)).first;
@@ -10681,7 +10873,7 @@ inline ShardedCheckpoint describe(const File& file) {
   const std::uint64_t size = file.source->size();
   for (auto& [name, v] : flat.tensors) {
     TensorInfo ti;
-    ti.name = name;
+    ti.name = std::move(name);  // `flat` is ours: its names move into the description
     ti.dtype = v.dtype();
     ti.shape = v.shape();
     Chunk c;
@@ -10689,7 +10881,7 @@ inline ShardedCheckpoint describe(const File& file) {
     c.at.source = 0;
     const auto addr = reinterpret_cast<std::uintptr_t>(v.data()), base = reinterpret_cast<std::uintptr_t>(file.view_base);
     if (addr < base || addr - base > size)
-      throw_error(errors::pt_bad_tensor, detail::where(*file.source), "tensor " + quote(name) + " does not point into the file");
+      throw_error(errors::pt_bad_tensor, detail::where(*file.source), "tensor " + quote(ti.name) + " does not point into the file");
     c.at.byte_offset = addr - base;
     c.at.strides = v.is_contiguous() ? shape_t{} : v.strides();
     c.at.stored = v.dtype();

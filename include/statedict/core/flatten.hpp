@@ -1200,12 +1200,13 @@ class skeleton_cursor {
   std::vector<frame> stack_;
 };
 
-/// Appends the path keys of an event's node to `p`; returns how many.
-inline std::size_t push_event_keys(Path& p, const skeleton_cursor::event& e) {
+/// Appends the path keys of an event's node to `p`; returns how many. A dict key is moved into
+/// the path (e.key is empty afterwards; read it as p.back()).
+inline std::size_t push_event_keys(Path& p, skeleton_cursor::event& e) {
   switch (e.slot) {
     case slot_kind::root: return 0;
     case slot_kind::index: p.emplace_back(static_cast<std::int64_t>(e.index)); return 1;
-    case slot_kind::dict: p.push_back(e.key); return 1;
+    case slot_kind::dict: p.push_back(std::move(e.key)); return 1;
     case slot_kind::state:
       p.emplace_back("state");
       if (e.part_size > 1) {
@@ -1622,8 +1623,9 @@ inline std::vector<SkeletonTensor> skeleton_tensors(const nlohmann::json& skelet
 namespace detail {
 
 /// Walks a skeleton with the path of every node: f(event, path) for leaf and enter events, and
-/// for leave events (with the container's path).
-template <class F>
+/// for leave events (with the container's path). With `with_path` false the path stays empty (for
+/// walks that need none: no key is copied into it).
+template <bool with_path = true, class F>
 void walk_skeleton(const json& skeleton, F&& f) {
   skeleton_cursor cur(skeleton_root(skeleton));
   Path path;
@@ -1638,7 +1640,7 @@ void walk_skeleton(const json& skeleton, F&& f) {
         nkeys.pop_back();
         continue;
       }
-      const std::size_t k = push_event_keys(path, e);
+      const std::size_t k = with_path ? push_event_keys(path, e) : 0;
       f(e, std::as_const(path), cur);
       if (e.type == skeleton_cursor::ev::enter) nkeys.push_back(k);
       else pop_keys(path, k);
@@ -1727,7 +1729,7 @@ inline std::vector<std::pair<std::string, Value>> skeleton_values(const nlohmann
   std::unordered_set<const nlohmann::json*> holds_tensor;
   {
     std::vector<const nlohmann::json*> objects;  // enclosing object nodes
-    detail::walk_skeleton(skeleton, [&](const detail::skeleton_cursor::event& e, const Path&, detail::skeleton_cursor&) {
+    detail::walk_skeleton<false>(skeleton, [&](const detail::skeleton_cursor::event& e, const Path&, detail::skeleton_cursor&) {
       const detail::snode k = e.node.kind;
       if (k == detail::snode::object) {
         if (e.type == ev::enter) objects.push_back(e.node.node);
@@ -1854,7 +1856,7 @@ inline SkeletonSubset skeleton_subset(const nlohmann::json& skeleton, const Path
   json root;
   std::vector<json*> stack;
   std::size_t idx = 0, tidx = 0;
-  detail::walk_skeleton(skeleton, [&](const detail::skeleton_cursor::event& e, const Path&, detail::skeleton_cursor& cur) {
+  detail::walk_skeleton(skeleton, [&](const detail::skeleton_cursor::event& e, const Path& path, detail::skeleton_cursor& cur) {
     if (e.type == ev::leave) {
       stack.pop_back();
       return;
@@ -1886,7 +1888,7 @@ inline SkeletonSubset skeleton_subset(const nlohmann::json& skeleton, const Path
         case detail::slot_kind::dict: {
           json& arr = parent["dict"];
           json pair = json::array_t(2);
-          pair[0] = detail::encode_key(e.key);
+          pair[0] = detail::encode_key(path.back());  // walk_skeleton moved e.key there
           arr.push_back(std::move(pair));
           slot = &arr.back()[1];
           break;

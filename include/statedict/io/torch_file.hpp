@@ -473,7 +473,7 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
     const std::uint64_t nbytes = checked_mul(numel, itemsize(t), "storage size");
     auto it = by_key.find(key);
     if (it == by_key.end()) {
-      const std::string rec = prefix + "data/" + key;
+      std::string rec = prefix + "data/" + key;
       const zip::Entry* e = ar.find(rec);
       if (!e) throw_error(errors::pt_missing_record, "storage " + quote(key) + ": no record " + quote(rec));
       ar.check_readable(*e);
@@ -492,7 +492,7 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
       s.untyped = untyped;
       s.offset = e->data_offset;
       s.nbytes = e->size;
-      s.record = rec;
+      s.record = std::move(rec);  // not used below
       s.location = p[3].as_string();
       f.storages.push_back(std::move(s));
       it = by_key.emplace(key, std::move(c)).first;
@@ -752,7 +752,7 @@ inline ShardedCheckpoint describe(const File& file) {
   const std::uint64_t size = file.source->size();
   for (auto& [name, v] : flat.tensors) {
     TensorInfo ti;
-    ti.name = name;
+    ti.name = std::move(name);  // `flat` is ours: its names move into the description
     ti.dtype = v.dtype();
     ti.shape = v.shape();
     Chunk c;
@@ -760,7 +760,7 @@ inline ShardedCheckpoint describe(const File& file) {
     c.at.source = 0;
     const auto addr = reinterpret_cast<std::uintptr_t>(v.data()), base = reinterpret_cast<std::uintptr_t>(file.view_base);
     if (addr < base || addr - base > size)
-      throw_error(errors::pt_bad_tensor, detail::where(*file.source), "tensor " + quote(name) + " does not point into the file");
+      throw_error(errors::pt_bad_tensor, detail::where(*file.source), "tensor " + quote(ti.name) + " does not point into the file");
     c.at.byte_offset = addr - base;
     c.at.strides = v.is_contiguous() ? shape_t{} : v.strides();
     c.at.stored = v.dtype();
