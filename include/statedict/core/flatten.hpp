@@ -1135,7 +1135,7 @@ class skeleton_cursor {
     if (!stack_.empty()) stack_.back().next = stack_.back().size;
   }
 
-  /// The path of the node last returned (for messages; an undecodable key shows as "?").
+  /// The path of the node last returned (an undecodable key shows as "?"; next() refuses those).
   [[nodiscard]] Path path() const {
     Path p;
     for (const frame& f : stack_) {
@@ -1742,18 +1742,20 @@ inline std::vector<std::pair<std::string, Value>> skeleton_values(const nlohmann
         if (!holds_tensor.insert(*it).second) break;
     });
   }
+  // Pass 2: the values, each with its path (asked of the cursor for the few nodes kept, rather
+  // than kept up to date for every node: a checkpoint is mostly tensors).
   std::vector<Path> paths;
   std::vector<Value> values;
-  detail::walk_skeleton(skeleton, [&](const detail::skeleton_cursor::event& e, const Path& p, detail::skeleton_cursor& cur) {
+  detail::walk_skeleton<false>(skeleton, [&](const detail::skeleton_cursor::event& e, const Path&, detail::skeleton_cursor& cur) {
     const detail::snode k = e.node.kind;
     if (e.type == ev::enter && k == detail::snode::object && !holds_tensor.count(e.node.node)) {
-      paths.push_back(p);
+      paths.push_back(cur.path());
       values.push_back(detail::build_tree(*e.node.node, nullptr));
       cur.skip();
       return;
     }
     if (e.type != ev::leaf || k == detail::snode::tensor || k == detail::snode::alias || k == detail::snode::view) return;
-    paths.push_back(p);
+    paths.push_back(cur.path());
     values.push_back(detail::decode_scalar(e.node));
   });
   std::vector<std::string> dotted_names;
