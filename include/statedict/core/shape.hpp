@@ -136,6 +136,7 @@ class shape_t {
     std::rotate(begin() + at, end() - 1, end());
     return begin() + at;
   }
+  /// Unlike std::vector's, [first, last) must not point into this shape (it may move while growing).
   template <class It, class = std::enable_if_t<!std::is_integral_v<It>>>
   iterator insert(const_iterator pos, It first, It last) {
     const auto at = static_cast<size_type>(pos - begin());
