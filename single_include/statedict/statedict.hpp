@@ -8837,8 +8837,7 @@ class Reader {
   }
   /// An Object node of a builtin class with items (sets, dicts with other keys).
   std::uint32_t add_builtin_object(std::string_view module, std::string_view name, object_build how) {
-    globals_.push_back({std::string(module), std::string(name)});
-    global_rules_.push_back(nullptr);  // never called: only its items are read
+    globals_.push_back({std::string(module), std::string(name), nullptr, {}});  // never called: only its items are read
     return add_object(static_cast<std::uint32_t>(globals_.size() - 1), how, npos);
   }
 
@@ -9002,15 +9001,14 @@ class Reader {
            "global " + quote(q) + " is not on the allow-list (the globals torch.load(weights_only=True) accepts); "
            "statedict never runs pickled code. If the file is trusted, keep such objects as opaque nodes "
            "(keep_unknown_objects)");
-    globals_.push_back({std::string(module), std::string(name)});
-    global_rules_.push_back(r);
+    globals_.push_back({std::string(module), std::string(name), r, {}});
     Node n;
     n.kind = nk::global;
     n.index = static_cast<std::uint32_t>(globals_.size() - 1);
     return add_node(n);
   }
 
-  [[nodiscard]] std::string global_name(std::uint32_t g) const { return globals_[g].first + "." + globals_[g].second; }
+  [[nodiscard]] std::string global_name(std::uint32_t g) const { return globals_[g].module + "." + globals_[g].name; }
 
   /// REDUCE / NEWOBJ of global node `callable` with tuple node `args`.
   std::uint32_t apply(std::uint32_t callable, std::uint32_t args, object_build how) {
@@ -9023,7 +9021,7 @@ class Reader {
       fail(errors::pk_bad_operand, "arguments of " + global_name(c.index) + " are a " + kind_name(nodes_[args].kind) +
                                        ", not a tuple");
     const std::uint32_t g = c.index;
-    const Rule* r = global_rules_[g];
+    const Rule* r = globals_[g].rule;
     if (r && r->k == Rule::kind::ordered_dict) {
       const std::uint32_t d = add_dict(true);
       // OrderedDict(iterable of pairs) also works; torch.save always passes ().
@@ -9042,12 +9040,13 @@ class Reader {
       return d;
     }
     if (r && r->k == Rule::kind::function) {
-      if (callees_.size() <= g) callees_.resize(globals_.size());
-      if (!callees_[g])  // made once per global (torch.save calls _rebuild_tensor_v2 once per tensor)
-        callees_[g] = std::make_unique<const Object>(Object{globals_[g].first, globals_[g].second, object_build::global, {}, {}, {}});
+      Global& gl = globals_[g];
+      if (!gl.callee)  // made once per global (torch.save calls _rebuild_tensor_v2 once per tensor)
+        gl.callee = std::make_unique<const Object>(Object{gl.module, gl.name, object_build::global, {}, {}, {}});
+      const Object& callee = *gl.callee;  // on the heap: stays put when globals_ grows during the call
       Value av = to_value(args, 0, nullptr);
       List arg_list = std::move(av.as_list());
-      Call call{*callees_[g], arg_list, *this};
+      Call call{callee, arg_list, *this};
       try {
         return add_leaf(r->fn(call));
       } catch (error& e) {
@@ -9064,7 +9063,7 @@ class Reader {
   std::uint32_t nested_class(std::uint32_t callable, object_build how) {
     const ObjData& o = objects_[nodes_[callable].index];
     const auto& gname = globals_[o.global];
-    const bool is_getattr = (gname.first == "builtins" || gname.first == "__builtin__") && gname.second == "getattr";
+    const bool is_getattr = (gname.module == "builtins" || gname.module == "__builtin__") && gname.name == "getattr";
     if (!opts_.keep_unknown_objects || !is_getattr || o.args == npos || !o.state.empty() || !o.items.empty())
       return callable;
     const auto& a = seqs_[nodes_[o.args].index];
@@ -9073,10 +9072,10 @@ class Reader {
     const std::string inner(view(nodes_[a[1]].u.off, nodes_[a[1]].index));
     if (inner.empty() || inner.find_first_of(". ") != std::string::npos)
       fail(errors::pk_bad_operand, std::string(how == object_build::newobj ? "NEWOBJ" : "REDUCE") +
-                                       " of getattr(" + outer.first + "." + outer.second + ", " + quote(inner) +
+                                       " of getattr(" + outer.module + "." + outer.name + ", " + quote(inner) +
                                        "): not a nested class name");
-    const std::string module = outer.first;
-    const std::string name = outer.second + "." + inner;
+    const std::string module = outer.module;
+    const std::string name = outer.name + "." + inner;
     return resolve_global(module, name);
   }
 
@@ -9137,8 +9136,8 @@ class Reader {
     } else if (t.kind == nk::object) {
       // A set (EMPTY_SET, FROZENSET) has no __dict__ and no __setstate__: Python refuses the BUILD.
       const auto& g = globals_[objects_[t.index].global];
-      if (g.first == "builtins" && (g.second == "set" || g.second == "frozenset"))
-        fail(errors::pk_bad_operand, "BUILD on a " + g.second + " (allowed on OrderedDict and kept objects)");
+      if (g.module == "builtins" && (g.name == "set" || g.name == "frozenset"))
+        fail(errors::pk_bad_operand, "BUILD on a " + g.name + " (allowed on OrderedDict and kept objects)");
       objects_[t.index].state.push_back(state);
     } else {
       fail(errors::pk_bad_operand, "BUILD on a " + kind_name(t.kind) + " (allowed on OrderedDict and kept objects)");
@@ -9210,7 +9209,7 @@ class Reader {
         count_node(ls.values - 1);
         return leaves_[node.index];
       }
-      case nk::global: return Value(Object{globals_[node.index].first, globals_[node.index].second, object_build::global, {}, {}, {}});
+      case nk::global: return Value(Object{globals_[node.index].module, globals_[node.index].name, object_build::global, {}, {}, {}});
       default: break;
     }
     if (depth >= opts_.limits.max_depth) depth_exceeded();
@@ -9233,7 +9232,7 @@ class Reader {
       case nk::dict: out = dict_value(node.index, depth, path, tracked); break;
       case nk::object: {
         const ObjData& od = objects_[node.index];
-        Object o{globals_[od.global].first, globals_[od.global].second, od.how, {}, {}, {}};
+        Object o{globals_[od.global].module, globals_[od.global].name, od.how, {}, {}, {}};
         if (od.args != npos) {
           Value a = to_value(od.args, depth + 1, nullptr);
           o.args = std::move(a.as_list());
@@ -9334,9 +9333,13 @@ class Reader {
   std::vector<std::vector<std::uint32_t>> seqs_;
   std::vector<DictData> dicts_;
   std::vector<ObjData> objects_;
-  std::vector<std::pair<std::string, std::string>> globals_;
-  std::vector<const Rule*> global_rules_;  ///< globals_[i]'s rule, found once when it was resolved
-  std::vector<std::unique_ptr<const Object>> callees_;  ///< globals_[i] as the Object a Call names (stable addresses)
+  struct Global {
+    std::string module;
+    std::string name;
+    const Rule* rule;                      ///< found once, when the global was resolved (null: not on the list)
+    std::unique_ptr<const Object> callee;  ///< the Object a Call names, made on the first call
+  };
+  std::vector<Global> globals_;
   std::vector<std::uint32_t> stack_;
   std::vector<std::size_t> marks_;
   std::vector<std::uint32_t> memo_;
@@ -9503,7 +9506,7 @@ inline Result Reader::run() {
       case 0x90: {  // ADDITEMS
         auto items = pop_mark();
         const Node& t = nodes_[top()];
-        if (t.kind != nk::object || globals_[objects_[t.index].global].second != "set")
+        if (t.kind != nk::object || globals_[objects_[t.index].global].name != "set")
           fail(errors::pk_bad_operand, "ADDITEMS to a " + kind_name(t.kind) + ", not a set");
         auto& v = objects_[t.index].items;
         v.insert(v.end(), items.begin(), items.end());
