@@ -37,6 +37,8 @@ TEST_CASE("shape_t keeps up to five dims in place and otherwise behaves like std
   six.push_back(7);
   CHECK(six == shape_t{7});
   CHECK(shape_t(3) == shape_t{0, 0, 0});
+  CHECK(shape_t(3).capacity() == shape_t::inline_capacity);  // sized construction stays inline too
+  CHECK(contiguous_strides(five).capacity() == shape_t::inline_capacity);
   CHECK(shape_t(2, 9) == shape_t{9, 9});
   CHECK(shape_t{1, 2} < shape_t{1, 3});
   CHECK(shape_t{1, 2} < shape_t{1, 2, 0});

@@ -341,7 +341,7 @@ class shape_t {
   void clear() noexcept { size_ = 0; }
   void resize(size_type n, dim_t v = 0) {
     if (n > size_) {
-      reserve(grown(n));
+      if (n > cap_) reserve(grown(n));
       std::fill(data() + size_, data() + n, v);
     }
     size_ = static_cast<std::uint32_t>(n);
