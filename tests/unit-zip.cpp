@@ -3,6 +3,7 @@
 
 #include <statedict/io/zip.hpp>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <random>
@@ -223,6 +224,73 @@ TEST_CASE("writer + reader: every entry aligned, data zero-copy, ZIP64 forced on
       CHECK(r.data == src->data() + e.data_offset);  // zero-copy
       CHECK(std::string(reinterpret_cast<const char*>(r.data), static_cast<std::size_t>(r.size)) == recs[i].data);
     }
+  }
+}
+
+namespace {
+/// A source that counts the positioned reads of local headers (peek) and their sizes.
+class PeekCounter final : public ByteSource {
+ public:
+  explicit PeekCounter(std::shared_ptr<const ByteSource> base) : base_(std::move(base)) {}
+  [[nodiscard]] const std::string& name() const noexcept override { return base_->name(); }
+  [[nodiscard]] std::uint64_t size() const noexcept override { return base_->size(); }
+  [[nodiscard]] const std::byte* data() const noexcept override { return base_->data(); }
+  [[nodiscard]] keep_alive owner() const override { return base_->owner(); }
+  void read(std::uint64_t offset, std::span<std::byte> dst) const override { base_->read(offset, dst); }
+  void peek(std::uint64_t offset, std::span<std::byte> dst) const override {
+    ++peeks;
+    largest = std::max<std::size_t>(largest, dst.size());
+    base_->peek(offset, dst);
+  }
+  mutable std::size_t peeks = 0;
+  mutable std::size_t largest = 0;
+
+ private:
+  std::shared_ptr<const ByteSource> base_;
+};
+}  // namespace
+
+TEST_CASE("reader: local headers that lie close together are read together, far ones apart") {
+  // 200 small records, one of 300 KiB, 200 more small ones: the small ones' headers lie within
+  // a few KiB of each other; the big record separates two groups.
+  std::vector<Rec> recs;
+  for (int i = 0; i < 400; ++i) {
+    if (i == 200) recs.push_back({"m/data/big", std::string(300 << 10, 'b')});
+    recs.push_back({"m/data/" + std::to_string(i), std::string(static_cast<std::size_t>(1 + i % 7), static_cast<char>('a' + i % 26))});
+  }
+  const auto bytes = make_zip(recs);
+  auto counter = std::make_shared<PeekCounter>(mem(bytes));
+  const auto ar = zip::Archive::open(counter);
+  REQUIRE(ar.entries().size() == recs.size());
+  for (std::size_t i = 0; i < recs.size(); ++i) {
+    const auto& e = ar.entries()[i];
+    CAPTURE(e.name);
+    CHECK(e.name == recs[i].name);
+    CHECK(e.data_offset % 64 == 0);
+    const Region r = ar.read(e);
+    CHECK(std::string(reinterpret_cast<const char*>(r.data), static_cast<std::size_t>(r.size)) == recs[i].data);
+  }
+  // One read per group of nearby headers (each small record takes 128 bytes: 64 for its header,
+  // name and padding, 64 for its data and descriptor): 400 records in 3 groups, not 401 reads.
+  CHECK(counter->peeks >= 2);
+  CHECK(counter->peeks <= 4);
+  CHECK(counter->largest <= std::size_t{64} << 10);
+
+  SUBCASE("a bad header inside a group is still named") {
+    auto v = bytes;
+    const std::size_t h = static_cast<std::size_t>(ar.entries()[57].header_offset);
+    put32(v, h, 0x01020304);
+    try {
+      (void)zip::Archive::open(mem(v));
+      FAIL("expected zip.bad_local_header");
+    } catch (const error& e) {
+      CHECK(e.code() == errors::zip_bad_local_header);
+      CHECK_MESSAGE(std::string(e.what()).find("'m/data/57'") != std::string::npos, e.what());
+    }
+    auto w = bytes;
+    const std::size_t h2 = static_cast<std::size_t>(ar.entries()[301].header_offset);
+    put16(w, h2 + 26, 3);  // a name length that does not match its central directory entry
+    expect_error([&] { (void)zip::Archive::open(mem(w)); }, errors::zip_bad_local_header);
   }
 }
 

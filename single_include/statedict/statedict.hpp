@@ -4315,6 +4315,14 @@ class tensor_table {
     views_.push_back(v);
   }
   [[nodiscard]] std::uint32_t find(std::string_view name) const { return index_.find(name); }
+  /// find() for a tensor node: skeletons list their tensor nodes in the order of the map
+  /// (flatten writes both in pre-order), so the entry after the previous tensor node's is
+  /// tried first; names are unique (add() refuses repeats), so a match is the only one.
+  [[nodiscard]] std::uint32_t find_next(std::string_view name) {
+    const std::uint32_t i = next_ < names_.size() && names_[next_] == name ? next_ : index_.find(name);
+    if (i != npos) next_ = i + 1;
+    return i;
+  }
   [[nodiscard]] std::size_t size() const noexcept { return views_.size(); }
   [[nodiscard]] std::string_view name(std::uint32_t i) const { return names_[i]; }
   [[nodiscard]] const TensorView& view(std::uint32_t i) const { return *views_[i]; }
@@ -4329,6 +4337,7 @@ class tensor_table {
   std::vector<std::string_view> names_;
   std::vector<const TensorView*> views_;
   std::vector<std::uint8_t> declared_;
+  std::uint32_t next_ = 0;  // where find_next looks first
 };
 
 inline bool shape_equals(const json& arr, const shape_t& s) {
@@ -4342,7 +4351,7 @@ inline bool shape_equals(const json& arr, const shape_t& s) {
 /// The Value of a tensor, alias or view_of node, checked against the tensor table.
 inline Value decode_tensorish(const snode_info& n, tensor_table& tt) {
   const std::string& name = n.body->get_ref<const std::string&>();
-  const std::uint32_t i = tt.find(name);
+  const std::uint32_t i = n.kind == snode::tensor ? tt.find_next(name) : tt.find(name);
   if (n.kind == snode::tensor) {
     // One pass over the node's members (this is the hot path of unflatten).
     const json* dtype_j = nullptr;
@@ -7964,7 +7973,7 @@ class Archive {
         fail(errors::zip_duplicate_entry, "entry " + quote(en.name) + " appears twice");
       entries_.push_back(std::move(en));
     }
-    for (Entry& en : entries_) locate_data(en);
+    locate_all();
   }
 
   void check_name(const std::string& name) const {
@@ -8011,19 +8020,61 @@ class Archive {
     }
   }
 
-  void locate_data(Entry& en) {
-    const ByteSource& src = *source_;
-    if (en.header_offset > max_size - delta_) fail(errors::zip_entry_out_of_bounds, "entry " + quote(en.name) + ": header offset overflows");
-    const std::uint64_t h = en.header_offset + delta_;
-    if (h > cd_offset_ || cd_offset_ - h < detail::local_header_size)
-      fail(errors::zip_entry_out_of_bounds, "entry " + quote(en.name) + ": local header at offset " + std::to_string(h) +
-                                                " is not before the central directory (offset " + std::to_string(cd_offset_) + ")");
-    // The fixed header and the name in one positioned read (peek: thousands of entries must not
-    // fault in the mapped pages around each header).
-    const std::uint64_t want = std::min<std::uint64_t>(detail::local_header_size + en.name.size(), cd_offset_ - h);
-    local_buf_.resize(static_cast<std::size_t>(want));
-    src.peek(h, local_buf_);
-    const std::byte* lh = local_buf_.data();
+  /// Finds every entry's data from its local header (the central directory does not repeat the
+  /// local extra field, which torch uses to pad data to 64 bytes). Headers close to each other are
+  /// read with one positioned read: a torch file has one header per storage and small storages
+  /// sit back to back, so a 10,000-storage checkpoint needs about a third of the reads. Reads
+  /// stay small (never past max_span), and `peek` keeps thousands of them from faulting in the
+  /// mapped pages around each header.
+  void locate_all() {
+    static constexpr std::uint64_t max_gap = 16 << 10;   // headers further apart start a new read
+    static constexpr std::uint64_t max_span = 64 << 10;  // bytes of one read
+    std::vector<std::uint32_t> order(entries_.size());
+    for (std::size_t i = 0; i < entries_.size(); ++i) {
+      Entry& en = entries_[i];
+      if (en.header_offset > max_size - delta_)
+        fail(errors::zip_entry_out_of_bounds, "entry " + quote(en.name) + ": header offset overflows");
+      const std::uint64_t h = en.header_offset + delta_;
+      if (h > cd_offset_ || cd_offset_ - h < detail::local_header_size)
+        fail(errors::zip_entry_out_of_bounds, "entry " + quote(en.name) + ": local header at offset " + std::to_string(h) +
+                                                  " is not before the central directory (offset " +
+                                                  std::to_string(cd_offset_) + ")");
+      en.header_offset = h;
+      order[i] = static_cast<std::uint32_t>(i);
+    }
+    auto by_offset = [&](std::uint32_t a, std::uint32_t b) { return entries_[a].header_offset < entries_[b].header_offset; };
+    if (!std::is_sorted(order.begin(), order.end(), by_offset)) std::stable_sort(order.begin(), order.end(), by_offset);
+    // The fixed header and the name, cut at the central directory (checked when parsed).
+    auto end_of = [&](const Entry& en) {
+      return en.header_offset + std::min<std::uint64_t>(detail::local_header_size + en.name.size(), cd_offset_ - en.header_offset);
+    };
+    std::size_t b = 0;
+    while (b < order.size()) {
+      const std::uint64_t start = entries_[order[b]].header_offset;
+      std::uint64_t stop = end_of(entries_[order[b]]);
+      std::size_t e = b + 1;
+      for (; e < order.size(); ++e) {
+        const Entry& en = entries_[order[e]];
+        if (en.header_offset - entries_[order[e - 1]].header_offset > max_gap || end_of(en) - start > max_span) break;
+        stop = std::max(stop, end_of(en));
+      }
+      local_buf_.resize(static_cast<std::size_t>(stop - start));
+      source_->peek(start, local_buf_);
+      for (std::size_t k = b; k < e; ++k) {
+        Entry& en = entries_[order[k]];
+        const std::uint64_t at = en.header_offset - start;
+        locate_data(en, std::span<const std::byte>(local_buf_).subspan(static_cast<std::size_t>(at),
+                                                                         static_cast<std::size_t>(end_of(en) - en.header_offset)));
+      }
+      b = e;
+    }
+  }
+
+  /// Parses the local header of `en` (already checked to lie before the central directory) from
+  /// `lh`: its fixed part and name, or as much of them as precedes the central directory.
+  void locate_data(Entry& en, std::span<const std::byte> lh_bytes) {
+    const std::uint64_t h = en.header_offset;
+    const std::byte* lh = lh_bytes.data();
     if (detail::rd32(lh) != detail::sig_local)
       fail(errors::zip_bad_local_header, "entry " + quote(en.name) + ": no local header signature at offset " + std::to_string(h));
     const std::uint64_t name_len = detail::rd16(lh + 26), extra_len = detail::rd16(lh + 28);
@@ -8041,7 +8092,6 @@ class Archive {
                                                 " bytes at offset " + std::to_string(data) +
                                                 " run past the start of the central directory (offset " +
                                                 std::to_string(cd_offset_) + ")");
-    en.header_offset = h;
     en.data_offset = data;
   }
 
@@ -8054,7 +8104,7 @@ class Archive {
     std::size_t operator()(std::string_view s) const noexcept { return std::hash<std::string_view>{}(s); }
   };
   std::unordered_map<std::string, std::size_t, name_hash, std::equal_to<>> index_;
-  std::vector<std::byte> local_buf_;  // scratch for locate_data
+  std::vector<std::byte> local_buf_;  // scratch for locate_all
   std::uint64_t delta_ = 0;
   std::uint64_t cd_offset_ = 0;
   bool zip64_ = false;

@@ -1253,6 +1253,14 @@ class tensor_table {
     views_.push_back(v);
   }
   [[nodiscard]] std::uint32_t find(std::string_view name) const { return index_.find(name); }
+  /// find() for a tensor node: skeletons list their tensor nodes in the order of the map
+  /// (flatten writes both in pre-order), so the entry after the previous tensor node's is
+  /// tried first; names are unique (add() refuses repeats), so a match is the only one.
+  [[nodiscard]] std::uint32_t find_next(std::string_view name) {
+    const std::uint32_t i = next_ < names_.size() && names_[next_] == name ? next_ : index_.find(name);
+    if (i != npos) next_ = i + 1;
+    return i;
+  }
   [[nodiscard]] std::size_t size() const noexcept { return views_.size(); }
   [[nodiscard]] std::string_view name(std::uint32_t i) const { return names_[i]; }
   [[nodiscard]] const TensorView& view(std::uint32_t i) const { return *views_[i]; }
@@ -1267,6 +1275,7 @@ class tensor_table {
   std::vector<std::string_view> names_;
   std::vector<const TensorView*> views_;
   std::vector<std::uint8_t> declared_;
+  std::uint32_t next_ = 0;  // where find_next looks first
 };
 
 inline bool shape_equals(const json& arr, const shape_t& s) {
@@ -1280,7 +1289,7 @@ inline bool shape_equals(const json& arr, const shape_t& s) {
 /// The Value of a tensor, alias or view_of node, checked against the tensor table.
 inline Value decode_tensorish(const snode_info& n, tensor_table& tt) {
   const std::string& name = n.body->get_ref<const std::string&>();
-  const std::uint32_t i = tt.find(name);
+  const std::uint32_t i = n.kind == snode::tensor ? tt.find_next(name) : tt.find(name);
   if (n.kind == snode::tensor) {
     // One pass over the node's members (this is the hot path of unflatten).
     const json* dtype_j = nullptr;
