@@ -412,6 +412,7 @@ class Archive {
     auto end_of = [&](const Entry& en) {
       return en.header_offset + std::min<std::uint64_t>(detail::local_header_size + en.name.size(), cd_offset_ - en.header_offset);
     };
+    std::vector<std::byte> buf;
     std::size_t b = 0;
     while (b < order.size()) {
       const std::uint64_t start = entries_[order[b]].header_offset;
@@ -422,23 +423,22 @@ class Archive {
         if (en.header_offset - entries_[order[e - 1]].header_offset > max_gap || end_of(en) - start > max_span) break;
         stop = std::max(stop, end_of(en));
       }
-      local_buf_.resize(static_cast<std::size_t>(stop - start));
-      source_->peek(start, local_buf_);
+      buf.resize(static_cast<std::size_t>(stop - start));
+      source_->peek(start, buf);
       for (std::size_t k = b; k < e; ++k) {
         Entry& en = entries_[order[k]];
         const std::uint64_t at = en.header_offset - start;
-        locate_data(en, std::span<const std::byte>(local_buf_).subspan(static_cast<std::size_t>(at),
-                                                                         static_cast<std::size_t>(end_of(en) - en.header_offset)));
+        locate_data(en, buf.data() + static_cast<std::size_t>(at));
       }
       b = e;
     }
   }
 
-  /// Parses the local header of `en` (already checked to lie before the central directory) from
-  /// `lh`: its fixed part and name, or as much of them as precedes the central directory.
-  void locate_data(Entry& en, std::span<const std::byte> lh_bytes) {
+  /// Parses the local header of `en` from `lh`: its fixed part and name, or as much of them as
+  /// precedes the central directory (locate_all checked that the fixed part does; the name is
+  /// compared only once the header is known to end before it).
+  void locate_data(Entry& en, const std::byte* lh) {
     const std::uint64_t h = en.header_offset;
-    const std::byte* lh = lh_bytes.data();
     if (detail::rd32(lh) != detail::sig_local)
       fail(errors::zip_bad_local_header, "entry " + quote(en.name) + ": no local header signature at offset " + std::to_string(h));
     const std::uint64_t name_len = detail::rd16(lh + 26), extra_len = detail::rd16(lh + 28);
@@ -468,7 +468,6 @@ class Archive {
     std::size_t operator()(std::string_view s) const noexcept { return std::hash<std::string_view>{}(s); }
   };
   std::unordered_map<std::string, std::size_t, name_hash, std::equal_to<>> index_;
-  std::vector<std::byte> local_buf_;  // scratch for locate_all
   std::uint64_t delta_ = 0;
   std::uint64_t cd_offset_ = 0;
   bool zip64_ = false;
