@@ -12,6 +12,7 @@
 #include <map>
 #include <random>
 #include <set>
+#include <thread>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -123,11 +124,11 @@ TEST_CASE("int and string keys, lists, tuples, empty containers and objects are 
   CHECK(back["objs"].at(0).as_object().how == object_build::newobj);
   CHECK(back["objs"].at(2).as_object().how == object_build::global);
   // The object encoding
-  const json& objs = f.skeleton["root"]["dict"][6][1]["list"];
+  const json& objs = f.skeleton.json()["root"]["dict"][6][1]["list"];
   CHECK(objs[1] == json::parse(R"({"object": {"module": "torch", "name": "Size", "how": "reduce",
                                    "args": [{"tuple": [2, 3]}], "state": [], "items": []}})"));
-  CHECK(f.skeleton["root"]["dict"][0][0] == 1);
-  CHECK(f.skeleton["root"]["dict"][1][0] == "1");
+  CHECK(f.skeleton.json()["root"]["dict"][0][0] == 1);
+  CHECK(f.skeleton.json()["root"]["dict"][1][0] == "1");
 }
 
 TEST_CASE("doubles round-trip bit for bit through the skeleton text; ints stay ints") {
@@ -169,7 +170,7 @@ TEST_CASE("doubles round-trip bit for bit through the skeleton text; ints stay i
     CHECK(std::bit_cast<std::uint64_t>(back.at(i).as_double()) == std::bit_cast<std::uint64_t>(doubles[i]));
   }
   for (std::size_t i = 0; i < ints.size(); ++i) CHECK(back.at(doubles.size() + i).as_int() == ints[i]);
-  const json& items = f.skeleton["root"]["list"];
+  const json& items = f.skeleton.json()["root"]["list"];
   CHECK(items[0].is_number_float());
   CHECK(items[2].is_number_float());  // 1.0 is a float: "1.0" in the text
   CHECK(text.find("1.0,") != std::string::npos);
@@ -200,7 +201,7 @@ TEST_CASE("bytes, unicode and strings that are not UTF-8 round-trip; the skeleto
                      {"ctl", std::string("a\0b\n\x01", 5)}});
   const FlatStateDict f = flatten(tree);
   const std::string text = f.skeleton.dump();  // would throw on invalid UTF-8
-  const json& items = f.skeleton["root"]["dict"];
+  const json& items = f.skeleton.json()["root"]["dict"];
   CHECK(items[6][1].contains("str_bytes"));
   CHECK(items[7][0].contains("str_bytes"));
   CHECK(items[4][1].is_string());
@@ -281,7 +282,7 @@ TEST_CASE("tied weights become an alias; views into an earlier contiguous tensor
                      {"empty", v.narrow(0, 0, 0)}});               // zero elements: never aliased
   const FlatStateDict f = flatten(tree);
   CHECK(names(f) == std::vector<std::string>{"embed", "empty"});
-  const json& d = f.skeleton["root"]["dict"];
+  const json& d = f.skeleton.json()["root"]["dict"];
   CHECK(d[1][1] == json::parse(R"({"alias": "embed"})"));
   CHECK(d[2][1] == json::parse(R"({"view_of": "embed", "dtype": "F32", "offset": 0, "shape": [3, 2], "strides": [1, 3]})"));
   CHECK(d[3][1] == json::parse(R"({"view_of": "embed", "dtype": "F32", "offset": 3, "shape": [1, 3], "strides": [3, 1]})"));
@@ -321,7 +322,7 @@ TEST_CASE("partial overlaps, other dtypes, later containers and odd offsets are 
                      {"odd", odd}});                // U8 inside F32 bytes: another dtype
   const FlatStateDict f = flatten(tree);
   CHECK(names(f) == std::vector<std::string>{"a", "b", "ints", "all", "odd"});
-  const json& d = f.skeleton["root"]["dict"];
+  const json& d = f.skeleton.json()["root"]["dict"];
   CHECK(d[2][1]["view_of"] == "a");
   CHECK(d[2][1]["offset"] == 1);
   CHECK(d[5][1].contains("view_of"));
@@ -343,8 +344,8 @@ TEST_CASE("a same-dtype view at an odd byte offset is a view of the container it
   Value tree = dict({{"base", base}, {"shifted", shifted}, {"inner", inner}});
   const FlatStateDict f = flatten(tree);
   CHECK(names(f) == std::vector<std::string>{"base", "shifted"});
-  CHECK(f.skeleton["root"]["dict"][2][1]["view_of"] == "shifted");
-  CHECK(f.skeleton["root"]["dict"][2][1]["offset"] == 1);
+  CHECK(f.skeleton.json()["root"]["dict"][2][1]["view_of"] == "shifted");
+  CHECK(f.skeleton.json()["root"]["dict"][2][1]["offset"] == 1);
   CHECK(unflatten(f) == tree);
 }
 
@@ -354,7 +355,7 @@ TEST_CASE("a chain of views resolves to the tensor node; owners are kept") {
   Value tree = dict({{"w", v}, {"rows", v.narrow(0, 1, 2)}, {"cell", v.narrow(0, 1, 2).narrow(1, 1, 2)}});
   const FlatStateDict f = flatten(tree);
   CHECK(names(f) == std::vector<std::string>{"w"});
-  CHECK(f.skeleton["root"]["dict"][2][1] ==
+  CHECK(f.skeleton.json()["root"]["dict"][2][1] ==
         json::parse(R"({"view_of": "w", "dtype": "F32", "offset": 5, "shape": [2, 2], "strides": [4, 1]})"));
   const Value back = unflatten(f);
   CHECK(back["cell"].as_tensor().owner() == w.view().owner());
@@ -472,12 +473,12 @@ TEST_CASE("select keeps the chosen part; dropped alias and view targets are prom
   CHECK(rs.tensors == std::vector<SubsetTensor>{{"model.row", "model.embed", ViewSpec{dtype::F32, 3, {1, 3}, {3, 1}}}});
   const FlatStateDict rows = select(f, name_prefix_filter({"model.row"}));
   CHECK(same_view(rows.tensors.at(0).second, v.narrow(0, 1, 1)));
-  CHECK(rows.skeleton["root"]["dict"][0][1]["dict"][0][1] == json::parse(R"({"tensor": "model.row", "dtype": "F32", "shape": [1, 3]})"));
+  CHECK(rows.skeleton.json()["root"]["dict"][0][1]["dict"][0][1] == json::parse(R"({"tensor": "model.row", "dtype": "F32", "shape": [1, 3]})"));
 
   // A kept view whose base is kept stays a view; a second alias of a promoted one aliases it.
   const FlatStateDict both = select(f, name_prefix_filter({"model.t", "model.embed"}));
   CHECK(names(both) == std::vector<std::string>{"model.embed"});
-  CHECK(both.skeleton["root"]["dict"][0][1]["dict"][1][1].contains("view_of"));
+  CHECK(both.skeleton.json()["root"]["dict"][0][1]["dict"][1][1].contains("view_of"));
 
   // Lists keep indices: dropped elements before a kept one become None.
   const Value g = unflatten(select(f, name_prefix_filter({"groups.1"})));
@@ -821,6 +822,103 @@ bool contains_aligned(const TensorView& outer, const TensorView& inner) {
 
 }  // namespace
 
+TEST_CASE("a skeleton from flatten stays compact until JSON is asked for; copies, moves and edits keep the document") {
+  Tensor w = Tensor::from<float>({1, 2, 3, 4, 5, 6}, {2, 3});
+  Object obj{"torch", "Size", object_build::reduce, {Value::tuple({2, 3})}, {}, {}};
+  Value tree = dict({{"model", dict({{"w", w}, {"tied", w}, {"row", w.view().narrow(0, 1, 1)}})},
+                     {"meta", Value::list({1, 2.5, "s", Value(), true, Value(Bytes{{1, 2, 3}}), Value(std::move(obj))})},
+                     {7, Value::tuple({})}});
+  const FlatStateDict f = flatten(tree);
+  REQUIRE(f.skeleton.tape() != nullptr);
+  CHECK_FALSE(f.skeleton.is_null());
+  const json doc = json::parse(f.skeleton.dump());
+  CHECK(f.skeleton.json() == doc);
+  CHECK(&f.skeleton.json() == &f.skeleton.json());  // built once
+  CHECK(doc["root"]["dict"][0][1]["dict"][1][1] == json::parse(R"({"alias": "model.w"})"));
+
+  // A copy shares the compact form, not the document; both give the same document and tree.
+  Skeleton copy = f.skeleton;
+  REQUIRE(copy.tape() == f.skeleton.tape());
+  CHECK(copy == doc);
+  CHECK(unflatten(f.tensors, copy) == tree);
+
+  // Several threads asking for the document of one skeleton get the same one.
+  const Skeleton shared = f.skeleton;
+  std::vector<const json*> seen(4, nullptr);
+  {
+    std::vector<std::thread> threads;
+    for (std::size_t i = 0; i < seen.size(); ++i) threads.emplace_back([&, i] { seen[i] = &shared.json(); });
+    for (auto& t : threads) t.join();
+  }
+  for (const json* p : seen) CHECK(p == seen[0]);
+  CHECK(*seen[0] == doc);
+
+  // mutable_json drops the compact form: the edit is what unflatten reads from then on.
+  Skeleton edited = f.skeleton;
+  edited.mutable_json()["root"]["dict"][2][0] = 8;
+  CHECK(edited.tape() == nullptr);
+  CHECK(unflatten(f.tensors, edited)[8] == Value::tuple({}));
+  CHECK(f.skeleton.json() == doc);  // the original is untouched
+
+  // take_json moves the document out, whether or not it was built.
+  Skeleton a = f.skeleton, b = f.skeleton;
+  (void)b.json();
+  CHECK(std::move(a).take_json() == doc);
+  CHECK(std::move(b).take_json() == doc);
+  CHECK(a.is_null());
+
+  // Moved-from and default skeletons are null: a flat dict of the map.
+  Skeleton moved = std::move(copy);
+  CHECK(moved.tape() != nullptr);
+  CHECK(copy.is_null());
+  copy = moved;
+  CHECK(copy == doc);
+  const NamedTensors two = {{"x", w}, {"y", w}};
+  CHECK(unflatten(two, Skeleton()) == dict({{"x", w}, {"y", w}}));
+
+  // A skeleton made from JSON is that JSON.
+  const Skeleton from_doc = doc;
+  CHECK(from_doc.tape() == nullptr);
+  CHECK(&from_doc.json() == &from_doc.json());
+  CHECK(unflatten(f.tensors, from_doc) == tree);
+}
+
+TEST_CASE("property: the compact and JSON forms of a skeleton reject a map that does not match with the same error") {
+  int checked = 0;
+  for (std::uint64_t seed = 1; seed <= 1500; ++seed) {
+    CAPTURE(seed);
+    RandomTree gen(seed);
+    const Value tree = gen.tree();
+    const FlatStateDict f = flatten(tree);
+    if (f.tensors.empty()) continue;
+    const json doc = json::parse(f.skeleton.dump());
+    std::mt19937_64 rng(seed);
+    NamedTensors m = f.tensors;
+    const std::size_t i = rng() % m.size();
+    switch (rng() % 6) {
+      case 0: m.erase(m.begin() + static_cast<std::ptrdiff_t>(i)); break;
+      case 1: m.emplace_back("stray", m[i].second); break;
+      case 2: m[i].first += "#x"; break;
+      case 3: m.push_back(m[i]); break;  // a repeated name
+      case 4: {
+        const TensorView& v = m[i].second;
+        m[i].second = TensorView::contiguous(v.dtype() == dtype::F32 ? dtype::I32 : dtype::F32, v.shape(), v.data(), v.owner());
+        break;
+      }
+      default: {
+        Tensor other = Tensor::zeros(m[i].second.dtype(), {static_cast<dim_t>(m[i].second.numel()) + 1});
+        m[i].second = other.view();  // another shape (and a buffer the old views do not fit in)
+        break;
+      }
+    }
+    const std::string from_json = error_text([&] { (void)unflatten(m, doc); });
+    const std::string from_tape = error_text([&] { (void)unflatten(m, f.skeleton); });
+    REQUIRE(from_tape == from_json);
+    checked += !from_json.empty();
+  }
+  CHECK(checked > 1000);
+}
+
 TEST_CASE("property: random trees round-trip exactly, in memory and through JSON text") {
   int trees = 0, with_alias = 0, with_view = 0;
   std::size_t leaves = 0;
@@ -840,7 +938,9 @@ TEST_CASE("property: random trees round-trip exactly, in memory and through JSON
     const std::string text = f.skeleton.dump();
     REQUIRE(skeleton_dump(f.skeleton) == text);
     const json parsed = json::parse(text);
+    REQUIRE(f.skeleton.json() == parsed);  // the compact form's document
     REQUIRE(unflatten(f.tensors, parsed) == tree);
+    REQUIRE(unflatten(f.tensors, Skeleton(parsed)) == tree);
     std::unordered_map<std::string, TensorView> hashed(f.tensors.begin(), f.tensors.end());
     REQUIRE(unflatten(hashed, parsed) == tree);
     // Names are unique; the map lists the skeleton's tensor nodes in order.

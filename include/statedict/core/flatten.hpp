@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <bit>
 #include <charconv>
 #include <cmath>
@@ -34,6 +35,7 @@
 #include <deque>
 #include <functional>
 #include <iterator>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -74,10 +76,67 @@ inline constexpr error_id flat_duplicate_key   {210, error_kind::format,      "f
 /// Tensors by name, in order.
 using NamedTensors = std::vector<std::pair<std::string, TensorView>>;
 
+namespace detail {
+struct skeleton_tape;
+}
+
+/// A skeleton document (docs/flatten.md). One made by `flatten` is held in a compact form (a node
+/// array and a string pool, a few allocations in all) that `unflatten` reads directly; its JSON
+/// DOM is built only when something asks for it (`json()`, the implicit conversion, `dump()`),
+/// once, safely from several threads. One made from JSON (read from a file, or built by hand) is
+/// that JSON. Either way `json()` is the same document and `unflatten` gives the same tree.
+class Skeleton {
+ public:
+  /// The null skeleton: a flat dict of the map's tensors in order.
+  Skeleton() = default;
+  /// A skeleton document (validated by whatever reads it, as any skeleton).
+  Skeleton(nlohmann::json doc) : doc_(std::move(doc)) {}  // NOLINT(google-explicit-constructor)
+  explicit Skeleton(std::shared_ptr<const detail::skeleton_tape> tape) : tape_(std::move(tape)) {}
+
+  Skeleton(const Skeleton& o) : tape_(o.tape_), doc_(o.tape_ ? nlohmann::json() : o.doc_) {}
+  Skeleton(Skeleton&& o) noexcept
+      : tape_(std::move(o.tape_)), doc_(std::move(o.doc_)), cache_(o.cache_.exchange(nullptr)) {}
+  Skeleton& operator=(const Skeleton& o) {
+    if (this != &o) *this = Skeleton(o);
+    return *this;
+  }
+  Skeleton& operator=(Skeleton&& o) noexcept {
+    if (this != &o) {
+      delete cache_.exchange(o.cache_.exchange(nullptr));
+      tape_ = std::move(o.tape_);
+      doc_ = std::move(o.doc_);
+    }
+    return *this;
+  }
+  ~Skeleton() { delete cache_.load(); }
+
+  /// The document (built from the compact form on first use).
+  [[nodiscard]] const nlohmann::json& json() const;
+  operator const nlohmann::json&() const { return json(); }  // NOLINT(google-explicit-constructor)
+  /// The document, for editing (the compact form is dropped).
+  nlohmann::json& mutable_json();
+  /// The document, moved out (built without keeping a copy when it was not built yet).
+  [[nodiscard]] nlohmann::json take_json() &&;
+  /// True for the null skeleton.
+  [[nodiscard]] bool is_null() const noexcept { return !tape_ && doc_.is_null(); }
+  /// The compact JSON text (`skeleton_dump(json())`).
+  [[nodiscard]] std::string dump() const;
+  /// The compact form, when this skeleton was made by flatten and not edited since.
+  [[nodiscard]] const detail::skeleton_tape* tape() const noexcept { return tape_.get(); }
+
+  friend bool operator==(const Skeleton& a, const Skeleton& b) { return a.json() == b.json(); }
+  friend bool operator==(const Skeleton& a, const nlohmann::json& b) { return a.json() == b; }
+
+ private:
+  std::shared_ptr<const detail::skeleton_tape> tape_;
+  nlohmann::json doc_;                                   // when there is no tape
+  mutable std::atomic<nlohmann::json*> cache_{nullptr};  // the tape's document, once built
+};
+
 /// What `flatten` returns: the tensors (unique names, tree pre-order) and the skeleton.
 struct FlatStateDict {
   NamedTensors tensors;
-  nlohmann::json skeleton;
+  Skeleton skeleton;
 
   /// The tensor named `name`, or nullptr (a linear search).
   [[nodiscard]] const TensorView* find(std::string_view name) const {
@@ -265,8 +324,8 @@ inline bool valid_utf8(std::string_view s) noexcept {
 }
 
 /// A JSON string node, or {"str_bytes": base64} when `s` is not valid UTF-8.
-inline json encode_string(const std::string& s) {
-  if (valid_utf8(s)) return json(s);
+inline json encode_string(std::string_view s) {
+  if (valid_utf8(s)) return json(std::string(s));
   json j(json::value_t::object);
   j.get_ref<json::object_t&>().emplace("str_bytes", base64_encode(s));
   return j;
@@ -295,38 +354,91 @@ inline json encode_double(double d) {
   return j;
 }
 
-inline json shape_json(const shape_t& s) {
+inline json shape_json(const dim_t* d, std::size_t n) {
   json::array_t a;
-  a.reserve(s.size());
-  for (dim_t d : s) a.emplace_back(d);
+  a.reserve(n);
+  for (std::size_t i = 0; i < n; ++i) a.emplace_back(d[i]);
   return json(std::move(a));
 }
+inline json shape_json(const shape_t& s) { return shape_json(s.data(), s.size()); }
 
 // Node members are inserted in key order with a hint at the end: no string comparisons.
-inline json tensor_node(const std::string& name, const TensorView& v) {
+inline json tensor_node(std::string_view name, statedict::dtype dt, const dim_t* shape, std::size_t rank) {
   json j(json::value_t::object);
   auto& o = j.get_ref<json::object_t&>();
-  o.emplace_hint(o.end(), "dtype", std::string(statedict::name(v.dtype())));
-  o.emplace_hint(o.end(), "shape", shape_json(v.shape()));
-  o.emplace_hint(o.end(), "tensor", name);
+  o.emplace_hint(o.end(), "dtype", std::string(statedict::name(dt)));
+  o.emplace_hint(o.end(), "shape", shape_json(shape, rank));
+  o.emplace_hint(o.end(), "tensor", std::string(name));
   return j;
 }
 
-inline json alias_node(const std::string& target) {
+inline json alias_node(std::string_view target) {
   json j(json::value_t::object);
-  j.get_ref<json::object_t&>().emplace("alias", target);
+  j.get_ref<json::object_t&>().emplace("alias", std::string(target));
   return j;
 }
 
-inline json view_node(const std::string& base, const ViewSpec& s) {
+inline json view_node(std::string_view base, statedict::dtype dt, dim_t offset, const dim_t* shape, const dim_t* strides,
+                      std::size_t rank) {
   json j(json::value_t::object);
   auto& o = j.get_ref<json::object_t&>();
-  o.emplace_hint(o.end(), "dtype", std::string(statedict::name(s.dtype)));
-  o.emplace_hint(o.end(), "offset", s.offset);
-  o.emplace_hint(o.end(), "shape", shape_json(s.shape));
-  o.emplace_hint(o.end(), "strides", shape_json(s.strides));
-  o.emplace_hint(o.end(), "view_of", base);
+  o.emplace_hint(o.end(), "dtype", std::string(statedict::name(dt)));
+  o.emplace_hint(o.end(), "offset", offset);
+  o.emplace_hint(o.end(), "shape", shape_json(shape, rank));
+  o.emplace_hint(o.end(), "strides", shape_json(strides, rank));
+  o.emplace_hint(o.end(), "view_of", std::string(base));
   return j;
+}
+
+/// Node kinds of the skeleton format.
+enum class snode : std::uint8_t { none, boolean, integer, floating, string, bytes, tensor, alias, view, list, tuple, dict, object };
+
+/// The compact form of a skeleton made by flatten: its nodes in pre-order in one array, their
+/// strings back to back in one pool, and one record per tensor-like node. Only flatten makes one,
+/// so it is well formed by construction (unflatten still checks it against the tensor map).
+struct skeleton_tape {
+  struct node {
+    snode kind;
+    std::uint8_t flag;  // boolean: the value; object: its object_build
+    std::uint64_t a;    // integer, floating: the bits; string, bytes: pool offset; tensor: leaf index;
+                        // list, tuple, dict: child count; object: args count
+    std::uint64_t b;    // string, bytes: length; object: state count
+  };
+  // A dict's children come as (key, value) node pairs, the key an integer or string node. An
+  // object node is followed by a `none` node whose `a` is its items count, then its module and
+  // name as string nodes, then its args, state and items.
+  struct leaf {
+    snode kind;            // tensor, alias or view
+    statedict::dtype dtype;
+    std::uint32_t rank;
+    std::uint32_t target;  // alias, view: the leaf of the tensor node they name
+    std::uint64_t name;    // tensor: its name, at pool offset `name`, `name_len` bytes
+    std::uint64_t name_len;
+    std::uint64_t dims;    // tensor: its shape; view: its shape, then its strides; from dims[this]
+    dim_t offset;          // view: element offset into its base
+  };
+  std::vector<node> nodes;
+  std::string pool;
+  std::vector<leaf> leaves;
+  std::vector<dim_t> dims;
+
+  [[nodiscard]] std::string_view str(std::uint64_t off, std::uint64_t len) const noexcept {
+    return std::string_view(pool).substr(static_cast<std::size_t>(off), static_cast<std::size_t>(len));
+  }
+  [[nodiscard]] std::string_view str(const node& n) const noexcept { return str(n.a, n.b); }
+  [[nodiscard]] std::string_view name(const leaf& l) const noexcept {
+    return str(l.kind == snode::tensor ? l.name : leaves[l.target].name, l.kind == snode::tensor ? l.name_len : leaves[l.target].name_len);
+  }
+  std::uint64_t add_str(std::string_view s) {
+    const std::uint64_t off = pool.size();
+    pool.append(s);
+    return off;
+  }
+};
+
+inline json view_node(std::string_view base, const ViewSpec& s) {
+  if (s.shape.size() != s.strides.size()) throw_error(errors::flat_view_bounds, "a view's shape and strides have different lengths");
+  return view_node(base, s.dtype, s.offset, s.shape.data(), s.strides.data(), s.shape.size());
 }
 
 inline std::string_view how_name(object_build b) noexcept {
@@ -336,6 +448,101 @@ inline std::string_view how_name(object_build b) noexcept {
     case object_build::newobj: return "newobj";
   }
   return "reduce";
+}
+
+/// The JSON document of a tape: node for node the document docs/flatten.md prescribes (and that
+/// flatten wrote directly before it kept the compact form). Iterative, like every skeleton walk.
+inline json tape_to_json(const skeleton_tape& t) {
+  json doc(json::value_t::object);
+  auto& top = doc.get_ref<json::object_t&>();
+  top.emplace("statedict_skeleton", 1);
+  json& root = top["root"];
+  struct open {
+    json* parts[3];
+    std::uint64_t size[3];
+    std::size_t part;
+    std::uint64_t next;
+    bool dict;
+  };
+  std::vector<open> stack;
+  std::size_t p = 0;
+  auto array_of = [](json::object_t& o, const char* key, std::uint64_t n) -> json& {
+    json& a = o[key];
+    a = json::array_t(static_cast<std::size_t>(n));
+    return a;
+  };
+  auto put = [&](json& slot) {
+    const skeleton_tape::node& n = t.nodes[p++];
+    switch (n.kind) {
+      case snode::none: break;
+      case snode::boolean: slot = n.flag != 0; break;
+      case snode::integer: slot = static_cast<std::int64_t>(n.a); break;
+      case snode::floating: slot = encode_double(std::bit_cast<double>(n.a)); break;
+      case snode::string: slot = encode_string(t.str(n)); break;
+      case snode::bytes: {
+        const std::string_view b = t.str(n);
+        json j(json::value_t::object);
+        j.get_ref<json::object_t&>().emplace("bytes", base64_encode(reinterpret_cast<const std::uint8_t*>(b.data()), b.size()));
+        slot = std::move(j);
+        break;
+      }
+      case snode::tensor:
+      case snode::alias:
+      case snode::view: {
+        const skeleton_tape::leaf& l = t.leaves[static_cast<std::size_t>(n.a)];
+        const dim_t* d = t.dims.data() + l.dims;
+        if (l.kind == snode::tensor) slot = tensor_node(t.name(l), l.dtype, d, l.rank);
+        else if (l.kind == snode::alias) slot = alias_node(t.name(l));
+        else slot = view_node(t.name(l), l.dtype, l.offset, d, d + l.rank, l.rank);
+        break;
+      }
+      case snode::list:
+      case snode::tuple:
+      case snode::dict: {
+        slot = json(json::value_t::object);
+        const char* key = n.kind == snode::list ? "list" : n.kind == snode::tuple ? "tuple" : "dict";
+        json& a = array_of(slot.get_ref<json::object_t&>(), key, n.a);
+        if (n.a) stack.push_back({{&a, nullptr, nullptr}, {n.a, 0, 0}, 0, 0, n.kind == snode::dict});
+        break;
+      }
+      case snode::object: {
+        const std::uint64_t items = t.nodes[p++].a;
+        const skeleton_tape::node& module = t.nodes[p++];
+        const skeleton_tape::node& name = t.nodes[p++];
+        slot = json(json::value_t::object);
+        json& body = slot.get_ref<json::object_t&>()["object"];
+        body = json(json::value_t::object);
+        auto& b = body.get_ref<json::object_t&>();
+        b.emplace("module", encode_string(t.str(module)));
+        b.emplace("name", encode_string(t.str(name)));
+        b.emplace("how", std::string(how_name(static_cast<object_build>(n.flag))));
+        json& args = array_of(b, "args", n.a);
+        json& state = array_of(b, "state", n.b);
+        json& its = array_of(b, "items", items);
+        if (n.a + n.b + items) stack.push_back({{&args, &state, &its}, {n.a, n.b, items}, 0, 0, false});
+        break;
+      }
+    }
+  };
+  put(root);
+  while (!stack.empty()) {
+    open& o = stack.back();
+    while (o.part < 3 && o.next == o.size[o.part]) ++o.part, o.next = 0;
+    if (o.part == 3) {
+      stack.pop_back();
+      continue;
+    }
+    json& slot = (*o.parts[o.part])[static_cast<std::size_t>(o.next++)];
+    if (o.dict) {
+      slot = json::array_t(2);
+      const skeleton_tape::node& k = t.nodes[p++];
+      slot[0] = k.kind == snode::integer ? json(static_cast<std::int64_t>(k.a)) : encode_string(t.str(k));
+      put(slot[1]);  // `o` may dangle from here on
+    } else {
+      put(slot);
+    }
+  }
+  return doc;
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -350,10 +557,17 @@ class name_index {
     values_.reserve(n);
     if (n * 2 > slots_.size()) rehash(n * 2);
   }
+  [[nodiscard]] static std::size_t hash(std::string_view s) noexcept { return std::hash<std::string_view>{}(s); }
+  /// A hint that `insert` or `find` of a string with hash `h` comes soon (a table much larger than
+  /// the cache costs a memory access per lookup; batches overlap them this way).
+  void prefetch(std::size_t h) const noexcept {
+    if (!slots_.empty()) __builtin_prefetch(&slots_[h & (slots_.size() - 1)]);
+  }
   /// Adds `s` with `value` and returns npos, or returns the value `s` already has.
-  std::uint32_t insert(std::string_view s, std::uint32_t value) {
+  std::uint32_t insert(std::string_view s, std::uint32_t value) { return insert(s, value, hash(s)); }
+  /// insert, given `h == hash(s)`.
+  std::uint32_t insert(std::string_view s, std::uint32_t value, std::size_t h) {
     if ((keys_.size() + 1) * 2 > slots_.size()) rehash(std::max<std::size_t>(16, slots_.size() * 2));
-    const std::size_t h = std::hash<std::string_view>{}(s);
     const std::size_t mask = slots_.size() - 1;
     for (std::size_t p = h & mask;; p = (p + 1) & mask) {
       slot& sl = slots_[p];
@@ -475,9 +689,14 @@ std::optional<std::vector<std::string>> assign_names(std::size_t n, Dotted&& dot
   {
     name_index idx;
     idx.reserve(n);
+    constexpr std::size_t ahead = 16;  // hashes computed and slots prefetched this many names ahead
+    std::array<std::size_t, ahead> ring{};
+    for (std::size_t i = 0; i < std::min(n, ahead); ++i) idx.prefetch(ring[i] = name_index::hash(dotted(i)));
     for (std::size_t i = 0; i < n; ++i) {
       const std::string_view d = dotted(i);
-      const std::uint32_t j = idx.insert(d, static_cast<std::uint32_t>(i));
+      const std::size_t h = ring[i % ahead];
+      if (i + ahead < n) idx.prefetch(ring[i % ahead] = name_index::hash(dotted(i + ahead)));
+      const std::uint32_t j = idx.insert(d, static_cast<std::uint32_t>(i), h);
       if (j != name_index::npos) collides[i] = collides[j] = 1, any = true;
       if (!valid_utf8(d)) collides[i] = 1, any = true;
     }
@@ -515,11 +734,9 @@ std::optional<std::vector<std::string>> assign_names(std::size_t n, Dotted&& dot
 class flattener {
  public:
   FlatStateDict run(const Value& root) {
-    json skel(json::value_t::object);
-    auto& top = skel.get_ref<json::object_t&>();
-    top.emplace("statedict_skeleton", 1);
-    json& root_slot = top["root"];
-    walk(root, root_slot);
+    auto tape = std::make_shared<skeleton_tape>();
+    tape_ = tape.get();
+    walk(root);
     decide();
     const std::size_t n = leaves_.size();
     std::vector<std::string> quoted;  // computed only when dotted names collide
@@ -532,27 +749,41 @@ class flattener {
             });
           return quoted[i];
         });
-    auto name_of = [&](std::size_t i) { return names ? (*names)[i] : std::string(dotted(i)); };
     FlatStateDict out;
     std::size_t ntensors = 0;
     for (auto k : kind_) ntensors += k == leaf_kind::tensor;
     out.tensors.reserve(ntensors);
+    tape->leaves.resize(n);
     for (std::size_t i = 0; i < n; ++i) {
       const TensorView& v = *leaves_[i].view;
+      skeleton_tape::leaf& l = tape->leaves[i];
+      l.dtype = v.dtype();
+      l.rank = static_cast<std::uint32_t>(v.shape().size());
+      l.dims = tape->dims.size();
       switch (kind_[i]) {
         case leaf_kind::tensor: {
-          std::string nm = name_of(i);
-          *leaves_[i].slot = tensor_node(nm, v);
+          std::string nm = names ? std::move((*names)[i]) : std::string(dotted(i));
+          l.kind = snode::tensor;
+          l.name = tape->add_str(nm);
+          l.name_len = nm.size();
+          tape->dims.insert(tape->dims.end(), v.shape().begin(), v.shape().end());
           out.tensors.emplace_back(std::move(nm), v);
           break;
         }
-        case leaf_kind::alias: *leaves_[i].slot = alias_node(name_of(target_[i])); break;
+        case leaf_kind::alias:
+          l.kind = snode::alias;
+          l.target = target_[i];
+          break;
         case leaf_kind::view:
-          *leaves_[i].slot = view_node(name_of(target_[i]), ViewSpec{v.dtype(), offset_[i], v.shape(), v.strides()});
+          l.kind = snode::view;
+          l.target = target_[i];
+          l.offset = offset_[i];
+          tape->dims.insert(tape->dims.end(), v.shape().begin(), v.shape().end());
+          tape->dims.insert(tape->dims.end(), v.strides().begin(), v.strides().end());
           break;
       }
     }
-    out.skeleton = std::move(skel);
+    out.skeleton = Skeleton(std::shared_ptr<const skeleton_tape>(std::move(tape)));
     return out;
   }
 
@@ -560,17 +791,16 @@ class flattener {
   enum class leaf_kind : std::uint8_t { tensor, alias, view };
   struct leaf {
     const TensorView* view;
-    json* slot;
   };
   struct frame {
     const Value* node;
-    json* arr[3];  // list/tuple items or dict pairs; for objects args, state, items
     std::size_t next;
     std::size_t size;
     std::size_t prefix_len;
     bool root;
   };
 
+  skeleton_tape* tape_ = nullptr;
   std::vector<leaf> leaves_;
   std::string arena_;                    // the dotted names of all leaves, back to back
   std::vector<std::size_t> name_start_;  // leaf i's name is arena_[name_start_[i], name_start_[i + 1])
@@ -590,24 +820,26 @@ class flattener {
     s.append(buf, r.ptr);
   }
 
-  /// Writes the skeleton node of a leaf or opens a container (arrays pre-sized, so pointers to
-  /// their elements stay valid). Returns true for a container with children.
-  bool emit(const Value& v, json& slot, frame& f) {
+  void node(snode k, std::uint64_t a = 0, std::uint64_t b = 0, std::uint8_t flag = 0) { tape_->nodes.push_back({k, flag, a, b}); }
+  void string_node(snode k, std::string_view s) { node(k, tape_->add_str(s), s.size()); }
+
+  /// Writes the tape node(s) of a value; for a container, sets up its frame. Returns true for a
+  /// container with children.
+  bool emit(const Value& v, frame& f) {
     switch (v.kind()) {
-      case value_kind::none: return false;
-      case value_kind::boolean: slot = v.as_bool(); return false;
-      case value_kind::integer: slot = v.as_int(); return false;
-      case value_kind::floating: slot = encode_double(v.as_double()); return false;
-      case value_kind::string: slot = encode_string(v.as_string()); return false;
+      case value_kind::none: node(snode::none); return false;
+      case value_kind::boolean: node(snode::boolean, 0, 0, v.as_bool() ? 1 : 0); return false;
+      case value_kind::integer: node(snode::integer, static_cast<std::uint64_t>(v.as_int())); return false;
+      case value_kind::floating: node(snode::floating, std::bit_cast<std::uint64_t>(v.as_double())); return false;
+      case value_kind::string: string_node(snode::string, v.as_string()); return false;
       case value_kind::bytes: {
         const auto& b = v.as_bytes().data;
-        json j(json::value_t::object);
-        j.get_ref<json::object_t&>().emplace("bytes", base64_encode(b.data(), b.size()));
-        slot = std::move(j);
+        string_node(snode::bytes, std::string_view(reinterpret_cast<const char*>(b.data()), b.size()));
         return false;
       }
       case value_kind::tensor:
-        leaves_.push_back({&v.as_tensor(), &slot});
+        node(snode::tensor, leaves_.size());
+        leaves_.push_back({&v.as_tensor()});
         if (name_start_.empty()) name_start_.push_back(0);
         arena_ += prefix_;
         name_start_.push_back(arena_.size());
@@ -615,47 +847,34 @@ class flattener {
       case value_kind::list:
       case value_kind::tuple: {
         const std::size_t n = v.as_list().size();
-        slot = json(json::value_t::object);
-        json& a = slot.get_ref<json::object_t&>()[v.is_list() ? "list" : "tuple"];
-        a = json::array_t(n);
-        f = {&v, {&a, nullptr, nullptr}, 0, n, prefix_.size(), false};
+        node(v.is_list() ? snode::list : snode::tuple, n);
+        f = {&v, 0, n, prefix_.size(), false};
         return n != 0;
       }
       case value_kind::dict: {
-        const Dict& d = v.as_dict();
-        slot = json(json::value_t::object);
-        json& a = slot.get_ref<json::object_t&>()["dict"];
-        a = json::array_t(d.size());
-        f = {&v, {&a, nullptr, nullptr}, 0, d.size(), prefix_.size(), false};
-        return d.size() != 0;
+        const std::size_t n = v.as_dict().size();
+        node(snode::dict, n);
+        f = {&v, 0, n, prefix_.size(), false};
+        return n != 0;
       }
       case value_kind::object: {
         const Object& o = v.as_object();
-        slot = json(json::value_t::object);
-        json& body = slot.get_ref<json::object_t&>()["object"];
-        body = json(json::value_t::object);
-        auto& b = body.get_ref<json::object_t&>();
-        b.emplace("module", encode_string(o.module));
-        b.emplace("name", encode_string(o.name));
-        b.emplace("how", std::string(how_name(o.how)));
-        json& args = b["args"];
-        args = json::array_t(o.args.size());
-        json& state = b["state"];
-        state = json::array_t(o.state.size());
-        json& items = b["items"];
-        items = json::array_t(o.items.size());
+        node(snode::object, o.args.size(), o.state.size(), static_cast<std::uint8_t>(o.how));
+        node(snode::none, o.items.size());
+        string_node(snode::string, o.module);
+        string_node(snode::string, o.name);
         const std::size_t n = o.args.size() + o.state.size() + o.items.size();
-        f = {&v, {&args, &state, &items}, 0, n, prefix_.size(), false};
+        f = {&v, 0, n, prefix_.size(), false};
         return n != 0;
       }
     }
     return false;
   }
 
-  void walk(const Value& root, json& root_slot) {
+  void walk(const Value& root) {
     std::vector<frame> stack;
     frame f{};
-    if (!emit(root, root_slot, f)) return;
+    if (!emit(root, f)) return;
     f.root = true;
     stack.push_back(f);
     while (!stack.empty()) {
@@ -668,23 +887,22 @@ class flattener {
       prefix_.resize(top.prefix_len);
       if (!top.root) prefix_ += '.';
       const Value* child = nullptr;
-      json* slot = nullptr;
       switch (top.node->kind()) {
         case value_kind::list:
         case value_kind::tuple:
           child = &top.node->as_list()[i];
-          slot = &(*top.arr[0])[i];
           append_int(prefix_, static_cast<std::int64_t>(i));
           break;
         case value_kind::dict: {
           const auto& item = top.node->as_dict().items()[i];
-          json& pair = (*top.arr[0])[i];
-          pair = json::array_t(2);
-          pair[0] = encode_key(item.first);
-          slot = &pair[1];
           child = &item.second;
-          if (item.first.is_int()) append_int(prefix_, item.first.as_int());
-          else prefix_ += item.first.as_string();
+          if (item.first.is_int()) {
+            node(snode::integer, static_cast<std::uint64_t>(item.first.as_int()));
+            append_int(prefix_, item.first.as_int());
+          } else {
+            string_node(snode::string, item.first.as_string());
+            prefix_ += item.first.as_string();
+          }
           break;
         }
         default: {
@@ -692,7 +910,6 @@ class flattener {
           std::size_t j = i;
           if (j < o.args.size()) {
             child = &o.args[j];
-            slot = &(*top.arr[0])[j];
             prefix_ += "args.";
             append_int(prefix_, static_cast<std::int64_t>(j));
             break;
@@ -700,7 +917,6 @@ class flattener {
           j -= o.args.size();
           if (j < o.state.size()) {
             child = &o.state[j];
-            slot = &(*top.arr[1])[j];
             prefix_ += "state";
             if (o.state.size() > 1) {
               prefix_ += '.';
@@ -710,14 +926,13 @@ class flattener {
           }
           j -= o.state.size();
           child = &o.items[j];
-          slot = &(*top.arr[2])[j];
           prefix_ += "items.";
           append_int(prefix_, static_cast<std::int64_t>(j));
           break;
         }
       }
       frame nf{};
-      if (emit(*child, *slot, nf)) stack.push_back(nf);  // `top` is dangling from here on
+      if (emit(*child, nf)) stack.push_back(nf);  // `top` is dangling from here on
     }
   }
 
@@ -853,8 +1068,6 @@ class flattener {
 
 [[noreturn]] inline void malformed(std::string detail) { throw_error(errors::flat_malformed, std::move(detail)); }
 
-/// Node kinds of the skeleton format.
-enum class snode : std::uint8_t { none, boolean, integer, floating, string, bytes, tensor, alias, view, list, tuple, dict, object };
 
 struct snode_info {
   snode kind;
@@ -1236,28 +1449,46 @@ inline const json& skeleton_root(const json& skeleton) {
   return *r;
 }
 
-/// The tensors an unflatten may use, by name.
+/// The tensors an unflatten may use, by name. Names are indexed as they are added (a repeated
+/// name is an error), or, after defer_index(), only when a lookup needs the index: a map that
+/// lists a compact skeleton's tensors in its order never does.
 class tensor_table {
  public:
   static constexpr std::uint32_t npos = name_index::npos;
 
+  /// Index names only when a lookup needs it (and check for repeats then).
+  void defer_index() noexcept { deferred_ = true; }
   void reserve(std::size_t n) {
-    index_.reserve(n);
+    if (!deferred_) index_.reserve(n);
     names_.reserve(n);
     views_.reserve(n);
   }
   void add(std::string_view name, const TensorView* v) {
-    if (index_.insert(name, static_cast<std::uint32_t>(views_.size())) != npos)
-      throw_error(errors::flat_duplicate_name, "tensor map", "the name " + quote(name) + " appears twice");
+    if (!deferred_ && index_.insert(name, static_cast<std::uint32_t>(views_.size())) != npos) repeated(name);
     names_.push_back(name);
     views_.push_back(v);
   }
-  [[nodiscard]] std::uint32_t find(std::string_view name) const { return index_.find(name); }
+  /// Builds a deferred index; throws flat_duplicate_name for a repeated name.
+  void ensure_index() {
+    if (!deferred_) return;
+    name_index idx;  // kept only when complete: a later call reports a repeat again
+    idx.reserve(names_.size());
+    for (std::uint32_t i = 0; i < names_.size(); ++i)
+      if (idx.insert(names_[i], i) != npos) repeated(names_[i]);
+    index_ = std::move(idx);
+    deferred_ = false;
+  }
+  [[nodiscard]] std::uint32_t find(std::string_view name) {
+    ensure_index();
+    return index_.find(name);
+  }
   /// find() for a tensor node: skeletons list their tensor nodes in the order of the map
   /// (flatten writes both in pre-order), so the entry after the previous tensor node's is
-  /// tried first; names are unique (add() refuses repeats), so a match is the only one.
+  /// tried first. A match there is the only one when names are unique, which add() checks, or,
+  /// with a deferred index, the caller (every entry matched this way, each once, by a skeleton
+  /// whose tensor names are unique, makes the names unique).
   [[nodiscard]] std::uint32_t find_next(std::string_view name) {
-    const std::uint32_t i = next_ < names_.size() && names_[next_] == name ? next_ : index_.find(name);
+    const std::uint32_t i = next_ < names_.size() && names_[next_] == name ? next_ : find(name);
     if (i != npos) next_ = i + 1;
     return i;
   }
@@ -1269,13 +1500,24 @@ class tensor_table {
     if (declared_.size() != views_.size()) declared_.assign(views_.size(), 0);
     declared_[i] = 1;
   }
+  /// Forgets what was declared (to read the same map against a skeleton again), and indexes
+  /// the names (throwing for a repeated one, as add() would have).
+  void reset() {
+    declared_.clear();
+    next_ = 0;
+    ensure_index();
+  }
 
  private:
+  [[noreturn]] static void repeated(std::string_view name) {
+    throw_error(errors::flat_duplicate_name, "tensor map", "the name " + quote(name) + " appears twice");
+  }
   name_index index_;
   std::vector<std::string_view> names_;
   std::vector<const TensorView*> views_;
   std::vector<std::uint8_t> declared_;
   std::uint32_t next_ = 0;  // where find_next looks first
+  bool deferred_ = false;
 };
 
 inline bool shape_equals(const json& arr, const shape_t& s) {
@@ -1455,6 +1697,124 @@ inline Value build_tree(const json& root, tensor_table* tt) {
   return result;
 }
 
+/// Thrown by the tape path on any mismatch; the caller replays the JSON path, which reports it.
+struct tape_mismatch {};
+
+/// The Value of a tape's tensor-like node, checked against the table as decode_tensorish checks
+/// a JSON node. `index[l]` is the table entry of leaf l once its tensor node has been read.
+inline Value tape_tensorish(const skeleton_tape& t, std::size_t li, tensor_table& tt, std::vector<std::uint32_t>& index) {
+  const skeleton_tape::leaf& l = t.leaves[li];
+  const dim_t* d = t.dims.data() + l.dims;
+  if (l.kind == snode::tensor) {
+    const std::uint32_t i = tt.find_next(t.str(l.name, l.name_len));
+    if (i == tensor_table::npos || tt.declared(i)) throw tape_mismatch{};
+    const TensorView& v = tt.view(i);
+    if (v.dtype() != l.dtype || v.shape().size() != l.rank || !std::equal(d, d + l.rank, v.shape().begin())) throw tape_mismatch{};
+    tt.declare(i);
+    index[li] = i;
+    return Value(v);
+  }
+  const std::uint32_t i = index[l.target];
+  if (i == tensor_table::npos) throw tape_mismatch{};
+  if (l.kind == snode::alias) return Value(tt.view(i));
+  return Value(view_into(tt.view(i), ViewSpec{l.dtype, l.offset, shape_t(d, d + l.rank), shape_t(d + l.rank, d + 2 * l.rank)}));
+}
+
+/// build_tree over a tape: the same tree and the same checks, without JSON. Throws tape_mismatch
+/// or a statedict error without node context when the table does not match.
+inline Value build_from_tape(const skeleton_tape& t, tensor_table& tt) {
+  std::vector<std::uint32_t> index(t.leaves.size(), tensor_table::npos);
+  struct open {
+    Value* value;
+    std::uint64_t size[3];
+    std::size_t part;
+    std::uint64_t next;
+    snode kind;
+    key_set keys;  // for dicts
+  };
+  std::vector<open> stack;
+  std::size_t p = 0;
+  auto put = [&](Value& slot) {
+    const skeleton_tape::node& n = t.nodes[p++];
+    switch (n.kind) {
+      case snode::none: break;
+      case snode::boolean: slot = Value(n.flag != 0); break;
+      case snode::integer: slot = Value(static_cast<std::int64_t>(n.a)); break;
+      case snode::floating: slot = Value(std::bit_cast<double>(n.a)); break;
+      case snode::string: slot = Value(std::string(t.str(n))); break;
+      case snode::bytes: {
+        const std::string_view s = t.str(n);
+        Bytes b;
+        b.data.assign(reinterpret_cast<const std::uint8_t*>(s.data()), reinterpret_cast<const std::uint8_t*>(s.data()) + s.size());
+        slot = Value(std::move(b));
+        break;
+      }
+      case snode::tensor:
+      case snode::alias:
+      case snode::view: slot = tape_tensorish(t, static_cast<std::size_t>(n.a), tt, index); break;
+      case snode::list:
+      case snode::tuple: {
+        List l;
+        l.reserve(static_cast<std::size_t>(n.a));
+        slot = n.kind == snode::list ? Value::list(std::move(l)) : Value::tuple(std::move(l));
+        if (n.a) stack.push_back({&slot, {n.a, 0, 0}, 0, 0, n.kind, {}});
+        break;
+      }
+      case snode::dict: {
+        Dict d;
+        d.reserve(static_cast<std::size_t>(n.a));
+        slot = Value(std::move(d));
+        if (n.a) stack.push_back({&slot, {n.a, 0, 0}, 0, 0, n.kind, {}});
+        break;
+      }
+      case snode::object: {
+        const std::uint64_t items = t.nodes[p++].a;
+        Object o;
+        o.module = std::string(t.str(t.nodes[p++]));
+        o.name = std::string(t.str(t.nodes[p++]));
+        o.how = static_cast<object_build>(n.flag);
+        o.args.reserve(static_cast<std::size_t>(n.a));
+        o.state.reserve(static_cast<std::size_t>(n.b));
+        o.items.reserve(static_cast<std::size_t>(items));
+        slot = Value(std::move(o));
+        if (n.a + n.b + items) stack.push_back({&slot, {n.a, n.b, items}, 0, 0, n.kind, {}});
+        break;
+      }
+    }
+  };
+  Value result;
+  put(result);
+  while (!stack.empty()) {
+    open& o = stack.back();
+    while (o.part < 3 && o.next == o.size[o.part]) ++o.part, o.next = 0;
+    if (o.part == 3) {
+      stack.pop_back();
+      continue;
+    }
+    ++o.next;
+    Value& parent = *o.value;
+    Value* slot = nullptr;
+    switch (o.kind) {
+      case snode::dict: {
+        const skeleton_tape::node& k = t.nodes[p++];
+        Dict& d = parent.as_dict();
+        slot = k.kind == snode::integer ? &d.append_unchecked(Key(static_cast<std::int64_t>(k.a)), Value())
+                                        : &d.append_unchecked(Key(t.str(k)), Value());
+        if (!o.keys.last_is_new(d)) throw tape_mismatch{};
+        break;
+      }
+      case snode::object: {
+        Object& obj = parent.as_object();
+        slot = &(o.part == 0 ? obj.args : o.part == 1 ? obj.state : obj.items).emplace_back();
+        break;
+      }
+      default: slot = &parent.as_list().emplace_back(); break;
+    }
+    put(*slot);  // `o` may dangle from here on
+  }
+  return result;
+}
+
 inline Value unflatten_impl(tensor_table& tt, const json& skeleton) {
   if (skeleton.is_null()) {
     // No skeleton: a flat dict of the tensors, in order (what a plain safetensors file is).
@@ -1479,6 +1839,19 @@ concept named_tensor_range = requires(const R& r) {
   requires std::convertible_to<decltype(std::begin(r)->second), TensorView>;
 };
 
+/// Adds a collection's tensors to `tt`; entries that are not TensorViews (Tensor, ...) are
+/// converted into `converted`, which must outlive `tt`.
+template <named_tensor_range Tensors>
+void fill_table(tensor_table& tt, const Tensors& tensors, std::deque<TensorView>& converted) {
+  if constexpr (requires { tensors.size(); }) tt.reserve(tensors.size());
+  for (const auto& entry : tensors) {
+    if constexpr (std::is_same_v<std::remove_cvref_t<decltype(entry.second)>, TensorView>)
+      tt.add(std::string_view(entry.first), &entry.second);
+    else
+      tt.add(std::string_view(entry.first), &converted.emplace_back(TensorView(entry.second)));
+  }
+}
+
 }  // namespace detail
 
 // ================================================================================================
@@ -1498,18 +1871,62 @@ inline FlatStateDict flatten(const Value& tree) { return detail::flattener().run
 template <detail::named_tensor_range Tensors>
 Value unflatten(const Tensors& tensors, const nlohmann::json& skeleton) {
   detail::tensor_table tt;
-  if constexpr (requires { tensors.size(); }) tt.reserve(tensors.size());
-  std::deque<TensorView> converted;  // for collections of Tensor (or other views convertible to TensorView)
-  for (const auto& entry : tensors) {
-    if constexpr (std::is_same_v<std::remove_cvref_t<decltype(entry.second)>, TensorView>)
-      tt.add(std::string_view(entry.first), &entry.second);
-    else
-      tt.add(std::string_view(entry.first), &converted.emplace_back(TensorView(entry.second)));
-  }
+  std::deque<TensorView> converted;
+  detail::fill_table(tt, tensors, converted);
   return detail::unflatten_impl(tt, skeleton);
 }
 
+/// unflatten for a Skeleton: one made by flatten is read in its compact form (no JSON is built
+/// unless the map does not match it, to report the mismatch exactly as for its JSON document).
+template <detail::named_tensor_range Tensors, class S>
+  requires std::same_as<S, Skeleton>
+Value unflatten(const Tensors& tensors, const S& skeleton) {
+  const detail::skeleton_tape* tape = skeleton.tape();
+  if (!tape) return unflatten(tensors, skeleton.json());
+  detail::tensor_table tt;
+  tt.defer_index();
+  std::deque<TensorView> converted;
+  detail::fill_table(tt, tensors, converted);
+  try {
+    Value v = detail::build_from_tape(*tape, tt);
+    bool all = true;
+    for (std::uint32_t i = 0; i < tt.size() && all; ++i) all = tt.declared(i);
+    if (all) return v;
+  } catch (const detail::tape_mismatch&) {
+  } catch (const error&) {
+  }
+  tt.reset();
+  return detail::unflatten_impl(tt, skeleton.json());  // throws the error, with the node's path
+}
+
 inline Value unflatten(const FlatStateDict& flat) { return unflatten(flat.tensors, flat.skeleton); }
+
+// ---- Skeleton members that need the tape
+
+inline const nlohmann::json& Skeleton::json() const {
+  if (!tape_) return doc_;
+  nlohmann::json* p = cache_.load(std::memory_order_acquire);
+  if (p) return *p;
+  auto fresh = std::make_unique<nlohmann::json>(detail::tape_to_json(*tape_));
+  if (cache_.compare_exchange_strong(p, fresh.get(), std::memory_order_acq_rel, std::memory_order_acquire)) return *fresh.release();
+  return *p;  // another thread built it first
+}
+
+inline nlohmann::json& Skeleton::mutable_json() {
+  if (tape_) {
+    doc_ = std::move(*this).take_json();
+    tape_.reset();
+  }
+  return doc_;
+}
+
+inline nlohmann::json Skeleton::take_json() && {
+  if (!tape_) return std::move(doc_);
+  std::unique_ptr<nlohmann::json> cached(cache_.exchange(nullptr));
+  nlohmann::json out = cached ? std::move(*cached) : detail::tape_to_json(*tape_);
+  tape_.reset();
+  return out;
+}
 
 /// The skeleton of a flat dict of named tensors in order: what a plain safetensors file is.
 /// Elements are (name, TensorView-or-Tensor) pairs, or records with `.name`, `.dtype` and `.shape`
@@ -1601,6 +2018,8 @@ inline std::string skeleton_dump(const nlohmann::json& j) {
   }
   return out;
 }
+
+inline std::string Skeleton::dump() const { return skeleton_dump(json()); }
 
 /// A tensor node of a skeleton: the name it has in the tensor map, its dtype and shape.
 struct SkeletonTensor {

@@ -158,7 +158,7 @@ class SkeletonBuilder {
     FlatStateDict f = flatten(v);
     if (!f.tensors.empty())
       throw_error(errors::os_bad_layout, "skeleton", "a value at " + quote(join(path)) + " holds tensors");
-    leaf(path, f.skeleton.at("root"));
+    leaf(path, f.skeleton.json().at("root"));
   }
   /// The skeleton document.
   [[nodiscard]] nlohmann::json build() const {

@@ -1653,7 +1653,7 @@ inline write_result write_state(const std::filesystem::path& path, const Value& 
   FlatStateDict flat = flatten(state);
   in.reserve(flat.tensors.size());
   for (const auto& [n, v] : flat.tensors) in.push_back(Input::of(n, v));
-  opt.skeleton = std::move(flat.skeleton);
+  opt.skeleton = std::move(flat.skeleton).take_json();
   opt.dedupe_views = false;  // ties are alias nodes of the skeleton already
   return write(path, in, opt);
 }

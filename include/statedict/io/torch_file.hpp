@@ -709,7 +709,8 @@ inline std::string encode_attributes(const std::vector<pickle::Attributes>& attr
   for (const auto& a : attrs) {
     List keys;
     for (const Key& k : a.path) keys.push_back(k.is_int() ? Value(k.as_int()) : Value(k.as_string()));
-    out.push_back({{"path", flatten(Value::tuple(std::move(keys))).skeleton}, {"attributes", flatten(Value(a.attributes)).skeleton}});
+    out.push_back({{"path", std::move(flatten(Value::tuple(std::move(keys))).skeleton).take_json()},
+                   {"attributes", std::move(flatten(Value(a.attributes)).skeleton).take_json()}});
   }
   return out.dump();
 }
@@ -767,7 +768,7 @@ inline ShardedCheckpoint describe(const File& file) {
     ti.chunks.push_back(std::move(c));
     ck.tensors.push_back(std::move(ti));
   }
-  ck.skeleton = std::move(flat.skeleton);
+  ck.skeleton = std::move(flat.skeleton).take_json();
   ck.metadata["torch.format"] = file.format;
   if (!file.archive_name.empty()) ck.metadata["torch.archive_name"] = file.archive_name;
   if (!file.attributes.empty()) ck.metadata[std::string(attributes_metadata_key)] = encode_attributes(file.attributes);

@@ -62,7 +62,7 @@ inline Result finish(const Value& tree, const std::vector<TensorInfo>& described
 
   // The skeleton: flatten the tree (placeholders are opaque objects there), then turn each
   // placeholder's object node into a tensor node, in the same pre-order.
-  out.skeleton = flatten(tree).skeleton;
+  out.skeleton = std::move(flatten(tree).skeleton).take_json();
   using json = nlohmann::json;
   std::size_t k = 0;
   std::vector<json*> stack;
