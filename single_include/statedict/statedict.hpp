@@ -3462,7 +3462,8 @@ struct skeleton_tape {
   struct node {
     snode kind;
     std::uint8_t flag;  // boolean: the value; object: its object_build
-    std::uint64_t a;    // integer, floating: the bits; string, bytes: pool offset; tensor: leaf index;
+    std::uint64_t a;    // integer, floating: the bits; string, bytes: pool offset; tensor: leaf index
+                        // (every tensor-like node is a `tensor` node here; its leaf says which kind);
                         // list, tuple, dict: child count; object: args count
     std::uint64_t b;    // string, bytes: length; object: state count
   };
@@ -3488,8 +3489,10 @@ struct skeleton_tape {
     return std::string_view(pool).substr(static_cast<std::size_t>(off), static_cast<std::size_t>(len));
   }
   [[nodiscard]] std::string_view str(const node& n) const noexcept { return str(n.a, n.b); }
+  /// The map name a tensor-like node declares or refers to.
   [[nodiscard]] std::string_view name(const leaf& l) const noexcept {
-    return str(l.kind == snode::tensor ? l.name : leaves[l.target].name, l.kind == snode::tensor ? l.name_len : leaves[l.target].name_len);
+    const leaf& named = l.kind == snode::tensor ? l : leaves[l.target];
+    return str(named.name, named.name_len);
   }
   std::uint64_t add_str(std::string_view s) {
     const std::uint64_t off = pool.size();
