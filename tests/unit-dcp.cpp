@@ -223,13 +223,13 @@ TEST_CASE("round trip through the writer: every world size, both layouts, bit-ex
       CHECK(e->chunks.size() == dcp::chunks_for(shape_t{7, 3}, world).size());
       if (classes == dcp::class_names::torch_2) {
         // planner_data rebuilt the nesting
-        CHECK(back.skeleton["root"]["dict"][0][0] == "model");
+        CHECK(back.skeleton.json()["root"]["dict"][0][0] == "model");
         const auto md = dcp::read_metadata(d);
         REQUIRE(md.flatten_mapping.has_value());
         CHECK(md.classes == dcp::class_names::torch_2);
       } else {
         // 1.13: the flat keys of the state dict are the top-level keys
-        CHECK(back.skeleton["root"]["dict"][0][0] == "model.embed");
+        CHECK(back.skeleton.json()["root"]["dict"][0][0] == "model.embed");
       }
     }
   }
@@ -290,7 +290,7 @@ TEST_CASE("2.x planner_data: the nested tree is rebuilt with DCP's path rule (di
   CHECK(vals.at("optim.param_groups.0.betas.1") == "float 0.950000");
   CHECK(vals.at("optim.param_groups.0.params.0") == "int 0");
   // the tree has lists where the original had lists
-  const auto& root = back.skeleton["root"]["dict"];
+  const auto& root = back.skeleton.json()["root"]["dict"];
   CHECK(root[0][1]["dict"][4][1].contains("list"));  // model.layers
 }
 

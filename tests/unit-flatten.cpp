@@ -920,7 +920,7 @@ TEST_CASE("property: the compact and JSON forms of a skeleton reject a map that 
 }
 
 TEST_CASE("property: random trees round-trip exactly, in memory and through JSON text") {
-  int trees = 0, with_alias = 0, with_view = 0;
+  int trees = 0, with_alias = 0, with_view = 0, with_values = 0, with_object_value = 0;
   std::size_t leaves = 0;
   for (std::uint64_t seed = 1; seed <= 3000; ++seed) {
     CAPTURE(seed);
@@ -963,12 +963,20 @@ TEST_CASE("property: random trees round-trip exactly, in memory and through JSON
     }
     with_alias += !al.empty();
     with_view += f.skeleton.dump().find("view_of") != std::string::npos;
-    (void)skeleton_values(f.skeleton);
+    // The compact form answers the listing questions as its document does.
+    const auto values = skeleton_values(f.skeleton);
+    REQUIRE(values == skeleton_values(parsed));
+    REQUIRE(detail::may_hold_aliases(f.skeleton) == !al.empty());
+    REQUIRE(detail::may_hold_aliases(parsed) == !al.empty());
+    with_values += !values.empty();
+    for (const auto& nv : values) with_object_value += nv.second.is_object();
     ++trees;
   }
   CHECK(trees == 3000);
   CHECK(with_alias > 500);  // the generator exercises aliasing
   CHECK(with_view > 300);
+  CHECK(with_values > 1000);
+  CHECK(with_object_value > 100);
   CHECK(leaves > 10000);
 }
 

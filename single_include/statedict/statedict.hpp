@@ -4785,10 +4785,28 @@ inline Value tape_tensorish(const skeleton_tape& t, std::size_t li, tensor_table
   return Value(view_into(tt.view(i), ViewSpec{l.dtype, l.offset, shape_t(d, d + l.rank), shape_t(d + l.rank, d + 2 * l.rank)}));
 }
 
-/// build_tree over a tape: the same tree and the same checks, without JSON. Throws tape_mismatch
-/// or a statedict error without node context when the table does not match.
-inline Value build_from_tape(const skeleton_tape& t, tensor_table& tt) {
-  std::vector<std::uint32_t> index(t.leaves.size(), tensor_table::npos);
+/// The Value of a tape's None, bool, int, float, str or bytes node.
+inline Value tape_scalar(const skeleton_tape& t, const skeleton_tape::node& n) {
+  switch (n.kind) {
+    case snode::boolean: return Value(n.flag != 0);
+    case snode::integer: return Value(static_cast<std::int64_t>(n.a));
+    case snode::floating: return Value(std::bit_cast<double>(n.a));
+    case snode::string: return Value(std::string(t.str(n)));
+    case snode::bytes: {
+      const std::string_view s = t.str(n);
+      Bytes b;
+      b.data.assign(reinterpret_cast<const std::uint8_t*>(s.data()), reinterpret_cast<const std::uint8_t*>(s.data()) + s.size());
+      return Value(std::move(b));
+    }
+    default: return Value();
+  }
+}
+
+/// build_tree over a tape: the same tree and the same checks, without JSON, for the subtree whose
+/// node is at `p` (left just past that subtree). Throws tape_mismatch or a statedict error without
+/// node context when the table does not match; `tt` may be null for a subtree without tensors.
+inline Value build_from_tape(const skeleton_tape& t, tensor_table* tt, std::size_t& p) {
+  std::vector<std::uint32_t> index;
   struct open {
     Value* value;
     std::uint64_t size[3];
@@ -4798,25 +4816,22 @@ inline Value build_from_tape(const skeleton_tape& t, tensor_table& tt) {
     key_set keys;  // for dicts
   };
   std::vector<open> stack;
-  std::size_t p = 0;
   auto put = [&](Value& slot) {
     const skeleton_tape::node& n = t.nodes[p++];
     switch (n.kind) {
       case snode::none: break;
-      case snode::boolean: slot = Value(n.flag != 0); break;
-      case snode::integer: slot = Value(static_cast<std::int64_t>(n.a)); break;
-      case snode::floating: slot = Value(std::bit_cast<double>(n.a)); break;
-      case snode::string: slot = Value(std::string(t.str(n))); break;
-      case snode::bytes: {
-        const std::string_view s = t.str(n);
-        Bytes b;
-        b.data.assign(reinterpret_cast<const std::uint8_t*>(s.data()), reinterpret_cast<const std::uint8_t*>(s.data()) + s.size());
-        slot = Value(std::move(b));
-        break;
-      }
+      case snode::boolean:
+      case snode::integer:
+      case snode::floating:
+      case snode::string:
+      case snode::bytes: slot = tape_scalar(t, n); break;
       case snode::tensor:
       case snode::alias:
-      case snode::view: slot = tape_tensorish(t, static_cast<std::size_t>(n.a), tt, index); break;
+      case snode::view:
+        if (!tt) throw tape_mismatch{};
+        if (index.empty()) index.assign(t.leaves.size(), tensor_table::npos);
+        slot = tape_tensorish(t, static_cast<std::size_t>(n.a), *tt, index);
+        break;
       case snode::list:
       case snode::tuple: {
         List l;
@@ -4878,6 +4893,10 @@ inline Value build_from_tape(const skeleton_tape& t, tensor_table& tt) {
     put(*slot);  // `o` may dangle from here on
   }
   return result;
+}
+inline Value build_from_tape(const skeleton_tape& t, tensor_table& tt) {
+  std::size_t p = 0;
+  return build_from_tape(t, &tt, p);
 }
 
 inline Value unflatten_impl(tensor_table& tt, const json& skeleton) {
@@ -5200,6 +5219,150 @@ inline bool may_hold_aliases(const nlohmann::json& skeleton) {
   return false;
 }
 
+/// may_hold_aliases for a Skeleton: exact and without JSON for a compact one (its leaf records
+/// say which tensor-like nodes are aliases or views).
+inline bool may_hold_aliases(const Skeleton& skeleton) {
+  if (const skeleton_tape* t = skeleton.tape())
+    return std::any_of(t->leaves.begin(), t->leaves.end(), [](const skeleton_tape::leaf& l) { return l.kind != snode::tensor; });
+  return may_hold_aliases(skeleton.json());
+}
+
+/// Walks a tape's nodes in pre-order as skeleton_cursor walks a document: `enter`, `leaf`, `leave`,
+/// `done` events, node() the tape index of the node entered, met or left, path() its path (the
+/// same keys skeleton_cursor::path gives).
+class tape_walker {
+ public:
+  enum class ev : std::uint8_t { leaf, enter, leave, done };
+  explicit tape_walker(const skeleton_tape& t) : t_(t) {}
+
+  ev next() {
+    if (!started_) {
+      started_ = true;
+      return visit();
+    }
+    if (stack_.empty()) return ev::done;
+    frame& f = stack_.back();
+    while (f.part < 3 && f.next == f.size[f.part]) ++f.part, f.next = 0;
+    if (f.part == 3) {
+      node_ = f.node;
+      stack_.pop_back();
+      return ev::leave;
+    }
+    ++f.next;
+    if (t_.nodes[f.node].kind == snode::dict) f.key = p_++;
+    return visit();  // `f` may dangle from here on
+  }
+  [[nodiscard]] std::size_t node() const noexcept { return node_; }
+  /// After an `enter`: the container's children are not visited (no `leave` either); the walk
+  /// goes on at tape index `end`, the node after the container's subtree.
+  void skip_to(std::size_t end) {
+    stack_.pop_back();
+    p_ = end;
+  }
+  [[nodiscard]] Path path() const {
+    Path p;
+    for (const frame& f : stack_) {
+      if (f.next == 0) continue;
+      const std::int64_t i = static_cast<std::int64_t>(f.next - 1);
+      switch (t_.nodes[f.node].kind) {
+        case snode::dict: {
+          const skeleton_tape::node& k = t_.nodes[f.key];
+          if (k.kind == snode::integer) p.emplace_back(static_cast<std::int64_t>(k.a));
+          else p.emplace_back(t_.str(k));
+          break;
+        }
+        case snode::object:
+          p.emplace_back(f.part == 0 ? "args" : f.part == 1 ? "state" : "items");
+          if (f.part != 1 || f.size[1] > 1) p.emplace_back(i);
+          break;
+        default: p.emplace_back(i); break;
+      }
+    }
+    return p;
+  }
+
+ private:
+  struct frame {
+    std::size_t node;
+    std::uint64_t size[3];
+    std::size_t part;
+    std::uint64_t next;
+    std::size_t key;  // dict: tape index of the current child's key
+  };
+  ev visit() {
+    node_ = p_;
+    const skeleton_tape::node& n = t_.nodes[p_++];
+    switch (n.kind) {
+      case snode::list:
+      case snode::tuple:
+      case snode::dict: stack_.push_back({node_, {n.a, 0, 0}, 0, 0, 0}); return ev::enter;
+      case snode::object: {
+        const std::uint64_t items = t_.nodes[p_].a;
+        p_ += 3;  // the items count, the module, the name
+        stack_.push_back({node_, {n.a, n.b, items}, 0, 0, 0});
+        return ev::enter;
+      }
+      default: return ev::leaf;
+    }
+  }
+
+  const skeleton_tape& t_;
+  bool started_ = false;
+  std::size_t p_ = 0;
+  std::size_t node_ = 0;
+  std::vector<frame> stack_;
+};
+
+/// skeleton_values over a tape: the same (path, value) pairs, in the same order.
+inline void tape_values(const skeleton_tape& t, std::vector<Path>& paths, std::vector<Value>& values) {
+  using ev = tape_walker::ev;
+  // Pass 1: which object nodes hold a tensor-like node somewhere below them.
+  std::vector<bool> holds(t.nodes.size(), false);
+  {
+    std::vector<std::size_t> objects;  // enclosing object nodes
+    tape_walker w(t);
+    for (ev e = w.next(); e != ev::done; e = w.next()) {
+      const snode k = t.nodes[w.node()].kind;
+      if (k == snode::object) {
+        if (e == ev::enter) objects.push_back(w.node());
+        else objects.pop_back();
+      } else if (k == snode::tensor) {
+        for (auto it = objects.rbegin(); it != objects.rend() && !holds[*it]; ++it) holds[*it] = true;
+      }
+    }
+  }
+  // Pass 2: the scalars, and each outermost object without tensors as one value.
+  tape_walker w(t);
+  for (ev e = w.next(); e != ev::done; e = w.next()) {
+    const std::size_t at = w.node();
+    const snode k = t.nodes[at].kind;
+    if (e == ev::enter && k == snode::object && !holds[at]) {
+      paths.push_back(w.path());
+      std::size_t end = at;
+      values.push_back(build_from_tape(t, nullptr, end));
+      w.skip_to(end);
+    } else if (e == ev::leaf && k != snode::tensor) {
+      paths.push_back(w.path());
+      values.push_back(tape_scalar(t, t.nodes[at]));
+    }
+  }
+}
+
+/// (name, value) pairs for skeleton_values: the naming rule of docs/flatten.md among the values.
+inline std::vector<std::pair<std::string, Value>> named_values(const std::vector<Path>& paths, std::vector<Value>& values) {
+  std::vector<std::string> dotted_names;
+  dotted_names.reserve(paths.size());
+  for (const auto& p : paths) dotted_names.push_back(dotted(p));
+  auto names = assign_names(
+      paths.size(), [&](std::size_t i) -> const std::string& { return dotted_names[i]; }, {},
+      [&](std::size_t i) { return quoted_name(paths[i]); });
+  std::vector<std::pair<std::string, Value>> out;
+  out.reserve(values.size());
+  for (std::size_t i = 0; i < values.size(); ++i)
+    out.emplace_back(names ? std::move((*names)[i]) : std::move(dotted_names[i]), std::move(values[i]));
+  return out;
+}
+
 }  // namespace detail
 
 /// The alias and view_of nodes of a skeleton as (name, target) pairs in pre-order: `name` is the
@@ -5251,17 +5414,17 @@ inline std::vector<std::pair<std::string, Value>> skeleton_values(const nlohmann
     paths.push_back(cur.path());
     values.push_back(detail::decode_scalar(e.node));
   });
-  std::vector<std::string> dotted_names;
-  dotted_names.reserve(paths.size());
-  for (const auto& p : paths) dotted_names.push_back(dotted(p));
-  auto names = detail::assign_names(
-      paths.size(), [&](std::size_t i) -> const std::string& { return dotted_names[i]; }, {},
-      [&](std::size_t i) { return detail::quoted_name(paths[i]); });
-  std::vector<std::pair<std::string, Value>> out;
-  out.reserve(values.size());
-  for (std::size_t i = 0; i < values.size(); ++i)
-    out.emplace_back(names ? std::move((*names)[i]) : std::move(dotted_names[i]), std::move(values[i]));
-  return out;
+  return detail::named_values(paths, values);
+}
+
+/// skeleton_values for a Skeleton: a compact one is read without building its JSON document.
+inline std::vector<std::pair<std::string, Value>> skeleton_values(const Skeleton& skeleton) {
+  const detail::skeleton_tape* t = skeleton.tape();
+  if (!t) return skeleton_values(skeleton.json());
+  std::vector<Path> paths;
+  std::vector<Value> values;
+  detail::tape_values(*t, paths, values);
+  return detail::named_values(paths, values);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -5511,8 +5674,6 @@ inline FlatStateDict select(const FlatStateDict& flat, const PathFilter& keep) {
 #include <variant>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
 
 namespace statedict::inline v0 {
 
@@ -5580,8 +5741,9 @@ struct ShardedCheckpoint {
   /// Logical tensors in checkpoint order; names are unique.
   std::vector<TensorInfo> tensors;
   /// The flatten skeleton (structure, key types, non-tensor values, aliases). Null means a flat
-  /// dict of `tensors`, in order.
-  nlohmann::json skeleton;
+  /// dict of `tensors`, in order. A reader that flattens a tree keeps flatten's compact form, so
+  /// describing a checkpoint builds no JSON document unless something asks for one.
+  Skeleton skeleton;
   /// Free-form string metadata of the input (safetensors `__metadata__`, format versions, ...).
   std::map<std::string, std::string> metadata;
 
@@ -11366,7 +11528,7 @@ inline ShardedCheckpoint describe(const File& file) {
     ti.chunks.push_back(std::move(c));
     ck.tensors.push_back(std::move(ti));
   }
-  ck.skeleton = std::move(flat.skeleton).take_json();
+  ck.skeleton = std::move(flat.skeleton);
   ck.metadata["torch.format"] = file.format;
   if (!file.archive_name.empty()) ck.metadata["torch.archive_name"] = file.archive_name;
   if (!file.attributes.empty()) ck.metadata[std::string(attributes_metadata_key)] = encode_attributes(file.attributes);
@@ -20431,6 +20593,12 @@ inline std::vector<detail::tie> tied_names(const nlohmann::json& skeleton) {
   }
   return out;
 }
+/// tied_names for a Skeleton: a compact one without alias or view nodes (the usual checkpoint) is
+/// answered from its leaf records, without building its JSON document.
+inline std::vector<detail::tie> tied_names(const Skeleton& skeleton) {
+  if (!statedict::detail::may_hold_aliases(skeleton)) return {};
+  return tied_names(skeleton.json());
+}
 
 /// How the executor runs, and which part of a multi-file output this process writes.
 struct write_options {
@@ -20456,7 +20624,7 @@ inline void cast(ShardedCheckpoint& ck, dtype to) {
   if (!is_floating(to)) throw_error(errors::unsupported_cast, "--dtype " + std::string(name(to)), "is not a floating dtype");
   for (TensorInfo& t : ck.tensors)
     if (is_floating(t.dtype)) t.dtype = to;
-  if (!ck.skeleton.is_null()) safetensors::detail::cast_skeleton(ck.skeleton, to);
+  if (!ck.skeleton.is_null()) safetensors::detail::cast_skeleton(ck.skeleton.mutable_json(), to);
 }
 
 namespace detail {

@@ -65,6 +65,12 @@ inline std::vector<detail::tie> tied_names(const nlohmann::json& skeleton) {
   }
   return out;
 }
+/// tied_names for a Skeleton: a compact one without alias or view nodes (the usual checkpoint) is
+/// answered from its leaf records, without building its JSON document.
+inline std::vector<detail::tie> tied_names(const Skeleton& skeleton) {
+  if (!statedict::detail::may_hold_aliases(skeleton)) return {};
+  return tied_names(skeleton.json());
+}
 
 /// How the executor runs, and which part of a multi-file output this process writes.
 struct write_options {
@@ -90,7 +96,7 @@ inline void cast(ShardedCheckpoint& ck, dtype to) {
   if (!is_floating(to)) throw_error(errors::unsupported_cast, "--dtype " + std::string(name(to)), "is not a floating dtype");
   for (TensorInfo& t : ck.tensors)
     if (is_floating(t.dtype)) t.dtype = to;
-  if (!ck.skeleton.is_null()) safetensors::detail::cast_skeleton(ck.skeleton, to);
+  if (!ck.skeleton.is_null()) safetensors::detail::cast_skeleton(ck.skeleton.mutable_json(), to);
 }
 
 namespace detail {

@@ -768,7 +768,7 @@ inline ShardedCheckpoint describe(const File& file) {
     ti.chunks.push_back(std::move(c));
     ck.tensors.push_back(std::move(ti));
   }
-  ck.skeleton = std::move(flat.skeleton).take_json();
+  ck.skeleton = std::move(flat.skeleton);
   ck.metadata["torch.format"] = file.format;
   if (!file.archive_name.empty()) ck.metadata["torch.archive_name"] = file.archive_name;
   if (!file.attributes.empty()) ck.metadata[std::string(attributes_metadata_key)] = encode_attributes(file.attributes);

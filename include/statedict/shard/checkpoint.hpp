@@ -22,9 +22,8 @@
 #include <variant>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
 #include "../core/dtype.hpp"
+#include "../core/flatten.hpp"
 #include "../core/shape.hpp"
 #include "../core/source.hpp"
 
@@ -94,8 +93,9 @@ struct ShardedCheckpoint {
   /// Logical tensors in checkpoint order; names are unique.
   std::vector<TensorInfo> tensors;
   /// The flatten skeleton (structure, key types, non-tensor values, aliases). Null means a flat
-  /// dict of `tensors`, in order.
-  nlohmann::json skeleton;
+  /// dict of `tensors`, in order. A reader that flattens a tree keeps flatten's compact form, so
+  /// describing a checkpoint builds no JSON document unless something asks for one.
+  Skeleton skeleton;
   /// Free-form string metadata of the input (safetensors `__metadata__`, format versions, ...).
   std::map<std::string, std::string> metadata;
 
