@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -285,6 +286,37 @@ TEST_CASE("our reader matches PyTorch on every fixture, bit for bit") {
       for (const auto& p : problems) FAIL_CHECK(fx.name << ": " << p);
     }
   }
+}
+
+TEST_CASE("every fixture reads the same with the fast paths on and off") {
+  int tensors = 0;
+  for (const Fixture& fx : all_fixtures()) {
+    if (fx.manifest.contains("malicious")) continue;
+    CAPTURE(fx.name);
+    torch::load_options on, off;
+    off.fast_paths = false;
+    const torch::File a = torch::read(fx.file, on), b = torch::read(fx.file, off);
+    CHECK(a.value == b.value);
+    CHECK(a.attributes == b.attributes);
+    REQUIRE(a.storages.size() == b.storages.size());
+    for (std::size_t i = 0; i < a.storages.size(); ++i) {
+      CHECK(a.storages[i].key == b.storages[i].key);
+      CHECK(a.storages[i].dtype == b.storages[i].dtype);
+      CHECK(a.storages[i].offset == b.storages[i].offset);
+    }
+    const FlatStateDict fa = flatten(a.value), fb = flatten(b.value);
+    CHECK(fa.skeleton.dump() == fb.skeleton.dump());  // the same ties and views
+    REQUIRE(fa.tensors.size() == fb.tensors.size());
+    for (std::size_t i = 0; i < fa.tensors.size(); ++i) {
+      auto at = [](const TensorView& v, const torch::File& f) {  // two mappings: compare offsets
+        return reinterpret_cast<std::uintptr_t>(v.data()) - reinterpret_cast<std::uintptr_t>(f.view_base);
+      };
+      CHECK(at(fa.tensors[i].second, a) == at(fb.tensors[i].second, b));
+      CHECK(fa.tensors[i].second.strides() == fb.tensors[i].second.strides());
+    }
+    tensors += static_cast<int>(fa.tensors.size());
+  }
+  CHECK(tensors > 50);
 }
 
 TEST_CASE("describe() places every tensor at the right bytes with the right strides") {

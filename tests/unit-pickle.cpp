@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -558,4 +559,80 @@ TEST_CASE("a dict key set twice keeps its first place and its last value; the re
   const auto k = run(P2 + "}(" + binunicode("model") + "K\x03" + binunicode("model") + od + "u.");
   REQUIRE(k.attributes.size() == 1);
   CHECK(k.attributes[0].path == Path{Key("model")});
+}
+
+TEST_CASE("a value the result holds in several places is whole in each") {
+  // The result's conversion moves a registered function's value out of the reader when one path
+  // reaches it, and copies it otherwise: every way of reaching a value twice must copy.
+  const std::string leaf = global("_codecs", "encode") + "(" + binunicode("ab") + binunicode("latin1") + "tR";
+  const Value ab(Bytes{{'a', 'b'}});
+  SUBCASE("through the memo") {
+    const Value v = val(P2 + leaf + "q\x00h\x00\x86."_b);
+    CHECK(v == Value::tuple({ab, ab}));
+  }
+  SUBCASE("through DUP") {
+    const Value v = val(P2 + leaf + "2\x86.");
+    CHECK(v == Value::tuple({ab, ab}));
+  }
+  SUBCASE("in a container reached twice") {
+    const Value v = val(P2 + "}q\x02" + binunicode("k") + leaf + "sh\x02\x86.");
+    CHECK(v == Value::tuple({Value(Dict{{"k", ab}}), Value(Dict{{"k", ab}})}));
+  }
+  SUBCASE("in an OrderedDict made from pairs, and in the list of those pairs") {
+    const std::string pairs = "]q\x01" + binunicode("k") + leaf + "\x86" "a";
+    const Value v = val(P2 + global("collections", "OrderedDict") + pairs + "\x85R" + "h\x01\x86.");
+    CHECK(v == Value::tuple({Value(Dict{{"k", ab}}), Value::list({Value::tuple({"k", ab})})}));
+  }
+  SUBCASE("once: moved, and whole") {
+    const Value v = val(P2 + "(" + leaf + leaf + "l.");
+    CHECK(v == Value::list({ab, ab}));
+  }
+}
+
+TEST_CASE("fast forms: tried first, handed over on nullopt, their errors placed like the general path's") {
+  pickle::Registry reg = pickle::Registry::weights_only();
+  int fast_calls = 0, slow_calls = 0;
+  reg.function(
+      "torch._utils._rebuild_tensor_v2",
+      [&](pickle::Call& c) -> Value {
+        ++slow_calls;
+        return Value(static_cast<std::int64_t>(c.args.size()));
+      },
+      [&](const pickle::Args& a) -> std::optional<Value> {
+        using k = pickle::Args::kind;
+        if (a.size() != 4 || a.kind_of(0) != k::integer || a.kind_of(1) != k::str || a.kind_of(2) != k::global) return std::nullopt;
+        ++fast_calls;
+        shape_t dims;
+        if (!a.ints(3, 3, dims)) throw_error(errors::pk_bad_call, "not ints");
+        const auto [module, name] = a.global(2);
+        return Value(std::string(a.str(1)) + ":" + std::string(module) + "." + std::string(name) + ":" + std::to_string(a.integer(0)) +
+                     ":" + to_string(dims));
+      });
+  pickle::options o;
+  o.registry = &reg;
+  const std::string f = global("torch._utils", "_rebuild_tensor_v2");
+  const std::string g = global("torch", "float32");
+  CHECK(val(P2 + f + "(K\x05" + binunicode("s") + g + "(K\x01K\x02ttR.", o).as_string() == "s:torch.float32:5:[1, 2]");
+  CHECK(fast_calls == 1);
+  CHECK(slow_calls == 0);
+  CHECK(val(P2 + f + "(\x88" + binunicode("s") + g + "(K\x01ttR.", o).as_int() == 4);  // a bool, not an int
+  CHECK(slow_calls == 1);
+  CHECK(val(P2 + f + "(K\x05" + binunicode("s") + g + "tR.", o).as_int() == 3);
+  CHECK(slow_calls == 2);
+  try {
+    (void)val(P2 + f + "(K\x05" + binunicode("s") + g + "(K\x01K\x01K\x01K\x01ttR.", o);
+    FAIL("expected an error");
+  } catch (const error& e) {
+    CHECK(e.code() == errors::pk_bad_call);
+    CHECK(std::string(e.what()).find("pickle offset") != std::string::npos);
+  }
+  // A persistent id's fast form sees the id's items; a non-tuple id goes to persistent_load.
+  o.persistent_load = [](const Value&) { return Value(1); };
+  o.persistent_fast = [](const pickle::Args& a) -> std::optional<Value> {
+    if (a.size() != 2 || a.kind_of(0) != pickle::Args::kind::bytes) return std::nullopt;
+    return Value(std::string(a.str(0)));
+  };
+  CHECK(val(P2 + "(C\x03xyzK\x01tQ.", o).as_string() == "xyz");
+  CHECK(val(P2 + "(K\x01K\x01tQ.", o).as_int() == 1);
+  CHECK(val(P2 + "K\x01Q.", o).as_int() == 1);
 }

@@ -17,8 +17,10 @@
 #include <statedict/shard/plan.hpp>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -396,6 +398,95 @@ TEST_CASE("hostile files: one error id each") {
     const std::string evil = "}" + str("w") + ok_tensor + "s" + str("payload") + glob("posix", "system") + str("touch pwned") + "\x85Rs";
     expect_error([&] { (void)torch::load(torch_zip("evil.pt", pkl(evil), {{"0", floats({1, 2, 3, 4})}})); }, errors::pk_blocked_module);
   }
+}
+
+TEST_CASE("fast paths on and off read the same tree, views of the same bytes, and the same errors") {
+  // A storage id and a _rebuild_tensor_v2 call in the shape torch.save writes, and near misses
+  // of it: the fast forms must read the first as the general path does and hand the others over.
+  auto pid = [](std::string tag, std::string cls, std::string numel) {
+    return "(" + tag + glob("torch", cls) + str("0") + str("cpu") + numel + "tQ";
+  };
+  auto call = [](std::string storage, std::string offset, std::string size, std::string stride, std::string grad = "\x89",
+                 std::string hooks = glob("collections", "OrderedDict") + ")R", std::string extra = "") {
+    return glob("torch._utils", "_rebuild_tensor_v2") + "(" + storage + offset + size + stride + grad + hooks + extra + "tR";
+  };
+  const std::string st = pid(str("storage"), "FloatStorage", integer(6));
+  struct Case {
+    const char* what;
+    std::string body;
+    bool reads;  // what the general path does with it
+  };
+  const std::vector<Case> cases = {
+      {"plain", call(st, integer(0), tuple({2, 3}), tuple({3, 1})), true},
+      {"transposed, offset", call(st, integer(1), tuple({2, 2}), tuple({1, 2})), true},
+      {"0-d", call(st, integer(5), "(t", "(t"), true},
+      {"empty", call(st, integer(6), tuple({0, 3}), tuple({3, 1})), true},
+      {"metadata None", call(st, integer(0), tuple({6}), tuple({1}), "\x89", glob("collections", "OrderedDict") + ")R", "N"), true},
+      {"metadata {}", call(st, integer(0), tuple({6}), tuple({1}), "\x89", glob("collections", "OrderedDict") + ")R", "}"), true},
+      {"metadata set", call(st, integer(0), tuple({6}), tuple({1}), "\x89", glob("collections", "OrderedDict") + ")R", "}" + str("neg") + "\x88s"), false},
+      {"requires_grad an int", call(st, integer(0), tuple({6}), tuple({1}), integer(1)), true},
+      {"hooks a list", call(st, integer(0), tuple({6}), tuple({1}), "\x89", "]"), true},
+      {"size a list", call(st, integer(0), "(" + integer(6) + "l", tuple({1})), true},
+      {"offset a bool", call(st, "\x88", tuple({5}), tuple({1})), false},
+      {"size holds a bool", call(st, integer(0), "(\x88t", tuple({1})), false},
+      {"negative size", call(st, integer(0), tuple({-1}), tuple({1})), false},
+      {"negative stride", call(st, integer(5), tuple({2}), tuple({-1})), false},
+      {"ranks differ", call(st, integer(0), tuple({2, 3}), tuple({1})), false},
+      {"out of bounds", call(st, integer(5), tuple({2}), tuple({1})), false},
+      {"rank over the limit", call(st, integer(0), tuple({1, 1, 1, 1, 1}), tuple({1, 1, 1, 1, 1})), false},
+      {"five arguments", glob("torch._utils", "_rebuild_tensor_v2") + "(" + st + integer(0) + tuple({6}) + tuple({1}) + "\x89tR", false},
+      {"eight arguments", call(st, integer(0), tuple({6}), tuple({1}), "\x89", glob("collections", "OrderedDict") + ")R", "NN"), false},
+      {"UntypedStorage", call(pid(str("storage"), "UntypedStorage", integer(24)), integer(0), tuple({6}), tuple({1})), false},
+      {"bytes tag", call(pid("C\x07storage", "FloatStorage", integer(6)), integer(0), tuple({6}), tuple({1})), true},
+      {"other tag", call(pid(str("storagE"), "FloatStorage", integer(6)), integer(0), tuple({6}), tuple({1})), false},
+      {"numel a bool", call(pid(str("storage"), "FloatStorage", "\x88"), integer(0), tuple({1}), tuple({1})), false},
+      {"negative numel", call(pid(str("storage"), "FloatStorage", integer(-1)), integer(0), tuple({1}), tuple({1})), false},
+      {"numel past the record", call(pid(str("storage"), "FloatStorage", integer(7)), integer(0), tuple({6}), tuple({1})), false},
+      {"not a storage class", call(pid(str("storage"), "Tensor", integer(6)), integer(0), tuple({6}), tuple({1})), false},
+      {"storage twice, tied", "(" + call(st + "q\x01", integer(0), tuple({6}), tuple({1})) + call("h\x01", integer(1), tuple({2}), tuple({2})) + "t", true},
+      {"storage twice, other type", "(" + call(st, integer(0), tuple({6}), tuple({1})) +
+                                        call(pid(str("storage"), "IntStorage", integer(6)), integer(0), tuple({6}), tuple({1})) + "t", false},
+  };
+  int read = 0;
+  for (const Case& c : cases) {
+    CAPTURE(c.what);
+    const auto path = torch_zip("fast.pt", pkl(c.body), {{"0", floats({0, 1, 2, 3, 4, 5})}});
+    std::optional<torch::File> got[2];
+    std::string err[2];
+    for (int fast = 0; fast < 2; ++fast) {
+      torch::load_options o;
+      o.fast_paths = fast == 1;
+      o.limits.max_rank = 4;
+      try {
+        got[fast] = torch::read(path, o);
+      } catch (const error& e) {
+        err[fast] = e.what();
+      }
+    }
+    CHECK(err[1] == err[0]);
+    REQUIRE(got[1].has_value() == got[0].has_value());
+    CHECK(got[0].has_value() == c.reads);
+    if (!got[0]) continue;
+    ++read;
+    CHECK(got[1]->value == got[0]->value);
+    const FlatStateDict a = flatten(got[0]->value), b = flatten(got[1]->value);
+    REQUIRE(a.tensors.size() == b.tensors.size());
+    CHECK(a.skeleton.dump() == b.skeleton.dump());
+    for (std::size_t i = 0; i < a.tensors.size(); ++i) {
+      auto at = [](const TensorView& v, const torch::File& f) {  // two mappings: compare offsets
+        return reinterpret_cast<std::uintptr_t>(v.data()) - reinterpret_cast<std::uintptr_t>(f.view_base);
+      };
+      CHECK(at(a.tensors[i].second, *got[0]) == at(b.tensors[i].second, *got[1]));
+      CHECK(a.tensors[i].second.strides() == b.tensors[i].second.strides());
+    }
+    REQUIRE(got[1]->storages.size() == got[0]->storages.size());
+    for (std::size_t i = 0; i < got[0]->storages.size(); ++i) {
+      CHECK(got[1]->storages[i].key == got[0]->storages[i].key);
+      CHECK(got[1]->storages[i].dtype == got[0]->storages[i].dtype);
+      CHECK(got[1]->storages[i].location == got[0]->storages[i].location);
+    }
+  }
+  CHECK(read == 11);
 }
 
 TEST_CASE("legacy format: hand-made file, and its failure modes") {

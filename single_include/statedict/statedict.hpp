@@ -9051,9 +9051,11 @@ class Writer {
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -9126,6 +9128,7 @@ struct Result {
 };
 
 class Reader;
+class Args;
 
 /// What a registered callable gets: its arguments as Values, and the reader (to call other
 /// registered globals, as `_rebuild_from_type_v2` does).
@@ -9137,6 +9140,10 @@ struct Call {
 
 /// Turns a call into a Value (runs our C++ code for a known global; never Python).
 using call_fn = std::function<Value(Call&)>;
+/// The same for the common shapes of a call, read from its arguments as the reader holds them
+/// (`Args`), without converting them to Values first; nullopt hands the call to `call_fn`. It
+/// must give what call_fn gives for every call it answers.
+using fast_fn = std::function<std::optional<Value>(const Args&)>;
 
 /// How one allowed global is treated.
 struct Rule {
@@ -9146,7 +9153,8 @@ struct Rule {
     function,      ///< called: `fn` computes the Value
   };
   kind k = kind::object;
-  call_fn fn;  ///< for function: REDUCE and NEWOBJ
+  call_fn fn;    ///< for function: REDUCE and NEWOBJ
+  fast_fn fast;  ///< for function, optional: tried first
 };
 
 /// The allow-list: qualified global name ("torch._utils._rebuild_tensor_v2") -> Rule.
@@ -9157,8 +9165,8 @@ class Registry {
     return *this;
   }
   Registry& allow(std::string qualified) { return add(std::move(qualified), Rule{}); }
-  Registry& function(std::string qualified, call_fn fn) {
-    return add(std::move(qualified), Rule{Rule::kind::function, std::move(fn)});
+  Registry& function(std::string qualified, call_fn fn, fast_fn fast = {}) {
+    return add(std::move(qualified), Rule{Rule::kind::function, std::move(fn), std::move(fast)});
   }
   [[nodiscard]] const Rule* find(const std::string& qualified) const {
     auto it = rules_.find(qualified);
@@ -9184,6 +9192,9 @@ struct options {
   const Registry* registry = nullptr;
   /// Resolves BINPERSID / PERSID ids (torch storages). Without it, a persistent id is an error.
   std::function<Value(const Value& pid)> persistent_load;
+  /// Optional: resolves a persistent id that is a tuple from its items as the reader holds them
+  /// (see fast_fn); nullopt hands the id to persistent_load.
+  fast_fn persistent_fast;
 };
 
 /// Python 2 module names as Python 3 maps them (the subset that can appear in state dicts).
@@ -9308,6 +9319,8 @@ inline std::string opcode_name(unsigned char op) {
 /// One unpickling run. Use pickle::load(); Reader is public so that registered functions can call
 /// back (`reader.call(...)`) and report errors with the position.
 class Reader {
+  friend class Args;
+
  public:
   Reader(std::span<const std::byte> bytes, const options& opts)
       : in_(reinterpret_cast<const unsigned char*>(bytes.data())), size_(bytes.size()), opts_(opts),
@@ -9371,6 +9384,7 @@ class Reader {
   std::uint32_t add_node(Node n) {
     if (nodes_.size() >= npos - 1) fail(errors::pk_node_limit, "more than 2^32 objects");
     nodes_.push_back(n);
+    refs_.push_back(0);
     return static_cast<std::uint32_t>(nodes_.size() - 1);
   }
   std::uint32_t add_scalar(nk k, std::int64_t i) {
@@ -9510,7 +9524,15 @@ class Reader {
     if (stack_.size() >= opts_.limits.max_stack)
       fail(errors::pk_stack_limit, "stack exceeds limits.max_stack (" + std::to_string(opts_.limits.max_stack) + ")");
     stack_.push_back(n);
+    counted(n);
   }
+  /// Counts a reference to node `n` put on the stack (saturating at 2): whatever is on the stack
+  /// ends up in at most one place, so a node counted once sits in one place of the graph.
+  void counted(std::uint32_t n) {
+    if (refs_[n] < 2) ++refs_[n];
+  }
+  /// Whether child `c` of a node converted once (`sole`) is converted once too.
+  [[nodiscard]] bool sole_child(bool sole, std::uint32_t c) const noexcept { return sole && refs_[c] <= 1; }
   std::uint32_t pop() {
     if (stack_.size() <= floor()) fail(errors::pk_stack_underflow, "pop from an empty stack");
     const std::uint32_t n = stack_.back();
@@ -9668,6 +9690,8 @@ class Reader {
           const auto& kv = seqs_[nodes_[pair].index];
           dicts_[nodes_[d].index].kv.push_back(kv[0]);
           dicts_[nodes_[d].index].kv.push_back(kv[1]);
+          counted(kv[0]);  // now in the dict and in the pair
+          counted(kv[1]);
         }
       }
       return d;
@@ -9677,10 +9701,12 @@ class Reader {
       if (!gl.callee)  // made once per global (torch.save calls _rebuild_tensor_v2 once per tensor)
         gl.callee = std::make_unique<const Object>(Object{gl.module, gl.name, object_build::global, {}, {}, {}});
       const Object& callee = *gl.callee;  // on the heap: stays put when globals_ grows during the call
-      Value av = to_value(args, 0, nullptr);
-      List arg_list = std::move(av.as_list());
-      Call call{callee, arg_list, *this};
       try {
+        if (r->fast)
+          if (std::optional<Value> v = try_fast(r->fast, args)) return add_leaf(std::move(*v));
+        Value av = to_value(args, 0, nullptr);
+        List arg_list = std::move(av.as_list());
+        Call call{callee, arg_list, *this};
         return add_leaf(r->fn(call));
       } catch (error& e) {
         if (e.context().rfind("pickle offset", 0) != 0) e.add_context("pickle offset " + std::to_string(op_pos_));
@@ -9781,9 +9807,16 @@ class Reader {
     if (!opts_.persistent_load)
       fail(errors::pk_no_persistent_load, "persistent id (BINPERSID) in a pickle read without a persistent_load "
                                           "(torch storages are resolved by io/torch_file.hpp)");
-    Value v = to_value(pid, 0, nullptr);
+    std::optional<Value> fast;
     try {
-      return add_leaf(opts_.persistent_load(v));
+      if (opts_.persistent_fast && nodes_[pid].kind == nk::tuple) fast = try_fast(opts_.persistent_fast, pid);
+    } catch (error& e) {
+      e.add_context("pickle offset " + std::to_string(op_pos_));
+      throw;
+    }
+    Value v = fast ? Value() : to_value(pid, 0, nullptr);
+    try {
+      return add_leaf(fast ? std::move(*fast) : opts_.persistent_load(v));
     } catch (error& e) {
       e.add_context("pickle offset " + std::to_string(op_pos_));
       throw;
@@ -9791,6 +9824,9 @@ class Reader {
   }
 
   Value to_value_leaf(std::uint32_t n) { return to_value(n, 0, nullptr); }
+
+  /// `f` over the items of tuple node `tuple` (defined after Args).
+  std::optional<Value> try_fast(const fast_fn& f, std::uint32_t tuple);
 
   // ------------------------------------------------------------------------------------------
   // Conversion of the graph into Values
@@ -9820,7 +9856,9 @@ class Reader {
   /// Converts node `n`. `path` is non-null where the node sits in the result tree proper (so dict
   /// attributes can be reported by path); inside objects and call arguments it is null and dicts
   /// with attributes become collections.OrderedDict objects instead.
-  Value to_value(std::uint32_t n, std::size_t depth, const PathLink* path, bool tracked = false) {
+  /// `sole`: only in the result's conversion, for a node that no other path reaches (its leaves
+  /// are moved, not copied).
+  Value to_value(std::uint32_t n, std::size_t depth, const PathLink* path, bool tracked = false, bool sole = false) {
     count_node();
     if (visiting_.size() < nodes_.size()) visiting_.resize(nodes_.size(), 0);
     const Node node = nodes_[n];
@@ -9840,6 +9878,7 @@ class Reader {
         // Containers inside the leaf sit at depth + 0 .. depth + height - 2.
         if (ls.height > 1 && depth + ls.height - 2 >= opts_.limits.max_depth) depth_exceeded();
         count_node(ls.values - 1);
+        if (sole) return std::move(leaves_[node.index]);
         return leaves_[node.index];
       }
       case nk::global: return Value(Object{globals_[node.index].module, globals_[node.index].name, object_build::global, {}, {}, {}});
@@ -9857,21 +9896,21 @@ class Reader {
         l.reserve(items.size());
         for (std::size_t i = 0; i < items.size(); ++i) {
           PathLink link{path, nullptr, static_cast<std::int64_t>(i)};
-          l.push_back(to_value(items[i], depth + 1, path || tracked ? &link : nullptr, path || tracked));
+          l.push_back(to_value(items[i], depth + 1, path || tracked ? &link : nullptr, path || tracked, sole_child(sole, items[i])));
         }
         out = node.kind == nk::list ? Value::list(std::move(l)) : Value::tuple(std::move(l));
         break;
       }
-      case nk::dict: out = dict_value(node.index, depth, path, tracked); break;
+      case nk::dict: out = dict_value(node.index, depth, path, tracked, sole); break;
       case nk::object: {
         const ObjData& od = objects_[node.index];
         Object o{globals_[od.global].module, globals_[od.global].name, od.how, {}, {}, {}};
         if (od.args != npos) {
-          Value a = to_value(od.args, depth + 1, nullptr);
+          Value a = to_value(od.args, depth + 1, nullptr, false, sole_child(sole, od.args));
           o.args = std::move(a.as_list());
         }
-        for (std::uint32_t s : od.state) o.state.push_back(to_value(s, depth + 1, nullptr));
-        for (std::uint32_t it : od.items) o.items.push_back(to_value(it, depth + 1, nullptr));
+        for (std::uint32_t s : od.state) o.state.push_back(to_value(s, depth + 1, nullptr, false, sole_child(sole, s)));
+        for (std::uint32_t it : od.items) o.items.push_back(to_value(it, depth + 1, nullptr, false, sole_child(sole, it)));
         out = Value(std::move(o));
         break;
       }
@@ -9881,7 +9920,56 @@ class Reader {
     return out;
   }
 
-  Value dict_value(std::uint32_t di, std::size_t depth, const PathLink* path, bool tracked) {
+  /// The distinct int/str keys of dict `d` (pairs of d.kv): `firsts` the pair of each key's first
+  /// place, in order; `value_of` the pair that sets each one's value (its last). Keys are compared
+  /// as the input holds them (an int never equals a str), through a table of pair indices.
+  void distinct_keys(const DictData& d, std::vector<std::uint32_t>& firsts, std::vector<std::uint32_t>& value_of) const {
+    const std::size_t n = d.kv.size() / 2;
+    firsts.reserve(n);
+    value_of.reserve(n);
+    auto key = [&](std::size_t p) -> const Node& { return nodes_[d.kv[2 * p]]; };
+    auto same = [&](const Node& a, const Node& b) {
+      if (a.kind != b.kind) return false;
+      if (a.kind == nk::integer) return a.u.i == b.u.i;
+      return view(a.u.off, a.index) == view(b.u.off, b.index);
+    };
+    auto hash = [&](const Node& k) -> std::size_t {
+      if (k.kind == nk::integer) {
+        std::uint64_t x = static_cast<std::uint64_t>(k.u.i) + 0x9E3779B97F4A7C15ULL;  // splitmix64
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+        return static_cast<std::size_t>(x ^ (x >> 31));
+      }
+      return std::hash<std::string_view>{}(view(k.u.off, k.index));
+    };
+    std::size_t cap = 16;
+    while (cap < 2 * n) cap *= 2;
+    std::vector<std::uint32_t> slots(n > 8 ? cap : 0, npos);  // distinct key index, by hash
+    for (std::size_t p = 0; p < n; ++p) {
+      const Node& k = key(p);
+      std::uint32_t found = npos;
+      if (slots.empty()) {
+        for (std::uint32_t j = 0; j < firsts.size() && found == npos; ++j)
+          if (same(key(firsts[j]), k)) found = j;
+      } else {
+        std::size_t s = hash(k) & (cap - 1);
+        for (; slots[s] != npos; s = (s + 1) & (cap - 1))
+          if (same(key(firsts[slots[s]]), k)) {
+            found = slots[s];
+            break;
+          }
+        if (found == npos) slots[s] = static_cast<std::uint32_t>(firsts.size());
+      }
+      if (found == npos) {
+        firsts.push_back(static_cast<std::uint32_t>(p));
+        value_of.push_back(static_cast<std::uint32_t>(p));
+      } else {
+        value_of[found] = static_cast<std::uint32_t>(p);
+      }
+    }
+  }
+
+  Value dict_value(std::uint32_t di, std::size_t depth, const PathLink* path, bool tracked, bool sole) {
     const DictData& d = dicts_[di];
     bool plain_keys = true;
     for (std::size_t i = 0; i < d.kv.size(); i += 2) {
@@ -9906,7 +9994,7 @@ class Reader {
     // data (state_dict()._metadata is), and such a dict stays an OrderedDict object, states and all.
     std::vector<Value> states;
     states.reserve(d.state.size());
-    for (std::uint32_t s : d.state) states.push_back(to_value(s, depth + 1, nullptr));
+    for (std::uint32_t s : d.state) states.push_back(to_value(s, depth + 1, nullptr, false, sole_child(sole, s)));
     if (attrs_ok)
       for (const Value& sv : states) attrs_ok = attrs_ok && !holds_tensor(sv);
     if (plain_keys && (d.state.empty() || attrs_ok)) {
@@ -9918,18 +10006,20 @@ class Reader {
       }
       // A key set twice keeps its first place and its last value, as in Python; only that value
       // is converted (a replaced dict must not leave its attributes behind in the result).
+      std::vector<std::uint32_t> firsts, value_of;
+      distinct_keys(d, firsts, value_of);
+      count_node(d.kv.size() / 2);
       Dict out;
-      out.reserve(d.kv.size() / 2);
-      for (std::size_t i = 0; i < d.kv.size(); i += 2) {
-        const Node& kn = nodes_[d.kv[i]];
-        Key key = kn.kind == nk::integer ? Key(kn.u.i) : Key(std::string(view(kn.u.off, kn.index)));
-        count_node();
-        out.set(std::move(key), Value(static_cast<std::int64_t>(i + 1)));
+      out.reserve(firsts.size());
+      for (std::uint32_t p : firsts) {
+        const Node& kn = nodes_[d.kv[2 * std::size_t{p}]];
+        out.append_unchecked(kn.kind == nk::integer ? Key(kn.u.i) : Key(std::string(view(kn.u.off, kn.index))), Value());
       }
+      std::size_t j = 0;
       for (auto& [key, v] : out) {
-        const auto value_at = static_cast<std::size_t>(v.as_int());
+        const std::uint32_t value_node = d.kv[2 * std::size_t{value_of[j++]} + 1];
         PathLink link{path, &key, 0};
-        v = to_value(d.kv[value_at], depth + 1, tracked ? &link : nullptr, tracked);
+        v = to_value(value_node, depth + 1, tracked ? &link : nullptr, tracked, sole_child(sole, value_node));
       }
       if (!d.state.empty()) {
         Dict attrs;
@@ -9942,8 +10032,8 @@ class Reader {
     Object o{d.ordered ? "collections" : "builtins", d.ordered ? "OrderedDict" : "dict", object_build::reduce, {}, {}, {}};
     for (std::size_t i = 0; i < d.kv.size(); i += 2) {
       List pair;
-      pair.push_back(to_value(d.kv[i], depth + 1, nullptr));
-      pair.push_back(to_value(d.kv[i + 1], depth + 1, nullptr));
+      pair.push_back(to_value(d.kv[i], depth + 1, nullptr, false, sole_child(sole, d.kv[i])));
+      pair.push_back(to_value(d.kv[i + 1], depth + 1, nullptr, false, sole_child(sole, d.kv[i + 1])));
       o.items.push_back(Value::tuple(std::move(pair)));
     }
     o.state = std::move(states);
@@ -9960,7 +10050,8 @@ class Reader {
   const Registry* registry_;
 
   std::vector<Node> nodes_;
-  std::vector<Value> leaves_;
+  std::vector<std::uint8_t> refs_;  ///< per node: stack references, saturating at 2 (see counted)
+  std::deque<Value> leaves_;  ///< a deque: stays put as it grows (no 160-byte moves)
   std::vector<LeafShape> leaf_shape_;
   std::vector<std::pair<const Value*, std::uint64_t>> walk_stack_;  ///< each_value's stack
   std::vector<std::vector<std::uint32_t>> seqs_;
@@ -9982,6 +10073,60 @@ class Reader {
   std::uint64_t produced_ = 0;
   std::vector<Attributes> attributes_;
 };
+
+/// The arguments of a call (or the items of a persistent id) as the reader holds them: kinds,
+/// scalars, strings as views of the input, the Values of registered functions' results and
+/// persistent ids, tuples of ints. For fast_fn; valid only during that call.
+class Args {
+ public:
+  enum class kind : std::uint8_t { none, boolean, integer, floating, str, bytes, value, list, tuple, dict, object, global };
+
+  [[nodiscard]] std::size_t size() const noexcept { return items_.size(); }
+  [[nodiscard]] kind kind_of(std::size_t i) const { return static_cast<kind>(node(i).kind); }
+  /// An integer or boolean argument.
+  [[nodiscard]] std::int64_t integer(std::size_t i) const { return node(i).u.i; }
+  /// A str or bytes argument.
+  [[nodiscard]] std::string_view str(std::size_t i) const { return r_.view(node(i).u.off, node(i).index); }
+  /// A `value` argument: what a registered function or persistent_load returned.
+  [[nodiscard]] const Value& value(std::size_t i) const { return r_.leaves_[node(i).index]; }
+  /// A `global` argument: its module and name.
+  [[nodiscard]] std::pair<std::string_view, std::string_view> global(std::size_t i) const {
+    const auto& g = r_.globals_[node(i).index];
+    return {g.module, g.name};
+  }
+  /// A tuple or list of at most `max` integer nodes, appended to `out`; false for anything else.
+  [[nodiscard]] bool ints(std::size_t i, std::size_t max, shape_t& out) const {
+    const Reader::Node& n = node(i);
+    if (n.kind != Reader::nk::tuple && n.kind != Reader::nk::list) return false;
+    const auto& items = r_.seqs_[n.index];
+    if (items.size() > max) return false;
+    for (std::uint32_t c : items) {
+      if (r_.nodes_[c].kind != Reader::nk::integer) return false;
+      out.push_back(r_.nodes_[c].u.i);
+    }
+    return true;
+  }
+  /// An empty dict (no items, no BUILD state).
+  [[nodiscard]] bool empty_dict(std::size_t i) const {
+    const Reader::Node& n = node(i);
+    return n.kind == Reader::nk::dict && r_.dicts_[n.index].kv.empty() && r_.dicts_[n.index].state.empty();
+  }
+
+ private:
+  friend class Reader;
+  Args(const Reader& r, const std::vector<std::uint32_t>& items) : r_(r), items_(items) {}
+  [[nodiscard]] const Reader::Node& node(std::size_t i) const { return r_.nodes_[items_[i]]; }
+
+  const Reader& r_;
+  const std::vector<std::uint32_t>& items_;
+
+  static_assert(static_cast<int>(kind::value) == static_cast<int>(Reader::nk::leaf) &&
+                static_cast<int>(kind::global) == static_cast<int>(Reader::nk::global));
+};
+
+inline std::optional<Value> Reader::try_fast(const fast_fn& f, std::uint32_t tuple) {
+  return f(Args(*this, seqs_[nodes_[tuple].index]));
+}
 
 inline Result Reader::run() {
   int protocol = 0;
@@ -10008,7 +10153,9 @@ inline Result Reader::run() {
       case '.': {  // STOP
         const std::uint32_t root = pop();
         Result r;
-        r.value = to_value(root, 0, nullptr, true);
+        // The last conversion: a leaf reached along a path of nodes each referenced once is moved
+        // out of leaves_ instead of copied (nothing converts it again).
+        r.value = to_value(root, 0, nullptr, true, refs_[root] <= 1);
         r.attributes = std::move(attributes_);
         r.consumed = pos_;
         r.protocol = protocol;
@@ -10202,6 +10349,7 @@ inline Result Reader::run() {
         const std::uint32_t args = pop();
         std::uint32_t& f = top();
         f = apply(f, args, object_build::reduce);
+        counted(f);
         break;
       }
       case 0x81: {  // NEWOBJ
@@ -10271,7 +10419,7 @@ inline const List& one_sequence_arg(Call& c, std::size_t max_args = 1) {
 
 inline Registry Registry::weights_only() {
   Registry r;
-  r.add("collections.OrderedDict", Rule{Rule::kind::ordered_dict, {}});
+  r.add("collections.OrderedDict", Rule{Rule::kind::ordered_dict, {}, {}});
   r.allow("collections.Counter");
   // bytes in protocol 2: _codecs.encode(latin-1 str, 'latin1'); empty bytes: builtins.bytes().
   r.function("_codecs.encode", [](Call& c) -> Value {
@@ -10857,6 +11005,11 @@ struct load_options {
   bool keep_wrappers = false;
   /// Verify the CRC-32 of every storage record (reads all tensor bytes).
   bool verify_crc = false;
+  /// Read the storage ids and `_rebuild_tensor_v2` calls torch.save writes straight from the
+  /// pickle reader's nodes (pickle::fast_fn), instead of converting their arguments to Values
+  /// first. The File is the same either way (a test and the torch fuzz target compare the two);
+  /// off only costs time. Any other shape of call takes the general path regardless.
+  bool fast_paths = true;
   /// How a path is opened (torch::read(path)).
   read_mode mode = read_mode::mmap;
 };
@@ -10930,31 +11083,41 @@ class reservation {
   std::uint64_t size_;
 };
 
-/// The dtype of a storage class name, or nullopt for UntypedStorage.
-inline statedict::dtype storage_dtype(const Object& cls, bool& untyped) {
+/// The dtype of the storage class global `module.name` (U8 for UntypedStorage, which sets
+/// `untyped`).
+inline statedict::dtype storage_dtype(std::string_view module, std::string_view name, bool& untyped) {
   untyped = false;
-  if (cls.how != object_build::global || (cls.module != "torch" && cls.module != "torch.cuda" && cls.module != "torch.storage"))
-    throw_error(errors::pt_bad_storage, "storage type " + quote(cls.qualified()) + " is not a torch storage class");
-  if (cls.name == "UntypedStorage") {
+  auto qualified = [&] { return std::string(module) + "." + std::string(name); };
+  if (module != "torch" && module != "torch.cuda" && module != "torch.storage")
+    throw_error(errors::pt_bad_storage, "storage type " + quote(qualified()) + " is not a torch storage class");
+  if (name == "UntypedStorage") {
     untyped = true;
     return statedict::dtype::U8;
   }
-  if (auto t = dtype_from_storage_name(cls.name)) return *t;
-  if (cls.name.rfind("Q", 0) == 0)
-    throw_error(errors::pt_unsupported_tensor, "quantized storage " + quote(cls.qualified()) + " is not supported");
-  throw_error(errors::pt_bad_storage, "unknown storage class " + quote(cls.qualified()));
+  if (auto t = dtype_from_storage_name(name)) return *t;
+  if (name.rfind('Q', 0) == 0)
+    throw_error(errors::pt_unsupported_tensor, "quantized storage " + quote(qualified()) + " is not supported");
+  throw_error(errors::pt_bad_storage, "unknown storage class " + quote(qualified()));
+}
+inline statedict::dtype storage_dtype(const Object& cls, bool& untyped) {
+  if (cls.how != object_build::global)
+    throw_error(errors::pt_bad_storage, "storage type " + quote(cls.qualified()) + " is not a torch storage class");
+  return storage_dtype(cls.module, cls.name, untyped);
 }
 
 /// A storage as a Value: Object{torch.<Class>, how=reduce, args=[1-d view of its bytes (its
 /// dtype, or U8 when untyped), key, location]}. It stays in the tree only when the pickle holds a
 /// bare storage; the writer writes it back as a storage.
-inline Value storage_value(const Object& cls, TensorView bytes, std::string key, std::string location) {
-  Object o{cls.module, cls.name, object_build::reduce, {}, {}, {}};
+inline Value storage_value(std::string_view module, std::string_view name, TensorView bytes, std::string key, std::string location) {
+  Object o{std::string(module), std::string(name), object_build::reduce, {}, {}, {}};
   o.args.reserve(3);
   o.args.emplace_back(std::move(bytes));
   o.args.emplace_back(std::move(key));
   o.args.emplace_back(std::move(location));
   return Value(std::move(o));
+}
+inline Value storage_value(const Object& cls, TensorView bytes, std::string key, std::string location) {
+  return storage_value(cls.module, cls.name, std::move(bytes), std::move(key), std::move(location));
 }
 
 inline bool is_storage_object(const Object& o) {
@@ -11059,7 +11222,24 @@ inline pickle::Registry torch_registry(const read_context& ctx) {
       throw_error(errors::pt_unsupported_tensor, "tensor with metadata (conjugate or negative bit) is not supported");
     return Value(make_view(st, as, int_arg(a[1], "storage offset"), dims_arg(a[2], "size", max_rank), dims_arg(a[3], "stride", max_rank)));
   };
-  r.function("torch._utils._rebuild_tensor_v2", [v2](pickle::Call& c) { return v2(c, false, false); });
+  // _rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks[, metadata]) as torch.save
+  // writes it, read in place: v2 gives the same Value for each call this accepts.
+  auto v2_fast = [&ctx, max_rank](const pickle::Args& a) -> std::optional<Value> {
+    using k = pickle::Args::kind;
+    if (ctx.dry_run || a.size() < 6 || a.size() > 7 || a.kind_of(0) != k::value || a.kind_of(1) != k::integer ||
+        a.kind_of(4) != k::boolean || !a.empty_dict(5))
+      return std::nullopt;
+    if (a.size() == 7 && a.kind_of(6) != k::none && !a.empty_dict(6)) return std::nullopt;
+    const Value& st = a.value(0);
+    if (!st.is_object() || !is_storage_object(st.as_object()) || st.as_object().name == "UntypedStorage") return std::nullopt;
+    shape_t size, stride;
+    if (!a.ints(2, max_rank, size) || !a.ints(3, max_rank, stride)) return std::nullopt;
+    auto negative = [](const shape_t& s) { return std::any_of(s.begin(), s.end(), [](dim_t d) { return d < 0; }); };
+    if (negative(size) || negative(stride)) return std::nullopt;
+    return Value(make_view(st.as_object(), std::nullopt, a.integer(1), std::move(size), std::move(stride)));
+  };
+  r.function("torch._utils._rebuild_tensor_v2", [v2](pickle::Call& c) { return v2(c, false, false); },
+             ctx.opts->fast_paths ? pickle::fast_fn(v2_fast) : pickle::fast_fn());
   r.function("torch._utils._rebuild_tensor_v3", [v2](pickle::Call& c) { return v2(c, true, false); });
   r.function("torch._utils._rebuild_tensor", [v2](pickle::Call& c) { return v2(c, false, true); });
 
@@ -11218,18 +11398,17 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
   po.limits = opts.limits.pickle;
   po.keep_unknown_objects = opts.keep_unknown_objects;
   po.registry = &reg;
-  po.persistent_load = [&](const Value& pid) -> Value {
-    if (!pid.is_tuple() || pid.as_list().size() != 5 || !is_storage_tag(pid.at(0)))
-      throw_error(errors::pt_bad_storage, "persistent id is not ('storage', type, key, location, numel)");
-    const List& p = pid.as_list();
-    if (!p[1].is_object() || !p[2].is_string() || !p[3].is_string() || !p[4].is_int())
-      throw_error(errors::pt_bad_storage, "persistent id fields have the wrong types");
-    const Object& cls = p[1].as_object();
+  by_key.reserve(ar.entries().size());
+  f.storages.reserve(ar.entries().size());
+  std::string key;  // reused: most keys are short
+  // ('storage', torch.<Class>Storage, key, location, numel), its fields checked by the caller.
+  auto storage = [&](std::string_view module, std::string_view cls_name, std::string_view key_in, std::string_view location,
+                     std::int64_t numel_in) -> Value {
     bool untyped = false;
-    const statedict::dtype t = storage_dtype(cls, untyped);
-    const std::string& key = p[2].as_string();
-    if (p[4].as_int() < 0) throw_error(errors::pt_bad_storage, "storage " + quote(key) + " has a negative size");
-    const auto numel = static_cast<std::uint64_t>(p[4].as_int());
+    const statedict::dtype t = storage_dtype(module, cls_name, untyped);
+    key.assign(key_in);
+    if (numel_in < 0) throw_error(errors::pt_bad_storage, "storage " + quote(key) + " has a negative size");
+    const auto numel = static_cast<std::uint64_t>(numel_in);
     const std::uint64_t nbytes = checked_mul(numel, itemsize(t), "storage size");
     auto it = by_key.find(key);
     if (it == by_key.end()) {
@@ -11253,7 +11432,7 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
       s.offset = e->data_offset;
       s.nbytes = e->size;
       s.record = std::move(rec);  // not used below
-      s.location = p[3].as_string();
+      s.location = location;
       f.storages.push_back(std::move(s));
       it = by_key.emplace(key, std::move(c)).first;
     }
@@ -11264,7 +11443,27 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
                                               " elements needs " + std::to_string(nbytes) + " bytes; its record holds " +
                                               std::to_string(c.entry->size));
     TensorView bytes = TensorView::contiguous(t, {static_cast<dim_t>(numel)}, c.data, c.owner);
-    return storage_value(cls, std::move(bytes), key, p[3].as_string());
+    return storage_value(module, cls_name, std::move(bytes), key, std::string(location));
+  };
+  po.persistent_load = [&](const Value& pid) -> Value {
+    if (!pid.is_tuple() || pid.as_list().size() != 5 || !is_storage_tag(pid.at(0)))
+      throw_error(errors::pt_bad_storage, "persistent id is not ('storage', type, key, location, numel)");
+    const List& p = pid.as_list();
+    if (!p[1].is_object() || !p[2].is_string() || !p[3].is_string() || !p[4].is_int())
+      throw_error(errors::pt_bad_storage, "persistent id fields have the wrong types");
+    const Object& cls = p[1].as_object();
+    if (cls.how != object_build::global)
+      throw_error(errors::pt_bad_storage, "storage type " + quote(cls.qualified()) + " is not a torch storage class");
+    return storage(cls.module, cls.name, p[2].as_string(), p[3].as_string(), p[4].as_int());
+  };
+  // The same for the id torch.save writes, read without converting it to a Value first.
+  if (opts.fast_paths) po.persistent_fast = [&](const pickle::Args& a) -> std::optional<Value> {
+    using k = pickle::Args::kind;
+    if (a.size() != 5 || (a.kind_of(0) != k::str && a.kind_of(0) != k::bytes) || a.str(0) != "storage" ||
+        a.kind_of(1) != k::global || a.kind_of(2) != k::str || a.kind_of(3) != k::str || a.kind_of(4) != k::integer)
+      return std::nullopt;
+    const auto [module, cls_name] = a.global(1);
+    return storage(module, cls_name, a.str(2), a.str(3), a.integer(4));
   };
   try {
     pickle::Result res = pickle::load(pickle_bytes.span(), po);

@@ -97,6 +97,11 @@ struct load_options {
   bool keep_wrappers = false;
   /// Verify the CRC-32 of every storage record (reads all tensor bytes).
   bool verify_crc = false;
+  /// Read the storage ids and `_rebuild_tensor_v2` calls torch.save writes straight from the
+  /// pickle reader's nodes (pickle::fast_fn), instead of converting their arguments to Values
+  /// first. The File is the same either way (a test and the torch fuzz target compare the two);
+  /// off only costs time. Any other shape of call takes the general path regardless.
+  bool fast_paths = true;
   /// How a path is opened (torch::read(path)).
   read_mode mode = read_mode::mmap;
 };
@@ -170,31 +175,41 @@ class reservation {
   std::uint64_t size_;
 };
 
-/// The dtype of a storage class name, or nullopt for UntypedStorage.
-inline statedict::dtype storage_dtype(const Object& cls, bool& untyped) {
+/// The dtype of the storage class global `module.name` (U8 for UntypedStorage, which sets
+/// `untyped`).
+inline statedict::dtype storage_dtype(std::string_view module, std::string_view name, bool& untyped) {
   untyped = false;
-  if (cls.how != object_build::global || (cls.module != "torch" && cls.module != "torch.cuda" && cls.module != "torch.storage"))
-    throw_error(errors::pt_bad_storage, "storage type " + quote(cls.qualified()) + " is not a torch storage class");
-  if (cls.name == "UntypedStorage") {
+  auto qualified = [&] { return std::string(module) + "." + std::string(name); };
+  if (module != "torch" && module != "torch.cuda" && module != "torch.storage")
+    throw_error(errors::pt_bad_storage, "storage type " + quote(qualified()) + " is not a torch storage class");
+  if (name == "UntypedStorage") {
     untyped = true;
     return statedict::dtype::U8;
   }
-  if (auto t = dtype_from_storage_name(cls.name)) return *t;
-  if (cls.name.rfind("Q", 0) == 0)
-    throw_error(errors::pt_unsupported_tensor, "quantized storage " + quote(cls.qualified()) + " is not supported");
-  throw_error(errors::pt_bad_storage, "unknown storage class " + quote(cls.qualified()));
+  if (auto t = dtype_from_storage_name(name)) return *t;
+  if (name.rfind('Q', 0) == 0)
+    throw_error(errors::pt_unsupported_tensor, "quantized storage " + quote(qualified()) + " is not supported");
+  throw_error(errors::pt_bad_storage, "unknown storage class " + quote(qualified()));
+}
+inline statedict::dtype storage_dtype(const Object& cls, bool& untyped) {
+  if (cls.how != object_build::global)
+    throw_error(errors::pt_bad_storage, "storage type " + quote(cls.qualified()) + " is not a torch storage class");
+  return storage_dtype(cls.module, cls.name, untyped);
 }
 
 /// A storage as a Value: Object{torch.<Class>, how=reduce, args=[1-d view of its bytes (its
 /// dtype, or U8 when untyped), key, location]}. It stays in the tree only when the pickle holds a
 /// bare storage; the writer writes it back as a storage.
-inline Value storage_value(const Object& cls, TensorView bytes, std::string key, std::string location) {
-  Object o{cls.module, cls.name, object_build::reduce, {}, {}, {}};
+inline Value storage_value(std::string_view module, std::string_view name, TensorView bytes, std::string key, std::string location) {
+  Object o{std::string(module), std::string(name), object_build::reduce, {}, {}, {}};
   o.args.reserve(3);
   o.args.emplace_back(std::move(bytes));
   o.args.emplace_back(std::move(key));
   o.args.emplace_back(std::move(location));
   return Value(std::move(o));
+}
+inline Value storage_value(const Object& cls, TensorView bytes, std::string key, std::string location) {
+  return storage_value(cls.module, cls.name, std::move(bytes), std::move(key), std::move(location));
 }
 
 inline bool is_storage_object(const Object& o) {
@@ -299,7 +314,24 @@ inline pickle::Registry torch_registry(const read_context& ctx) {
       throw_error(errors::pt_unsupported_tensor, "tensor with metadata (conjugate or negative bit) is not supported");
     return Value(make_view(st, as, int_arg(a[1], "storage offset"), dims_arg(a[2], "size", max_rank), dims_arg(a[3], "stride", max_rank)));
   };
-  r.function("torch._utils._rebuild_tensor_v2", [v2](pickle::Call& c) { return v2(c, false, false); });
+  // _rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks[, metadata]) as torch.save
+  // writes it, read in place: v2 gives the same Value for each call this accepts.
+  auto v2_fast = [&ctx, max_rank](const pickle::Args& a) -> std::optional<Value> {
+    using k = pickle::Args::kind;
+    if (ctx.dry_run || a.size() < 6 || a.size() > 7 || a.kind_of(0) != k::value || a.kind_of(1) != k::integer ||
+        a.kind_of(4) != k::boolean || !a.empty_dict(5))
+      return std::nullopt;
+    if (a.size() == 7 && a.kind_of(6) != k::none && !a.empty_dict(6)) return std::nullopt;
+    const Value& st = a.value(0);
+    if (!st.is_object() || !is_storage_object(st.as_object()) || st.as_object().name == "UntypedStorage") return std::nullopt;
+    shape_t size, stride;
+    if (!a.ints(2, max_rank, size) || !a.ints(3, max_rank, stride)) return std::nullopt;
+    auto negative = [](const shape_t& s) { return std::any_of(s.begin(), s.end(), [](dim_t d) { return d < 0; }); };
+    if (negative(size) || negative(stride)) return std::nullopt;
+    return Value(make_view(st.as_object(), std::nullopt, a.integer(1), std::move(size), std::move(stride)));
+  };
+  r.function("torch._utils._rebuild_tensor_v2", [v2](pickle::Call& c) { return v2(c, false, false); },
+             ctx.opts->fast_paths ? pickle::fast_fn(v2_fast) : pickle::fast_fn());
   r.function("torch._utils._rebuild_tensor_v3", [v2](pickle::Call& c) { return v2(c, true, false); });
   r.function("torch._utils._rebuild_tensor", [v2](pickle::Call& c) { return v2(c, false, true); });
 
@@ -458,18 +490,17 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
   po.limits = opts.limits.pickle;
   po.keep_unknown_objects = opts.keep_unknown_objects;
   po.registry = &reg;
-  po.persistent_load = [&](const Value& pid) -> Value {
-    if (!pid.is_tuple() || pid.as_list().size() != 5 || !is_storage_tag(pid.at(0)))
-      throw_error(errors::pt_bad_storage, "persistent id is not ('storage', type, key, location, numel)");
-    const List& p = pid.as_list();
-    if (!p[1].is_object() || !p[2].is_string() || !p[3].is_string() || !p[4].is_int())
-      throw_error(errors::pt_bad_storage, "persistent id fields have the wrong types");
-    const Object& cls = p[1].as_object();
+  by_key.reserve(ar.entries().size());
+  f.storages.reserve(ar.entries().size());
+  std::string key;  // reused: most keys are short
+  // ('storage', torch.<Class>Storage, key, location, numel), its fields checked by the caller.
+  auto storage = [&](std::string_view module, std::string_view cls_name, std::string_view key_in, std::string_view location,
+                     std::int64_t numel_in) -> Value {
     bool untyped = false;
-    const statedict::dtype t = storage_dtype(cls, untyped);
-    const std::string& key = p[2].as_string();
-    if (p[4].as_int() < 0) throw_error(errors::pt_bad_storage, "storage " + quote(key) + " has a negative size");
-    const auto numel = static_cast<std::uint64_t>(p[4].as_int());
+    const statedict::dtype t = storage_dtype(module, cls_name, untyped);
+    key.assign(key_in);
+    if (numel_in < 0) throw_error(errors::pt_bad_storage, "storage " + quote(key) + " has a negative size");
+    const auto numel = static_cast<std::uint64_t>(numel_in);
     const std::uint64_t nbytes = checked_mul(numel, itemsize(t), "storage size");
     auto it = by_key.find(key);
     if (it == by_key.end()) {
@@ -493,7 +524,7 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
       s.offset = e->data_offset;
       s.nbytes = e->size;
       s.record = std::move(rec);  // not used below
-      s.location = p[3].as_string();
+      s.location = location;
       f.storages.push_back(std::move(s));
       it = by_key.emplace(key, std::move(c)).first;
     }
@@ -504,7 +535,27 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
                                               " elements needs " + std::to_string(nbytes) + " bytes; its record holds " +
                                               std::to_string(c.entry->size));
     TensorView bytes = TensorView::contiguous(t, {static_cast<dim_t>(numel)}, c.data, c.owner);
-    return storage_value(cls, std::move(bytes), key, p[3].as_string());
+    return storage_value(module, cls_name, std::move(bytes), key, std::string(location));
+  };
+  po.persistent_load = [&](const Value& pid) -> Value {
+    if (!pid.is_tuple() || pid.as_list().size() != 5 || !is_storage_tag(pid.at(0)))
+      throw_error(errors::pt_bad_storage, "persistent id is not ('storage', type, key, location, numel)");
+    const List& p = pid.as_list();
+    if (!p[1].is_object() || !p[2].is_string() || !p[3].is_string() || !p[4].is_int())
+      throw_error(errors::pt_bad_storage, "persistent id fields have the wrong types");
+    const Object& cls = p[1].as_object();
+    if (cls.how != object_build::global)
+      throw_error(errors::pt_bad_storage, "storage type " + quote(cls.qualified()) + " is not a torch storage class");
+    return storage(cls.module, cls.name, p[2].as_string(), p[3].as_string(), p[4].as_int());
+  };
+  // The same for the id torch.save writes, read without converting it to a Value first.
+  if (opts.fast_paths) po.persistent_fast = [&](const pickle::Args& a) -> std::optional<Value> {
+    using k = pickle::Args::kind;
+    if (a.size() != 5 || (a.kind_of(0) != k::str && a.kind_of(0) != k::bytes) || a.str(0) != "storage" ||
+        a.kind_of(1) != k::global || a.kind_of(2) != k::str || a.kind_of(3) != k::str || a.kind_of(4) != k::integer)
+      return std::nullopt;
+    const auto [module, cls_name] = a.global(1);
+    return storage(module, cls_name, a.str(2), a.str(3), a.integer(4));
   };
   try {
     pickle::Result res = pickle::load(pickle_bytes.span(), po);
