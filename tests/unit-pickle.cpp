@@ -635,4 +635,13 @@ TEST_CASE("fast forms: tried first, handed over on nullopt, their errors placed 
   CHECK(val(P2 + "(C\x03xyzK\x01tQ.", o).as_string() == "xyz");
   CHECK(val(P2 + "(K\x01K\x01tQ.", o).as_int() == 1);
   CHECK(val(P2 + "K\x01Q.", o).as_int() == 1);
+  // A fast form that reads an argument as what it is not, or past the end, gets an error.
+  o.persistent_fast = [](const pickle::Args& a) -> std::optional<Value> { return Value(std::string(a.str(0))); };
+  expect_error_p(P2 + "(K\x01tQ.", errors::pk_bad_call, o);
+  o.persistent_fast = [](const pickle::Args& a) -> std::optional<Value> { return Value(a.value(0)); };
+  expect_error_p(P2 + "(K\x01tQ.", errors::pk_bad_call, o);
+  o.persistent_fast = [](const pickle::Args& a) -> std::optional<Value> { return Value(a.integer(1)); };
+  expect_error_p(P2 + "(K\x01tQ.", errors::pk_bad_call, o);
+  o.persistent_fast = [](const pickle::Args& a) -> std::optional<Value> { return Value(std::string(a.global(0).first)); };
+  expect_error_p(P2 + "(" + binunicode("x") + "tQ.", errors::pk_bad_call, o);
 }

@@ -1064,7 +1064,8 @@ class Reader {
 
 /// The arguments of a call (or the items of a persistent id) as the reader holds them: kinds,
 /// scalars, strings as views of the input, the Values of registered functions' results and
-/// persistent ids, tuples of ints. For fast_fn; valid only during that call.
+/// persistent ids, tuples of ints. For fast_fn; valid only during that call. Reading an argument
+/// as what it is not (check kind_of first) is a pickle.bad_call error, never a wild read.
 class Args {
  public:
   enum class kind : std::uint8_t { none, boolean, integer, floating, str, bytes, value, list, tuple, dict, object, global };
@@ -1072,14 +1073,17 @@ class Args {
   [[nodiscard]] std::size_t size() const noexcept { return items_.size(); }
   [[nodiscard]] kind kind_of(std::size_t i) const { return static_cast<kind>(node(i).kind); }
   /// An integer or boolean argument.
-  [[nodiscard]] std::int64_t integer(std::size_t i) const { return node(i).u.i; }
+  [[nodiscard]] std::int64_t integer(std::size_t i) const { return as(i, kind::integer, kind::boolean).u.i; }
   /// A str or bytes argument.
-  [[nodiscard]] std::string_view str(std::size_t i) const { return r_.view(node(i).u.off, node(i).index); }
+  [[nodiscard]] std::string_view str(std::size_t i) const {
+    const Reader::Node& n = as(i, kind::str, kind::bytes);
+    return r_.view(n.u.off, n.index);
+  }
   /// A `value` argument: what a registered function or persistent_load returned.
-  [[nodiscard]] const Value& value(std::size_t i) const { return r_.leaves_[node(i).index]; }
+  [[nodiscard]] const Value& value(std::size_t i) const { return r_.leaves_[as(i, kind::value, kind::value).index]; }
   /// A `global` argument: its module and name.
   [[nodiscard]] std::pair<std::string_view, std::string_view> global(std::size_t i) const {
-    const auto& g = r_.globals_[node(i).index];
+    const auto& g = r_.globals_[as(i, kind::global, kind::global).index];
     return {g.module, g.name};
   }
   /// A tuple or list of at most `max` integer nodes, appended to `out`; false for anything else.
@@ -1103,7 +1107,19 @@ class Args {
  private:
   friend class Reader;
   Args(const Reader& r, const std::vector<std::uint32_t>& items) : r_(r), items_(items) {}
-  [[nodiscard]] const Reader::Node& node(std::size_t i) const { return r_.nodes_[items_[i]]; }
+  [[nodiscard]] const Reader::Node& node(std::size_t i) const {
+    if (i >= items_.size())
+      r_.fail(errors::pk_bad_call, "a fast form read argument " + std::to_string(i) + " of " + std::to_string(items_.size()));
+    return r_.nodes_[items_[i]];
+  }
+  [[nodiscard]] const Reader::Node& as(std::size_t i, kind a, kind b) const {
+    const Reader::Node& n = node(i);
+    const auto k = static_cast<kind>(n.kind);
+    if (k != a && k != b)
+      r_.fail(errors::pk_bad_call, "a fast form read argument " + std::to_string(i) + " as a " + Reader::kind_name(static_cast<Reader::nk>(a)) +
+                                       ", but it is a " + Reader::kind_name(n.kind));
+    return n;
+  }
 
   const Reader& r_;
   const std::vector<std::uint32_t>& items_;
