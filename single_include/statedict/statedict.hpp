@@ -11099,12 +11099,12 @@ class reservation {
   std::uint64_t size_;
 };
 
-/// The dtype of the storage class global `module.name` (U8 for UntypedStorage, which sets
-/// `untyped`).
-inline statedict::dtype storage_dtype(std::string_view module, std::string_view name, bool& untyped) {
+/// The dtype of the storage class `module.name` (U8 for UntypedStorage, which sets `untyped`);
+/// `global`: it was referenced, not called or built.
+inline statedict::dtype storage_dtype(std::string_view module, std::string_view name, bool global, bool& untyped) {
   untyped = false;
   auto qualified = [&] { return std::string(module) + "." + std::string(name); };
-  if (module != "torch" && module != "torch.cuda" && module != "torch.storage")
+  if (!global || (module != "torch" && module != "torch.cuda" && module != "torch.storage"))
     throw_error(errors::pt_bad_storage, "storage type " + quote(qualified()) + " is not a torch storage class");
   if (name == "UntypedStorage") {
     untyped = true;
@@ -11116,9 +11116,7 @@ inline statedict::dtype storage_dtype(std::string_view module, std::string_view 
   throw_error(errors::pt_bad_storage, "unknown storage class " + quote(qualified()));
 }
 inline statedict::dtype storage_dtype(const Object& cls, bool& untyped) {
-  if (cls.how != object_build::global)
-    throw_error(errors::pt_bad_storage, "storage type " + quote(cls.qualified()) + " is not a torch storage class");
-  return storage_dtype(cls.module, cls.name, untyped);
+  return storage_dtype(cls.module, cls.name, cls.how == object_build::global, untyped);
 }
 
 /// A storage as a Value: Object{torch.<Class>, how=reduce, args=[1-d view of its bytes (its
@@ -11418,10 +11416,10 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
   f.storages.reserve(ar.entries().size());
   std::string key;  // reused: most keys are short
   // ('storage', torch.<Class>Storage, key, location, numel), its fields checked by the caller.
-  auto storage = [&](std::string_view module, std::string_view cls_name, std::string_view key_in, std::string_view location,
-                     std::int64_t numel_in) -> Value {
+  auto storage = [&](std::string_view module, std::string_view cls_name, bool global, std::string_view key_in,
+                     std::string_view location, std::int64_t numel_in) -> Value {
     bool untyped = false;
-    const statedict::dtype t = storage_dtype(module, cls_name, untyped);
+    const statedict::dtype t = storage_dtype(module, cls_name, global, untyped);
     key.assign(key_in);
     if (numel_in < 0) throw_error(errors::pt_bad_storage, "storage " + quote(key) + " has a negative size");
     const auto numel = static_cast<std::uint64_t>(numel_in);
@@ -11468,9 +11466,7 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
     if (!p[1].is_object() || !p[2].is_string() || !p[3].is_string() || !p[4].is_int())
       throw_error(errors::pt_bad_storage, "persistent id fields have the wrong types");
     const Object& cls = p[1].as_object();
-    if (cls.how != object_build::global)
-      throw_error(errors::pt_bad_storage, "storage type " + quote(cls.qualified()) + " is not a torch storage class");
-    return storage(cls.module, cls.name, p[2].as_string(), p[3].as_string(), p[4].as_int());
+    return storage(cls.module, cls.name, cls.how == object_build::global, p[2].as_string(), p[3].as_string(), p[4].as_int());
   };
   // The same for the id torch.save writes, read without converting it to a Value first.
   if (opts.fast_paths) po.persistent_fast = [&](const pickle::Args& a) -> std::optional<Value> {
@@ -11479,7 +11475,7 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
         a.kind_of(1) != k::global || a.kind_of(2) != k::str || a.kind_of(3) != k::str || a.kind_of(4) != k::integer)
       return std::nullopt;
     const auto [module, cls_name] = a.global(1);
-    return storage(module, cls_name, a.str(2), a.str(3), a.integer(4));
+    return storage(module, cls_name, true, a.str(2), a.str(3), a.integer(4));
   };
   try {
     pickle::Result res = pickle::load(pickle_bytes.span(), po);
