@@ -303,7 +303,7 @@ std::map<std::uint64_t, std::vector<std::uint32_t>> holders(const Box& target, c
 
 TEST_CASE("cover: tilings, holes and overlaps against brute force") {
   std::mt19937_64 rng(23);
-  int holes = 0, overlaps = 0, tilings = 0;
+  int holes = 0, overlaps = 0, tilings = 0, whole = 0;
   for (int iter = 0; iter < 1500; ++iter) {
     const shape_t shape = random_shape(rng, 3, 6);
     const Box target = rng() % 3 ? full_box(shape) : random_box(rng, shape);
@@ -344,9 +344,14 @@ TEST_CASE("cover: tilings, holes and overlaps against brute force") {
       if (mutate == 1 && !boxes.empty()) boxes.erase(boxes.begin() + static_cast<std::ptrdiff_t>(rng() % boxes.size()));
       if (mutate == 2 && !boxes.empty()) boxes.push_back(random_box(rng, shape));
       std::shuffle(boxes.begin(), boxes.end(), rng);
-    } else {
+    } else if (rng() % 4) {
       const std::size_t k = rng() % 5;
       for (std::size_t i = 0; i < k; ++i) boxes.push_back(random_box(rng, shape));
+    } else {
+      // The target itself (cover's shortcut), maybe with another box.
+      boxes.push_back(target);
+      if (rng() % 2) boxes.insert(boxes.begin() + static_cast<std::ptrdiff_t>(rng() % 2), random_box(rng, shape));
+      ++whole;
     }
     const auto h = holders(target, boxes, shape);
     std::optional<std::uint64_t> first_hole, first_double;
@@ -357,6 +362,11 @@ TEST_CASE("cover: tilings, holes and overlaps against brute force") {
     for (bool allow : {false, true}) {
       std::vector<CoverTile> tiles;
       const auto issue = cover(target, boxes, allow, &tiles);
+      // The shortcut and the sweep agree.
+      std::vector<CoverTile> swept;
+      const auto swept_issue = detail::coverer(target, boxes, allow).run(&swept);
+      REQUIRE(issue.has_value() == swept_issue.has_value());
+      if (!issue) CHECK(tiles == swept);
       std::optional<std::uint64_t> first_bad = first_hole;
       if (!allow && first_double && (!first_bad || *first_double < *first_bad)) first_bad = first_double;
       if (!first_bad) {
@@ -392,6 +402,7 @@ TEST_CASE("cover: tilings, holes and overlaps against brute force") {
   CHECK(holes > 50);
   CHECK(overlaps > 50);
   CHECK(tilings > 50);
+  CHECK(whole > 50);
 }
 
 TEST_CASE("cover is coarse and fast on many chunks") {

@@ -920,7 +920,7 @@ TEST_CASE("property: the compact and JSON forms of a skeleton reject a map that 
 }
 
 TEST_CASE("property: random trees round-trip exactly, in memory and through JSON text") {
-  int trees = 0, with_alias = 0, with_view = 0, with_values = 0, with_object_value = 0;
+  int trees = 0, with_alias = 0, with_view = 0, with_values = 0, with_object_value = 0, direct_dumps = 0;
   std::size_t leaves = 0;
   for (std::uint64_t seed = 1; seed <= 3000; ++seed) {
     CAPTURE(seed);
@@ -936,7 +936,12 @@ TEST_CASE("property: random trees round-trip exactly, in memory and through JSON
     leaves += a.size();
     // Through text, and with the tensors in another container.
     const std::string text = f.skeleton.dump();
-    REQUIRE(skeleton_dump(f.skeleton) == text);
+    REQUIRE(skeleton_dump(f.skeleton) == text);  // through the document
+    REQUIRE(f.skeleton.tape());
+    if (const auto direct = detail::tape_dump(*f.skeleton.tape())) {  // straight from the compact form
+      REQUIRE(*direct == text);
+      ++direct_dumps;
+    }
     const json parsed = json::parse(text);
     REQUIRE(f.skeleton.json() == parsed);  // the compact form's document
     REQUIRE(unflatten(f.tensors, parsed) == tree);
@@ -977,6 +982,7 @@ TEST_CASE("property: random trees round-trip exactly, in memory and through JSON
   CHECK(with_view > 300);
   CHECK(with_values > 1000);
   CHECK(with_object_value > 100);
+  CHECK(direct_dumps > 1000);
   CHECK(leaves > 10000);
 }
 

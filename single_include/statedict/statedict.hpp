@@ -3181,7 +3181,8 @@ class Skeleton {
   [[nodiscard]] nlohmann::json take_json() &&;
   /// True for the null skeleton.
   [[nodiscard]] bool is_null() const noexcept { return !tape_ && doc_.is_null(); }
-  /// The compact JSON text (`skeleton_dump(json())`).
+  /// The compact JSON text, `skeleton_dump(json())` byte for byte (written from the compact form
+  /// without the document when it holds no opaque object).
   [[nodiscard]] std::string dump() const;
   /// The compact form, when this skeleton was made by flatten and not edited since.
   [[nodiscard]] const detail::skeleton_tape* tape() const noexcept { return tape_.get(); }
@@ -3608,6 +3609,172 @@ inline json tape_to_json(const skeleton_tape& t) {
     }
   }
   return doc;
+}
+
+/// Appends `s` as a JSON string the way nlohmann::json::dump() (and serde_json) write valid UTF-8:
+/// `"` and `\` escaped, control characters as \b \t \n \f \r or \u00xx (lower-case hex),
+/// everything else raw. The caller checks that `s` is UTF-8.
+inline void append_json_string(std::string& out, std::string_view s) {
+  // Bytes each input byte becomes: 1, 2 (\" \\ \b \t \n \f \r) or 6 (\u00xx).
+  static constexpr auto width = [] {
+    std::array<std::uint8_t, 256> w{};
+    for (std::size_t c = 0; c < 256; ++c) w[c] = c < 0x20 ? 6 : 1;
+    for (const char c : {'"', '\\', '\b', '\t', '\n', '\f', '\r'}) w[static_cast<unsigned char>(c)] = 2;
+    return w;
+  }();
+  static constexpr char hex[] = "0123456789abcdef";
+  std::size_t n = s.size() + 2;
+  for (const char ch : s) n += width[static_cast<unsigned char>(ch)] - 1U;
+  const std::size_t at = out.size();
+  out.resize(at + n);  // one growth, then raw writes: skeletons in metadata are mostly quotes
+  char* w = out.data() + at;
+  *w++ = '"';
+  for (const char ch : s) {
+    const auto c = static_cast<unsigned char>(ch);
+    if (width[c] == 1) {
+      *w++ = ch;
+      continue;
+    }
+    *w++ = '\\';
+    switch (c) {
+      case '"': *w++ = '"'; break;
+      case '\\': *w++ = '\\'; break;
+      case '\b': *w++ = 'b'; break;
+      case '\t': *w++ = 't'; break;
+      case '\n': *w++ = 'n'; break;
+      case '\f': *w++ = 'f'; break;
+      case '\r': *w++ = 'r'; break;
+      default:
+        *w++ = 'u';
+        *w++ = '0';
+        *w++ = '0';
+        *w++ = hex[c >> 4];
+        *w++ = hex[c & 15];
+    }
+  }
+  *w = '"';
+}
+
+inline void append_int(std::string& out, std::int64_t v) {
+  char buf[24];
+  const auto r = std::to_chars(buf, buf + sizeof buf, v);
+  out.append(buf, static_cast<std::size_t>(r.ptr - buf));
+}
+
+inline void append_uint(std::string& out, std::uint64_t v) {
+  char buf[24];
+  const auto r = std::to_chars(buf, buf + sizeof buf, v);
+  out.append(buf, static_cast<std::size_t>(r.ptr - buf));
+}
+
+/// The compact JSON text of a tape's document, written straight from the tape: byte for byte
+/// `skeleton_dump(tape_to_json(t))` (nlohmann's member order is by key, numbers and strings as its
+/// dump() writes them) without building the DOM, about 13 allocations per tensor node. nullopt for
+/// a tape that holds an object node (the members of its document come in another order than its
+/// parts on the tape) or a tensor name that is not UTF-8 (the JSON way reports it): the caller
+/// goes the JSON way then.
+inline std::optional<std::string> tape_dump(const skeleton_tape& t) {
+  std::string out;
+  out.reserve(t.pool.size() * 2 + t.nodes.size() * 8 + t.leaves.size() * 48 + 64);
+  auto shape = [&](const dim_t* d, std::size_t n) {
+    out += '[';
+    for (std::size_t i = 0; i < n; ++i) {
+      if (i) out += ',';
+      append_int(out, d[i]);
+    }
+    out += ']';
+  };
+  auto text = [&](std::string_view s) {  // encode_string's node
+    if (valid_utf8(s)) return append_json_string(out, s);
+    out += R"({"str_bytes":")";
+    out += base64_encode(s);
+    out += "\"}";
+  };
+  struct open {
+    std::uint64_t size;
+    std::uint64_t next;
+    bool dict;
+    bool close_pair;  // the container is a dict entry's value: its `]` follows
+  };
+  std::vector<open> stack;
+  std::size_t p = 0;
+  // Writes the node at p; false when the JSON way must take over.
+  auto put = [&](bool dict_value) -> bool {
+    const skeleton_tape::node& n = t.nodes[p++];
+    switch (n.kind) {
+      case snode::none: out += "null"; break;
+      case snode::boolean: out += n.flag != 0 ? "true" : "false"; break;
+      case snode::integer: append_int(out, static_cast<std::int64_t>(n.a)); break;
+      case snode::floating: out += encode_double(std::bit_cast<double>(n.a)).dump(); break;
+      case snode::string: text(t.str(n)); break;
+      case snode::bytes: {
+        const std::string_view b = t.str(n);
+        out += R"({"bytes":")";
+        out += base64_encode(reinterpret_cast<const std::uint8_t*>(b.data()), b.size());
+        out += "\"}";
+        break;
+      }
+      case snode::tensor:
+      case snode::alias:
+      case snode::view: {
+        const skeleton_tape::leaf& l = t.leaves[static_cast<std::size_t>(n.a)];
+        const std::string_view name = t.name(l);
+        if (!valid_utf8(name)) return false;
+        const dim_t* d = t.dims.data() + l.dims;
+        if (l.kind == snode::alias) {
+          out += R"({"alias":)";
+        } else {
+          out += R"({"dtype":)";
+          append_json_string(out, statedict::name(l.dtype));
+          if (l.kind == snode::view) {
+            out += R"(,"offset":)";
+            append_int(out, l.offset);
+          }
+          out += R"(,"shape":)";
+          shape(d, l.rank);
+          if (l.kind == snode::view) {
+            out += R"(,"strides":)";
+            shape(d + l.rank, l.rank);
+          }
+          out += l.kind == snode::tensor ? R"(,"tensor":)" : R"(,"view_of":)";
+        }
+        append_json_string(out, name);
+        out += '}';
+        break;
+      }
+      case snode::list:
+      case snode::tuple:
+      case snode::dict:
+        out += n.kind == snode::list ? R"({"list":[)" : n.kind == snode::tuple ? R"({"tuple":[)" : R"({"dict":[)";
+        stack.push_back({n.a, 0, n.kind == snode::dict, dict_value});
+        return true;
+      case snode::object: return false;
+    }
+    if (dict_value) out += ']';
+    return true;
+  };
+  out += R"({"root":)";
+  if (!put(false)) return std::nullopt;
+  while (!stack.empty()) {
+    open& o = stack.back();
+    if (o.next == o.size) {
+      out += "]}";
+      if (o.close_pair) out += ']';
+      stack.pop_back();
+      continue;
+    }
+    if (o.next++) out += ',';
+    if (o.dict) {
+      out += '[';
+      const skeleton_tape::node& k = t.nodes[p++];
+      if (k.kind == snode::integer) append_int(out, static_cast<std::int64_t>(k.a));
+      else text(t.str(k));
+      out += ',';
+    }
+    if (!put(o.dict)) return std::nullopt;  // `o` may dangle from here on
+  }
+  out += R"(,"statedict_skeleton":1})";
+  return out;
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -5103,7 +5270,11 @@ inline std::string skeleton_dump(const nlohmann::json& j) {
   return out;
 }
 
-inline std::string Skeleton::dump() const { return skeleton_dump(json()); }
+inline std::string Skeleton::dump() const {
+  if (tape_)
+    if (auto text = detail::tape_dump(*tape_)) return std::move(*text);
+  return skeleton_dump(json());
+}
 
 /// A tensor node of a skeleton: the name it has in the tensor map, its dtype and shape.
 struct SkeletonTensor {
@@ -5666,6 +5837,7 @@ inline FlatStateDict select(const FlatStateDict& flat, const PathFilter& keep) {
 // No file knowledge here: sources are ByteSource objects (core/source.hpp) made by io/ and formats/.
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -5751,11 +5923,11 @@ struct ShardedCheckpoint {
   /// removed; call reindex() after renaming tensors in place.
   [[nodiscard]] const TensorInfo* find(std::string_view name) const {
     if (index_.size() != tensors.size()) reindex();
-    auto it = index_.find(std::string(name));
+    auto it = index_.find(name);
     if (it == index_.end()) return nullptr;
     if (tensors[it->second].name != name) {  // renamed in place without reindex(): recover
       reindex();
-      it = index_.find(std::string(name));
+      it = index_.find(name);
       if (it == index_.end()) return nullptr;
     }
     return &tensors[it->second];
@@ -5766,7 +5938,12 @@ struct ShardedCheckpoint {
   }
 
  private:
-  mutable std::unordered_map<std::string, std::size_t> index_;
+  struct name_hash {
+    using is_transparent = void;
+    std::size_t operator()(std::string_view s) const noexcept { return std::hash<std::string_view>{}(s); }
+  };
+  // Looked up by string_view (no key copy per lookup).
+  mutable std::unordered_map<std::string, std::size_t, name_hash, std::equal_to<>> index_;
 };
 
 }  // namespace statedict::inline v0
@@ -5958,44 +6135,9 @@ inline bool valid_utf8(std::string_view s) noexcept {
   return valid_utf8(reinterpret_cast<const unsigned char*>(s.data()), s.size(), bad);
 }
 
-/// Appends `s` as a JSON string the way serde_json writes it: `"` and `\` escaped, control
-/// characters as \b \t \n \f \r or \u00xx (lower-case hex), everything else (UTF-8) raw.
-inline void append_json_string(std::string& out, std::string_view s) {
-  static constexpr char hex[] = "0123456789abcdef";
-  out += '"';
-  std::size_t run = 0;
-  for (std::size_t i = 0; i < s.size(); ++i) {
-    const auto c = static_cast<unsigned char>(s[i]);
-    if (c >= 0x20 && c != '"' && c != '\\') continue;
-    out.append(s.data() + run, i - run);
-    run = i + 1;
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\b': out += "\\b"; break;
-      case '\t': out += "\\t"; break;
-      case '\n': out += "\\n"; break;
-      case '\f': out += "\\f"; break;
-      case '\r': out += "\\r"; break;
-      default:
-        out += "\\u00";
-        out += hex[c >> 4];
-        out += hex[c & 15];
-    }
-  }
-  out.append(s.data() + run, s.size() - run);
-  out += '"';
-}
-
-inline void append_uint(std::string& out, std::uint64_t v) {
-  char buf[24];
-  char* p = buf + sizeof buf;
-  do {
-    *--p = static_cast<char>('0' + v % 10);
-    v /= 10;
-  } while (v != 0);
-  out.append(p, static_cast<std::size_t>(buf + sizeof buf - p));
-}
+// JSON text as serde_json writes it (the same as nlohmann's dump() for UTF-8).
+using statedict::detail::append_json_string;
+using statedict::detail::append_uint;
 
 /// A one-line, bounded, printable rendering of a JSON parser message (it may quote input bytes).
 inline std::string sanitize_message(std::string_view m) {
@@ -12627,10 +12769,8 @@ struct MappedBox {
   }
 };
 
-/// The element strides of a chunk's storage over its own shape (Placement::strides, or row-major
-/// contiguous when empty), checked: right count, non-negative.
-inline std::vector<std::uint64_t> storage_strides(const Chunk& c, std::string_view what) {
-  const shape_t own = region_shape(c.region);
+namespace detail {
+inline std::vector<std::uint64_t> storage_strides(const Chunk& c, const shape_t& own, std::string_view what) {
   if (c.at.strides.empty()) {
     const shape_t s = contiguous_strides(own);
     return std::vector<std::uint64_t>(s.begin(), s.end());
@@ -12642,34 +12782,48 @@ inline std::vector<std::uint64_t> storage_strides(const Chunk& c, std::string_vi
   for (std::size_t d = 0; d < own.size(); ++d) {
     if (c.at.strides[d] < 0)
       throw_error(errors::bad_strides, std::string(what), "negative stride in " + to_string(c.at.strides));
-    out[d] = detail::u64(c.at.strides[d]);
+    out[d] = u64(c.at.strides[d]);
   }
   return out;
+}
+
+inline std::uint64_t storage_extent(const shape_t& own, const std::vector<std::uint64_t>& st, std::string_view what) {
+  if (numel(own) == 0) return 0;
+  std::uint64_t last = 0;
+  for (std::size_t d = 0; d < own.size(); ++d)
+    last = checked_add(last, checked_mul(u64(own[d] - 1), st[d], "chunk extent"), "chunk extent");
+  const std::uint64_t ext = checked_add(last, 1, "chunk extent");
+  if (ext > max_size)
+    throw_error(errors::overflow, std::string(what), "chunk extent " + std::to_string(ext) + " exceeds 2^63-1 elements");
+  return ext;
+}
+}  // namespace detail
+
+/// The element strides of a chunk's storage over its own shape (Placement::strides, or row-major
+/// contiguous when empty), checked: right count, non-negative.
+inline std::vector<std::uint64_t> storage_strides(const Chunk& c, std::string_view what) {
+  return detail::storage_strides(c, region_shape(c.region), what);
 }
 
 /// Number of storage elements a chunk spans: one past its last addressed element (0 when empty),
 /// checked against 64-bit overflow. The region must already be checked (check_region).
 inline std::uint64_t storage_extent(const Chunk& c, std::string_view what) {
   const shape_t own = region_shape(c.region);
-  const auto st = storage_strides(c, what);
-  if (numel(own) == 0) return 0;
-  std::uint64_t last = 0;
-  for (std::size_t d = 0; d < own.size(); ++d)
-    last = checked_add(last, checked_mul(detail::u64(own[d] - 1), st[d], "chunk extent"), "chunk extent");
-  const std::uint64_t ext = checked_add(last, 1, "chunk extent");
-  if (ext > max_size)
-    throw_error(errors::overflow, std::string(what), "chunk extent " + std::to_string(ext) + " exceeds 2^63-1 elements");
-  return ext;
+  return detail::storage_extent(own, detail::storage_strides(c, own, what), what);
 }
 
-/// Checks a chunk against its tensor's shape (region and strides) and returns its mapped boxes.
-inline std::vector<MappedBox> mapped_boxes(const Chunk& c, std::span<const dim_t> shape, std::string_view what) {
+/// Checks a chunk against its tensor's shape (region and strides) and returns its mapped boxes;
+/// with `extent`, also its storage_extent.
+inline std::vector<MappedBox> mapped_boxes(const Chunk& c, std::span<const dim_t> shape, std::string_view what,
+                                           std::uint64_t* extent = nullptr) {
   check_region(c.region, shape, what);
-  const auto st = storage_strides(c, what);
-  (void)storage_extent(c, what);  // overflow check of the whole addressed range
+  const shape_t own = region_shape(c.region);
+  auto st = detail::storage_strides(c, own, what);
+  const std::uint64_t ext = detail::storage_extent(own, st, what);  // overflow check of the whole addressed range
+  if (extent) *extent = ext;
   std::vector<MappedBox> out;
   if (const auto* b = std::get_if<Box>(&c.region)) {
-    if (!is_empty(*b)) out.push_back(MappedBox{*b, st, 0});
+    if (!is_empty(*b)) out.push_back(MappedBox{*b, std::move(st), 0});
     return out;
   }
   const auto& f = std::get<FlatRange>(c.region);
@@ -12970,6 +13124,12 @@ class coverer {
 /// target's rank; a 0-d target is one element.
 inline std::optional<CoverIssue> cover(const Box& target, std::span<const Box> boxes, bool allow_overlap,
                                        std::vector<CoverTile>* tiles = nullptr) {
+  // The common case, a whole tensor in one chunk, without the sweep's allocations (the sweep gives
+  // the same single tile).
+  if (boxes.size() == 1 && boxes[0] == target && !is_empty(target)) {
+    if (tiles) tiles->assign(1, CoverTile{target, 0});
+    return std::nullopt;
+  }
   detail::coverer c(target, boxes, allow_overlap);
   return c.run(tiles);
 }
@@ -14024,15 +14184,15 @@ inline Plan make_plan(const ShardedCheckpoint& src, const Destination& dst, cons
   std::uint64_t raw_ops = 0;
   for (std::uint32_t ti = 0; ti < plan.tensors.size(); ++ti) {
     const TensorInfo& t = plan.tensors[ti];
-    const std::string ctx = "tensor " + quote(t.name);
-    if (!seen.emplace(t.name, ti).second) throw_error(errors::duplicate_tensor, ctx, "listed twice in the destination");
+    auto ctx = [&] { return "tensor " + quote(t.name); };  // built only for errors
+    if (!seen.emplace(t.name, ti).second) throw_error(errors::duplicate_tensor, ctx(), "listed twice in the destination");
     const TensorInfo* s = src.find(t.name);
-    if (!s) throw_error(errors::missing_tensor, ctx, "is not in the source checkpoint (" + src.format + ")");
+    if (!s) throw_error(errors::missing_tensor, ctx(), "is not in the source checkpoint (" + src.format + ")");
     if (s->shape != t.shape)
-      throw_error(errors::tensor_shape_mismatch, ctx,
+      throw_error(errors::tensor_shape_mismatch, ctx(),
                   "has shape " + to_string(s->shape) + " in the source but " + to_string(t.shape) + " in the destination");
     if (t.shape.size() > max_placement_rank)
-      throw_error(errors::too_many_dims, ctx, "rank " + std::to_string(t.shape.size()) + " exceeds " +
+      throw_error(errors::too_many_dims, ctx(), "rank " + std::to_string(t.shape.size()) + " exceeds " +
                                                   std::to_string(max_placement_rank));
     const Box whole = full_box(t.shape);
 
@@ -14040,15 +14200,16 @@ inline Plan make_plan(const ShardedCheckpoint& src, const Destination& dst, cons
     std::vector<detail::SrcPiece> pieces;
     for (std::uint32_t ci = 0; ci < s->chunks.size(); ++ci) {
       const Chunk& c = s->chunks[ci];
-      auto what = [&] { return ctx + " source chunk " + std::to_string(ci); };  // built only for errors
+      auto what = [&] { return ctx() + " source chunk " + std::to_string(ci); };  // built only for errors
       if (c.at.source >= src.sources.size())
         throw_error(errors::bad_source_id, what(), "refers to byte source " + std::to_string(c.at.source) + " of " +
                                                        std::to_string(src.sources.size()));
       std::vector<MappedBox> boxes;
       std::uint64_t ext = 0;
       try {
-        boxes = mapped_boxes(c, t.shape, {});
-        ext = checked_mul(storage_extent(c, {}), itemsize(c.at.stored), "chunk bytes");
+        std::uint64_t elements = 0;
+        boxes = mapped_boxes(c, t.shape, {}, &elements);
+        ext = checked_mul(elements, itemsize(c.at.stored), "chunk bytes");
       } catch (error& e) {
         e.add_context(what());
         throw;
@@ -14095,15 +14256,16 @@ inline Plan make_plan(const ShardedCheckpoint& src, const Destination& dst, cons
     dtype last_checked_stored = dtype::F32;
     for (std::uint32_t ci = 0; ci < t.chunks.size(); ++ci) {
       const Chunk& c = t.chunks[ci];
-      auto what = [&] { return ctx + " destination chunk " + std::to_string(ci); };
+      auto what = [&] { return ctx() + " destination chunk " + std::to_string(ci); };
       if (c.at.source >= nd)
         throw_error(errors::bad_source_id, what(), "refers to destination " + std::to_string(c.at.source) + " of " +
                                                        std::to_string(nd));
       std::vector<MappedBox> boxes;
       std::uint64_t ext = 0, end = 0;
       try {
-        boxes = mapped_boxes(c, t.shape, {});
-        ext = checked_mul(storage_extent(c, {}), itemsize(c.at.stored), "chunk bytes");
+        std::uint64_t elements = 0;
+        boxes = mapped_boxes(c, t.shape, {}, &elements);
+        ext = checked_mul(elements, itemsize(c.at.stored), "chunk bytes");
         end = checked_add(c.at.byte_offset, ext, "chunk end");
       } catch (error& e) {
         e.add_context(what());
@@ -14121,7 +14283,7 @@ inline Plan make_plan(const ShardedCheckpoint& src, const Destination& dst, cons
         try {
           (void)detail::cast_chain(s->dtype, s->dtype, t.dtype, c.at.stored);
         } catch (error& e) {
-          e.add_context(ctx);
+          e.add_context(ctx());
           throw;
         }
         last_checked_stored = c.at.stored;
@@ -14132,7 +14294,7 @@ inline Plan make_plan(const ShardedCheckpoint& src, const Destination& dst, cons
       std::vector<Box> dboxes;
       for (const auto& p : dpieces) dboxes.push_back(p.m.box);
       if (auto issue = cover(whole, dboxes, true))
-        throw_error(errors::destination_uncovered, ctx,
+        throw_error(errors::destination_uncovered, ctx(),
                     "element " + to_string(issue->index) + " is in no destination chunk");
     }
 
@@ -14165,12 +14327,12 @@ inline Plan make_plan(const ShardedCheckpoint& src, const Destination& dst, cons
       tiles.clear();
       if (auto issue = cover(dp.m.box, cand_boxes, opt.allow_overlapping_sources, &tiles)) {
         if (issue->what == CoverIssue::kind::hole)
-          throw_error(errors::uncovered, ctx,
+          throw_error(errors::uncovered, ctx(),
                       "element " + to_string(issue->index) + " is in no source chunk (needed by " +
                           quote(dst.names[dc.at.source]) + ")");
         const auto& a = kept[cand[issue->first]];
         const auto& b = kept[cand[issue->second]];
-        throw_error(errors::source_overlap, ctx,
+        throw_error(errors::source_overlap, ctx(),
                     "element " + to_string(issue->index) + " is in two source chunks that are not replicas: chunk " +
                         std::to_string(a.chunk) + " (" + detail::where_in(plan.source_names, a.source, a.byte_offset) +
                         ") and chunk " + std::to_string(b.chunk) + " (" +
@@ -14190,12 +14352,12 @@ inline Plan make_plan(const ShardedCheckpoint& src, const Destination& dst, cons
         base.src_dtype = sp.stored;
         base.dst_dtype = dc.at.stored;
         base.nvia = static_cast<std::uint8_t>(chain.size() > 2 ? chain.size() - 2 : 0);
-        if (base.nvia > 2) throw_error(errors::unsupported_cast, ctx, "conversion chain too long");
+        if (base.nvia > 2) throw_error(errors::unsupported_cast, ctx(), "conversion chain too long");
         for (std::size_t k = 0; k < base.nvia; ++k) base.via[k] = chain[k + 1];
         const std::uint64_t ssz = itemsize(sp.stored), dsz = itemsize(dc.at.stored);
         for_each_storage_run(tile.box, sp.m, dp.m, [&](const StorageRuns& r) {
           if (++raw_ops > opt.max_ops)
-            throw_error(errors::too_many_ops, ctx,
+            throw_error(errors::too_many_ops, ctx(),
                         "more than " + std::to_string(opt.max_ops) + " copy operations (plan_options::max_ops)");
           CopyOp o = base;
           o.src_offset = sp.byte_offset + r.a * ssz;
@@ -14216,7 +14378,7 @@ inline Plan make_plan(const ShardedCheckpoint& src, const Destination& dst, cons
       (void)detail::cast_chain(rp.stored, s->dtype, s->dtype, s->dtype);
       for_each_storage_run(kp.m.box, kp.m, rp.m, [&](const StorageRuns& r) {
         if (++raw_ops > opt.max_ops)
-          throw_error(errors::too_many_ops, ctx, "more than " + std::to_string(opt.max_ops) + " operations");
+          throw_error(errors::too_many_ops, ctx(), "more than " + std::to_string(opt.max_ops) + " operations");
         CompareOp c;
         c.tensor = ti;
         c.a = kp.source;

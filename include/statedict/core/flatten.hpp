@@ -119,7 +119,8 @@ class Skeleton {
   [[nodiscard]] nlohmann::json take_json() &&;
   /// True for the null skeleton.
   [[nodiscard]] bool is_null() const noexcept { return !tape_ && doc_.is_null(); }
-  /// The compact JSON text (`skeleton_dump(json())`).
+  /// The compact JSON text, `skeleton_dump(json())` byte for byte (written from the compact form
+  /// without the document when it holds no opaque object).
   [[nodiscard]] std::string dump() const;
   /// The compact form, when this skeleton was made by flatten and not edited since.
   [[nodiscard]] const detail::skeleton_tape* tape() const noexcept { return tape_.get(); }
@@ -546,6 +547,172 @@ inline json tape_to_json(const skeleton_tape& t) {
     }
   }
   return doc;
+}
+
+/// Appends `s` as a JSON string the way nlohmann::json::dump() (and serde_json) write valid UTF-8:
+/// `"` and `\` escaped, control characters as \b \t \n \f \r or \u00xx (lower-case hex),
+/// everything else raw. The caller checks that `s` is UTF-8.
+inline void append_json_string(std::string& out, std::string_view s) {
+  // Bytes each input byte becomes: 1, 2 (\" \\ \b \t \n \f \r) or 6 (\u00xx).
+  static constexpr auto width = [] {
+    std::array<std::uint8_t, 256> w{};
+    for (std::size_t c = 0; c < 256; ++c) w[c] = c < 0x20 ? 6 : 1;
+    for (const char c : {'"', '\\', '\b', '\t', '\n', '\f', '\r'}) w[static_cast<unsigned char>(c)] = 2;
+    return w;
+  }();
+  static constexpr char hex[] = "0123456789abcdef";
+  std::size_t n = s.size() + 2;
+  for (const char ch : s) n += width[static_cast<unsigned char>(ch)] - 1U;
+  const std::size_t at = out.size();
+  out.resize(at + n);  // one growth, then raw writes: skeletons in metadata are mostly quotes
+  char* w = out.data() + at;
+  *w++ = '"';
+  for (const char ch : s) {
+    const auto c = static_cast<unsigned char>(ch);
+    if (width[c] == 1) {
+      *w++ = ch;
+      continue;
+    }
+    *w++ = '\\';
+    switch (c) {
+      case '"': *w++ = '"'; break;
+      case '\\': *w++ = '\\'; break;
+      case '\b': *w++ = 'b'; break;
+      case '\t': *w++ = 't'; break;
+      case '\n': *w++ = 'n'; break;
+      case '\f': *w++ = 'f'; break;
+      case '\r': *w++ = 'r'; break;
+      default:
+        *w++ = 'u';
+        *w++ = '0';
+        *w++ = '0';
+        *w++ = hex[c >> 4];
+        *w++ = hex[c & 15];
+    }
+  }
+  *w = '"';
+}
+
+inline void append_int(std::string& out, std::int64_t v) {
+  char buf[24];
+  const auto r = std::to_chars(buf, buf + sizeof buf, v);
+  out.append(buf, static_cast<std::size_t>(r.ptr - buf));
+}
+
+inline void append_uint(std::string& out, std::uint64_t v) {
+  char buf[24];
+  const auto r = std::to_chars(buf, buf + sizeof buf, v);
+  out.append(buf, static_cast<std::size_t>(r.ptr - buf));
+}
+
+/// The compact JSON text of a tape's document, written straight from the tape: byte for byte
+/// `skeleton_dump(tape_to_json(t))` (nlohmann's member order is by key, numbers and strings as its
+/// dump() writes them) without building the DOM, about 13 allocations per tensor node. nullopt for
+/// a tape that holds an object node (the members of its document come in another order than its
+/// parts on the tape) or a tensor name that is not UTF-8 (the JSON way reports it): the caller
+/// goes the JSON way then.
+inline std::optional<std::string> tape_dump(const skeleton_tape& t) {
+  std::string out;
+  out.reserve(t.pool.size() * 2 + t.nodes.size() * 8 + t.leaves.size() * 48 + 64);
+  auto shape = [&](const dim_t* d, std::size_t n) {
+    out += '[';
+    for (std::size_t i = 0; i < n; ++i) {
+      if (i) out += ',';
+      append_int(out, d[i]);
+    }
+    out += ']';
+  };
+  auto text = [&](std::string_view s) {  // encode_string's node
+    if (valid_utf8(s)) return append_json_string(out, s);
+    out += R"({"str_bytes":")";
+    out += base64_encode(s);
+    out += "\"}";
+  };
+  struct open {
+    std::uint64_t size;
+    std::uint64_t next;
+    bool dict;
+    bool close_pair;  // the container is a dict entry's value: its `]` follows
+  };
+  std::vector<open> stack;
+  std::size_t p = 0;
+  // Writes the node at p; false when the JSON way must take over.
+  auto put = [&](bool dict_value) -> bool {
+    const skeleton_tape::node& n = t.nodes[p++];
+    switch (n.kind) {
+      case snode::none: out += "null"; break;
+      case snode::boolean: out += n.flag != 0 ? "true" : "false"; break;
+      case snode::integer: append_int(out, static_cast<std::int64_t>(n.a)); break;
+      case snode::floating: out += encode_double(std::bit_cast<double>(n.a)).dump(); break;
+      case snode::string: text(t.str(n)); break;
+      case snode::bytes: {
+        const std::string_view b = t.str(n);
+        out += R"({"bytes":")";
+        out += base64_encode(reinterpret_cast<const std::uint8_t*>(b.data()), b.size());
+        out += "\"}";
+        break;
+      }
+      case snode::tensor:
+      case snode::alias:
+      case snode::view: {
+        const skeleton_tape::leaf& l = t.leaves[static_cast<std::size_t>(n.a)];
+        const std::string_view name = t.name(l);
+        if (!valid_utf8(name)) return false;
+        const dim_t* d = t.dims.data() + l.dims;
+        if (l.kind == snode::alias) {
+          out += R"({"alias":)";
+        } else {
+          out += R"({"dtype":)";
+          append_json_string(out, statedict::name(l.dtype));
+          if (l.kind == snode::view) {
+            out += R"(,"offset":)";
+            append_int(out, l.offset);
+          }
+          out += R"(,"shape":)";
+          shape(d, l.rank);
+          if (l.kind == snode::view) {
+            out += R"(,"strides":)";
+            shape(d + l.rank, l.rank);
+          }
+          out += l.kind == snode::tensor ? R"(,"tensor":)" : R"(,"view_of":)";
+        }
+        append_json_string(out, name);
+        out += '}';
+        break;
+      }
+      case snode::list:
+      case snode::tuple:
+      case snode::dict:
+        out += n.kind == snode::list ? R"({"list":[)" : n.kind == snode::tuple ? R"({"tuple":[)" : R"({"dict":[)";
+        stack.push_back({n.a, 0, n.kind == snode::dict, dict_value});
+        return true;
+      case snode::object: return false;
+    }
+    if (dict_value) out += ']';
+    return true;
+  };
+  out += R"({"root":)";
+  if (!put(false)) return std::nullopt;
+  while (!stack.empty()) {
+    open& o = stack.back();
+    if (o.next == o.size) {
+      out += "]}";
+      if (o.close_pair) out += ']';
+      stack.pop_back();
+      continue;
+    }
+    if (o.next++) out += ',';
+    if (o.dict) {
+      out += '[';
+      const skeleton_tape::node& k = t.nodes[p++];
+      if (k.kind == snode::integer) append_int(out, static_cast<std::int64_t>(k.a));
+      else text(t.str(k));
+      out += ',';
+    }
+    if (!put(o.dict)) return std::nullopt;  // `o` may dangle from here on
+  }
+  out += R"(,"statedict_skeleton":1})";
+  return out;
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -2041,7 +2208,11 @@ inline std::string skeleton_dump(const nlohmann::json& j) {
   return out;
 }
 
-inline std::string Skeleton::dump() const { return skeleton_dump(json()); }
+inline std::string Skeleton::dump() const {
+  if (tape_)
+    if (auto text = detail::tape_dump(*tape_)) return std::move(*text);
+  return skeleton_dump(json());
+}
 
 /// A tensor node of a skeleton: the name it has in the tensor map, its dtype and shape.
 struct SkeletonTensor {

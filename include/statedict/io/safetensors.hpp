@@ -248,44 +248,9 @@ inline bool valid_utf8(std::string_view s) noexcept {
   return valid_utf8(reinterpret_cast<const unsigned char*>(s.data()), s.size(), bad);
 }
 
-/// Appends `s` as a JSON string the way serde_json writes it: `"` and `\` escaped, control
-/// characters as \b \t \n \f \r or \u00xx (lower-case hex), everything else (UTF-8) raw.
-inline void append_json_string(std::string& out, std::string_view s) {
-  static constexpr char hex[] = "0123456789abcdef";
-  out += '"';
-  std::size_t run = 0;
-  for (std::size_t i = 0; i < s.size(); ++i) {
-    const auto c = static_cast<unsigned char>(s[i]);
-    if (c >= 0x20 && c != '"' && c != '\\') continue;
-    out.append(s.data() + run, i - run);
-    run = i + 1;
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\b': out += "\\b"; break;
-      case '\t': out += "\\t"; break;
-      case '\n': out += "\\n"; break;
-      case '\f': out += "\\f"; break;
-      case '\r': out += "\\r"; break;
-      default:
-        out += "\\u00";
-        out += hex[c >> 4];
-        out += hex[c & 15];
-    }
-  }
-  out.append(s.data() + run, s.size() - run);
-  out += '"';
-}
-
-inline void append_uint(std::string& out, std::uint64_t v) {
-  char buf[24];
-  char* p = buf + sizeof buf;
-  do {
-    *--p = static_cast<char>('0' + v % 10);
-    v /= 10;
-  } while (v != 0);
-  out.append(p, static_cast<std::size_t>(buf + sizeof buf - p));
-}
+// JSON text as serde_json writes it (the same as nlohmann's dump() for UTF-8).
+using statedict::detail::append_json_string;
+using statedict::detail::append_uint;
 
 /// A one-line, bounded, printable rendering of a JSON parser message (it may quote input bytes).
 inline std::string sanitize_message(std::string_view m) {

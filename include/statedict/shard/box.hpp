@@ -313,10 +313,8 @@ struct MappedBox {
   }
 };
 
-/// The element strides of a chunk's storage over its own shape (Placement::strides, or row-major
-/// contiguous when empty), checked: right count, non-negative.
-inline std::vector<std::uint64_t> storage_strides(const Chunk& c, std::string_view what) {
-  const shape_t own = region_shape(c.region);
+namespace detail {
+inline std::vector<std::uint64_t> storage_strides(const Chunk& c, const shape_t& own, std::string_view what) {
   if (c.at.strides.empty()) {
     const shape_t s = contiguous_strides(own);
     return std::vector<std::uint64_t>(s.begin(), s.end());
@@ -328,34 +326,48 @@ inline std::vector<std::uint64_t> storage_strides(const Chunk& c, std::string_vi
   for (std::size_t d = 0; d < own.size(); ++d) {
     if (c.at.strides[d] < 0)
       throw_error(errors::bad_strides, std::string(what), "negative stride in " + to_string(c.at.strides));
-    out[d] = detail::u64(c.at.strides[d]);
+    out[d] = u64(c.at.strides[d]);
   }
   return out;
+}
+
+inline std::uint64_t storage_extent(const shape_t& own, const std::vector<std::uint64_t>& st, std::string_view what) {
+  if (numel(own) == 0) return 0;
+  std::uint64_t last = 0;
+  for (std::size_t d = 0; d < own.size(); ++d)
+    last = checked_add(last, checked_mul(u64(own[d] - 1), st[d], "chunk extent"), "chunk extent");
+  const std::uint64_t ext = checked_add(last, 1, "chunk extent");
+  if (ext > max_size)
+    throw_error(errors::overflow, std::string(what), "chunk extent " + std::to_string(ext) + " exceeds 2^63-1 elements");
+  return ext;
+}
+}  // namespace detail
+
+/// The element strides of a chunk's storage over its own shape (Placement::strides, or row-major
+/// contiguous when empty), checked: right count, non-negative.
+inline std::vector<std::uint64_t> storage_strides(const Chunk& c, std::string_view what) {
+  return detail::storage_strides(c, region_shape(c.region), what);
 }
 
 /// Number of storage elements a chunk spans: one past its last addressed element (0 when empty),
 /// checked against 64-bit overflow. The region must already be checked (check_region).
 inline std::uint64_t storage_extent(const Chunk& c, std::string_view what) {
   const shape_t own = region_shape(c.region);
-  const auto st = storage_strides(c, what);
-  if (numel(own) == 0) return 0;
-  std::uint64_t last = 0;
-  for (std::size_t d = 0; d < own.size(); ++d)
-    last = checked_add(last, checked_mul(detail::u64(own[d] - 1), st[d], "chunk extent"), "chunk extent");
-  const std::uint64_t ext = checked_add(last, 1, "chunk extent");
-  if (ext > max_size)
-    throw_error(errors::overflow, std::string(what), "chunk extent " + std::to_string(ext) + " exceeds 2^63-1 elements");
-  return ext;
+  return detail::storage_extent(own, detail::storage_strides(c, own, what), what);
 }
 
-/// Checks a chunk against its tensor's shape (region and strides) and returns its mapped boxes.
-inline std::vector<MappedBox> mapped_boxes(const Chunk& c, std::span<const dim_t> shape, std::string_view what) {
+/// Checks a chunk against its tensor's shape (region and strides) and returns its mapped boxes;
+/// with `extent`, also its storage_extent.
+inline std::vector<MappedBox> mapped_boxes(const Chunk& c, std::span<const dim_t> shape, std::string_view what,
+                                           std::uint64_t* extent = nullptr) {
   check_region(c.region, shape, what);
-  const auto st = storage_strides(c, what);
-  (void)storage_extent(c, what);  // overflow check of the whole addressed range
+  const shape_t own = region_shape(c.region);
+  auto st = detail::storage_strides(c, own, what);
+  const std::uint64_t ext = detail::storage_extent(own, st, what);  // overflow check of the whole addressed range
+  if (extent) *extent = ext;
   std::vector<MappedBox> out;
   if (const auto* b = std::get_if<Box>(&c.region)) {
-    if (!is_empty(*b)) out.push_back(MappedBox{*b, st, 0});
+    if (!is_empty(*b)) out.push_back(MappedBox{*b, std::move(st), 0});
     return out;
   }
   const auto& f = std::get<FlatRange>(c.region);

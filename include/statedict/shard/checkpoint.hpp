@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -103,11 +104,11 @@ struct ShardedCheckpoint {
   /// removed; call reindex() after renaming tensors in place.
   [[nodiscard]] const TensorInfo* find(std::string_view name) const {
     if (index_.size() != tensors.size()) reindex();
-    auto it = index_.find(std::string(name));
+    auto it = index_.find(name);
     if (it == index_.end()) return nullptr;
     if (tensors[it->second].name != name) {  // renamed in place without reindex(): recover
       reindex();
-      it = index_.find(std::string(name));
+      it = index_.find(name);
       if (it == index_.end()) return nullptr;
     }
     return &tensors[it->second];
@@ -118,7 +119,12 @@ struct ShardedCheckpoint {
   }
 
  private:
-  mutable std::unordered_map<std::string, std::size_t> index_;
+  struct name_hash {
+    using is_transparent = void;
+    std::size_t operator()(std::string_view s) const noexcept { return std::hash<std::string_view>{}(s); }
+  };
+  // Looked up by string_view (no key copy per lookup).
+  mutable std::unordered_map<std::string, std::size_t, name_hash, std::equal_to<>> index_;
 };
 
 }  // namespace statedict::inline v0

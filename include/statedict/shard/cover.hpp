@@ -169,6 +169,12 @@ class coverer {
 /// target's rank; a 0-d target is one element.
 inline std::optional<CoverIssue> cover(const Box& target, std::span<const Box> boxes, bool allow_overlap,
                                        std::vector<CoverTile>* tiles = nullptr) {
+  // The common case, a whole tensor in one chunk, without the sweep's allocations (the sweep gives
+  // the same single tile).
+  if (boxes.size() == 1 && boxes[0] == target && !is_empty(target)) {
+    if (tiles) tiles->assign(1, CoverTile{target, 0});
+    return std::nullopt;
+  }
   detail::coverer c(target, boxes, allow_overlap);
   return c.run(tiles);
 }

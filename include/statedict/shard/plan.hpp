@@ -419,15 +419,15 @@ inline Plan make_plan(const ShardedCheckpoint& src, const Destination& dst, cons
   std::uint64_t raw_ops = 0;
   for (std::uint32_t ti = 0; ti < plan.tensors.size(); ++ti) {
     const TensorInfo& t = plan.tensors[ti];
-    const std::string ctx = "tensor " + quote(t.name);
-    if (!seen.emplace(t.name, ti).second) throw_error(errors::duplicate_tensor, ctx, "listed twice in the destination");
+    auto ctx = [&] { return "tensor " + quote(t.name); };  // built only for errors
+    if (!seen.emplace(t.name, ti).second) throw_error(errors::duplicate_tensor, ctx(), "listed twice in the destination");
     const TensorInfo* s = src.find(t.name);
-    if (!s) throw_error(errors::missing_tensor, ctx, "is not in the source checkpoint (" + src.format + ")");
+    if (!s) throw_error(errors::missing_tensor, ctx(), "is not in the source checkpoint (" + src.format + ")");
     if (s->shape != t.shape)
-      throw_error(errors::tensor_shape_mismatch, ctx,
+      throw_error(errors::tensor_shape_mismatch, ctx(),
                   "has shape " + to_string(s->shape) + " in the source but " + to_string(t.shape) + " in the destination");
     if (t.shape.size() > max_placement_rank)
-      throw_error(errors::too_many_dims, ctx, "rank " + std::to_string(t.shape.size()) + " exceeds " +
+      throw_error(errors::too_many_dims, ctx(), "rank " + std::to_string(t.shape.size()) + " exceeds " +
                                                   std::to_string(max_placement_rank));
     const Box whole = full_box(t.shape);
 
@@ -435,15 +435,16 @@ inline Plan make_plan(const ShardedCheckpoint& src, const Destination& dst, cons
     std::vector<detail::SrcPiece> pieces;
     for (std::uint32_t ci = 0; ci < s->chunks.size(); ++ci) {
       const Chunk& c = s->chunks[ci];
-      auto what = [&] { return ctx + " source chunk " + std::to_string(ci); };  // built only for errors
+      auto what = [&] { return ctx() + " source chunk " + std::to_string(ci); };  // built only for errors
       if (c.at.source >= src.sources.size())
         throw_error(errors::bad_source_id, what(), "refers to byte source " + std::to_string(c.at.source) + " of " +
                                                        std::to_string(src.sources.size()));
       std::vector<MappedBox> boxes;
       std::uint64_t ext = 0;
       try {
-        boxes = mapped_boxes(c, t.shape, {});
-        ext = checked_mul(storage_extent(c, {}), itemsize(c.at.stored), "chunk bytes");
+        std::uint64_t elements = 0;
+        boxes = mapped_boxes(c, t.shape, {}, &elements);
+        ext = checked_mul(elements, itemsize(c.at.stored), "chunk bytes");
       } catch (error& e) {
         e.add_context(what());
         throw;
@@ -490,15 +491,16 @@ inline Plan make_plan(const ShardedCheckpoint& src, const Destination& dst, cons
     dtype last_checked_stored = dtype::F32;
     for (std::uint32_t ci = 0; ci < t.chunks.size(); ++ci) {
       const Chunk& c = t.chunks[ci];
-      auto what = [&] { return ctx + " destination chunk " + std::to_string(ci); };
+      auto what = [&] { return ctx() + " destination chunk " + std::to_string(ci); };
       if (c.at.source >= nd)
         throw_error(errors::bad_source_id, what(), "refers to destination " + std::to_string(c.at.source) + " of " +
                                                        std::to_string(nd));
       std::vector<MappedBox> boxes;
       std::uint64_t ext = 0, end = 0;
       try {
-        boxes = mapped_boxes(c, t.shape, {});
-        ext = checked_mul(storage_extent(c, {}), itemsize(c.at.stored), "chunk bytes");
+        std::uint64_t elements = 0;
+        boxes = mapped_boxes(c, t.shape, {}, &elements);
+        ext = checked_mul(elements, itemsize(c.at.stored), "chunk bytes");
         end = checked_add(c.at.byte_offset, ext, "chunk end");
       } catch (error& e) {
         e.add_context(what());
@@ -516,7 +518,7 @@ inline Plan make_plan(const ShardedCheckpoint& src, const Destination& dst, cons
         try {
           (void)detail::cast_chain(s->dtype, s->dtype, t.dtype, c.at.stored);
         } catch (error& e) {
-          e.add_context(ctx);
+          e.add_context(ctx());
           throw;
         }
         last_checked_stored = c.at.stored;
@@ -527,7 +529,7 @@ inline Plan make_plan(const ShardedCheckpoint& src, const Destination& dst, cons
       std::vector<Box> dboxes;
       for (const auto& p : dpieces) dboxes.push_back(p.m.box);
       if (auto issue = cover(whole, dboxes, true))
-        throw_error(errors::destination_uncovered, ctx,
+        throw_error(errors::destination_uncovered, ctx(),
                     "element " + to_string(issue->index) + " is in no destination chunk");
     }
 
@@ -560,12 +562,12 @@ inline Plan make_plan(const ShardedCheckpoint& src, const Destination& dst, cons
       tiles.clear();
       if (auto issue = cover(dp.m.box, cand_boxes, opt.allow_overlapping_sources, &tiles)) {
         if (issue->what == CoverIssue::kind::hole)
-          throw_error(errors::uncovered, ctx,
+          throw_error(errors::uncovered, ctx(),
                       "element " + to_string(issue->index) + " is in no source chunk (needed by " +
                           quote(dst.names[dc.at.source]) + ")");
         const auto& a = kept[cand[issue->first]];
         const auto& b = kept[cand[issue->second]];
-        throw_error(errors::source_overlap, ctx,
+        throw_error(errors::source_overlap, ctx(),
                     "element " + to_string(issue->index) + " is in two source chunks that are not replicas: chunk " +
                         std::to_string(a.chunk) + " (" + detail::where_in(plan.source_names, a.source, a.byte_offset) +
                         ") and chunk " + std::to_string(b.chunk) + " (" +
@@ -585,12 +587,12 @@ inline Plan make_plan(const ShardedCheckpoint& src, const Destination& dst, cons
         base.src_dtype = sp.stored;
         base.dst_dtype = dc.at.stored;
         base.nvia = static_cast<std::uint8_t>(chain.size() > 2 ? chain.size() - 2 : 0);
-        if (base.nvia > 2) throw_error(errors::unsupported_cast, ctx, "conversion chain too long");
+        if (base.nvia > 2) throw_error(errors::unsupported_cast, ctx(), "conversion chain too long");
         for (std::size_t k = 0; k < base.nvia; ++k) base.via[k] = chain[k + 1];
         const std::uint64_t ssz = itemsize(sp.stored), dsz = itemsize(dc.at.stored);
         for_each_storage_run(tile.box, sp.m, dp.m, [&](const StorageRuns& r) {
           if (++raw_ops > opt.max_ops)
-            throw_error(errors::too_many_ops, ctx,
+            throw_error(errors::too_many_ops, ctx(),
                         "more than " + std::to_string(opt.max_ops) + " copy operations (plan_options::max_ops)");
           CopyOp o = base;
           o.src_offset = sp.byte_offset + r.a * ssz;
@@ -611,7 +613,7 @@ inline Plan make_plan(const ShardedCheckpoint& src, const Destination& dst, cons
       (void)detail::cast_chain(rp.stored, s->dtype, s->dtype, s->dtype);
       for_each_storage_run(kp.m.box, kp.m, rp.m, [&](const StorageRuns& r) {
         if (++raw_ops > opt.max_ops)
-          throw_error(errors::too_many_ops, ctx, "more than " + std::to_string(opt.max_ops) + " operations");
+          throw_error(errors::too_many_ops, ctx(), "more than " + std::to_string(opt.max_ops) + " operations");
         CompareOp c;
         c.tensor = ti;
         c.a = kp.source;
