@@ -145,6 +145,7 @@ TEST_CASE("zero-copy paths: copy_file_range and writes from the mapping") {
   // copy_file_range takes them (or, on a filesystem that refuses, positioned writes do).
   std::vector<int> dims{0, 0, 0, 0, -1, -1};
   const Destination c2 = layout::chunked(m.tensors, dims, 2);
+  opt.copy_file_range = true;
   opt.copy_file_range_min = 256 << 10;
   opt.threads = 2;
   const exec_stats st = write_files(open_files(one, d1, read_mode::mmap), c2, scratch("c2"), opt);

@@ -290,7 +290,7 @@ struct write_options {
   /// when not.
   nlohmann::json skeleton;
   std::size_t buffer_bytes = std::size_t{256} << 10;
-  bool copy_file_range = true;
+  bool copy_file_range = false;  ///< as safetensors::write_options::copy_file_range
 };
 
 struct write_result {

@@ -1321,8 +1321,8 @@ struct write_options {
   /// measured ~2x faster than an 8 MiB buffer for an F32 -> BF16 conversion.
   std::size_t buffer_bytes = std::size_t{256} << 10;
   /// Let the kernel copy uncast bytes between files (copy_file_range) when the source has a file
-  /// descriptor.
-  bool copy_file_range = true;
+  /// descriptor. Off by default, as in the executor (exec_options::copy_file_range says why).
+  bool copy_file_range = false;
   limits lim{};
 };
 
