@@ -9,7 +9,7 @@
 // read with pread; mapped sources without one (pread_files off) are read in place and the pages an
 // item has consumed are released (MADV_DONTNEED), so file-backed memory does not accumulate either.
 //
-// Copy paths, fastest first, for runs that need no conversion:
+// Copy paths for runs that need no conversion, in the order they are tried:
 //   * copy_file_range between the source file and the destination file (when asked for:
 //     exec_options::copy_file_range; runs >= 1 MiB, plain files, sinks that need not see the
 //     bytes); the kernel copies page cache to page cache;
