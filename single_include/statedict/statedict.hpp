@@ -3669,7 +3669,7 @@ inline void append_uint(std::string& out, std::uint64_t v) {
 
 /// The compact JSON text of a tape's document, written straight from the tape: byte for byte
 /// `skeleton_dump(tape_to_json(t))` (nlohmann's member order is by key, numbers and strings as its
-/// dump() writes them) without building the DOM, about 13 allocations per tensor node. nullopt for
+/// dump() writes them) without building the DOM (about 13 allocations per tensor node). nullopt for
 /// a tape that holds an object node (the members of its document come in another order than its
 /// parts on the tape) or a tensor name that is not UTF-8 (the JSON way reports it): the caller
 /// goes the JSON way then.
