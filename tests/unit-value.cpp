@@ -3,7 +3,13 @@
 #include <statedict/statedict.hpp>
 
 #include <cmath>
+#include <cstdint>
 #include <limits>
+#include <map>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
 
 using namespace statedict;
 
@@ -33,6 +39,90 @@ TEST_CASE("large dicts are indexed and stay consistent") {
   CHECK(d.at(999).as_int() == 1998);
   d.set(500, -1);
   CHECK(d.items().back().first == Key(500));
+}
+
+TEST_CASE("dict operations agree with a reference model across index sizes, copies and erasures") {
+  // Keys drawn from a small pool so that operations hit existing keys often; the pool mixes int
+  // keys that share their low bits (multiples of 2^32, negatives) with strings, some of which print
+  // like the ints. Every step checks every key of the pool against the model.
+  std::mt19937_64 rng(20261126);
+  for (int round = 0; round < 40; ++round) {
+    std::vector<Key> pool;
+    const int pool_size = 4 + static_cast<int>(rng() % 600);
+    for (int i = 0; i < pool_size; ++i) {
+      switch (rng() % 4) {
+        case 0: pool.emplace_back(static_cast<std::int64_t>(rng() % 64) << 32); break;
+        case 1: pool.emplace_back(-static_cast<std::int64_t>(rng() % 1000)); break;
+        case 2: pool.emplace_back(std::to_string(rng() % 1000)); break;
+        default: pool.emplace_back("layer." + std::to_string(rng() % 5000) + ".weight"); break;
+      }
+    }
+    Dict d;
+    std::vector<std::pair<Key, std::int64_t>> model;  // insertion-ordered
+    auto model_find = [&](const Key& k) -> std::int64_t* {
+      for (auto& [mk, mv] : model)
+        if (mk == k) return &mv;
+      return nullptr;
+    };
+    const int steps = 1 + static_cast<int>(rng() % 1500);
+    for (int step = 0; step < steps; ++step) {
+      const Key& k = pool[rng() % pool.size()];
+      const auto v = static_cast<std::int64_t>(step);
+      switch (rng() % 8) {
+        case 0:
+        case 1:
+        case 2:
+          d.set(k, v);
+          if (auto* mv = model_find(k)) *mv = v; else model.emplace_back(k, v);
+          break;
+        case 3:
+          if (model_find(k)) {
+            CHECK_THROWS_AS(d.insert(k, v), key_error);
+          } else {
+            d.insert(k, v);
+            model.emplace_back(k, v);
+          }
+          break;
+        case 4: {
+          const bool had = model_find(k) != nullptr;
+          CHECK(d.erase(k) == had);
+          std::erase_if(model, [&](const auto& e) { return e.first == k; });
+          break;
+        }
+        case 5: {
+          Value& slot = d[k];
+          if (!model_find(k)) {
+            CHECK(slot.is_none());
+            slot = v;
+            model.emplace_back(k, v);
+          }
+          break;
+        }
+        case 6: {
+          Dict copy = d;  // a copy (no index yet) must answer like the original
+          d = std::move(copy);
+          break;
+        }
+        default: {
+          Dict other;
+          other = d;
+          d = other;
+          break;
+        }
+      }
+    }
+    REQUIRE(d.size() == model.size());
+    for (std::size_t i = 0; i < model.size(); ++i) {
+      CHECK(d.items()[i].first == model[i].first);
+      CHECK(d.items()[i].second.as_int() == model[i].second);
+    }
+    for (const Key& k : pool) {
+      const std::int64_t* mv = model_find(k);
+      const Value* got = d.find(k);
+      REQUIRE((got != nullptr) == (mv != nullptr));
+      if (got) CHECK(got->as_int() == *mv);
+    }
+  }
 }
 
 TEST_CASE("value kinds and errors") {

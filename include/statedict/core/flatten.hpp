@@ -49,6 +49,7 @@
 
 #include "dtype.hpp"
 #include "error.hpp"
+#include "hash_index.hpp"
 #include "shape.hpp"
 #include "tensor.hpp"
 #include "value.hpp"
@@ -1748,7 +1749,7 @@ inline Value decode_tensorish(const snode_info& n, tensor_table& tt) {
 }
 
 /// Detects a repeated key while a Dict is filled with append_unchecked: a linear scan while the
-/// dict is small, an open-addressing index of item positions beyond (no allocation per key).
+/// dict is small, a hash_index of item positions beyond (no allocation per key).
 class key_set {
  public:
   /// True when the dict's last key does not occur earlier in it.
@@ -1761,32 +1762,19 @@ class key_set {
         if (items[j].first == k) return false;
       return true;
     }
-    if ((last + 1) * 2 > slots_.size()) rebuild(items, last);
-    const std::size_t mask = slots_.size() - 1;
-    for (std::size_t p = k.hash() & mask;; p = (p + 1) & mask) {
-      if (slots_[p] == empty) {
-        slots_[p] = static_cast<std::uint32_t>(last);
-        return true;
-      }
-      if (items[slots_[p]].first == k) return false;
+    if (index_.empty()) {
+      index_.reserve(d.items().capacity());
+      for (std::size_t j = 0; j < last; ++j) index_.add(hash_index::mix(items[j].first.hash()), j);
     }
+    const std::uint32_t h = hash_index::mix(k.hash());
+    if (index_.find(h, [&](std::uint32_t j) { return items[j].first == k; }) != hash_index::npos) return false;
+    index_.add(h, last);
+    return true;
   }
 
  private:
   static constexpr std::size_t linear_limit = 16;
-  static constexpr std::uint32_t empty = UINT32_MAX;
-  void rebuild(const std::vector<Dict::item>& items, std::size_t n) {
-    std::size_t cap = 64;
-    while (cap < (n + 1) * 4) cap *= 2;
-    slots_.assign(cap, empty);
-    const std::size_t mask = cap - 1;
-    for (std::size_t j = 0; j < n; ++j) {
-      std::size_t p = items[j].first.hash() & mask;
-      while (slots_[p] != empty) p = (p + 1) & mask;
-      slots_[p] = static_cast<std::uint32_t>(j);
-    }
-  }
-  std::vector<std::uint32_t> slots_;
+  hash_index index_;
 };
 
 /// Builds the Value of skeleton node `root` (a NODE, not the document). Tensor-like nodes need
@@ -1921,36 +1909,37 @@ inline Value build_from_tape(const skeleton_tape& t, tensor_table* tt, std::size
     key_set keys;  // for dicts
   };
   std::vector<open> stack;
-  auto put = [&](Value& slot) {
+  open made{};  // what make() last opened: a container whose items follow (kind none: nothing)
+  // The Value of the node at p, built where it is returned (each Value is moved once, into its
+  // place); a container comes back empty and reserved, and `made` says what it still takes.
+  auto make = [&]() -> Value {
     const skeleton_tape::node& n = t.nodes[p++];
+    made.kind = snode::none;
     switch (n.kind) {
-      case snode::none: break;
+      case snode::none: return Value();
       case snode::boolean:
       case snode::integer:
       case snode::floating:
       case snode::string:
-      case snode::bytes: slot = tape_scalar(t, n); break;
+      case snode::bytes: return tape_scalar(t, n);
       case snode::tensor:
       case snode::alias:
       case snode::view:
         if (!tt) throw tape_mismatch{};
         if (index.empty()) index.assign(t.leaves.size(), tensor_table::npos);
-        slot = tape_tensorish(t, static_cast<std::size_t>(n.a), *tt, index);
-        break;
+        return tape_tensorish(t, static_cast<std::size_t>(n.a), *tt, index);
       case snode::list:
       case snode::tuple: {
         List l;
         l.reserve(static_cast<std::size_t>(n.a));
-        slot = n.kind == snode::list ? Value::list(std::move(l)) : Value::tuple(std::move(l));
-        if (n.a) stack.push_back({&slot, {n.a, 0, 0}, 0, 0, n.kind, {}});
-        break;
+        if (n.a) made = {nullptr, {n.a, 0, 0}, 0, 0, n.kind, {}};
+        return n.kind == snode::list ? Value::list(std::move(l)) : Value::tuple(std::move(l));
       }
       case snode::dict: {
         Dict d;
         d.reserve(static_cast<std::size_t>(n.a));
-        slot = Value(std::move(d));
-        if (n.a) stack.push_back({&slot, {n.a, 0, 0}, 0, 0, n.kind, {}});
-        break;
+        if (n.a) made = {nullptr, {n.a, 0, 0}, 0, 0, n.kind, {}};
+        return Value(std::move(d));
       }
       case snode::object: {
         const std::uint64_t items = t.nodes[p++].a;
@@ -1961,14 +1950,21 @@ inline Value build_from_tape(const skeleton_tape& t, tensor_table* tt, std::size
         o.args.reserve(static_cast<std::size_t>(n.a));
         o.state.reserve(static_cast<std::size_t>(n.b));
         o.items.reserve(static_cast<std::size_t>(items));
-        slot = Value(std::move(o));
-        if (n.a + n.b + items) stack.push_back({&slot, {n.a, n.b, items}, 0, 0, n.kind, {}});
-        break;
+        if (n.a + n.b + items) made = {nullptr, {n.a, n.b, items}, 0, 0, n.kind, {}};
+        return Value(std::move(o));
       }
     }
+    return Value();
   };
-  Value result;
-  put(result);
+  // After `slot` took make()'s Value: its items are read next.
+  auto opened = [&](Value& slot) {
+    if (made.kind == snode::none) return;
+    made.value = &slot;
+    stack.push_back(std::move(made));
+    made.kind = snode::none;
+  };
+  Value result = make();
+  opened(result);
   while (!stack.empty()) {
     open& o = stack.back();
     while (o.part < 3 && o.next == o.size[o.part]) ++o.part, o.next = 0;
@@ -1983,19 +1979,19 @@ inline Value build_from_tape(const skeleton_tape& t, tensor_table* tt, std::size
       case snode::dict: {
         const skeleton_tape::node& k = t.nodes[p++];
         Dict& d = parent.as_dict();
-        slot = k.kind == snode::integer ? &d.append_unchecked(Key(static_cast<std::int64_t>(k.a)), Value())
-                                        : &d.append_unchecked(Key(t.str(k)), Value());
+        Key key = k.kind == snode::integer ? Key(static_cast<std::int64_t>(k.a)) : Key(t.str(k));
+        slot = &d.append_unchecked(std::move(key), make());
         if (!o.keys.last_is_new(d)) throw tape_mismatch{};
         break;
       }
       case snode::object: {
         Object& obj = parent.as_object();
-        slot = &(o.part == 0 ? obj.args : o.part == 1 ? obj.state : obj.items).emplace_back();
+        slot = &(o.part == 0 ? obj.args : o.part == 1 ? obj.state : obj.items).emplace_back(make());
         break;
       }
-      default: slot = &parent.as_list().emplace_back(); break;
+      default: slot = &parent.as_list().emplace_back(make()); break;
     }
-    put(*slot);  // `o` may dangle from here on
+    opened(*slot);  // `o` may dangle from here on
   }
   return result;
 }

@@ -6,6 +6,7 @@
 #include <compare>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <initializer_list>
 #include <iterator>
 #include <limits>
@@ -49,7 +50,14 @@ class shape_t {
   }
   /// From any contiguous run of dims (a std::vector<dim_t>, a span).
   explicit shape_t(std::span<const dim_t> s) : shape_t() { assign(s.begin(), s.end()); }
-  shape_t(const shape_t& o) : shape_t() { assign(o.begin(), o.end()); }
+  shape_t(const shape_t& o) : shape_t() {
+    if (o.size_ <= inline_capacity) {  // the common case: a fixed-size copy, no loop
+      std::memcpy(inline_, o.data(), sizeof inline_);  // within o's buffer: a heap one is larger
+      size_ = o.size_;
+    } else {
+      assign(o.begin(), o.end());
+    }
+  }
   shape_t(shape_t&& o) noexcept : shape_t() { steal(o); }
   shape_t& operator=(const shape_t& o) {
     if (this != &o) assign(o.begin(), o.end());

@@ -18,12 +18,12 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
-#include <unordered_map>
 #include <utility>
 #include <variant>
 #include <vector>
 
 #include "error.hpp"
+#include "hash_index.hpp"
 #include "tensor.hpp"
 
 namespace statedict::inline v0 {
@@ -140,7 +140,8 @@ class Dict {
   void index_new_last() const;
 
   std::vector<item> items_;
-  mutable std::unique_ptr<std::unordered_map<Key, std::size_t, KeyHash>> index_;
+  // Built by the first lookup once there are index_threshold items, kept up to date by appends.
+  mutable detail::hash_index index_;
 };
 
 /// How a pickled object was made (so it can be written back the same way).
@@ -315,7 +316,7 @@ inline Dict::Dict(const Dict& o) : items_(o.items_) {}
 inline Dict& Dict::operator=(const Dict& o) {
   if (this != &o) {
     items_ = o.items_;
-    index_.reset();
+    index_.clear();
   }
   return *this;
 }
@@ -326,17 +327,16 @@ inline std::ptrdiff_t Dict::position(const Key& k) const {
       if (items_[i].first == k) return static_cast<std::ptrdiff_t>(i);
     return -1;
   }
-  if (!index_) {
-    index_ = std::make_unique<std::unordered_map<Key, std::size_t, KeyHash>>();
-    index_->reserve(items_.size() * 2);
-    for (std::size_t i = 0; i < items_.size(); ++i) index_->emplace(items_[i].first, i);
+  if (index_.empty()) {
+    index_.reserve(items_.size() + 1);
+    for (std::size_t i = 0; i < items_.size(); ++i) index_.add(detail::hash_index::mix(items_[i].first.hash()), i);
   }
-  auto it = index_->find(k);
-  return it == index_->end() ? -1 : static_cast<std::ptrdiff_t>(it->second);
+  const auto p = index_.find(detail::hash_index::mix(k.hash()), [&](std::uint32_t i) { return items_[i].first == k; });
+  return p == detail::hash_index::npos ? -1 : static_cast<std::ptrdiff_t>(p);
 }
 
 inline void Dict::index_new_last() const {
-  if (index_) index_->emplace(items_.back().first, items_.size() - 1);
+  if (!index_.empty()) index_.add(detail::hash_index::mix(items_.back().first.hash()), items_.size() - 1);
 }
 
 inline Value* Dict::find(const Key& k) {
@@ -385,7 +385,7 @@ inline bool Dict::erase(const Key& k) {
   const auto p = position(k);
   if (p < 0) return false;
   items_.erase(items_.begin() + p);
-  index_.reset();
+  index_.clear();
   return true;
 }
 

@@ -31,11 +31,11 @@
 #include <span>
 #include <string>
 #include <string_view>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
 #include "../core/error.hpp"
+#include "../core/hash_index.hpp"
 #include "../core/source.hpp"
 #include "crc32.hpp"
 #include "file.hpp"
@@ -161,8 +161,8 @@ class Archive {
 
   /// The entry named `name`, or nullptr.
   [[nodiscard]] const Entry* find(std::string_view name) const {
-    auto it = index_.find(name);
-    return it == index_.end() ? nullptr : &entries_[it->second];
+    const auto i = index_.find(name_hash(name), [&](std::uint32_t e) { return entries_[e].name == name; });
+    return i == statedict::detail::hash_index::npos ? nullptr : &entries_[i];
   }
   /// The entry named `name`; throws errors::zip_missing_entry.
   [[nodiscard]] const Entry& at(std::string_view name) const {
@@ -333,8 +333,10 @@ class Archive {
       if (entry_disk != 0 && entry_disk != detail::u16_max)
         fail(errors::zip_multi_disk, "entry " + quote(en.name) + " is on disk " + std::to_string(entry_disk));
       pos += rec;
-      if (!index_.emplace(en.name, entries_.size()).second)
+      const std::uint32_t nh = name_hash(en.name);
+      if (index_.find(nh, [&](std::uint32_t j) { return entries_[j].name == en.name; }) != statedict::detail::hash_index::npos)
         fail(errors::zip_duplicate_entry, "entry " + quote(en.name) + " appears twice");
+      index_.add(nh, entries_.size());
       entries_.push_back(std::move(en));
     }
     locate_all();
@@ -462,12 +464,10 @@ class Archive {
   std::shared_ptr<const ByteSource> source_;
   read_options options_{};
   std::vector<Entry> entries_;
-  /// Hashes std::string and std::string_view alike, so find() needs no temporary string.
-  struct name_hash {
-    using is_transparent = void;
-    std::size_t operator()(std::string_view s) const noexcept { return std::hash<std::string_view>{}(s); }
-  };
-  std::unordered_map<std::string, std::size_t, name_hash, std::equal_to<>> index_;
+  [[nodiscard]] static std::uint32_t name_hash(std::string_view s) noexcept {
+    return statedict::detail::hash_index::mix(std::hash<std::string_view>{}(s));
+  }
+  statedict::detail::hash_index index_;  ///< entries_ by name
   std::uint64_t delta_ = 0;
   std::uint64_t cd_offset_ = 0;
   bool zip64_ = false;
