@@ -182,6 +182,37 @@ TEST_CASE("containers, marks and stack operations") {
   expect_error_p("", errors::pk_truncated);
 }
 
+TEST_CASE("lists grown in turns, with tuples made between the appends, keep every item in order") {
+  // Two lists memoized empty, then filled alternately: APPEND of a tuple to one, an APPENDS batch
+  // of tuples to the other, so each list grows while the other's items and new tuples are stored
+  // after it. Both must read back whole and in order.
+  std::string p = P2 + "]q\x00]q\x01"_b;
+  std::vector<std::int64_t> want_a, want_b;
+  for (int round = 0; round < 60; ++round) {
+    const auto n = static_cast<char>(round);
+    p += "h\x00"_b + "K" + n + "K\x01\x86" + "a0";  // a.append((n, 1))
+    want_a.push_back(round);
+    p += "h\x01(";
+    for (int j = 0; j < round % 5; ++j) p += "K"_b + n + "K" + static_cast<char>(j) + "\x86";
+    p += "e0";  // b.extend([(n, 0), (n, 1), ...])
+    for (int j = 0; j < round % 5; ++j) want_b.push_back(round * 10 + j);
+  }
+  p += "h\x00h\x01\x86."_b;
+  const Value v = val(p);
+  REQUIRE(v.is_tuple());
+  const List& a = v.at(0).as_list();
+  const List& b = v.at(1).as_list();
+  REQUIRE(a.size() == want_a.size());
+  REQUIRE(b.size() == want_b.size());
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    CHECK(a[i].at(0).as_int() == want_a[i]);
+    CHECK(a[i].at(1).as_int() == 1);
+  }
+  for (std::size_t i = 0; i < b.size(); ++i) {
+    CHECK(b[i].at(0).as_int() * 10 + b[i].at(1).as_int() == want_b[i]);
+  }
+}
+
 TEST_CASE("memo: PUT/GET in every form, shared containers see later mutation") {
   CHECK(val(P2 + "K\x07q\x03" "0h\x03.").as_int() == 7);
   CHECK(val(P2 + "K\x07r" + u32(70000) + "0j" + u32(70000) + ".").as_int() == 7);

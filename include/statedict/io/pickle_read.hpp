@@ -444,12 +444,44 @@ class Reader {
     n.index = static_cast<std::uint32_t>(leaves_.size() - 1);
     return add_node(n);
   }
-  std::uint32_t add_seq(nk k, std::vector<std::uint32_t> items) {
-    seqs_.push_back(std::move(items));
+  std::uint32_t add_seq(nk k, std::span<const std::uint32_t> items) {
+    const std::size_t off = seq_pool_.size();
+    seq_pool_.insert(seq_pool_.end(), items.begin(), items.end());
+    const auto len = static_cast<std::uint32_t>(items.size());  // items < nodes < 2^32
+    seqs_.push_back({off, len, len});
     Node n;
     n.kind = k;
     n.index = static_cast<std::uint32_t>(seqs_.size() - 1);
     return add_node(n);
+  }
+  std::uint32_t add_seq(nk k, std::initializer_list<std::uint32_t> items) {
+    return add_seq(k, std::span<const std::uint32_t>(items.begin(), items.size()));
+  }
+  /// The items of list or tuple `i`: valid until the next add_seq or seq_append.
+  [[nodiscard]] std::span<const std::uint32_t> seq(std::uint32_t i) const {
+    const SeqData& d = seqs_[i];
+    return {seq_pool_.data() + d.off, d.len};
+  }
+  /// Appends to list `i`: in place while its room lasts, else at the pool's end with twice the room.
+  void seq_append(std::uint32_t i, std::span<const std::uint32_t> items) {
+    SeqData& d = seqs_[i];
+    if (items.size() > UINT32_MAX - 1 - d.len) fail(errors::pk_node_limit, "a list of more than 2^32 items");
+    const std::size_t need = d.len + items.size();
+    if (need > d.cap) {
+      const std::size_t cap = std::max<std::size_t>({need, std::size_t{2} * d.cap, 4});
+      const std::size_t cap32 = std::min<std::size_t>(cap, UINT32_MAX - 1);
+      if (d.off + d.cap == seq_pool_.size()) {
+        seq_pool_.resize(d.off + cap32);
+      } else {
+        const std::size_t off = seq_pool_.size();
+        seq_pool_.resize(off + cap32);
+        std::copy_n(seq_pool_.begin() + static_cast<std::ptrdiff_t>(d.off), d.len, seq_pool_.begin() + static_cast<std::ptrdiff_t>(off));
+        d.off = off;
+      }
+      d.cap = static_cast<std::uint32_t>(cap32);
+    }
+    std::copy(items.begin(), items.end(), seq_pool_.begin() + static_cast<std::ptrdiff_t>(d.off + d.len));
+    d.len = static_cast<std::uint32_t>(need);
   }
   std::uint32_t add_dict(bool ordered) {
     dicts_.emplace_back();
@@ -531,14 +563,15 @@ class Reader {
     if (stack_.size() <= floor()) fail(errors::pk_stack_underflow, "no object on the stack");
     return stack_.back();
   }
-  /// Items pushed since the last MARK (removes them and the mark).
-  std::vector<std::uint32_t> pop_mark() {
+  /// Items pushed since the last MARK (removes them and the mark), in a buffer the next pop_mark
+  /// reuses.
+  const std::vector<std::uint32_t>& pop_mark() {
     if (marks_.empty()) fail(errors::pk_no_mark, "no MARK on the stack");
     const std::size_t m = marks_.back();
     marks_.pop_back();
-    std::vector<std::uint32_t> items(stack_.begin() + static_cast<std::ptrdiff_t>(m), stack_.end());
+    mark_items_.assign(stack_.begin() + static_cast<std::ptrdiff_t>(m), stack_.end());
     stack_.resize(m);
-    return items;
+    return mark_items_;
   }
 
   // ------------------------------------------------------------------------------------------
@@ -668,14 +701,14 @@ class Reader {
     if (r && r->k == Rule::kind::ordered_dict) {
       const std::uint32_t d = add_dict(true);
       // OrderedDict(iterable of pairs) also works; torch.save always passes ().
-      const auto& a = seqs_[nodes_[args].index];
+      const auto a = seq(nodes_[args].index);
       if (!a.empty()) {
         if (a.size() != 1 || (nodes_[a[0]].kind != nk::list && nodes_[a[0]].kind != nk::tuple))
           fail(errors::pk_bad_call, global_name(g) + " called with arguments statedict does not interpret");
-        for (std::uint32_t pair : seqs_[nodes_[a[0]].index]) {
-          if (nodes_[pair].kind != nk::tuple || seqs_[nodes_[pair].index].size() != 2)
+        for (std::uint32_t pair : seq(nodes_[a[0]].index)) {
+          if (nodes_[pair].kind != nk::tuple || seq(nodes_[pair].index).size() != 2)
             fail(errors::pk_bad_call, global_name(g) + " item is not a (key, value) pair");
-          const auto& kv = seqs_[nodes_[pair].index];
+          const auto kv = seq(nodes_[pair].index);
           dicts_[nodes_[d].index].kv.push_back(kv[0]);
           dicts_[nodes_[d].index].kv.push_back(kv[1]);
           counted(kv[0]);  // now in the dict and in the pair
@@ -713,7 +746,7 @@ class Reader {
     const bool is_getattr = (gname.module == "builtins" || gname.module == "__builtin__") && gname.name == "getattr";
     if (!opts_.keep_unknown_objects || !is_getattr || o.args == npos || !o.state.empty() || !o.items.empty())
       return callable;
-    const auto& a = seqs_[nodes_[o.args].index];
+    const auto a = seq(nodes_[o.args].index);
     if (a.size() != 2 || nodes_[a[0]].kind != nk::global || nodes_[a[1]].kind != nk::str) return callable;
     const auto& outer = globals_[nodes_[a[0]].index];
     const std::string inner(view(nodes_[a[1]].u.off, nodes_[a[1]].index));
@@ -744,11 +777,10 @@ class Reader {
     return "?";
   }
 
-  void append_to(std::uint32_t target, const std::vector<std::uint32_t>& items, const char* op) {
+  void append_to(std::uint32_t target, std::span<const std::uint32_t> items, const char* op) {
     Node& t = nodes_[target];
     if (t.kind == nk::list) {
-      auto& v = seqs_[t.index];
-      v.insert(v.end(), items.begin(), items.end());
+      seq_append(t.index, items);
     } else if (t.kind == nk::object) {
       auto& v = objects_[t.index].items;
       v.insert(v.end(), items.begin(), items.end());
@@ -757,7 +789,7 @@ class Reader {
     }
   }
 
-  void setitems_on(std::uint32_t target, const std::vector<std::uint32_t>& kv, const char* op) {
+  void setitems_on(std::uint32_t target, std::span<const std::uint32_t> kv, const char* op) {
     if (kv.size() % 2) fail(errors::pk_bad_operand, std::string(op) + " with an odd number of items");
     Node& t = nodes_[target];
     if (t.kind == nk::dict) {
@@ -879,7 +911,7 @@ class Reader {
     switch (node.kind) {
       case nk::list:
       case nk::tuple: {
-        const auto& items = seqs_[node.index];
+        const auto items = seq(node.index);
         List l;
         l.reserve(items.size());
         for (std::size_t i = 0; i < items.size(); ++i) {
@@ -1042,7 +1074,14 @@ class Reader {
   std::deque<Value> leaves_;  ///< a deque: stays put as it grows (no 160-byte moves)
   std::vector<LeafShape> leaf_shape_;
   std::vector<std::pair<const Value*, std::uint64_t>> walk_stack_;  ///< each_value's stack
-  std::vector<std::vector<std::uint32_t>> seqs_;
+  struct SeqData {
+    std::size_t off;    ///< first item in seq_pool_
+    std::uint32_t len;  ///< items
+    std::uint32_t cap;  ///< room at off (a list grows in place while it lasts)
+  };
+  std::vector<SeqData> seqs_;            ///< lists and tuples: their items live in seq_pool_
+  std::vector<std::uint32_t> seq_pool_;  ///< one allocation for the items of every list and tuple
+  std::vector<std::uint32_t> mark_items_;  ///< what pop_mark returned last
   std::vector<DictData> dicts_;
   std::vector<ObjData> objects_;
   struct Global {
@@ -1090,7 +1129,7 @@ class Args {
   [[nodiscard]] bool ints(std::size_t i, std::size_t max, shape_t& out) const {
     const Reader::Node& n = node(i);
     if (n.kind != Reader::nk::tuple && n.kind != Reader::nk::list) return false;
-    const auto& items = r_.seqs_[n.index];
+    const auto items = r_.seq(n.index);
     if (items.size() > max) return false;
     for (std::uint32_t c : items) {
       if (r_.nodes_[c].kind != Reader::nk::integer) return false;
@@ -1106,7 +1145,7 @@ class Args {
 
  private:
   friend class Reader;
-  Args(const Reader& r, const std::vector<std::uint32_t>& items) : r_(r), items_(items) {}
+  Args(const Reader& r, std::span<const std::uint32_t> items) : r_(r), items_(items) {}
   [[nodiscard]] const Reader::Node& node(std::size_t i) const {
     if (i >= items_.size())
       r_.fail(errors::pk_bad_call, "a fast form read argument " + std::to_string(i) + " of " + std::to_string(items_.size()));
@@ -1122,14 +1161,14 @@ class Args {
   }
 
   const Reader& r_;
-  const std::vector<std::uint32_t>& items_;
+  std::span<const std::uint32_t> items_;
 
   static_assert(static_cast<int>(kind::value) == static_cast<int>(Reader::nk::leaf) &&
                 static_cast<int>(kind::global) == static_cast<int>(Reader::nk::global));
 };
 
 inline std::optional<Value> Reader::try_fast(const fast_fn& f, std::uint32_t tuple) {
-  return f(Args(*this, seqs_[nodes_[tuple].index]));
+  return f(Args(*this, seq(nodes_[tuple].index)));
 }
 
 inline Result Reader::run() {
@@ -1263,32 +1302,32 @@ inline Result Reader::run() {
       case 't': push(add_seq(nk::tuple, pop_mark())); break;  // TUPLE
       case 'l': push(add_seq(nk::list, pop_mark())); break;   // LIST
       case 'd': {                                             // DICT
-        auto kv = pop_mark();
+        const auto& kv = pop_mark();
         if (kv.size() % 2) fail(errors::pk_bad_operand, "DICT with an odd number of items");
         const std::uint32_t d = add_dict(false);
-        dicts_[nodes_[d].index].kv = std::move(kv);
+        dicts_[nodes_[d].index].kv = kv;
         push(d);
         break;
       }
       case 0x91: {  // FROZENSET
-        auto items = pop_mark();
+        const auto& items = pop_mark();
         const std::uint32_t o = add_builtin_object("builtins", "frozenset", object_build::reduce);
-        objects_[nodes_[o].index].items = std::move(items);
+        objects_[nodes_[o].index].items = items;
         push(o);
         break;
       }
       case 'a': {  // APPEND
         const std::uint32_t v = pop();
-        append_to(top(), {v}, "APPEND");
+        append_to(top(), std::span<const std::uint32_t>(&v, 1), "APPEND");
         break;
       }
       case 'e': {  // APPENDS
-        auto items = pop_mark();
+        const auto& items = pop_mark();
         append_to(top(), items, "APPENDS");
         break;
       }
       case 0x90: {  // ADDITEMS
-        auto items = pop_mark();
+        const auto& items = pop_mark();
         const Node& t = nodes_[top()];
         if (t.kind != nk::object || globals_[objects_[t.index].global].name != "set")
           fail(errors::pk_bad_operand, "ADDITEMS to a " + kind_name(t.kind) + ", not a set");
@@ -1298,11 +1337,12 @@ inline Result Reader::run() {
       }
       case 's': {  // SETITEM
         const std::uint32_t v = pop(), k = pop();
-        setitems_on(top(), {k, v}, "SETITEM");
+        const std::uint32_t kv[2] = {k, v};
+        setitems_on(top(), kv, "SETITEM");
         break;
       }
       case 'u': {  // SETITEMS
-        auto kv = pop_mark();
+        const auto& kv = pop_mark();
         setitems_on(top(), kv, "SETITEMS");
         break;
       }
@@ -1372,17 +1412,16 @@ inline Result Reader::run() {
       case 'i': {  // INST: module, name, then args from the mark
         const std::string_view module = line();
         const std::string_view name = line();
-        auto items = pop_mark();
+        const auto& items = pop_mark();
         const std::uint32_t g = resolve_global(module, name);
-        push(apply(g, add_seq(nk::tuple, std::move(items)), object_build::reduce));
+        push(apply(g, add_seq(nk::tuple, items), object_build::reduce));
         break;
       }
       case 'o': {  // OBJ: class and args from the mark
-        auto items = pop_mark();
+        const auto& items = pop_mark();
         if (items.empty()) fail(errors::pk_stack_underflow, "OBJ without a class");
         const std::uint32_t cls = items.front();
-        items.erase(items.begin());
-        push(apply(cls, add_seq(nk::tuple, std::move(items)), object_build::reduce));
+        push(apply(cls, add_seq(nk::tuple, std::span<const std::uint32_t>(items).subspan(1)), object_build::reduce));
         break;
       }
       case 'b': {  // BUILD
