@@ -248,6 +248,7 @@ inline constexpr error_id too_many_dims       {115, error_kind::limit,       "co
 #include <compare>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <initializer_list>
 #include <iterator>
 #include <limits>
@@ -290,7 +291,14 @@ class shape_t {
   }
   /// From any contiguous run of dims (a std::vector<dim_t>, a span).
   explicit shape_t(std::span<const dim_t> s) : shape_t() { assign(s.begin(), s.end()); }
-  shape_t(const shape_t& o) : shape_t() { assign(o.begin(), o.end()); }
+  shape_t(const shape_t& o) : shape_t() {
+    if (o.size_ <= inline_capacity) {  // the common case: a fixed-size copy, no loop
+      std::memcpy(inline_, o.data(), sizeof inline_);  // within o's buffer: a heap one is larger
+      size_ = o.size_;
+    } else {
+      assign(o.begin(), o.end());
+    }
+  }
   shape_t(shape_t&& o) noexcept : shape_t() { steal(o); }
   shape_t& operator=(const shape_t& o) {
     if (this != &o) assign(o.begin(), o.end());
@@ -1372,11 +1380,104 @@ inline bool same_view(const TensorView& a, const TensorView& b) noexcept {
 #include <string>
 #include <string_view>
 #include <type_traits>
-#include <unordered_map>
 #include <utility>
 #include <variant>
 #include <vector>
 
+// ---- statedict/core/hash_index.hpp ----
+// statedict: an index that finds items kept in the caller's own vector, without copying keys.
+// SPDX-License-Identifier: MIT
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+
+namespace statedict::inline v0::detail {
+
+/// Positions of items the caller stores (a vector of dict items, of zip entries), found by hash.
+/// Open addressing with linear probing over a power-of-two number of slots, at most half full;
+/// a slot is `hash << 32 | (position + 1)`, 0 when empty. An equal hash is confirmed by the
+/// caller's comparison, so the index holds no key and allocates nothing per item. Growing reuses
+/// the stored hashes: no key is hashed twice.
+class hash_index {
+ public:
+  static constexpr std::uint32_t npos = UINT32_MAX;
+
+  hash_index() = default;
+  hash_index(const hash_index&) = default;
+  hash_index& operator=(const hash_index&) = default;
+  hash_index(hash_index&& o) noexcept : slots_(std::move(o.slots_)), count_(std::exchange(o.count_, 0)) { o.slots_.clear(); }
+  hash_index& operator=(hash_index&& o) noexcept {
+    slots_ = std::move(o.slots_);
+    o.slots_.clear();
+    count_ = std::exchange(o.count_, 0);
+    return *this;
+  }
+  ~hash_index() = default;
+
+  /// 32 well-mixed bits of a std::hash value (std::hash of an integer is the integer itself).
+  [[nodiscard]] static std::uint32_t mix(std::size_t h) noexcept {
+    return static_cast<std::uint32_t>((static_cast<std::uint64_t>(h) * 0x9e3779b97f4a7c15ULL) >> 32);
+  }
+
+  [[nodiscard]] bool empty() const noexcept { return count_ == 0; }
+  [[nodiscard]] std::size_t size() const noexcept { return count_; }
+  void clear() noexcept {
+    slots_.clear();
+    count_ = 0;
+  }
+  /// Room for `n` positions without growing.
+  void reserve(std::size_t n) {
+    if (n > slots_.size() / 2) grow(n * 2);
+  }
+
+  /// Adds `position` under `hash`; the caller has ruled out an equal key.
+  void add(std::uint32_t hash, std::size_t position) {
+    if (position >= UINT32_MAX - 1) throw_error(errors::overflow, "more than 2^32 - 2 items in one index");
+    if (count_ + 1 > slots_.size() / 2) grow(std::max<std::size_t>(32, slots_.size() * 2));
+    place(std::uint64_t{hash} << 32 | (position + 1));
+    ++count_;
+  }
+
+  /// The position added under `hash` for which `same(position)` holds, or npos.
+  template <class Same>
+  [[nodiscard]] std::uint32_t find(std::uint32_t hash, Same&& same) const {
+    if (slots_.empty()) return npos;
+    const std::size_t mask = slots_.size() - 1;
+    for (std::size_t s = hash & mask;; s = (s + 1) & mask) {
+      const std::uint64_t e = slots_[s];
+      if (e == 0) return npos;
+      if (static_cast<std::uint32_t>(e >> 32) == hash) {
+        const auto p = static_cast<std::uint32_t>(e - 1);  // the low half; position + 1 > 0
+        if (same(p)) return p;
+      }
+    }
+  }
+
+ private:
+  void place(std::uint64_t e) {
+    const std::size_t mask = slots_.size() - 1;
+    std::size_t s = (e >> 32) & mask;
+    while (slots_[s] != 0) s = (s + 1) & mask;
+    slots_[s] = e;
+  }
+  void grow(std::size_t want) {
+    std::size_t cap = 32;
+    while (cap < want) cap *= 2;
+    std::vector<std::uint64_t> old(cap, 0);
+    old.swap(slots_);
+    for (const std::uint64_t e : old)
+      if (e != 0) place(e);
+  }
+
+  std::vector<std::uint64_t> slots_;
+  std::size_t count_ = 0;
+};
+
+}  // namespace statedict::inline v0::detail
 
 namespace statedict::inline v0 {
 
@@ -1492,7 +1593,8 @@ class Dict {
   void index_new_last() const;
 
   std::vector<item> items_;
-  mutable std::unique_ptr<std::unordered_map<Key, std::size_t, KeyHash>> index_;
+  // Built by the first lookup once there are index_threshold items, kept up to date by appends.
+  mutable detail::hash_index index_;
 };
 
 /// How a pickled object was made (so it can be written back the same way).
@@ -1667,7 +1769,7 @@ inline Dict::Dict(const Dict& o) : items_(o.items_) {}
 inline Dict& Dict::operator=(const Dict& o) {
   if (this != &o) {
     items_ = o.items_;
-    index_.reset();
+    index_.clear();
   }
   return *this;
 }
@@ -1678,17 +1780,16 @@ inline std::ptrdiff_t Dict::position(const Key& k) const {
       if (items_[i].first == k) return static_cast<std::ptrdiff_t>(i);
     return -1;
   }
-  if (!index_) {
-    index_ = std::make_unique<std::unordered_map<Key, std::size_t, KeyHash>>();
-    index_->reserve(items_.size() * 2);
-    for (std::size_t i = 0; i < items_.size(); ++i) index_->emplace(items_[i].first, i);
+  if (index_.empty()) {
+    index_.reserve(items_.size() + 1);
+    for (std::size_t i = 0; i < items_.size(); ++i) index_.add(detail::hash_index::mix(items_[i].first.hash()), i);
   }
-  auto it = index_->find(k);
-  return it == index_->end() ? -1 : static_cast<std::ptrdiff_t>(it->second);
+  const auto p = index_.find(detail::hash_index::mix(k.hash()), [&](std::uint32_t i) { return items_[i].first == k; });
+  return p == detail::hash_index::npos ? -1 : static_cast<std::ptrdiff_t>(p);
 }
 
 inline void Dict::index_new_last() const {
-  if (index_) index_->emplace(items_.back().first, items_.size() - 1);
+  if (!index_.empty()) index_.add(detail::hash_index::mix(items_.back().first.hash()), items_.size() - 1);
 }
 
 inline Value* Dict::find(const Key& k) {
@@ -1737,7 +1838,7 @@ inline bool Dict::erase(const Key& k) {
   const auto p = position(k);
   if (p < 0) return false;
   items_.erase(items_.begin() + p);
-  index_.reset();
+  index_.clear();
   return true;
 }
 
@@ -4810,7 +4911,7 @@ inline Value decode_tensorish(const snode_info& n, tensor_table& tt) {
 }
 
 /// Detects a repeated key while a Dict is filled with append_unchecked: a linear scan while the
-/// dict is small, an open-addressing index of item positions beyond (no allocation per key).
+/// dict is small, a hash_index of item positions beyond (no allocation per key).
 class key_set {
  public:
   /// True when the dict's last key does not occur earlier in it.
@@ -4823,32 +4924,19 @@ class key_set {
         if (items[j].first == k) return false;
       return true;
     }
-    if ((last + 1) * 2 > slots_.size()) rebuild(items, last);
-    const std::size_t mask = slots_.size() - 1;
-    for (std::size_t p = k.hash() & mask;; p = (p + 1) & mask) {
-      if (slots_[p] == empty) {
-        slots_[p] = static_cast<std::uint32_t>(last);
-        return true;
-      }
-      if (items[slots_[p]].first == k) return false;
+    if (index_.empty()) {
+      index_.reserve(d.items().capacity());
+      for (std::size_t j = 0; j < last; ++j) index_.add(hash_index::mix(items[j].first.hash()), j);
     }
+    const std::uint32_t h = hash_index::mix(k.hash());
+    if (index_.find(h, [&](std::uint32_t j) { return items[j].first == k; }) != hash_index::npos) return false;
+    index_.add(h, last);
+    return true;
   }
 
  private:
   static constexpr std::size_t linear_limit = 16;
-  static constexpr std::uint32_t empty = UINT32_MAX;
-  void rebuild(const std::vector<Dict::item>& items, std::size_t n) {
-    std::size_t cap = 64;
-    while (cap < (n + 1) * 4) cap *= 2;
-    slots_.assign(cap, empty);
-    const std::size_t mask = cap - 1;
-    for (std::size_t j = 0; j < n; ++j) {
-      std::size_t p = items[j].first.hash() & mask;
-      while (slots_[p] != empty) p = (p + 1) & mask;
-      slots_[p] = static_cast<std::uint32_t>(j);
-    }
-  }
-  std::vector<std::uint32_t> slots_;
+  hash_index index_;
 };
 
 /// Builds the Value of skeleton node `root` (a NODE, not the document). Tensor-like nodes need
@@ -4983,36 +5071,37 @@ inline Value build_from_tape(const skeleton_tape& t, tensor_table* tt, std::size
     key_set keys;  // for dicts
   };
   std::vector<open> stack;
-  auto put = [&](Value& slot) {
+  open made{};  // what make() last opened: a container whose items follow (kind none: nothing)
+  // The Value of the node at p, built where it is returned (each Value is moved once, into its
+  // place); a container comes back empty and reserved, and `made` says what it still takes.
+  auto make = [&]() -> Value {
     const skeleton_tape::node& n = t.nodes[p++];
+    made.kind = snode::none;
     switch (n.kind) {
-      case snode::none: break;
+      case snode::none: return Value();
       case snode::boolean:
       case snode::integer:
       case snode::floating:
       case snode::string:
-      case snode::bytes: slot = tape_scalar(t, n); break;
+      case snode::bytes: return tape_scalar(t, n);
       case snode::tensor:
       case snode::alias:
       case snode::view:
         if (!tt) throw tape_mismatch{};
         if (index.empty()) index.assign(t.leaves.size(), tensor_table::npos);
-        slot = tape_tensorish(t, static_cast<std::size_t>(n.a), *tt, index);
-        break;
+        return tape_tensorish(t, static_cast<std::size_t>(n.a), *tt, index);
       case snode::list:
       case snode::tuple: {
         List l;
         l.reserve(static_cast<std::size_t>(n.a));
-        slot = n.kind == snode::list ? Value::list(std::move(l)) : Value::tuple(std::move(l));
-        if (n.a) stack.push_back({&slot, {n.a, 0, 0}, 0, 0, n.kind, {}});
-        break;
+        if (n.a) made = {nullptr, {n.a, 0, 0}, 0, 0, n.kind, {}};
+        return n.kind == snode::list ? Value::list(std::move(l)) : Value::tuple(std::move(l));
       }
       case snode::dict: {
         Dict d;
         d.reserve(static_cast<std::size_t>(n.a));
-        slot = Value(std::move(d));
-        if (n.a) stack.push_back({&slot, {n.a, 0, 0}, 0, 0, n.kind, {}});
-        break;
+        if (n.a) made = {nullptr, {n.a, 0, 0}, 0, 0, n.kind, {}};
+        return Value(std::move(d));
       }
       case snode::object: {
         const std::uint64_t items = t.nodes[p++].a;
@@ -5023,14 +5112,21 @@ inline Value build_from_tape(const skeleton_tape& t, tensor_table* tt, std::size
         o.args.reserve(static_cast<std::size_t>(n.a));
         o.state.reserve(static_cast<std::size_t>(n.b));
         o.items.reserve(static_cast<std::size_t>(items));
-        slot = Value(std::move(o));
-        if (n.a + n.b + items) stack.push_back({&slot, {n.a, n.b, items}, 0, 0, n.kind, {}});
-        break;
+        if (n.a + n.b + items) made = {nullptr, {n.a, n.b, items}, 0, 0, n.kind, {}};
+        return Value(std::move(o));
       }
     }
+    return Value();
   };
-  Value result;
-  put(result);
+  // After `slot` took make()'s Value: its items are read next.
+  auto opened = [&](Value& slot) {
+    if (made.kind == snode::none) return;
+    made.value = &slot;
+    stack.push_back(std::move(made));
+    made.kind = snode::none;
+  };
+  Value result = make();
+  opened(result);
   while (!stack.empty()) {
     open& o = stack.back();
     while (o.part < 3 && o.next == o.size[o.part]) ++o.part, o.next = 0;
@@ -5045,19 +5141,19 @@ inline Value build_from_tape(const skeleton_tape& t, tensor_table* tt, std::size
       case snode::dict: {
         const skeleton_tape::node& k = t.nodes[p++];
         Dict& d = parent.as_dict();
-        slot = k.kind == snode::integer ? &d.append_unchecked(Key(static_cast<std::int64_t>(k.a)), Value())
-                                        : &d.append_unchecked(Key(t.str(k)), Value());
+        Key key = k.kind == snode::integer ? Key(static_cast<std::int64_t>(k.a)) : Key(t.str(k));
+        slot = &d.append_unchecked(std::move(key), make());
         if (!o.keys.last_is_new(d)) throw tape_mismatch{};
         break;
       }
       case snode::object: {
         Object& obj = parent.as_object();
-        slot = &(o.part == 0 ? obj.args : o.part == 1 ? obj.state : obj.items).emplace_back();
+        slot = &(o.part == 0 ? obj.args : o.part == 1 ? obj.state : obj.items).emplace_back(make());
         break;
       }
-      default: slot = &parent.as_list().emplace_back(); break;
+      default: slot = &parent.as_list().emplace_back(make()); break;
     }
-    put(*slot);  // `o` may dangle from here on
+    opened(*slot);  // `o` may dangle from here on
   }
   return result;
 }
@@ -8397,7 +8493,6 @@ inline bool crc32_accelerated() noexcept {
 #include <span>
 #include <string>
 #include <string_view>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -8523,8 +8618,8 @@ class Archive {
 
   /// The entry named `name`, or nullptr.
   [[nodiscard]] const Entry* find(std::string_view name) const {
-    auto it = index_.find(name);
-    return it == index_.end() ? nullptr : &entries_[it->second];
+    const auto i = index_.find(name_hash(name), [&](std::uint32_t e) { return entries_[e].name == name; });
+    return i == statedict::detail::hash_index::npos ? nullptr : &entries_[i];
   }
   /// The entry named `name`; throws errors::zip_missing_entry.
   [[nodiscard]] const Entry& at(std::string_view name) const {
@@ -8695,8 +8790,10 @@ class Archive {
       if (entry_disk != 0 && entry_disk != detail::u16_max)
         fail(errors::zip_multi_disk, "entry " + quote(en.name) + " is on disk " + std::to_string(entry_disk));
       pos += rec;
-      if (!index_.emplace(en.name, entries_.size()).second)
+      const std::uint32_t nh = name_hash(en.name);
+      if (index_.find(nh, [&](std::uint32_t j) { return entries_[j].name == en.name; }) != statedict::detail::hash_index::npos)
         fail(errors::zip_duplicate_entry, "entry " + quote(en.name) + " appears twice");
+      index_.add(nh, entries_.size());
       entries_.push_back(std::move(en));
     }
     locate_all();
@@ -8824,12 +8921,10 @@ class Archive {
   std::shared_ptr<const ByteSource> source_;
   read_options options_{};
   std::vector<Entry> entries_;
-  /// Hashes std::string and std::string_view alike, so find() needs no temporary string.
-  struct name_hash {
-    using is_transparent = void;
-    std::size_t operator()(std::string_view s) const noexcept { return std::hash<std::string_view>{}(s); }
-  };
-  std::unordered_map<std::string, std::size_t, name_hash, std::equal_to<>> index_;
+  [[nodiscard]] static std::uint32_t name_hash(std::string_view s) noexcept {
+    return statedict::detail::hash_index::mix(std::hash<std::string_view>{}(s));
+  }
+  statedict::detail::hash_index index_;  ///< entries_ by name
   std::uint64_t delta_ = 0;
   std::uint64_t cd_offset_ = 0;
   bool zip64_ = false;
@@ -9598,12 +9693,44 @@ class Reader {
     n.index = static_cast<std::uint32_t>(leaves_.size() - 1);
     return add_node(n);
   }
-  std::uint32_t add_seq(nk k, std::vector<std::uint32_t> items) {
-    seqs_.push_back(std::move(items));
+  std::uint32_t add_seq(nk k, std::span<const std::uint32_t> items) {
+    const std::size_t off = seq_pool_.size();
+    seq_pool_.insert(seq_pool_.end(), items.begin(), items.end());
+    const auto len = static_cast<std::uint32_t>(items.size());  // items < nodes < 2^32
+    seqs_.push_back({off, len, len});
     Node n;
     n.kind = k;
     n.index = static_cast<std::uint32_t>(seqs_.size() - 1);
     return add_node(n);
+  }
+  std::uint32_t add_seq(nk k, std::initializer_list<std::uint32_t> items) {
+    return add_seq(k, std::span<const std::uint32_t>(items.begin(), items.size()));
+  }
+  /// The items of list or tuple `i`: valid until the next add_seq or seq_append.
+  [[nodiscard]] std::span<const std::uint32_t> seq(std::uint32_t i) const {
+    const SeqData& d = seqs_[i];
+    return {seq_pool_.data() + d.off, d.len};
+  }
+  /// Appends to list `i`: in place while its room lasts, else at the pool's end with twice the room.
+  void seq_append(std::uint32_t i, std::span<const std::uint32_t> items) {
+    SeqData& d = seqs_[i];
+    if (items.size() > UINT32_MAX - 1 - d.len) fail(errors::pk_node_limit, "a list of more than 2^32 items");
+    const std::size_t need = d.len + items.size();
+    if (need > d.cap) {
+      const std::size_t cap = std::max<std::size_t>({need, std::size_t{2} * d.cap, 4});
+      const std::size_t cap32 = std::min<std::size_t>(cap, UINT32_MAX - 1);
+      if (d.off + d.cap == seq_pool_.size()) {
+        seq_pool_.resize(d.off + cap32);
+      } else {
+        const std::size_t off = seq_pool_.size();
+        seq_pool_.resize(off + cap32);
+        std::copy_n(seq_pool_.begin() + static_cast<std::ptrdiff_t>(d.off), d.len, seq_pool_.begin() + static_cast<std::ptrdiff_t>(off));
+        d.off = off;
+      }
+      d.cap = static_cast<std::uint32_t>(cap32);
+    }
+    std::copy(items.begin(), items.end(), seq_pool_.begin() + static_cast<std::ptrdiff_t>(d.off + d.len));
+    d.len = static_cast<std::uint32_t>(need);
   }
   std::uint32_t add_dict(bool ordered) {
     dicts_.emplace_back();
@@ -9685,14 +9812,15 @@ class Reader {
     if (stack_.size() <= floor()) fail(errors::pk_stack_underflow, "no object on the stack");
     return stack_.back();
   }
-  /// Items pushed since the last MARK (removes them and the mark).
-  std::vector<std::uint32_t> pop_mark() {
+  /// Items pushed since the last MARK (removes them and the mark), in a buffer the next pop_mark
+  /// reuses.
+  const std::vector<std::uint32_t>& pop_mark() {
     if (marks_.empty()) fail(errors::pk_no_mark, "no MARK on the stack");
     const std::size_t m = marks_.back();
     marks_.pop_back();
-    std::vector<std::uint32_t> items(stack_.begin() + static_cast<std::ptrdiff_t>(m), stack_.end());
+    mark_items_.assign(stack_.begin() + static_cast<std::ptrdiff_t>(m), stack_.end());
     stack_.resize(m);
-    return items;
+    return mark_items_;
   }
 
   // ------------------------------------------------------------------------------------------
@@ -9822,14 +9950,14 @@ class Reader {
     if (r && r->k == Rule::kind::ordered_dict) {
       const std::uint32_t d = add_dict(true);
       // OrderedDict(iterable of pairs) also works; torch.save always passes ().
-      const auto& a = seqs_[nodes_[args].index];
+      const auto a = seq(nodes_[args].index);
       if (!a.empty()) {
         if (a.size() != 1 || (nodes_[a[0]].kind != nk::list && nodes_[a[0]].kind != nk::tuple))
           fail(errors::pk_bad_call, global_name(g) + " called with arguments statedict does not interpret");
-        for (std::uint32_t pair : seqs_[nodes_[a[0]].index]) {
-          if (nodes_[pair].kind != nk::tuple || seqs_[nodes_[pair].index].size() != 2)
+        for (std::uint32_t pair : seq(nodes_[a[0]].index)) {
+          if (nodes_[pair].kind != nk::tuple || seq(nodes_[pair].index).size() != 2)
             fail(errors::pk_bad_call, global_name(g) + " item is not a (key, value) pair");
-          const auto& kv = seqs_[nodes_[pair].index];
+          const auto kv = seq(nodes_[pair].index);
           dicts_[nodes_[d].index].kv.push_back(kv[0]);
           dicts_[nodes_[d].index].kv.push_back(kv[1]);
           counted(kv[0]);  // now in the dict and in the pair
@@ -9867,7 +9995,7 @@ class Reader {
     const bool is_getattr = (gname.module == "builtins" || gname.module == "__builtin__") && gname.name == "getattr";
     if (!opts_.keep_unknown_objects || !is_getattr || o.args == npos || !o.state.empty() || !o.items.empty())
       return callable;
-    const auto& a = seqs_[nodes_[o.args].index];
+    const auto a = seq(nodes_[o.args].index);
     if (a.size() != 2 || nodes_[a[0]].kind != nk::global || nodes_[a[1]].kind != nk::str) return callable;
     const auto& outer = globals_[nodes_[a[0]].index];
     const std::string inner(view(nodes_[a[1]].u.off, nodes_[a[1]].index));
@@ -9898,11 +10026,10 @@ class Reader {
     return "?";
   }
 
-  void append_to(std::uint32_t target, const std::vector<std::uint32_t>& items, const char* op) {
+  void append_to(std::uint32_t target, std::span<const std::uint32_t> items, const char* op) {
     Node& t = nodes_[target];
     if (t.kind == nk::list) {
-      auto& v = seqs_[t.index];
-      v.insert(v.end(), items.begin(), items.end());
+      seq_append(t.index, items);
     } else if (t.kind == nk::object) {
       auto& v = objects_[t.index].items;
       v.insert(v.end(), items.begin(), items.end());
@@ -9911,7 +10038,7 @@ class Reader {
     }
   }
 
-  void setitems_on(std::uint32_t target, const std::vector<std::uint32_t>& kv, const char* op) {
+  void setitems_on(std::uint32_t target, std::span<const std::uint32_t> kv, const char* op) {
     if (kv.size() % 2) fail(errors::pk_bad_operand, std::string(op) + " with an odd number of items");
     Node& t = nodes_[target];
     if (t.kind == nk::dict) {
@@ -10033,7 +10160,7 @@ class Reader {
     switch (node.kind) {
       case nk::list:
       case nk::tuple: {
-        const auto& items = seqs_[node.index];
+        const auto items = seq(node.index);
         List l;
         l.reserve(items.size());
         for (std::size_t i = 0; i < items.size(); ++i) {
@@ -10196,7 +10323,14 @@ class Reader {
   std::deque<Value> leaves_;  ///< a deque: stays put as it grows (no 160-byte moves)
   std::vector<LeafShape> leaf_shape_;
   std::vector<std::pair<const Value*, std::uint64_t>> walk_stack_;  ///< each_value's stack
-  std::vector<std::vector<std::uint32_t>> seqs_;
+  struct SeqData {
+    std::size_t off;    ///< first item in seq_pool_
+    std::uint32_t len;  ///< items
+    std::uint32_t cap;  ///< room at off (a list grows in place while it lasts)
+  };
+  std::vector<SeqData> seqs_;            ///< lists and tuples: their items live in seq_pool_
+  std::vector<std::uint32_t> seq_pool_;  ///< one allocation for the items of every list and tuple
+  std::vector<std::uint32_t> mark_items_;  ///< what pop_mark returned last
   std::vector<DictData> dicts_;
   std::vector<ObjData> objects_;
   struct Global {
@@ -10244,7 +10378,7 @@ class Args {
   [[nodiscard]] bool ints(std::size_t i, std::size_t max, shape_t& out) const {
     const Reader::Node& n = node(i);
     if (n.kind != Reader::nk::tuple && n.kind != Reader::nk::list) return false;
-    const auto& items = r_.seqs_[n.index];
+    const auto items = r_.seq(n.index);
     if (items.size() > max) return false;
     for (std::uint32_t c : items) {
       if (r_.nodes_[c].kind != Reader::nk::integer) return false;
@@ -10260,7 +10394,7 @@ class Args {
 
  private:
   friend class Reader;
-  Args(const Reader& r, const std::vector<std::uint32_t>& items) : r_(r), items_(items) {}
+  Args(const Reader& r, std::span<const std::uint32_t> items) : r_(r), items_(items) {}
   [[nodiscard]] const Reader::Node& node(std::size_t i) const {
     if (i >= items_.size())
       r_.fail(errors::pk_bad_call, "a fast form read argument " + std::to_string(i) + " of " + std::to_string(items_.size()));
@@ -10276,14 +10410,14 @@ class Args {
   }
 
   const Reader& r_;
-  const std::vector<std::uint32_t>& items_;
+  std::span<const std::uint32_t> items_;
 
   static_assert(static_cast<int>(kind::value) == static_cast<int>(Reader::nk::leaf) &&
                 static_cast<int>(kind::global) == static_cast<int>(Reader::nk::global));
 };
 
 inline std::optional<Value> Reader::try_fast(const fast_fn& f, std::uint32_t tuple) {
-  return f(Args(*this, seqs_[nodes_[tuple].index]));
+  return f(Args(*this, seq(nodes_[tuple].index)));
 }
 
 inline Result Reader::run() {
@@ -10417,32 +10551,32 @@ inline Result Reader::run() {
       case 't': push(add_seq(nk::tuple, pop_mark())); break;  // TUPLE
       case 'l': push(add_seq(nk::list, pop_mark())); break;   // LIST
       case 'd': {                                             // DICT
-        auto kv = pop_mark();
+        const auto& kv = pop_mark();
         if (kv.size() % 2) fail(errors::pk_bad_operand, "DICT with an odd number of items");
         const std::uint32_t d = add_dict(false);
-        dicts_[nodes_[d].index].kv = std::move(kv);
+        dicts_[nodes_[d].index].kv = kv;
         push(d);
         break;
       }
       case 0x91: {  // FROZENSET
-        auto items = pop_mark();
+        const auto& items = pop_mark();
         const std::uint32_t o = add_builtin_object("builtins", "frozenset", object_build::reduce);
-        objects_[nodes_[o].index].items = std::move(items);
+        objects_[nodes_[o].index].items = items;
         push(o);
         break;
       }
       case 'a': {  // APPEND
         const std::uint32_t v = pop();
-        append_to(top(), {v}, "APPEND");
+        append_to(top(), std::span<const std::uint32_t>(&v, 1), "APPEND");
         break;
       }
       case 'e': {  // APPENDS
-        auto items = pop_mark();
+        const auto& items = pop_mark();
         append_to(top(), items, "APPENDS");
         break;
       }
       case 0x90: {  // ADDITEMS
-        auto items = pop_mark();
+        const auto& items = pop_mark();
         const Node& t = nodes_[top()];
         if (t.kind != nk::object || globals_[objects_[t.index].global].name != "set")
           fail(errors::pk_bad_operand, "ADDITEMS to a " + kind_name(t.kind) + ", not a set");
@@ -10452,11 +10586,12 @@ inline Result Reader::run() {
       }
       case 's': {  // SETITEM
         const std::uint32_t v = pop(), k = pop();
-        setitems_on(top(), {k, v}, "SETITEM");
+        const std::uint32_t kv[2] = {k, v};
+        setitems_on(top(), kv, "SETITEM");
         break;
       }
       case 'u': {  // SETITEMS
-        auto kv = pop_mark();
+        const auto& kv = pop_mark();
         setitems_on(top(), kv, "SETITEMS");
         break;
       }
@@ -10526,17 +10661,16 @@ inline Result Reader::run() {
       case 'i': {  // INST: module, name, then args from the mark
         const std::string_view module = line();
         const std::string_view name = line();
-        auto items = pop_mark();
+        const auto& items = pop_mark();
         const std::uint32_t g = resolve_global(module, name);
-        push(apply(g, add_seq(nk::tuple, std::move(items)), object_build::reduce));
+        push(apply(g, add_seq(nk::tuple, items), object_build::reduce));
         break;
       }
       case 'o': {  // OBJ: class and args from the mark
-        auto items = pop_mark();
+        const auto& items = pop_mark();
         if (items.empty()) fail(errors::pk_stack_underflow, "OBJ without a class");
         const std::uint32_t cls = items.front();
-        items.erase(items.begin());
-        push(apply(cls, add_seq(nk::tuple, std::move(items)), object_build::reduce));
+        push(apply(cls, add_seq(nk::tuple, std::span<const std::uint32_t>(items).subspan(1)), object_build::reduce));
         break;
       }
       case 'b': {  // BUILD
@@ -11461,7 +11595,7 @@ inline std::string where(const ByteSource& src) { return "file " + quote(src.nam
 
 /// A storage key met again: torch.load keeps the storage its first persistent id made and ignores
 /// what later ones say; a file whose ids disagree on dtype or element count is refused (both formats).
-inline void check_same_storage(const std::string& key, statedict::dtype first_dtype, std::uint64_t first_numel,
+inline void check_same_storage(std::string_view key, statedict::dtype first_dtype, std::uint64_t first_numel,
                                statedict::dtype t, std::uint64_t numel) {
   if (first_dtype != t || first_numel != numel)
     throw_error(errors::pt_bad_storage, "storage " + quote(key) + " is described twice with different types or sizes (" +
@@ -11547,7 +11681,8 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
     statedict::dtype dtype;  ///< as the key's first persistent id declared it
     std::uint64_t numel;
   };
-  std::unordered_map<std::string, cached> by_key;
+  std::vector<cached> seen;         // per storage of f.storages
+  statedict::detail::hash_index by_key;  // f.storages by key
   read_context ctx{&opts, false};
   pickle::Registry reg = torch_registry(ctx);
   pickle::options po;
@@ -11555,20 +11690,23 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
   po.keep_unknown_objects = opts.keep_unknown_objects;
   po.registry = &reg;
   by_key.reserve(ar.entries().size());
+  seen.reserve(ar.entries().size());
   f.storages.reserve(ar.entries().size());
-  std::string key;  // reused: most keys are short
   // ('storage', torch.<Class>Storage, key, location, numel), its fields checked by the caller.
   auto storage = [&](std::string_view module, std::string_view cls_name, bool global, std::string_view key_in,
                      std::string_view location, std::int64_t numel_in) -> Value {
     bool untyped = false;
     const statedict::dtype t = storage_dtype(module, cls_name, global, untyped);
-    key.assign(key_in);
+    const std::string_view key = key_in;
     if (numel_in < 0) throw_error(errors::pt_bad_storage, "storage " + quote(key) + " has a negative size");
     const auto numel = static_cast<std::uint64_t>(numel_in);
     const std::uint64_t nbytes = checked_mul(numel, itemsize(t), "storage size");
-    auto it = by_key.find(key);
-    if (it == by_key.end()) {
-      std::string rec = prefix + "data/" + key;
+    const std::uint32_t kh = statedict::detail::hash_index::mix(std::hash<std::string_view>{}(key));
+    std::uint32_t at = by_key.find(kh, [&](std::uint32_t i) { return f.storages[i].key == key; });
+    if (at == statedict::detail::hash_index::npos) {
+      std::string rec;
+      rec.reserve(prefix.size() + 5 + key.size());
+      rec.append(prefix).append("data/").append(key);
       const zip::Entry* e = ar.find(rec);
       if (!e) throw_error(errors::pt_missing_record, "storage " + quote(key) + ": no record " + quote(rec));
       ar.check_readable(*e);
@@ -11589,17 +11727,19 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
       s.nbytes = e->size;
       s.record = std::move(rec);  // not used below
       s.location = location;
+      at = static_cast<std::uint32_t>(f.storages.size());
+      by_key.add(kh, at);
       f.storages.push_back(std::move(s));
-      it = by_key.emplace(key, std::move(c)).first;
+      seen.push_back(std::move(c));
     }
-    const cached& c = it->second;
+    const cached& c = seen[at];
     check_same_storage(key, c.dtype, c.numel, t, numel);
     if (nbytes > c.entry->size)
       throw_error(errors::pt_bad_storage, "storage " + quote(key) + " of " + std::to_string(numel) + " " + std::string(name(t)) +
                                               " elements needs " + std::to_string(nbytes) + " bytes; its record holds " +
                                               std::to_string(c.entry->size));
     TensorView bytes = TensorView::contiguous(t, {static_cast<dim_t>(numel)}, c.data, c.owner);
-    return storage_value(module, cls_name, std::move(bytes), key, std::string(location));
+    return storage_value(module, cls_name, std::move(bytes), std::string(key), std::string(location));
   };
   po.persistent_load = [&](const Value& pid) -> Value {
     if (!pid.is_tuple() || pid.as_list().size() != 5 || !is_storage_tag(pid.at(0)))

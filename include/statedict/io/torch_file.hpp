@@ -395,7 +395,7 @@ inline std::string where(const ByteSource& src) { return "file " + quote(src.nam
 
 /// A storage key met again: torch.load keeps the storage its first persistent id made and ignores
 /// what later ones say; a file whose ids disagree on dtype or element count is refused (both formats).
-inline void check_same_storage(const std::string& key, statedict::dtype first_dtype, std::uint64_t first_numel,
+inline void check_same_storage(std::string_view key, statedict::dtype first_dtype, std::uint64_t first_numel,
                                statedict::dtype t, std::uint64_t numel) {
   if (first_dtype != t || first_numel != numel)
     throw_error(errors::pt_bad_storage, "storage " + quote(key) + " is described twice with different types or sizes (" +
@@ -481,7 +481,8 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
     statedict::dtype dtype;  ///< as the key's first persistent id declared it
     std::uint64_t numel;
   };
-  std::unordered_map<std::string, cached> by_key;
+  std::vector<cached> seen;         // per storage of f.storages
+  statedict::detail::hash_index by_key;  // f.storages by key
   read_context ctx{&opts, false};
   pickle::Registry reg = torch_registry(ctx);
   pickle::options po;
@@ -489,20 +490,23 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
   po.keep_unknown_objects = opts.keep_unknown_objects;
   po.registry = &reg;
   by_key.reserve(ar.entries().size());
+  seen.reserve(ar.entries().size());
   f.storages.reserve(ar.entries().size());
-  std::string key;  // reused: most keys are short
   // ('storage', torch.<Class>Storage, key, location, numel), its fields checked by the caller.
   auto storage = [&](std::string_view module, std::string_view cls_name, bool global, std::string_view key_in,
                      std::string_view location, std::int64_t numel_in) -> Value {
     bool untyped = false;
     const statedict::dtype t = storage_dtype(module, cls_name, global, untyped);
-    key.assign(key_in);
+    const std::string_view key = key_in;
     if (numel_in < 0) throw_error(errors::pt_bad_storage, "storage " + quote(key) + " has a negative size");
     const auto numel = static_cast<std::uint64_t>(numel_in);
     const std::uint64_t nbytes = checked_mul(numel, itemsize(t), "storage size");
-    auto it = by_key.find(key);
-    if (it == by_key.end()) {
-      std::string rec = prefix + "data/" + key;
+    const std::uint32_t kh = statedict::detail::hash_index::mix(std::hash<std::string_view>{}(key));
+    std::uint32_t at = by_key.find(kh, [&](std::uint32_t i) { return f.storages[i].key == key; });
+    if (at == statedict::detail::hash_index::npos) {
+      std::string rec;
+      rec.reserve(prefix.size() + 5 + key.size());
+      rec.append(prefix).append("data/").append(key);
       const zip::Entry* e = ar.find(rec);
       if (!e) throw_error(errors::pt_missing_record, "storage " + quote(key) + ": no record " + quote(rec));
       ar.check_readable(*e);
@@ -523,17 +527,19 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
       s.nbytes = e->size;
       s.record = std::move(rec);  // not used below
       s.location = location;
+      at = static_cast<std::uint32_t>(f.storages.size());
+      by_key.add(kh, at);
       f.storages.push_back(std::move(s));
-      it = by_key.emplace(key, std::move(c)).first;
+      seen.push_back(std::move(c));
     }
-    const cached& c = it->second;
+    const cached& c = seen[at];
     check_same_storage(key, c.dtype, c.numel, t, numel);
     if (nbytes > c.entry->size)
       throw_error(errors::pt_bad_storage, "storage " + quote(key) + " of " + std::to_string(numel) + " " + std::string(name(t)) +
                                               " elements needs " + std::to_string(nbytes) + " bytes; its record holds " +
                                               std::to_string(c.entry->size));
     TensorView bytes = TensorView::contiguous(t, {static_cast<dim_t>(numel)}, c.data, c.owner);
-    return storage_value(module, cls_name, std::move(bytes), key, std::string(location));
+    return storage_value(module, cls_name, std::move(bytes), std::string(key), std::string(location));
   };
   po.persistent_load = [&](const Value& pid) -> Value {
     if (!pid.is_tuple() || pid.as_list().size() != 5 || !is_storage_tag(pid.at(0)))
