@@ -236,6 +236,31 @@ TEST_CASE("colliding dotted names use quoted string segments; int keys stay bare
   CHECK(round_trip(odd) == odd);
 }
 
+TEST_CASE("mark_repeats finds exactly the names that occur twice, whatever their hashes") {
+  // flatten's collision check: names sorted by hash, compared within runs of equal hashes. Forced
+  // hashes make those runs long (all equal, or 7 values) so the in-run sort is what finds repeats.
+  std::mt19937_64 rng(11);
+  for (int round = 0; round < 60; ++round) {
+    const std::size_t n = 1 + rng() % 400;
+    std::vector<std::string> pool;
+    for (std::size_t i = 0; i < n; ++i) pool.push_back("n" + std::to_string(rng() % (n + 3)) + (rng() % 2 ? ".w" : ""));
+    std::map<std::string, int> seen;
+    for (const auto& p : pool) ++seen[p];
+    std::vector<std::uint8_t> want(n, 0);
+    for (std::size_t i = 0; i < n; ++i) want[i] = seen[pool[i]] > 1;
+    const bool want_any = std::find(want.begin(), want.end(), 1) != want.end();
+    auto name = [&](std::size_t i) { return std::string_view(pool[i]); };
+    auto check = [&](auto hash) {
+      std::vector<std::uint8_t> got(n, 0);
+      CHECK(detail::mark_repeats(n, name, got, hash) == want_any);
+      CHECK(got == want);
+    };
+    check(detail::name_hash{});
+    check([](std::string_view) { return std::size_t{42}; });
+    check([](std::string_view v) { return v.size() % 7; });
+  }
+}
+
 TEST_CASE("names are valid UTF-8 even when keys are not") {
   auto z = [] { return Value(Tensor::zeros(dtype::F32, {1})); };
   Value tree = dict({{"ok\xc3\xa9", dict({{"bad\xff", z()}})}, {"\xed\xa0\x80", z()}});
