@@ -170,7 +170,8 @@ constexpr std::string_view to_string(value_kind k) noexcept {
   return names[static_cast<std::size_t>(k)];
 }
 
-static_assert(std::is_nothrow_move_constructible_v<TensorView>, "Value(TensorView&&) is noexcept");
+static_assert(std::is_nothrow_move_constructible_v<TensorView> && std::is_nothrow_move_constructible_v<Object>,
+              "Value(TensorView&&) and Value(Object&&) are noexcept");
 
 class Value {
  public:
@@ -184,13 +185,14 @@ class Value {
   Value(std::string_view s) : Value(std::string(s)) {}                       // NOLINT(google-explicit-constructor)
   Value(const char* s) : Value(std::string(s)) {}                            // NOLINT(google-explicit-constructor)
   Value(Bytes b) : kind_(value_kind::bytes), v_(std::move(b)) {}             // NOLINT(google-explicit-constructor)
-  // A view by reference and by rvalue: a copy lands in place (a by-value parameter costs a move
-  // of the view on top, per tensor of every tree built).
+  // A view or object by reference and by rvalue: a copy lands in place (a by-value parameter costs
+  // a move on top, per tensor of every tree built and per storage of every torch file read).
   Value(const TensorView& t) : kind_(value_kind::tensor), v_(std::in_place_type<TensorView>, t) {}  // NOLINT(google-explicit-constructor)
   Value(TensorView&& t) noexcept : kind_(value_kind::tensor), v_(std::in_place_type<TensorView>, std::move(t)) {}  // NOLINT(google-explicit-constructor)
   Value(const Tensor& t) : Value(t.view()) {}                                // NOLINT(google-explicit-constructor)
   Value(Dict d) : kind_(value_kind::dict), v_(std::move(d)) {}               // NOLINT(google-explicit-constructor)
-  Value(Object o) : kind_(value_kind::object), v_(std::move(o)) {}           // NOLINT(google-explicit-constructor)
+  Value(const Object& o) : kind_(value_kind::object), v_(std::in_place_type<Object>, o) {}  // NOLINT(google-explicit-constructor)
+  Value(Object&& o) noexcept : kind_(value_kind::object), v_(std::in_place_type<Object>, std::move(o)) {}  // NOLINT(google-explicit-constructor)
 
   static Value list(List items = {}) { return Value(value_kind::list, std::move(items)); }
   static Value tuple(List items = {}) { return Value(value_kind::tuple, std::move(items)); }

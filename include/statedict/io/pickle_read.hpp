@@ -432,7 +432,7 @@ class Reader {
     return found;
   }
 
-  std::uint32_t add_leaf(Value v) {
+  std::uint32_t add_leaf(Value&& v) {
     // A leaf is copied into the result wherever it is referenced: each copy counts all its values
     // against limits.max_nodes (a persistent id answered with a large value and then referenced
     // through shared lists would otherwise copy without bound), and its height against
@@ -836,7 +836,7 @@ class Reader {
     }
     Value v = fast ? Value() : to_value(pid, 0, nullptr);
     try {
-      return add_leaf(fast ? std::move(*fast) : opts_.persistent_load(v));
+      return fast ? add_leaf(std::move(*fast)) : add_leaf(opts_.persistent_load(v));
     } catch (error& e) {
       e.add_context("pickle offset " + std::to_string(op_pos_));
       throw;

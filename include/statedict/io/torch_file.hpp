@@ -483,6 +483,7 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
   };
   std::vector<cached> seen;         // per storage of f.storages
   statedict::detail::hash_index by_key;  // f.storages by key
+  std::size_t next_entry = 0;            // where the next storage's record is looked for first
   read_context ctx{&opts, false};
   pickle::Registry reg = torch_registry(ctx);
   pickle::options po;
@@ -507,8 +508,13 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
       std::string rec;
       rec.reserve(prefix.size() + 5 + key.size());
       rec.append(prefix).append("data/").append(key);
-      const zip::Entry* e = ar.find(rec);
+      // torch.save numbers storages in order of first use and writes their records in that
+      // order: the entry after the previous storage's is tried before the name index (entry
+      // names are unique, so a match there is the match).
+      const auto& entries = ar.entries();
+      const zip::Entry* e = next_entry < entries.size() && entries[next_entry].name == rec ? &entries[next_entry] : ar.find(rec);
       if (!e) throw_error(errors::pt_missing_record, "storage " + quote(key) + ": no record " + quote(rec));
+      next_entry = static_cast<std::size_t>(e - entries.data()) + 1;
       ar.check_readable(*e);
       cached c{e, nullptr, {}, t, numel};
       if (vb.base && !(vb.real && opts.verify_crc)) {
