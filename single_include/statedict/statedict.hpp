@@ -1623,6 +1623,9 @@ constexpr std::string_view to_string(value_kind k) noexcept {
   return names[static_cast<std::size_t>(k)];
 }
 
+static_assert(std::is_nothrow_move_constructible_v<TensorView> && std::is_nothrow_move_constructible_v<Object>,
+              "Value(TensorView&&) and Value(Object&&) are noexcept");
+
 class Value {
  public:
   Value() noexcept = default;
@@ -1635,10 +1638,14 @@ class Value {
   Value(std::string_view s) : Value(std::string(s)) {}                       // NOLINT(google-explicit-constructor)
   Value(const char* s) : Value(std::string(s)) {}                            // NOLINT(google-explicit-constructor)
   Value(Bytes b) : kind_(value_kind::bytes), v_(std::move(b)) {}             // NOLINT(google-explicit-constructor)
-  Value(TensorView t) : kind_(value_kind::tensor), v_(std::move(t)) {}       // NOLINT(google-explicit-constructor)
+  // A view or object by reference and by rvalue: a copy lands in place (a by-value parameter costs
+  // a move on top, per tensor of every tree built and per storage of every torch file read).
+  Value(const TensorView& t) : kind_(value_kind::tensor), v_(std::in_place_type<TensorView>, t) {}  // NOLINT(google-explicit-constructor)
+  Value(TensorView&& t) noexcept : kind_(value_kind::tensor), v_(std::in_place_type<TensorView>, std::move(t)) {}  // NOLINT(google-explicit-constructor)
   Value(const Tensor& t) : Value(t.view()) {}                                // NOLINT(google-explicit-constructor)
   Value(Dict d) : kind_(value_kind::dict), v_(std::move(d)) {}               // NOLINT(google-explicit-constructor)
-  Value(Object o) : kind_(value_kind::object), v_(std::move(o)) {}           // NOLINT(google-explicit-constructor)
+  Value(const Object& o) : kind_(value_kind::object), v_(std::in_place_type<Object>, o) {}  // NOLINT(google-explicit-constructor)
+  Value(Object&& o) noexcept : kind_(value_kind::object), v_(std::in_place_type<Object>, std::move(o)) {}  // NOLINT(google-explicit-constructor)
 
   static Value list(List items = {}) { return Value(value_kind::list, std::move(items)); }
   static Value tuple(List items = {}) { return Value(value_kind::tuple, std::move(items)); }
@@ -3559,7 +3566,8 @@ enum class snode : std::uint8_t { none, boolean, integer, floating, string, byte
 
 /// The compact form of a skeleton made by flatten: its nodes in pre-order in one array, their
 /// strings back to back in one pool, and one record per tensor-like node. Only flatten makes one,
-/// so it is well formed by construction (unflatten still checks it against the tensor map).
+/// so it is well formed by construction, its dict keys unique as the Dict's were (unflatten still
+/// checks it against the tensor map).
 struct skeleton_tape {
   struct node {
     snode kind;
@@ -3891,11 +3899,6 @@ class name_index {
     if (n * 2 > slots_.size()) rehash(n * 2);
   }
   [[nodiscard]] static std::size_t hash(std::string_view s) noexcept { return std::hash<std::string_view>{}(s); }
-  /// A hint that `insert` or `find` of a string with hash `h` comes soon (a table much larger than
-  /// the cache costs a memory access per lookup; batches overlap them this way).
-  void prefetch(std::size_t h) const noexcept {
-    if (!slots_.empty()) __builtin_prefetch(&slots_[h & (slots_.size() - 1)]);
-  }
   /// Adds `s` with `value` and returns npos, or returns the value `s` already has.
   std::uint32_t insert(std::string_view s, std::uint32_t value) { return insert(s, value, hash(s)); }
   /// insert, given `h == hash(s)`.
@@ -4006,6 +4009,52 @@ inline std::string quoted_name(const Path& p) {
   return out;
 }
 
+/// Sets `repeated[i]` for every i < n whose `name(i)` equals another's; returns whether any does.
+/// Sorts (hash, i) pairs by hash (radix, in sequential passes: a hash table of 100k names costs a
+/// cache miss per name), then compares names only within runs of equal hashes, sorted by name
+/// there: O(n) for distinct hashes and O(n log n) whatever the names.
+struct name_hash {
+  std::size_t operator()(std::string_view s) const noexcept { return std::hash<std::string_view>{}(s); }
+};
+template <class Name, class Hash = name_hash>
+bool mark_repeats(std::size_t n, Name&& name, std::vector<std::uint8_t>& repeated, Hash hash = {}) {
+  if (n < 2) return false;
+  if (n > UINT32_MAX) throw_error(errors::out_of_range, "more than 2^32 names");
+  std::vector<std::uint64_t> keyed(n);
+  for (std::size_t i = 0; i < n; ++i)
+    keyed[i] = static_cast<std::uint64_t>(hash_index::mix(hash(name(i)))) << 32 | i;
+  // LSD radix sort on the upper 32 bits, 11 bits a pass.
+  constexpr unsigned bits = 11;
+  constexpr std::size_t buckets = std::size_t{1} << bits;
+  std::vector<std::size_t> count(3 * buckets, 0);
+  auto digit = [](std::uint64_t k, unsigned d) { return static_cast<std::size_t>(k >> (32 + bits * d)) & (buckets - 1); };
+  for (const std::uint64_t k : keyed)
+    for (unsigned d = 0; d < 3; ++d) ++count[d * buckets + digit(k, d)];
+  std::vector<std::uint64_t> tmp(n);
+  for (unsigned d = 0; d < 3; ++d) {
+    std::size_t* c = count.data() + d * buckets;
+    std::size_t sum = 0;
+    for (std::size_t b = 0; b < buckets; ++b) sum += std::exchange(c[b], sum);
+    for (const std::uint64_t k : keyed) tmp[c[digit(k, d)]++] = k;
+    keyed.swap(tmp);
+  }
+  bool any = false;
+  std::vector<std::uint32_t> run;
+  for (std::size_t a = 0; a < n;) {
+    std::size_t b = a + 1;
+    while (b < n && keyed[b] >> 32 == keyed[a] >> 32) ++b;
+    if (b - a > 1) {
+      run.clear();
+      for (std::size_t k = a; k < b; ++k) run.push_back(static_cast<std::uint32_t>(keyed[k]));
+      std::sort(run.begin(), run.end(), [&](std::uint32_t x, std::uint32_t y) { return name(x) < name(y); });
+      for (std::size_t k = 1; k < run.size(); ++k)
+        if (name(run[k]) == name(run[k - 1])) repeated[run[k]] = repeated[run[k - 1]] = 1, any = true;
+    }
+    a = b;
+  }
+  return any;
+}
+
 /// Assigns unique names to a group of n nodes in pre-order (docs/flatten.md, "Names"):
 ///   1. the dotted name `dotted(i)`, when no other node of the group has the same dotted name and
 ///      it is valid UTF-8;
@@ -4018,22 +4067,9 @@ template <class Dotted, class Quoted>
 std::optional<std::vector<std::string>> assign_names(std::size_t n, Dotted&& dotted, const std::vector<const std::string*>& fixed,
                                                      Quoted&& quoted) {
   std::vector<std::uint8_t> collides(n, 0);  // or is not valid UTF-8: either way, quote it
-  bool any = false;
-  {
-    name_index idx;
-    idx.reserve(n);
-    constexpr std::size_t ahead = 16;  // hashes computed and slots prefetched this many names ahead
-    std::array<std::size_t, ahead> ring{};
-    for (std::size_t i = 0; i < std::min(n, ahead); ++i) idx.prefetch(ring[i] = name_index::hash(dotted(i)));
-    for (std::size_t i = 0; i < n; ++i) {
-      const std::string_view d = dotted(i);
-      const std::size_t h = ring[i % ahead];
-      if (i + ahead < n) idx.prefetch(ring[i % ahead] = name_index::hash(dotted(i + ahead)));
-      const std::uint32_t j = idx.insert(d, static_cast<std::uint32_t>(i), h);
-      if (j != name_index::npos) collides[i] = collides[j] = 1, any = true;
-      if (!valid_utf8(d)) collides[i] = 1, any = true;
-    }
-  }
+  bool any = mark_repeats(n, dotted, collides);
+  for (std::size_t i = 0; i < n; ++i)
+    if (!valid_utf8(dotted(i))) collides[i] = 1, any = true;
   if (!any && fixed.empty()) return std::nullopt;
   std::unordered_set<std::string> used;
   used.reserve(n * 2);
@@ -4087,6 +4123,8 @@ class flattener {
     for (auto k : kind_) ntensors += k == leaf_kind::tensor;
     out.tensors.reserve(ntensors);
     tape->leaves.resize(n);
+    tape->dims.reserve(dims_);
+    tape->pool.reserve(tape->pool.size() + arena_.size());
     for (std::size_t i = 0; i < n; ++i) {
       const TensorView& v = *leaves_[i].view;
       skeleton_tape::leaf& l = tape->leaves[i];
@@ -4141,6 +4179,9 @@ class flattener {
   std::vector<std::uint32_t> target_;
   std::vector<dim_t> offset_;
   std::vector<std::uint32_t> rank_;
+  std::size_t dims_ = 0;              // room the tape's dims need
+  std::vector<std::uintptr_t> end_;  // leaf i's bytes end at end_[i] (extent 0: its start)
+  std::vector<std::pair<std::uintptr_t, std::uint32_t>> by_start_;  // (start, leaf) of leaves with bytes
   std::string prefix_;
 
   [[nodiscard]] std::string_view dotted(std::size_t i) const {
@@ -4170,13 +4211,21 @@ class flattener {
         string_node(snode::bytes, std::string_view(reinterpret_cast<const char*>(b.data()), b.size()));
         return false;
       }
-      case value_kind::tensor:
-        node(snode::tensor, leaves_.size());
-        leaves_.push_back({&v.as_tensor()});
+      case value_kind::tensor: {
+        const TensorView& t = v.as_tensor();
+        const auto li = static_cast<std::uint32_t>(leaves_.size());
+        node(snode::tensor, li);
+        leaves_.push_back({&t});
+        // decide() reads the byte ranges from here rather than from the tree, in address order.
+        const std::uint64_t extent = t.extent_bytes();
+        dims_ += t.rank();  // a tensor node's shape (views, which are rare, add their strides)
+        end_.push_back(start_of(t) + extent);
+        if (extent != 0) by_start_.emplace_back(start_of(t), li);
         if (name_start_.empty()) name_start_.push_back(0);
         arena_ += prefix_;
         name_start_.push_back(arena_.size());
         return false;
+      }
       case value_kind::list:
       case value_kind::tuple: {
         const std::size_t n = v.as_list().size();
@@ -4307,17 +4356,14 @@ class flattener {
     offset_.assign(n, 0);
     // Zero-element views are never aliased. The rest, sorted by start address, fall into clusters
     // of transitively overlapping byte ranges; only clusters of two or more need any work.
-    std::vector<std::pair<std::uintptr_t, std::uint32_t>> order;
-    order.reserve(n);
-    for (std::size_t i = 0; i < n; ++i)
-      if (leaves_[i].view->numel() != 0) order.emplace_back(start_of(*leaves_[i].view), static_cast<std::uint32_t>(i));
+    std::vector<std::pair<std::uintptr_t, std::uint32_t>> order = std::move(by_start_);
     radix_sort(order);
     std::size_t b = 0;
     while (b < order.size()) {
-      std::uintptr_t max_end = order[b].first + leaves_[order[b].second].view->extent_bytes();
+      std::uintptr_t max_end = end_[order[b].second];
       std::size_t e = b + 1;
       while (e < order.size() && order[e].first < max_end) {
-        max_end = std::max<std::uintptr_t>(max_end, order[e].first + leaves_[order[e].second].view->extent_bytes());
+        max_end = std::max(max_end, end_[order[e].second]);
         ++e;
       }
       if (e - b > 1) cluster(order, b, e);
@@ -4801,13 +4847,24 @@ class tensor_table {
     names_.push_back(name);
     views_.push_back(v);
   }
+  /// Reads the entries of a NamedTensors list in place (no copy of its names and views: for a
+  /// map of 100k tensors that copy is a pass over every entry's cache lines). Only into an
+  /// empty table; `list` must outlive it.
+  void adopt(const NamedTensors& list) {
+    direct_ = list.data();
+    direct_size_ = list.size();
+    if (deferred_) return;
+    index_.reserve(direct_size_);
+    for (std::uint32_t i = 0; i < direct_size_; ++i)
+      if (index_.insert(name(i), i) != npos) repeated(name(i));
+  }
   /// Builds a deferred index; throws flat_duplicate_name for a repeated name.
   void ensure_index() {
     if (!deferred_) return;
     name_index idx;  // kept only when complete: a later call reports a repeat again
-    idx.reserve(names_.size());
-    for (std::uint32_t i = 0; i < names_.size(); ++i)
-      if (idx.insert(names_[i], i) != npos) repeated(names_[i]);
+    idx.reserve(size());
+    for (std::uint32_t i = 0; i < size(); ++i)
+      if (idx.insert(name(i), i) != npos) repeated(name(i));
     index_ = std::move(idx);
     deferred_ = false;
   }
@@ -4821,16 +4878,16 @@ class tensor_table {
   /// with a deferred index, the caller (every entry matched this way, each once, by a skeleton
   /// whose tensor names are unique, makes the names unique).
   [[nodiscard]] std::uint32_t find_next(std::string_view name) {
-    const std::uint32_t i = next_ < names_.size() && names_[next_] == name ? next_ : find(name);
+    const std::uint32_t i = next_ < size() && this->name(next_) == name ? next_ : find(name);
     if (i != npos) next_ = i + 1;
     return i;
   }
-  [[nodiscard]] std::size_t size() const noexcept { return views_.size(); }
-  [[nodiscard]] std::string_view name(std::uint32_t i) const { return names_[i]; }
-  [[nodiscard]] const TensorView& view(std::uint32_t i) const { return *views_[i]; }
+  [[nodiscard]] std::size_t size() const noexcept { return direct_ ? direct_size_ : views_.size(); }
+  [[nodiscard]] std::string_view name(std::uint32_t i) const { return direct_ ? std::string_view(direct_[i].first) : names_[i]; }
+  [[nodiscard]] const TensorView& view(std::uint32_t i) const { return direct_ ? direct_[i].second : *views_[i]; }
   [[nodiscard]] bool declared(std::uint32_t i) const { return declared_.size() > i && declared_[i]; }
   void declare(std::uint32_t i) {
-    if (declared_.size() != views_.size()) declared_.assign(views_.size(), 0);
+    if (declared_.size() != size()) declared_.assign(size(), 0);
     declared_[i] = 1;
   }
   /// Forgets what was declared (to read the same map against a skeleton again), and indexes
@@ -4849,6 +4906,8 @@ class tensor_table {
   std::vector<std::string_view> names_;
   std::vector<const TensorView*> views_;
   std::vector<std::uint8_t> declared_;
+  const NamedTensors::value_type* direct_ = nullptr;  // adopt(): entries read in place
+  std::size_t direct_size_ = 0;
   std::uint32_t next_ = 0;  // where find_next looks first
   bool deferred_ = false;
 };
@@ -5068,7 +5127,6 @@ inline Value build_from_tape(const skeleton_tape& t, tensor_table* tt, std::size
     std::size_t part;
     std::uint64_t next;
     snode kind;
-    key_set keys;  // for dicts
   };
   std::vector<open> stack;
   open made{};  // what make() last opened: a container whose items follow (kind none: nothing)
@@ -5094,13 +5152,13 @@ inline Value build_from_tape(const skeleton_tape& t, tensor_table* tt, std::size
       case snode::tuple: {
         List l;
         l.reserve(static_cast<std::size_t>(n.a));
-        if (n.a) made = {nullptr, {n.a, 0, 0}, 0, 0, n.kind, {}};
+        if (n.a) made = {nullptr, {n.a, 0, 0}, 0, 0, n.kind};
         return n.kind == snode::list ? Value::list(std::move(l)) : Value::tuple(std::move(l));
       }
       case snode::dict: {
         Dict d;
         d.reserve(static_cast<std::size_t>(n.a));
-        if (n.a) made = {nullptr, {n.a, 0, 0}, 0, 0, n.kind, {}};
+        if (n.a) made = {nullptr, {n.a, 0, 0}, 0, 0, n.kind};
         return Value(std::move(d));
       }
       case snode::object: {
@@ -5112,7 +5170,7 @@ inline Value build_from_tape(const skeleton_tape& t, tensor_table* tt, std::size
         o.args.reserve(static_cast<std::size_t>(n.a));
         o.state.reserve(static_cast<std::size_t>(n.b));
         o.items.reserve(static_cast<std::size_t>(items));
-        if (n.a + n.b + items) made = {nullptr, {n.a, n.b, items}, 0, 0, n.kind, {}};
+        if (n.a + n.b + items) made = {nullptr, {n.a, n.b, items}, 0, 0, n.kind};
         return Value(std::move(o));
       }
     }
@@ -5141,9 +5199,10 @@ inline Value build_from_tape(const skeleton_tape& t, tensor_table* tt, std::size
       case snode::dict: {
         const skeleton_tape::node& k = t.nodes[p++];
         Dict& d = parent.as_dict();
+        // No repeat check (build_tree makes one): flatten wrote these keys from one Dict, whose
+        // keys are unique.
         Key key = k.kind == snode::integer ? Key(static_cast<std::int64_t>(k.a)) : Key(t.str(k));
         slot = &d.append_unchecked(std::move(key), make());
-        if (!o.keys.last_is_new(d)) throw tape_mismatch{};
         break;
       }
       case snode::object: {
@@ -5190,6 +5249,9 @@ concept named_tensor_range = requires(const R& r) {
 /// converted into `converted`, which must outlive `tt`.
 template <named_tensor_range Tensors>
 void fill_table(tensor_table& tt, const Tensors& tensors, std::deque<TensorView>& converted) {
+  if constexpr (std::is_same_v<Tensors, NamedTensors>) {
+    if (tensors.size() <= UINT32_MAX) return tt.adopt(tensors);
+  }
   if constexpr (requires { tensors.size(); }) tt.reserve(tensors.size());
   for (const auto& entry : tensors) {
     if constexpr (std::is_same_v<std::remove_cvref_t<decltype(entry.second)>, TensorView>)
@@ -9681,7 +9743,7 @@ class Reader {
     return found;
   }
 
-  std::uint32_t add_leaf(Value v) {
+  std::uint32_t add_leaf(Value&& v) {
     // A leaf is copied into the result wherever it is referenced: each copy counts all its values
     // against limits.max_nodes (a persistent id answered with a large value and then referenced
     // through shared lists would otherwise copy without bound), and its height against
@@ -10085,7 +10147,7 @@ class Reader {
     }
     Value v = fast ? Value() : to_value(pid, 0, nullptr);
     try {
-      return add_leaf(fast ? std::move(*fast) : opts_.persistent_load(v));
+      return fast ? add_leaf(std::move(*fast)) : add_leaf(opts_.persistent_load(v));
     } catch (error& e) {
       e.add_context("pickle offset " + std::to_string(op_pos_));
       throw;
@@ -11683,6 +11745,7 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
   };
   std::vector<cached> seen;         // per storage of f.storages
   statedict::detail::hash_index by_key;  // f.storages by key
+  std::size_t next_entry = 0;            // where the next storage's record is looked for first
   read_context ctx{&opts, false};
   pickle::Registry reg = torch_registry(ctx);
   pickle::options po;
@@ -11707,8 +11770,13 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
       std::string rec;
       rec.reserve(prefix.size() + 5 + key.size());
       rec.append(prefix).append("data/").append(key);
-      const zip::Entry* e = ar.find(rec);
+      // torch.save numbers storages in order of first use and writes their records in that
+      // order: the entry after the previous storage's is tried before the name index (entry
+      // names are unique, so a match there is the match).
+      const auto& entries = ar.entries();
+      const zip::Entry* e = next_entry < entries.size() && entries[next_entry].name == rec ? &entries[next_entry] : ar.find(rec);
       if (!e) throw_error(errors::pt_missing_record, "storage " + quote(key) + ": no record " + quote(rec));
+      next_entry = static_cast<std::size_t>(e - entries.data()) + 1;
       ar.check_readable(*e);
       cached c{e, nullptr, {}, t, numel};
       if (vb.base && !(vb.real && opts.verify_crc)) {
