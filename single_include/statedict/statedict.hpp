@@ -4009,13 +4009,15 @@ inline std::string quoted_name(const Path& p) {
   return out;
 }
 
+/// mark_repeats' default hash.
+struct name_hash {
+  std::size_t operator()(std::string_view s) const noexcept { return std::hash<std::string_view>{}(s); }
+};
+
 /// Sets `repeated[i]` for every i < n whose `name(i)` equals another's; returns whether any does.
 /// Sorts (hash, i) pairs by hash (radix, in sequential passes: a hash table of 100k names costs a
 /// cache miss per name), then compares names only within runs of equal hashes, sorted by name
 /// there: O(n) for distinct hashes and O(n log n) whatever the names.
-struct name_hash {
-  std::size_t operator()(std::string_view s) const noexcept { return std::hash<std::string_view>{}(s); }
-};
 template <class Name, class Hash = name_hash>
 bool mark_repeats(std::size_t n, Name&& name, std::vector<std::uint8_t>& repeated, Hash hash = {}) {
   if (n < 2) return false;
