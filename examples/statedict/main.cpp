@@ -2,7 +2,11 @@
 //
 // Exit codes: 0 success, 1 a check failed (verify), 2 bad input or usage. Errors are one line on
 // stderr: "statedict: [statedict.<kind>.<id>] <where>: <what was expected>".
+#include <sys/mman.h>
 #include <unistd.h>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 
 #include <statedict/formats/convert.hpp>
 #include <statedict/formats/open.hpp>
@@ -142,6 +146,38 @@ void keep_until_exit(T&& v) {
   kept->push_back(std::make_shared<std::decay_t<T>>(std::forward<T>(v)));
 }
 
+/// Prepares the heap for a command that builds a description out of tens of thousands of small
+/// objects and exits right after (inspect). On glibc, by default, every vector past 128 KiB gets
+/// its own fresh mapping, each growth maps a new one and unmaps the old, and every 4 KiB page of
+/// all of them is faulted in: about 7,000 page faults and half of `inspect`'s time in the kernel
+/// for a checkpoint of 10,000 tensors. Here the heap grows once by 64 MiB (M_TOP_PAD), large
+/// blocks come from it and go back to it (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD), and the range is
+/// marked for transparent huge pages, which is what GLIBC_TUNABLES=glibc.malloc.hugetlb=1 does for
+/// a process that sets it before it starts. Address space only: untouched pages cost nothing.
+/// Not done where malloc is not glibc's (musl, sanitizers), nor for convert/verify, whose large
+/// buffers should go back to the system when freed.
+void heap_for_many_small_objects() {
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer) || __has_feature(memory_sanitizer)
+#define STATEDICT_CLI_FOREIGN_MALLOC 1
+#endif
+#endif
+#if defined(__GLIBC__) && !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__) && !defined(STATEDICT_CLI_FOREIGN_MALLOC)
+  constexpr std::size_t mib = std::size_t{1} << 20, pad = 64 * mib, huge = 2 * mib;
+  if (mallopt(M_MMAP_THRESHOLD, static_cast<int>(256 * mib)) != 1 || mallopt(M_TRIM_THRESHOLD, static_cast<int>(512 * mib)) != 1 ||
+      mallopt(M_TOP_PAD, static_cast<int>(pad)) != 1)
+    return;
+  // A block larger than the heap's free top makes malloc extend the heap by the block + pad now.
+  void* probe = std::malloc(mib);
+  if (probe == nullptr) return;
+  const auto begin = (reinterpret_cast<std::uintptr_t>(probe) + huge - 1) & ~(huge - 1);
+  const auto end = reinterpret_cast<std::uintptr_t>(::sbrk(0)) & ~(huge - 1);
+  std::free(probe);
+  // The probe lies in the brk heap only when malloc is glibc's main arena; otherwise do nothing.
+  if (begin < end && end - begin <= 2 * pad) (void)::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------
 
 /// Appends `s` as a JSON string: printable ASCII without quotes or backslashes (nearly every
@@ -169,6 +205,7 @@ int cmd_inspect(const std::vector<std::string>& argv) {
               {{"--json", false}, {"--hash", false}, {"--with-optimizer", false}, {"--io", true}, {"--threads", true},
                {"--memory-budget", true}},
               1, 1, "inspect");
+  heap_for_many_small_objects();
   auto opened = open_input(a.positional()[0], a);
   const auto ties = opened.checkpoint.skeleton.is_null() ? std::vector<sd::formats::detail::tie>{}
                                                          : sd::formats::tied_names(opened.checkpoint.skeleton);
