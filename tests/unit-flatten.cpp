@@ -261,6 +261,52 @@ TEST_CASE("mark_repeats finds exactly the names that occur twice, whatever their
   }
 }
 
+TEST_CASE("address_sort is a stable sort by address: sorted input, a few ascending runs, or any order") {
+  // decide() relies on equal addresses keeping their pre-order (the earlier leaf is the one the
+  // later aliases). Inputs cover each path: one run (no work), 2-8 runs (merged), more (radix,
+  // over the bytes that differ, some addresses far apart so high bytes differ too).
+  using entry = std::pair<std::uintptr_t, std::uint32_t>;
+  std::mt19937_64 rng(5);
+  for (int round = 0; round < 300; ++round) {
+    const std::size_t n = rng() % 600;
+    const std::size_t runs = round < 100 ? 1 + static_cast<std::size_t>(round % 10) : 0;  // 0: random order
+    const bool wide = round % 3 == 0;
+    std::vector<entry> v;
+    for (std::size_t i = 0; i < n; ++i) {
+      std::uintptr_t a = static_cast<std::uintptr_t>(rng() % 64) * 8;  // many equal addresses
+      if (wide) a += static_cast<std::uintptr_t>(rng() % 4) << 40;
+      v.emplace_back(a, static_cast<std::uint32_t>(i));
+    }
+    if (runs) {  // cut into `runs` pieces, each sorted
+      for (std::size_t r = 0; r < runs; ++r) {
+        const auto b = v.begin() + static_cast<std::ptrdiff_t>(n * r / runs), e = v.begin() + static_cast<std::ptrdiff_t>(n * (r + 1) / runs);
+        std::stable_sort(b, e, [](const entry& x, const entry& y) { return x.first < y.first; });
+      }
+    }
+    std::vector<entry> want = v;
+    std::stable_sort(want.begin(), want.end(), [](const entry& x, const entry& y) { return x.first < y.first; });
+    detail::address_sort(v);
+    CHECK(v == want);
+  }
+}
+
+TEST_CASE("a skeleton tape keeps strings of any length: 4 GiB and more in the pool's own length field") {
+  // Tape nodes hold a 32-bit length; longer strings (made here with a small limit) store theirs
+  // in the pool. Both forms read back the same bytes, next to each other.
+  detail::skeleton_tape t;
+  const std::string long_one = "a string stored the long way", short_one = "short";
+  const auto [la, lb] = t.add_string_node(long_one, 4);
+  const auto [sa, sb] = t.add_string_node(short_one);
+  CHECK(lb == detail::skeleton_tape::long_string);
+  CHECK(sb == short_one.size());
+  CHECK(t.pool.size() == 8 + long_one.size() + short_one.size());
+  CHECK(t.str(detail::skeleton_tape::node{la, lb, detail::snode::string, 0}) == long_one);
+  CHECK(t.str(detail::skeleton_tape::node{sa, sb, detail::snode::bytes, 0}) == short_one);
+  const auto [ea, eb] = t.add_string_node("", 0);
+  CHECK(eb == detail::skeleton_tape::long_string);
+  CHECK(t.str(detail::skeleton_tape::node{ea, eb, detail::snode::string, 0}).empty());
+}
+
 TEST_CASE("names are valid UTF-8 even when keys are not") {
   auto z = [] { return Value(Tensor::zeros(dtype::F32, {1})); };
   Value tree = dict({{"ok\xc3\xa9", dict({{"bad\xff", z()}})}, {"\xed\xa0\x80", z()}});
