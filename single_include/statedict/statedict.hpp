@@ -3570,13 +3570,18 @@ enum class snode : std::uint8_t { none, boolean, integer, floating, string, byte
 /// checks it against the tensor map).
 struct skeleton_tape {
   struct node {
-    snode kind;
-    std::uint8_t flag;  // boolean: the value; object: its object_build
     std::uint64_t a;    // integer, floating: the bits; string, bytes: pool offset; tensor: leaf index
                         // (every tensor-like node is a `tensor` node here; its leaf says which kind);
                         // list, tuple, dict: child count; object: args count
-    std::uint64_t b;    // string, bytes: length; object: state count
+    std::uint32_t b;    // string, bytes: length, or long_string; object: state count
+    snode kind;
+    std::uint8_t flag;  // boolean: the value; object: its object_build
   };
+  /// A string of 2^32 - 1 bytes or more: its length is stored in the pool, 8 bytes before it.
+  static constexpr std::uint32_t long_string = UINT32_MAX;
+  // 16 bytes: a tape holds several nodes per tensor, written once and read once, so its size is
+  // memory traffic (and what growing the array copies).
+  static_assert(sizeof(node) == 16);
   // A dict's children come as (key, value) node pairs, the key an integer or string node. An
   // object node is followed by a `none` node whose `a` is its items count, then its module and
   // name as string nodes, then its args, state and items.
@@ -3598,7 +3603,12 @@ struct skeleton_tape {
   [[nodiscard]] std::string_view str(std::uint64_t off, std::uint64_t len) const noexcept {
     return std::string_view(pool).substr(static_cast<std::size_t>(off), static_cast<std::size_t>(len));
   }
-  [[nodiscard]] std::string_view str(const node& n) const noexcept { return str(n.a, n.b); }
+  [[nodiscard]] std::string_view str(const node& n) const noexcept {
+    if (n.b != long_string) return str(n.a, n.b);
+    std::uint64_t len = 0;
+    std::memcpy(&len, pool.data() + n.a, sizeof len);
+    return str(n.a + sizeof len, len);
+  }
   /// The map name a tensor-like node declares or refers to.
   [[nodiscard]] std::string_view name(const leaf& l) const noexcept {
     const leaf& named = l.kind == snode::tensor ? l : leaves[l.target];
@@ -3608,6 +3618,15 @@ struct skeleton_tape {
     const std::uint64_t off = pool.size();
     pool.append(s);
     return off;
+  }
+  /// Appends a string node's bytes; returns its (a, b). Strings of `limit` bytes or more keep
+  /// their length in the pool (the limit is a parameter for tests only).
+  std::pair<std::uint64_t, std::uint32_t> add_string_node(std::string_view s, std::uint64_t limit = long_string) {
+    if (s.size() < limit) return {add_str(s), static_cast<std::uint32_t>(s.size())};
+    const std::uint64_t off = pool.size(), len = s.size();
+    pool.append(reinterpret_cast<const char*>(&len), sizeof len);
+    pool.append(s);
+    return {off, long_string};
   }
 };
 
@@ -4009,9 +4028,30 @@ inline std::string quoted_name(const Path& p) {
   return out;
 }
 
-/// mark_repeats' default hash.
+/// mark_repeats' default hash: 8 bytes a step, each mixed by a multiply and a shift. Its only
+/// job is to spread names over the radix sort's buckets (equal hashes are compared by name);
+/// std::hash spends about three times as long on a typical 30-byte tensor name.
 struct name_hash {
-  std::size_t operator()(std::string_view s) const noexcept { return std::hash<std::string_view>{}(s); }
+  std::size_t operator()(std::string_view s) const noexcept {
+    std::uint64_t h = (s.size() + 1) * 0x9e3779b97f4a7c15ULL;
+    const char* p = s.data();
+    std::size_t n = s.size();
+    auto step = [&h](std::uint64_t w) {
+      h = (h ^ w) * 0xbf58476d1ce4e5b9ULL;
+      h ^= h >> 31;
+    };
+    for (; n >= 8; p += 8, n -= 8) {
+      std::uint64_t w;
+      std::memcpy(&w, p, 8);
+      step(w);
+    }
+    if (n != 0) {
+      std::uint64_t w = 0;
+      std::memcpy(&w, p, n);
+      step(w);
+    }
+    return static_cast<std::size_t>(h);
+  }
 };
 
 /// Sets `repeated[i]` for every i < n whose `name(i)` equals another's; returns whether any does.
@@ -4099,6 +4139,46 @@ std::optional<std::vector<std::string>> assign_names(std::size_t n, Dotted&& dot
   return names;
 }
 
+/// Stable sort by address: equal addresses keep their pre-order. Leaves usually come in a few
+/// ascending runs (a file's storages in first-use order: one run; a model and its optimizer
+/// state carved from two buffers: two), which are merged; otherwise an LSD radix sort, a byte at
+/// a time, over the bytes in which the addresses differ.
+inline void address_sort(std::vector<std::pair<std::uintptr_t, std::uint32_t>>& v) {
+  using entry = std::pair<std::uintptr_t, std::uint32_t>;
+  constexpr std::size_t max_runs = 8;
+  std::array<std::size_t, max_runs + 1> run{};
+  std::size_t runs = 1;
+  std::uintptr_t differ = 0;
+  for (std::size_t i = 1; i < v.size(); ++i) {
+    differ |= v[i].first ^ v[0].first;
+    if (v[i].first < v[i - 1].first) {
+      if (runs < max_runs) run[runs] = i;
+      ++runs;
+    }
+  }
+  if (runs == 1) return;
+  auto by_address = [](const entry& a, const entry& b) { return a.first < b.first; };
+  if (runs <= max_runs) {
+    // Left to right: everything merged so far precedes the next run in pre-order, and
+    // inplace_merge keeps the first range's elements first among equals.
+    run[runs] = v.size();
+    for (std::size_t r = 1; r < runs; ++r)
+      std::inplace_merge(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(run[r]),
+                         v.begin() + static_cast<std::ptrdiff_t>(run[r + 1]), by_address);
+    return;
+  }
+  std::vector<entry> tmp(v.size());
+  for (std::size_t d = 0; d < sizeof(std::uintptr_t); ++d) {
+    if (((differ >> (8 * d)) & 255U) == 0) continue;  // every address has the same byte here
+    std::array<std::size_t, 256> count{};
+    for (const auto& e : v) ++count[(e.first >> (8 * d)) & 255U];
+    std::size_t sum = 0;
+    for (auto& x : count) sum += std::exchange(x, sum);
+    for (const auto& e : v) tmp[count[(e.first >> (8 * d)) & 255U]++] = e;
+    v.swap(tmp);
+  }
+}
+
 // ------------------------------------------------------------------------------------------------
 // flatten
 
@@ -4121,25 +4201,34 @@ class flattener {
           return quoted[i];
         });
     FlatStateDict out;
-    std::size_t ntensors = 0;
-    for (auto k : kind_) ntensors += k == leaf_kind::tensor;
+    std::size_t ntensors = 0, room = dims_;  // dims_ counts every leaf's shape; views add strides
+    for (std::size_t i = 0; i < n; ++i) {
+      ntensors += kind_[i] == leaf_kind::tensor;
+      if (kind_[i] == leaf_kind::view) room += leaves_[i].view->rank();
+    }
     out.tensors.reserve(ntensors);
     tape->leaves.resize(n);
-    tape->dims.reserve(dims_);
-    tape->pool.reserve(tape->pool.size() + arena_.size());
+    tape->dims.resize(room);
+    dim_t* dims = tape->dims.data();
+    std::size_t at = 0;
+    auto put = [&](const shape_t& d) { at = static_cast<std::size_t>(std::copy(d.begin(), d.end(), dims + at) - dims); };
+    // Without renamed leaves the tensor names are the dotted names: the arena, copied once.
+    const std::uint64_t arena_at = tape->pool.size();
+    if (!names) tape->pool += arena_;
+    else tape->pool.reserve(tape->pool.size() + arena_.size());
     for (std::size_t i = 0; i < n; ++i) {
       const TensorView& v = *leaves_[i].view;
       skeleton_tape::leaf& l = tape->leaves[i];
       l.dtype = v.dtype();
       l.rank = static_cast<std::uint32_t>(v.shape().size());
-      l.dims = tape->dims.size();
+      l.dims = at;
       switch (kind_[i]) {
         case leaf_kind::tensor: {
           std::string nm = names ? std::move((*names)[i]) : std::string(dotted(i));
           l.kind = snode::tensor;
-          l.name = tape->add_str(nm);
+          l.name = names ? tape->add_str(nm) : arena_at + name_start_[i];
           l.name_len = nm.size();
-          tape->dims.insert(tape->dims.end(), v.shape().begin(), v.shape().end());
+          put(v.shape());
           out.tensors.emplace_back(std::move(nm), v);
           break;
         }
@@ -4151,11 +4240,12 @@ class flattener {
           l.kind = snode::view;
           l.target = target_[i];
           l.offset = offset_[i];
-          tape->dims.insert(tape->dims.end(), v.shape().begin(), v.shape().end());
-          tape->dims.insert(tape->dims.end(), v.strides().begin(), v.strides().end());
+          put(v.shape());
+          put(v.strides());
           break;
       }
     }
+    tape->dims.resize(at);
     out.skeleton = Skeleton(std::shared_ptr<const skeleton_tape>(std::move(tape)));
     return out;
   }
@@ -4196,8 +4286,11 @@ class flattener {
     s.append(buf, r.ptr);
   }
 
-  void node(snode k, std::uint64_t a = 0, std::uint64_t b = 0, std::uint8_t flag = 0) { tape_->nodes.push_back({k, flag, a, b}); }
-  void string_node(snode k, std::string_view s) { node(k, tape_->add_str(s), s.size()); }
+  void node(snode k, std::uint64_t a = 0, std::uint32_t b = 0, std::uint8_t flag = 0) { tape_->nodes.push_back({a, b, k, flag}); }
+  void string_node(snode k, std::string_view s) {
+    const auto [a, b] = tape_->add_string_node(s);
+    node(k, a, b);
+  }
 
   /// Writes the tape node(s) of a value; for a container, sets up its frame. Returns true for a
   /// container with children.
@@ -4243,7 +4336,9 @@ class flattener {
       }
       case value_kind::object: {
         const Object& o = v.as_object();
-        node(snode::object, o.args.size(), o.state.size(), static_cast<std::uint8_t>(o.how));
+        if (o.state.size() >= UINT32_MAX)
+          throw_error(errors::out_of_range, "an object with " + std::to_string(o.state.size()) + " state values (at most 2^32 - 2)");
+        node(snode::object, o.args.size(), static_cast<std::uint32_t>(o.state.size()), static_cast<std::uint8_t>(o.how));
         node(snode::none, o.items.size());
         string_node(snode::string, o.module);
         string_node(snode::string, o.name);
@@ -4333,23 +4428,6 @@ class flattener {
     return h;
   }
 
-  /// Stable LSD radix sort by address, a byte at a time, skipping bytes all addresses share
-  /// (typically the high ones). Equal addresses keep their pre-order.
-  static void radix_sort(std::vector<std::pair<std::uintptr_t, std::uint32_t>>& v) {
-    constexpr std::size_t digits = sizeof(std::uintptr_t);
-    std::array<std::array<std::size_t, 256>, digits> count{};
-    for (const auto& e : v)
-      for (std::size_t d = 0; d < digits; ++d) ++count[d][(e.first >> (8 * d)) & 255U];
-    std::vector<std::pair<std::uintptr_t, std::uint32_t>> tmp(v.size());
-    for (std::size_t d = 0; d < digits; ++d) {
-      auto& c = count[d];
-      if (std::find(c.begin(), c.end(), v.size()) != c.end()) continue;  // one bucket holds all
-      std::size_t sum = 0;
-      for (auto& x : c) sum += std::exchange(x, sum);
-      for (const auto& e : v) tmp[c[(e.first >> (8 * d)) & 255U]++] = e;
-      v.swap(tmp);
-    }
-  }
 
   void decide() {
     const std::size_t n = leaves_.size();
@@ -4359,7 +4437,7 @@ class flattener {
     // Zero-element views are never aliased. The rest, sorted by start address, fall into clusters
     // of transitively overlapping byte ranges; only clusters of two or more need any work.
     std::vector<std::pair<std::uintptr_t, std::uint32_t>> order = std::move(by_start_);
-    radix_sort(order);
+    address_sort(order);
     std::size_t b = 0;
     while (b < order.size()) {
       std::uintptr_t max_end = end_[order[b].second];
