@@ -4428,7 +4428,6 @@ class flattener {
     return h;
   }
 
-
   void decide() {
     const std::size_t n = leaves_.size();
     kind_.assign(n, leaf_kind::tensor);
