@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 using namespace statedict;
@@ -292,6 +293,56 @@ TEST_CASE("reader: local headers that lie close together are read together, far 
     put16(w, h2 + 26, 3);  // a name length that does not match its central directory entry
     expect_error([&] { (void)zip::Archive::open(mem(w)); }, errors::zip_bad_local_header);
   }
+}
+
+TEST_CASE("reader: local headers left unread, read later or on another thread; torch's layout predicts them") {
+  std::vector<Rec> recs;
+  for (int i = 0; i < 120; ++i)
+    recs.push_back({"m/data/" + std::to_string(i), std::string(static_cast<std::size_t>(i * 13 % 200), static_cast<char>('a' + i % 26))});
+  zip::write_options z64;
+  z64.zip64_threshold = 3000;  // later records get ZIP64 fields in their local headers
+  for (const zip::write_options& o : {zip::write_options{}, z64}) {
+    const auto bytes = make_zip(recs, o);
+    const auto plain = zip::Archive::open(mem(bytes));
+    zip::read_options deferred;
+    deferred.defer_local_headers = true;
+    auto later = zip::Archive::open(mem(bytes), deferred);
+    REQUIRE(later.entries().size() == recs.size());
+    for (const auto& e : later.entries()) CHECK(e.data_offset == 0);
+    expect_error([&] { (void)later.read(later.entries()[5]); }, errors::zip_bad_local_header);
+    // torch's layout, computed from the central directory alone, is where our writer put the data.
+    for (std::size_t i = 0; i < recs.size(); ++i) CHECK(zip::written_data_offset(later, later.entries()[i], o) == plain.entries()[i].data_offset);
+    later.locate(later.entries()[5]);
+    CHECK(later.entries()[5].data_offset == plain.entries()[5].data_offset);
+    std::vector<std::uint64_t> offsets;
+    std::thread t([&] { offsets = later.data_offsets(); });
+    t.join();
+    REQUIRE(offsets.size() == recs.size());
+    later.adopt_data_offsets(offsets);
+    for (std::size_t i = 0; i < recs.size(); ++i) {
+      CHECK(later.entries()[i].data_offset == plain.entries()[i].data_offset);
+      const Region r = later.read(later.entries()[i]);
+      CHECK(std::string(reinterpret_cast<const char*>(r.data), static_cast<std::size_t>(r.size)) == recs[i].data);
+    }
+    expect_error([&] { later.adopt_data_offsets(std::vector<std::uint64_t>(3)); }, errors::out_of_range);
+    expect_error([&] { later.locate(plain.entries()[0]); }, errors::out_of_range);
+  }
+  // Another alignment: the prediction is wrong for most records; the headers are not.
+  zip::write_options wide;
+  wide.alignment = 256;
+  const auto bytes = make_zip(recs, wide);
+  const auto ar = zip::Archive::open(mem(bytes));
+  std::size_t wrong = 0;
+  for (const auto& e : ar.entries()) wrong += zip::written_data_offset(ar, e) != e.data_offset;
+  CHECK(wrong > 60);
+  // A bad header: data_offsets() throws what open() throws.
+  auto v = bytes;
+  put32(v, static_cast<std::size_t>(ar.entries()[77].header_offset), 0x01020304);
+  zip::read_options deferred;
+  deferred.defer_local_headers = true;
+  const auto bad = zip::Archive::open(mem(v), deferred);
+  expect_error([&] { (void)bad.data_offsets(); }, errors::zip_bad_local_header);
+  expect_error([&] { (void)zip::Archive::open(mem(v)); }, errors::zip_bad_local_header);
 }
 
 TEST_CASE("reader: archive embedded at an offset, and data prepended to an archive") {

@@ -80,6 +80,11 @@ struct read_options {
   zip::limits limits{};
   /// Check each entry's CRC-32 when it is read (reads every byte of the entry).
   bool verify_crc = false;
+  /// Leave the local headers unread: open() reads only the end records and the central directory,
+  /// and each entry's data_offset stays 0 (unknown) until locate() or adopt_data_offsets(). For a
+  /// reader with other work to do meanwhile (torch_file predicts where torch put the data, reads
+  /// the headers on another thread with data_offsets() and checks the prediction).
+  bool defer_local_headers = false;
 };
 
 /// One entry, as the central directory describes it (offsets relative to the source's byte 0).
@@ -174,6 +179,8 @@ class Archive {
   /// compressed or encrypted entries, and on a CRC mismatch when verify_crc is set.
   [[nodiscard]] Region read(const Entry& e) const {
     check_readable(e);
+    if (e.data_offset == 0)  // a local header takes 30 bytes or more: 0 is "not read yet"
+      fail(errors::zip_bad_local_header, "entry " + quote(e.name) + ": its local header was not read (defer_local_headers)");
     Region r = read_region(*source_, e.data_offset, e.size);
     if (options_.verify_crc) verify(e, r);
     return r;
@@ -188,6 +195,32 @@ class Archive {
       throw_error(errors::zip_compressed_entry, detail::where(*source_),
                   "entry " + quote(e.name) + " is compressed (method " + std::to_string(e.method) +
                       "); only stored entries can be read without copying, as torch.save writes them");
+  }
+
+  /// Every entry's data offset, in entries() order, from the local headers (read in batches:
+  /// see locate_all). Changes nothing, so it may run on another thread while this archive is
+  /// used through its const members; throws as open() would for a bad local header.
+  [[nodiscard]] std::vector<std::uint64_t> data_offsets() const {
+    std::vector<std::uint64_t> out(entries_.size());
+    locate_all(out);
+    return out;
+  }
+  /// Records offsets from data_offsets() (of this archive) in the entries.
+  void adopt_data_offsets(std::span<const std::uint64_t> offsets) {
+    if (offsets.size() != entries_.size())
+      throw_error(errors::out_of_range, "adopt_data_offsets: " + std::to_string(offsets.size()) + " offsets for " +
+                                                std::to_string(entries_.size()) + " entries");
+    for (std::size_t i = 0; i < entries_.size(); ++i) entries_[i].data_offset = offsets[i];
+  }
+  /// Reads one entry's local header now (an archive opened with defer_local_headers).
+  void locate(const Entry& e) {
+    const std::less<const Entry*> before;  // a total order, also for pointers into other arrays
+    if (before(&e, entries_.data()) || !before(&e, entries_.data() + entries_.size()))
+      throw_error(errors::out_of_range, "locate: not an entry of this archive");
+    const auto i = static_cast<std::size_t>(&e - entries_.data());
+    std::vector<std::byte> buf(static_cast<std::size_t>(header_end(e) - e.header_offset));
+    source_->peek(e.header_offset, buf);
+    entries_[i].data_offset = locate_data(e, buf.data());
   }
 
   /// Checks the CRC-32 of an entry's bytes against the central directory.
@@ -339,7 +372,12 @@ class Archive {
       index_.add(nh, entries_.size());
       entries_.push_back(std::move(en));
     }
-    locate_all();
+    check_header_offsets();
+    if (!options_.defer_local_headers) {
+      std::vector<std::uint64_t> offsets(entries_.size());
+      locate_all(offsets);
+      adopt_data_offsets(offsets);
+    }
   }
 
   void check_name(const std::string& name) const {
@@ -386,18 +424,10 @@ class Archive {
     }
   }
 
-  /// Finds every entry's data from its local header (the central directory does not repeat the
-  /// local extra field, which torch uses to pad data to 64 bytes). Headers close to each other are
-  /// read with one positioned read: a torch file has one header per storage and small storages
-  /// sit back to back, so a 10,000-storage checkpoint needs about a third of the reads. Reads
-  /// stay small (never past max_span), and `peek` keeps thousands of them from faulting in the
-  /// mapped pages around each header.
-  void locate_all() {
-    static constexpr std::uint64_t max_gap = 16 << 10;   // headers further apart start a new read
-    static constexpr std::uint64_t max_span = 64 << 10;  // bytes of one read
-    std::vector<std::uint32_t> order(entries_.size());
-    for (std::size_t i = 0; i < entries_.size(); ++i) {
-      Entry& en = entries_[i];
+  /// Makes every local header offset relative to the source and checks that the fixed part of
+  /// the header lies before the central directory.
+  void check_header_offsets() {
+    for (Entry& en : entries_) {
       if (en.header_offset > max_size - delta_)
         fail(errors::zip_entry_out_of_bounds, "entry " + quote(en.name) + ": header offset overflows");
       const std::uint64_t h = en.header_offset + delta_;
@@ -406,40 +436,54 @@ class Archive {
                                                   " is not before the central directory (offset " +
                                                   std::to_string(cd_offset_) + ")");
       en.header_offset = h;
-      order[i] = static_cast<std::uint32_t>(i);
     }
+  }
+
+  /// Where the fixed header and the name of `en` end, cut at the central directory (checked when
+  /// parsed).
+  [[nodiscard]] std::uint64_t header_end(const Entry& en) const noexcept {
+    return en.header_offset + std::min<std::uint64_t>(detail::local_header_size + en.name.size(), cd_offset_ - en.header_offset);
+  }
+
+  /// Finds every entry's data from its local header (the central directory does not repeat the
+  /// local extra field, which torch uses to pad data to 64 bytes) into `out` (entries() order).
+  /// Headers close to each other are read with one positioned read: a torch file has one header
+  /// per storage and small storages sit back to back, so a 10,000-storage checkpoint needs about a
+  /// third of the reads. Reads stay small (never past max_span), and `peek` keeps thousands of
+  /// them from faulting in the mapped pages around each header.
+  void locate_all(std::vector<std::uint64_t>& out) const {
+    static constexpr std::uint64_t max_gap = 16 << 10;   // headers further apart start a new read
+    static constexpr std::uint64_t max_span = 64 << 10;  // bytes of one read
+    std::vector<std::uint32_t> order(entries_.size());
+    for (std::size_t i = 0; i < entries_.size(); ++i) order[i] = static_cast<std::uint32_t>(i);
     auto by_offset = [&](std::uint32_t a, std::uint32_t b) { return entries_[a].header_offset < entries_[b].header_offset; };
     if (!std::is_sorted(order.begin(), order.end(), by_offset)) std::stable_sort(order.begin(), order.end(), by_offset);
-    // The fixed header and the name, cut at the central directory (checked when parsed).
-    auto end_of = [&](const Entry& en) {
-      return en.header_offset + std::min<std::uint64_t>(detail::local_header_size + en.name.size(), cd_offset_ - en.header_offset);
-    };
     std::vector<std::byte> buf;
     std::size_t b = 0;
     while (b < order.size()) {
       const std::uint64_t start = entries_[order[b]].header_offset;
-      std::uint64_t stop = end_of(entries_[order[b]]);
+      std::uint64_t stop = header_end(entries_[order[b]]);
       std::size_t e = b + 1;
       for (; e < order.size(); ++e) {
         const Entry& en = entries_[order[e]];
-        if (en.header_offset - entries_[order[e - 1]].header_offset > max_gap || end_of(en) - start > max_span) break;
-        stop = std::max(stop, end_of(en));
+        if (en.header_offset - entries_[order[e - 1]].header_offset > max_gap || header_end(en) - start > max_span) break;
+        stop = std::max(stop, header_end(en));
       }
       buf.resize(static_cast<std::size_t>(stop - start));
       source_->peek(start, buf);
       for (std::size_t k = b; k < e; ++k) {
-        Entry& en = entries_[order[k]];
+        const Entry& en = entries_[order[k]];
         const std::uint64_t at = en.header_offset - start;
-        locate_data(en, buf.data() + static_cast<std::size_t>(at));
+        out[order[k]] = locate_data(en, buf.data() + static_cast<std::size_t>(at));
       }
       b = e;
     }
   }
 
   /// Parses the local header of `en` from `lh`: its fixed part and name, or as much of them as
-  /// precedes the central directory (locate_all checked that the fixed part does; the name is
-  /// compared only once the header is known to end before it).
-  void locate_data(Entry& en, const std::byte* lh) {
+  /// precedes the central directory (check_header_offsets checked that the fixed part does; the
+  /// name is compared only once the header is known to end before it). Returns the data offset.
+  [[nodiscard]] std::uint64_t locate_data(const Entry& en, const std::byte* lh) const {
     const std::uint64_t h = en.header_offset;
     if (detail::rd32(lh) != detail::sig_local)
       fail(errors::zip_bad_local_header, "entry " + quote(en.name) + ": no local header signature at offset " + std::to_string(h));
@@ -458,7 +502,7 @@ class Archive {
                                                 " bytes at offset " + std::to_string(data) +
                                                 " run past the start of the central directory (offset " +
                                                 std::to_string(cd_offset_) + ")");
-    en.data_offset = data;
+    return data;
   }
 
   std::shared_ptr<const ByteSource> source_;
@@ -566,6 +610,20 @@ inline Layout plan(std::span<const EntrySpec> specs, const write_options& option
 
 inline Layout plan(std::initializer_list<EntrySpec> specs, const write_options& options = {}) {
   return plan(std::span<const EntrySpec>(specs.begin(), specs.size()), options);
+}
+
+/// Where plan() (and torch's writer) puts the data of an entry with this header offset, name and
+/// size: after the local header, the name, any ZIP64 field and the FB padding. A prediction for
+/// a reader that has not read the local header yet (Archive::read_options::defer_local_headers);
+/// an archive from another writer may differ, so only the header says for sure.
+inline std::uint64_t written_data_offset(const Archive& a, const Entry& e, const write_options& o = {}) {
+  if (o.alignment == 0 || o.alignment > 4096 || (o.alignment & (o.alignment - 1)) != 0)
+    throw_error(errors::zip_bad_writer_input, "alignment " + std::to_string(o.alignment) + " is not a power of two <= 4096");
+  const std::uint64_t at = e.header_offset - std::min(e.header_offset, a.prefix_bytes());  // archive-relative, as plan() counts
+  const std::uint64_t z64 = detail::zip64_local_extra(e.size, at, o);
+  const std::uint64_t unpadded = checked_add(at, detail::local_header_size + e.name.size() + z64 + 4, "data offset");
+  const std::uint64_t pad = (o.alignment - unpadded % o.alignment) % o.alignment;
+  return checked_add(checked_add(unpadded, pad, "data offset"), a.prefix_bytes(), "data offset");
 }
 
 /// The local header of an entry, with its ZIP64 and FB padding extra fields (torch's bytes: version
