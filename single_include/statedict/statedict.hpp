@@ -8678,6 +8678,11 @@ struct read_options {
   zip::limits limits{};
   /// Check each entry's CRC-32 when it is read (reads every byte of the entry).
   bool verify_crc = false;
+  /// Leave the local headers unread: open() reads only the end records and the central directory,
+  /// and each entry's data_offset stays 0 (unknown) until locate() or adopt_data_offsets(). For a
+  /// reader with other work to do meanwhile (torch_file predicts where torch put the data, reads
+  /// the headers on another thread with data_offsets() and checks the prediction).
+  bool defer_local_headers = false;
 };
 
 /// One entry, as the central directory describes it (offsets relative to the source's byte 0).
@@ -8772,6 +8777,8 @@ class Archive {
   /// compressed or encrypted entries, and on a CRC mismatch when verify_crc is set.
   [[nodiscard]] Region read(const Entry& e) const {
     check_readable(e);
+    if (e.data_offset == 0)  // a local header takes 30 bytes or more: 0 is "not read yet"
+      fail(errors::zip_bad_local_header, "entry " + quote(e.name) + ": its local header was not read (defer_local_headers)");
     Region r = read_region(*source_, e.data_offset, e.size);
     if (options_.verify_crc) verify(e, r);
     return r;
@@ -8786,6 +8793,32 @@ class Archive {
       throw_error(errors::zip_compressed_entry, detail::where(*source_),
                   "entry " + quote(e.name) + " is compressed (method " + std::to_string(e.method) +
                       "); only stored entries can be read without copying, as torch.save writes them");
+  }
+
+  /// Every entry's data offset, in entries() order, from the local headers (read in batches:
+  /// see locate_all). Changes nothing, so it may run on another thread while this archive is
+  /// used through its const members; throws as open() would for a bad local header.
+  [[nodiscard]] std::vector<std::uint64_t> data_offsets() const {
+    std::vector<std::uint64_t> out(entries_.size());
+    locate_all(out);
+    return out;
+  }
+  /// Records offsets from data_offsets() (of this archive) in the entries.
+  void adopt_data_offsets(std::span<const std::uint64_t> offsets) {
+    if (offsets.size() != entries_.size())
+      throw_error(errors::out_of_range, "adopt_data_offsets: " + std::to_string(offsets.size()) + " offsets for " +
+                                                std::to_string(entries_.size()) + " entries");
+    for (std::size_t i = 0; i < entries_.size(); ++i) entries_[i].data_offset = offsets[i];
+  }
+  /// Reads one entry's local header now (an archive opened with defer_local_headers).
+  void locate(const Entry& e) {
+    const std::less<const Entry*> before;  // a total order, also for pointers into other arrays
+    if (before(&e, entries_.data()) || !before(&e, entries_.data() + entries_.size()))
+      throw_error(errors::out_of_range, "locate: not an entry of this archive");
+    const auto i = static_cast<std::size_t>(&e - entries_.data());
+    std::vector<std::byte> buf(static_cast<std::size_t>(header_end(e) - e.header_offset));
+    source_->peek(e.header_offset, buf);
+    entries_[i].data_offset = locate_data(e, buf.data());
   }
 
   /// Checks the CRC-32 of an entry's bytes against the central directory.
@@ -8937,7 +8970,12 @@ class Archive {
       index_.add(nh, entries_.size());
       entries_.push_back(std::move(en));
     }
-    locate_all();
+    check_header_offsets();
+    if (!options_.defer_local_headers) {
+      std::vector<std::uint64_t> offsets(entries_.size());
+      locate_all(offsets);
+      adopt_data_offsets(offsets);
+    }
   }
 
   void check_name(const std::string& name) const {
@@ -8984,18 +9022,10 @@ class Archive {
     }
   }
 
-  /// Finds every entry's data from its local header (the central directory does not repeat the
-  /// local extra field, which torch uses to pad data to 64 bytes). Headers close to each other are
-  /// read with one positioned read: a torch file has one header per storage and small storages
-  /// sit back to back, so a 10,000-storage checkpoint needs about a third of the reads. Reads
-  /// stay small (never past max_span), and `peek` keeps thousands of them from faulting in the
-  /// mapped pages around each header.
-  void locate_all() {
-    static constexpr std::uint64_t max_gap = 16 << 10;   // headers further apart start a new read
-    static constexpr std::uint64_t max_span = 64 << 10;  // bytes of one read
-    std::vector<std::uint32_t> order(entries_.size());
-    for (std::size_t i = 0; i < entries_.size(); ++i) {
-      Entry& en = entries_[i];
+  /// Makes every local header offset relative to the source and checks that the fixed part of
+  /// the header lies before the central directory.
+  void check_header_offsets() {
+    for (Entry& en : entries_) {
       if (en.header_offset > max_size - delta_)
         fail(errors::zip_entry_out_of_bounds, "entry " + quote(en.name) + ": header offset overflows");
       const std::uint64_t h = en.header_offset + delta_;
@@ -9004,40 +9034,54 @@ class Archive {
                                                   " is not before the central directory (offset " +
                                                   std::to_string(cd_offset_) + ")");
       en.header_offset = h;
-      order[i] = static_cast<std::uint32_t>(i);
     }
+  }
+
+  /// Where the fixed header and the name of `en` end, cut at the central directory (checked when
+  /// parsed).
+  [[nodiscard]] std::uint64_t header_end(const Entry& en) const noexcept {
+    return en.header_offset + std::min<std::uint64_t>(detail::local_header_size + en.name.size(), cd_offset_ - en.header_offset);
+  }
+
+  /// Finds every entry's data from its local header (the central directory does not repeat the
+  /// local extra field, which torch uses to pad data to 64 bytes) into `out` (entries() order).
+  /// Headers close to each other are read with one positioned read: a torch file has one header
+  /// per storage and small storages sit back to back, so a 10,000-storage checkpoint needs about a
+  /// third of the reads. Reads stay small (never past max_span), and `peek` keeps thousands of
+  /// them from faulting in the mapped pages around each header.
+  void locate_all(std::vector<std::uint64_t>& out) const {
+    static constexpr std::uint64_t max_gap = 16 << 10;   // headers further apart start a new read
+    static constexpr std::uint64_t max_span = 64 << 10;  // bytes of one read
+    std::vector<std::uint32_t> order(entries_.size());
+    for (std::size_t i = 0; i < entries_.size(); ++i) order[i] = static_cast<std::uint32_t>(i);
     auto by_offset = [&](std::uint32_t a, std::uint32_t b) { return entries_[a].header_offset < entries_[b].header_offset; };
     if (!std::is_sorted(order.begin(), order.end(), by_offset)) std::stable_sort(order.begin(), order.end(), by_offset);
-    // The fixed header and the name, cut at the central directory (checked when parsed).
-    auto end_of = [&](const Entry& en) {
-      return en.header_offset + std::min<std::uint64_t>(detail::local_header_size + en.name.size(), cd_offset_ - en.header_offset);
-    };
     std::vector<std::byte> buf;
     std::size_t b = 0;
     while (b < order.size()) {
       const std::uint64_t start = entries_[order[b]].header_offset;
-      std::uint64_t stop = end_of(entries_[order[b]]);
+      std::uint64_t stop = header_end(entries_[order[b]]);
       std::size_t e = b + 1;
       for (; e < order.size(); ++e) {
         const Entry& en = entries_[order[e]];
-        if (en.header_offset - entries_[order[e - 1]].header_offset > max_gap || end_of(en) - start > max_span) break;
-        stop = std::max(stop, end_of(en));
+        if (en.header_offset - entries_[order[e - 1]].header_offset > max_gap || header_end(en) - start > max_span) break;
+        stop = std::max(stop, header_end(en));
       }
       buf.resize(static_cast<std::size_t>(stop - start));
       source_->peek(start, buf);
       for (std::size_t k = b; k < e; ++k) {
-        Entry& en = entries_[order[k]];
+        const Entry& en = entries_[order[k]];
         const std::uint64_t at = en.header_offset - start;
-        locate_data(en, buf.data() + static_cast<std::size_t>(at));
+        out[order[k]] = locate_data(en, buf.data() + static_cast<std::size_t>(at));
       }
       b = e;
     }
   }
 
   /// Parses the local header of `en` from `lh`: its fixed part and name, or as much of them as
-  /// precedes the central directory (locate_all checked that the fixed part does; the name is
-  /// compared only once the header is known to end before it).
-  void locate_data(Entry& en, const std::byte* lh) {
+  /// precedes the central directory (check_header_offsets checked that the fixed part does; the
+  /// name is compared only once the header is known to end before it). Returns the data offset.
+  [[nodiscard]] std::uint64_t locate_data(const Entry& en, const std::byte* lh) const {
     const std::uint64_t h = en.header_offset;
     if (detail::rd32(lh) != detail::sig_local)
       fail(errors::zip_bad_local_header, "entry " + quote(en.name) + ": no local header signature at offset " + std::to_string(h));
@@ -9056,7 +9100,7 @@ class Archive {
                                                 " bytes at offset " + std::to_string(data) +
                                                 " run past the start of the central directory (offset " +
                                                 std::to_string(cd_offset_) + ")");
-    en.data_offset = data;
+    return data;
   }
 
   std::shared_ptr<const ByteSource> source_;
@@ -9164,6 +9208,20 @@ inline Layout plan(std::span<const EntrySpec> specs, const write_options& option
 
 inline Layout plan(std::initializer_list<EntrySpec> specs, const write_options& options = {}) {
   return plan(std::span<const EntrySpec>(specs.begin(), specs.size()), options);
+}
+
+/// Where plan() (and torch's writer) puts the data of an entry with this header offset, name and
+/// size: after the local header, the name, any ZIP64 field and the FB padding. A prediction for
+/// a reader that has not read the local header yet (Archive::read_options::defer_local_headers);
+/// an archive from another writer may differ, so only the header says for sure.
+inline std::uint64_t written_data_offset(const Archive& a, const Entry& e, const write_options& o = {}) {
+  if (o.alignment == 0 || o.alignment > 4096 || (o.alignment & (o.alignment - 1)) != 0)
+    throw_error(errors::zip_bad_writer_input, "alignment " + std::to_string(o.alignment) + " is not a power of two <= 4096");
+  const std::uint64_t at = e.header_offset - std::min(e.header_offset, a.prefix_bytes());  // archive-relative, as plan() counts
+  const std::uint64_t z64 = detail::zip64_local_extra(e.size, at, o);
+  const std::uint64_t unpadded = checked_add(at, detail::local_header_size + e.name.size() + z64 + 4, "data offset");
+  const std::uint64_t pad = (o.alignment - unpadded % o.alignment) % o.alignment;
+  return checked_add(checked_add(unpadded, pad, "data offset"), a.prefix_bytes(), "data offset");
 }
 
 /// The local header of an entry, with its ZIP64 and FB padding extra fields (torch's bytes: version
@@ -11380,6 +11438,7 @@ inline std::vector<std::byte> dumps(const Value& v, const std::vector<Attributes
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <filesystem>
 #include <functional>
 #include <map>
@@ -11389,6 +11448,8 @@ inline std::vector<std::byte> dumps(const Value& v, const std::vector<Attributes
 #include <span>
 #include <string>
 #include <string_view>
+#include <system_error>
+#include <thread>
 #include <tuple>
 #include <unordered_map>
 #include <utility>
@@ -11445,6 +11506,13 @@ struct load_options {
   bool fast_paths = true;
   /// How a path is opened (torch::read(path)).
   read_mode mode = read_mode::mmap;
+  /// Zip archives with at least this many entries have their local headers (where each record's
+  /// bytes start: one small read per few storages) read on a second thread while the pickle is
+  /// parsed. Meanwhile each storage's offset is predicted from torch's layout
+  /// (zip::written_data_offset) and checked once the headers are in; an archive laid out
+  /// otherwise is then read again the plain way. The File is the same either way (a test and the
+  /// torch fuzz target compare). 0: always; SIZE_MAX: never (the headers are read first).
+  std::size_t overlap_headers_from = 256;
 };
 
 /// One storage of the file.
@@ -11777,44 +11845,38 @@ inline view_base make_view_base(const ByteSource& src, bool lazy) {
 // ---------------------------------------------------------------------------------------------
 // Zip format
 
-inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& opts, bool lazy) {
+/// Joins a thread on every way out of a scope.
+struct joining {
+  std::thread& t;
+  explicit joining(std::thread& thread) : t(thread) {}
+  joining(const joining&) = delete;
+  joining& operator=(const joining&) = delete;
+  ~joining() {
+    if (t.joinable()) t.join();
+  }
+};
+
+inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& opts, bool lazy, bool may_overlap = true) {
   File f;
   f.format = "zip";
   f.source = src;
+  const view_base vb = make_view_base(*src, lazy);
+  // Storages become views into vb (no record is read) unless CRCs are checked or the source has
+  // no address: only then are their local headers needed before the pickle.
+  const bool views_only = vb.base && !(vb.real && opts.verify_crc);
   zip::read_options zo;
   zo.limits = opts.limits.zip;
   zo.verify_crc = opts.verify_crc && !lazy;
+  zo.defer_local_headers = views_only && may_overlap;
   zip::Archive ar = zip::Archive::open(src, zo);
-  if (ar.entries().empty()) throw_error(errors::pt_missing_record, where(*src), "zip archive without entries");
-  // The archive folder is the first entry's top folder (PyTorchStreamReader::init).
-  const std::string& first = ar.entries().front().name;
-  const auto slash = first.find('/');
-  if (slash == std::string::npos)
-    throw_error(errors::pt_missing_record, where(*src), "first zip entry " + quote(first) + " is not inside a folder");
-  f.archive_name = first.substr(0, slash);
-  const std::string prefix = f.archive_name + "/";
-  for (const auto& e : ar.entries()) f.records.push_back(e.name);
-  const zip::Entry* pkl = ar.find(prefix + "data.pkl");
-  if (!pkl) throw_error(errors::pt_missing_record, where(*src), "no record " + quote(prefix + "data.pkl") + ": not a torch.save file");
-  if (const zip::Entry* ver = ar.find(prefix + "version"); ver || (ver = ar.find(prefix + ".data/version"))) {
-    ar.check_readable(*ver);
-    const Region r = read_region(*src, ver->data_offset, std::min<std::uint64_t>(ver->size, 32));
-    std::string v(reinterpret_cast<const char*>(r.data), static_cast<std::size_t>(r.size));
-    while (!v.empty() && (v.back() == '\n' || v.back() == '\r' || v.back() == ' ')) v.pop_back();
-    if (v.empty() || v.find_first_not_of("0123456789") != std::string::npos)
-      throw_error(errors::pt_bad_version, where(*src), "record " + quote(ver->name) + " holds " + quote(v) + ", not a version number");
-  }
-  if (const zip::Entry* bo = ar.find(prefix + "byteorder")) {
-    ar.check_readable(*bo);
-    const Region r = read_region(*src, bo->data_offset, std::min<std::uint64_t>(bo->size, 16));
-    const std::string_view v(reinterpret_cast<const char*>(r.data), static_cast<std::size_t>(r.size));
-    if (v == "big") throw_error(errors::pt_big_endian, where(*src), "big-endian file (byteorder record) is not supported");
-  }
-  const Region pickle_bytes = ar.read(*pkl);
-
-  const view_base vb = make_view_base(*src, lazy);
-  f.view_base = vb.base;
-  f.view_owner = vb.owner;
+  const bool overlap = zo.defer_local_headers && ar.entries().size() >= opts.overlap_headers_from;
+  if (zo.defer_local_headers && !overlap) ar.adopt_data_offsets(ar.data_offsets());
+  // With `overlap`, the headers are read on `headers` from the pickle on; until the join, `ar`
+  // is only read (data_offsets() is const; the few locate() calls come before the thread).
+  std::vector<std::uint64_t> located;
+  std::exception_ptr locate_failed;
+  std::thread headers;
+  const joining join_headers{headers};
   struct cached {
     const zip::Entry* entry;
     const std::byte* data;  ///< the record's first byte (mapping, reservation or a copy)
@@ -11823,97 +11885,178 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
     std::uint64_t numel;
   };
   std::vector<cached> seen;         // per storage of f.storages
-  statedict::detail::hash_index by_key;  // f.storages by key
-  std::size_t next_entry = 0;            // where the next storage's record is looked for first
-  read_context ctx{&opts, false};
-  pickle::Registry reg = torch_registry(ctx);
-  pickle::options po;
-  po.limits = opts.limits.pickle;
-  po.keep_unknown_objects = opts.keep_unknown_objects;
-  po.registry = &reg;
-  by_key.reserve(ar.entries().size());
-  seen.reserve(ar.entries().size());
-  f.storages.reserve(ar.entries().size());
-  // ('storage', torch.<Class>Storage, key, location, numel), its fields checked by the caller.
-  auto storage = [&](std::string_view module, std::string_view cls_name, bool global, std::string_view key_in,
-                     std::string_view location, std::int64_t numel_in) -> Value {
-    bool untyped = false;
-    const statedict::dtype t = storage_dtype(module, cls_name, global, untyped);
-    const std::string_view key = key_in;
-    if (numel_in < 0) throw_error(errors::pt_bad_storage, "storage " + quote(key) + " has a negative size");
-    const auto numel = static_cast<std::uint64_t>(numel_in);
-    const std::uint64_t nbytes = checked_mul(numel, itemsize(t), "storage size");
-    const std::uint32_t kh = statedict::detail::hash_index::mix(std::hash<std::string_view>{}(key));
-    std::uint32_t at = by_key.find(kh, [&](std::uint32_t i) { return f.storages[i].key == key; });
-    if (at == statedict::detail::hash_index::npos) {
-      std::string rec;
-      rec.reserve(prefix.size() + 5 + key.size());
-      rec.append(prefix).append("data/").append(key);
-      // torch.save numbers storages in order of first use and writes their records in that
-      // order: the entry after the previous storage's is tried before the name index (entry
-      // names are unique, so a match there is the match).
-      const auto& entries = ar.entries();
-      const zip::Entry* e = next_entry < entries.size() && entries[next_entry].name == rec ? &entries[next_entry] : ar.find(rec);
-      if (!e) throw_error(errors::pt_missing_record, "storage " + quote(key) + ": no record " + quote(rec));
-      next_entry = static_cast<std::size_t>(e - entries.data()) + 1;
-      ar.check_readable(*e);
-      cached c{e, nullptr, {}, t, numel};
-      if (vb.base && !(vb.real && opts.verify_crc)) {
-        c.data = vb.base + e->data_offset;
-        c.owner = vb.owner;
-      } else {
-        const Region r = ar.read(*e);  // verifies the CRC when asked; copies from a pread source
-        c.data = r.data;
-        c.owner = r.owner;
-      }
-      Storage s;
-      s.key = key;
-      s.dtype = t;
-      s.untyped = untyped;
-      s.offset = e->data_offset;
-      s.nbytes = e->size;
-      s.record = std::move(rec);  // not used below
-      s.location = location;
-      at = static_cast<std::uint32_t>(f.storages.size());
-      by_key.add(kh, at);
-      f.storages.push_back(std::move(s));
-      seen.push_back(std::move(c));
-    }
-    const cached& c = seen[at];
-    check_same_storage(key, c.dtype, c.numel, t, numel);
-    if (nbytes > c.entry->size)
-      throw_error(errors::pt_bad_storage, "storage " + quote(key) + " of " + std::to_string(numel) + " " + std::string(name(t)) +
-                                              " elements needs " + std::to_string(nbytes) + " bytes; its record holds " +
-                                              std::to_string(c.entry->size));
-    TensorView bytes = TensorView::contiguous(t, {static_cast<dim_t>(numel)}, c.data, c.owner);
-    return storage_value(module, cls_name, std::move(bytes), std::string(key), std::string(location));
-  };
-  po.persistent_load = [&](const Value& pid) -> Value {
-    if (!pid.is_tuple() || pid.as_list().size() != 5 || !is_storage_tag(pid.at(0)))
-      throw_error(errors::pt_bad_storage, "persistent id is not ('storage', type, key, location, numel)");
-    const List& p = pid.as_list();
-    if (!p[1].is_object() || !p[2].is_string() || !p[3].is_string() || !p[4].is_int())
-      throw_error(errors::pt_bad_storage, "persistent id fields have the wrong types");
-    const Object& cls = p[1].as_object();
-    return storage(cls.module, cls.name, cls.how == object_build::global, p[2].as_string(), p[3].as_string(), p[4].as_int());
-  };
-  // The same for the id torch.save writes, read without converting it to a Value first.
-  if (opts.fast_paths) po.persistent_fast = [&](const pickle::Args& a) -> std::optional<Value> {
-    using k = pickle::Args::kind;
-    if (a.size() != 5 || (a.kind_of(0) != k::str && a.kind_of(0) != k::bytes) || a.str(0) != "storage" ||
-        a.kind_of(1) != k::global || a.kind_of(2) != k::str || a.kind_of(3) != k::str || a.kind_of(4) != k::integer)
-      return std::nullopt;
-    const auto [module, cls_name] = a.global(1);
-    return storage(module, cls_name, true, a.str(2), a.str(3), a.integer(4));
-  };
+  bool mispredicted = false;  // a storage's record does not start where torch's layout puts it
   try {
-    pickle::Result res = pickle::load(pickle_bytes.span(), po);
-    f.value = std::move(res.value);
-    f.attributes = std::move(res.attributes);
-    f.pickle_protocol = res.protocol;
-  } catch (error& e) {
-    e.add_context(where(*src) + ": record " + quote(pkl->name));
+    if (ar.entries().empty()) throw_error(errors::pt_missing_record, where(*src), "zip archive without entries");
+    // The archive folder is the first entry's top folder (PyTorchStreamReader::init).
+    const std::string& first = ar.entries().front().name;
+    const auto slash = first.find('/');
+    if (slash == std::string::npos)
+      throw_error(errors::pt_missing_record, where(*src), "first zip entry " + quote(first) + " is not inside a folder");
+    f.archive_name = first.substr(0, slash);
+    const std::string prefix = f.archive_name + "/";
+    for (const auto& e : ar.entries()) f.records.push_back(e.name);
+    const zip::Entry* pkl = ar.find(prefix + "data.pkl");
+    if (!pkl) throw_error(errors::pt_missing_record, where(*src), "no record " + quote(prefix + "data.pkl") + ": not a torch.save file");
+    if (overlap) ar.locate(*pkl);
+    if (const zip::Entry* ver = ar.find(prefix + "version"); ver || (ver = ar.find(prefix + ".data/version"))) {
+      if (overlap) ar.locate(*ver);
+      ar.check_readable(*ver);
+      const Region r = read_region(*src, ver->data_offset, std::min<std::uint64_t>(ver->size, 32));
+      std::string v(reinterpret_cast<const char*>(r.data), static_cast<std::size_t>(r.size));
+      while (!v.empty() && (v.back() == '\n' || v.back() == '\r' || v.back() == ' ')) v.pop_back();
+      if (v.empty() || v.find_first_not_of("0123456789") != std::string::npos)
+        throw_error(errors::pt_bad_version, where(*src), "record " + quote(ver->name) + " holds " + quote(v) + ", not a version number");
+    }
+    if (const zip::Entry* bo = ar.find(prefix + "byteorder")) {
+      if (overlap) ar.locate(*bo);
+      ar.check_readable(*bo);
+      const Region r = read_region(*src, bo->data_offset, std::min<std::uint64_t>(bo->size, 16));
+      const std::string_view v(reinterpret_cast<const char*>(r.data), static_cast<std::size_t>(r.size));
+      if (v == "big") throw_error(errors::pt_big_endian, where(*src), "big-endian file (byteorder record) is not supported");
+    }
+    const Region pickle_bytes = ar.read(*pkl);
+    if (overlap) {
+      try {
+        headers = std::thread([&] {
+          try {
+            located = ar.data_offsets();
+          } catch (...) {
+            locate_failed = std::current_exception();
+          }
+        });
+      } catch (const std::system_error&) {  // no thread to be had: read them now
+        located = ar.data_offsets();
+      }
+    }
+
+    f.view_base = vb.base;
+    f.view_owner = vb.owner;
+    statedict::detail::hash_index by_key;  // f.storages by key
+    std::size_t next_entry = 0;            // where the next storage's record is looked for first
+    read_context ctx{&opts, false};
+    pickle::Registry reg = torch_registry(ctx);
+    pickle::options po;
+    po.limits = opts.limits.pickle;
+    po.keep_unknown_objects = opts.keep_unknown_objects;
+    po.registry = &reg;
+    by_key.reserve(ar.entries().size());
+    seen.reserve(ar.entries().size());
+    f.storages.reserve(ar.entries().size());
+    // ('storage', torch.<Class>Storage, key, location, numel), its fields checked by the caller.
+    auto storage = [&](std::string_view module, std::string_view cls_name, bool global, std::string_view key_in,
+                       std::string_view location, std::int64_t numel_in) -> Value {
+      bool untyped = false;
+      const statedict::dtype t = storage_dtype(module, cls_name, global, untyped);
+      const std::string_view key = key_in;
+      if (numel_in < 0) throw_error(errors::pt_bad_storage, "storage " + quote(key) + " has a negative size");
+      const auto numel = static_cast<std::uint64_t>(numel_in);
+      const std::uint64_t nbytes = checked_mul(numel, itemsize(t), "storage size");
+      const std::uint32_t kh = statedict::detail::hash_index::mix(std::hash<std::string_view>{}(key));
+      std::uint32_t at = by_key.find(kh, [&](std::uint32_t i) { return f.storages[i].key == key; });
+      if (at == statedict::detail::hash_index::npos) {
+        std::string rec;
+        rec.reserve(prefix.size() + 5 + key.size());
+        rec.append(prefix).append("data/").append(key);
+        // torch.save numbers storages in order of first use and writes their records in that
+        // order: the entry after the previous storage's is tried before the name index (entry
+        // names are unique, so a match there is the match).
+        const auto& entries = ar.entries();
+        const zip::Entry* e = next_entry < entries.size() && entries[next_entry].name == rec ? &entries[next_entry] : ar.find(rec);
+        if (!e) throw_error(errors::pt_missing_record, "storage " + quote(key) + ": no record " + quote(rec));
+        next_entry = static_cast<std::size_t>(e - entries.data()) + 1;
+        ar.check_readable(*e);
+        cached c{e, nullptr, {}, t, numel};
+        std::uint64_t data_offset = e->data_offset;
+        if (overlap) {
+          // The prediction, checked after the join. One that cannot be right (its bytes would run
+          // into the central directory) still gets a pointer inside the source, never used.
+          data_offset = zip::written_data_offset(ar, *e);
+          if (data_offset > ar.central_directory_offset() || e->size > ar.central_directory_offset() - data_offset) {
+            mispredicted = true;
+            data_offset = 0;
+          }
+        }
+        if (views_only) {
+          c.data = vb.base + data_offset;
+          c.owner = vb.owner;
+        } else {
+          const Region r = ar.read(*e);  // verifies the CRC when asked; copies from a pread source
+          c.data = r.data;
+          c.owner = r.owner;
+        }
+        Storage s;
+        s.key = key;
+        s.dtype = t;
+        s.untyped = untyped;
+        s.offset = data_offset;
+        s.nbytes = e->size;
+        s.record = std::move(rec);  // not used below
+        s.location = location;
+        at = static_cast<std::uint32_t>(f.storages.size());
+        by_key.add(kh, at);
+        f.storages.push_back(std::move(s));
+        seen.push_back(std::move(c));
+      }
+      const cached& c = seen[at];
+      check_same_storage(key, c.dtype, c.numel, t, numel);
+      if (nbytes > c.entry->size)
+        throw_error(errors::pt_bad_storage, "storage " + quote(key) + " of " + std::to_string(numel) + " " + std::string(name(t)) +
+                                                " elements needs " + std::to_string(nbytes) + " bytes; its record holds " +
+                                                std::to_string(c.entry->size));
+      TensorView bytes = TensorView::contiguous(t, {static_cast<dim_t>(numel)}, c.data, c.owner);
+      return storage_value(module, cls_name, std::move(bytes), std::string(key), std::string(location));
+    };
+    po.persistent_load = [&](const Value& pid) -> Value {
+      if (!pid.is_tuple() || pid.as_list().size() != 5 || !is_storage_tag(pid.at(0)))
+        throw_error(errors::pt_bad_storage, "persistent id is not ('storage', type, key, location, numel)");
+      const List& p = pid.as_list();
+      if (!p[1].is_object() || !p[2].is_string() || !p[3].is_string() || !p[4].is_int())
+        throw_error(errors::pt_bad_storage, "persistent id fields have the wrong types");
+      const Object& cls = p[1].as_object();
+      return storage(cls.module, cls.name, cls.how == object_build::global, p[2].as_string(), p[3].as_string(), p[4].as_int());
+    };
+    // The same for the id torch.save writes, read without converting it to a Value first.
+    if (opts.fast_paths) po.persistent_fast = [&](const pickle::Args& a) -> std::optional<Value> {
+      using k = pickle::Args::kind;
+      if (a.size() != 5 || (a.kind_of(0) != k::str && a.kind_of(0) != k::bytes) || a.str(0) != "storage" ||
+          a.kind_of(1) != k::global || a.kind_of(2) != k::str || a.kind_of(3) != k::str || a.kind_of(4) != k::integer)
+        return std::nullopt;
+      const auto [module, cls_name] = a.global(1);
+      return storage(module, cls_name, true, a.str(2), a.str(3), a.integer(4));
+    };
+    try {
+      pickle::Result res = pickle::load(pickle_bytes.span(), po);
+      f.value = std::move(res.value);
+      f.attributes = std::move(res.attributes);
+      f.pickle_protocol = res.protocol;
+    } catch (error& e) {
+      e.add_context(where(*src) + ": record " + quote(pkl->name));
+      throw;
+    }
+  } catch (...) {
+    // Read first, a bad local header would have been the error: so it is here too.
+    if (overlap) {
+      if (headers.joinable()) {
+        headers.join();
+      } else if (located.empty()) {
+        try {
+          located = ar.data_offsets();
+        } catch (...) {
+          locate_failed = std::current_exception();
+        }
+      }
+      if (locate_failed) std::rethrow_exception(locate_failed);
+    }
     throw;
+  }
+  if (overlap) {
+    if (headers.joinable()) headers.join();
+    if (locate_failed) std::rethrow_exception(locate_failed);
+    ar.adopt_data_offsets(located);
+    for (std::size_t i = 0; i < seen.size() && !mispredicted; ++i) mispredicted = seen[i].entry->data_offset != f.storages[i].offset;
+    // Not torch's layout (an archive rewritten by another zip tool): read it again, headers first.
+    if (mispredicted) return read_zip(std::move(src), opts, lazy, false);
   }
   return f;
 }

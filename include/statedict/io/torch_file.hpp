@@ -26,6 +26,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <filesystem>
 #include <functional>
 #include <map>
@@ -35,6 +36,8 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <system_error>
+#include <thread>
 #include <tuple>
 #include <unordered_map>
 #include <utility>
@@ -104,6 +107,13 @@ struct load_options {
   bool fast_paths = true;
   /// How a path is opened (torch::read(path)).
   read_mode mode = read_mode::mmap;
+  /// Zip archives with at least this many entries have their local headers (where each record's
+  /// bytes start: one small read per few storages) read on a second thread while the pickle is
+  /// parsed. Meanwhile each storage's offset is predicted from torch's layout
+  /// (zip::written_data_offset) and checked once the headers are in; an archive laid out
+  /// otherwise is then read again the plain way. The File is the same either way (a test and the
+  /// torch fuzz target compare). 0: always; SIZE_MAX: never (the headers are read first).
+  std::size_t overlap_headers_from = 256;
 };
 
 /// One storage of the file.
@@ -436,44 +446,38 @@ inline view_base make_view_base(const ByteSource& src, bool lazy) {
 // ---------------------------------------------------------------------------------------------
 // Zip format
 
-inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& opts, bool lazy) {
+/// Joins a thread on every way out of a scope.
+struct joining {
+  std::thread& t;
+  explicit joining(std::thread& thread) : t(thread) {}
+  joining(const joining&) = delete;
+  joining& operator=(const joining&) = delete;
+  ~joining() {
+    if (t.joinable()) t.join();
+  }
+};
+
+inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& opts, bool lazy, bool may_overlap = true) {
   File f;
   f.format = "zip";
   f.source = src;
+  const view_base vb = make_view_base(*src, lazy);
+  // Storages become views into vb (no record is read) unless CRCs are checked or the source has
+  // no address: only then are their local headers needed before the pickle.
+  const bool views_only = vb.base && !(vb.real && opts.verify_crc);
   zip::read_options zo;
   zo.limits = opts.limits.zip;
   zo.verify_crc = opts.verify_crc && !lazy;
+  zo.defer_local_headers = views_only && may_overlap;
   zip::Archive ar = zip::Archive::open(src, zo);
-  if (ar.entries().empty()) throw_error(errors::pt_missing_record, where(*src), "zip archive without entries");
-  // The archive folder is the first entry's top folder (PyTorchStreamReader::init).
-  const std::string& first = ar.entries().front().name;
-  const auto slash = first.find('/');
-  if (slash == std::string::npos)
-    throw_error(errors::pt_missing_record, where(*src), "first zip entry " + quote(first) + " is not inside a folder");
-  f.archive_name = first.substr(0, slash);
-  const std::string prefix = f.archive_name + "/";
-  for (const auto& e : ar.entries()) f.records.push_back(e.name);
-  const zip::Entry* pkl = ar.find(prefix + "data.pkl");
-  if (!pkl) throw_error(errors::pt_missing_record, where(*src), "no record " + quote(prefix + "data.pkl") + ": not a torch.save file");
-  if (const zip::Entry* ver = ar.find(prefix + "version"); ver || (ver = ar.find(prefix + ".data/version"))) {
-    ar.check_readable(*ver);
-    const Region r = read_region(*src, ver->data_offset, std::min<std::uint64_t>(ver->size, 32));
-    std::string v(reinterpret_cast<const char*>(r.data), static_cast<std::size_t>(r.size));
-    while (!v.empty() && (v.back() == '\n' || v.back() == '\r' || v.back() == ' ')) v.pop_back();
-    if (v.empty() || v.find_first_not_of("0123456789") != std::string::npos)
-      throw_error(errors::pt_bad_version, where(*src), "record " + quote(ver->name) + " holds " + quote(v) + ", not a version number");
-  }
-  if (const zip::Entry* bo = ar.find(prefix + "byteorder")) {
-    ar.check_readable(*bo);
-    const Region r = read_region(*src, bo->data_offset, std::min<std::uint64_t>(bo->size, 16));
-    const std::string_view v(reinterpret_cast<const char*>(r.data), static_cast<std::size_t>(r.size));
-    if (v == "big") throw_error(errors::pt_big_endian, where(*src), "big-endian file (byteorder record) is not supported");
-  }
-  const Region pickle_bytes = ar.read(*pkl);
-
-  const view_base vb = make_view_base(*src, lazy);
-  f.view_base = vb.base;
-  f.view_owner = vb.owner;
+  const bool overlap = zo.defer_local_headers && ar.entries().size() >= opts.overlap_headers_from;
+  if (zo.defer_local_headers && !overlap) ar.adopt_data_offsets(ar.data_offsets());
+  // With `overlap`, the headers are read on `headers` from the pickle on; until the join, `ar`
+  // is only read (data_offsets() is const; the few locate() calls come before the thread).
+  std::vector<std::uint64_t> located;
+  std::exception_ptr locate_failed;
+  std::thread headers;
+  const joining join_headers{headers};
   struct cached {
     const zip::Entry* entry;
     const std::byte* data;  ///< the record's first byte (mapping, reservation or a copy)
@@ -482,97 +486,178 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
     std::uint64_t numel;
   };
   std::vector<cached> seen;         // per storage of f.storages
-  statedict::detail::hash_index by_key;  // f.storages by key
-  std::size_t next_entry = 0;            // where the next storage's record is looked for first
-  read_context ctx{&opts, false};
-  pickle::Registry reg = torch_registry(ctx);
-  pickle::options po;
-  po.limits = opts.limits.pickle;
-  po.keep_unknown_objects = opts.keep_unknown_objects;
-  po.registry = &reg;
-  by_key.reserve(ar.entries().size());
-  seen.reserve(ar.entries().size());
-  f.storages.reserve(ar.entries().size());
-  // ('storage', torch.<Class>Storage, key, location, numel), its fields checked by the caller.
-  auto storage = [&](std::string_view module, std::string_view cls_name, bool global, std::string_view key_in,
-                     std::string_view location, std::int64_t numel_in) -> Value {
-    bool untyped = false;
-    const statedict::dtype t = storage_dtype(module, cls_name, global, untyped);
-    const std::string_view key = key_in;
-    if (numel_in < 0) throw_error(errors::pt_bad_storage, "storage " + quote(key) + " has a negative size");
-    const auto numel = static_cast<std::uint64_t>(numel_in);
-    const std::uint64_t nbytes = checked_mul(numel, itemsize(t), "storage size");
-    const std::uint32_t kh = statedict::detail::hash_index::mix(std::hash<std::string_view>{}(key));
-    std::uint32_t at = by_key.find(kh, [&](std::uint32_t i) { return f.storages[i].key == key; });
-    if (at == statedict::detail::hash_index::npos) {
-      std::string rec;
-      rec.reserve(prefix.size() + 5 + key.size());
-      rec.append(prefix).append("data/").append(key);
-      // torch.save numbers storages in order of first use and writes their records in that
-      // order: the entry after the previous storage's is tried before the name index (entry
-      // names are unique, so a match there is the match).
-      const auto& entries = ar.entries();
-      const zip::Entry* e = next_entry < entries.size() && entries[next_entry].name == rec ? &entries[next_entry] : ar.find(rec);
-      if (!e) throw_error(errors::pt_missing_record, "storage " + quote(key) + ": no record " + quote(rec));
-      next_entry = static_cast<std::size_t>(e - entries.data()) + 1;
-      ar.check_readable(*e);
-      cached c{e, nullptr, {}, t, numel};
-      if (vb.base && !(vb.real && opts.verify_crc)) {
-        c.data = vb.base + e->data_offset;
-        c.owner = vb.owner;
-      } else {
-        const Region r = ar.read(*e);  // verifies the CRC when asked; copies from a pread source
-        c.data = r.data;
-        c.owner = r.owner;
-      }
-      Storage s;
-      s.key = key;
-      s.dtype = t;
-      s.untyped = untyped;
-      s.offset = e->data_offset;
-      s.nbytes = e->size;
-      s.record = std::move(rec);  // not used below
-      s.location = location;
-      at = static_cast<std::uint32_t>(f.storages.size());
-      by_key.add(kh, at);
-      f.storages.push_back(std::move(s));
-      seen.push_back(std::move(c));
-    }
-    const cached& c = seen[at];
-    check_same_storage(key, c.dtype, c.numel, t, numel);
-    if (nbytes > c.entry->size)
-      throw_error(errors::pt_bad_storage, "storage " + quote(key) + " of " + std::to_string(numel) + " " + std::string(name(t)) +
-                                              " elements needs " + std::to_string(nbytes) + " bytes; its record holds " +
-                                              std::to_string(c.entry->size));
-    TensorView bytes = TensorView::contiguous(t, {static_cast<dim_t>(numel)}, c.data, c.owner);
-    return storage_value(module, cls_name, std::move(bytes), std::string(key), std::string(location));
-  };
-  po.persistent_load = [&](const Value& pid) -> Value {
-    if (!pid.is_tuple() || pid.as_list().size() != 5 || !is_storage_tag(pid.at(0)))
-      throw_error(errors::pt_bad_storage, "persistent id is not ('storage', type, key, location, numel)");
-    const List& p = pid.as_list();
-    if (!p[1].is_object() || !p[2].is_string() || !p[3].is_string() || !p[4].is_int())
-      throw_error(errors::pt_bad_storage, "persistent id fields have the wrong types");
-    const Object& cls = p[1].as_object();
-    return storage(cls.module, cls.name, cls.how == object_build::global, p[2].as_string(), p[3].as_string(), p[4].as_int());
-  };
-  // The same for the id torch.save writes, read without converting it to a Value first.
-  if (opts.fast_paths) po.persistent_fast = [&](const pickle::Args& a) -> std::optional<Value> {
-    using k = pickle::Args::kind;
-    if (a.size() != 5 || (a.kind_of(0) != k::str && a.kind_of(0) != k::bytes) || a.str(0) != "storage" ||
-        a.kind_of(1) != k::global || a.kind_of(2) != k::str || a.kind_of(3) != k::str || a.kind_of(4) != k::integer)
-      return std::nullopt;
-    const auto [module, cls_name] = a.global(1);
-    return storage(module, cls_name, true, a.str(2), a.str(3), a.integer(4));
-  };
+  bool mispredicted = false;  // a storage's record does not start where torch's layout puts it
   try {
-    pickle::Result res = pickle::load(pickle_bytes.span(), po);
-    f.value = std::move(res.value);
-    f.attributes = std::move(res.attributes);
-    f.pickle_protocol = res.protocol;
-  } catch (error& e) {
-    e.add_context(where(*src) + ": record " + quote(pkl->name));
+    if (ar.entries().empty()) throw_error(errors::pt_missing_record, where(*src), "zip archive without entries");
+    // The archive folder is the first entry's top folder (PyTorchStreamReader::init).
+    const std::string& first = ar.entries().front().name;
+    const auto slash = first.find('/');
+    if (slash == std::string::npos)
+      throw_error(errors::pt_missing_record, where(*src), "first zip entry " + quote(first) + " is not inside a folder");
+    f.archive_name = first.substr(0, slash);
+    const std::string prefix = f.archive_name + "/";
+    for (const auto& e : ar.entries()) f.records.push_back(e.name);
+    const zip::Entry* pkl = ar.find(prefix + "data.pkl");
+    if (!pkl) throw_error(errors::pt_missing_record, where(*src), "no record " + quote(prefix + "data.pkl") + ": not a torch.save file");
+    if (overlap) ar.locate(*pkl);
+    if (const zip::Entry* ver = ar.find(prefix + "version"); ver || (ver = ar.find(prefix + ".data/version"))) {
+      if (overlap) ar.locate(*ver);
+      ar.check_readable(*ver);
+      const Region r = read_region(*src, ver->data_offset, std::min<std::uint64_t>(ver->size, 32));
+      std::string v(reinterpret_cast<const char*>(r.data), static_cast<std::size_t>(r.size));
+      while (!v.empty() && (v.back() == '\n' || v.back() == '\r' || v.back() == ' ')) v.pop_back();
+      if (v.empty() || v.find_first_not_of("0123456789") != std::string::npos)
+        throw_error(errors::pt_bad_version, where(*src), "record " + quote(ver->name) + " holds " + quote(v) + ", not a version number");
+    }
+    if (const zip::Entry* bo = ar.find(prefix + "byteorder")) {
+      if (overlap) ar.locate(*bo);
+      ar.check_readable(*bo);
+      const Region r = read_region(*src, bo->data_offset, std::min<std::uint64_t>(bo->size, 16));
+      const std::string_view v(reinterpret_cast<const char*>(r.data), static_cast<std::size_t>(r.size));
+      if (v == "big") throw_error(errors::pt_big_endian, where(*src), "big-endian file (byteorder record) is not supported");
+    }
+    const Region pickle_bytes = ar.read(*pkl);
+    if (overlap) {
+      try {
+        headers = std::thread([&] {
+          try {
+            located = ar.data_offsets();
+          } catch (...) {
+            locate_failed = std::current_exception();
+          }
+        });
+      } catch (const std::system_error&) {  // no thread to be had: read them now
+        located = ar.data_offsets();
+      }
+    }
+
+    f.view_base = vb.base;
+    f.view_owner = vb.owner;
+    statedict::detail::hash_index by_key;  // f.storages by key
+    std::size_t next_entry = 0;            // where the next storage's record is looked for first
+    read_context ctx{&opts, false};
+    pickle::Registry reg = torch_registry(ctx);
+    pickle::options po;
+    po.limits = opts.limits.pickle;
+    po.keep_unknown_objects = opts.keep_unknown_objects;
+    po.registry = &reg;
+    by_key.reserve(ar.entries().size());
+    seen.reserve(ar.entries().size());
+    f.storages.reserve(ar.entries().size());
+    // ('storage', torch.<Class>Storage, key, location, numel), its fields checked by the caller.
+    auto storage = [&](std::string_view module, std::string_view cls_name, bool global, std::string_view key_in,
+                       std::string_view location, std::int64_t numel_in) -> Value {
+      bool untyped = false;
+      const statedict::dtype t = storage_dtype(module, cls_name, global, untyped);
+      const std::string_view key = key_in;
+      if (numel_in < 0) throw_error(errors::pt_bad_storage, "storage " + quote(key) + " has a negative size");
+      const auto numel = static_cast<std::uint64_t>(numel_in);
+      const std::uint64_t nbytes = checked_mul(numel, itemsize(t), "storage size");
+      const std::uint32_t kh = statedict::detail::hash_index::mix(std::hash<std::string_view>{}(key));
+      std::uint32_t at = by_key.find(kh, [&](std::uint32_t i) { return f.storages[i].key == key; });
+      if (at == statedict::detail::hash_index::npos) {
+        std::string rec;
+        rec.reserve(prefix.size() + 5 + key.size());
+        rec.append(prefix).append("data/").append(key);
+        // torch.save numbers storages in order of first use and writes their records in that
+        // order: the entry after the previous storage's is tried before the name index (entry
+        // names are unique, so a match there is the match).
+        const auto& entries = ar.entries();
+        const zip::Entry* e = next_entry < entries.size() && entries[next_entry].name == rec ? &entries[next_entry] : ar.find(rec);
+        if (!e) throw_error(errors::pt_missing_record, "storage " + quote(key) + ": no record " + quote(rec));
+        next_entry = static_cast<std::size_t>(e - entries.data()) + 1;
+        ar.check_readable(*e);
+        cached c{e, nullptr, {}, t, numel};
+        std::uint64_t data_offset = e->data_offset;
+        if (overlap) {
+          // The prediction, checked after the join. One that cannot be right (its bytes would run
+          // into the central directory) still gets a pointer inside the source, never used.
+          data_offset = zip::written_data_offset(ar, *e);
+          if (data_offset > ar.central_directory_offset() || e->size > ar.central_directory_offset() - data_offset) {
+            mispredicted = true;
+            data_offset = 0;
+          }
+        }
+        if (views_only) {
+          c.data = vb.base + data_offset;
+          c.owner = vb.owner;
+        } else {
+          const Region r = ar.read(*e);  // verifies the CRC when asked; copies from a pread source
+          c.data = r.data;
+          c.owner = r.owner;
+        }
+        Storage s;
+        s.key = key;
+        s.dtype = t;
+        s.untyped = untyped;
+        s.offset = data_offset;
+        s.nbytes = e->size;
+        s.record = std::move(rec);  // not used below
+        s.location = location;
+        at = static_cast<std::uint32_t>(f.storages.size());
+        by_key.add(kh, at);
+        f.storages.push_back(std::move(s));
+        seen.push_back(std::move(c));
+      }
+      const cached& c = seen[at];
+      check_same_storage(key, c.dtype, c.numel, t, numel);
+      if (nbytes > c.entry->size)
+        throw_error(errors::pt_bad_storage, "storage " + quote(key) + " of " + std::to_string(numel) + " " + std::string(name(t)) +
+                                                " elements needs " + std::to_string(nbytes) + " bytes; its record holds " +
+                                                std::to_string(c.entry->size));
+      TensorView bytes = TensorView::contiguous(t, {static_cast<dim_t>(numel)}, c.data, c.owner);
+      return storage_value(module, cls_name, std::move(bytes), std::string(key), std::string(location));
+    };
+    po.persistent_load = [&](const Value& pid) -> Value {
+      if (!pid.is_tuple() || pid.as_list().size() != 5 || !is_storage_tag(pid.at(0)))
+        throw_error(errors::pt_bad_storage, "persistent id is not ('storage', type, key, location, numel)");
+      const List& p = pid.as_list();
+      if (!p[1].is_object() || !p[2].is_string() || !p[3].is_string() || !p[4].is_int())
+        throw_error(errors::pt_bad_storage, "persistent id fields have the wrong types");
+      const Object& cls = p[1].as_object();
+      return storage(cls.module, cls.name, cls.how == object_build::global, p[2].as_string(), p[3].as_string(), p[4].as_int());
+    };
+    // The same for the id torch.save writes, read without converting it to a Value first.
+    if (opts.fast_paths) po.persistent_fast = [&](const pickle::Args& a) -> std::optional<Value> {
+      using k = pickle::Args::kind;
+      if (a.size() != 5 || (a.kind_of(0) != k::str && a.kind_of(0) != k::bytes) || a.str(0) != "storage" ||
+          a.kind_of(1) != k::global || a.kind_of(2) != k::str || a.kind_of(3) != k::str || a.kind_of(4) != k::integer)
+        return std::nullopt;
+      const auto [module, cls_name] = a.global(1);
+      return storage(module, cls_name, true, a.str(2), a.str(3), a.integer(4));
+    };
+    try {
+      pickle::Result res = pickle::load(pickle_bytes.span(), po);
+      f.value = std::move(res.value);
+      f.attributes = std::move(res.attributes);
+      f.pickle_protocol = res.protocol;
+    } catch (error& e) {
+      e.add_context(where(*src) + ": record " + quote(pkl->name));
+      throw;
+    }
+  } catch (...) {
+    // Read first, a bad local header would have been the error: so it is here too.
+    if (overlap) {
+      if (headers.joinable()) {
+        headers.join();
+      } else if (located.empty()) {
+        try {
+          located = ar.data_offsets();
+        } catch (...) {
+          locate_failed = std::current_exception();
+        }
+      }
+      if (locate_failed) std::rethrow_exception(locate_failed);
+    }
     throw;
+  }
+  if (overlap) {
+    if (headers.joinable()) headers.join();
+    if (locate_failed) std::rethrow_exception(locate_failed);
+    ar.adopt_data_offsets(located);
+    for (std::size_t i = 0; i < seen.size() && !mispredicted; ++i) mispredicted = seen[i].entry->data_offset != f.storages[i].offset;
+    // Not torch's layout (an archive rewritten by another zip tool): read it again, headers first.
+    if (mispredicted) return read_zip(std::move(src), opts, lazy, false);
   }
   return f;
 }
