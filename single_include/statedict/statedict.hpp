@@ -3494,6 +3494,19 @@ inline bool valid_utf8(std::string_view s) noexcept {
   return true;
 }
 
+/// Whether every byte of `s` is below 0x80, 8 bytes a step.
+inline bool is_ascii(std::string_view s) noexcept {
+  std::uint64_t any = 0;
+  std::size_t i = 0;
+  for (; i + 8 <= s.size(); i += 8) {
+    std::uint64_t w;
+    std::memcpy(&w, s.data() + i, 8);
+    any |= w;
+  }
+  for (; i < s.size(); ++i) any |= static_cast<unsigned char>(s[i]);
+  return (any & 0x8080808080808080ULL) == 0;
+}
+
 /// A JSON string node, or {"str_bytes": base64} when `s` is not valid UTF-8.
 inline json encode_string(std::string_view s) {
   if (valid_utf8(s)) return json(std::string(s));
@@ -4104,13 +4117,14 @@ bool mark_repeats(std::size_t n, Name&& name, std::vector<std::uint8_t>& repeate
 ///   3. either way, if the name is already taken (by a fixed name or an earlier node), the first
 ///      free of `NAME#2`, `NAME#3`, ...
 /// `fixed[i]`, when given and non-null, is a name the node already has (tensor nodes of a skeleton).
+/// `ascii`: the caller knows every dotted name is ASCII (so valid UTF-8).
 /// Returns nullopt when the names are simply the dotted names (all unique, none fixed).
 template <class Dotted, class Quoted>
 std::optional<std::vector<std::string>> assign_names(std::size_t n, Dotted&& dotted, const std::vector<const std::string*>& fixed,
-                                                     Quoted&& quoted) {
+                                                     Quoted&& quoted, bool ascii = false) {
   std::vector<std::uint8_t> collides(n, 0);  // or is not valid UTF-8: either way, quote it
   bool any = mark_repeats(n, dotted, collides);
-  for (std::size_t i = 0; i < n; ++i)
+  for (std::size_t i = 0; i < n && !ascii; ++i)
     if (!valid_utf8(dotted(i))) collides[i] = 1, any = true;
   if (!any && fixed.empty()) return std::nullopt;
   std::unordered_set<std::string> used;
@@ -4182,6 +4196,42 @@ inline void address_sort(std::vector<std::pair<std::uintptr_t, std::uint32_t>>& 
 // ------------------------------------------------------------------------------------------------
 // flatten
 
+/// flatten's current dotted path: appends and truncations inline (std::string's are calls, and
+/// a walk makes several per node).
+class path_buffer {
+ public:
+  [[nodiscard]] std::size_t size() const noexcept { return len_; }
+  [[nodiscard]] std::string_view view() const noexcept { return {buf_.get(), len_}; }
+  void truncate(std::size_t n) noexcept { len_ = std::min(n, len_); }
+  void push(char c) {
+    room(1);
+    buf_[len_++] = c;
+  }
+  void append(std::string_view s) {
+    if (s.empty()) return;
+    room(s.size());
+    std::memcpy(buf_.get() + len_, s.data(), s.size());
+    len_ += s.size();
+  }
+  void append_int(std::int64_t v) {
+    room(20);  // "-9223372036854775808"
+    const auto r = std::to_chars(buf_.get() + len_, buf_.get() + len_ + 20, v);
+    len_ = static_cast<std::size_t>(r.ptr - buf_.get());
+  }
+
+ private:
+  void room(std::size_t more) {
+    if (more <= cap_ - len_) return;
+    const std::size_t cap = std::max({len_ + more, 2 * cap_, std::size_t{256}});
+    auto b = std::make_unique_for_overwrite<char[]>(cap);
+    if (len_) std::memcpy(b.get(), buf_.get(), len_);
+    buf_ = std::move(b);
+    cap_ = cap;
+  }
+  std::unique_ptr<char[]> buf_;
+  std::size_t len_ = 0, cap_ = 0;
+};
+
 class flattener {
  public:
   FlatStateDict run(const Value& root) {
@@ -4199,7 +4249,8 @@ class flattener {
               if (v.is_tensor()) quoted.push_back(quoted_name(p));
             });
           return quoted[i];
-        });
+        },
+        is_ascii(arena_));
     FlatStateDict out;
     std::size_t ntensors = 0, room = dims_;  // dims_ counts every leaf's shape; views add strides
     for (std::size_t i = 0; i < n; ++i) {
@@ -4274,16 +4325,10 @@ class flattener {
   std::size_t dims_ = 0;              // room the tape's dims need
   std::vector<std::uintptr_t> end_;  // leaf i's bytes end at end_[i] (extent 0: its start)
   std::vector<std::pair<std::uintptr_t, std::uint32_t>> by_start_;  // (start, leaf) of leaves with bytes
-  std::string prefix_;
+  path_buffer prefix_;
 
   [[nodiscard]] std::string_view dotted(std::size_t i) const {
     return std::string_view(arena_).substr(name_start_[i], name_start_[i + 1] - name_start_[i]);
-  }
-
-  static void append_int(std::string& s, std::int64_t v) {
-    char buf[24];
-    auto r = std::to_chars(buf, buf + sizeof buf, v);
-    s.append(buf, r.ptr);
   }
 
   void node(snode k, std::uint64_t a = 0, std::uint32_t b = 0, std::uint8_t flag = 0) { tape_->nodes.push_back({a, b, k, flag}); }
@@ -4317,7 +4362,7 @@ class flattener {
         end_.push_back(start_of(t) + extent);
         if (extent != 0) by_start_.emplace_back(start_of(t), li);
         if (name_start_.empty()) name_start_.push_back(0);
-        arena_ += prefix_;
+        arena_ += prefix_.view();
         name_start_.push_back(arena_.size());
         return false;
       }
@@ -4363,24 +4408,24 @@ class flattener {
         continue;
       }
       const std::size_t i = top.next++;
-      prefix_.resize(top.prefix_len);
-      if (!top.root) prefix_ += '.';
+      prefix_.truncate(top.prefix_len);
+      if (!top.root) prefix_.push('.');
       const Value* child = nullptr;
       switch (top.node->kind()) {
         case value_kind::list:
         case value_kind::tuple:
           child = &top.node->as_list()[i];
-          append_int(prefix_, static_cast<std::int64_t>(i));
+          prefix_.append_int(static_cast<std::int64_t>(i));
           break;
         case value_kind::dict: {
           const auto& item = top.node->as_dict().items()[i];
           child = &item.second;
           if (item.first.is_int()) {
             node(snode::integer, static_cast<std::uint64_t>(item.first.as_int()));
-            append_int(prefix_, item.first.as_int());
+            prefix_.append_int(item.first.as_int());
           } else {
             string_node(snode::string, item.first.as_string());
-            prefix_ += item.first.as_string();
+            prefix_.append(item.first.as_string());
           }
           break;
         }
@@ -4389,24 +4434,24 @@ class flattener {
           std::size_t j = i;
           if (j < o.args.size()) {
             child = &o.args[j];
-            prefix_ += "args.";
-            append_int(prefix_, static_cast<std::int64_t>(j));
+            prefix_.append("args.");
+            prefix_.append_int(static_cast<std::int64_t>(j));
             break;
           }
           j -= o.args.size();
           if (j < o.state.size()) {
             child = &o.state[j];
-            prefix_ += "state";
+            prefix_.append("state");
             if (o.state.size() > 1) {
-              prefix_ += '.';
-              append_int(prefix_, static_cast<std::int64_t>(j));
+              prefix_.push('.');
+              prefix_.append_int(static_cast<std::int64_t>(j));
             }
             break;
           }
           j -= o.state.size();
           child = &o.items[j];
-          prefix_ += "items.";
-          append_int(prefix_, static_cast<std::int64_t>(j));
+          prefix_.append("items.");
+          prefix_.append_int(static_cast<std::int64_t>(j));
           break;
         }
       }
