@@ -676,3 +676,58 @@ TEST_CASE("fast forms: tried first, handed over on nullopt, their errors placed 
   o.persistent_fast = [](const pickle::Args& a) -> std::optional<Value> { return Value(std::string(a.global(0).first)); };
   expect_error_p(P2 + "(" + binunicode("x") + "tQ.", errors::pk_bad_call, o);
 }
+
+TEST_CASE("persistent handles: read as they are by fast forms, made Values anywhere else, counted as leaves") {
+  pickle::Registry reg = pickle::Registry::weights_only();
+  int slow_calls = 0;
+  reg.function(
+      "torch._utils._rebuild_tensor_v2",
+      [&](pickle::Call& c) -> Value {
+        ++slow_calls;
+        return Value("slow:" + c.args.at(0).as_string());
+      },
+      [](const pickle::Args& a) -> std::optional<Value> {
+        if (a.size() != 1 || a.kind_of(0) != pickle::Args::kind::handle) return std::nullopt;
+        return Value("fast:" + std::to_string(a.handle(0)));
+      });
+  pickle::options o;
+  o.registry = &reg;
+  int values_made = 0;
+  // ('h', n) becomes handle n; anything else goes on to persistent_load.
+  o.persistent_handle = [](const pickle::Args& a) -> std::optional<std::uint64_t> {
+    using k = pickle::Args::kind;
+    if (a.size() != 2 || a.kind_of(0) != k::str || a.str(0) != "h" || a.kind_of(1) != k::integer) return std::nullopt;
+    return static_cast<std::uint64_t>(a.integer(1)) + (std::uint64_t{1} << 40);  // all 64 bits are the caller's
+  };
+  o.handle_value = [&](std::uint64_t h) {
+    ++values_made;
+    return Value("value:" + std::to_string(h - (std::uint64_t{1} << 40)));
+  };
+  o.persistent_load = [](const Value& pid) { return Value("loaded:" + std::to_string(pid.as_list().size())); };
+  const std::string f = global("torch._utils", "_rebuild_tensor_v2");
+  const std::string h7 = "(" + binunicode("h") + "K\x07tQ";
+  // The fast form sees the handle itself; no Value is made for it.
+  CHECK(val(P2 + f + "(" + h7 + "tR.", o).as_string() == "fast:" + std::to_string((std::uint64_t{1} << 40) + 7));
+  CHECK(values_made == 0);
+  // Bare, through the memo, and as an argument the fast form declines: a Value each time.
+  CHECK(val(P2 + h7 + "q\x00h\x00\x86."_b, o) == Value::tuple({"value:7", "value:7"}));
+  CHECK(values_made == 2);
+  CHECK(val(P2 + f + "(" + h7 + "K\x01tR.", o).as_string() == "slow:value:7");
+  CHECK(slow_calls == 1);
+  CHECK(values_made == 3);
+  // Declined ids take the other ways.
+  CHECK(val(P2 + "(" + binunicode("x") + "K\x07tQ.", o).as_string() == "loaded:2");
+  // A handle with nothing to turn it into a Value is an error, not a silent None.
+  o.handle_value = nullptr;
+  expect_error_p(P2 + h7 + ".", errors::pk_no_persistent_load, o);
+  // Each Value made from a handle counts against the node limit, as a leaf copied there does.
+  o.handle_value = [](std::uint64_t) { return Value::list({1, 2, 3, 4, 5, 6, 7, 8}); };
+  o.limits.max_nodes = 20;
+  CHECK(val(P2 + h7 + "q\x00h\x00\x86."_b, o).as_list().size() == 2);  // 1 + 2 * 9 values
+  expect_error_p(P2 + h7 + "q\x00h\x00h\x00\x87."_b, errors::pk_node_limit, o);
+  // ... and its height against the depth limit where it lands.
+  o.limits.max_nodes = 1000;
+  o.limits.max_depth = 1;
+  CHECK(val(P2 + h7 + ".", o).as_list().size() == 8);
+  expect_error_p(P2 + "]" + h7 + "a.", errors::pk_depth_limit, o);
+}

@@ -446,6 +446,16 @@ TEST_CASE("fast paths on and off read the same tree, views of the same bytes, an
       {"storage twice, tied", "(" + call(st + "q\x01", integer(0), tuple({6}), tuple({1})) + call("h\x01", integer(1), tuple({2}), tuple({2})) + "t", true},
       {"storage twice, other type", "(" + call(st, integer(0), tuple({6}), tuple({1})) +
                                         call(pid(str("storage"), "IntStorage", integer(6)), integer(0), tuple({6}), tuple({1})) + "t", false},
+      // A storage the tree holds bare, or passes to a call without a fast form, is a Value made
+      // as the id it came from names it (class, location), also when its key was met before.
+      {"bare storage", "(" + st + call(st, integer(0), tuple({6}), tuple({1})) + "t", true},
+      {"bare storage twice, the second with another location", "(" + st + "(" + str("storage") + glob("torch", "FloatStorage") + str("0") +
+                                                                 str("cuda:0") + integer(6) + "tQ" + call(st, integer(1), tuple({5}), tuple({1})) + "t", true},
+      {"storage twice, the second of another module's class", "(" + call(st, integer(0), tuple({6}), tuple({1})) +
+                                                                "(" + str("storage") + glob("torch.cuda", "FloatStorage") + str("0") + str("cpu") +
+                                                                integer(6) + "tQq\x02" + call("h\x02", integer(2), tuple({2}), tuple({1})) + "h\x02t", true},
+      {"v3 of a typed storage", glob("torch._utils", "_rebuild_tensor_v3") + "(" + st + integer(0) + tuple({6}) + tuple({1}) + "\x89" +
+                                    glob("collections", "OrderedDict") + ")R" + glob("torch", "float32") + "tR", true},
   };
   int read = 0;
   for (const Case& c : cases) {
@@ -486,7 +496,7 @@ TEST_CASE("fast paths on and off read the same tree, views of the same bytes, an
       CHECK(got[1]->storages[i].location == got[0]->storages[i].location);
     }
   }
-  CHECK(read == 11);
+  CHECK(read == 15);
 }
 
 TEST_CASE("legacy format: hand-made file, and its failure modes") {

@@ -183,6 +183,12 @@ struct options {
   /// Optional: resolves a persistent id that is a tuple from its items as the reader holds them
   /// (see fast_fn); nullopt hands the id to persistent_load.
   fast_fn persistent_fast;
+  /// Optional, tried before persistent_fast: resolves a persistent id into a handle, a number the
+  /// caller gives meaning to, held in the graph instead of a Value. A fast_fn reads it as it is
+  /// (Args::handle); anywhere else (a bare storage, the arguments of a call without a fast form)
+  /// it becomes handle_value(handle), which must then be set. nullopt goes on to persistent_fast.
+  std::function<std::optional<std::uint64_t>(const Args&)> persistent_handle;
+  std::function<Value(std::uint64_t)> handle_value;
 };
 
 /// Python 2 module names as Python 3 maps them (the subset that can appear in state dicts).
@@ -344,14 +350,14 @@ class Reader {
   // The object graph built while parsing. Containers are mutable until the end (pickle fills
   // them after memoizing them); scalars and strings are small inline nodes (strings are views of
   // the input); results of registered functions are finished Values.
-  enum class nk : std::uint8_t { none, boolean, integer, floating, str, bytes, leaf, list, tuple, dict, object, global };
+  enum class nk : std::uint8_t { none, boolean, integer, floating, str, bytes, leaf, list, tuple, dict, object, global, handle };
   static constexpr std::uint32_t npos = 0xFFFFFFFFU;
 
   struct Node {
     nk kind = nk::none;
     std::uint32_t index = npos;  ///< str/bytes: length; leaf/list/tuple/dict/object/global: side-table index
     union {
-      std::int64_t i;
+      std::int64_t i;  ///< boolean, integer; handle: the handle (as uint64)
       double d;
       std::uint64_t off;  ///< str/bytes: offset in the input
     } u{};
@@ -369,8 +375,18 @@ class Reader {
     std::vector<std::uint32_t> items;  ///< appended values, or (key, value) tuple nodes
   };
 
+  // Failures of the small functions every opcode runs, out of line so that those stay inlined.
+  [[noreturn, gnu::cold, gnu::noinline]] void too_many_nodes() const { fail(errors::pk_node_limit, "more than 2^32 objects"); }
+  [[noreturn, gnu::cold, gnu::noinline]] void truncated(std::uint64_t n, const char* what) const {
+    fail(errors::pk_truncated, std::string(what) + " needs " + std::to_string(n) + " bytes, " + std::to_string(left()) + " left");
+  }
+  [[noreturn, gnu::cold, gnu::noinline]] void stack_overflow() const {
+    fail(errors::pk_stack_limit, "stack exceeds limits.max_stack (" + std::to_string(opts_.limits.max_stack) + ")");
+  }
+  [[noreturn, gnu::cold, gnu::noinline]] void stack_underflow(const char* what) const { fail(errors::pk_stack_underflow, what); }
+
   std::uint32_t add_node(Node n) {
-    if (nodes_.size() >= npos - 1) fail(errors::pk_node_limit, "more than 2^32 objects");
+    if (nodes_.size() >= npos - 1) [[unlikely]] too_many_nodes();
     nodes_.push_back(n);
     refs_.push_back(0);
     return static_cast<std::uint32_t>(nodes_.size() - 1);
@@ -437,7 +453,8 @@ class Reader {
     // against limits.max_nodes (a persistent id answered with a large value and then referenced
     // through shared lists would otherwise copy without bound), and its height against
     // limits.max_depth where it lands (set(set(...)) calls nest leaves inside leaves).
-    leaf_shape_.push_back(leaf_shape(v));
+    const bool scalar = !v.is_list() && !v.is_tuple() && !v.is_dict() && !v.is_object();  // a tensor, mostly
+    leaf_shape_.push_back(scalar ? LeafShape{1, 1} : leaf_shape(v));
     leaves_.push_back(std::move(v));
     Node n;
     n.kind = nk::leaf;
@@ -513,9 +530,7 @@ class Reader {
 
   [[nodiscard]] std::uint64_t left() const noexcept { return size_ - pos_; }
   void need(std::uint64_t n, const char* what) const {
-    if (n > left())
-      fail(errors::pk_truncated, std::string(what) + " needs " + std::to_string(n) + " bytes, " +
-                                     std::to_string(left()) + " left");
+    if (n > left()) [[unlikely]] truncated(n, what);
   }
   std::uint64_t le(std::size_t n) {
     need(n, "operand");
@@ -541,8 +556,7 @@ class Reader {
 
   [[nodiscard]] std::size_t floor() const noexcept { return marks_.empty() ? 0 : marks_.back(); }
   void push(std::uint32_t n) {
-    if (stack_.size() >= opts_.limits.max_stack)
-      fail(errors::pk_stack_limit, "stack exceeds limits.max_stack (" + std::to_string(opts_.limits.max_stack) + ")");
+    if (stack_.size() >= opts_.limits.max_stack) [[unlikely]] stack_overflow();
     stack_.push_back(n);
     counted(n);
   }
@@ -554,13 +568,13 @@ class Reader {
   /// Whether child `c` of a node converted once (`sole`) is converted once too.
   [[nodiscard]] bool sole_child(bool sole, std::uint32_t c) const noexcept { return sole && refs_[c] <= 1; }
   std::uint32_t pop() {
-    if (stack_.size() <= floor()) fail(errors::pk_stack_underflow, "pop from an empty stack");
+    if (stack_.size() <= floor()) [[unlikely]] stack_underflow("pop from an empty stack");
     const std::uint32_t n = stack_.back();
     stack_.pop_back();
     return n;
   }
   std::uint32_t& top() {
-    if (stack_.size() <= floor()) fail(errors::pk_stack_underflow, "no object on the stack");
+    if (stack_.size() <= floor()) [[unlikely]] stack_underflow("no object on the stack");
     return stack_.back();
   }
   /// Items pushed since the last MARK (removes them and the mark), in a buffer the next pop_mark
@@ -773,6 +787,7 @@ class Reader {
       case nk::dict: return "dict";
       case nk::object: return "object";
       case nk::global: return "global";
+      case nk::handle: return "persistent object";
     }
     return "?";
   }
@@ -829,6 +844,13 @@ class Reader {
                                           "(torch storages are resolved by io/torch_file.hpp)");
     std::optional<Value> fast;
     try {
+      if (opts_.persistent_handle && nodes_[pid].kind == nk::tuple)
+        if (const std::optional<std::uint64_t> h = try_handle(pid)) {
+          Node n;
+          n.kind = nk::handle;
+          n.u.i = static_cast<std::int64_t>(*h);
+          return add_node(n);
+        }
       if (opts_.persistent_fast && nodes_[pid].kind == nk::tuple) fast = try_fast(opts_.persistent_fast, pid);
     } catch (error& e) {
       e.add_context("pickle offset " + std::to_string(op_pos_));
@@ -847,6 +869,8 @@ class Reader {
 
   /// `f` over the items of tuple node `tuple` (defined after Args).
   std::optional<Value> try_fast(const fast_fn& f, std::uint32_t tuple);
+  /// options::persistent_handle over the items of tuple node `tuple`.
+  std::optional<std::uint64_t> try_handle(std::uint32_t tuple);
 
   // ------------------------------------------------------------------------------------------
   // Conversion of the graph into Values
@@ -902,6 +926,14 @@ class Reader {
         return leaves_[node.index];
       }
       case nk::global: return Value(Object{globals_[node.index].module, globals_[node.index].name, object_build::global, {}, {}, {}});
+      case nk::handle: {
+        if (!opts_.handle_value) fail(errors::pk_no_persistent_load, "a persistent id became a handle, and no handle_value turns it into a value");
+        Value v = opts_.handle_value(static_cast<std::uint64_t>(node.u.i));
+        const LeafShape ls = leaf_shape(v);  // counted as a leaf is
+        if (ls.height > 1 && depth + ls.height - 2 >= opts_.limits.max_depth) depth_exceeded();
+        count_node(ls.values - 1);
+        return v;
+      }
       default: break;
     }
     if (depth >= opts_.limits.max_depth) depth_exceeded();
@@ -1107,7 +1139,7 @@ class Reader {
 /// as what it is not (check kind_of first) is a pickle.bad_call error, never a wild read.
 class Args {
  public:
-  enum class kind : std::uint8_t { none, boolean, integer, floating, str, bytes, value, list, tuple, dict, object, global };
+  enum class kind : std::uint8_t { none, boolean, integer, floating, str, bytes, value, list, tuple, dict, object, global, handle };
 
   [[nodiscard]] std::size_t size() const noexcept { return items_.size(); }
   [[nodiscard]] kind kind_of(std::size_t i) const { return static_cast<kind>(node(i).kind); }
@@ -1120,6 +1152,8 @@ class Args {
   }
   /// A `value` argument: what a registered function or persistent_load returned.
   [[nodiscard]] const Value& value(std::size_t i) const { return r_.leaves_[as(i, kind::value, kind::value).index]; }
+  /// A `handle` argument: what options::persistent_handle returned for it.
+  [[nodiscard]] std::uint64_t handle(std::size_t i) const { return static_cast<std::uint64_t>(as(i, kind::handle, kind::handle).u.i); }
   /// A `global` argument: its module and name.
   [[nodiscard]] std::pair<std::string_view, std::string_view> global(std::size_t i) const {
     const auto& g = r_.globals_[as(i, kind::global, kind::global).index];
@@ -1147,28 +1181,36 @@ class Args {
   friend class Reader;
   Args(const Reader& r, std::span<const std::uint32_t> items) : r_(r), items_(items) {}
   [[nodiscard]] const Reader::Node& node(std::size_t i) const {
-    if (i >= items_.size())
-      r_.fail(errors::pk_bad_call, "a fast form read argument " + std::to_string(i) + " of " + std::to_string(items_.size()));
+    if (i >= items_.size()) [[unlikely]] no_such_argument(i);
     return r_.nodes_[items_[i]];
   }
   [[nodiscard]] const Reader::Node& as(std::size_t i, kind a, kind b) const {
     const Reader::Node& n = node(i);
     const auto k = static_cast<kind>(n.kind);
-    if (k != a && k != b)
-      r_.fail(errors::pk_bad_call, "a fast form read argument " + std::to_string(i) + " as a " + Reader::kind_name(static_cast<Reader::nk>(a)) +
-                                       ", but it is a " + Reader::kind_name(n.kind));
+    if (k != a && k != b) [[unlikely]] wrong_kind(i, a);
     return n;
+  }
+  [[noreturn, gnu::cold, gnu::noinline]] void no_such_argument(std::size_t i) const {
+    r_.fail(errors::pk_bad_call, "a fast form read argument " + std::to_string(i) + " of " + std::to_string(items_.size()));
+  }
+  [[noreturn, gnu::cold, gnu::noinline]] void wrong_kind(std::size_t i, kind a) const {
+    r_.fail(errors::pk_bad_call, "a fast form read argument " + std::to_string(i) + " as a " + Reader::kind_name(static_cast<Reader::nk>(a)) +
+                                     ", but it is a " + Reader::kind_name(node(i).kind));
   }
 
   const Reader& r_;
   std::span<const std::uint32_t> items_;
 
   static_assert(static_cast<int>(kind::value) == static_cast<int>(Reader::nk::leaf) &&
-                static_cast<int>(kind::global) == static_cast<int>(Reader::nk::global));
+                static_cast<int>(kind::global) == static_cast<int>(Reader::nk::global) &&
+                static_cast<int>(kind::handle) == static_cast<int>(Reader::nk::handle));
 };
 
 inline std::optional<Value> Reader::try_fast(const fast_fn& f, std::uint32_t tuple) {
   return f(Args(*this, seq(nodes_[tuple].index)));
+}
+inline std::optional<std::uint64_t> Reader::try_handle(std::uint32_t tuple) {
+  return opts_.persistent_handle(Args(*this, seq(nodes_[tuple].index)));
 }
 
 inline Result Reader::run() {

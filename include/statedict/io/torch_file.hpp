@@ -249,26 +249,22 @@ inline shape_t dims_arg(const Value& v, const char* what, std::size_t max_rank) 
   return s;
 }
 
-/// The tensor `storage[offset:]` with sizes and strides (in elements of `t`), checked to lie
-/// inside the storage.
-inline TensorView make_view(const Object& storage, std::optional<statedict::dtype> as, std::int64_t offset, shape_t size,
-                            shape_t stride) {
-  const TensorView& bytes = storage.args[0].as_tensor();
-  const statedict::dtype t = as.value_or(bytes.dtype());
+/// The tensor of type `t` at element `offset` of a storage of `storage_bytes` bytes at `base`,
+/// with sizes and strides (in elements of `t`), checked to lie inside the storage.
+inline TensorView make_view(statedict::dtype t, const std::byte* base, std::uint64_t storage_bytes, const keep_alive& owner,
+                            std::int64_t offset, shape_t size, shape_t stride) {
   if (size.size() != stride.size())
     throw_error(errors::pt_bad_tensor, "size " + to_string(size) + " and stride " + to_string(stride) + " differ in rank");
   if (offset < 0) throw_error(errors::pt_bad_tensor, "negative storage offset " + std::to_string(offset));
-  const std::uint64_t storage_bytes = bytes.nbytes();
   const std::uint64_t n = numel(size);
   const std::size_t item = itemsize(t);
-  const std::byte* base = bytes.data();
   if (n == 0) {
     // An empty view addresses nothing; torch still requires the offset to lie in the storage.
     const std::uint64_t start = checked_mul(static_cast<std::uint64_t>(offset), item, "storage offset");
     if (start > storage_bytes)
       throw_error(errors::pt_view_out_of_bounds, "empty view at element offset " + std::to_string(offset) +
                                                      " lies past the end of its storage of " + std::to_string(storage_bytes) + " bytes");
-    return TensorView(t, std::move(size), std::move(stride), base == nullptr ? nullptr : base + start, bytes.owner());
+    return TensorView(t, std::move(size), std::move(stride), base == nullptr ? nullptr : base + start, owner);
   }
   std::uint64_t last = static_cast<std::uint64_t>(offset);
   for (std::size_t i = 0; i < size.size(); ++i)
@@ -280,13 +276,49 @@ inline TensorView make_view(const Object& storage, std::optional<statedict::dtyp
                                                    " at element offset " + std::to_string(offset) + " needs " +
                                                    std::to_string(end) + " bytes of a storage of " +
                                                    std::to_string(storage_bytes) + " bytes (" + std::string(name(t)) + ")");
-  return TensorView(t, std::move(size), std::move(stride), base + static_cast<std::uint64_t>(offset) * item, bytes.owner());
+  return TensorView(t, std::move(size), std::move(stride), base + static_cast<std::uint64_t>(offset) * item, owner);
 }
+/// The same for a storage Value (storage_value); `as` overrides its dtype (an UntypedStorage's).
+inline TensorView make_view(const Object& storage, std::optional<statedict::dtype> as, std::int64_t offset, shape_t size,
+                            shape_t stride) {
+  const TensorView& bytes = storage.args[0].as_tensor();
+  return make_view(as.value_or(bytes.dtype()), bytes.data(), bytes.nbytes(), bytes.owner(), offset, std::move(size), std::move(stride));
+}
+
+/// A storage class met in a persistent id (torch.FloatStorage, ...), checked once.
+struct storage_class {
+  std::string module;
+  std::string name;
+  statedict::dtype dtype;
+  bool untyped;
+};
+
+/// A storage of a zip archive as read_zip placed it.
+struct zip_storage {
+  const zip::Entry* entry;
+  const std::byte* data;  ///< the record's first byte (mapping, reservation or a copy)
+  keep_alive owner;
+  statedict::dtype dtype;  ///< as the key's first persistent id declared it
+  std::uint64_t numel;
+};
+
+/// What a storage handle (pickle::options::persistent_handle, zip format) holds: the storage's
+/// index in File::storages and the class its persistent id named.
+struct storage_handle {
+  std::uint32_t storage;
+  std::uint32_t cls;
+  [[nodiscard]] std::uint64_t pack() const noexcept { return std::uint64_t{cls} << 32 | storage; }
+  static storage_handle unpack(std::uint64_t h) noexcept {
+    return {static_cast<std::uint32_t>(h & 0xFFFFFFFFU), static_cast<std::uint32_t>(h >> 32)};
+  }
+};
 
 /// State of one read, shared with the registered functions.
 struct read_context {
   const load_options* opts = nullptr;
   bool dry_run = false;  ///< legacy first pass: storages are not placed yet; tensors become None
+  const std::vector<zip_storage>* storages = nullptr;     ///< what storage handles index (zip format)
+  const std::vector<storage_class>* classes = nullptr;
 };
 
 inline const Object& storage_arg(const Value& v) {
@@ -326,17 +358,28 @@ inline pickle::Registry torch_registry(const read_context& ctx) {
   // writes it, read in place: v2 gives the same Value for each call this accepts.
   auto v2_fast = [&ctx, max_rank](const pickle::Args& a) -> std::optional<Value> {
     using k = pickle::Args::kind;
-    if (ctx.dry_run || a.size() < 6 || a.size() > 7 || a.kind_of(0) != k::value || a.kind_of(1) != k::integer ||
+    const bool handle = a.size() > 0 && a.kind_of(0) == k::handle;
+    if (ctx.dry_run || a.size() < 6 || a.size() > 7 || (a.kind_of(0) != k::value && !handle) || a.kind_of(1) != k::integer ||
         a.kind_of(4) != k::boolean || !a.empty_dict(5))
       return std::nullopt;
     if (a.size() == 7 && a.kind_of(6) != k::none && !a.empty_dict(6)) return std::nullopt;
-    const Value& st = a.value(0);
-    if (!st.is_object() || !is_storage_object(st.as_object()) || st.as_object().name == "UntypedStorage") return std::nullopt;
+    const Value* st = nullptr;
+    const zip_storage* zs = nullptr;
+    if (handle) {
+      const storage_handle h = storage_handle::unpack(a.handle(0));
+      if ((*ctx.classes)[h.cls].untyped) return std::nullopt;
+      zs = &(*ctx.storages)[h.storage];
+    } else {
+      st = &a.value(0);
+      if (!st->is_object() || !is_storage_object(st->as_object()) || st->as_object().name == "UntypedStorage") return std::nullopt;
+    }
     shape_t size, stride;
     if (!a.ints(2, max_rank, size) || !a.ints(3, max_rank, stride)) return std::nullopt;
     auto negative = [](const shape_t& s) { return std::any_of(s.begin(), s.end(), [](dim_t d) { return d < 0; }); };
     if (negative(size) || negative(stride)) return std::nullopt;
-    return Value(make_view(st.as_object(), std::nullopt, a.integer(1), std::move(size), std::move(stride)));
+    if (zs)  // numel * itemsize was checked when the storage was placed
+      return Value(make_view(zs->dtype, zs->data, zs->numel * itemsize(zs->dtype), zs->owner, a.integer(1), std::move(size), std::move(stride)));
+    return Value(make_view(st->as_object(), std::nullopt, a.integer(1), std::move(size), std::move(stride)));
   };
   r.function("torch._utils._rebuild_tensor_v2", [v2](pickle::Call& c) { return v2(c, false, false); },
              ctx.opts->fast_paths ? pickle::fast_fn(v2_fast) : pickle::fast_fn());
@@ -478,14 +521,8 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
   std::exception_ptr locate_failed;
   std::thread headers;
   const joining join_headers{headers};
-  struct cached {
-    const zip::Entry* entry;
-    const std::byte* data;  ///< the record's first byte (mapping, reservation or a copy)
-    keep_alive owner;
-    statedict::dtype dtype;  ///< as the key's first persistent id declared it
-    std::uint64_t numel;
-  };
-  std::vector<cached> seen;         // per storage of f.storages
+  std::vector<zip_storage> seen;       // per storage of f.storages
+  std::vector<storage_class> classes;  // the storage classes persistent ids name
   bool mispredicted = false;  // a storage's record does not start where torch's layout puts it
   try {
     if (ar.entries().empty()) throw_error(errors::pt_missing_record, where(*src), "zip archive without entries");
@@ -535,7 +572,7 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
     f.view_owner = vb.owner;
     statedict::detail::hash_index by_key;  // f.storages by key
     std::size_t next_entry = 0;            // where the next storage's record is looked for first
-    read_context ctx{&opts, false};
+    read_context ctx{&opts, false, &seen, &classes};
     pickle::Registry reg = torch_registry(ctx);
     pickle::options po;
     po.limits = opts.limits.pickle;
@@ -544,30 +581,48 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
     by_key.reserve(ar.entries().size());
     seen.reserve(ar.entries().size());
     f.storages.reserve(ar.entries().size());
-    // ('storage', torch.<Class>Storage, key, location, numel), its fields checked by the caller.
-    auto storage = [&](std::string_view module, std::string_view cls_name, bool global, std::string_view key_in,
-                       std::string_view location, std::int64_t numel_in) -> Value {
+    // The class a persistent id names, checked when first met (torch.save names one per dtype).
+    std::size_t last_class = 0;
+    auto class_of = [&](std::string_view module, std::string_view cls_name, bool global) -> std::uint32_t {
+      const auto is = [&](const storage_class& c) { return c.name == cls_name && c.module == module; };
+      if (global && last_class < classes.size() && is(classes[last_class])) return static_cast<std::uint32_t>(last_class);
       bool untyped = false;
-      const statedict::dtype t = storage_dtype(module, cls_name, global, untyped);
-      const std::string_view key = key_in;
+      const statedict::dtype t = storage_dtype(module, cls_name, global, untyped);  // refuses what is not a storage class
+      last_class = static_cast<std::size_t>(std::find_if(classes.begin(), classes.end(), is) - classes.begin());
+      if (last_class == classes.size()) classes.push_back({std::string(module), std::string(cls_name), t, untyped});
+      return static_cast<std::uint32_t>(last_class);
+    };
+    // ('storage', <class cls>, key, location, numel), its fields checked by the caller: the
+    // storage's index in f.storages, placed when its key is first met.
+    auto storage_index = [&](std::uint32_t cls, std::string_view key, std::string_view location, std::int64_t numel_in) -> std::uint32_t {
+      const statedict::dtype t = classes[cls].dtype;
       if (numel_in < 0) throw_error(errors::pt_bad_storage, "storage " + quote(key) + " has a negative size");
       const auto numel = static_cast<std::uint64_t>(numel_in);
       const std::uint64_t nbytes = checked_mul(numel, itemsize(t), "storage size");
       const std::uint32_t kh = statedict::detail::hash_index::mix(std::hash<std::string_view>{}(key));
       std::uint32_t at = by_key.find(kh, [&](std::uint32_t i) { return f.storages[i].key == key; });
       if (at == statedict::detail::hash_index::npos) {
-        std::string rec;
-        rec.reserve(prefix.size() + 5 + key.size());
-        rec.append(prefix).append("data/").append(key);
         // torch.save numbers storages in order of first use and writes their records in that
         // order: the entry after the previous storage's is tried before the name index (entry
         // names are unique, so a match there is the match).
         const auto& entries = ar.entries();
-        const zip::Entry* e = next_entry < entries.size() && entries[next_entry].name == rec ? &entries[next_entry] : ar.find(rec);
-        if (!e) throw_error(errors::pt_missing_record, "storage " + quote(key) + ": no record " + quote(rec));
+        const auto is_record = [&](const std::string& name) {
+          return name.size() == prefix.size() + 5 + key.size() && name.compare(0, prefix.size(), prefix) == 0 &&
+                 name.compare(prefix.size(), 5, "data/") == 0 && name.compare(prefix.size() + 5, key.size(), key) == 0;
+        };
+        const zip::Entry* e = nullptr;
+        if (next_entry < entries.size() && is_record(entries[next_entry].name)) {
+          e = &entries[next_entry];
+        } else {
+          std::string rec;
+          rec.reserve(prefix.size() + 5 + key.size());
+          rec.append(prefix).append("data/").append(key);
+          e = ar.find(rec);
+          if (!e) throw_error(errors::pt_missing_record, "storage " + quote(key) + ": no record " + quote(rec));
+        }
         next_entry = static_cast<std::size_t>(e - entries.data()) + 1;
         ar.check_readable(*e);
-        cached c{e, nullptr, {}, t, numel};
+        zip_storage c{e, nullptr, {}, t, numel};
         std::uint64_t data_offset = e->data_offset;
         if (overlap) {
           // The prediction, checked after the join. One that cannot be right (its bytes would run
@@ -589,24 +644,29 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
         Storage s;
         s.key = key;
         s.dtype = t;
-        s.untyped = untyped;
+        s.untyped = classes[cls].untyped;
         s.offset = data_offset;
         s.nbytes = e->size;
-        s.record = std::move(rec);  // not used below
+        s.record = e->name;
         s.location = location;
         at = static_cast<std::uint32_t>(f.storages.size());
         by_key.add(kh, at);
         f.storages.push_back(std::move(s));
         seen.push_back(std::move(c));
       }
-      const cached& c = seen[at];
+      const zip_storage& c = seen[at];
       check_same_storage(key, c.dtype, c.numel, t, numel);
       if (nbytes > c.entry->size)
         throw_error(errors::pt_bad_storage, "storage " + quote(key) + " of " + std::to_string(numel) + " " + std::string(name(t)) +
                                                 " elements needs " + std::to_string(nbytes) + " bytes; its record holds " +
                                                 std::to_string(c.entry->size));
-      TensorView bytes = TensorView::contiguous(t, {static_cast<dim_t>(numel)}, c.data, c.owner);
-      return storage_value(module, cls_name, std::move(bytes), std::string(key), std::string(location));
+      return at;
+    };
+    // A storage as the tree holds it bare: storage_value of its bytes, as this id names them.
+    auto storage_object = [&](std::uint32_t cls, std::uint32_t at, std::string_view location) -> Value {
+      const zip_storage& c = seen[at];
+      TensorView bytes = TensorView::contiguous(c.dtype, {static_cast<dim_t>(c.numel)}, c.data, c.owner);
+      return storage_value(classes[cls].module, classes[cls].name, std::move(bytes), f.storages[at].key, std::string(location));
     };
     po.persistent_load = [&](const Value& pid) -> Value {
       if (!pid.is_tuple() || pid.as_list().size() != 5 || !is_storage_tag(pid.at(0)))
@@ -615,17 +675,29 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
       if (!p[1].is_object() || !p[2].is_string() || !p[3].is_string() || !p[4].is_int())
         throw_error(errors::pt_bad_storage, "persistent id fields have the wrong types");
       const Object& cls = p[1].as_object();
-      return storage(cls.module, cls.name, cls.how == object_build::global, p[2].as_string(), p[3].as_string(), p[4].as_int());
+      const std::uint32_t ci = class_of(cls.module, cls.name, cls.how == object_build::global);
+      return storage_object(ci, storage_index(ci, p[2].as_string(), p[3].as_string(), p[4].as_int()), p[3].as_string());
     };
-    // The same for the id torch.save writes, read without converting it to a Value first.
-    if (opts.fast_paths) po.persistent_fast = [&](const pickle::Args& a) -> std::optional<Value> {
-      using k = pickle::Args::kind;
-      if (a.size() != 5 || (a.kind_of(0) != k::str && a.kind_of(0) != k::bytes) || a.str(0) != "storage" ||
-          a.kind_of(1) != k::global || a.kind_of(2) != k::str || a.kind_of(3) != k::str || a.kind_of(4) != k::integer)
-        return std::nullopt;
-      const auto [module, cls_name] = a.global(1);
-      return storage(module, cls_name, true, a.str(2), a.str(3), a.integer(4));
-    };
+    // The id torch.save writes, read without converting it to a Value: a handle, which the fast
+    // _rebuild_tensor_v2 form turns into a view and anything else into storage_object.
+    if (opts.fast_paths) {
+      po.persistent_handle = [&](const pickle::Args& a) -> std::optional<std::uint64_t> {
+        using k = pickle::Args::kind;
+        if (a.size() != 5 || (a.kind_of(0) != k::str && a.kind_of(0) != k::bytes) || a.str(0) != "storage" ||
+            a.kind_of(1) != k::global || a.kind_of(2) != k::str || a.kind_of(3) != k::str || a.kind_of(4) != k::integer)
+          return std::nullopt;
+        const auto [module, cls_name] = a.global(1);
+        const std::uint32_t ci = class_of(module, cls_name, true);
+        const std::uint32_t at = storage_index(ci, a.str(2), a.str(3), a.integer(4));
+        // A key met again with another location: persistent_load makes that storage's Value.
+        if (f.storages[at].location != a.str(3)) return std::nullopt;
+        return storage_handle{at, ci}.pack();
+      };
+      po.handle_value = [&](std::uint64_t h) {
+        const storage_handle sh = storage_handle::unpack(h);
+        return storage_object(sh.cls, sh.storage, f.storages[sh.storage].location);
+      };
+    }
     try {
       pickle::Result res = pickle::load(pickle_bytes.span(), po);
       f.value = std::move(res.value);
