@@ -489,17 +489,6 @@ inline view_base make_view_base(const ByteSource& src, bool lazy) {
 // ---------------------------------------------------------------------------------------------
 // Zip format
 
-/// Joins a thread on every way out of a scope.
-struct joining {
-  std::thread& t;
-  explicit joining(std::thread& thread) : t(thread) {}
-  joining(const joining&) = delete;
-  joining& operator=(const joining&) = delete;
-  ~joining() {
-    if (t.joinable()) t.join();
-  }
-};
-
 inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& opts, bool lazy, bool may_overlap = true) {
   File f;
   f.format = "zip";
@@ -519,8 +508,7 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
   // is only read (data_offsets() is const; the few locate() calls come before the thread).
   std::vector<std::uint64_t> located;
   std::exception_ptr locate_failed;
-  std::thread headers;
-  const joining join_headers{headers};
+  std::jthread headers;  // joined on every way out (declared after what it writes)
   std::vector<zip_storage> seen;       // per storage of f.storages
   std::vector<storage_class> classes;  // the storage classes persistent ids name
   bool mispredicted = false;  // a storage's record does not start where torch's layout puts it
@@ -556,7 +544,7 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
     const Region pickle_bytes = ar.read(*pkl);
     if (overlap) {
       try {
-        headers = std::thread([&] {
+        headers = std::jthread([&] {
           try {
             located = ar.data_offsets();
           } catch (...) {

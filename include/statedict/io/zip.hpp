@@ -197,12 +197,42 @@ class Archive {
                       "); only stored entries can be read without copying, as torch.save writes them");
   }
 
-  /// Every entry's data offset, in entries() order, from the local headers (read in batches:
-  /// see locate_all). Changes nothing, so it may run on another thread while this archive is
-  /// used through its const members; throws as open() would for a bad local header.
+  /// Every entry's data offset, in entries() order, from the local headers (the central
+  /// directory does not repeat the local extra field, which torch uses to pad data to 64 bytes).
+  /// Changes nothing, so it may run on another thread while this archive is used through its
+  /// const members; throws as open() would for a bad local header.
+  /// Headers close to each other are read with one positioned read: a torch file has one header
+  /// per storage and small storages sit back to back, so a 10,000-storage checkpoint needs about a
+  /// third of the reads. Reads stay small (never past max_span), and `peek` keeps thousands of
+  /// them from faulting in the mapped pages around each header.
   [[nodiscard]] std::vector<std::uint64_t> data_offsets() const {
+    static constexpr std::uint64_t max_gap = 16 << 10;   // headers further apart start a new read
+    static constexpr std::uint64_t max_span = 64 << 10;  // bytes of one read
     std::vector<std::uint64_t> out(entries_.size());
-    locate_all(out);
+    std::vector<std::uint32_t> order(entries_.size());
+    for (std::size_t i = 0; i < entries_.size(); ++i) order[i] = static_cast<std::uint32_t>(i);
+    auto by_offset = [&](std::uint32_t a, std::uint32_t b) { return entries_[a].header_offset < entries_[b].header_offset; };
+    if (!std::is_sorted(order.begin(), order.end(), by_offset)) std::stable_sort(order.begin(), order.end(), by_offset);
+    std::vector<std::byte> buf;
+    std::size_t b = 0;
+    while (b < order.size()) {
+      const std::uint64_t start = entries_[order[b]].header_offset;
+      std::uint64_t stop = header_end(entries_[order[b]]);
+      std::size_t e = b + 1;
+      for (; e < order.size(); ++e) {
+        const Entry& en = entries_[order[e]];
+        if (en.header_offset - entries_[order[e - 1]].header_offset > max_gap || header_end(en) - start > max_span) break;
+        stop = std::max(stop, header_end(en));
+      }
+      buf.resize(static_cast<std::size_t>(stop - start));
+      source_->peek(start, buf);
+      for (std::size_t k = b; k < e; ++k) {
+        const Entry& en = entries_[order[k]];
+        const std::uint64_t at = en.header_offset - start;
+        out[order[k]] = locate_data(en, buf.data() + static_cast<std::size_t>(at));
+      }
+      b = e;
+    }
     return out;
   }
   /// Records offsets from data_offsets() (of this archive) in the entries.
@@ -373,11 +403,7 @@ class Archive {
       entries_.push_back(std::move(en));
     }
     check_header_offsets();
-    if (!options_.defer_local_headers) {
-      std::vector<std::uint64_t> offsets(entries_.size());
-      locate_all(offsets);
-      adopt_data_offsets(offsets);
-    }
+    if (!options_.defer_local_headers) adopt_data_offsets(data_offsets());
   }
 
   void check_name(const std::string& name) const {
@@ -443,41 +469,6 @@ class Archive {
   /// parsed).
   [[nodiscard]] std::uint64_t header_end(const Entry& en) const noexcept {
     return en.header_offset + std::min<std::uint64_t>(detail::local_header_size + en.name.size(), cd_offset_ - en.header_offset);
-  }
-
-  /// Finds every entry's data from its local header (the central directory does not repeat the
-  /// local extra field, which torch uses to pad data to 64 bytes) into `out` (entries() order).
-  /// Headers close to each other are read with one positioned read: a torch file has one header
-  /// per storage and small storages sit back to back, so a 10,000-storage checkpoint needs about a
-  /// third of the reads. Reads stay small (never past max_span), and `peek` keeps thousands of
-  /// them from faulting in the mapped pages around each header.
-  void locate_all(std::vector<std::uint64_t>& out) const {
-    static constexpr std::uint64_t max_gap = 16 << 10;   // headers further apart start a new read
-    static constexpr std::uint64_t max_span = 64 << 10;  // bytes of one read
-    std::vector<std::uint32_t> order(entries_.size());
-    for (std::size_t i = 0; i < entries_.size(); ++i) order[i] = static_cast<std::uint32_t>(i);
-    auto by_offset = [&](std::uint32_t a, std::uint32_t b) { return entries_[a].header_offset < entries_[b].header_offset; };
-    if (!std::is_sorted(order.begin(), order.end(), by_offset)) std::stable_sort(order.begin(), order.end(), by_offset);
-    std::vector<std::byte> buf;
-    std::size_t b = 0;
-    while (b < order.size()) {
-      const std::uint64_t start = entries_[order[b]].header_offset;
-      std::uint64_t stop = header_end(entries_[order[b]]);
-      std::size_t e = b + 1;
-      for (; e < order.size(); ++e) {
-        const Entry& en = entries_[order[e]];
-        if (en.header_offset - entries_[order[e - 1]].header_offset > max_gap || header_end(en) - start > max_span) break;
-        stop = std::max(stop, header_end(en));
-      }
-      buf.resize(static_cast<std::size_t>(stop - start));
-      source_->peek(start, buf);
-      for (std::size_t k = b; k < e; ++k) {
-        const Entry& en = entries_[order[k]];
-        const std::uint64_t at = en.header_offset - start;
-        out[order[k]] = locate_data(en, buf.data() + static_cast<std::size_t>(at));
-      }
-      b = e;
-    }
   }
 
   /// Parses the local header of `en` from `lh`: its fixed part and name, or as much of them as
