@@ -454,6 +454,9 @@ TEST_CASE("fast paths on and off read the same tree, views of the same bytes, an
       {"storage twice, the second of another module's class", "(" + call(st, integer(0), tuple({6}), tuple({1})) +
                                                                 "(" + str("storage") + glob("torch.cuda", "FloatStorage") + str("0") + str("cpu") +
                                                                 integer(6) + "tQq\x02" + call("h\x02", integer(2), tuple({2}), tuple({1})) + "h\x02t", true},
+      // Misused, a storage read as a handle fails as the storage Value does, word for word.
+      {"a storage called", st + ")R", false},
+      {"a storage built", st + "}b", false},
       {"v3 of a typed storage", glob("torch._utils", "_rebuild_tensor_v3") + "(" + st + integer(0) + tuple({6}) + tuple({1}) + "\x89" +
                                     glob("collections", "OrderedDict") + ")R" + glob("torch", "float32") + "tR", true},
   };
