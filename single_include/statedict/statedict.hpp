@@ -10271,7 +10271,7 @@ class Reader {
       case nk::dict: return "dict";
       case nk::object: return "object";
       case nk::global: return "global";
-      case nk::handle: return "persistent object";
+      case nk::handle: return "value";  // what it stands for: errors read as when it is one
     }
     return "?";
   }
