@@ -437,8 +437,8 @@ class shape_t {
       cap_ = o.cap_;
       o.inline_[0] = 0;
       o.cap_ = inline_capacity;
-    } else {
-      std::copy(o.inline_, o.inline_ + o.size_, inline_);
+    } else {  // the whole buffer, every slot of which is initialized: a fixed-size copy, no call
+      std::memcpy(inline_, o.inline_, sizeof inline_);
     }
     o.size_ = 0;
   }
