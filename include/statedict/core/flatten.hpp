@@ -2155,9 +2155,8 @@ inline Value build_from_tape(const skeleton_tape& t, tensor_table* tt, std::size
         const skeleton_tape::node& k = t.nodes[p++];
         Dict& d = parent.as_dict();
         // No repeat check (build_tree makes one): flatten wrote these keys from one Dict, whose
-        // keys are unique.
-        Key key = k.kind == snode::integer ? Key(static_cast<std::int64_t>(k.a)) : Key(t.str(k));
-        slot = &d.append_unchecked(std::move(key), make());
+        // keys are unique. The key is made where the argument is (moved once, into the Dict).
+        slot = &d.append_unchecked(k.kind == snode::integer ? Key(static_cast<std::int64_t>(k.a)) : Key(t.str(k)), make());
         break;
       }
       case snode::object: {

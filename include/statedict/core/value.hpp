@@ -38,8 +38,9 @@ class Key {
                                               !std::is_same_v<I, std::int64_t>>>
   Key(I i) : v_(static_cast<std::int64_t>(i)) {}                   // NOLINT(google-explicit-constructor)
   Key(std::string s) : v_(std::move(s)) {}                         // NOLINT(google-explicit-constructor)
-  Key(std::string_view s) : v_(std::string(s)) {}                  // NOLINT(google-explicit-constructor)
-  Key(const char* s) : v_(std::string(s)) {}                       // NOLINT(google-explicit-constructor)
+  // Built in place: no temporary string moved into the variant.
+  Key(std::string_view s) : v_(std::in_place_index<1>, s) {}       // NOLINT(google-explicit-constructor)
+  Key(const char* s) : v_(std::in_place_index<1>, s) {}            // NOLINT(google-explicit-constructor)
 
   [[nodiscard]] bool is_int() const noexcept { return v_.index() == 0; }
   [[nodiscard]] bool is_string() const noexcept { return v_.index() == 1; }

@@ -1065,7 +1065,7 @@ class Reader {
       out.reserve(firsts.size());
       for (std::uint32_t p : firsts) {
         const Node& kn = nodes_[d.kv[2 * std::size_t{p}]];
-        out.append_unchecked(kn.kind == nk::integer ? Key(kn.u.i) : Key(std::string(view(kn.u.off, kn.index))), Value());
+        out.append_unchecked(kn.kind == nk::integer ? Key(kn.u.i) : Key(view(kn.u.off, kn.index)), Value());
       }
       std::size_t j = 0;
       for (auto& [key, v] : out) {
