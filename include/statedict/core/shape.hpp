@@ -50,15 +50,17 @@ class shape_t {
   }
   /// From any contiguous run of dims (a std::vector<dim_t>, a span).
   explicit shape_t(std::span<const dim_t> s) : shape_t() { assign(s.begin(), s.end()); }
-  shape_t(const shape_t& o) : shape_t() {
-    if (o.size_ <= inline_capacity) {  // the common case: a fixed-size copy, no loop
+  // Copies and moves write the whole inline buffer (or the heap pointer) without zeroing it first;
+  // the rare heap copy is out of line, so the common one needs no saved registers.
+  shape_t(const shape_t& o) {
+    if (o.size_ <= inline_capacity) [[likely]] {  // a fixed-size copy, no loop
       std::memcpy(inline_, o.data(), sizeof inline_);  // within o's buffer: a heap one is larger
       size_ = o.size_;
     } else {
-      assign(o.begin(), o.end());
+      copy_long(o);
     }
   }
-  shape_t(shape_t&& o) noexcept : shape_t() { steal(o); }
+  shape_t(shape_t&& o) noexcept { steal(o); }
   shape_t& operator=(const shape_t& o) {
     if (this != &o) assign(o.begin(), o.end());
     return *this;
@@ -187,6 +189,10 @@ class shape_t {
     }
     size_ = 0;
     cap_ = inline_capacity;
+  }
+  [[gnu::noinline]] void copy_long(const shape_t& o) {
+    std::fill(std::begin(inline_), std::end(inline_), 0);  // the inline buffer is the active member
+    assign(o.begin(), o.end());
   }
   /// Takes o's dims (o is empty, with inline storage, afterwards); this must hold nothing.
   void steal(shape_t& o) noexcept {
