@@ -291,15 +291,17 @@ class shape_t {
   }
   /// From any contiguous run of dims (a std::vector<dim_t>, a span).
   explicit shape_t(std::span<const dim_t> s) : shape_t() { assign(s.begin(), s.end()); }
-  shape_t(const shape_t& o) : shape_t() {
-    if (o.size_ <= inline_capacity) {  // the common case: a fixed-size copy, no loop
+  // Copies and moves write the whole inline buffer (or the heap pointer) without zeroing it first;
+  // the rare heap copy is out of line, so the common one needs no saved registers.
+  shape_t(const shape_t& o) {
+    if (o.size_ <= inline_capacity) [[likely]] {  // a fixed-size copy, no loop
       std::memcpy(inline_, o.data(), sizeof inline_);  // within o's buffer: a heap one is larger
       size_ = o.size_;
     } else {
-      assign(o.begin(), o.end());
+      copy_long(o);
     }
   }
-  shape_t(shape_t&& o) noexcept : shape_t() { steal(o); }
+  shape_t(shape_t&& o) noexcept { steal(o); }
   shape_t& operator=(const shape_t& o) {
     if (this != &o) assign(o.begin(), o.end());
     return *this;
@@ -428,6 +430,10 @@ class shape_t {
     }
     size_ = 0;
     cap_ = inline_capacity;
+  }
+  [[gnu::noinline]] void copy_long(const shape_t& o) {
+    std::fill(std::begin(inline_), std::end(inline_), 0);  // the inline buffer is the active member
+    assign(o.begin(), o.end());
   }
   /// Takes o's dims (o is empty, with inline storage, afterwards); this must hold nothing.
   void steal(shape_t& o) noexcept {
@@ -1491,8 +1497,9 @@ class Key {
                                               !std::is_same_v<I, std::int64_t>>>
   Key(I i) : v_(static_cast<std::int64_t>(i)) {}                   // NOLINT(google-explicit-constructor)
   Key(std::string s) : v_(std::move(s)) {}                         // NOLINT(google-explicit-constructor)
-  Key(std::string_view s) : v_(std::string(s)) {}                  // NOLINT(google-explicit-constructor)
-  Key(const char* s) : v_(std::string(s)) {}                       // NOLINT(google-explicit-constructor)
+  // Built in place: no temporary string moved into the variant.
+  Key(std::string_view s) : v_(std::in_place_index<1>, s) {}       // NOLINT(google-explicit-constructor)
+  Key(const char* s) : v_(std::in_place_index<1>, s) {}            // NOLINT(google-explicit-constructor)
 
   [[nodiscard]] bool is_int() const noexcept { return v_.index() == 0; }
   [[nodiscard]] bool is_string() const noexcept { return v_.index() == 1; }
@@ -5324,9 +5331,8 @@ inline Value build_from_tape(const skeleton_tape& t, tensor_table* tt, std::size
         const skeleton_tape::node& k = t.nodes[p++];
         Dict& d = parent.as_dict();
         // No repeat check (build_tree makes one): flatten wrote these keys from one Dict, whose
-        // keys are unique.
-        Key key = k.kind == snode::integer ? Key(static_cast<std::int64_t>(k.a)) : Key(t.str(k));
-        slot = &d.append_unchecked(std::move(key), make());
+        // keys are unique. The key is made where the argument is (moved once, into the Dict).
+        slot = &d.append_unchecked(k.kind == snode::integer ? Key(static_cast<std::int64_t>(k.a)) : Key(t.str(k)), make());
         break;
       }
       case snode::object: {
@@ -10549,7 +10555,7 @@ class Reader {
       out.reserve(firsts.size());
       for (std::uint32_t p : firsts) {
         const Node& kn = nodes_[d.kv[2 * std::size_t{p}]];
-        out.append_unchecked(kn.kind == nk::integer ? Key(kn.u.i) : Key(std::string(view(kn.u.off, kn.index))), Value());
+        out.append_unchecked(kn.kind == nk::integer ? Key(kn.u.i) : Key(view(kn.u.off, kn.index)), Value());
       }
       std::size_t j = 0;
       for (auto& [key, v] : out) {
