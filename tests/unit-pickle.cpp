@@ -421,6 +421,10 @@ TEST_CASE("limits: each cap has its own error") {
     o.limits.max_memo = 2;
     expect_error_p(P2 + "Nq\x00q\x01q\x02."_b, errors::pk_memo_limit, o);
     expect_error_p("\x80\x04N\x94\x94\x94.", errors::pk_memo_limit, o);
+    // Ids below one already stored (room the memo grew into) count as well.
+    expect_error_p(P2 + "Nq\x05q\x00q\x01."_b, errors::pk_memo_limit, o);
+    o.limits.max_memo = 3;
+    CHECK(val(P2 + "Nq\x05q\x00q\x01q\x01."_b, o).is_none());
   }
   SUBCASE("nodes: a billion laughs of memo references") {
     std::string p = P2 + "]q\x00"_b;
@@ -454,6 +458,14 @@ TEST_CASE("limits: each cap has its own error") {
     pickle::options o;
     o.limits.max_stack = 10;
     expect_error_p(P2 + std::string(20, 'N') + ".", errors::pk_stack_limit, o);
+    // Exactly at the limit is fine, one more is not; also past the first growth of the stack.
+    CHECK(val(P2 + "(" + std::string(10, 'N') + "l.", o).as_list().size() == 10);
+    expect_error_p(P2 + "(" + std::string(11, 'N') + "l.", errors::pk_stack_limit, o);
+    o.limits.max_stack = 1000;
+    CHECK(val(P2 + "(" + std::string(1000, 'N') + "l.", o).as_list().size() == 1000);
+    expect_error_p(P2 + "(" + std::string(1001, 'N') + "l.", errors::pk_stack_limit, o);
+    o.limits.max_stack = 0;
+    expect_error_p(P2 + "N.", errors::pk_stack_limit, o);
   }
   SUBCASE("strings") {
     pickle::options o;

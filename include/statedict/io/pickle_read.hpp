@@ -36,14 +36,15 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <deque>
 #include <functional>
 #include <limits>
 #include <memory>
+#include <new>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -227,6 +228,14 @@ inline bool valid_utf8(std::string_view s) noexcept {
   const auto* p = reinterpret_cast<const unsigned char*>(s.data());
   const auto* end = p + s.size();
   while (p < end) {
+    if (end - p >= 8) {  // eight ASCII bytes at a time (names are mostly ASCII)
+      std::uint64_t w;
+      std::memcpy(&w, p, 8);
+      if ((w & 0x8080808080808080ULL) == 0) {
+        p += 8;
+        continue;
+      }
+    }
     const unsigned c = *p;
     if (c < 0x80) {
       ++p;
@@ -310,10 +319,53 @@ inline std::string opcode_name(unsigned char op) {
 }
 }  // namespace detail
 
+namespace detail {
+/// A growable array of a trivially copyable type whose append is one store once room is checked
+/// (std::vector's push_back inlines its reallocation into every caller). Growth is the owner's
+/// call: reserve() when size() == capacity(), with whatever cap applies.
+template <class T>
+class pod_buffer {
+  static_assert(std::is_trivially_copyable_v<T> && std::is_trivially_destructible_v<T>);
+
+ public:
+  pod_buffer() = default;
+  pod_buffer(const pod_buffer&) = delete;
+  pod_buffer& operator=(const pod_buffer&) = delete;
+  [[nodiscard]] std::size_t size() const noexcept { return n_; }
+  [[nodiscard]] std::size_t capacity() const noexcept { return cap_; }
+  [[nodiscard]] const T* begin() const noexcept { return buf_.get(); }
+  [[nodiscard]] const T* end() const noexcept { return buf_.get() + n_; }
+  [[nodiscard]] T& operator[](std::size_t i) noexcept { return buf_[i]; }
+  [[nodiscard]] const T& operator[](std::size_t i) const noexcept { return buf_[i]; }
+  [[nodiscard]] T& back() noexcept { return buf_[n_ - 1]; }
+  void push_unchecked(const T& v) noexcept { buf_[n_++] = v; }
+  void pop_back() noexcept { --n_; }
+  void shrink_to(std::size_t m) noexcept { n_ = m; }
+  /// Room for `cap` items (never shrinks); the items are kept, the rest stays untouched memory.
+  void reserve(std::size_t cap) {
+    if (cap <= cap_) return;
+    if (cap > std::numeric_limits<std::size_t>::max() / sizeof(T)) throw std::bad_alloc();
+    std::unique_ptr<T[], deleter> b(static_cast<T*>(::operator new(cap * sizeof(T))));  // implicit-lifetime T
+    if (n_) std::memcpy(b.get(), buf_.get(), n_ * sizeof(T));
+    buf_ = std::move(b);
+    cap_ = cap;
+  }
+
+ private:
+  struct deleter {
+    void operator()(T* p) const noexcept { ::operator delete(p); }
+  };
+  std::unique_ptr<T[], deleter> buf_;
+  std::size_t n_ = 0, cap_ = 0;
+};
+}  // namespace detail
+
 /// One unpickling run. Use pickle::load(); Reader is public so that registered functions can call
 /// back (`reader.call(...)`) and report errors with the position.
 class Reader {
   friend class Args;
+  template <class T>
+  using pod_buffer = detail::pod_buffer<T>;
 
  public:
   Reader(std::span<const std::byte> bytes, const options& opts)
@@ -355,6 +407,7 @@ class Reader {
 
   struct Node {
     nk kind = nk::none;
+    std::uint8_t refs = 0;       ///< stack references, saturating at 2 (see counted); in padding
     std::uint32_t index = npos;  ///< str/bytes: length; leaf/list/tuple/dict/object/global: side-table index
     union {
       std::int64_t i;  ///< boolean, integer; handle: the handle (as uint64)
@@ -386,10 +439,15 @@ class Reader {
   [[noreturn, gnu::cold, gnu::noinline]] void stack_underflow(const char* what) const { fail(errors::pk_stack_underflow, what); }
 
   std::uint32_t add_node(Node n) {
-    if (nodes_.size() >= npos - 1) [[unlikely]] too_many_nodes();
-    nodes_.push_back(n);
-    refs_.push_back(0);
+    if (nodes_.size() == nodes_.capacity()) [[unlikely]] grow_nodes();
+    n.refs = 0;
+    nodes_.push_unchecked(n);
     return static_cast<std::uint32_t>(nodes_.size() - 1);
+  }
+  /// Room for more nodes; node ids stay below npos - 1.
+  [[gnu::cold, gnu::noinline]] void grow_nodes() {
+    if (nodes_.size() >= npos - 1) too_many_nodes();
+    nodes_.reserve(std::min<std::size_t>(std::max<std::size_t>(1024, 2 * nodes_.capacity()), npos - 1));
   }
   std::uint32_t add_scalar(nk k, std::int64_t i) {
     Node n;
@@ -463,7 +521,11 @@ class Reader {
   }
   std::uint32_t add_seq(nk k, std::span<const std::uint32_t> items) {
     const std::size_t off = seq_pool_.size();
-    seq_pool_.insert(seq_pool_.end(), items.begin(), items.end());
+    if (items.size() <= 4) {  // most tuples: no memmove call for a few ids
+      for (const std::uint32_t it : items) seq_pool_.push_back(it);
+    } else {
+      seq_pool_.insert(seq_pool_.end(), items.begin(), items.end());
+    }
     const auto len = static_cast<std::uint32_t>(items.size());  // items < nodes < 2^32
     seqs_.push_back({off, len, len});
     Node n;
@@ -532,11 +594,14 @@ class Reader {
   void need(std::uint64_t n, const char* what) const {
     if (n > left()) [[unlikely]] truncated(n, what);
   }
-  std::uint64_t le(std::size_t n) {
-    need(n, "operand");
-    std::uint64_t v = 0;
-    for (std::size_t i = 0; i < n; ++i) v |= static_cast<std::uint64_t>(in_[pos_ + i]) << (8 * i);
-    pos_ += n;
+  /// An N-byte little-endian operand (the host is little-endian: core/config.hpp).
+  template <std::size_t N>
+  std::uint64_t le() {
+    static_assert(N == 1 || N == 2 || N == 4 || N == 8);
+    need(N, "operand");
+    std::conditional_t<N == 1, std::uint8_t, std::conditional_t<N == 2, std::uint16_t, std::conditional_t<N == 4, std::uint32_t, std::uint64_t>>> v;
+    std::memcpy(&v, in_ + pos_, N);
+    pos_ += N;
     return v;
   }
   std::string_view line() {
@@ -554,19 +619,25 @@ class Reader {
   // ------------------------------------------------------------------------------------------
   // Stack and marks
 
-  [[nodiscard]] std::size_t floor() const noexcept { return marks_.empty() ? 0 : marks_.back(); }
+  [[nodiscard]] std::size_t floor() const noexcept { return floor_; }
   void push(std::uint32_t n) {
-    if (stack_.size() >= opts_.limits.max_stack) [[unlikely]] stack_overflow();
-    stack_.push_back(n);
+    if (stack_.size() == stack_.capacity()) [[unlikely]] grow_stack();
+    stack_.push_unchecked(n);
     counted(n);
+  }
+  /// Room for more items, up to limits.max_stack (the one check push makes is for room).
+  [[gnu::cold, gnu::noinline]] void grow_stack() {
+    if (stack_.size() >= opts_.limits.max_stack) stack_overflow();
+    stack_.reserve(static_cast<std::size_t>(std::min<std::uint64_t>(std::max<std::size_t>(64, 2 * stack_.capacity()), opts_.limits.max_stack)));
   }
   /// Counts a reference to node `n` put on the stack (saturating at 2): whatever is on the stack
   /// ends up in at most one place, so a node counted once sits in one place of the graph.
   void counted(std::uint32_t n) {
-    if (refs_[n] < 2) ++refs_[n];
+    std::uint8_t& r = nodes_[n].refs;
+    if (r < 2) ++r;
   }
   /// Whether child `c` of a node converted once (`sole`) is converted once too.
-  [[nodiscard]] bool sole_child(bool sole, std::uint32_t c) const noexcept { return sole && refs_[c] <= 1; }
+  [[nodiscard]] bool sole_child(bool sole, std::uint32_t c) const noexcept { return sole && nodes_[c].refs <= 1; }
   std::uint32_t pop() {
     if (stack_.size() <= floor()) [[unlikely]] stack_underflow("pop from an empty stack");
     const std::uint32_t n = stack_.back();
@@ -583,8 +654,9 @@ class Reader {
     if (marks_.empty()) fail(errors::pk_no_mark, "no MARK on the stack");
     const std::size_t m = marks_.back();
     marks_.pop_back();
-    mark_items_.assign(stack_.begin() + static_cast<std::ptrdiff_t>(m), stack_.end());
-    stack_.resize(m);
+    floor_ = marks_.empty() ? 0 : marks_.back();
+    mark_items_.assign(stack_.begin() + m, stack_.end());
+    stack_.shrink_to(m);
     return mark_items_;
   }
 
@@ -592,12 +664,17 @@ class Reader {
   // Memo
 
   void memo_put(std::uint64_t idx, std::uint32_t node) {
-    if (idx < memo_.size()) {
-      if (memo_[idx] == npos) ++memo_count_;
-      memo_[idx] = node;
+    if (idx < memo_.size()) [[likely]] {
+      std::uint32_t& m = memo_[idx];
+      if (m == npos && ++memo_count_ > opts_.limits.max_memo) [[unlikely]] memo_full();
+      m = node;
       return;
     }
-    // Dense ids (what every pickler writes) grow the vector; wild ids go to a map.
+    memo_put_new(idx, node);
+  }
+  /// An id past the memo vector: dense ids (what every pickler writes) grow the vector; wild ids
+  /// go to a map.
+  [[gnu::noinline]] void memo_put_new(std::uint64_t idx, std::uint32_t node) {
     if (idx < memo_.size() + 4096 + size_) {
       memo_.resize(static_cast<std::size_t>(idx) + 1 + memo_.size() / 2, npos);
       memo_[idx] = node;
@@ -605,11 +682,16 @@ class Reader {
     } else {
       if (memo_far_.insert_or_assign(idx, node).second) ++memo_count_;
     }
-    if (memo_count_ > opts_.limits.max_memo)
-      fail(errors::pk_memo_limit, "memo exceeds limits.max_memo (" + std::to_string(opts_.limits.max_memo) + ")");
+    if (memo_count_ > opts_.limits.max_memo) memo_full();
+  }
+  [[noreturn, gnu::cold, gnu::noinline]] void memo_full() const {
+    fail(errors::pk_memo_limit, "memo exceeds limits.max_memo (" + std::to_string(opts_.limits.max_memo) + ")");
   }
   std::uint32_t memo_get(std::uint64_t idx) const {
-    if (idx < memo_.size() && memo_[idx] != npos) return memo_[idx];
+    if (idx < memo_.size() && memo_[idx] != npos) [[likely]] return memo_[idx];
+    return memo_get_far(idx);
+  }
+  [[gnu::noinline]] std::uint32_t memo_get_far(std::uint64_t idx) const {
     if (auto it = memo_far_.find(idx); it != memo_far_.end()) return it->second;
     fail(errors::pk_bad_memo, "memo entry " + std::to_string(idx) + " was never stored");
   }
@@ -1101,9 +1183,26 @@ class Reader {
   const options& opts_;
   const Registry* registry_;
 
-  std::vector<Node> nodes_;
-  std::vector<std::uint8_t> refs_;  ///< per node: stack references, saturating at 2 (see counted)
-  std::deque<Value> leaves_;  ///< a deque: stays put as it grows (no 160-byte moves)
+  pod_buffer<Node> nodes_;  ///< capacity below npos: add_node checks for room only
+  /// Values that stay put as more are added (no 160-byte moves on growth), in blocks of 256: a
+  /// deque's blocks hold three Values each, one allocation per three tensors.
+  class leaf_pool {
+   public:
+    [[nodiscard]] std::size_t size() const noexcept { return n_; }
+    Value& operator[](std::size_t i) noexcept { return blocks_[i / block][i % block]; }
+    const Value& operator[](std::size_t i) const noexcept { return blocks_[i / block][i % block]; }
+    void push_back(Value&& v) {
+      if (n_ % block == 0) blocks_.push_back(std::make_unique<Value[]>(block));
+      blocks_.back()[n_ % block] = std::move(v);
+      ++n_;
+    }
+
+   private:
+    static constexpr std::size_t block = 256;
+    std::vector<std::unique_ptr<Value[]>> blocks_;
+    std::size_t n_ = 0;
+  };
+  leaf_pool leaves_;
   std::vector<LeafShape> leaf_shape_;
   std::vector<std::pair<const Value*, std::uint64_t>> walk_stack_;  ///< each_value's stack
   struct SeqData {
@@ -1123,8 +1222,11 @@ class Reader {
     std::unique_ptr<const Object> callee;  ///< the Object a Call names, made on the first call
   };
   std::vector<Global> globals_;
-  std::vector<std::uint32_t> stack_;
+  /// The unpickling stack: node ids. Its capacity never exceeds limits.max_stack, so that push
+  /// checks one thing (room).
+  pod_buffer<std::uint32_t> stack_;
   std::vector<std::size_t> marks_;
+  std::size_t floor_ = 0;  ///< where the items since the last MARK start (0 without a MARK)
   std::vector<std::uint32_t> memo_;
   std::unordered_map<std::uint64_t, std::uint32_t> memo_far_;
   std::uint64_t memo_count_ = 0;
@@ -1216,8 +1318,8 @@ inline std::optional<std::uint64_t> Reader::try_handle(std::uint32_t tuple) {
 inline Result Reader::run() {
   int protocol = 0;
   // Nodes never outnumber input bytes by much; reserve a guess to avoid regrowth.
-  nodes_.reserve(static_cast<std::size_t>(std::min<std::uint64_t>(size_ / 3 + 16, 1U << 22)));
-  stack_.reserve(64);
+  nodes_.reserve(static_cast<std::size_t>(std::min<std::uint64_t>(size_ / 3 + 16, 1U << 22)));  // < npos - 1
+  stack_.reserve(static_cast<std::size_t>(std::min<std::uint64_t>(64, opts_.limits.max_stack)));
   for (;;) {
     if (pos_ >= size_) fail(errors::pk_truncated, "pickle ends without STOP");
     op_pos_ = pos_;
@@ -1231,7 +1333,7 @@ inline Result Reader::run() {
         break;
       }
       case 0x95: {  // FRAME: a size hint; frames hold whole opcodes
-        const std::uint64_t n = le(8);
+        const std::uint64_t n = le<8>();
         if (n > left()) fail(errors::pk_truncated, "frame of " + std::to_string(n) + " bytes, " + std::to_string(left()) + " left");
         break;
       }
@@ -1240,7 +1342,7 @@ inline Result Reader::run() {
         Result r;
         // The last conversion: a leaf reached along a path of nodes each referenced once is moved
         // out of leaves_ instead of copied (nothing converts it again).
-        r.value = to_value(root, 0, nullptr, true, refs_[root] <= 1);
+        r.value = to_value(root, 0, nullptr, true, nodes_[root].refs <= 1);
         r.attributes = std::move(attributes_);
         r.consumed = pos_;
         r.protocol = protocol;
@@ -1251,12 +1353,12 @@ inline Result Reader::run() {
       case 0x88: push(add_scalar(nk::boolean, 1)); break;  // NEWTRUE
       case 0x89: push(add_scalar(nk::boolean, 0)); break;  // NEWFALSE
       // --- integers
-      case 'J': push(add_scalar(nk::integer, static_cast<std::int32_t>(static_cast<std::uint32_t>(le(4))))); break;  // BININT
-      case 'K': push(add_scalar(nk::integer, static_cast<std::int64_t>(le(1)))); break;  // BININT1
-      case 'M': push(add_scalar(nk::integer, static_cast<std::int64_t>(le(2)))); break;  // BININT2
-      case 0x8a: push(read_long(le(1))); break;  // LONG1
+      case 'J': push(add_scalar(nk::integer, static_cast<std::int32_t>(static_cast<std::uint32_t>(le<4>())))); break;  // BININT
+      case 'K': push(add_scalar(nk::integer, static_cast<std::int64_t>(le<1>()))); break;  // BININT1
+      case 'M': push(add_scalar(nk::integer, static_cast<std::int64_t>(le<2>()))); break;  // BININT2
+      case 0x8a: push(read_long(le<1>())); break;  // LONG1
       case 0x8b: {                               // LONG4
-        const auto n = static_cast<std::int32_t>(static_cast<std::uint32_t>(le(4)));
+        const auto n = static_cast<std::int32_t>(static_cast<std::uint32_t>(le<4>()));
         if (n < 0) fail(errors::pk_bad_operand, "LONG4 with a negative length");
         push(read_long(static_cast<std::uint64_t>(n)));
         break;
@@ -1286,21 +1388,21 @@ inline Result Reader::run() {
         break;
       }
       // --- strings and bytes
-      case 'X': push(read_string(le(4), false, "BINUNICODE")); break;
-      case 0x8c: push(read_string(le(1), false, "SHORT_BINUNICODE")); break;
-      case 0x8d: push(read_string(le(8), false, "BINUNICODE8")); break;
-      case 'B': push(read_string(le(4), true, "BINBYTES")); break;
-      case 'C': push(read_string(le(1), true, "SHORT_BINBYTES")); break;
-      case 0x8e: push(read_string(le(8), true, "BINBYTES8")); break;
-      case 'U': push(read_py2_string(le(1))); break;  // SHORT_BINSTRING
+      case 'X': push(read_string(le<4>(), false, "BINUNICODE")); break;
+      case 0x8c: push(read_string(le<1>(), false, "SHORT_BINUNICODE")); break;
+      case 0x8d: push(read_string(le<8>(), false, "BINUNICODE8")); break;
+      case 'B': push(read_string(le<4>(), true, "BINBYTES")); break;
+      case 'C': push(read_string(le<1>(), true, "SHORT_BINBYTES")); break;
+      case 0x8e: push(read_string(le<8>(), true, "BINBYTES8")); break;
+      case 'U': push(read_py2_string(le<1>())); break;  // SHORT_BINSTRING
       case 'T': {                                     // BINSTRING
-        const auto n = static_cast<std::int32_t>(static_cast<std::uint32_t>(le(4)));
+        const auto n = static_cast<std::int32_t>(static_cast<std::uint32_t>(le<4>()));
         if (n < 0) fail(errors::pk_bad_operand, "BINSTRING with a negative length");
         push(read_py2_string(static_cast<std::uint64_t>(n)));
         break;
       }
       case 0x96: {  // BYTEARRAY8
-        const std::uint32_t b = read_string(le(8), true, "BYTEARRAY8");
+        const std::uint32_t b = read_string(le<8>(), true, "BYTEARRAY8");
         Object o{"builtins", "bytearray", object_build::reduce, {}, {}, {}};
         o.args.push_back(to_value_leaf(b));
         push(add_leaf(Value(std::move(o))));
@@ -1340,6 +1442,7 @@ inline Result Reader::run() {
         if (marks_.size() >= opts_.limits.max_depth)
           fail(errors::pk_depth_limit, "MARK nesting exceeds limits.max_depth (" + std::to_string(opts_.limits.max_depth) + ")");
         marks_.push_back(stack_.size());
+        floor_ = stack_.size();
         break;
       case 't': push(add_seq(nk::tuple, pop_mark())); break;  // TUPLE
       case 'l': push(add_seq(nk::list, pop_mark())); break;   // LIST
@@ -1396,8 +1499,8 @@ inline Result Reader::run() {
       case '1': (void)pop_mark(); break;  // POP_MARK
       case '2': push(top()); break;       // DUP
       // --- memo
-      case 'q': memo_put(le(1), top()); break;  // BINPUT
-      case 'r': memo_put(le(4), top()); break;  // LONG_BINPUT
+      case 'q': memo_put(le<1>(), top()); break;  // BINPUT
+      case 'r': memo_put(le<4>(), top()); break;  // LONG_BINPUT
       case 0x94: memo_put(memo_count_, top()); break;  // MEMOIZE
       case 'p': {                                      // PUT (text)
         const std::string_view s = line();
@@ -1407,8 +1510,8 @@ inline Result Reader::run() {
         memo_put(i, top());
         break;
       }
-      case 'h': push(memo_get(le(1))); break;  // BINGET
-      case 'j': push(memo_get(le(4))); break;  // LONG_BINGET
+      case 'h': push(memo_get(le<1>())); break;  // BINGET
+      case 'j': push(memo_get(le<4>())); break;  // LONG_BINGET
       case 'g': {                              // GET (text)
         const std::string_view s = line();
         std::uint64_t i = 0;
