@@ -216,21 +216,25 @@ class shape_t {
   };
 };
 
+namespace detail {
+// The throws of the checked helpers below, out of line so that the checks inline as a compare.
+[[noreturn, gnu::cold, gnu::noinline]] inline void overflowed(std::uint64_t a, std::uint64_t b, std::string_view what, char op) {
+  throw_error(errors::overflow, std::string(what) + " overflows 64 bits (" + std::to_string(a) + " " + op + " " +
+                                    std::to_string(b) + ")");
+}
+}  // namespace detail
+
 /// a * b, or throws errors::overflow naming `what`.
 inline std::uint64_t checked_mul(std::uint64_t a, std::uint64_t b, std::string_view what = "size") {
   std::uint64_t r = 0;
-  if (__builtin_mul_overflow(a, b, &r))
-    throw_error(errors::overflow, std::string(what) + " overflows 64 bits (" + std::to_string(a) + " * " +
-                                      std::to_string(b) + ")");
+  if (__builtin_mul_overflow(a, b, &r)) [[unlikely]] detail::overflowed(a, b, what, '*');
   return r;
 }
 
 /// a + b, or throws errors::overflow naming `what`.
 inline std::uint64_t checked_add(std::uint64_t a, std::uint64_t b, std::string_view what = "size") {
   std::uint64_t r = 0;
-  if (__builtin_add_overflow(a, b, &r))
-    throw_error(errors::overflow, std::string(what) + " overflows 64 bits (" + std::to_string(a) + " + " +
-                                      std::to_string(b) + ")");
+  if (__builtin_add_overflow(a, b, &r)) [[unlikely]] detail::overflowed(a, b, what, '+');
   return r;
 }
 
@@ -249,12 +253,19 @@ inline std::string to_string(std::span<const dim_t> s) {
   return out;
 }
 
+namespace detail {
+[[noreturn, gnu::cold, gnu::noinline]] inline void negative_dim(std::span<const dim_t> shape, std::size_t i) {
+  throw_error(errors::negative_dim, "dimension " + std::to_string(i) + " of shape " + to_string(shape) + " is negative");
+}
+[[noreturn, gnu::cold, gnu::noinline]] inline void too_large(std::string_view what, std::uint64_t n) {
+  throw_error(errors::overflow, std::string(what) + " " + std::to_string(n) + " exceeds 2^63-1");
+}
+}  // namespace detail
+
 /// Throws errors::negative_dim when a dimension is negative.
 inline void check_shape(std::span<const dim_t> shape) {
   for (std::size_t i = 0; i < shape.size(); ++i)
-    if (shape[i] < 0)
-      throw_error(errors::negative_dim,
-                  "dimension " + std::to_string(i) + " of shape " + to_string(shape) + " is negative");
+    if (shape[i] < 0) [[unlikely]] detail::negative_dim(shape, i);
 }
 
 /// Number of elements (1 for a 0-d shape), checked: negative dims and totals beyond max_size throw.
@@ -262,14 +273,14 @@ inline std::uint64_t numel(std::span<const dim_t> shape) {
   check_shape(shape);
   std::uint64_t n = 1;
   for (dim_t d : shape) n = checked_mul(n, static_cast<std::uint64_t>(d), "element count");
-  if (n > max_size) throw_error(errors::overflow, "element count " + std::to_string(n) + " exceeds 2^63-1");
+  if (n > max_size) [[unlikely]] detail::too_large("element count", n);
   return n;
 }
 
 /// numel(shape) * itemsize, checked.
 inline std::uint64_t byte_size(std::span<const dim_t> shape, std::size_t itemsize) {
   std::uint64_t n = checked_mul(numel(shape), itemsize, "byte size");
-  if (n > max_size) throw_error(errors::overflow, "byte size " + std::to_string(n) + " exceeds 2^63-1");
+  if (n > max_size) [[unlikely]] detail::too_large("byte size", n);
   return n;
 }
 

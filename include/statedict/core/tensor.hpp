@@ -52,14 +52,11 @@ class basic_tensor_view {
   /// the caller vouches that every addressed byte is inside memory kept alive by `owner`.
   basic_tensor_view(statedict::dtype t, shape_t shape, shape_t strides, Byte* data, keep_alive owner = {})
       : dtype_(t), shape_(std::move(shape)), strides_(std::move(strides)), data_(data), owner_(std::move(owner)) {
-    if (strides_.size() != shape_.size())
-      throw_error(errors::bad_stride, "shape " + to_string(shape_) + " has " + std::to_string(shape_.size()) +
-                                          " dims but strides " + to_string(strides_) + " have " +
-                                          std::to_string(strides_.size()));
+    if (strides_.size() != shape_.size()) [[unlikely]] rank_mismatch();
     numel_ = statedict::numel(shape_);
     for (dim_t s : strides_)
-      if (s < 0) throw_error(errors::bad_stride, "negative stride in " + to_string(strides_));
-    if (data_ == nullptr && numel_ != 0) throw_error(errors::null_data, "non-empty view without data");
+      if (s < 0) [[unlikely]] negative_stride();
+    if (data_ == nullptr && numel_ != 0) [[unlikely]] throw_error(errors::null_data, "non-empty view without data");
     // The byte extent must be representable: checked here once so later pointer math cannot overflow.
     (void)extent_bytes_checked();
   }
@@ -194,6 +191,15 @@ class basic_tensor_view {
       throw_error(errors::dtype_mismatch, "tensor is " + std::string(name(dtype_)) + ", accessed as " +
                                               std::string(name(dtype_of<T>)));
   }
+  // The constructor's failures, out of line so that its checks stay compares.
+  [[noreturn, gnu::cold, gnu::noinline]] void rank_mismatch() const {
+    throw_error(errors::bad_stride, "shape " + to_string(shape_) + " has " + std::to_string(shape_.size()) +
+                                        " dims but strides " + to_string(strides_) + " have " + std::to_string(strides_.size()));
+  }
+  [[noreturn, gnu::cold, gnu::noinline]] void negative_stride() const {
+    throw_error(errors::bad_stride, "negative stride in " + to_string(strides_));
+  }
+
   std::uint64_t extent_bytes_checked() const {
     if (numel_ == 0) return 0;
     std::uint64_t last = 0;
@@ -202,7 +208,7 @@ class basic_tensor_view {
                                            static_cast<std::uint64_t>(strides_[i]), "view extent"),
                          "view extent");
     const std::uint64_t e = checked_mul(checked_add(last, 1, "view extent"), itemsize(), "view extent");
-    if (e > max_size) throw_error(errors::overflow, "view extent exceeds 2^63-1 bytes");
+    if (e > max_size) [[unlikely]] throw_error(errors::overflow, "view extent exceeds 2^63-1 bytes");
     return e;
   }
 
