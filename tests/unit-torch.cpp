@@ -17,6 +17,7 @@
 #include <statedict/shard/plan.hpp>
 
 #include <algorithm>
+#include <limits>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -500,6 +501,46 @@ TEST_CASE("fast paths on and off read the same tree, views of the same bytes, an
     }
   }
   CHECK(read == 15);
+}
+
+TEST_CASE("storage keys of any spelling find their own records (numbers, padded numbers, large numbers, words)") {
+  // torch.save's keys are 0, 1, 2, ... and its records sorted as strings; other writers may use
+  // any key. "007" is not "7", a number past the entry count is still a key.
+  const std::vector<std::string> keys = {"1", "0", "10", "007", "7", "x", "2", "123456789"};
+  std::string body = "(";
+  std::vector<Rec> recs;
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    body += tensor_v2("FloatStorage", keys[i], 1, 0, {1}, {1});
+    recs.push_back({keys[i], floats({static_cast<float>(i) + 0.5F})});
+  }
+  body += tensor_v2("FloatStorage", "10", 1, 0, {1}, {1}) + "t";  // a key met again
+  std::sort(recs.begin(), recs.end(), [](const Rec& a, const Rec& b) { return a.name < b.name; });
+  recs.push_back({"07", floats({-1})});  // decoys: a record no key names
+  recs.push_back({"3", floats({-2})});
+  for (const std::size_t overlap : {std::size_t{0}, std::numeric_limits<std::size_t>::max()}) {
+    CAPTURE(overlap);
+    torch::load_options o;
+    o.overlap_headers_from = overlap;
+    const torch::File f = torch::read(torch_zip("keys.pt", pkl(body), recs), o);
+    const List& l = f.value.as_list();
+    REQUIRE(l.size() == keys.size() + 1);
+    for (std::size_t i = 0; i < keys.size(); ++i) {
+      CAPTURE(keys[i]);
+      float x = 0;
+      std::memcpy(&x, l[i].as_tensor().data(), sizeof x);
+      CHECK(x == static_cast<float>(i) + 0.5F);
+      CHECK(f.storages[i].key == keys[i]);
+      CHECK(f.storages[i].record == "a/data/" + keys[i]);
+    }
+    CHECK(l.back().as_tensor().data() == l[2].as_tensor().data());
+    CHECK(f.storages.size() == keys.size());
+    // A key whose record is missing: a number, a padded number, a large number, a word.
+    for (const char* missing : {"4", "0004", "99999999", "y"}) {
+      CAPTURE(missing);
+      expect_error([&] { (void)torch::read(torch_zip("keys-missing.pt", pkl(tensor_v2("FloatStorage", missing, 1, 0, {1}, {1})), recs), o); },
+                   errors::pt_missing_record);
+    }
+  }
 }
 
 TEST_CASE("legacy format: hand-made file, and its failure modes") {

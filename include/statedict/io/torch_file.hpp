@@ -489,6 +489,19 @@ inline view_base make_view_base(const ByteSource& src, bool lazy) {
 // ---------------------------------------------------------------------------------------------
 // Zip format
 
+/// `key` as a number below `bound` when it is one written the canonical way (decimal digits, no
+/// leading zero but "0" itself): then it equals another such key exactly when the numbers do.
+inline std::optional<std::size_t> key_number(std::string_view key, std::size_t bound) noexcept {
+  if (key.empty() || key.size() > 9 || (key.size() > 1 && key[0] == '0')) return std::nullopt;
+  std::size_t n = 0;
+  for (const char c : key) {
+    if (c < '0' || c > '9') return std::nullopt;
+    n = n * 10 + static_cast<std::size_t>(c - '0');
+  }
+  if (n >= bound) return std::nullopt;
+  return n;
+}
+
 inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& opts, bool lazy, bool may_overlap = true) {
   File f;
   f.format = "zip";
@@ -521,7 +534,6 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
       throw_error(errors::pt_missing_record, where(*src), "first zip entry " + quote(first) + " is not inside a folder");
     f.archive_name = first.substr(0, slash);
     const std::string prefix = f.archive_name + "/";
-    for (const auto& e : ar.entries()) f.records.push_back(e.name);
     const zip::Entry* pkl = ar.find(prefix + "data.pkl");
     if (!pkl) throw_error(errors::pt_missing_record, where(*src), "no record " + quote(prefix + "data.pkl") + ": not a torch.save file");
     if (overlap) ar.locate(*pkl);
@@ -558,7 +570,21 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
 
     f.view_base = vb.base;
     f.view_owner = vb.owner;
-    statedict::detail::hash_index by_key;  // f.storages by key
+    // Storages and their records by key. torch.save's keys are the numbers 0, 1, 2, ... in order
+    // of first use, and its records are sorted as strings ("0", "1", "10", "100", ...): such keys
+    // are looked up in two arrays indexed by the number (a hash table probed at random misses the
+    // cache once per tensor); any other key goes through the hash index.
+    statedict::detail::hash_index by_key;  // f.storages by key, for keys that are not numbers below n_entries
+    const std::size_t n_entries = ar.entries().size();
+    std::vector<std::uint32_t> storage_of_number(n_entries, statedict::detail::hash_index::npos);
+    std::vector<std::uint32_t> record_of_number(n_entries, statedict::detail::hash_index::npos);
+    const std::string data_prefix = prefix + "data/";
+    for (std::size_t i = 0; i < n_entries; ++i) {
+      const std::string& name = ar.entries()[i].name;
+      if (name.size() > data_prefix.size() && name.compare(0, data_prefix.size(), data_prefix) == 0)
+        if (const auto n = key_number(std::string_view(name).substr(data_prefix.size()), n_entries))
+          record_of_number[*n] = static_cast<std::uint32_t>(i);  // names are unique: one entry per number
+    }
     std::size_t next_entry = 0;            // where the next storage's record is looked for first
     read_context ctx{&opts, false, &seen, &classes};
     pickle::Registry reg = torch_registry(ctx);
@@ -587,19 +613,25 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
       if (numel_in < 0) throw_error(errors::pt_bad_storage, "storage " + quote(key) + " has a negative size");
       const auto numel = static_cast<std::uint64_t>(numel_in);
       const std::uint64_t nbytes = checked_mul(numel, itemsize(t), "storage size");
-      const std::uint32_t kh = statedict::detail::hash_index::mix(std::hash<std::string_view>{}(key));
-      std::uint32_t at = by_key.find(kh, [&](std::uint32_t i) { return f.storages[i].key == key; });
+      const std::optional<std::size_t> number = key_number(key, n_entries);
+      const std::uint32_t kh = number ? 0 : statedict::detail::hash_index::mix(std::hash<std::string_view>{}(key));
+      std::uint32_t at = number ? storage_of_number[*number] : by_key.find(kh, [&](std::uint32_t i) { return f.storages[i].key == key; });
       if (at == statedict::detail::hash_index::npos) {
-        // torch.save numbers storages in order of first use and writes their records in that
-        // order: the entry after the previous storage's is tried before the name index (entry
-        // names are unique, so a match there is the match).
+        // A number's record is in record_of_number. Other keys: writers that name storages
+        // otherwise still tend to write records in order of first use, so the entry after the
+        // previous storage's is tried before the name index (entry names are unique, so a match
+        // there is the match).
         const auto& entries = ar.entries();
         const auto is_record = [&](const std::string& name) {
           return name.size() == prefix.size() + 5 + key.size() && name.compare(0, prefix.size(), prefix) == 0 &&
                  name.compare(prefix.size(), 5, "data/") == 0 && name.compare(prefix.size() + 5, key.size(), key) == 0;
         };
         const zip::Entry* e = nullptr;
-        if (next_entry < entries.size() && is_record(entries[next_entry].name)) {
+        if (number) {
+          if (record_of_number[*number] == statedict::detail::hash_index::npos)
+            throw_error(errors::pt_missing_record, "storage " + quote(key) + ": no record " + quote(data_prefix + std::string(key)));
+          e = &entries[record_of_number[*number]];
+        } else if (next_entry < entries.size() && is_record(entries[next_entry].name)) {
           e = &entries[next_entry];
         } else {
           std::string rec;
@@ -629,17 +661,12 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
           c.data = r.data;
           c.owner = r.owner;
         }
-        Storage s;
-        s.key = key;
-        s.dtype = t;
-        s.untyped = classes[cls].untyped;
-        s.offset = data_offset;
-        s.nbytes = e->size;
-        s.record = e->name;
-        s.location = location;
         at = static_cast<std::uint32_t>(f.storages.size());
-        by_key.add(kh, at);
-        f.storages.push_back(std::move(s));
+        // Members constructed where they live (assigning into a default Storage costs a
+        // string replace per member, 10,000 storages over).
+        f.storages.push_back(Storage{std::string(key), t, classes[cls].untyped, data_offset, e->size, e->name, std::string(location)});
+        if (number) storage_of_number[*number] = at;
+        else by_key.add(kh, at);
         seen.push_back(std::move(c));
       }
       const zip_storage& c = seen[at];
@@ -719,6 +746,10 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
     // Not torch's layout (an archive rewritten by another zip tool): read it again, headers first.
     if (mispredicted) return read_zip(std::move(src), opts, lazy, false);
   }
+  // The archive ends here: its entry names become the record list (moved, not copied).
+  std::vector<zip::Entry> entries = ar.release_entries();
+  f.records.reserve(entries.size());
+  for (zip::Entry& e : entries) f.records.push_back(std::move(e.name));
   return f;
 }
 
@@ -956,21 +987,22 @@ inline ShardedCheckpoint describe(const File& file) {
   ck.tensors.reserve(flat.tensors.size());
   const std::uint64_t size = file.source->size();
   for (auto& [name, v] : flat.tensors) {
-    TensorInfo ti;
+    const auto addr = reinterpret_cast<std::uintptr_t>(v.data()), base = reinterpret_cast<std::uintptr_t>(file.view_base);
+    if (addr < base || addr - base > size)
+      throw_error(errors::pt_bad_tensor, detail::where(*file.source), "tensor " + quote(name) + " does not point into the file");
+    // Built in place: 10,000 tensors are 10,000 TensorInfo and Chunk moves otherwise.
+    TensorInfo& ti = ck.tensors.emplace_back();
     ti.name = std::move(name);  // `flat` is ours: its names move into the description
     ti.dtype = v.dtype();
     ti.shape = v.shape();
-    Chunk c;
-    c.region = Box{shape_t(v.rank(), 0), v.shape()};
+    Chunk& c = ti.chunks.emplace_back();
+    Box& region = std::get<Box>(c.region);  // a Chunk starts as a Box
+    region.offsets = shape_t(v.rank(), 0);
+    region.sizes = v.shape();
     c.at.source = 0;
-    const auto addr = reinterpret_cast<std::uintptr_t>(v.data()), base = reinterpret_cast<std::uintptr_t>(file.view_base);
-    if (addr < base || addr - base > size)
-      throw_error(errors::pt_bad_tensor, detail::where(*file.source), "tensor " + quote(ti.name) + " does not point into the file");
     c.at.byte_offset = addr - base;
-    c.at.strides = v.is_contiguous() ? shape_t{} : v.strides();
+    if (!v.is_contiguous()) c.at.strides = v.strides();
     c.at.stored = v.dtype();
-    ti.chunks.push_back(std::move(c));
-    ck.tensors.push_back(std::move(ti));
   }
   ck.skeleton = std::move(flat.skeleton);
   ck.metadata["torch.format"] = file.format;

@@ -156,6 +156,12 @@ class Archive {
   }
 
   [[nodiscard]] const std::vector<Entry>& entries() const noexcept { return entries_; }
+  /// Moves the entries out (names and all, for a reader that keeps them past the archive); the
+  /// archive is left without entries. Pointers to entries stay valid in the returned vector.
+  [[nodiscard]] std::vector<Entry> release_entries() noexcept {
+    index_ = {};
+    return std::exchange(entries_, {});
+  }
   [[nodiscard]] const std::shared_ptr<const ByteSource>& source() const noexcept { return source_; }
   /// Bytes in front of the archive proper (0 unless the source has data prepended to the archive).
   [[nodiscard]] std::uint64_t prefix_bytes() const noexcept { return delta_; }
@@ -213,7 +219,8 @@ class Archive {
     for (std::size_t i = 0; i < entries_.size(); ++i) order[i] = static_cast<std::uint32_t>(i);
     auto by_offset = [&](std::uint32_t a, std::uint32_t b) { return entries_[a].header_offset < entries_[b].header_offset; };
     if (!std::is_sorted(order.begin(), order.end(), by_offset)) std::stable_sort(order.begin(), order.end(), by_offset);
-    std::vector<std::byte> buf;
+    std::unique_ptr<std::byte[]> buf;  // not zeroed: peek fills what is read
+    std::size_t buf_size = 0;
     std::size_t b = 0;
     while (b < order.size()) {
       const std::uint64_t start = entries_[order[b]].header_offset;
@@ -224,12 +231,16 @@ class Archive {
         if (en.header_offset - entries_[order[e - 1]].header_offset > max_gap || header_end(en) - start > max_span) break;
         stop = std::max(stop, header_end(en));
       }
-      buf.resize(static_cast<std::size_t>(stop - start));
-      source_->peek(start, buf);
+      const auto span = static_cast<std::size_t>(stop - start);
+      if (span > buf_size) {
+        buf = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(span, max_span));
+        buf_size = std::max<std::size_t>(span, max_span);
+      }
+      source_->peek(start, std::span<std::byte>(buf.get(), span));
       for (std::size_t k = b; k < e; ++k) {
         const Entry& en = entries_[order[k]];
         const std::uint64_t at = en.header_offset - start;
-        out[order[k]] = locate_data(en, buf.data() + static_cast<std::size_t>(at));
+        out[order[k]] = locate_data(en, buf.get() + static_cast<std::size_t>(at));
       }
       b = e;
     }
