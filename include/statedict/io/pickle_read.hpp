@@ -1317,8 +1317,17 @@ inline std::optional<std::uint64_t> Reader::try_handle(std::uint32_t tuple) {
 
 inline Result Reader::run() {
   int protocol = 0;
-  // Nodes never outnumber input bytes by much; reserve a guess to avoid regrowth.
-  nodes_.reserve(static_cast<std::size_t>(std::min<std::uint64_t>(size_ / 3 + 16, 1U << 22)));  // < npos - 1
+  // Reserve guesses from the input size (torch.save's pickles: a node per 6 bytes, a tuple per
+  // 25, a list or tuple item per 11, a dict per 110, a memo entry per 15), so that the tables are
+  // not copied as they grow. Address space only: what a smaller pickle does not use is not touched.
+  const auto guess = [this](std::uint64_t bytes_per, std::uint64_t cap) {
+    return static_cast<std::size_t>(std::min<std::uint64_t>(size_ / bytes_per + 16, cap));
+  };
+  nodes_.reserve(guess(3, 1U << 22));  // < npos - 1
+  seqs_.reserve(guess(16, 1U << 20));
+  seq_pool_.reserve(guess(4, 1U << 22));
+  dicts_.reserve(guess(64, 1U << 18));
+  memo_.reserve(guess(8, 1U << 20));
   stack_.reserve(static_cast<std::size_t>(std::min<std::uint64_t>(64, opts_.limits.max_stack)));
   for (;;) {
     if (pos_ >= size_) fail(errors::pk_truncated, "pickle ends without STOP");
