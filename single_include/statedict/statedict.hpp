@@ -457,21 +457,25 @@ class shape_t {
   };
 };
 
+namespace detail {
+// The throws of the checked helpers below, out of line so that the checks inline as a compare.
+[[noreturn, gnu::cold, gnu::noinline]] inline void overflowed(std::uint64_t a, std::uint64_t b, std::string_view what, char op) {
+  throw_error(errors::overflow, std::string(what) + " overflows 64 bits (" + std::to_string(a) + " " + op + " " +
+                                    std::to_string(b) + ")");
+}
+}  // namespace detail
+
 /// a * b, or throws errors::overflow naming `what`.
 inline std::uint64_t checked_mul(std::uint64_t a, std::uint64_t b, std::string_view what = "size") {
   std::uint64_t r = 0;
-  if (__builtin_mul_overflow(a, b, &r))
-    throw_error(errors::overflow, std::string(what) + " overflows 64 bits (" + std::to_string(a) + " * " +
-                                      std::to_string(b) + ")");
+  if (__builtin_mul_overflow(a, b, &r)) [[unlikely]] detail::overflowed(a, b, what, '*');
   return r;
 }
 
 /// a + b, or throws errors::overflow naming `what`.
 inline std::uint64_t checked_add(std::uint64_t a, std::uint64_t b, std::string_view what = "size") {
   std::uint64_t r = 0;
-  if (__builtin_add_overflow(a, b, &r))
-    throw_error(errors::overflow, std::string(what) + " overflows 64 bits (" + std::to_string(a) + " + " +
-                                      std::to_string(b) + ")");
+  if (__builtin_add_overflow(a, b, &r)) [[unlikely]] detail::overflowed(a, b, what, '+');
   return r;
 }
 
@@ -490,12 +494,19 @@ inline std::string to_string(std::span<const dim_t> s) {
   return out;
 }
 
+namespace detail {
+[[noreturn, gnu::cold, gnu::noinline]] inline void negative_dim(std::span<const dim_t> shape, std::size_t i) {
+  throw_error(errors::negative_dim, "dimension " + std::to_string(i) + " of shape " + to_string(shape) + " is negative");
+}
+[[noreturn, gnu::cold, gnu::noinline]] inline void too_large(std::string_view what, std::uint64_t n) {
+  throw_error(errors::overflow, std::string(what) + " " + std::to_string(n) + " exceeds 2^63-1");
+}
+}  // namespace detail
+
 /// Throws errors::negative_dim when a dimension is negative.
 inline void check_shape(std::span<const dim_t> shape) {
   for (std::size_t i = 0; i < shape.size(); ++i)
-    if (shape[i] < 0)
-      throw_error(errors::negative_dim,
-                  "dimension " + std::to_string(i) + " of shape " + to_string(shape) + " is negative");
+    if (shape[i] < 0) [[unlikely]] detail::negative_dim(shape, i);
 }
 
 /// Number of elements (1 for a 0-d shape), checked: negative dims and totals beyond max_size throw.
@@ -503,14 +514,14 @@ inline std::uint64_t numel(std::span<const dim_t> shape) {
   check_shape(shape);
   std::uint64_t n = 1;
   for (dim_t d : shape) n = checked_mul(n, static_cast<std::uint64_t>(d), "element count");
-  if (n > max_size) throw_error(errors::overflow, "element count " + std::to_string(n) + " exceeds 2^63-1");
+  if (n > max_size) [[unlikely]] detail::too_large("element count", n);
   return n;
 }
 
 /// numel(shape) * itemsize, checked.
 inline std::uint64_t byte_size(std::span<const dim_t> shape, std::size_t itemsize) {
   std::uint64_t n = checked_mul(numel(shape), itemsize, "byte size");
-  if (n > max_size) throw_error(errors::overflow, "byte size " + std::to_string(n) + " exceeds 2^63-1");
+  if (n > max_size) [[unlikely]] detail::too_large("byte size", n);
   return n;
 }
 
@@ -1078,14 +1089,11 @@ class basic_tensor_view {
   /// the caller vouches that every addressed byte is inside memory kept alive by `owner`.
   basic_tensor_view(statedict::dtype t, shape_t shape, shape_t strides, Byte* data, keep_alive owner = {})
       : dtype_(t), shape_(std::move(shape)), strides_(std::move(strides)), data_(data), owner_(std::move(owner)) {
-    if (strides_.size() != shape_.size())
-      throw_error(errors::bad_stride, "shape " + to_string(shape_) + " has " + std::to_string(shape_.size()) +
-                                          " dims but strides " + to_string(strides_) + " have " +
-                                          std::to_string(strides_.size()));
+    if (strides_.size() != shape_.size()) [[unlikely]] rank_mismatch();
     numel_ = statedict::numel(shape_);
     for (dim_t s : strides_)
-      if (s < 0) throw_error(errors::bad_stride, "negative stride in " + to_string(strides_));
-    if (data_ == nullptr && numel_ != 0) throw_error(errors::null_data, "non-empty view without data");
+      if (s < 0) [[unlikely]] negative_stride();
+    if (data_ == nullptr && numel_ != 0) [[unlikely]] throw_error(errors::null_data, "non-empty view without data");
     // The byte extent must be representable: checked here once so later pointer math cannot overflow.
     (void)extent_bytes_checked();
   }
@@ -1220,6 +1228,15 @@ class basic_tensor_view {
       throw_error(errors::dtype_mismatch, "tensor is " + std::string(name(dtype_)) + ", accessed as " +
                                               std::string(name(dtype_of<T>)));
   }
+  // The constructor's failures, out of line so that its checks stay compares.
+  [[noreturn, gnu::cold, gnu::noinline]] void rank_mismatch() const {
+    throw_error(errors::bad_stride, "shape " + to_string(shape_) + " has " + std::to_string(shape_.size()) +
+                                        " dims but strides " + to_string(strides_) + " have " + std::to_string(strides_.size()));
+  }
+  [[noreturn, gnu::cold, gnu::noinline]] void negative_stride() const {
+    throw_error(errors::bad_stride, "negative stride in " + to_string(strides_));
+  }
+
   std::uint64_t extent_bytes_checked() const {
     if (numel_ == 0) return 0;
     std::uint64_t last = 0;
@@ -1228,7 +1245,7 @@ class basic_tensor_view {
                                            static_cast<std::uint64_t>(strides_[i]), "view extent"),
                          "view extent");
     const std::uint64_t e = checked_mul(checked_add(last, 1, "view extent"), itemsize(), "view extent");
-    if (e > max_size) throw_error(errors::overflow, "view extent exceeds 2^63-1 bytes");
+    if (e > max_size) [[unlikely]] throw_error(errors::overflow, "view extent exceeds 2^63-1 bytes");
     return e;
   }
 
@@ -8805,6 +8822,12 @@ class Archive {
   }
 
   [[nodiscard]] const std::vector<Entry>& entries() const noexcept { return entries_; }
+  /// Moves the entries out (names and all, for a reader that keeps them past the archive); the
+  /// archive is left without entries. Pointers to entries stay valid in the returned vector.
+  [[nodiscard]] std::vector<Entry> release_entries() noexcept {
+    index_ = {};
+    return std::exchange(entries_, {});
+  }
   [[nodiscard]] const std::shared_ptr<const ByteSource>& source() const noexcept { return source_; }
   /// Bytes in front of the archive proper (0 unless the source has data prepended to the archive).
   [[nodiscard]] std::uint64_t prefix_bytes() const noexcept { return delta_; }
@@ -8862,7 +8885,8 @@ class Archive {
     for (std::size_t i = 0; i < entries_.size(); ++i) order[i] = static_cast<std::uint32_t>(i);
     auto by_offset = [&](std::uint32_t a, std::uint32_t b) { return entries_[a].header_offset < entries_[b].header_offset; };
     if (!std::is_sorted(order.begin(), order.end(), by_offset)) std::stable_sort(order.begin(), order.end(), by_offset);
-    std::vector<std::byte> buf;
+    std::unique_ptr<std::byte[]> buf;  // not zeroed: peek fills what is read
+    std::size_t buf_size = 0;
     std::size_t b = 0;
     while (b < order.size()) {
       const std::uint64_t start = entries_[order[b]].header_offset;
@@ -8873,12 +8897,16 @@ class Archive {
         if (en.header_offset - entries_[order[e - 1]].header_offset > max_gap || header_end(en) - start > max_span) break;
         stop = std::max(stop, header_end(en));
       }
-      buf.resize(static_cast<std::size_t>(stop - start));
-      source_->peek(start, buf);
+      const auto span = static_cast<std::size_t>(stop - start);
+      if (span > buf_size) {
+        buf = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(span, max_span));
+        buf_size = std::max<std::size_t>(span, max_span);
+      }
+      source_->peek(start, std::span<std::byte>(buf.get(), span));
       for (std::size_t k = b; k < e; ++k) {
         const Entry& en = entries_[order[k]];
         const std::uint64_t at = en.header_offset - start;
-        out[order[k]] = locate_data(en, buf.data() + static_cast<std::size_t>(at));
+        out[order[k]] = locate_data(en, buf.get() + static_cast<std::size_t>(at));
       }
       b = e;
     }
@@ -9529,14 +9557,15 @@ class Writer {
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <deque>
 #include <functional>
 #include <limits>
 #include <memory>
+#include <new>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -9717,6 +9746,14 @@ inline bool valid_utf8(std::string_view s) noexcept {
   const auto* p = reinterpret_cast<const unsigned char*>(s.data());
   const auto* end = p + s.size();
   while (p < end) {
+    if (end - p >= 8) {  // eight ASCII bytes at a time (names are mostly ASCII)
+      std::uint64_t w;
+      std::memcpy(&w, p, 8);
+      if ((w & 0x8080808080808080ULL) == 0) {
+        p += 8;
+        continue;
+      }
+    }
     const unsigned c = *p;
     if (c < 0x80) {
       ++p;
@@ -9800,10 +9837,53 @@ inline std::string opcode_name(unsigned char op) {
 }
 }  // namespace detail
 
+namespace detail {
+/// A growable array of a trivially copyable type whose append is one store once room is checked
+/// (std::vector's push_back inlines its reallocation into every caller). Growth is the owner's
+/// call: reserve() when size() == capacity(), with whatever cap applies.
+template <class T>
+class pod_buffer {
+  static_assert(std::is_trivially_copyable_v<T> && std::is_trivially_destructible_v<T>);
+
+ public:
+  pod_buffer() = default;
+  pod_buffer(const pod_buffer&) = delete;
+  pod_buffer& operator=(const pod_buffer&) = delete;
+  [[nodiscard]] std::size_t size() const noexcept { return n_; }
+  [[nodiscard]] std::size_t capacity() const noexcept { return cap_; }
+  [[nodiscard]] const T* begin() const noexcept { return buf_.get(); }
+  [[nodiscard]] const T* end() const noexcept { return buf_.get() + n_; }
+  [[nodiscard]] T& operator[](std::size_t i) noexcept { return buf_[i]; }
+  [[nodiscard]] const T& operator[](std::size_t i) const noexcept { return buf_[i]; }
+  [[nodiscard]] T& back() noexcept { return buf_[n_ - 1]; }
+  void push_unchecked(const T& v) noexcept { buf_[n_++] = v; }
+  void pop_back() noexcept { --n_; }
+  void shrink_to(std::size_t m) noexcept { n_ = m; }
+  /// Room for `cap` items (never shrinks); the items are kept, the rest stays untouched memory.
+  void reserve(std::size_t cap) {
+    if (cap <= cap_) return;
+    if (cap > std::numeric_limits<std::size_t>::max() / sizeof(T)) throw std::bad_alloc();
+    std::unique_ptr<T[], deleter> b(static_cast<T*>(::operator new(cap * sizeof(T))));  // implicit-lifetime T
+    if (n_) std::memcpy(b.get(), buf_.get(), n_ * sizeof(T));
+    buf_ = std::move(b);
+    cap_ = cap;
+  }
+
+ private:
+  struct deleter {
+    void operator()(T* p) const noexcept { ::operator delete(p); }
+  };
+  std::unique_ptr<T[], deleter> buf_;
+  std::size_t n_ = 0, cap_ = 0;
+};
+}  // namespace detail
+
 /// One unpickling run. Use pickle::load(); Reader is public so that registered functions can call
 /// back (`reader.call(...)`) and report errors with the position.
 class Reader {
   friend class Args;
+  template <class T>
+  using pod_buffer = detail::pod_buffer<T>;
 
  public:
   Reader(std::span<const std::byte> bytes, const options& opts)
@@ -9845,6 +9925,7 @@ class Reader {
 
   struct Node {
     nk kind = nk::none;
+    std::uint8_t refs = 0;       ///< stack references, saturating at 2 (see counted); in padding
     std::uint32_t index = npos;  ///< str/bytes: length; leaf/list/tuple/dict/object/global: side-table index
     union {
       std::int64_t i;  ///< boolean, integer; handle: the handle (as uint64)
@@ -9876,10 +9957,15 @@ class Reader {
   [[noreturn, gnu::cold, gnu::noinline]] void stack_underflow(const char* what) const { fail(errors::pk_stack_underflow, what); }
 
   std::uint32_t add_node(Node n) {
-    if (nodes_.size() >= npos - 1) [[unlikely]] too_many_nodes();
-    nodes_.push_back(n);
-    refs_.push_back(0);
+    if (nodes_.size() == nodes_.capacity()) [[unlikely]] grow_nodes();
+    n.refs = 0;
+    nodes_.push_unchecked(n);
     return static_cast<std::uint32_t>(nodes_.size() - 1);
+  }
+  /// Room for more nodes; node ids stay below npos - 1.
+  [[gnu::cold, gnu::noinline]] void grow_nodes() {
+    if (nodes_.size() >= npos - 1) too_many_nodes();
+    nodes_.reserve(std::min<std::size_t>(std::max<std::size_t>(1024, 2 * nodes_.capacity()), npos - 1));
   }
   std::uint32_t add_scalar(nk k, std::int64_t i) {
     Node n;
@@ -9953,7 +10039,11 @@ class Reader {
   }
   std::uint32_t add_seq(nk k, std::span<const std::uint32_t> items) {
     const std::size_t off = seq_pool_.size();
-    seq_pool_.insert(seq_pool_.end(), items.begin(), items.end());
+    if (items.size() <= 4) {  // most tuples: no memmove call for a few ids
+      for (const std::uint32_t it : items) seq_pool_.push_back(it);
+    } else {
+      seq_pool_.insert(seq_pool_.end(), items.begin(), items.end());
+    }
     const auto len = static_cast<std::uint32_t>(items.size());  // items < nodes < 2^32
     seqs_.push_back({off, len, len});
     Node n;
@@ -10022,11 +10112,14 @@ class Reader {
   void need(std::uint64_t n, const char* what) const {
     if (n > left()) [[unlikely]] truncated(n, what);
   }
-  std::uint64_t le(std::size_t n) {
-    need(n, "operand");
-    std::uint64_t v = 0;
-    for (std::size_t i = 0; i < n; ++i) v |= static_cast<std::uint64_t>(in_[pos_ + i]) << (8 * i);
-    pos_ += n;
+  /// An N-byte little-endian operand (the host is little-endian: core/config.hpp).
+  template <std::size_t N>
+  std::uint64_t le() {
+    static_assert(N == 1 || N == 2 || N == 4 || N == 8);
+    need(N, "operand");
+    std::conditional_t<N == 1, std::uint8_t, std::conditional_t<N == 2, std::uint16_t, std::conditional_t<N == 4, std::uint32_t, std::uint64_t>>> v;
+    std::memcpy(&v, in_ + pos_, N);
+    pos_ += N;
     return v;
   }
   std::string_view line() {
@@ -10044,19 +10137,25 @@ class Reader {
   // ------------------------------------------------------------------------------------------
   // Stack and marks
 
-  [[nodiscard]] std::size_t floor() const noexcept { return marks_.empty() ? 0 : marks_.back(); }
+  [[nodiscard]] std::size_t floor() const noexcept { return floor_; }
   void push(std::uint32_t n) {
-    if (stack_.size() >= opts_.limits.max_stack) [[unlikely]] stack_overflow();
-    stack_.push_back(n);
+    if (stack_.size() == stack_.capacity()) [[unlikely]] grow_stack();
+    stack_.push_unchecked(n);
     counted(n);
+  }
+  /// Room for more items, up to limits.max_stack (the one check push makes is for room).
+  [[gnu::cold, gnu::noinline]] void grow_stack() {
+    if (stack_.size() >= opts_.limits.max_stack) stack_overflow();
+    stack_.reserve(static_cast<std::size_t>(std::min<std::uint64_t>(std::max<std::size_t>(64, 2 * stack_.capacity()), opts_.limits.max_stack)));
   }
   /// Counts a reference to node `n` put on the stack (saturating at 2): whatever is on the stack
   /// ends up in at most one place, so a node counted once sits in one place of the graph.
   void counted(std::uint32_t n) {
-    if (refs_[n] < 2) ++refs_[n];
+    std::uint8_t& r = nodes_[n].refs;
+    if (r < 2) ++r;
   }
   /// Whether child `c` of a node converted once (`sole`) is converted once too.
-  [[nodiscard]] bool sole_child(bool sole, std::uint32_t c) const noexcept { return sole && refs_[c] <= 1; }
+  [[nodiscard]] bool sole_child(bool sole, std::uint32_t c) const noexcept { return sole && nodes_[c].refs <= 1; }
   std::uint32_t pop() {
     if (stack_.size() <= floor()) [[unlikely]] stack_underflow("pop from an empty stack");
     const std::uint32_t n = stack_.back();
@@ -10073,8 +10172,9 @@ class Reader {
     if (marks_.empty()) fail(errors::pk_no_mark, "no MARK on the stack");
     const std::size_t m = marks_.back();
     marks_.pop_back();
-    mark_items_.assign(stack_.begin() + static_cast<std::ptrdiff_t>(m), stack_.end());
-    stack_.resize(m);
+    floor_ = marks_.empty() ? 0 : marks_.back();
+    mark_items_.assign(stack_.begin() + m, stack_.end());
+    stack_.shrink_to(m);
     return mark_items_;
   }
 
@@ -10082,12 +10182,17 @@ class Reader {
   // Memo
 
   void memo_put(std::uint64_t idx, std::uint32_t node) {
-    if (idx < memo_.size()) {
-      if (memo_[idx] == npos) ++memo_count_;
-      memo_[idx] = node;
+    if (idx < memo_.size()) [[likely]] {
+      std::uint32_t& m = memo_[idx];
+      if (m == npos && ++memo_count_ > opts_.limits.max_memo) [[unlikely]] memo_full();
+      m = node;
       return;
     }
-    // Dense ids (what every pickler writes) grow the vector; wild ids go to a map.
+    memo_put_new(idx, node);
+  }
+  /// An id past the memo vector: dense ids (what every pickler writes) grow the vector; wild ids
+  /// go to a map.
+  [[gnu::noinline]] void memo_put_new(std::uint64_t idx, std::uint32_t node) {
     if (idx < memo_.size() + 4096 + size_) {
       memo_.resize(static_cast<std::size_t>(idx) + 1 + memo_.size() / 2, npos);
       memo_[idx] = node;
@@ -10095,11 +10200,16 @@ class Reader {
     } else {
       if (memo_far_.insert_or_assign(idx, node).second) ++memo_count_;
     }
-    if (memo_count_ > opts_.limits.max_memo)
-      fail(errors::pk_memo_limit, "memo exceeds limits.max_memo (" + std::to_string(opts_.limits.max_memo) + ")");
+    if (memo_count_ > opts_.limits.max_memo) memo_full();
+  }
+  [[noreturn, gnu::cold, gnu::noinline]] void memo_full() const {
+    fail(errors::pk_memo_limit, "memo exceeds limits.max_memo (" + std::to_string(opts_.limits.max_memo) + ")");
   }
   std::uint32_t memo_get(std::uint64_t idx) const {
-    if (idx < memo_.size() && memo_[idx] != npos) return memo_[idx];
+    if (idx < memo_.size() && memo_[idx] != npos) [[likely]] return memo_[idx];
+    return memo_get_far(idx);
+  }
+  [[gnu::noinline]] std::uint32_t memo_get_far(std::uint64_t idx) const {
     if (auto it = memo_far_.find(idx); it != memo_far_.end()) return it->second;
     fail(errors::pk_bad_memo, "memo entry " + std::to_string(idx) + " was never stored");
   }
@@ -10591,9 +10701,26 @@ class Reader {
   const options& opts_;
   const Registry* registry_;
 
-  std::vector<Node> nodes_;
-  std::vector<std::uint8_t> refs_;  ///< per node: stack references, saturating at 2 (see counted)
-  std::deque<Value> leaves_;  ///< a deque: stays put as it grows (no 160-byte moves)
+  pod_buffer<Node> nodes_;  ///< capacity below npos: add_node checks for room only
+  /// Values that stay put as more are added (no 160-byte moves on growth), in blocks of 256: a
+  /// deque's blocks hold three Values each, one allocation per three tensors.
+  class leaf_pool {
+   public:
+    [[nodiscard]] std::size_t size() const noexcept { return n_; }
+    Value& operator[](std::size_t i) noexcept { return blocks_[i / block][i % block]; }
+    const Value& operator[](std::size_t i) const noexcept { return blocks_[i / block][i % block]; }
+    void push_back(Value&& v) {
+      if (n_ % block == 0) blocks_.push_back(std::make_unique<Value[]>(block));
+      blocks_.back()[n_ % block] = std::move(v);
+      ++n_;
+    }
+
+   private:
+    static constexpr std::size_t block = 256;
+    std::vector<std::unique_ptr<Value[]>> blocks_;
+    std::size_t n_ = 0;
+  };
+  leaf_pool leaves_;
   std::vector<LeafShape> leaf_shape_;
   std::vector<std::pair<const Value*, std::uint64_t>> walk_stack_;  ///< each_value's stack
   struct SeqData {
@@ -10613,8 +10740,11 @@ class Reader {
     std::unique_ptr<const Object> callee;  ///< the Object a Call names, made on the first call
   };
   std::vector<Global> globals_;
-  std::vector<std::uint32_t> stack_;
+  /// The unpickling stack: node ids. Its capacity never exceeds limits.max_stack, so that push
+  /// checks one thing (room).
+  pod_buffer<std::uint32_t> stack_;
   std::vector<std::size_t> marks_;
+  std::size_t floor_ = 0;  ///< where the items since the last MARK start (0 without a MARK)
   std::vector<std::uint32_t> memo_;
   std::unordered_map<std::uint64_t, std::uint32_t> memo_far_;
   std::uint64_t memo_count_ = 0;
@@ -10705,9 +10835,18 @@ inline std::optional<std::uint64_t> Reader::try_handle(std::uint32_t tuple) {
 
 inline Result Reader::run() {
   int protocol = 0;
-  // Nodes never outnumber input bytes by much; reserve a guess to avoid regrowth.
-  nodes_.reserve(static_cast<std::size_t>(std::min<std::uint64_t>(size_ / 3 + 16, 1U << 22)));
-  stack_.reserve(64);
+  // Reserve guesses from the input size (torch.save's pickles: a node per 6 bytes, a tuple per
+  // 25, a list or tuple item per 11, a dict per 110, a memo entry per 15), so that the tables are
+  // not copied as they grow. Address space only: what a smaller pickle does not use is not touched.
+  const auto guess = [this](std::uint64_t bytes_per, std::uint64_t cap) {
+    return static_cast<std::size_t>(std::min<std::uint64_t>(size_ / bytes_per + 16, cap));
+  };
+  nodes_.reserve(guess(3, 1U << 22));  // < npos - 1
+  seqs_.reserve(guess(16, 1U << 20));
+  seq_pool_.reserve(guess(4, 1U << 22));
+  dicts_.reserve(guess(64, 1U << 18));
+  memo_.reserve(guess(8, 1U << 20));
+  stack_.reserve(static_cast<std::size_t>(std::min<std::uint64_t>(64, opts_.limits.max_stack)));
   for (;;) {
     if (pos_ >= size_) fail(errors::pk_truncated, "pickle ends without STOP");
     op_pos_ = pos_;
@@ -10721,7 +10860,7 @@ inline Result Reader::run() {
         break;
       }
       case 0x95: {  // FRAME: a size hint; frames hold whole opcodes
-        const std::uint64_t n = le(8);
+        const std::uint64_t n = le<8>();
         if (n > left()) fail(errors::pk_truncated, "frame of " + std::to_string(n) + " bytes, " + std::to_string(left()) + " left");
         break;
       }
@@ -10730,7 +10869,7 @@ inline Result Reader::run() {
         Result r;
         // The last conversion: a leaf reached along a path of nodes each referenced once is moved
         // out of leaves_ instead of copied (nothing converts it again).
-        r.value = to_value(root, 0, nullptr, true, refs_[root] <= 1);
+        r.value = to_value(root, 0, nullptr, true, nodes_[root].refs <= 1);
         r.attributes = std::move(attributes_);
         r.consumed = pos_;
         r.protocol = protocol;
@@ -10741,12 +10880,12 @@ inline Result Reader::run() {
       case 0x88: push(add_scalar(nk::boolean, 1)); break;  // NEWTRUE
       case 0x89: push(add_scalar(nk::boolean, 0)); break;  // NEWFALSE
       // --- integers
-      case 'J': push(add_scalar(nk::integer, static_cast<std::int32_t>(static_cast<std::uint32_t>(le(4))))); break;  // BININT
-      case 'K': push(add_scalar(nk::integer, static_cast<std::int64_t>(le(1)))); break;  // BININT1
-      case 'M': push(add_scalar(nk::integer, static_cast<std::int64_t>(le(2)))); break;  // BININT2
-      case 0x8a: push(read_long(le(1))); break;  // LONG1
+      case 'J': push(add_scalar(nk::integer, static_cast<std::int32_t>(static_cast<std::uint32_t>(le<4>())))); break;  // BININT
+      case 'K': push(add_scalar(nk::integer, static_cast<std::int64_t>(le<1>()))); break;  // BININT1
+      case 'M': push(add_scalar(nk::integer, static_cast<std::int64_t>(le<2>()))); break;  // BININT2
+      case 0x8a: push(read_long(le<1>())); break;  // LONG1
       case 0x8b: {                               // LONG4
-        const auto n = static_cast<std::int32_t>(static_cast<std::uint32_t>(le(4)));
+        const auto n = static_cast<std::int32_t>(static_cast<std::uint32_t>(le<4>()));
         if (n < 0) fail(errors::pk_bad_operand, "LONG4 with a negative length");
         push(read_long(static_cast<std::uint64_t>(n)));
         break;
@@ -10776,21 +10915,21 @@ inline Result Reader::run() {
         break;
       }
       // --- strings and bytes
-      case 'X': push(read_string(le(4), false, "BINUNICODE")); break;
-      case 0x8c: push(read_string(le(1), false, "SHORT_BINUNICODE")); break;
-      case 0x8d: push(read_string(le(8), false, "BINUNICODE8")); break;
-      case 'B': push(read_string(le(4), true, "BINBYTES")); break;
-      case 'C': push(read_string(le(1), true, "SHORT_BINBYTES")); break;
-      case 0x8e: push(read_string(le(8), true, "BINBYTES8")); break;
-      case 'U': push(read_py2_string(le(1))); break;  // SHORT_BINSTRING
+      case 'X': push(read_string(le<4>(), false, "BINUNICODE")); break;
+      case 0x8c: push(read_string(le<1>(), false, "SHORT_BINUNICODE")); break;
+      case 0x8d: push(read_string(le<8>(), false, "BINUNICODE8")); break;
+      case 'B': push(read_string(le<4>(), true, "BINBYTES")); break;
+      case 'C': push(read_string(le<1>(), true, "SHORT_BINBYTES")); break;
+      case 0x8e: push(read_string(le<8>(), true, "BINBYTES8")); break;
+      case 'U': push(read_py2_string(le<1>())); break;  // SHORT_BINSTRING
       case 'T': {                                     // BINSTRING
-        const auto n = static_cast<std::int32_t>(static_cast<std::uint32_t>(le(4)));
+        const auto n = static_cast<std::int32_t>(static_cast<std::uint32_t>(le<4>()));
         if (n < 0) fail(errors::pk_bad_operand, "BINSTRING with a negative length");
         push(read_py2_string(static_cast<std::uint64_t>(n)));
         break;
       }
       case 0x96: {  // BYTEARRAY8
-        const std::uint32_t b = read_string(le(8), true, "BYTEARRAY8");
+        const std::uint32_t b = read_string(le<8>(), true, "BYTEARRAY8");
         Object o{"builtins", "bytearray", object_build::reduce, {}, {}, {}};
         o.args.push_back(to_value_leaf(b));
         push(add_leaf(Value(std::move(o))));
@@ -10830,6 +10969,7 @@ inline Result Reader::run() {
         if (marks_.size() >= opts_.limits.max_depth)
           fail(errors::pk_depth_limit, "MARK nesting exceeds limits.max_depth (" + std::to_string(opts_.limits.max_depth) + ")");
         marks_.push_back(stack_.size());
+        floor_ = stack_.size();
         break;
       case 't': push(add_seq(nk::tuple, pop_mark())); break;  // TUPLE
       case 'l': push(add_seq(nk::list, pop_mark())); break;   // LIST
@@ -10886,8 +11026,8 @@ inline Result Reader::run() {
       case '1': (void)pop_mark(); break;  // POP_MARK
       case '2': push(top()); break;       // DUP
       // --- memo
-      case 'q': memo_put(le(1), top()); break;  // BINPUT
-      case 'r': memo_put(le(4), top()); break;  // LONG_BINPUT
+      case 'q': memo_put(le<1>(), top()); break;  // BINPUT
+      case 'r': memo_put(le<4>(), top()); break;  // LONG_BINPUT
       case 0x94: memo_put(memo_count_, top()); break;  // MEMOIZE
       case 'p': {                                      // PUT (text)
         const std::string_view s = line();
@@ -10897,8 +11037,8 @@ inline Result Reader::run() {
         memo_put(i, top());
         break;
       }
-      case 'h': push(memo_get(le(1))); break;  // BINGET
-      case 'j': push(memo_get(le(4))); break;  // LONG_BINGET
+      case 'h': push(memo_get(le<1>())); break;  // BINGET
+      case 'j': push(memo_get(le<4>())); break;  // LONG_BINGET
       case 'g': {                              // GET (text)
         const std::string_view s = line();
         std::uint64_t i = 0;
@@ -11972,6 +12112,19 @@ inline view_base make_view_base(const ByteSource& src, bool lazy) {
 // ---------------------------------------------------------------------------------------------
 // Zip format
 
+/// `key` as a number below `bound` when it is one written the canonical way (decimal digits, no
+/// leading zero but "0" itself): then it equals another such key exactly when the numbers do.
+inline std::optional<std::size_t> key_number(std::string_view key, std::size_t bound) noexcept {
+  if (key.empty() || key.size() > 9 || (key.size() > 1 && key[0] == '0')) return std::nullopt;
+  std::size_t n = 0;
+  for (const char c : key) {
+    if (c < '0' || c > '9') return std::nullopt;
+    n = n * 10 + static_cast<std::size_t>(c - '0');
+  }
+  if (n >= bound) return std::nullopt;
+  return n;
+}
+
 inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& opts, bool lazy, bool may_overlap = true) {
   File f;
   f.format = "zip";
@@ -12004,7 +12157,6 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
       throw_error(errors::pt_missing_record, where(*src), "first zip entry " + quote(first) + " is not inside a folder");
     f.archive_name = first.substr(0, slash);
     const std::string prefix = f.archive_name + "/";
-    for (const auto& e : ar.entries()) f.records.push_back(e.name);
     const zip::Entry* pkl = ar.find(prefix + "data.pkl");
     if (!pkl) throw_error(errors::pt_missing_record, where(*src), "no record " + quote(prefix + "data.pkl") + ": not a torch.save file");
     if (overlap) ar.locate(*pkl);
@@ -12041,7 +12193,21 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
 
     f.view_base = vb.base;
     f.view_owner = vb.owner;
-    statedict::detail::hash_index by_key;  // f.storages by key
+    // Storages and their records by key. torch.save's keys are the numbers 0, 1, 2, ... in order
+    // of first use, and its records are sorted as strings ("0", "1", "10", "100", ...): such keys
+    // are looked up in two arrays indexed by the number (a hash table probed at random misses the
+    // cache once per tensor); any other key goes through the hash index.
+    statedict::detail::hash_index by_key;  // f.storages by key, for keys that are not numbers below n_entries
+    const std::size_t n_entries = ar.entries().size();
+    std::vector<std::uint32_t> storage_of_number(n_entries, statedict::detail::hash_index::npos);
+    std::vector<std::uint32_t> record_of_number(n_entries, statedict::detail::hash_index::npos);
+    const std::string data_prefix = prefix + "data/";
+    for (std::size_t i = 0; i < n_entries; ++i) {
+      const std::string& name = ar.entries()[i].name;
+      if (name.size() > data_prefix.size() && name.compare(0, data_prefix.size(), data_prefix) == 0)
+        if (const auto n = key_number(std::string_view(name).substr(data_prefix.size()), n_entries))
+          record_of_number[*n] = static_cast<std::uint32_t>(i);  // names are unique: one entry per number
+    }
     std::size_t next_entry = 0;            // where the next storage's record is looked for first
     read_context ctx{&opts, false, &seen, &classes};
     pickle::Registry reg = torch_registry(ctx);
@@ -12070,19 +12236,25 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
       if (numel_in < 0) throw_error(errors::pt_bad_storage, "storage " + quote(key) + " has a negative size");
       const auto numel = static_cast<std::uint64_t>(numel_in);
       const std::uint64_t nbytes = checked_mul(numel, itemsize(t), "storage size");
-      const std::uint32_t kh = statedict::detail::hash_index::mix(std::hash<std::string_view>{}(key));
-      std::uint32_t at = by_key.find(kh, [&](std::uint32_t i) { return f.storages[i].key == key; });
+      const std::optional<std::size_t> number = key_number(key, n_entries);
+      const std::uint32_t kh = number ? 0 : statedict::detail::hash_index::mix(std::hash<std::string_view>{}(key));
+      std::uint32_t at = number ? storage_of_number[*number] : by_key.find(kh, [&](std::uint32_t i) { return f.storages[i].key == key; });
       if (at == statedict::detail::hash_index::npos) {
-        // torch.save numbers storages in order of first use and writes their records in that
-        // order: the entry after the previous storage's is tried before the name index (entry
-        // names are unique, so a match there is the match).
+        // A number's record is in record_of_number. Other keys: writers that name storages
+        // otherwise still tend to write records in order of first use, so the entry after the
+        // previous storage's is tried before the name index (entry names are unique, so a match
+        // there is the match).
         const auto& entries = ar.entries();
         const auto is_record = [&](const std::string& name) {
           return name.size() == prefix.size() + 5 + key.size() && name.compare(0, prefix.size(), prefix) == 0 &&
                  name.compare(prefix.size(), 5, "data/") == 0 && name.compare(prefix.size() + 5, key.size(), key) == 0;
         };
         const zip::Entry* e = nullptr;
-        if (next_entry < entries.size() && is_record(entries[next_entry].name)) {
+        if (number) {
+          if (record_of_number[*number] == statedict::detail::hash_index::npos)
+            throw_error(errors::pt_missing_record, "storage " + quote(key) + ": no record " + quote(data_prefix + std::string(key)));
+          e = &entries[record_of_number[*number]];
+        } else if (next_entry < entries.size() && is_record(entries[next_entry].name)) {
           e = &entries[next_entry];
         } else {
           std::string rec;
@@ -12112,17 +12284,12 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
           c.data = r.data;
           c.owner = r.owner;
         }
-        Storage s;
-        s.key = key;
-        s.dtype = t;
-        s.untyped = classes[cls].untyped;
-        s.offset = data_offset;
-        s.nbytes = e->size;
-        s.record = e->name;
-        s.location = location;
         at = static_cast<std::uint32_t>(f.storages.size());
-        by_key.add(kh, at);
-        f.storages.push_back(std::move(s));
+        // Members constructed where they live (assigning into a default Storage costs a
+        // string replace per member, 10,000 storages over).
+        f.storages.push_back(Storage{std::string(key), t, classes[cls].untyped, data_offset, e->size, e->name, std::string(location)});
+        if (number) storage_of_number[*number] = at;
+        else by_key.add(kh, at);
         seen.push_back(std::move(c));
       }
       const zip_storage& c = seen[at];
@@ -12202,6 +12369,10 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
     // Not torch's layout (an archive rewritten by another zip tool): read it again, headers first.
     if (mispredicted) return read_zip(std::move(src), opts, lazy, false);
   }
+  // The archive ends here: its entry names become the record list (moved, not copied).
+  std::vector<zip::Entry> entries = ar.release_entries();
+  f.records.reserve(entries.size());
+  for (zip::Entry& e : entries) f.records.push_back(std::move(e.name));
   return f;
 }
 
@@ -12439,21 +12610,22 @@ inline ShardedCheckpoint describe(const File& file) {
   ck.tensors.reserve(flat.tensors.size());
   const std::uint64_t size = file.source->size();
   for (auto& [name, v] : flat.tensors) {
-    TensorInfo ti;
+    const auto addr = reinterpret_cast<std::uintptr_t>(v.data()), base = reinterpret_cast<std::uintptr_t>(file.view_base);
+    if (addr < base || addr - base > size)
+      throw_error(errors::pt_bad_tensor, detail::where(*file.source), "tensor " + quote(name) + " does not point into the file");
+    // Built in place: 10,000 tensors are 10,000 TensorInfo and Chunk moves otherwise.
+    TensorInfo& ti = ck.tensors.emplace_back();
     ti.name = std::move(name);  // `flat` is ours: its names move into the description
     ti.dtype = v.dtype();
     ti.shape = v.shape();
-    Chunk c;
-    c.region = Box{shape_t(v.rank(), 0), v.shape()};
+    Chunk& c = ti.chunks.emplace_back();
+    Box& region = std::get<Box>(c.region);  // a Chunk starts as a Box
+    region.offsets = shape_t(v.rank(), 0);
+    region.sizes = v.shape();
     c.at.source = 0;
-    const auto addr = reinterpret_cast<std::uintptr_t>(v.data()), base = reinterpret_cast<std::uintptr_t>(file.view_base);
-    if (addr < base || addr - base > size)
-      throw_error(errors::pt_bad_tensor, detail::where(*file.source), "tensor " + quote(ti.name) + " does not point into the file");
     c.at.byte_offset = addr - base;
-    c.at.strides = v.is_contiguous() ? shape_t{} : v.strides();
+    if (!v.is_contiguous()) c.at.strides = v.strides();
     c.at.stored = v.dtype();
-    ti.chunks.push_back(std::move(c));
-    ck.tensors.push_back(std::move(ti));
   }
   ck.skeleton = std::move(flat.skeleton);
   ck.metadata["torch.format"] = file.format;
