@@ -1231,6 +1231,13 @@ class flattener {
     frame f{};
     if (!emit(root, f)) return;
     f.root = true;
+    // A state_dict is mostly one flat dict of tensors: room for that many leaves up front, so that
+    // the per-leaf arrays are not copied as they grow (nested trees still grow geometrically).
+    leaves_.reserve(f.size);
+    end_.reserve(f.size);
+    by_start_.reserve(f.size);
+    name_start_.reserve(f.size + 1);
+    tape_->nodes.reserve(tape_->nodes.size() + f.size + 1);
     stack.push_back(f);
     while (!stack.empty()) {
       frame& top = stack.back();
