@@ -620,7 +620,7 @@ class Reader {
   // Stack and marks
 
   [[nodiscard]] std::size_t floor() const noexcept { return floor_; }
-  void push(std::uint32_t n) {
+  [[gnu::always_inline]] void push(std::uint32_t n) {
     if (stack_.size() == stack_.capacity()) [[unlikely]] grow_stack();
     stack_.push_unchecked(n);
     counted(n);
@@ -1256,6 +1256,9 @@ class Args {
   [[nodiscard]] const Value& value(std::size_t i) const { return r_.leaves_[as(i, kind::value, kind::value).index]; }
   /// A `handle` argument: what options::persistent_handle returned for it.
   [[nodiscard]] std::uint64_t handle(std::size_t i) const { return static_cast<std::uint64_t>(as(i, kind::handle, kind::handle).u.i); }
+  /// A `global` argument's identity within this pickle: the same number for every reference to
+  /// one GLOBAL (memo gets included), so a caller may cache what it resolved the global to.
+  [[nodiscard]] std::uint32_t global_id(std::size_t i) const { return as(i, kind::global, kind::global).index; }
   /// A `global` argument: its module and name.
   [[nodiscard]] std::pair<std::string_view, std::string_view> global(std::size_t i) const {
     const auto& g = r_.globals_[as(i, kind::global, kind::global).index];

@@ -695,14 +695,22 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
     };
     // The id torch.save writes, read without converting it to a Value: a handle, which the fast
     // _rebuild_tensor_v2 form turns into a view and anything else into storage_object.
+    std::uint32_t last_global = statedict::detail::hash_index::npos, last_global_class = 0;
     if (opts.fast_paths) {
       po.persistent_handle = [&](const pickle::Args& a) -> std::optional<std::uint64_t> {
         using k = pickle::Args::kind;
         if (a.size() != 5 || (a.kind_of(0) != k::str && a.kind_of(0) != k::bytes) || a.str(0) != "storage" ||
             a.kind_of(1) != k::global || a.kind_of(2) != k::str || a.kind_of(3) != k::str || a.kind_of(4) != k::integer)
           return std::nullopt;
-        const auto [module, cls_name] = a.global(1);
-        const std::uint32_t ci = class_of(module, cls_name, true);
+        // torch.save memoizes the class global: one GLOBAL per storage class, referenced again by
+        // every later storage of that class, so the class is resolved once per GLOBAL.
+        const std::uint32_t gid = a.global_id(1);
+        if (gid != last_global) {
+          const auto [module, cls_name] = a.global(1);
+          last_global_class = class_of(module, cls_name, true);
+          last_global = gid;
+        }
+        const std::uint32_t ci = last_global_class;
         const std::uint32_t at = storage_index(ci, a.str(2), a.str(3), a.integer(4));
         // A key met again with another location: persistent_load makes that storage's Value.
         if (f.storages[at].location != a.str(3)) return std::nullopt;
