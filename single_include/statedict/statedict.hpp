@@ -4424,6 +4424,13 @@ class flattener {
     frame f{};
     if (!emit(root, f)) return;
     f.root = true;
+    // A state_dict is mostly one flat dict of tensors: room for that many leaves up front, so that
+    // the per-leaf arrays are not copied as they grow (nested trees still grow geometrically).
+    leaves_.reserve(f.size);
+    end_.reserve(f.size);
+    by_start_.reserve(f.size);
+    name_start_.reserve(f.size + 1);
+    tape_->nodes.reserve(tape_->nodes.size() + f.size + 1);
     stack.push_back(f);
     while (!stack.empty()) {
       frame& top = stack.back();
@@ -10138,7 +10145,7 @@ class Reader {
   // Stack and marks
 
   [[nodiscard]] std::size_t floor() const noexcept { return floor_; }
-  void push(std::uint32_t n) {
+  [[gnu::always_inline]] void push(std::uint32_t n) {
     if (stack_.size() == stack_.capacity()) [[unlikely]] grow_stack();
     stack_.push_unchecked(n);
     counted(n);
@@ -10774,6 +10781,9 @@ class Args {
   [[nodiscard]] const Value& value(std::size_t i) const { return r_.leaves_[as(i, kind::value, kind::value).index]; }
   /// A `handle` argument: what options::persistent_handle returned for it.
   [[nodiscard]] std::uint64_t handle(std::size_t i) const { return static_cast<std::uint64_t>(as(i, kind::handle, kind::handle).u.i); }
+  /// A `global` argument's identity within this pickle: the same number for every reference to
+  /// one GLOBAL (memo gets included), so a caller may cache what it resolved the global to.
+  [[nodiscard]] std::uint32_t global_id(std::size_t i) const { return as(i, kind::global, kind::global).index; }
   /// A `global` argument: its module and name.
   [[nodiscard]] std::pair<std::string_view, std::string_view> global(std::size_t i) const {
     const auto& g = r_.globals_[as(i, kind::global, kind::global).index];
@@ -12318,14 +12328,22 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
     };
     // The id torch.save writes, read without converting it to a Value: a handle, which the fast
     // _rebuild_tensor_v2 form turns into a view and anything else into storage_object.
+    std::uint32_t last_global = statedict::detail::hash_index::npos, last_global_class = 0;
     if (opts.fast_paths) {
       po.persistent_handle = [&](const pickle::Args& a) -> std::optional<std::uint64_t> {
         using k = pickle::Args::kind;
         if (a.size() != 5 || (a.kind_of(0) != k::str && a.kind_of(0) != k::bytes) || a.str(0) != "storage" ||
             a.kind_of(1) != k::global || a.kind_of(2) != k::str || a.kind_of(3) != k::str || a.kind_of(4) != k::integer)
           return std::nullopt;
-        const auto [module, cls_name] = a.global(1);
-        const std::uint32_t ci = class_of(module, cls_name, true);
+        // torch.save memoizes the class global: one GLOBAL per storage class, referenced again by
+        // every later storage of that class, so the class is resolved once per GLOBAL.
+        const std::uint32_t gid = a.global_id(1);
+        if (gid != last_global) {
+          const auto [module, cls_name] = a.global(1);
+          last_global_class = class_of(module, cls_name, true);
+          last_global = gid;
+        }
+        const std::uint32_t ci = last_global_class;
         const std::uint32_t at = storage_index(ci, a.str(2), a.str(3), a.integer(4));
         // A key met again with another location: persistent_load makes that storage's Value.
         if (f.storages[at].location != a.str(3)) return std::nullopt;
