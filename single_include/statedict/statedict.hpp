@@ -12256,8 +12256,8 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
         // there is the match).
         const auto& entries = ar.entries();
         const auto is_record = [&](const std::string& name) {
-          return name.size() == prefix.size() + 5 + key.size() && name.compare(0, prefix.size(), prefix) == 0 &&
-                 name.compare(prefix.size(), 5, "data/") == 0 && name.compare(prefix.size() + 5, key.size(), key) == 0;
+          return name.size() == data_prefix.size() + key.size() && name.compare(0, data_prefix.size(), data_prefix) == 0 &&
+                 name.compare(data_prefix.size(), key.size(), key) == 0;
         };
         const zip::Entry* e = nullptr;
         if (number) {
@@ -12267,9 +12267,7 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
         } else if (next_entry < entries.size() && is_record(entries[next_entry].name)) {
           e = &entries[next_entry];
         } else {
-          std::string rec;
-          rec.reserve(prefix.size() + 5 + key.size());
-          rec.append(prefix).append("data/").append(key);
+          const std::string rec = data_prefix + std::string(key);
           e = ar.find(rec);
           if (!e) throw_error(errors::pt_missing_record, "storage " + quote(key) + ": no record " + quote(rec));
         }
