@@ -4,6 +4,7 @@ Extends ../_common.py (manifests, flattening, value encoding) with the dtypes th
 adds and with manifest entries for things that are not plain strided tensors (numpy arrays,
 sparse and quantized tensors). See README.md in this folder.
 """
+import enum
 import os
 import pickletools
 import sys
@@ -97,9 +98,12 @@ def tensor_entry(t):
 
 
 def is_array(x):
+    """torch tensors, numpy arrays and numpy scalars (np.float64 too, though it is a float)."""
     import numpy as np
     import torch
-    return isinstance(x, (torch.Tensor, np.ndarray, np.generic)) and not isinstance(x, (bool, int, float, complex, bytes, str))
+    if isinstance(x, np.generic):
+        return x.dtype.kind in "biufc"
+    return isinstance(x, (torch.Tensor, np.ndarray))
 
 
 def iter_leaves(obj, prefix=(), expand_objects=False):
@@ -154,6 +158,9 @@ def flatten(obj, expand_objects=False):
                     aliases[name] = first[key]
                 else:
                     first[key] = name
+        elif isinstance(leaf, enum.Enum):      # IntEnum too: pickled as a call of its class
+            t = type(leaf)
+            values[name] = {"object": f"{t.__module__}.{t.__qualname__}", "repr": repr(leaf)}
         else:
             values[name] = C.json_value(leaf)
     return tensors, values, aliases
