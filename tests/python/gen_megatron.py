@@ -218,9 +218,10 @@ def run_legacy(outdir, only, selftest):
         source = trained.model(case.torch_dtype)
         _common.write_manifest(outdir, case.name, model_manifest(case, source, files))
         first = os.path.join(outdir, case.name, L.iter_dir_name(case), L.rank_dir_name(case, 0, 0), "model_optim_rng.pt")
-        r0 = rank0_manifest(case, first)
-        r0["path"] = os.path.join(case.name, L.iter_dir_name(case), L.rank_dir_name(case, 0, 0), "model_optim_rng.pt")
-        _common.write_manifest(outdir, case.name + ".rank0", r0)
+        if case.rank0_manifest:
+            r0 = rank0_manifest(case, first)
+            r0["path"] = os.path.join(case.name, L.iter_dir_name(case), L.rank_dir_name(case, 0, 0), "model_optim_rng.pt")
+            _common.write_manifest(outdir, case.name + ".rank0", r0)
         if case.optimizer != "none":
             sd0 = R.load(first)
             opt0 = sd0["optimizer"]

@@ -73,6 +73,7 @@ class LegacyCase:
     iteration: int = 10
     seed: int = 1
     enum_by_value: bool = False
+    rank0_manifest: bool = True
     description: str = ""
 
     @property

@@ -64,15 +64,15 @@ class GPTConfig:
 
 
 GPT2_MHA = GPTConfig(
-    name="gpt2_mha", num_layers=4, hidden_size=16, num_attention_heads=4, num_query_groups=4,
-    ffn_hidden_size=32, true_vocab_size=83, make_vocab_size_divisible_by=8,
+    name="gpt2_mha", num_layers=4, hidden_size=8, num_attention_heads=4, num_query_groups=4,
+    ffn_hidden_size=16, true_vocab_size=37, make_vocab_size_divisible_by=4,
     max_position_embeddings=8, seq_length=8, swiglu=False, normalization="LayerNorm",
     add_bias_linear=True, add_qkv_bias=False, position_embedding_type="learned_absolute",
     untie_embeddings_and_output_weights=False)
 
 LLAMA_GQA = GPTConfig(
     name="llama_gqa", num_layers=4, hidden_size=16, num_attention_heads=8, num_query_groups=4,
-    ffn_hidden_size=24, true_vocab_size=83, make_vocab_size_divisible_by=8,
+    ffn_hidden_size=24, true_vocab_size=37, make_vocab_size_divisible_by=4,
     max_position_embeddings=8, seq_length=8, swiglu=True, normalization="RMSNorm",
     add_bias_linear=False, add_qkv_bias=False, position_embedding_type="rope",
     untie_embeddings_and_output_weights=True)
