@@ -160,7 +160,10 @@ def get_shard(flat, world, rank):
 class Case:
     def __init__(self, name, world, flavour, schema="0.4", dtype=torch.float16, expert=False):
         self.name, self.world, self.flavour, self.schema = name, world, flavour, schema
-        self.dtype, self.expert = dtype, expert
+        self.dtype, self.expert = dtype, expert  # dtype: the flat parameters' dtype in training
+        # fairseq's utils.move_to_cpu casts every fp16/bf16 tensor to fp32 before torch.save;
+        # metaseq's keeps fp16 when training with --memory-efficient-fp16.
+        self.stored = torch.float32 if flavour == "fairseq" else dtype
 
     def file(self, r):
         if self.flavour == "metaseq":
@@ -312,6 +315,56 @@ def training_state(case, rank):
     return cfg, history, extra
 
 
+def move_to_cpu(x, flavour, cast):
+    """fairseq / metaseq utils.move_to_cpu (apply_to_sample): tensors cast (fp16, bf16 -> fp32 when
+    `cast`), dicts rebuilt as dicts (fairseq keeps an OrderedDict and its __dict__, metaseq does
+    not), lists as lists, every tuple (torch.Size included) as a plain tuple, sets as sets."""
+    def walk(v):
+        if torch.is_tensor(v):
+            return v.to(torch.float32) if cast and v.dtype in (torch.float16, torch.bfloat16) else v
+        if isinstance(v, collections.OrderedDict) and flavour == "fairseq":
+            od = collections.OrderedDict((k, walk(x)) for k, x in v.items())
+            od.__dict__ = v.__dict__
+            return od
+        if isinstance(v, dict):
+            return {k: walk(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [walk(x) for x in v]
+        if isinstance(v, tuple):
+            return tuple(walk(x) for x in v)
+        if isinstance(v, set):
+            return {walk(x) for x in v}
+        return v
+    return walk(x)
+
+
+def state_dict_metadata(model, units):
+    """nn.Module.state_dict's `_metadata` for FSDP's local_state_dict: one {"version": 1} per
+    module visited, keyed by the prefix it was visited with. FSDP.state_dict hands its own prefix to
+    its FlattenParamsWrapper, whose wrapped module sits under "_fpw_module"; the prefix-renaming hooks
+    rewrite keys, never `_metadata`."""
+    unit_paths = {u[0] for u in units}
+    out = collections.OrderedDict()
+    out[""] = {"version": 1}  # the root's FlattenParamsWrapper
+
+    def raw(q):
+        parts, acc, cur = q.split(".") if q else [], [], "_fpw_module"
+        for part in parts:
+            acc.append(part)
+            cur += "." + part
+            if ".".join(acc) in unit_paths:
+                cur_unit = cur
+                cur += "._fpw_module"
+        return cur, (cur_unit if parts and ".".join(parts) in unit_paths else None)
+
+    for q, _m in model.named_modules():
+        path, wrapper = raw(q)
+        if wrapper is not None:
+            out[wrapper] = {"version": 1}
+        out[path] = {"version": 1}
+    return out
+
+
 def write_case(root, case):
     model, ostate, units, params, ties, backing, ranks = build(case)
     files = []
@@ -329,6 +382,7 @@ def write_case(root, case):
         version = model.decoder.version.detach().clone().to(case.dtype)
         sd["decoder.version"] = version
         sd = collections.OrderedDict((k, sd[k]) for k in keys)
+        sd._metadata = state_dict_metadata(model, units)
         meta = metadata_for(case, units, params, ties, backing, pads, model)
         metas.append(meta)
         state = {}
@@ -351,7 +405,9 @@ def write_case(root, case):
         doc["last_optimizer_state"] = last
         doc["fsdp_metadata" if case.flavour == "fairseq" else "shard_metadata"] = meta
         fn = case.file(r)
-        torch.save(dict(doc), os.path.join(root, fn))
+        doc = move_to_cpu(dict(doc), case.flavour,
+                          cast=case.flavour == "fairseq" or case.dtype == torch.float32)
+        torch.save(doc, os.path.join(root, fn))
         files.append(fn)
         if r == 0:
             rank0 = dict(doc)
@@ -361,7 +417,7 @@ def write_case(root, case):
     for path, bname, plist, nob in backing:
         for rel, p in plist:
             name = f"{path}.{rel}" if path else rel
-            tensors[name] = C.tensor_entry(p.detach().to(case.dtype))  # an expert: rank 0's copy
+            tensors[name] = C.tensor_entry(p.detach().to(case.dtype).to(case.stored))  # an expert: rank 0's
     if case.schema == "0.4":
         last_unit = units[-1][0]
         for path, _f, _n in units:
@@ -372,7 +428,7 @@ def write_case(root, case):
                 aliases[d] = s
                 if path != last_unit:
                     lacks.append(d)
-    tensors["decoder.version"] = C.tensor_entry(model.decoder.version.to(case.dtype))
+    tensors["decoder.version"] = C.tensor_entry(model.decoder.version.to(case.dtype).to(case.stored))
     fmt = "fairscale_fsdp" if case.schema == "0.4" else "fairscale_fsdp_v03"
     weights = C.make_manifest(fmt, tensors=dict(tensors), aliases=aliases, path=os.path.basename(root),
                               world_size=case.world, files=files, flavour=case.flavour,
@@ -394,7 +450,8 @@ def write_case(root, case):
     t, v = raw_flatten({"optim": optim})
     om = C.make_manifest(fmt + "_optim", tensors=t, values=v, path=os.path.basename(root))
 
-    r0 = C.make_manifest("torch", rank0, path=os.path.join(os.path.basename(root), files[0]))
+    r0 = C.make_manifest("torch", rank0, path=os.path.join(os.path.basename(root), files[0]),
+                         dict_attributes=C.dict_attributes(rank0) or None)
     return weights, om, r0
 
 
