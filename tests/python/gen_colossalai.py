@@ -348,8 +348,13 @@ HYBRID_CASES = [
 ]
 
 
-def write_hybrid_case(root, case):
+def write_hybrid_case(case_root, case):
+    """A ColossalChat / Colossal-LLaMA save_checkpoint folder: modeling/ (booster.save_model, shard=True),
+    optimizer/ (booster.save_optimizer, shard=True), lr_scheduler (booster.save_lr_scheduler: a bare
+    torch.save file) and running_states.json."""
     model, opt = trained()
+    root = os.path.join(case_root, "modeling")
+    os.makedirs(root)
     names = [n for n, _ in model.named_parameters()]
     full = collections.OrderedDict((n, p.detach().to(case.dtype)) for n, p in model.named_parameters())
     buffers = collections.OrderedDict((n, b.detach().to(case.dtype)) for n, b in model.named_buffers())
@@ -386,6 +391,8 @@ def write_hybrid_case(root, case):
         write_index(os.path.join(root, index_name), meta, wm)
 
     # ---- optimizer: save_sharded_optimizer
+    root = os.path.join(case_root, "optimizer")
+    os.makedirs(root)
     async_opt = case.optim_kind == "async"
     states_name = "optimizer.safetensors" if async_opt else "pytorch_optim.bin"
     oindex_name = "optimizer.safetensors.index.json" if async_opt else "pytorch_optim.bin.index.json"
@@ -449,11 +456,16 @@ def write_hybrid_case(root, case):
         meta["param_groups"] = group_file
         write_index(os.path.join(root, oindex_name), meta, wm)
 
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(torch.optim.SGD([torch.zeros(1)], lr=1e-3), T_max=10)
+    torch.save(sched.state_dict(), os.path.join(case_root, "lr_scheduler"))
+    with open(os.path.join(case_root, "running_states.json"), "w", encoding="utf-8") as f:
+        json.dump({"epoch": 0, "step": 2, "sample_start_index": 6}, f, ensure_ascii=False, indent=4)
+
     weights = C.make_manifest(
         "colossalai_hybrid",
         tensors={**{n: C.tensor_entry(t) for n, t in full.items()},
                  **{n: C.tensor_entry(b) for n, b in buffers.items()}},
-        path=os.path.basename(root), tp=case.tp, pp=case.pp)
+        path=os.path.basename(case_root), tp=case.tp, pp=case.pp)
     optim = {"state": collections.OrderedDict(), "param_groups": []}
     for n in names:
         st = osd["state"][id_of[n]]
@@ -463,7 +475,7 @@ def write_hybrid_case(root, case):
         g["params"] = [names[i] for i in g["params"]]
         optim["param_groups"].append(g)
     t, v = raw_flatten({"optim": optim})
-    om = C.make_manifest("colossalai_hybrid_optim", tensors=t, values=v, path=os.path.basename(root))
+    om = C.make_manifest("colossalai_hybrid_optim", tensors=t, values=v, path=os.path.basename(case_root))
     return weights, om
 
 
@@ -499,8 +511,9 @@ def main(argv=None):
             m, om = write_hybrid_case(root, case)
             C.write_manifest(args.outdir, case.name, m)
             C.write_manifest(args.outdir, case.name + ".optim", om)
-            check_against(m, ref.load_hybrid_model(root), case.name)
-            check_against(om, {"optim": ref.load_hybrid_optim_by_name(root)}, case.name + " optimizer")
+            mdir, odir = ref.hybrid_dirs(root)
+            check_against(m, ref.load_hybrid_model(mdir), case.name)
+            check_against(om, {"optim": ref.load_hybrid_optim_by_name(odir, mdir)}, case.name + " optimizer")
         n += 1
     print(f"gen_colossalai: {n} cases verified in {time.time() - t0:.1f}s -> {args.outdir}")
     return 0

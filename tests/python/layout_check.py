@@ -15,8 +15,9 @@ olmo        decodes every name and pickled value (no global outside a small allo
             rules only (not our writer's stricter ones). --canonical: also require the bytes OLMo
             + safetensors write (names, pickles, header, data order).
 colossalai  DIR holds pytorch_model-meta-dist-*.json files (PR 6181 distributed layout: every
-            parameter is rebuilt from its boxes) or a released HybridParallelCheckpointIO index
-            (model; with --optim also the optimizer, keyed by parameter name).
+            parameter is rebuilt from its boxes), or a released HybridParallelCheckpointIO index, or
+            the modeling/ + optimizer/ folders ColossalChat saves (model; with --optim also the
+            optimizer, keyed by parameter name).
 fairscale   PATH is a folder with one <stem>-shard{r}.pt family, one of its files, or the stem;
             the weights are consolidated with the ties of every unit (--fairscale-ties: only the
             last unit's, as fairscale does), with --optim also the Adam state keyed by name.
@@ -43,6 +44,7 @@ def check_colossalai(args, manifest, optim_manifest):
     from layouts import colossalai as colo
     from layouts._raw import flatten
     problems = []
+    odir = None
     try:
         if colo.is_dist(args.target):
             got, info = colo.load_dist(args.target)
@@ -51,12 +53,17 @@ def check_colossalai(args, manifest, optim_manifest):
                 problems.append(f"tensors in weight files but not in the metadata: {info['not_in_metadata']}, "
                                 f"expected {sorted(want)}")
         elif colo.is_hybrid(args.target):
-            got = colo.load_hybrid_model(args.target)
+            mdir, odir = colo.hybrid_dirs(args.target)
+            if mdir is None:
+                return [f"{args.target}: no model index (pytorch_model.bin.index.json / model.safetensors.index.json)"]
+            got = colo.load_hybrid_model(mdir)
         else:
             return [f"{args.target}: neither pytorch_model-meta-dist-*.json nor a ColossalAI index"]
         problems += torch_check.compare_with_manifest(manifest, *flatten(got), label="DIR")
         if optim_manifest is not None:
-            optim = colo.load_hybrid_optim_by_name(args.target)
+            if odir is None:
+                return problems + [f"{args.target}: no optimizer index next to the model"]
+            optim = colo.load_hybrid_optim_by_name(odir, mdir)
             problems += torch_check.compare_with_manifest(optim_manifest, *flatten({"optim": optim}), label="DIR")
     except colo.ColossalFormatError as e:
         problems.append(str(e))

@@ -189,7 +189,7 @@ def colossalai_negatives(fx, work):
 
     c, m = copy("colossalai_hybrid_tp2_bin")
     om = os.path.join(d, "colossalai_hybrid_tp2_bin.optim.manifest.json")
-    idx = os.path.join(c, "pytorch_model.bin.index.json")
+    idx = os.path.join(c, "modeling", "pytorch_model.bin.index.json")
     doc = json.load(open(idx))
     items = list(doc["weight_map"].items())
     items[0], items[1] = items[1], items[0]  # embed_tokens and pos_embed change places
@@ -199,7 +199,7 @@ def colossalai_negatives(fx, work):
           ["colossalai", c, m, "--optim", om], 1, "ParamOrderMismatch")
 
     c, m = copy("colossalai_hybrid_pp2_tp2_st")
-    os.remove(os.path.join(c, "model-stage-00002-shard-00001.safetensors"))
+    os.remove(os.path.join(c, "modeling", "model-stage-00002-shard-00001.safetensors"))
     check("colossalai hybrid: a shard file missing", ["colossalai", c, m], 1, "MissingFile")
 
 

@@ -178,7 +178,21 @@ OPTIM_INDEXES = ("pytorch_optim.bin.index.json", "optimizer.safetensors.index.js
 
 
 def is_hybrid(d):
-    return os.path.isdir(d) and _find_index(d, MODEL_INDEXES + OPTIM_INDEXES) is not None
+    return hybrid_dirs(d) != (None, None)
+
+
+def hybrid_dirs(d):
+    """(model dir, optimizer dir) of a released-layout checkpoint: `d` itself when it holds the index,
+    else the `modeling/` and `optimizer/` folders ColossalChat and Colossal-LLaMA save into."""
+    if not os.path.isdir(d):
+        return None, None
+    m = d if _find_index(d, MODEL_INDEXES) else None
+    o = d if _find_index(d, OPTIM_INDEXES) else None
+    if m is None and os.path.isdir(os.path.join(d, "modeling")) and _find_index(os.path.join(d, "modeling"), MODEL_INDEXES):
+        m = os.path.join(d, "modeling")
+    if o is None and os.path.isdir(os.path.join(d, "optimizer")) and _find_index(os.path.join(d, "optimizer"), OPTIM_INDEXES):
+        o = os.path.join(d, "optimizer")
+    return m, o
 
 
 def _load_index(path):
@@ -265,7 +279,8 @@ def _read_optim_file(path):
 
 
 def param_names_for_ids(d, optim):
-    """id -> parameter name (spec: per stage, sorted ids against the stage's leading weight_map entries)."""
+    """id -> parameter name (spec: per stage, sorted ids against the stage's leading weight_map entries).
+    `d` is the model folder."""
     idx = _find_index(d, MODEL_INDEXES)
     if idx is None:
         raise ColossalFormatError("NoModelIndex", "naming optimizer state needs the model index next to it")
@@ -301,9 +316,9 @@ def param_names_for_ids(d, optim):
     return mapping
 
 
-def load_hybrid_optim_by_name(d):
-    optim = load_hybrid_optim(d)
-    names = param_names_for_ids(d, optim)
+def load_hybrid_optim_by_name(optim_dir, model_dir):
+    optim = load_hybrid_optim(optim_dir)
+    names = param_names_for_ids(model_dir, optim)
     state = {names[pid]: st for pid, st in sorted(optim["state"].items())}
     groups = []
     for g in optim["param_groups"]:
