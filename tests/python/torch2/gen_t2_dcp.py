@@ -1,6 +1,6 @@
 """torch.distributed.checkpoint (DCP) directories written by torch 2.x on 2 and 3 gloo processes.
 
-Usage: tools/sid-python tests/python/torch2/gen_t2_dcp.py OUTDIR [--world-sizes 2,3]
+Usage: tools/sid-python tests/python/torch2/gen_t2_dcp.py OUTDIR [--world-sizes 2,3] [--spawn]
 
 Per world size W (OUTDIR/<case>/ and OUTDIR/<case>.manifest.json):
   dcp_dtensor_w{W}  dcp.save of nested dicts of DTensors on a CPU device mesh: Shard(0) with an
@@ -37,17 +37,21 @@ warnings.simplefilter("ignore")
 
 
 # --------------------------------------------------------------------------- processes
+START_METHOD = "fork"
+
+
 def spawn(fn, world_size, *args):
     """fn(rank, world_size, *args) on world_size gloo processes, file:// rendezvous.
 
     The processes are forked (torch.multiprocessing.start_processes): a spawned one spends
-    ~5 s of CPU importing torch.distributed again."""
+    ~5 s of CPU importing torch.distributed again. --spawn uses torch.multiprocessing.spawn's
+    start method (fresh interpreters, /dev/shm tensors passing), as a test of tools/sid-run.sh."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     tmp = tempfile.mkdtemp(prefix="statedict_t2_gloo_")
     try:
         mp.start_processes(_entry, args=(fn, world_size, os.path.join(tmp, "rendezvous"), args),
-                           nprocs=world_size, join=True, start_method="fork")
+                           nprocs=world_size, join=True, start_method=START_METHOD)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -214,14 +218,18 @@ def dcp_chunks(path):
 
 
 def main(argv):
+    global START_METHOD
     args = argv[1:]
+    if "--spawn" in args:
+        args.remove("--spawn")
+        START_METHOD = "spawn"
     sizes = [2, 3]
     if "--world-sizes" in args:
         i = args.index("--world-sizes")
         sizes = [int(x) for x in args[i + 1].split(",")]
         del args[i:i + 2]
     if len(args) != 1:
-        print("usage: gen_t2_dcp.py OUTDIR [--world-sizes 2,3]", file=sys.stderr)
+        print("usage: gen_t2_dcp.py OUTDIR [--world-sizes 2,3] [--spawn]", file=sys.stderr)
         return 2
     outdir = args[0]
     os.makedirs(outdir, exist_ok=True)
