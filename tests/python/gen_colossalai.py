@@ -49,12 +49,14 @@ class Block(nn.Module):
 
 
 class ColoNet(nn.Module):
-    def __init__(self, vocab=V):
+    def __init__(self, vocab=V, fused_qkv=False):
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab, D)  # VocabParallelEmbedding1D: dim 0
         self.pos_embed = nn.Embedding(P, D)         # Embedding1D: dim 1 (the embedding dim)
         self.layers = nn.ModuleList([Block(), Block()])
         self.layers[0].register_buffer("scale", torch.tensor([0.5, 2.0]))  # persistent, replicated
+        if fused_qkv:  # FusedLinear1D_Col (BLIP-2, SAM; GPT-2's c_attn is the transposed variant)
+            self.layers[1].qkv = nn.Linear(D, 3 * D)
         self.norm = nn.LayerNorm(D)
         self.lm_head = nn.Linear(D, vocab, bias=False)  # VocabParallelLMHead1D: dim 0
 
@@ -64,6 +66,9 @@ class ColoNet(nn.Module):
             h = b.input_norm(x)
             x = x + b.o_proj(torch.tanh(b.q_proj(h)))
             x = x + b.down_proj(torch.relu(b.up_proj(h)))
+            if hasattr(b, "qkv"):
+                q, k, v = b.qkv(h).chunk(3, dim=-1)
+                x = x + torch.tanh(q * k) * v
             if i == 0:
                 x = x * self.layers[0].scale.mean()
         return self.lm_head(self.norm(x))
@@ -76,7 +81,7 @@ def tp_dim(name):
     if name == "pos_embed.weight":
         return 1
     leaf = name.split(".")[-2:]
-    if leaf[0] in ("q_proj", "up_proj"):
+    if leaf[0] in ("q_proj", "up_proj", "qkv"):
         return 0
     if leaf[0] in ("o_proj", "down_proj") and leaf[1] == "weight":
         return 1
@@ -90,9 +95,9 @@ def stage_of(name, pp):
     return 0 if name.startswith(("embed_tokens", "pos_embed", "layers.0.")) else 1
 
 
-def trained(vocab=V, seed=2024):
+def trained(vocab=V, seed=2024, fused_qkv=False):
     torch.manual_seed(seed)
-    model = ColoNet(vocab)
+    model = ColoNet(vocab, fused_qkv)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
     idx = torch.randint(0, vocab, (3, P))
     for _ in range(2):
@@ -174,7 +179,7 @@ def write_index(path, metadata, weight_map):
 # --------------------------------------------------------------------------- (a) PR 6181 distributed layout
 class DistCase:
     def __init__(self, name, tp, pp=1, dp=1, dtype=torch.bfloat16, kind="bin", shard=True,
-                 size_per_shard=0.0006, padded_vocab=None, save_dir=None, dp_writer=None):
+                 size_per_shard=0.0006, padded_vocab=None, save_dir=None, dp_writer=None, fused_qkv=False):
         self.name, self.tp, self.pp, self.dp, self.dtype = name, tp, pp, dp, dtype
         self.kind = kind            # "bin", "st" (sync safetensors), "async" (ColossalAI's writer)
         self.shard = shard
@@ -182,6 +187,7 @@ class DistCase:
         self.padded_vocab = padded_vocab  # (vocab, divisible_by): the python -O padded-vocab case
         self.save_dir = save_dir    # the checkpoint path given at save time (unsharded "file" fields)
         self.dp_writer = dp_writer or {}  # dist_id -> dp rank whose meta file survived
+        self.fused_qkv = fused_qkv  # a fused q/k/v weight, split per head group (not a contiguous box)
 
 
 DIST_CASES = [
@@ -194,6 +200,7 @@ DIST_CASES = [
              save_dir="ckpt/model_0"),
     DistCase("colossalai_dist_pp2_tp2_bin_sharded", 2, pp=2, dtype=torch.float32, size_per_shard=0.0009),
     DistCase("colossalai_dist_tp2_padded_vocab_O", 2, padded_vocab=(22, 4)),
+    DistCase("colossalai_dist_tp3_fused_qkv", 3, dtype=torch.float32, fused_qkv=True),
 ]
 
 
@@ -207,6 +214,15 @@ def local_shard(name, full, tp, r, padded_to=None):
     """This TP rank's piece of a parameter (a new tensor, as ShardFormer allocates) and its meta box."""
     dim = tp_dim(name)
     g = list(full.shape)
+    if name.endswith("qkv.weight") or name.endswith("qkv.bias"):
+        # split_fused_qkv_in_gpt2_style: [Q, K, V] -> rank r holds [Q_r, K_r, V_r]; the metadata
+        # still says rows part*r .. part*(r+1) of the fused weight.
+        q, k, v = full.chunk(3, 0)
+        t = torch.cat([x.chunk(tp, 0)[r] for x in (q, k, v)], 0).clone()
+        part = g[0] // tp
+        offsets = [0] * len(g)
+        offsets[0] = part * r
+        return t, offsets, list(t.shape)
     if dim is None or tp == 1:
         return full.clone(), [0] * len(g), list(g)
     if padded_to is not None and dim == 0:
@@ -236,7 +252,7 @@ def local_shard(name, full, tp, r, padded_to=None):
 
 def write_dist_case(root, case):
     vocab = case.padded_vocab[0] if case.padded_vocab else V
-    model, _ = trained(vocab)
+    model, _ = trained(vocab, fused_qkv=case.fused_qkv)
     full = collections.OrderedDict((n, p.detach().to(case.dtype)) for n, p in model.named_parameters())
     buffers = collections.OrderedDict((n, b.detach().to(case.dtype)) for n, b in model.named_buffers())
     padded_to = padded_rows(vocab, case.padded_vocab[1], case.tp) if case.padded_vocab else None
@@ -257,10 +273,19 @@ def write_dist_case(root, case):
             bufs = collections.OrderedDict((n, b.clone()) for n, b in buffers.items()
                                            if stage_of(n, case.pp) == pp_rank)
             files += write_dist_rank(root, case, dist_id, rank, params, bufs, meta)
-    manifest = C.make_manifest("colossalai_dist", tensors={n: C.tensor_entry(t) for n, t in full.items()},
+    tensors, fused = {}, {}
+    for n, t in full.items():
+        tensors[n] = C.tensor_entry(t)
+        if case.fused_qkv and ".qkv." in n:
+            # What the boxes (and ColossalAI's loader) give: the ranks' [Q_r, K_r, V_r] pieces one
+            # after the other, not the model's [Q, K, V].
+            pieces = [local_shard(n, t, case.tp, r)[0] for r in range(case.tp)]
+            tensors[n] = C.tensor_entry(torch.cat(pieces, 0))
+            fused[n] = {"model_sha256": C.tensor_entry(t)["sha256"], "split_sizes": [D, D, D]}
+    manifest = C.make_manifest("colossalai_dist", tensors=tensors,
                                path=os.path.basename(root), tp=case.tp, pp=case.pp, dp=case.dp,
-                               files=sorted(files),
-                               not_in_metadata=list(buffers))
+                               files=sorted(files), not_in_metadata=list(buffers),
+                               fused_qkv=fused or None)
     return manifest
 
 
@@ -325,7 +350,7 @@ def _module_order(name):
     """Position of a name in ColoNet().state_dict() (per module: parameters, then buffers)."""
     global _ORDER
     if _ORDER is None:
-        _ORDER = {n: i for i, n in enumerate(ColoNet().state_dict())}
+        _ORDER = {n: i for i, n in enumerate(ColoNet(fused_qkv=True).state_dict())}
     return _ORDER[name]
 
 
