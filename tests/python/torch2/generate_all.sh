@@ -1,8 +1,9 @@
 #!/bin/sh
 # Generates the torch 2.x fixtures into $1, one subfolder per tests/python/torch2/gen_t2_*.py, with
 # the Debian sid root's PyTorch (tools/sid-python; the root is built first when missing, which
-# takes minutes once per machine). A generator runs again when any Python file under
-# tests/python/ is newer than its stamp, or when the sid root was rebuilt since.
+# takes minutes once per machine). A generator runs again when a Python file here or
+# tests/python/_common.py (which _t2.py builds on) is newer than its stamp, or when the sid root
+# was rebuilt since.
 set -eu
 out=${1:?usage: generate_all.sh OUTDIR}
 here=$(cd "$(dirname "$0")" && pwd)
@@ -15,7 +16,7 @@ for gen in "$here"/gen_t2_*.py; do
   [ -f "$gen" ] || continue
   name=$(basename "$gen" .py)
   stamp="$out/.$name.stamp"
-  if [ -f "$stamp" ] && [ -z "$(find "$here/.." -name '*.py' -newer "$stamp" | head -n 1)" ] &&
+  if [ -f "$stamp" ] && [ -z "$(find "$here" "$here/../_common.py" -name '*.py' -newer "$stamp" | head -n 1)" ] &&
      [ ! "$root/statedict-sid-root.stamp" -nt "$stamp" ]; then
     continue
   fi
