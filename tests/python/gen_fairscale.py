@@ -289,7 +289,8 @@ def training_state(case, rank):
         dropout=0.1, activation_fn="relu", max_target_positions=P)
     cfg = {
         "_name": None,
-        "common": {"fp16": case.dtype == torch.float16, "memory_efficient_fp16": case.dtype == torch.float16,
+        # fp16 training; pure fp16 flat params with --memory-efficient-fp16, fp32 (mixed precision) without
+        "common": {"fp16": True, "memory_efficient_fp16": case.dtype == torch.float16,
                    "seed": 1, "log_interval": 10},
         "distributed_training": {"distributed_world_size": W, "ddp_backend": "fully_sharded",
                                  "use_sharded_state": True, "distributed_rank": rank},
@@ -300,7 +301,8 @@ def training_state(case, rank):
                        if case.flavour == "metaseq" else ""},
     }
     history = [{"criterion_name": "CrossEntropyCriterion",
-                "optimizer_name": "MemoryEfficientFP16Optimizer" if case.dtype == torch.float16 else "FP16Optimizer",
+                # fairseq and metaseq wrap the optimizer of an FSDP fp16 run in MemoryEfficientFP16Optimizer
+                "optimizer_name": "MemoryEfficientFP16Optimizer",
                 "lr_scheduler_state": {"best": None}, "num_updates": 2}]
     metrics = collections.OrderedDict(
         default=collections.OrderedDict(loss={"val": np.float64(2.375), "sum": np.float64(9.5), "count": 4,
