@@ -45,7 +45,8 @@ from megatron_fixtures import standins  # noqa: E402
 
 # --------------------------------------------------------------------------- names
 def mcore_name(legacy, te):
-    """Canonical legacy name -> Megatron-core GPTModel name (TE layer spec or local spec)."""
+    """Canonical legacy name -> Megatron-core GPTModel name (TE layer spec or local spec; in a
+    distributed checkpoint both use the TE spelling, see rank_items)."""
     n = legacy
     n = n.replace(f"{M.LM}.embedding.", "embedding.")
     n = n.replace(f"{M.LM}.output_layer.", "output_layer.")
@@ -157,7 +158,9 @@ def rank_items(spec, full, tp_rank, pp_rank):
 
     def shard(lname, t, layer=None, kinds=("model",)):
         """Add the TP piece(s) of full tensor t under key (+ optimizer keys)."""
-        mname = mcore_name(lname, te)
+        # The dist-checkpoint keys of the norms are TE-style for both layer specs: the local spec maps
+        # input_layernorm. / pre_mlp_layernorm. to them (gpt_layer_specs.py sharded_state_dict_keys_map).
+        mname = mcore_name(lname, True)
         axis = tp_axis(mname)
         if axis is None and tp_rank != 0:
             return                       # replica_id != 0: not written
@@ -194,7 +197,7 @@ def rank_items(spec, full, tp_rank, pp_rank):
         """`_extra_state` of a linear module as a ShardedObject (replica_id (0, tp, dp): TP rank 0)."""
         if tp_rank != 0:
             return
-        mname = mcore_name(lname_module + ".weight", te)[:-len(".weight")] + "._extra_state"
+        mname = mcore_name(lname_module + ".weight", True)[:-len(".weight")] + "._extra_state"
         data = torch.frombuffer(bytearray(pickle.dumps(None, protocol=4)), dtype=torch.uint8) if te else None
         if layer is not None and stacked:
             key = mname.replace(f"decoder.layers.{layer}.", "decoder.layers.")
@@ -225,8 +228,9 @@ def rank_items(spec, full, tp_rank, pp_rank):
             if n.startswith(f"{M.ENC}.final_norm."):
                 emit(n)
         if cfg.untie_embeddings_and_output_weights:
+            # no output_layer._extra_state: GPTModel.sharded_state_dict drops it (older checkpoints
+            # stored only the weight)
             emit(f"{M.LM}.output_layer.weight")
-            extra_state(f"{M.LM}.output_layer")
     # RNG: ShardedObject('rng_state', [rng dict], (pp, tp), (pp_rank, tp_rank))
     objects[object_key("rng_state", (pp, tp), (pp_rank, tp_rank))] = [[full["rng"][f"{tp_rank},{pp_rank}"]]]
     for k, (g, chunks) in tensors.items():

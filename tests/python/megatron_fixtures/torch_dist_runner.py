@@ -34,7 +34,7 @@ SPECS = [
                      "files per rank, optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.* keys, rng_state objects"),
     dict(name="mcore_local_perlayer_tp2", config="llama_gqa", tp=2, pp=1, seed=22, te=False, stacked=False,
          singleton_local_shards=True, optimizer=False, common="object", mcore_metadata=False, thread_count=1,
-         description="core_v0.19.0 layout: local layer names, per-layer keys decoder.layers.<i>.*, "
+         description="core_v0.19.0 layout: local layer spec (same keys, `_extra_state` None), per-layer keys decoder.layers.<i>.*, "
                      "singleton_local_shards (linear_fc1.weight_w / _v), common state as the "
                      "'common_state' ShardedObject (no common.pt), plain torch Metadata, one file per rank, no optimizer"),
     dict(name="mcore_te_stacked_gpt2_tp2", config="gpt2_mha", tp=2, pp=1, seed=23, te=True, stacked=True,
@@ -86,7 +86,7 @@ def expected(spec, trained):
     model = OrderedDict()
     optim = OrderedDict()
     for n, t in trained.params.items():
-        m = mcore_name(n, spec["te"])
+        m = mcore_name(n, True)
         if not trained.cfg.untie_embeddings_and_output_weights and m == "output_layer.weight":
             continue
         model[m] = t.to(torch.bfloat16)
