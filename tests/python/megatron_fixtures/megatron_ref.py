@@ -360,7 +360,10 @@ def map_distrib_optimizer(dist_sd, rank_chunk_params, f, pp_rank, v_first_last):
         for key, role, t in params:
             shared = tied_pp and key.endswith("word_embeddings.weight") and (role == "head" or (pre and not post))
             plist.append(((key, role), t.numel(), shared))
-        buckets = buffer_layout(plist, f.dp, f.bucket_size)
+        # DistributedDataParallel: buckets only on the first PP stage's first model chunk
+        # (pp_rank > 0 and disable_bucketing for chunks after the first set bucket_size = None)
+        bucket_size = f.bucket_size if (pp_rank == 0 and gbuf_idx == 0) else None
+        buckets = buffer_layout(plist, f.dp, bucket_size)
         total = sum(b["numel_unpadded"] for b in buckets)
         if world["numel_unpadded"] != total or world["param"].numel() != total:
             raise MegatronError(f"buffer {gbuf_idx}: numel_unpadded {world['numel_unpadded']} but the "
