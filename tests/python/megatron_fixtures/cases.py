@@ -14,15 +14,16 @@ LEGACY_CASES = [
                     "(word_embeddings_for_head), fp16 with grad_scaler and fp32_from_fp16_params, "
                     "args.model_type pickled by value (Python <= 3.10 style)"),
     LegacyCase(
-        "gpt2_tp4_pp1_v0_oldkeys", M.GPT2_MHA, tp=4, pp=1, vpp=None, dtype="fp32", era="2020",
+        "gpt2_tp2_pp1_v0_oldkeys", M.GPT2_MHA, tp=2, pp=1, vpp=None, dtype="fp32", era="2020",
         checkpoint_version=None, optimizer="plain", seed=13,
-        description="no checkpoint_version key (version 0: QKV stored [3, np, hn] per rank), "
+        description="no checkpoint_version key (version 0: QKV stored [3, np, hn] per rank, 2 heads "
+                    "per rank so that the order is visible), "
                     "'transformer' / '.attention.' / *_layernorm keys, lr_scheduler, top-level RNG "
                     "keys, args.model_parallel_size"),
     LegacyCase(
-        "gpt2_tp2_pp1_v1_release", M.GPT2_MHA, tp=2, pp=1, vpp=None, dtype="fp16", era="2020",
+        "gpt2_tp4_pp1_v1_release", M.GPT2_MHA, tp=4, pp=1, vpp=None, dtype="fp16", era="2020",
         checkpoint_version=1.0, optimizer="none", release=True, seed=14, rank0_manifest=False,
-        description="checkpoint_version 1.0 (QKV [np, hn, 3] per rank), 'release' tracker and "
+        description="checkpoint_version 1.0 (QKV [np, hn, 3] per rank), TP 4, 'release' tracker and "
                     "directory, no optimizer"),
     LegacyCase(
         "llama_tp2_pp1_bf16_distopt", M.LLAMA_GQA, tp=2, pp=1, vpp=None, dtype="bf16", era="core_v0.8",

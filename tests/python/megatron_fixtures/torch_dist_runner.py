@@ -135,6 +135,7 @@ def _merge_wv_optim(optim):
 
 
 def run(outdir, only, selftest):
+    outdir = os.path.abspath(outdir)     # the torch 2.x process runs in another directory (and root)
     cmd = runner_command()
     specs = [s for s in SPECS if not only or only in s["name"]]
     if not specs:
