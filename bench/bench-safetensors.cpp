@@ -10,6 +10,7 @@
 #include <benchmark/benchmark.h>
 
 #include <statedict/io/safetensors.hpp>
+#include <statedict/formats/safetensors.hpp>
 
 #include <atomic>
 #include <chrono>

@@ -13,7 +13,7 @@
 #include <unistd.h>
 
 #include <statedict/formats/dcp.hpp>
-#include <statedict/formats/open.hpp>
+#include <statedict/formats/registry.hpp>
 #include <statedict/io/pickle_write.hpp>
 #include <statedict/io/safetensors.hpp>
 #include <statedict/io/torch_file.hpp>

@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include <statedict/io/safetensors.hpp>
+#include <statedict/formats/safetensors.hpp>
 
 #include <array>
 #include <chrono>

@@ -7,6 +7,8 @@
 #include <statedict/core/sha256.hpp>
 #include <statedict/io/hf_sharded.hpp>
 #include <statedict/io/safetensors.hpp>
+#include <statedict/formats/safetensors.hpp>
+#include <statedict/formats/hf.hpp>
 
 #include <sys/wait.h>
 

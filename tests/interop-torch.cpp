@@ -6,6 +6,7 @@
 
 #include <statedict/core/sha256.hpp>
 #include <statedict/io/torch_file.hpp>
+#include <statedict/formats/torch.hpp>
 
 #include <nlohmann/json.hpp>
 

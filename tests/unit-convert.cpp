@@ -2,8 +2,7 @@
 // cast, ties) and the Hugging Face writer's parts (several processes, then the index step).
 #include <doctest/doctest.h>
 
-#include <statedict/formats/convert.hpp>
-#include <statedict/formats/open.hpp>
+#include <statedict/formats/registry.hpp>
 
 #include <filesystem>
 #include <fstream>
@@ -57,18 +56,18 @@ fs::path sample_file() {
 
 TEST_CASE("Hugging Face output in parts: byte-identical to one process, the index step checks every shard") {
   const ShardedCheckpoint ck = formats::open(sample_file()).checkpoint;
-  formats::write_options o;
+  formats::save_options o;
   o.max_shard_size = 9000;  // two tensors per shard: three shards
   const fs::path whole = tmp_dir("whole");
   const auto files = formats::write_hf(ck, whole, o);
   CHECK(files.size() == 4);  // three shards and the index
   const fs::path d = tmp_dir("parts");
-  formats::write_options idx = o;
+  formats::save_options idx = o;
   idx.index_only = true;
   CHECK(error_of([&] { (void)formats::write_hf(ck, d, idx); }) == errors::convert_part.id);
   CHECK_FALSE(fs::exists(d / "model.safetensors.index.json"));
   for (std::uint32_t k = 0; k < 2; ++k) {
-    formats::write_options p = o;
+    formats::save_options p = o;
     p.part = PartSpec{k, 2};
     (void)formats::write_hf(ck, d, p);
     CHECK_FALSE(fs::exists(d / "model.safetensors.index.json"));
@@ -84,7 +83,7 @@ TEST_CASE("Hugging Face output in parts: byte-identical to one process, the inde
   fs::remove(d / "model.safetensors.index.json");
   CHECK(error_of([&] { (void)formats::write_hf(ck, d, idx); }) == errors::convert_part.id);
   // Parts of an output that fits one file are refused.
-  formats::write_options one;
+  formats::save_options one;
   one.part = PartSpec{0, 2};
   CHECK(error_of([&] { (void)formats::write_hf(ck, tmp_dir("one"), one); }) == errors::convert_part.id);
 }

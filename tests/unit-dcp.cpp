@@ -8,6 +8,8 @@
 #include <statedict/core/sha256.hpp>
 #include <statedict/exec/digest.hpp>
 #include <statedict/formats/dcp.hpp>
+#include <statedict/formats/torch.hpp>
+#include <statedict/formats/safetensors.hpp>
 
 #include <filesystem>
 #include <fstream>

@@ -298,10 +298,10 @@ bool intersects(std::uint64_t a0, std::uint64_t a1, std::uint64_t b0, std::uint6
 }  // namespace
 
 TEST_CASE("deepspeed: natural order and rank names") {
-  CHECK(ds::detail::natural_less("zero_pp_rank_2_mp", "zero_pp_rank_10_mp"));
-  CHECK_FALSE(ds::detail::natural_less("zero_pp_rank_10_mp", "zero_pp_rank_2_mp"));
-  CHECK(ds::detail::natural_less("a", "b"));
-  CHECK(ds::detail::natural_less("x1", "x1a"));
+  CHECK(formats::detail::natural_less("zero_pp_rank_2_mp", "zero_pp_rank_10_mp"));
+  CHECK_FALSE(formats::detail::natural_less("zero_pp_rank_10_mp", "zero_pp_rank_2_mp"));
+  CHECK(formats::detail::natural_less("a", "b"));
+  CHECK(formats::detail::natural_less("x1", "x1a"));
   auto rn = ds::detail::parse_rank_name("bf16_zero_pp_rank_12_mp_rank_00_optim_states.pt");
   REQUIRE(rn);
   CHECK(rn->dp == 12);

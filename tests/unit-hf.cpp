@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include <statedict/io/hf_sharded.hpp>
+#include <statedict/formats/hf.hpp>
 
 #include <filesystem>
 #include <fstream>

@@ -1,13 +1,12 @@
 // Caps on hostile input (docs/limits.md): for each cap that had no test of its own, a file that
 // exceeds the default (or a lowered) cap fails with the cap's error id, and the same file passes
-// once the cap is raised. Also: formats::open passes its open_limits to every reader.
+// once the cap is raised. Also: formats::open passes each format's settings to its reader.
 #include <doctest/doctest.h>
 
 #include <statedict/core/flatten.hpp>
-#include <statedict/formats/convert.hpp>
+#include <statedict/formats/registry.hpp>
 #include <statedict/formats/dcp.hpp>
 #include <statedict/formats/deepspeed.hpp>
-#include <statedict/formats/open.hpp>
 #include <statedict/io/hf_sharded.hpp>
 #include <statedict/io/pickle_read.hpp>
 #include <statedict/io/safetensors.hpp>
@@ -114,7 +113,7 @@ TEST_CASE("safetensors: max_skeleton_depth, lowered then the default") {
   CHECK(error_of([&] { (void)safetensors::File::open(p); }) == 0);
   CHECK(safetensors::File::open(p).describe().tensors.size() == 1);
   formats::open_options fo;
-  fo.limits.safetensors.max_skeleton_depth = 20;
+  fo.settings.set<safetensors::open_options>().lim.max_skeleton_depth = 20;
   CHECK(error_of([&] { (void)formats::open(p, fo); }) == errors::st_skeleton_depth.id);
 }
 
@@ -124,7 +123,7 @@ TEST_CASE("Hugging Face: max_index_bytes, lowered then the default") {
   d.set("v", Tensor::zeros(dtype::F32, {64}));
   const fs::path dir = tmp("hf");
   fs::remove_all(dir);
-  formats::write_options w;
+  formats::save_options w;
   w.max_shard_size = 300;
   (void)formats::write_hf(from_tree(Value(std::move(d))), dir, w);
   REQUIRE(fs::exists(dir / hf::index_name));
@@ -133,7 +132,7 @@ TEST_CASE("Hugging Face: max_index_bytes, lowered then the default") {
   CHECK(error_of([&] { (void)hf::Checkpoint::open(dir, small); }) == errors::hf_index_json.id);
   CHECK(error_of([&] { (void)hf::Checkpoint::open(dir); }) == 0);
   formats::open_options fo;
-  fo.limits.max_index_bytes = 10;
+  fo.settings.set<hf::open_options>().max_index_bytes = 10;
   CHECK(error_of([&] { (void)formats::open(dir, fo); }) == errors::hf_index_json.id);
   CHECK(formats::open(dir).checkpoint.tensors.size() == 2);
 }
@@ -168,16 +167,16 @@ TEST_CASE("torch: max_rank raised; formats::open passes torch and safetensors li
   CHECK(torch::load(pt, lo).as_dict().size() == 2);
 
   formats::open_options fo;
-  fo.limits.torch.max_rank = 30;
+  fo.settings.set<torch::load_options>().limits.max_rank = 30;
   CHECK(error_of([&] { (void)formats::open(pt, fo); }) == errors::pt_rank_limit.id);
   fo = {};
-  fo.limits.torch.pickle.max_nodes = 5;
+  fo.settings.set<torch::load_options>().limits.pickle.max_nodes = 5;
   CHECK(error_of([&] { (void)formats::open(pt, fo); }) == errors::pk_node_limit.id);
   CHECK(formats::open(pt).checkpoint.tensors.size() == 1);
 
   const auto st = st_file("open", R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", std::string(4, '\0'));
   fo = {};
-  fo.limits.safetensors.max_header_bytes = 10;
+  fo.settings.set<safetensors::open_options>().lim.max_header_bytes = 10;
   CHECK(error_of([&] { (void)formats::open(st, fo); }) == errors::st_header_too_large.id);
   CHECK(formats::open(st).checkpoint.tensors.size() == 1);
 }
@@ -201,9 +200,9 @@ TEST_CASE("DCP: max_path_length (2.x planner_data), lowered then the default, al
   CHECK(error_of([&] { (void)dcp::describe(dir, o); }) == errors::dcp_bad_planner_data.id);
   CHECK(error_of([&] { (void)dcp::describe(dir); }) == 0);
   formats::open_options fo;
-  fo.limits.dcp.max_path_length = 2;
+  fo.settings.set<dcp::options>().limits.max_path_length = 2;
   CHECK(error_of([&] { (void)formats::open(dir, fo); }) == errors::dcp_bad_planner_data.id);
-  fo.limits.dcp.max_path_length = 4;  // the path is a, b, c, d
+  fo.settings.set<dcp::options>().limits.max_path_length = 4;  // the path is a, b, c, d
   CHECK(formats::open(dir, fo).checkpoint.tensors.size() == 1);
 }
 
@@ -219,6 +218,6 @@ TEST_CASE("DeepSpeed: max_tag_bytes of the 'latest' file, raised") {
   CHECK_FALSE(deepspeed::detect(dir, {}, lim).found);
   formats::open_options fo;
   CHECK(error_of([&] { (void)formats::open(dir, fo); }) == errors::ds_bad_tag.id);
-  fo.limits.deepspeed.max_tag_bytes = 10000;
+  fo.settings.set<deepspeed::options>().limits.max_tag_bytes = 10000;
   CHECK(error_of([&] { (void)formats::open(dir, fo); }) == errors::unknown_format.id);
 }

@@ -4,6 +4,7 @@
 
 #include <statedict/core/sha256.hpp>
 #include <statedict/io/safetensors.hpp>
+#include <statedict/formats/safetensors.hpp>
 
 #include <cstring>
 #include <filesystem>
@@ -530,7 +531,7 @@ TEST_CASE("write round-trips every storable dtype, strided and misaligned views,
   in.push_back(st::Input::of("misaligned", TensorView::contiguous(dtype::F32, {4}, raw.data() + 1)));
   const fs::path p = tmp_dir() / "roundtrip.safetensors";
   st::write_options o;
-  o.buffer_bytes = 64;  // forces many flushes
+  o.exec.max_block = 64 << 10;  // the smallest block
   st::write_result r = st::write(p, in, o);
   CHECK(fs::file_size(p) == r.layout.file_size);
   st::File f = st::File::open(p);
@@ -546,7 +547,7 @@ TEST_CASE("write casts floating tensors only, exactly as cast_run does") {
   const fs::path p = tmp_dir() / "cast.safetensors";
   st::write_options o;
   o.cast = dtype::BF16;
-  o.buffer_bytes = 4096;
+  o.exec.max_block = 64 << 10;
   st::write(p, in, o);
   st::File f = st::File::open(p);
   CHECK(f.find("w")->dtype == dtype::BF16);
@@ -572,8 +573,9 @@ TEST_CASE("write streams from byte sources (mapped, pread, memory) with and with
         std::vector<st::Input> in = st::inputs_of(src.describe());
         st::write_options o;
         o.cast = cast;
-        o.copy_file_range = cfr;
-        o.buffer_bytes = 1000;
+        o.exec.copy_file_range = cfr;
+        o.exec.copy_file_range_min = 1;
+        o.exec.max_block = 64 << 10;
         const fs::path out = tmp_dir() / "copy.safetensors";
         st::write(out, in, o);
         st::File f = st::File::open(out);

@@ -10,6 +10,7 @@
 #include <statedict/formats/sharded_tensor.hpp>
 #include <statedict/io/torch_file.hpp>
 #include <statedict/shard/layout.hpp>
+#include <statedict/formats/torch.hpp>
 
 #include <filesystem>
 #include <fstream>

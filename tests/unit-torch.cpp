@@ -15,6 +15,7 @@
 #include <statedict/exec/executor.hpp>
 #include <statedict/io/torch_file.hpp>
 #include <statedict/shard/plan.hpp>
+#include <statedict/formats/torch.hpp>
 
 #include <algorithm>
 #include <limits>
@@ -709,6 +710,23 @@ TEST_CASE("plan_save(ShardedCheckpoint): the executor path, torch file -> torch 
     o.verify_crc = true;
     CHECK(torch::load(out, o) == Value(sd));
   }
+}
+
+TEST_CASE("a bare tensor at the root is written, not left as zeros (torch file and described checkpoint)") {
+  // A file whose object is one tensor (torch.save(tensor, f)): its only tensor has the empty name.
+  const Tensor t = Tensor::from<float>({1.25F, -3.5F, 5.75F, -7.0F}, {4});
+  const auto in = tmp("bare-root.pt");
+  torch::save(in, Value(t.view()));
+  REQUIRE(torch::load(in).is_tensor());
+  CHECK(equal_bytes(torch::load(in).as_tensor(), t.view()));
+  const ShardedCheckpoint ck = torch::describe(in);
+  REQUIRE(ck.tensors.size() == 1);
+  CHECK(ck.tensors[0].name.empty());
+  const auto out = tmp("bare-root-out.pt");
+  formats::write_torch(ck, out);
+  const Value back = torch::load(out);
+  REQUIRE(back.is_tensor());
+  CHECK(equal_bytes(back.as_tensor(), t.view()));
 }
 
 TEST_CASE("an archive embedded in a larger file (a DCP item) reads the same, zero-copy") {

@@ -5,7 +5,7 @@
     tools/check_error_ids.py --write  regenerate docs/errors.md
 
 Every `inline constexpr error_id NAME{ID, error_kind::KIND, "dotted.name"};` under include/ counts, and
-those of the command-line tool under examples/ (ids 800-849).
+those of the command-line tool under cli/ (ids 800-849).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ ID_RE = re.compile(
 
 def collect() -> list[tuple[int, str, str, str, str]]:
     rows = []
-    paths = sorted((ROOT / "include").rglob("*.hpp")) + sorted((ROOT / "examples").rglob("*.hpp"))
+    paths = sorted((ROOT / "include").rglob("*.hpp")) + sorted((ROOT / "cli").rglob("*.hpp"))
     for path in paths:
         text = path.read_text(encoding="utf-8")
         for m in ID_RE.finditer(text):

@@ -4,20 +4,22 @@
 #   ./tools/test.sh
 #
 # Installs what it needs, then:
-#   1. checks that single_include/ is up to date and that error ids are unique and documented;
+#   1. checks that single_include/ is up to date, that error ids are unique and documented, and
+#      that the pages quoting scripts (docs/slurm.md) quote them as they are;
 #   2. builds everything with g++ (warnings are errors) and runs the suite, including the interop
 #      tests against real PyTorch and the CMake consumer projects;
-#   3. builds with clang and -fsanitize=address,undefined and runs the suite again;
-#   4. builds the suite against the single header and runs it;
-#   5. builds the libFuzzer targets (clang, ASan + UBSan) and runs each for a while.
-# STATEDICT_STAGES picks stages (default "check gcc asan single fuzz"); STATEDICT_FUZZ_SECONDS sets
+#   3. runs the job scripts of docs/slurm.md under a real single-node Slurm, torchrun and MPI;
+#   4. builds with clang and -fsanitize=address,undefined and runs the suite again;
+#   5. builds the unit tests against the single header in a Release build (-O2) and runs them;
+#   6. builds the libFuzzer targets (clang, ASan + UBSan) and runs each for a while.
+# STATEDICT_STAGES picks stages (default "check gcc slurm asan single fuzz"); STATEDICT_FUZZ_SECONDS sets
 # the time per fuzzer (default 30), STATEDICT_FUZZ_SEED its libFuzzer seed (default 1, so that a
 # red fuzz stage replays; 0 for a random one). Build trees go under build/.
 set -eu
 
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"
-stages=${STATEDICT_STAGES:-check gcc asan single fuzz}
+stages=${STATEDICT_STAGES:-check gcc slurm asan single fuzz}
 fuzz_seconds=${STATEDICT_FUZZ_SECONDS:-30}
 fuzz_seed=${STATEDICT_FUZZ_SEED:-1}
 jobs=${STATEDICT_JOBS:-$(nproc)}
@@ -47,7 +49,8 @@ run_suite() {  # name, build dir, optimization flags, cmake options...
   name=$1 dir=$2 opt_flags=$3
   shift 3
   echo "== $name: configure + build ($dir)"
-  cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=CI "-DCMAKE_CXX_FLAGS_CI=$opt_flags" -DSTATEDICT_FIXTURE_DIR="$here/build/fixtures" "$@" \
+  cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=CI "-DCMAKE_CXX_FLAGS_CI=$opt_flags" -DSTATEDICT_WERROR=ON \
+    -DSTATEDICT_FIXTURE_DIR="$here/build/fixtures" "$@" \
     >"$dir.configure.log" 2>&1 || {
     cat "$dir.configure.log"
     exit 1
@@ -63,9 +66,22 @@ if stage check; then
   echo "== check: single header and error ids"
   python3 tools/amalgamate.py --check
   python3 tools/check_error_ids.py
+  python3 tools/doc_includes.py --check
 fi
 if stage gcc; then
   CXX=g++ run_suite "g++" build/gcc "-O1"
+fi
+if stage slurm; then
+  echo "== slurm: the job scripts of docs/slurm.md under a real Slurm, torchrun, Open MPI and MPICH"
+  if [ ! -x build/gcc/bin/statedict ]; then
+    CXX=g++ cmake -S . -B build/gcc -DCMAKE_BUILD_TYPE=CI "-DCMAKE_CXX_FLAGS_CI=-O1" -DSTATEDICT_WERROR=ON >build/gcc.configure.log 2>&1 || {
+      cat build/gcc.configure.log
+      exit 1
+    }
+    cmake --build build/gcc -j "$jobs" --target statedict_cli
+  fi
+  tests/slurm/run.sh build/gcc
+  elapsed
 fi
 if stage asan; then
   # Sanitized builds abort on the first report; detect_leaks catches leaks too.
@@ -73,12 +89,13 @@ if stage asan; then
     CXX=clang++ run_suite "clang + ASan/UBSan" build/asan "-O1 -gline-tables-only" -DSTATEDICT_SANITIZE=ON
 fi
 if stage single; then
-  CXX=g++ run_suite "single header" build/single "-O1" -DSTATEDICT_TEST_SINGLE_HEADER=ON -DSTATEDICT_BUILD_EXAMPLES=OFF
+  CXX=g++ run_suite "single header, Release" build/single "-O2 -DNDEBUG" -DSTATEDICT_TEST_SINGLE_HEADER=ON -DSTATEDICT_BUILD_EXAMPLES=OFF \
+    -DSTATEDICT_BUILD_CLI=OFF
 fi
 if stage fuzz && [ -f tests/fuzz/CMakeLists.txt ]; then
   echo "== fuzz: build (clang, libFuzzer, ASan + UBSan)"
   CXX=clang++ cmake -S . -B build/fuzz -DCMAKE_BUILD_TYPE=CI "-DCMAKE_CXX_FLAGS_CI=-O1 -gline-tables-only" -DSTATEDICT_BUILD_FUZZERS=ON \
-    -DSTATEDICT_BUILD_TESTS=OFF -DSTATEDICT_BUILD_EXAMPLES=OFF >build/fuzz.configure.log 2>&1 || {
+    -DSTATEDICT_BUILD_TESTS=OFF -DSTATEDICT_BUILD_EXAMPLES=OFF -DSTATEDICT_BUILD_CLI=OFF -DSTATEDICT_WERROR=ON >build/fuzz.configure.log 2>&1 || {
     cat build/fuzz.configure.log
     exit 1
   }

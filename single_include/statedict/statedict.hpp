@@ -2318,6 +2318,58 @@ inline std::string sha256_hex(const TensorView& v) {
 }
 
 }  // namespace statedict::inline v0
+// ---- statedict/core/value_json.hpp ----
+// statedict: a non-tensor leaf of a state dict as JSON, the form `inspect --json` prints and
+// `verify` quotes.
+// SPDX-License-Identifier: MIT
+
+#include <cmath>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+
+namespace statedict::inline v0 {
+
+/// `v` as JSON: None, bool, int, float (non-finite as the strings "nan", "inf", "-inf"), str;
+/// bytes as {"bytes_hex": ...}; lists and tuples as arrays; an empty dict as {}; an opaque object
+/// as {"object": "module.name"}; a tensor as {"tensor": "[shape]"}.
+inline nlohmann::ordered_json value_json(const Value& v) {
+  using K = value_kind;
+  switch (v.kind()) {
+    case K::none: return nullptr;
+    case K::boolean: return v.as_bool();
+    case K::integer: return v.as_int();
+    case K::floating: {
+      const double d = v.as_double();
+      if (std::isnan(d)) return "nan";
+      if (std::isinf(d)) return d > 0 ? "inf" : "-inf";
+      return d;
+    }
+    case K::string: return v.as_string();
+    case K::bytes: {
+      static constexpr char hex[] = "0123456789abcdef";
+      std::string h;
+      for (auto b : v.as_bytes().data) {
+        h += hex[b >> 4];
+        h += hex[b & 15];
+      }
+      return nlohmann::ordered_json{{"bytes_hex", h}};
+    }
+    case K::list:
+    case K::tuple: {
+      auto a = nlohmann::ordered_json::array();
+      for (const auto& x : v.as_list()) a.push_back(value_json(x));
+      return a;
+    }
+    case K::dict: return nlohmann::ordered_json::object();
+    case K::object: return nlohmann::ordered_json{{"object", v.as_object().qualified()}};
+    case K::tensor: return nlohmann::ordered_json{{"tensor", to_string(v.as_tensor().shape())}};
+  }
+  return nullptr;
+}
+
+}  // namespace statedict::inline v0
 // ---- statedict/io/file.hpp ----
 // statedict: input files (memory-mapped or pread) and output files that appear atomically.
 // SPDX-License-Identifier: MIT
@@ -2761,24 +2813,37 @@ struct PlannedFile {
 };
 
 /// The last step of an output written in parts (`--part index`): throws `id`, naming `kind` (a
-/// "Hugging Face checkpoint"), `dir` and the `noun` ("shard") of the file, unless every planned
-/// file exists in `dir` with its planned size.
+/// "Hugging Face checkpoint"), `dir` and every planned file (a `noun`, "shard") that is missing or
+/// has another size than planned, unless there is none.
 inline void check_parts_written(const std::filesystem::path& dir, const std::vector<PlannedFile>& files, const error_id& id,
                                 std::string_view kind, std::string_view noun) {
+  std::vector<std::string> missing, wrong;
   for (const PlannedFile& f : files) {
     std::error_code ec;
     const auto have = std::filesystem::file_size(dir / f.name, ec);
-    if (ec || have != f.size)
-      throw_error(id, std::string(kind) + " " + quote(dir.string()) + ": " + std::string(noun) + " " + quote(f.name),
-                  ec ? "is missing: write every part before the index"
-                     : "has " + std::to_string(have) + " bytes, the plan expects " + std::to_string(f.size) +
-                           " (a part written with other options?)");
+    if (ec) missing.push_back(quote(f.name));
+    else if (have != f.size)
+      wrong.push_back(quote(f.name) + " has " + std::to_string(have) + " bytes, the plan expects " + std::to_string(f.size));
   }
+  if (missing.empty() && wrong.empty()) return;
+  auto list = [](const std::vector<std::string>& v) {
+    std::string s;
+    for (std::size_t i = 0; i < v.size() && i < 20; ++i) s += (i ? ", " : "") + v[i];
+    if (v.size() > 20) s += " and " + std::to_string(v.size() - 20) + " more";
+    return s;
+  };
+  std::string what;
+  if (!missing.empty())
+    what = std::to_string(missing.size()) + " " + std::string(noun) + (missing.size() == 1 ? "" : "s") + " missing (" + list(missing) +
+           "): write every part before the index";
+  if (!wrong.empty())
+    what += (what.empty() ? "" : "; ") + list(wrong) + " (a part written with other options?)";
+  throw_error(id, std::string(kind) + " " + quote(dir.string()), what);
 }
 
 }  // namespace statedict::inline v0
 // ---- statedict/io/safetensors.hpp ----
-// statedict: safetensors files: a validated zero-copy reader and a streaming, atomic writer.
+// statedict: safetensors files: a validated zero-copy reader, and the layout the writers use.
 // SPDX-License-Identifier: MIT
 //
 // Format (huggingface/safetensors): u64 little-endian N, N bytes of UTF-8 JSON (the header), then
@@ -2791,11 +2856,9 @@ inline void check_parts_written(const std::filesystem::path& dir, const std::vec
 // order as TensorViews into the mapping (no copy; each view keeps the mapping alive).
 // `describe()` gives the ShardedCheckpoint of the file; `to_value()` the Value tree.
 //
-// Writing: `safetensors::write(path, inputs, options)` computes the header from names, dtypes and
-// shapes first (`safetensors::layout`, also usable on its own), then streams each tensor's bytes in
-// file order from its view or byte source, casting on the fly when asked, through a fixed-size
-// buffer; the file appears atomically. The output is byte-identical to the reference writer's
-// (`serialize_to_file`) for the same tensors and metadata.
+// Writing: `safetensors::layout` computes the header and every tensor's data offsets the
+// reference writer (`serialize_to_file`) would produce, before a byte is written; the writers that
+// stream the bytes are in formats/safetensors.hpp.
 //
 // statedict's own `__metadata__` keys (every other key is the user's and is kept as is):
 //   "statedict.aliases"   JSON object {alias name: stored tensor name}: tied tensors written once
@@ -2829,14 +2892,63 @@ inline void check_parts_written(const std::filesystem::path& dir, const std::vec
 #include <nlohmann/json.hpp>
 
 // ---- statedict/core/flatten.hpp ----
-// statedict: flatten a Value tree into named tensors plus a JSON skeleton, and back.
+// statedict: flatten a Value tree into named tensors plus a skeleton, and back.
 // SPDX-License-Identifier: MIT
 //
 // `flatten(tree)` gives an ordered `name -> TensorView` list (the tensors, in tree pre-order) and a
-// JSON skeleton holding everything else: container kinds, key types, non-tensor leaves, and which
-// tensors are the same view (aliases) or views into another tensor's elements (view_of).
-// `unflatten(tensors, skeleton)` gives back a tree equal to the original, for every tree. The
-// skeleton format, the naming rule and the alias rule are documented in docs/flatten.md; in short:
+// skeleton holding everything else (core/skeleton.hpp; its format, the naming rule and the alias
+// rule are in docs/flatten.md). `unflatten(tensors, skeleton)` gives back a tree equal to the
+// original, for every tree. Also the questions a skeleton answers without rebuilding the tree:
+// its tensor nodes, its aliases, its non-tensor values.
+//
+// A skeleton is input from files: every function that reads one validates it and throws a
+// statedict error naming the node (never crashes); all walks are iterative, so nesting depth is
+// bounded only by memory.
+
+#include <deque>
+#include <string>
+#include <string_view>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+// ---- statedict/core/detail/flattener.hpp ----
+// statedict: the flattener, a single iterative walk of a Value tree that lists its tensors by name
+// and records everything else in a skeleton_tape (core/flatten.hpp is its public face).
+// SPDX-License-Identifier: MIT
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <bit>
+#include <charconv>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <iterator>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+// ---- statedict/core/skeleton.hpp ----
+// statedict: the skeleton, everything of a state dict that is not a tensor, and FlatStateDict.
+// SPDX-License-Identifier: MIT
+//
+// core/flatten.hpp turns a tree into named tensors plus a skeleton holding everything else: container
+// kinds, key types, non-tensor leaves, and which tensors are the same view (aliases) or views into
+// another tensor's elements (view_of). The skeleton format, the naming rule and the alias rule are
+// documented in docs/flatten.md; in short:
 //
 //   {"statedict_skeleton": 1, "root": NODE}
 //   NODE := null | true | false | <JSON integer> | <finite JSON float> | "<string>"
@@ -2851,7 +2963,21 @@ inline void check_parts_written(const std::filesystem::path& dir, const std::vec
 //
 // A skeleton is input from files: every function that reads one validates it and throws a
 // statedict error naming the node (never crashes); all walks are iterative, so nesting depth is
-// bounded only by memory.
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+// ---- statedict/core/detail/skeleton_tape.hpp ----
+// statedict: the skeleton's JSON nodes, and the compact form flatten builds (skeleton_tape) with
+// its conversions to a JSON document and to compact JSON text.
+// SPDX-License-Identifier: MIT
 
 #include <algorithm>
 #include <array>
@@ -2877,6 +3003,809 @@ inline void check_parts_written(const std::filesystem::path& dir, const std::vec
 
 #include <nlohmann/json.hpp>
 
+// ---- statedict/core/detail/text.hpp ----
+// statedict: text helpers every layer shares: base64, UTF-8 validation, JSON string and number
+// writing in the byte-exact form serde_json and nlohmann::json::dump() produce.
+// SPDX-License-Identifier: MIT
+
+#include <array>
+#include <charconv>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace statedict::inline v0::detail {
+
+inline constexpr char b64_alphabet[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+
+/// Standard base64 with padding (RFC 4648 section 4).
+inline std::string base64_encode(const std::uint8_t* p, std::size_t n) {
+  std::string out;
+  out.reserve((n + 2) / 3 * 4);
+  std::size_t i = 0;
+  for (; i + 3 <= n; i += 3) {
+    const std::uint32_t v = (std::uint32_t{p[i]} << 16) | (std::uint32_t{p[i + 1]} << 8) | p[i + 2];
+    out += b64_alphabet[(v >> 18) & 63];
+    out += b64_alphabet[(v >> 12) & 63];
+    out += b64_alphabet[(v >> 6) & 63];
+    out += b64_alphabet[v & 63];
+  }
+  if (n - i == 1) {
+    const std::uint32_t v = std::uint32_t{p[i]} << 16;
+    out += b64_alphabet[(v >> 18) & 63];
+    out += b64_alphabet[(v >> 12) & 63];
+    out += "==";
+  } else if (n - i == 2) {
+    const std::uint32_t v = (std::uint32_t{p[i]} << 16) | (std::uint32_t{p[i + 1]} << 8);
+    out += b64_alphabet[(v >> 18) & 63];
+    out += b64_alphabet[(v >> 12) & 63];
+    out += b64_alphabet[(v >> 6) & 63];
+    out += '=';
+  }
+  return out;
+}
+
+inline std::string base64_encode(std::string_view s) {
+  return base64_encode(reinterpret_cast<const std::uint8_t*>(s.data()), s.size());
+}
+
+/// Strict base64 decoding: length a multiple of 4, '=' only as final padding, no whitespace, and
+/// unused bits zero (so every byte string has exactly one encoding). Returns false on bad input.
+inline bool base64_decode(std::string_view s, std::vector<std::uint8_t>& out) {
+  out.clear();
+  if (s.size() % 4 != 0) return false;
+  auto val = [](char c) -> int {
+    if (c >= 'A' && c <= 'Z') return c - 'A';
+    if (c >= 'a' && c <= 'z') return c - 'a' + 26;
+    if (c >= '0' && c <= '9') return c - '0' + 52;
+    if (c == '+') return 62;
+    if (c == '/') return 63;
+    return -1;
+  };
+  out.reserve(s.size() / 4 * 3);
+  for (std::size_t i = 0; i < s.size(); i += 4) {
+    const bool last = i + 4 == s.size();
+    int v[4];
+    int pad = 0;
+    for (int k = 0; k < 4; ++k) {
+      const char c = s[i + static_cast<std::size_t>(k)];
+      if (c == '=' && last && k >= 2) {
+        v[k] = 0;
+        ++pad;
+        continue;
+      }
+      if (pad) return false;  // data after padding
+      v[k] = val(c);
+      if (v[k] < 0) return false;
+    }
+    const auto w = (static_cast<std::uint32_t>(v[0]) << 18) | (static_cast<std::uint32_t>(v[1]) << 12) |
+                   (static_cast<std::uint32_t>(v[2]) << 6) | static_cast<std::uint32_t>(v[3]);
+    out.push_back(static_cast<std::uint8_t>(w >> 16));
+    if (pad == 2) {
+      if ((w & 0xffffU) != 0) return false;
+      break;
+    }
+    out.push_back(static_cast<std::uint8_t>((w >> 8) & 0xffU));
+    if (pad == 1) {
+      if ((w & 0xffU) != 0) return false;
+      break;
+    }
+    out.push_back(static_cast<std::uint8_t>(w & 0xffU));
+  }
+  return true;
+}
+
+/// Whether a three-byte encoding of a surrogate code point (U+D800..U+DFFF) counts as well formed:
+/// not in strict UTF-8 (Rust, JSON writers), but in what Python's "surrogatepass" decoder accepts
+/// (pickled str objects).
+enum class utf8_surrogates : bool { refused, allowed };
+
+/// Length of the well-formed UTF-8 sequence at s[i] (no overlong forms, at most U+10FFFF, no
+/// surrogates unless allowed), or 0 when none starts there.
+inline std::size_t utf8_seq(std::string_view s, std::size_t i, utf8_surrogates sur = utf8_surrogates::refused) noexcept {
+  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
+  const std::size_t n = s.size();
+  const unsigned c = p[i];
+  if (c < 0x80) return 1;
+  std::size_t len = 0;
+  unsigned lo = 0x80, hi = 0xbf;
+  if (c >= 0xc2 && c <= 0xdf) len = 2;
+  else if (c == 0xe0) len = 3, lo = 0xa0;
+  else if ((c >= 0xe1 && c <= 0xec) || c == 0xee || c == 0xef) len = 3;
+  else if (c == 0xed) len = 3, hi = sur == utf8_surrogates::allowed ? 0xbf : 0x9f;
+  else if (c == 0xf0) len = 4, lo = 0x90;
+  else if (c >= 0xf1 && c <= 0xf3) len = 4;
+  else if (c == 0xf4) len = 4, hi = 0x8f;
+  else return 0;
+  if (n - i < len) return 0;
+  if (p[i + 1] < lo || p[i + 1] > hi) return 0;
+  for (std::size_t k = 2; k < len; ++k)
+    if (p[i + k] < 0x80 || p[i + k] > 0xbf) return 0;
+  return len;
+}
+
+/// The offset of the first byte of `s` that does not start a well-formed UTF-8 sequence (the rules
+/// of Rust's `str::from_utf8` and of JSON writers: no overlong forms, no surrogates, nothing above
+/// U+10FFFF), or npos when all of `s` is well formed.
+inline std::size_t first_invalid_utf8(std::string_view s, utf8_surrogates sur = utf8_surrogates::refused) noexcept {
+  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
+  const std::size_t n = s.size();
+  std::size_t i = 0;
+  while (i < n) {
+    for (; i + 8 <= n; i += 8) {  // ASCII fast path
+      std::uint64_t w;
+      std::memcpy(&w, p + i, 8);
+      if (w & 0x8080808080808080ULL) break;
+    }
+    if (i >= n) break;
+    const std::size_t len = utf8_seq(s, i, sur);
+    if (len == 0) return i;
+    i += len;
+  }
+  return std::string_view::npos;
+}
+
+/// Well-formed UTF-8: what a JSON writer such as nlohmann::json::dump accepts.
+inline bool valid_utf8(std::string_view s) noexcept { return first_invalid_utf8(s) == std::string_view::npos; }
+
+/// Whether every byte of `s` is below 0x80, 8 bytes a step.
+inline bool is_ascii(std::string_view s) noexcept {
+  std::uint64_t any = 0;
+  std::size_t i = 0;
+  for (; i + 8 <= s.size(); i += 8) {
+    std::uint64_t w;
+    std::memcpy(&w, s.data() + i, 8);
+    any |= w;
+  }
+  for (; i < s.size(); ++i) any |= static_cast<unsigned char>(s[i]);
+  return (any & 0x8080808080808080ULL) == 0;
+}
+
+/// Appends `s` as a JSON string the way nlohmann::json::dump() (and serde_json) write valid UTF-8:
+/// `"` and `\` escaped, control characters as \b \t \n \f \r or \u00xx (lower-case hex),
+/// everything else raw. The caller checks that `s` is UTF-8.
+inline void append_json_string(std::string& out, std::string_view s) {
+  // Bytes each input byte becomes: 1, 2 (\" \\ \b \t \n \f \r) or 6 (\u00xx).
+  static constexpr auto width = [] {
+    std::array<std::uint8_t, 256> w{};
+    for (std::size_t c = 0; c < 256; ++c) w[c] = c < 0x20 ? 6 : 1;
+    for (const char c : {'"', '\\', '\b', '\t', '\n', '\f', '\r'}) w[static_cast<unsigned char>(c)] = 2;
+    return w;
+  }();
+  static constexpr char hex[] = "0123456789abcdef";
+  std::size_t n = s.size() + 2;
+  for (const char ch : s) n += width[static_cast<unsigned char>(ch)] - 1U;
+  const std::size_t at = out.size();
+  out.resize(at + n);  // one growth, then raw writes: skeletons in metadata are mostly quotes
+  char* w = out.data() + at;
+  *w++ = '"';
+  for (const char ch : s) {
+    const auto c = static_cast<unsigned char>(ch);
+    if (width[c] == 1) {
+      *w++ = ch;
+      continue;
+    }
+    *w++ = '\\';
+    switch (c) {
+      case '"': *w++ = '"'; break;
+      case '\\': *w++ = '\\'; break;
+      case '\b': *w++ = 'b'; break;
+      case '\t': *w++ = 't'; break;
+      case '\n': *w++ = 'n'; break;
+      case '\f': *w++ = 'f'; break;
+      case '\r': *w++ = 'r'; break;
+      default:
+        *w++ = 'u';
+        *w++ = '0';
+        *w++ = '0';
+        *w++ = hex[c >> 4];
+        *w++ = hex[c & 15];
+    }
+  }
+  *w = '"';
+}
+
+inline void append_int(std::string& out, std::int64_t v) {
+  char buf[24];
+  const auto r = std::to_chars(buf, buf + sizeof buf, v);
+  out.append(buf, static_cast<std::size_t>(r.ptr - buf));
+}
+
+inline void append_uint(std::string& out, std::uint64_t v) {
+  char buf[24];
+  const auto r = std::to_chars(buf, buf + sizeof buf, v);
+  out.append(buf, static_cast<std::size_t>(r.ptr - buf));
+}
+
+}  // namespace statedict::inline v0::detail
+
+namespace statedict::inline v0::detail {
+
+using json = nlohmann::json;
+
+/// A JSON string node, or {"str_bytes": base64} when `s` is not valid UTF-8.
+inline json encode_string(std::string_view s) {
+  if (valid_utf8(s)) return json(std::string(s));
+  json j(json::value_t::object);
+  j.get_ref<json::object_t&>().emplace("str_bytes", base64_encode(s));
+  return j;
+}
+
+inline json encode_key(const Key& k) {
+  if (k.is_int()) return json(k.as_int());
+  return encode_string(k.as_string());
+}
+
+/// A finite double as a JSON float; a non-finite one as {"float": "nan" | "inf" | "-inf" | "0x..."}.
+inline json encode_double(double d) {
+  if (std::isfinite(d)) return json(d);
+  const auto bits = std::bit_cast<std::uint64_t>(d);
+  std::string s;
+  if (bits == 0x7ff0000000000000ULL) s = "inf";
+  else if (bits == 0xfff0000000000000ULL) s = "-inf";
+  else if (bits == 0x7ff8000000000000ULL) s = "nan";
+  else {
+    static constexpr char hex[] = "0123456789abcdef";
+    s = "0x";
+    for (int sh = 60; sh >= 0; sh -= 4) s += hex[(bits >> sh) & 15U];
+  }
+  json j(json::value_t::object);
+  j.get_ref<json::object_t&>().emplace("float", std::move(s));
+  return j;
+}
+
+inline json shape_json(const dim_t* d, std::size_t n) {
+  json::array_t a;
+  a.reserve(n);
+  for (std::size_t i = 0; i < n; ++i) a.emplace_back(d[i]);
+  return json(std::move(a));
+}
+inline json shape_json(const shape_t& s) { return shape_json(s.data(), s.size()); }
+
+// Node members are inserted in key order with a hint at the end: no string comparisons.
+inline json tensor_node(std::string_view name, statedict::dtype dt, const dim_t* shape, std::size_t rank) {
+  json j(json::value_t::object);
+  auto& o = j.get_ref<json::object_t&>();
+  o.emplace_hint(o.end(), "dtype", std::string(statedict::name(dt)));
+  o.emplace_hint(o.end(), "shape", shape_json(shape, rank));
+  o.emplace_hint(o.end(), "tensor", std::string(name));
+  return j;
+}
+
+inline json alias_node(std::string_view target) {
+  json j(json::value_t::object);
+  j.get_ref<json::object_t&>().emplace("alias", std::string(target));
+  return j;
+}
+
+inline json view_node(std::string_view base, statedict::dtype dt, dim_t offset, const dim_t* shape, const dim_t* strides,
+                      std::size_t rank) {
+  json j(json::value_t::object);
+  auto& o = j.get_ref<json::object_t&>();
+  o.emplace_hint(o.end(), "dtype", std::string(statedict::name(dt)));
+  o.emplace_hint(o.end(), "offset", offset);
+  o.emplace_hint(o.end(), "shape", shape_json(shape, rank));
+  o.emplace_hint(o.end(), "strides", shape_json(strides, rank));
+  o.emplace_hint(o.end(), "view_of", std::string(base));
+  return j;
+}
+
+/// Node kinds of the skeleton format.
+enum class snode : std::uint8_t { none, boolean, integer, floating, string, bytes, tensor, alias, view, list, tuple, dict, object };
+
+/// The compact form of a skeleton made by flatten: its nodes in pre-order in one array, their
+/// strings back to back in one pool, and one record per tensor-like node. Only flatten makes one,
+/// so it is well formed by construction, its dict keys unique as the Dict's were (unflatten still
+/// checks it against the tensor map).
+struct skeleton_tape {
+  struct node {
+    std::uint64_t a;    // integer, floating: the bits; string, bytes: pool offset; tensor: leaf index
+                        // (every tensor-like node is a `tensor` node here; its leaf says which kind);
+                        // list, tuple, dict: child count; object: args count
+    std::uint32_t b;    // string, bytes: length, or long_string; object: state count
+    snode kind;
+    std::uint8_t flag;  // boolean: the value; object: its object_build
+  };
+  /// A string of 2^32 - 1 bytes or more: its length is stored in the pool, 8 bytes before it.
+  static constexpr std::uint32_t long_string = UINT32_MAX;
+  // 16 bytes: a tape holds several nodes per tensor, written once and read once, so its size is
+  // memory traffic (and what growing the array copies).
+  static_assert(sizeof(node) == 16);
+  // A dict's children come as (key, value) node pairs, the key an integer or string node. An
+  // object node is followed by a `none` node whose `a` is its items count, then its module and
+  // name as string nodes, then its args, state and items.
+  struct leaf {
+    snode kind;            // tensor, alias or view
+    statedict::dtype dtype;
+    std::uint32_t rank;
+    std::uint32_t target;  // alias, view: the leaf of the tensor node they name
+    std::uint64_t name;    // tensor: its name, at pool offset `name`, `name_len` bytes
+    std::uint64_t name_len;
+    std::uint64_t dims;    // tensor: its shape; view: its shape, then its strides; from dims[this]
+    dim_t offset;          // view: element offset into its base
+  };
+  std::vector<node> nodes;
+  std::string pool;
+  std::vector<leaf> leaves;
+  std::vector<dim_t> dims;
+
+  [[nodiscard]] std::string_view str(std::uint64_t off, std::uint64_t len) const noexcept {
+    return std::string_view(pool).substr(static_cast<std::size_t>(off), static_cast<std::size_t>(len));
+  }
+  [[nodiscard]] std::string_view str(const node& n) const noexcept {
+    if (n.b != long_string) return str(n.a, n.b);
+    std::uint64_t len = 0;
+    std::memcpy(&len, pool.data() + n.a, sizeof len);
+    return str(n.a + sizeof len, len);
+  }
+  /// The map name a tensor-like node declares or refers to.
+  [[nodiscard]] std::string_view name(const leaf& l) const noexcept {
+    const leaf& named = l.kind == snode::tensor ? l : leaves[l.target];
+    return str(named.name, named.name_len);
+  }
+  std::uint64_t add_str(std::string_view s) {
+    const std::uint64_t off = pool.size();
+    pool.append(s);
+    return off;
+  }
+  /// Appends a string node's bytes; returns its (a, b). Strings of `limit` bytes or more keep
+  /// their length in the pool (the limit is a parameter for tests only).
+  std::pair<std::uint64_t, std::uint32_t> add_string_node(std::string_view s, std::uint64_t limit = long_string) {
+    if (s.size() < limit) return {add_str(s), static_cast<std::uint32_t>(s.size())};
+    const std::uint64_t off = pool.size(), len = s.size();
+    pool.append(reinterpret_cast<const char*>(&len), sizeof len);
+    pool.append(s);
+    return {off, long_string};
+  }
+};
+
+
+inline std::string_view how_name(object_build b) noexcept {
+  switch (b) {
+    case object_build::global: return "global";
+    case object_build::reduce: return "reduce";
+    case object_build::newobj: return "newobj";
+  }
+  return "reduce";
+}
+
+/// The JSON document of a tape: node for node the document docs/flatten.md prescribes (and that
+/// flatten wrote directly before it kept the compact form). Iterative, like every skeleton walk.
+inline json tape_to_json(const skeleton_tape& t) {
+  json doc(json::value_t::object);
+  auto& top = doc.get_ref<json::object_t&>();
+  top.emplace("statedict_skeleton", 1);
+  json& root = top["root"];
+  struct open {
+    json* parts[3];
+    std::uint64_t size[3];
+    std::size_t part;
+    std::uint64_t next;
+    bool dict;
+  };
+  std::vector<open> stack;
+  std::size_t p = 0;
+  auto array_of = [](json::object_t& o, const char* key, std::uint64_t n) -> json& {
+    json& a = o[key];
+    a = json::array_t(static_cast<std::size_t>(n));
+    return a;
+  };
+  auto put = [&](json& slot) {
+    const skeleton_tape::node& n = t.nodes[p++];
+    switch (n.kind) {
+      case snode::none: break;
+      case snode::boolean: slot = n.flag != 0; break;
+      case snode::integer: slot = static_cast<std::int64_t>(n.a); break;
+      case snode::floating: slot = encode_double(std::bit_cast<double>(n.a)); break;
+      case snode::string: slot = encode_string(t.str(n)); break;
+      case snode::bytes: {
+        const std::string_view b = t.str(n);
+        json j(json::value_t::object);
+        j.get_ref<json::object_t&>().emplace("bytes", base64_encode(reinterpret_cast<const std::uint8_t*>(b.data()), b.size()));
+        slot = std::move(j);
+        break;
+      }
+      case snode::tensor:
+      case snode::alias:
+      case snode::view: {
+        const skeleton_tape::leaf& l = t.leaves[static_cast<std::size_t>(n.a)];
+        const dim_t* d = t.dims.data() + l.dims;
+        if (l.kind == snode::tensor) slot = tensor_node(t.name(l), l.dtype, d, l.rank);
+        else if (l.kind == snode::alias) slot = alias_node(t.name(l));
+        else slot = view_node(t.name(l), l.dtype, l.offset, d, d + l.rank, l.rank);
+        break;
+      }
+      case snode::list:
+      case snode::tuple:
+      case snode::dict: {
+        slot = json(json::value_t::object);
+        const char* key = n.kind == snode::list ? "list" : n.kind == snode::tuple ? "tuple" : "dict";
+        json& a = array_of(slot.get_ref<json::object_t&>(), key, n.a);
+        if (n.a) stack.push_back({{&a, nullptr, nullptr}, {n.a, 0, 0}, 0, 0, n.kind == snode::dict});
+        break;
+      }
+      case snode::object: {
+        const std::uint64_t items = t.nodes[p++].a;
+        const skeleton_tape::node& module = t.nodes[p++];
+        const skeleton_tape::node& name = t.nodes[p++];
+        slot = json(json::value_t::object);
+        json& body = slot.get_ref<json::object_t&>()["object"];
+        body = json(json::value_t::object);
+        auto& b = body.get_ref<json::object_t&>();
+        b.emplace("module", encode_string(t.str(module)));
+        b.emplace("name", encode_string(t.str(name)));
+        b.emplace("how", std::string(how_name(static_cast<object_build>(n.flag))));
+        json& args = array_of(b, "args", n.a);
+        json& state = array_of(b, "state", n.b);
+        json& its = array_of(b, "items", items);
+        if (n.a + n.b + items) stack.push_back({{&args, &state, &its}, {n.a, n.b, items}, 0, 0, false});
+        break;
+      }
+    }
+  };
+  put(root);
+  while (!stack.empty()) {
+    open& o = stack.back();
+    while (o.part < 3 && o.next == o.size[o.part]) ++o.part, o.next = 0;
+    if (o.part == 3) {
+      stack.pop_back();
+      continue;
+    }
+    json& slot = (*o.parts[o.part])[static_cast<std::size_t>(o.next++)];
+    if (o.dict) {
+      slot = json::array_t(2);
+      const skeleton_tape::node& k = t.nodes[p++];
+      slot[0] = k.kind == snode::integer ? json(static_cast<std::int64_t>(k.a)) : encode_string(t.str(k));
+      put(slot[1]);  // `o` may dangle from here on
+    } else {
+      put(slot);
+    }
+  }
+  return doc;
+}
+
+/// The compact JSON text of a tape's document, written straight from the tape: byte for byte
+/// `skeleton_dump(tape_to_json(t))` (nlohmann's member order is by key, numbers and strings as its
+/// dump() writes them) without building the DOM (about 13 allocations per tensor node). nullopt for
+/// a tape that holds an object node (the members of its document come in another order than its
+/// parts on the tape) or a tensor name that is not UTF-8 (the JSON way reports it): the caller
+/// goes the JSON way then.
+inline std::optional<std::string> tape_dump(const skeleton_tape& t) {
+  std::string out;
+  out.reserve(t.pool.size() * 2 + t.nodes.size() * 8 + t.leaves.size() * 48 + 64);
+  auto shape = [&](const dim_t* d, std::size_t n) {
+    out += '[';
+    for (std::size_t i = 0; i < n; ++i) {
+      if (i) out += ',';
+      append_int(out, d[i]);
+    }
+    out += ']';
+  };
+  auto text = [&](std::string_view s) {  // encode_string's node
+    if (valid_utf8(s)) return append_json_string(out, s);
+    out += R"({"str_bytes":")";
+    out += base64_encode(s);
+    out += "\"}";
+  };
+  struct open {
+    std::uint64_t size;
+    std::uint64_t next;
+    bool dict;
+    bool close_pair;  // the container is a dict entry's value: its `]` follows
+  };
+  std::vector<open> stack;
+  std::size_t p = 0;
+  // Writes the node at p; false when the JSON way must take over.
+  auto put = [&](bool dict_value) -> bool {
+    const skeleton_tape::node& n = t.nodes[p++];
+    switch (n.kind) {
+      case snode::none: out += "null"; break;
+      case snode::boolean: out += n.flag != 0 ? "true" : "false"; break;
+      case snode::integer: append_int(out, static_cast<std::int64_t>(n.a)); break;
+      case snode::floating: out += encode_double(std::bit_cast<double>(n.a)).dump(); break;
+      case snode::string: text(t.str(n)); break;
+      case snode::bytes: {
+        const std::string_view b = t.str(n);
+        out += R"({"bytes":")";
+        out += base64_encode(reinterpret_cast<const std::uint8_t*>(b.data()), b.size());
+        out += "\"}";
+        break;
+      }
+      case snode::tensor:
+      case snode::alias:
+      case snode::view: {
+        const skeleton_tape::leaf& l = t.leaves[static_cast<std::size_t>(n.a)];
+        const std::string_view name = t.name(l);
+        if (!valid_utf8(name)) return false;
+        const dim_t* d = t.dims.data() + l.dims;
+        if (l.kind == snode::alias) {
+          out += R"({"alias":)";
+        } else {
+          out += R"({"dtype":)";
+          append_json_string(out, statedict::name(l.dtype));
+          if (l.kind == snode::view) {
+            out += R"(,"offset":)";
+            append_int(out, l.offset);
+          }
+          out += R"(,"shape":)";
+          shape(d, l.rank);
+          if (l.kind == snode::view) {
+            out += R"(,"strides":)";
+            shape(d + l.rank, l.rank);
+          }
+          out += l.kind == snode::tensor ? R"(,"tensor":)" : R"(,"view_of":)";
+        }
+        append_json_string(out, name);
+        out += '}';
+        break;
+      }
+      case snode::list:
+      case snode::tuple:
+      case snode::dict:
+        out += n.kind == snode::list ? R"({"list":[)" : n.kind == snode::tuple ? R"({"tuple":[)" : R"({"dict":[)";
+        stack.push_back({n.a, 0, n.kind == snode::dict, dict_value});
+        return true;
+      case snode::object: return false;
+    }
+    if (dict_value) out += ']';
+    return true;
+  };
+  out += R"({"root":)";
+  if (!put(false)) return std::nullopt;
+  while (!stack.empty()) {
+    open& o = stack.back();
+    if (o.next == o.size) {
+      out += "]}";
+      if (o.close_pair) out += ']';
+      stack.pop_back();
+      continue;
+    }
+    if (o.next++) out += ',';
+    if (o.dict) {
+      out += '[';
+      const skeleton_tape::node& k = t.nodes[p++];
+      if (k.kind == snode::integer) append_int(out, static_cast<std::int64_t>(k.a));
+      else text(t.str(k));
+      out += ',';
+    }
+    if (!put(o.dict)) return std::nullopt;  // `o` may dangle from here on
+  }
+  out += R"(,"statedict_skeleton":1})";
+  return out;
+}
+
+}  // namespace statedict::inline v0::detail
+
+namespace statedict::inline v0 {
+
+/// Error ids of flatten / unflatten (200-219).
+namespace errors {
+// clang-format off
+inline constexpr error_id flat_malformed       {200, error_kind::format,      "flatten.malformed"};        ///< skeleton JSON does not follow the format
+inline constexpr error_id flat_version         {201, error_kind::unsupported, "flatten.version"};          ///< "statedict_skeleton" is not 1
+inline constexpr error_id flat_missing_tensor  {202, error_kind::key,         "flatten.missing_tensor"};   ///< skeleton names a tensor the map lacks
+inline constexpr error_id flat_extra_tensor    {203, error_kind::key,         "flatten.extra_tensor"};     ///< the map has a tensor no tensor node declares
+inline constexpr error_id flat_tensor_dtype    {204, error_kind::type,        "flatten.tensor_dtype"};     ///< map tensor's dtype differs from the skeleton's
+inline constexpr error_id flat_tensor_shape    {205, error_kind::shape,       "flatten.tensor_shape"};     ///< map tensor's shape differs from the skeleton's
+inline constexpr error_id flat_duplicate_name  {206, error_kind::key,         "flatten.duplicate_name"};   ///< a name declared twice, or twice in the map
+inline constexpr error_id flat_bad_alias       {207, error_kind::format,      "flatten.bad_alias"};        ///< alias / view_of target not declared earlier
+inline constexpr error_id flat_view_bounds     {208, error_kind::format,      "flatten.view_out_of_bounds"}; ///< view_of reaches outside its base
+inline constexpr error_id flat_view_base       {209, error_kind::format,      "flatten.view_base"};        ///< view_of base not contiguous, or another dtype
+inline constexpr error_id flat_duplicate_key   {210, error_kind::format,      "flatten.duplicate_key"};    ///< a skeleton dict repeats a key
+// clang-format on
+}  // namespace errors
+
+/// Tensors by name, in order.
+using NamedTensors = std::vector<std::pair<std::string, TensorView>>;
+
+/// A skeleton document (docs/flatten.md). One made by `flatten` is held in a compact form (a node
+/// array and a string pool, a few allocations in all) that `unflatten` reads directly; its JSON
+/// DOM is built only when something asks for it (`json()`, the implicit conversion, `dump()`),
+/// once, safely from several threads. One made from JSON (read from a file, or built by hand) is
+/// that JSON. Either way `json()` is the same document and `unflatten` gives the same tree.
+class Skeleton {
+ public:
+  /// The null skeleton: a flat dict of the map's tensors in order.
+  Skeleton() = default;
+  /// A skeleton document (validated by whatever reads it, as any skeleton).
+  Skeleton(nlohmann::json doc) : doc_(std::move(doc)) {}  // NOLINT(google-explicit-constructor)
+  explicit Skeleton(std::shared_ptr<const detail::skeleton_tape> tape) : tape_(std::move(tape)) {}
+
+  Skeleton(const Skeleton& o) : tape_(o.tape_), doc_(o.tape_ ? nlohmann::json() : o.doc_) {}
+  Skeleton(Skeleton&& o) noexcept
+      : tape_(std::move(o.tape_)), doc_(std::move(o.doc_)), cache_(o.cache_.exchange(nullptr)) {}
+  Skeleton& operator=(const Skeleton& o) {
+    if (this != &o) *this = Skeleton(o);
+    return *this;
+  }
+  Skeleton& operator=(Skeleton&& o) noexcept {
+    if (this != &o) {
+      delete cache_.exchange(o.cache_.exchange(nullptr));
+      tape_ = std::move(o.tape_);
+      doc_ = std::move(o.doc_);
+    }
+    return *this;
+  }
+  ~Skeleton() { delete cache_.load(); }
+
+  /// The document (built from the compact form on first use).
+  [[nodiscard]] const nlohmann::json& json() const;
+  operator const nlohmann::json&() const { return json(); }  // NOLINT(google-explicit-constructor)
+  /// The document, for editing (the compact form is dropped).
+  nlohmann::json& mutable_json();
+  /// The document, moved out (built without keeping a copy when it was not built yet).
+  [[nodiscard]] nlohmann::json take_json() &&;
+  /// True for the null skeleton.
+  [[nodiscard]] bool is_null() const noexcept { return !tape_ && doc_.is_null(); }
+  /// The compact JSON text, `skeleton_dump(json())` byte for byte (written from the compact form
+  /// without the document when it holds no opaque object).
+  [[nodiscard]] std::string dump() const;
+  /// The compact form, when this skeleton was made by flatten and not edited since.
+  [[nodiscard]] const detail::skeleton_tape* tape() const noexcept { return tape_.get(); }
+
+  friend bool operator==(const Skeleton& a, const Skeleton& b) { return a.json() == b.json(); }
+  friend bool operator==(const Skeleton& a, const nlohmann::json& b) { return a.json() == b; }
+
+ private:
+  std::shared_ptr<const detail::skeleton_tape> tape_;
+  nlohmann::json doc_;                                   // when there is no tape
+  mutable std::atomic<nlohmann::json*> cache_{nullptr};  // the tape's document, once built
+};
+
+/// What `flatten` returns: the tensors (unique names, tree pre-order) and the skeleton.
+struct FlatStateDict {
+  NamedTensors tensors;
+  Skeleton skeleton;
+
+  /// The tensor named `name`, or nullptr (a linear search).
+  [[nodiscard]] const TensorView* find(std::string_view name) const {
+    for (const auto& [n, v] : tensors)
+      if (n == name) return &v;
+    return nullptr;
+  }
+};
+
+/// Where a `view_of` node's elements are: element offset, shape and strides over the row-major
+/// flat index of its (contiguous) base tensor.
+struct ViewSpec {
+  statedict::dtype dtype = statedict::dtype::F32;
+  dim_t offset = 0;
+  shape_t shape;
+  shape_t strides;
+  friend bool operator==(const ViewSpec&, const ViewSpec&) = default;
+};
+
+/// The view `spec` of `base`. Throws flat_view_base when base is not contiguous or has another
+/// dtype, flat_view_bounds when an element would fall outside base.
+inline TensorView view_into(const TensorView& base, const ViewSpec& spec) {
+  if (spec.dtype != base.dtype())
+    throw_error(errors::flat_view_base, "a " + std::string(name(spec.dtype)) + " view of a " +
+                                            std::string(name(base.dtype())) + " tensor");
+  if (!base.is_contiguous())
+    throw_error(errors::flat_view_base, "the base tensor is not contiguous (strides " + to_string(base.strides()) + ")");
+  if (spec.shape.size() != spec.strides.size())
+    throw_error(errors::flat_view_bounds, "shape " + to_string(spec.shape) + " and strides " + to_string(spec.strides) +
+                                              " have different lengths");
+  auto bounds = [&](const std::string& why) {
+    throw_error(errors::flat_view_bounds, "view at offset " + std::to_string(spec.offset) + " with shape " +
+                                              to_string(spec.shape) + " and strides " + to_string(spec.strides) + " " +
+                                              why + " of a base of " + std::to_string(base.numel()) + " elements");
+  };
+  if (spec.offset < 0) bounds("starts before the start");
+  for (std::size_t i = 0; i < spec.shape.size(); ++i)
+    if (spec.shape[i] < 0 || spec.strides[i] < 0) bounds("has a negative size or stride: it is outside");
+  bool empty = false;
+  for (dim_t d : spec.shape) empty = empty || d == 0;
+  const auto off = static_cast<std::uint64_t>(spec.offset);
+  if (empty) {
+    if (off > base.numel()) bounds("starts past the end");
+  } else {
+    std::uint64_t last = off;
+    bool overflow = false;
+    for (std::size_t i = 0; i < spec.shape.size() && !overflow; ++i) {
+      std::uint64_t step = 0;
+      overflow = __builtin_mul_overflow(static_cast<std::uint64_t>(spec.shape[i] - 1),
+                                        static_cast<std::uint64_t>(spec.strides[i]), &step) ||
+                 __builtin_add_overflow(last, step, &last);
+    }
+    if (overflow || last >= base.numel()) bounds("reaches past the end");
+  }
+  const std::byte* data = base.data() == nullptr ? nullptr : base.data() + off * base.itemsize();
+  return TensorView(spec.dtype, spec.shape, spec.strides, data, base.owner());
+}
+
+/// The compact JSON text of a skeleton (or any JSON value), exactly what `skeleton.dump()` gives,
+/// without recursion: nlohmann's dump() recurses once per nesting level, which a skeleton of a
+/// very deep tree would turn into a stack overflow. Throws nlohmann's type_error on strings that
+/// are not UTF-8, as dump() does (flatten never puts one in a skeleton).
+inline std::string skeleton_dump(const nlohmann::json& j) {
+  using json = nlohmann::json;
+  std::string out;
+  struct frame {
+    const json* v;
+    std::size_t next;                       // arrays: next element
+    json::object_t::const_iterator it;      // objects: next member
+  };
+  std::vector<frame> stack;
+  auto open = [&](const json& v) {
+    if (v.is_array()) {
+      out += '[';
+      stack.push_back({&v, 0, {}});
+    } else if (v.is_object()) {
+      out += '{';
+      stack.push_back({&v, 0, v.get_ref<const json::object_t&>().begin()});
+    } else {
+      out += v.dump();  // a scalar: no recursion
+    }
+  };
+  open(j);
+  while (!stack.empty()) {
+    frame& f = stack.back();
+    const json* child = nullptr;
+    if (f.v->is_array()) {
+      const auto& a = f.v->get_ref<const json::array_t&>();
+      if (f.next == a.size()) {
+        out += ']';
+        stack.pop_back();
+        continue;
+      }
+      if (f.next) out += ',';
+      child = &a[f.next++];
+    } else {
+      const auto& o = f.v->get_ref<const json::object_t&>();
+      if (f.it == o.end()) {
+        out += '}';
+        stack.pop_back();
+        continue;
+      }
+      if (f.it != o.begin()) out += ',';
+      out += json(f.it->first).dump();
+      out += ':';
+      child = &f.it->second;
+      ++f.it;
+    }
+    open(*child);  // `f` is dangling from here on
+  }
+  return out;
+}
+
+// ---- Skeleton members
+
+inline const nlohmann::json& Skeleton::json() const {
+  if (!tape_) return doc_;
+  nlohmann::json* p = cache_.load(std::memory_order_acquire);
+  if (p) return *p;
+  auto fresh = std::make_unique<nlohmann::json>(detail::tape_to_json(*tape_));
+  if (cache_.compare_exchange_strong(p, fresh.get(), std::memory_order_acq_rel, std::memory_order_acquire)) return *fresh.release();
+  return *p;  // another thread built it first
+}
+
+inline nlohmann::json& Skeleton::mutable_json() {
+  if (tape_) {
+    doc_ = std::move(*this).take_json();
+    tape_.reset();
+  }
+  return doc_;
+}
+
+inline nlohmann::json Skeleton::take_json() && {
+  if (!tape_) return std::move(doc_);
+  std::unique_ptr<nlohmann::json> cached(cache_.exchange(nullptr));
+  nlohmann::json out = cached ? std::move(*cached) : detail::tape_to_json(*tape_);
+  tape_.reset();
+  return out;
+}
+
+inline std::string Skeleton::dump() const {
+  if (tape_)
+    if (auto text = detail::tape_dump(*tape_)) return std::move(*text);
+  return skeleton_dump(json());
+}
+
+}  // namespace statedict::inline v0
 // ---- statedict/core/visit.hpp ----
 // statedict: visitors over a Value tree: walk every node with its path, transform, fold, and find
 // nodes by path or by dotted name.
@@ -3247,764 +4176,35 @@ inline std::optional<Path> undotted(const Value& root, std::string_view name) {
 }
 
 }  // namespace statedict::inline v0
+// ---- statedict/core/detail/naming.hpp ----
+// statedict: the naming rule of flatten (docs/flatten.md): dotted names, quoted names where dotted
+// ones collide, and the assignment of unique names to a group of paths.
+// SPDX-License-Identifier: MIT
 
-namespace statedict::inline v0 {
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <bit>
+#include <charconv>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <iterator>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
 
-/// Error ids of flatten / unflatten (200-219).
-namespace errors {
-// clang-format off
-inline constexpr error_id flat_malformed       {200, error_kind::format,      "flatten.malformed"};        ///< skeleton JSON does not follow the format
-inline constexpr error_id flat_version         {201, error_kind::unsupported, "flatten.version"};          ///< "statedict_skeleton" is not 1
-inline constexpr error_id flat_missing_tensor  {202, error_kind::key,         "flatten.missing_tensor"};   ///< skeleton names a tensor the map lacks
-inline constexpr error_id flat_extra_tensor    {203, error_kind::key,         "flatten.extra_tensor"};     ///< the map has a tensor no tensor node declares
-inline constexpr error_id flat_tensor_dtype    {204, error_kind::type,        "flatten.tensor_dtype"};     ///< map tensor's dtype differs from the skeleton's
-inline constexpr error_id flat_tensor_shape    {205, error_kind::shape,       "flatten.tensor_shape"};     ///< map tensor's shape differs from the skeleton's
-inline constexpr error_id flat_duplicate_name  {206, error_kind::key,         "flatten.duplicate_name"};   ///< a name declared twice, or twice in the map
-inline constexpr error_id flat_bad_alias       {207, error_kind::format,      "flatten.bad_alias"};        ///< alias / view_of target not declared earlier
-inline constexpr error_id flat_view_bounds     {208, error_kind::format,      "flatten.view_out_of_bounds"}; ///< view_of reaches outside its base
-inline constexpr error_id flat_view_base       {209, error_kind::format,      "flatten.view_base"};        ///< view_of base not contiguous, or another dtype
-inline constexpr error_id flat_duplicate_key   {210, error_kind::format,      "flatten.duplicate_key"};    ///< a skeleton dict repeats a key
-// clang-format on
-}  // namespace errors
 
-/// Tensors by name, in order.
-using NamedTensors = std::vector<std::pair<std::string, TensorView>>;
-
-namespace detail {
-struct skeleton_tape;
-}
-
-/// A skeleton document (docs/flatten.md). One made by `flatten` is held in a compact form (a node
-/// array and a string pool, a few allocations in all) that `unflatten` reads directly; its JSON
-/// DOM is built only when something asks for it (`json()`, the implicit conversion, `dump()`),
-/// once, safely from several threads. One made from JSON (read from a file, or built by hand) is
-/// that JSON. Either way `json()` is the same document and `unflatten` gives the same tree.
-class Skeleton {
- public:
-  /// The null skeleton: a flat dict of the map's tensors in order.
-  Skeleton() = default;
-  /// A skeleton document (validated by whatever reads it, as any skeleton).
-  Skeleton(nlohmann::json doc) : doc_(std::move(doc)) {}  // NOLINT(google-explicit-constructor)
-  explicit Skeleton(std::shared_ptr<const detail::skeleton_tape> tape) : tape_(std::move(tape)) {}
-
-  Skeleton(const Skeleton& o) : tape_(o.tape_), doc_(o.tape_ ? nlohmann::json() : o.doc_) {}
-  Skeleton(Skeleton&& o) noexcept
-      : tape_(std::move(o.tape_)), doc_(std::move(o.doc_)), cache_(o.cache_.exchange(nullptr)) {}
-  Skeleton& operator=(const Skeleton& o) {
-    if (this != &o) *this = Skeleton(o);
-    return *this;
-  }
-  Skeleton& operator=(Skeleton&& o) noexcept {
-    if (this != &o) {
-      delete cache_.exchange(o.cache_.exchange(nullptr));
-      tape_ = std::move(o.tape_);
-      doc_ = std::move(o.doc_);
-    }
-    return *this;
-  }
-  ~Skeleton() { delete cache_.load(); }
-
-  /// The document (built from the compact form on first use).
-  [[nodiscard]] const nlohmann::json& json() const;
-  operator const nlohmann::json&() const { return json(); }  // NOLINT(google-explicit-constructor)
-  /// The document, for editing (the compact form is dropped).
-  nlohmann::json& mutable_json();
-  /// The document, moved out (built without keeping a copy when it was not built yet).
-  [[nodiscard]] nlohmann::json take_json() &&;
-  /// True for the null skeleton.
-  [[nodiscard]] bool is_null() const noexcept { return !tape_ && doc_.is_null(); }
-  /// The compact JSON text, `skeleton_dump(json())` byte for byte (written from the compact form
-  /// without the document when it holds no opaque object).
-  [[nodiscard]] std::string dump() const;
-  /// The compact form, when this skeleton was made by flatten and not edited since.
-  [[nodiscard]] const detail::skeleton_tape* tape() const noexcept { return tape_.get(); }
-
-  friend bool operator==(const Skeleton& a, const Skeleton& b) { return a.json() == b.json(); }
-  friend bool operator==(const Skeleton& a, const nlohmann::json& b) { return a.json() == b; }
-
- private:
-  std::shared_ptr<const detail::skeleton_tape> tape_;
-  nlohmann::json doc_;                                   // when there is no tape
-  mutable std::atomic<nlohmann::json*> cache_{nullptr};  // the tape's document, once built
-};
-
-/// What `flatten` returns: the tensors (unique names, tree pre-order) and the skeleton.
-struct FlatStateDict {
-  NamedTensors tensors;
-  Skeleton skeleton;
-
-  /// The tensor named `name`, or nullptr (a linear search).
-  [[nodiscard]] const TensorView* find(std::string_view name) const {
-    for (const auto& [n, v] : tensors)
-      if (n == name) return &v;
-    return nullptr;
-  }
-};
-
-/// Where a `view_of` node's elements are: element offset, shape and strides over the row-major
-/// flat index of its (contiguous) base tensor.
-struct ViewSpec {
-  statedict::dtype dtype = statedict::dtype::F32;
-  dim_t offset = 0;
-  shape_t shape;
-  shape_t strides;
-  friend bool operator==(const ViewSpec&, const ViewSpec&) = default;
-};
-
-/// The view `spec` of `base`. Throws flat_view_base when base is not contiguous or has another
-/// dtype, flat_view_bounds when an element would fall outside base.
-inline TensorView view_into(const TensorView& base, const ViewSpec& spec) {
-  if (spec.dtype != base.dtype())
-    throw_error(errors::flat_view_base, "a " + std::string(name(spec.dtype)) + " view of a " +
-                                            std::string(name(base.dtype())) + " tensor");
-  if (!base.is_contiguous())
-    throw_error(errors::flat_view_base, "the base tensor is not contiguous (strides " + to_string(base.strides()) + ")");
-  if (spec.shape.size() != spec.strides.size())
-    throw_error(errors::flat_view_bounds, "shape " + to_string(spec.shape) + " and strides " + to_string(spec.strides) +
-                                              " have different lengths");
-  auto bounds = [&](const std::string& why) {
-    throw_error(errors::flat_view_bounds, "view at offset " + std::to_string(spec.offset) + " with shape " +
-                                              to_string(spec.shape) + " and strides " + to_string(spec.strides) + " " +
-                                              why + " of a base of " + std::to_string(base.numel()) + " elements");
-  };
-  if (spec.offset < 0) bounds("starts before the start");
-  for (std::size_t i = 0; i < spec.shape.size(); ++i)
-    if (spec.shape[i] < 0 || spec.strides[i] < 0) bounds("has a negative size or stride: it is outside");
-  bool empty = false;
-  for (dim_t d : spec.shape) empty = empty || d == 0;
-  const auto off = static_cast<std::uint64_t>(spec.offset);
-  if (empty) {
-    if (off > base.numel()) bounds("starts past the end");
-  } else {
-    std::uint64_t last = off;
-    bool overflow = false;
-    for (std::size_t i = 0; i < spec.shape.size() && !overflow; ++i) {
-      std::uint64_t step = 0;
-      overflow = __builtin_mul_overflow(static_cast<std::uint64_t>(spec.shape[i] - 1),
-                                        static_cast<std::uint64_t>(spec.strides[i]), &step) ||
-                 __builtin_add_overflow(last, step, &last);
-    }
-    if (overflow || last >= base.numel()) bounds("reaches past the end");
-  }
-  const std::byte* data = base.data() == nullptr ? nullptr : base.data() + off * base.itemsize();
-  return TensorView(spec.dtype, spec.shape, spec.strides, data, base.owner());
-}
-
-// ================================================================================================
-// Encoding details shared by flatten and unflatten.
-
-namespace detail {
-
-using json = nlohmann::json;
-
-inline constexpr char b64_alphabet[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-
-/// Standard base64 with padding (RFC 4648 section 4).
-inline std::string base64_encode(const std::uint8_t* p, std::size_t n) {
-  std::string out;
-  out.reserve((n + 2) / 3 * 4);
-  std::size_t i = 0;
-  for (; i + 3 <= n; i += 3) {
-    const std::uint32_t v = (std::uint32_t{p[i]} << 16) | (std::uint32_t{p[i + 1]} << 8) | p[i + 2];
-    out += b64_alphabet[(v >> 18) & 63];
-    out += b64_alphabet[(v >> 12) & 63];
-    out += b64_alphabet[(v >> 6) & 63];
-    out += b64_alphabet[v & 63];
-  }
-  if (n - i == 1) {
-    const std::uint32_t v = std::uint32_t{p[i]} << 16;
-    out += b64_alphabet[(v >> 18) & 63];
-    out += b64_alphabet[(v >> 12) & 63];
-    out += "==";
-  } else if (n - i == 2) {
-    const std::uint32_t v = (std::uint32_t{p[i]} << 16) | (std::uint32_t{p[i + 1]} << 8);
-    out += b64_alphabet[(v >> 18) & 63];
-    out += b64_alphabet[(v >> 12) & 63];
-    out += b64_alphabet[(v >> 6) & 63];
-    out += '=';
-  }
-  return out;
-}
-
-inline std::string base64_encode(std::string_view s) {
-  return base64_encode(reinterpret_cast<const std::uint8_t*>(s.data()), s.size());
-}
-
-/// Strict base64 decoding: length a multiple of 4, '=' only as final padding, no whitespace, and
-/// unused bits zero (so every byte string has exactly one encoding). Returns false on bad input.
-inline bool base64_decode(std::string_view s, std::vector<std::uint8_t>& out) {
-  out.clear();
-  if (s.size() % 4 != 0) return false;
-  auto val = [](char c) -> int {
-    if (c >= 'A' && c <= 'Z') return c - 'A';
-    if (c >= 'a' && c <= 'z') return c - 'a' + 26;
-    if (c >= '0' && c <= '9') return c - '0' + 52;
-    if (c == '+') return 62;
-    if (c == '/') return 63;
-    return -1;
-  };
-  out.reserve(s.size() / 4 * 3);
-  for (std::size_t i = 0; i < s.size(); i += 4) {
-    const bool last = i + 4 == s.size();
-    int v[4];
-    int pad = 0;
-    for (int k = 0; k < 4; ++k) {
-      const char c = s[i + static_cast<std::size_t>(k)];
-      if (c == '=' && last && k >= 2) {
-        v[k] = 0;
-        ++pad;
-        continue;
-      }
-      if (pad) return false;  // data after padding
-      v[k] = val(c);
-      if (v[k] < 0) return false;
-    }
-    const auto w = (static_cast<std::uint32_t>(v[0]) << 18) | (static_cast<std::uint32_t>(v[1]) << 12) |
-                   (static_cast<std::uint32_t>(v[2]) << 6) | static_cast<std::uint32_t>(v[3]);
-    out.push_back(static_cast<std::uint8_t>(w >> 16));
-    if (pad == 2) {
-      if ((w & 0xffffU) != 0) return false;
-      break;
-    }
-    out.push_back(static_cast<std::uint8_t>((w >> 8) & 0xffU));
-    if (pad == 1) {
-      if ((w & 0xffU) != 0) return false;
-      break;
-    }
-    out.push_back(static_cast<std::uint8_t>(w & 0xffU));
-  }
-  return true;
-}
-
-/// Length of the well-formed UTF-8 sequence at s[i] (no overlong forms, no surrogates, at most
-/// U+10FFFF), or 0 when none starts there.
-inline std::size_t utf8_seq(std::string_view s, std::size_t i) noexcept {
-  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
-  const std::size_t n = s.size();
-  const unsigned c = p[i];
-  if (c < 0x80) return 1;
-  std::size_t len = 0;
-  unsigned lo = 0x80, hi = 0xbf;
-  if (c >= 0xc2 && c <= 0xdf) len = 2;
-  else if (c == 0xe0) len = 3, lo = 0xa0;
-  else if ((c >= 0xe1 && c <= 0xec) || c == 0xee || c == 0xef) len = 3;
-  else if (c == 0xed) len = 3, hi = 0x9f;
-  else if (c == 0xf0) len = 4, lo = 0x90;
-  else if (c >= 0xf1 && c <= 0xf3) len = 4;
-  else if (c == 0xf4) len = 4, hi = 0x8f;
-  else return 0;
-  if (n - i < len) return 0;
-  if (p[i + 1] < lo || p[i + 1] > hi) return 0;
-  for (std::size_t k = 2; k < len; ++k)
-    if (p[i + k] < 0x80 || p[i + k] > 0xbf) return 0;
-  return len;
-}
-
-/// Well-formed UTF-8: what a JSON writer such as nlohmann::json::dump accepts.
-inline bool valid_utf8(std::string_view s) noexcept {
-  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
-  const std::size_t n = s.size();
-  std::size_t i = 0;
-  for (; i + 8 <= n; i += 8) {  // ASCII fast path
-    std::uint64_t w;
-    std::memcpy(&w, p + i, 8);
-    if (w & 0x8080808080808080ULL) break;
-  }
-  while (i < n) {
-    const std::size_t len = utf8_seq(s, i);
-    if (len == 0) return false;
-    i += len;
-  }
-  return true;
-}
-
-/// Whether every byte of `s` is below 0x80, 8 bytes a step.
-inline bool is_ascii(std::string_view s) noexcept {
-  std::uint64_t any = 0;
-  std::size_t i = 0;
-  for (; i + 8 <= s.size(); i += 8) {
-    std::uint64_t w;
-    std::memcpy(&w, s.data() + i, 8);
-    any |= w;
-  }
-  for (; i < s.size(); ++i) any |= static_cast<unsigned char>(s[i]);
-  return (any & 0x8080808080808080ULL) == 0;
-}
-
-/// A JSON string node, or {"str_bytes": base64} when `s` is not valid UTF-8.
-inline json encode_string(std::string_view s) {
-  if (valid_utf8(s)) return json(std::string(s));
-  json j(json::value_t::object);
-  j.get_ref<json::object_t&>().emplace("str_bytes", base64_encode(s));
-  return j;
-}
-
-inline json encode_key(const Key& k) {
-  if (k.is_int()) return json(k.as_int());
-  return encode_string(k.as_string());
-}
-
-/// A finite double as a JSON float; a non-finite one as {"float": "nan" | "inf" | "-inf" | "0x..."}.
-inline json encode_double(double d) {
-  if (std::isfinite(d)) return json(d);
-  const auto bits = std::bit_cast<std::uint64_t>(d);
-  std::string s;
-  if (bits == 0x7ff0000000000000ULL) s = "inf";
-  else if (bits == 0xfff0000000000000ULL) s = "-inf";
-  else if (bits == 0x7ff8000000000000ULL) s = "nan";
-  else {
-    static constexpr char hex[] = "0123456789abcdef";
-    s = "0x";
-    for (int sh = 60; sh >= 0; sh -= 4) s += hex[(bits >> sh) & 15U];
-  }
-  json j(json::value_t::object);
-  j.get_ref<json::object_t&>().emplace("float", std::move(s));
-  return j;
-}
-
-inline json shape_json(const dim_t* d, std::size_t n) {
-  json::array_t a;
-  a.reserve(n);
-  for (std::size_t i = 0; i < n; ++i) a.emplace_back(d[i]);
-  return json(std::move(a));
-}
-inline json shape_json(const shape_t& s) { return shape_json(s.data(), s.size()); }
-
-// Node members are inserted in key order with a hint at the end: no string comparisons.
-inline json tensor_node(std::string_view name, statedict::dtype dt, const dim_t* shape, std::size_t rank) {
-  json j(json::value_t::object);
-  auto& o = j.get_ref<json::object_t&>();
-  o.emplace_hint(o.end(), "dtype", std::string(statedict::name(dt)));
-  o.emplace_hint(o.end(), "shape", shape_json(shape, rank));
-  o.emplace_hint(o.end(), "tensor", std::string(name));
-  return j;
-}
-
-inline json alias_node(std::string_view target) {
-  json j(json::value_t::object);
-  j.get_ref<json::object_t&>().emplace("alias", std::string(target));
-  return j;
-}
-
-inline json view_node(std::string_view base, statedict::dtype dt, dim_t offset, const dim_t* shape, const dim_t* strides,
-                      std::size_t rank) {
-  json j(json::value_t::object);
-  auto& o = j.get_ref<json::object_t&>();
-  o.emplace_hint(o.end(), "dtype", std::string(statedict::name(dt)));
-  o.emplace_hint(o.end(), "offset", offset);
-  o.emplace_hint(o.end(), "shape", shape_json(shape, rank));
-  o.emplace_hint(o.end(), "strides", shape_json(strides, rank));
-  o.emplace_hint(o.end(), "view_of", std::string(base));
-  return j;
-}
-
-/// Node kinds of the skeleton format.
-enum class snode : std::uint8_t { none, boolean, integer, floating, string, bytes, tensor, alias, view, list, tuple, dict, object };
-
-/// The compact form of a skeleton made by flatten: its nodes in pre-order in one array, their
-/// strings back to back in one pool, and one record per tensor-like node. Only flatten makes one,
-/// so it is well formed by construction, its dict keys unique as the Dict's were (unflatten still
-/// checks it against the tensor map).
-struct skeleton_tape {
-  struct node {
-    std::uint64_t a;    // integer, floating: the bits; string, bytes: pool offset; tensor: leaf index
-                        // (every tensor-like node is a `tensor` node here; its leaf says which kind);
-                        // list, tuple, dict: child count; object: args count
-    std::uint32_t b;    // string, bytes: length, or long_string; object: state count
-    snode kind;
-    std::uint8_t flag;  // boolean: the value; object: its object_build
-  };
-  /// A string of 2^32 - 1 bytes or more: its length is stored in the pool, 8 bytes before it.
-  static constexpr std::uint32_t long_string = UINT32_MAX;
-  // 16 bytes: a tape holds several nodes per tensor, written once and read once, so its size is
-  // memory traffic (and what growing the array copies).
-  static_assert(sizeof(node) == 16);
-  // A dict's children come as (key, value) node pairs, the key an integer or string node. An
-  // object node is followed by a `none` node whose `a` is its items count, then its module and
-  // name as string nodes, then its args, state and items.
-  struct leaf {
-    snode kind;            // tensor, alias or view
-    statedict::dtype dtype;
-    std::uint32_t rank;
-    std::uint32_t target;  // alias, view: the leaf of the tensor node they name
-    std::uint64_t name;    // tensor: its name, at pool offset `name`, `name_len` bytes
-    std::uint64_t name_len;
-    std::uint64_t dims;    // tensor: its shape; view: its shape, then its strides; from dims[this]
-    dim_t offset;          // view: element offset into its base
-  };
-  std::vector<node> nodes;
-  std::string pool;
-  std::vector<leaf> leaves;
-  std::vector<dim_t> dims;
-
-  [[nodiscard]] std::string_view str(std::uint64_t off, std::uint64_t len) const noexcept {
-    return std::string_view(pool).substr(static_cast<std::size_t>(off), static_cast<std::size_t>(len));
-  }
-  [[nodiscard]] std::string_view str(const node& n) const noexcept {
-    if (n.b != long_string) return str(n.a, n.b);
-    std::uint64_t len = 0;
-    std::memcpy(&len, pool.data() + n.a, sizeof len);
-    return str(n.a + sizeof len, len);
-  }
-  /// The map name a tensor-like node declares or refers to.
-  [[nodiscard]] std::string_view name(const leaf& l) const noexcept {
-    const leaf& named = l.kind == snode::tensor ? l : leaves[l.target];
-    return str(named.name, named.name_len);
-  }
-  std::uint64_t add_str(std::string_view s) {
-    const std::uint64_t off = pool.size();
-    pool.append(s);
-    return off;
-  }
-  /// Appends a string node's bytes; returns its (a, b). Strings of `limit` bytes or more keep
-  /// their length in the pool (the limit is a parameter for tests only).
-  std::pair<std::uint64_t, std::uint32_t> add_string_node(std::string_view s, std::uint64_t limit = long_string) {
-    if (s.size() < limit) return {add_str(s), static_cast<std::uint32_t>(s.size())};
-    const std::uint64_t off = pool.size(), len = s.size();
-    pool.append(reinterpret_cast<const char*>(&len), sizeof len);
-    pool.append(s);
-    return {off, long_string};
-  }
-};
-
-inline json view_node(std::string_view base, const ViewSpec& s) {
-  if (s.shape.size() != s.strides.size()) throw_error(errors::flat_view_bounds, "a view's shape and strides have different lengths");
-  return view_node(base, s.dtype, s.offset, s.shape.data(), s.strides.data(), s.shape.size());
-}
-
-inline std::string_view how_name(object_build b) noexcept {
-  switch (b) {
-    case object_build::global: return "global";
-    case object_build::reduce: return "reduce";
-    case object_build::newobj: return "newobj";
-  }
-  return "reduce";
-}
-
-/// The JSON document of a tape: node for node the document docs/flatten.md prescribes (and that
-/// flatten wrote directly before it kept the compact form). Iterative, like every skeleton walk.
-inline json tape_to_json(const skeleton_tape& t) {
-  json doc(json::value_t::object);
-  auto& top = doc.get_ref<json::object_t&>();
-  top.emplace("statedict_skeleton", 1);
-  json& root = top["root"];
-  struct open {
-    json* parts[3];
-    std::uint64_t size[3];
-    std::size_t part;
-    std::uint64_t next;
-    bool dict;
-  };
-  std::vector<open> stack;
-  std::size_t p = 0;
-  auto array_of = [](json::object_t& o, const char* key, std::uint64_t n) -> json& {
-    json& a = o[key];
-    a = json::array_t(static_cast<std::size_t>(n));
-    return a;
-  };
-  auto put = [&](json& slot) {
-    const skeleton_tape::node& n = t.nodes[p++];
-    switch (n.kind) {
-      case snode::none: break;
-      case snode::boolean: slot = n.flag != 0; break;
-      case snode::integer: slot = static_cast<std::int64_t>(n.a); break;
-      case snode::floating: slot = encode_double(std::bit_cast<double>(n.a)); break;
-      case snode::string: slot = encode_string(t.str(n)); break;
-      case snode::bytes: {
-        const std::string_view b = t.str(n);
-        json j(json::value_t::object);
-        j.get_ref<json::object_t&>().emplace("bytes", base64_encode(reinterpret_cast<const std::uint8_t*>(b.data()), b.size()));
-        slot = std::move(j);
-        break;
-      }
-      case snode::tensor:
-      case snode::alias:
-      case snode::view: {
-        const skeleton_tape::leaf& l = t.leaves[static_cast<std::size_t>(n.a)];
-        const dim_t* d = t.dims.data() + l.dims;
-        if (l.kind == snode::tensor) slot = tensor_node(t.name(l), l.dtype, d, l.rank);
-        else if (l.kind == snode::alias) slot = alias_node(t.name(l));
-        else slot = view_node(t.name(l), l.dtype, l.offset, d, d + l.rank, l.rank);
-        break;
-      }
-      case snode::list:
-      case snode::tuple:
-      case snode::dict: {
-        slot = json(json::value_t::object);
-        const char* key = n.kind == snode::list ? "list" : n.kind == snode::tuple ? "tuple" : "dict";
-        json& a = array_of(slot.get_ref<json::object_t&>(), key, n.a);
-        if (n.a) stack.push_back({{&a, nullptr, nullptr}, {n.a, 0, 0}, 0, 0, n.kind == snode::dict});
-        break;
-      }
-      case snode::object: {
-        const std::uint64_t items = t.nodes[p++].a;
-        const skeleton_tape::node& module = t.nodes[p++];
-        const skeleton_tape::node& name = t.nodes[p++];
-        slot = json(json::value_t::object);
-        json& body = slot.get_ref<json::object_t&>()["object"];
-        body = json(json::value_t::object);
-        auto& b = body.get_ref<json::object_t&>();
-        b.emplace("module", encode_string(t.str(module)));
-        b.emplace("name", encode_string(t.str(name)));
-        b.emplace("how", std::string(how_name(static_cast<object_build>(n.flag))));
-        json& args = array_of(b, "args", n.a);
-        json& state = array_of(b, "state", n.b);
-        json& its = array_of(b, "items", items);
-        if (n.a + n.b + items) stack.push_back({{&args, &state, &its}, {n.a, n.b, items}, 0, 0, false});
-        break;
-      }
-    }
-  };
-  put(root);
-  while (!stack.empty()) {
-    open& o = stack.back();
-    while (o.part < 3 && o.next == o.size[o.part]) ++o.part, o.next = 0;
-    if (o.part == 3) {
-      stack.pop_back();
-      continue;
-    }
-    json& slot = (*o.parts[o.part])[static_cast<std::size_t>(o.next++)];
-    if (o.dict) {
-      slot = json::array_t(2);
-      const skeleton_tape::node& k = t.nodes[p++];
-      slot[0] = k.kind == snode::integer ? json(static_cast<std::int64_t>(k.a)) : encode_string(t.str(k));
-      put(slot[1]);  // `o` may dangle from here on
-    } else {
-      put(slot);
-    }
-  }
-  return doc;
-}
-
-/// Appends `s` as a JSON string the way nlohmann::json::dump() (and serde_json) write valid UTF-8:
-/// `"` and `\` escaped, control characters as \b \t \n \f \r or \u00xx (lower-case hex),
-/// everything else raw. The caller checks that `s` is UTF-8.
-inline void append_json_string(std::string& out, std::string_view s) {
-  // Bytes each input byte becomes: 1, 2 (\" \\ \b \t \n \f \r) or 6 (\u00xx).
-  static constexpr auto width = [] {
-    std::array<std::uint8_t, 256> w{};
-    for (std::size_t c = 0; c < 256; ++c) w[c] = c < 0x20 ? 6 : 1;
-    for (const char c : {'"', '\\', '\b', '\t', '\n', '\f', '\r'}) w[static_cast<unsigned char>(c)] = 2;
-    return w;
-  }();
-  static constexpr char hex[] = "0123456789abcdef";
-  std::size_t n = s.size() + 2;
-  for (const char ch : s) n += width[static_cast<unsigned char>(ch)] - 1U;
-  const std::size_t at = out.size();
-  out.resize(at + n);  // one growth, then raw writes: skeletons in metadata are mostly quotes
-  char* w = out.data() + at;
-  *w++ = '"';
-  for (const char ch : s) {
-    const auto c = static_cast<unsigned char>(ch);
-    if (width[c] == 1) {
-      *w++ = ch;
-      continue;
-    }
-    *w++ = '\\';
-    switch (c) {
-      case '"': *w++ = '"'; break;
-      case '\\': *w++ = '\\'; break;
-      case '\b': *w++ = 'b'; break;
-      case '\t': *w++ = 't'; break;
-      case '\n': *w++ = 'n'; break;
-      case '\f': *w++ = 'f'; break;
-      case '\r': *w++ = 'r'; break;
-      default:
-        *w++ = 'u';
-        *w++ = '0';
-        *w++ = '0';
-        *w++ = hex[c >> 4];
-        *w++ = hex[c & 15];
-    }
-  }
-  *w = '"';
-}
-
-inline void append_int(std::string& out, std::int64_t v) {
-  char buf[24];
-  const auto r = std::to_chars(buf, buf + sizeof buf, v);
-  out.append(buf, static_cast<std::size_t>(r.ptr - buf));
-}
-
-inline void append_uint(std::string& out, std::uint64_t v) {
-  char buf[24];
-  const auto r = std::to_chars(buf, buf + sizeof buf, v);
-  out.append(buf, static_cast<std::size_t>(r.ptr - buf));
-}
-
-/// The compact JSON text of a tape's document, written straight from the tape: byte for byte
-/// `skeleton_dump(tape_to_json(t))` (nlohmann's member order is by key, numbers and strings as its
-/// dump() writes them) without building the DOM (about 13 allocations per tensor node). nullopt for
-/// a tape that holds an object node (the members of its document come in another order than its
-/// parts on the tape) or a tensor name that is not UTF-8 (the JSON way reports it): the caller
-/// goes the JSON way then.
-inline std::optional<std::string> tape_dump(const skeleton_tape& t) {
-  std::string out;
-  out.reserve(t.pool.size() * 2 + t.nodes.size() * 8 + t.leaves.size() * 48 + 64);
-  auto shape = [&](const dim_t* d, std::size_t n) {
-    out += '[';
-    for (std::size_t i = 0; i < n; ++i) {
-      if (i) out += ',';
-      append_int(out, d[i]);
-    }
-    out += ']';
-  };
-  auto text = [&](std::string_view s) {  // encode_string's node
-    if (valid_utf8(s)) return append_json_string(out, s);
-    out += R"({"str_bytes":")";
-    out += base64_encode(s);
-    out += "\"}";
-  };
-  struct open {
-    std::uint64_t size;
-    std::uint64_t next;
-    bool dict;
-    bool close_pair;  // the container is a dict entry's value: its `]` follows
-  };
-  std::vector<open> stack;
-  std::size_t p = 0;
-  // Writes the node at p; false when the JSON way must take over.
-  auto put = [&](bool dict_value) -> bool {
-    const skeleton_tape::node& n = t.nodes[p++];
-    switch (n.kind) {
-      case snode::none: out += "null"; break;
-      case snode::boolean: out += n.flag != 0 ? "true" : "false"; break;
-      case snode::integer: append_int(out, static_cast<std::int64_t>(n.a)); break;
-      case snode::floating: out += encode_double(std::bit_cast<double>(n.a)).dump(); break;
-      case snode::string: text(t.str(n)); break;
-      case snode::bytes: {
-        const std::string_view b = t.str(n);
-        out += R"({"bytes":")";
-        out += base64_encode(reinterpret_cast<const std::uint8_t*>(b.data()), b.size());
-        out += "\"}";
-        break;
-      }
-      case snode::tensor:
-      case snode::alias:
-      case snode::view: {
-        const skeleton_tape::leaf& l = t.leaves[static_cast<std::size_t>(n.a)];
-        const std::string_view name = t.name(l);
-        if (!valid_utf8(name)) return false;
-        const dim_t* d = t.dims.data() + l.dims;
-        if (l.kind == snode::alias) {
-          out += R"({"alias":)";
-        } else {
-          out += R"({"dtype":)";
-          append_json_string(out, statedict::name(l.dtype));
-          if (l.kind == snode::view) {
-            out += R"(,"offset":)";
-            append_int(out, l.offset);
-          }
-          out += R"(,"shape":)";
-          shape(d, l.rank);
-          if (l.kind == snode::view) {
-            out += R"(,"strides":)";
-            shape(d + l.rank, l.rank);
-          }
-          out += l.kind == snode::tensor ? R"(,"tensor":)" : R"(,"view_of":)";
-        }
-        append_json_string(out, name);
-        out += '}';
-        break;
-      }
-      case snode::list:
-      case snode::tuple:
-      case snode::dict:
-        out += n.kind == snode::list ? R"({"list":[)" : n.kind == snode::tuple ? R"({"tuple":[)" : R"({"dict":[)";
-        stack.push_back({n.a, 0, n.kind == snode::dict, dict_value});
-        return true;
-      case snode::object: return false;
-    }
-    if (dict_value) out += ']';
-    return true;
-  };
-  out += R"({"root":)";
-  if (!put(false)) return std::nullopt;
-  while (!stack.empty()) {
-    open& o = stack.back();
-    if (o.next == o.size) {
-      out += "]}";
-      if (o.close_pair) out += ']';
-      stack.pop_back();
-      continue;
-    }
-    if (o.next++) out += ',';
-    if (o.dict) {
-      out += '[';
-      const skeleton_tape::node& k = t.nodes[p++];
-      if (k.kind == snode::integer) append_int(out, static_cast<std::int64_t>(k.a));
-      else text(t.str(k));
-      out += ',';
-    }
-    if (!put(o.dict)) return std::nullopt;  // `o` may dangle from here on
-  }
-  out += R"(,"statedict_skeleton":1})";
-  return out;
-}
-
-// ------------------------------------------------------------------------------------------------
-// An open-addressing hash index over strings owned elsewhere (no allocation per entry).
-
-class name_index {
- public:
-  static constexpr std::uint32_t npos = UINT32_MAX;
-
-  void reserve(std::size_t n) {
-    keys_.reserve(n);
-    values_.reserve(n);
-    if (n * 2 > slots_.size()) rehash(n * 2);
-  }
-  [[nodiscard]] static std::size_t hash(std::string_view s) noexcept { return std::hash<std::string_view>{}(s); }
-  /// Adds `s` with `value` and returns npos, or returns the value `s` already has.
-  std::uint32_t insert(std::string_view s, std::uint32_t value) { return insert(s, value, hash(s)); }
-  /// insert, given `h == hash(s)`.
-  std::uint32_t insert(std::string_view s, std::uint32_t value, std::size_t h) {
-    if ((keys_.size() + 1) * 2 > slots_.size()) rehash(std::max<std::size_t>(16, slots_.size() * 2));
-    const std::size_t mask = slots_.size() - 1;
-    for (std::size_t p = h & mask;; p = (p + 1) & mask) {
-      slot& sl = slots_[p];
-      if (sl.entry == npos) {
-        sl = {static_cast<std::uint32_t>(h), static_cast<std::uint32_t>(keys_.size())};
-        keys_.push_back(s);
-        values_.push_back(value);
-        return npos;
-      }
-      if (sl.hash == static_cast<std::uint32_t>(h) && keys_[sl.entry] == s) return values_[sl.entry];
-    }
-  }
-  /// The value of `s`, or npos.
-  [[nodiscard]] std::uint32_t find(std::string_view s) const {
-    if (slots_.empty()) return npos;
-    const std::size_t h = std::hash<std::string_view>{}(s);
-    const std::size_t mask = slots_.size() - 1;
-    for (std::size_t p = h & mask;; p = (p + 1) & mask) {
-      const slot& sl = slots_[p];
-      if (sl.entry == npos) return npos;
-      if (sl.hash == static_cast<std::uint32_t>(h) && keys_[sl.entry] == s) return values_[sl.entry];
-    }
-  }
-
- private:
-  struct slot {
-    std::uint32_t hash;
-    std::uint32_t entry;
-  };
-  void rehash(std::size_t want) {
-    std::size_t cap = 16;
-    while (cap < want) cap *= 2;
-    slots_.assign(cap, slot{0, npos});
-    const std::size_t mask = cap - 1;
-    for (std::uint32_t i = 0; i < keys_.size(); ++i) {
-      const std::size_t h = std::hash<std::string_view>{}(keys_[i]);
-      std::size_t p = h & mask;
-      while (slots_[p].entry != npos) p = (p + 1) & mask;
-      slots_[p] = {static_cast<std::uint32_t>(h), i};
-    }
-  }
-  std::vector<slot> slots_;
-  std::vector<std::string_view> keys_;
-  std::vector<std::uint32_t> values_;
-};
+namespace statedict::inline v0::detail {
 
 // ------------------------------------------------------------------------------------------------
 // Names
@@ -4216,6 +4416,10 @@ inline void address_sort(std::vector<std::pair<std::uintptr_t, std::uint32_t>>& 
     v.swap(tmp);
   }
 }
+
+}  // namespace statedict::inline v0::detail
+
+namespace statedict::inline v0::detail {
 
 // ------------------------------------------------------------------------------------------------
 // flatten
@@ -4596,6 +4800,68 @@ class flattener {
     }
   }
 };
+
+}  // namespace statedict::inline v0::detail
+// ---- statedict/core/detail/skeleton_query.hpp ----
+// statedict: walks over a skeleton that answer questions about it without rebuilding the tree: its
+// tensor-like nodes with their listing names, whether it may hold aliases, its values.
+// SPDX-License-Identifier: MIT
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <bit>
+#include <charconv>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <iterator>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+// ---- statedict/core/detail/skeleton_reader.hpp ----
+// statedict: reading skeleton documents: node classification, decoding of scalars and keys, and an
+// iterative cursor over the nodes, each step validated (a skeleton is input from files).
+// SPDX-License-Identifier: MIT
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <bit>
+#include <charconv>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <iterator>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+
+namespace statedict::inline v0::detail {
 
 // ------------------------------------------------------------------------------------------------
 // Reading skeletons
@@ -4983,12 +5249,45 @@ inline const json& skeleton_root(const json& skeleton) {
   return *r;
 }
 
+}  // namespace statedict::inline v0::detail
+// ---- statedict/core/detail/unflatten.hpp ----
+// statedict: rebuilding a tree from a tensor map and a skeleton, from its JSON document or from the
+// compact form flatten made (core/flatten.hpp is its public face).
+// SPDX-License-Identifier: MIT
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <bit>
+#include <charconv>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <iterator>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+
+namespace statedict::inline v0::detail {
+
 /// The tensors an unflatten may use, by name. Names are indexed as they are added (a repeated
 /// name is an error), or, after defer_index(), only when a lookup needs the index: a map that
 /// lists a compact skeleton's tensors in its order never does.
 class tensor_table {
  public:
-  static constexpr std::uint32_t npos = name_index::npos;
+  static constexpr std::uint32_t npos = hash_index::npos;
 
   /// Index names only when a lookup needs it (and check for repeats then).
   void defer_index() noexcept { deferred_ = true; }
@@ -4998,9 +5297,9 @@ class tensor_table {
     views_.reserve(n);
   }
   void add(std::string_view name, const TensorView* v) {
-    if (!deferred_ && index_.insert(name, static_cast<std::uint32_t>(views_.size())) != npos) repeated(name);
     names_.push_back(name);
     views_.push_back(v);
+    if (!deferred_) index(index_, static_cast<std::uint32_t>(views_.size() - 1));
   }
   /// Reads the entries of a NamedTensors list in place (no copy of its names and views: for a
   /// map of 100k tensors that copy is a pass over every entry's cache lines). Only into an
@@ -5010,22 +5309,20 @@ class tensor_table {
     direct_size_ = list.size();
     if (deferred_) return;
     index_.reserve(direct_size_);
-    for (std::uint32_t i = 0; i < direct_size_; ++i)
-      if (index_.insert(name(i), i) != npos) repeated(name(i));
+    for (std::uint32_t i = 0; i < direct_size_; ++i) index(index_, i);
   }
   /// Builds a deferred index; throws flat_duplicate_name for a repeated name.
   void ensure_index() {
     if (!deferred_) return;
-    name_index idx;  // kept only when complete: a later call reports a repeat again
+    hash_index idx;  // kept only when complete: a later call reports a repeat again
     idx.reserve(size());
-    for (std::uint32_t i = 0; i < size(); ++i)
-      if (idx.insert(name(i), i) != npos) repeated(name(i));
+    for (std::uint32_t i = 0; i < size(); ++i) index(idx, i);
     index_ = std::move(idx);
     deferred_ = false;
   }
   [[nodiscard]] std::uint32_t find(std::string_view name) {
     ensure_index();
-    return index_.find(name);
+    return index_.find(hash_of(name), [&](std::uint32_t p) { return this->name(p) == name; });
   }
   /// find() for a tensor node: skeletons list their tensor nodes in the order of the map
   /// (flatten writes both in pre-order), so the entry after the previous tensor node's is
@@ -5057,7 +5354,15 @@ class tensor_table {
   [[noreturn]] static void repeated(std::string_view name) {
     throw_error(errors::flat_duplicate_name, "tensor map", "the name " + quote(name) + " appears twice");
   }
-  name_index index_;
+  static std::uint32_t hash_of(std::string_view s) noexcept { return hash_index::mix(std::hash<std::string_view>{}(s)); }
+  /// Adds entry i to `idx`; throws for a name already there.
+  void index(hash_index& idx, std::uint32_t i) const {
+    const std::string_view n = name(i);
+    const std::uint32_t h = hash_of(n);
+    if (idx.find(h, [&](std::uint32_t p) { return name(p) == n; }) != npos) repeated(n);
+    idx.add(h, i);
+  }
+  hash_index index_;
   std::vector<std::string_view> names_;
   std::vector<const TensorView*> views_;
   std::vector<std::uint8_t> declared_;
@@ -5415,207 +5720,9 @@ void fill_table(tensor_table& tt, const Tensors& tensors, std::deque<TensorView>
   }
 }
 
-}  // namespace detail
+}  // namespace statedict::inline v0::detail
 
-// ================================================================================================
-// Public API
-
-/// Flattens a tree: its tensors by name, in pre-order, plus the skeleton (docs/flatten.md).
-/// Tensors reached twice as the very same view become `alias` nodes; views whose bytes lie inside
-/// an earlier contiguous tensor of the same dtype become `view_of` nodes; each is stored once.
-inline FlatStateDict flatten(const Value& tree) { return detail::flattener().run(tree); }
-
-/// Rebuilds the tree from any name -> tensor collection (a NamedTensors list, std::map or
-/// std::unordered_map of TensorView or Tensor, ...) and a skeleton. The result equals (==) the
-/// flattened tree. Throws a statedict error naming the node or tensor when they do not match:
-/// flat_malformed, flat_version, flat_missing_tensor, flat_extra_tensor, flat_tensor_dtype,
-/// flat_tensor_shape, flat_duplicate_name, flat_bad_alias, flat_view_bounds, flat_view_base,
-/// flat_duplicate_key. A null skeleton means a flat dict of the tensors in order.
-template <detail::named_tensor_range Tensors>
-Value unflatten(const Tensors& tensors, const nlohmann::json& skeleton) {
-  detail::tensor_table tt;
-  std::deque<TensorView> converted;
-  detail::fill_table(tt, tensors, converted);
-  return detail::unflatten_impl(tt, skeleton);
-}
-
-/// unflatten for a Skeleton: one made by flatten is read in its compact form (no JSON is built
-/// unless the map does not match it, to report the mismatch exactly as for its JSON document).
-template <detail::named_tensor_range Tensors, class S>
-  requires std::same_as<S, Skeleton>
-Value unflatten(const Tensors& tensors, const S& skeleton) {
-  const detail::skeleton_tape* tape = skeleton.tape();
-  if (!tape) return unflatten(tensors, skeleton.json());
-  detail::tensor_table tt;
-  tt.defer_index();
-  std::deque<TensorView> converted;
-  detail::fill_table(tt, tensors, converted);
-  try {
-    Value v = detail::build_from_tape(*tape, tt);
-    bool all = true;
-    for (std::uint32_t i = 0; i < tt.size() && all; ++i) all = tt.declared(i);
-    if (all) return v;
-  } catch (const detail::tape_mismatch&) {
-  } catch (const error&) {
-  }
-  tt.reset();
-  return detail::unflatten_impl(tt, skeleton.json());  // throws the error, with the node's path
-}
-
-inline Value unflatten(const FlatStateDict& flat) { return unflatten(flat.tensors, flat.skeleton); }
-
-// ---- Skeleton members that need the tape
-
-inline const nlohmann::json& Skeleton::json() const {
-  if (!tape_) return doc_;
-  nlohmann::json* p = cache_.load(std::memory_order_acquire);
-  if (p) return *p;
-  auto fresh = std::make_unique<nlohmann::json>(detail::tape_to_json(*tape_));
-  if (cache_.compare_exchange_strong(p, fresh.get(), std::memory_order_acq_rel, std::memory_order_acquire)) return *fresh.release();
-  return *p;  // another thread built it first
-}
-
-inline nlohmann::json& Skeleton::mutable_json() {
-  if (tape_) {
-    doc_ = std::move(*this).take_json();
-    tape_.reset();
-  }
-  return doc_;
-}
-
-inline nlohmann::json Skeleton::take_json() && {
-  if (!tape_) return std::move(doc_);
-  std::unique_ptr<nlohmann::json> cached(cache_.exchange(nullptr));
-  nlohmann::json out = cached ? std::move(*cached) : detail::tape_to_json(*tape_);
-  tape_.reset();
-  return out;
-}
-
-/// The skeleton of a flat dict of named tensors in order: what a plain safetensors file is.
-/// Elements are (name, TensorView-or-Tensor) pairs, or records with `.name`, `.dtype` and `.shape`
-/// (such as ShardedCheckpoint's TensorInfo). No alias detection: build a Dict and flatten it for that.
-template <class Range>
-nlohmann::json flat_skeleton(const Range& tensors) {
-  using json = nlohmann::json;
-  json::array_t pairs;
-  if constexpr (requires { tensors.size(); }) pairs.reserve(tensors.size());
-  for (const auto& t : tensors) {
-    json node(json::value_t::object);
-    auto& o = node.get_ref<json::object_t&>();
-    std::string name;
-    if constexpr (requires { t.name; t.dtype; t.shape; }) {
-      name = std::string(t.name);
-      o.emplace("dtype", std::string(statedict::name(t.dtype)));
-      o.emplace("shape", detail::shape_json(t.shape));
-    } else {
-      name = std::string(t.first);
-      const TensorView v(t.second);
-      o.emplace("dtype", std::string(statedict::name(v.dtype())));
-      o.emplace("shape", detail::shape_json(v.shape()));
-    }
-    o.emplace("tensor", name);
-    json pair = json::array_t(2);
-    pair[0] = detail::encode_string(name);
-    pair[1] = std::move(node);
-    pairs.push_back(std::move(pair));
-  }
-  json root(json::value_t::object);
-  root.get_ref<json::object_t&>().emplace("dict", std::move(pairs));
-  json skel(json::value_t::object);
-  skel.get_ref<json::object_t&>().emplace("statedict_skeleton", 1);
-  skel.get_ref<json::object_t&>().emplace("root", std::move(root));
-  return skel;
-}
-
-/// The compact JSON text of a skeleton (or any JSON value), exactly what `skeleton.dump()` gives,
-/// without recursion: nlohmann's dump() recurses once per nesting level, which a skeleton of a
-/// very deep tree would turn into a stack overflow. Throws nlohmann's type_error on strings that
-/// are not UTF-8, as dump() does (flatten never puts one in a skeleton).
-inline std::string skeleton_dump(const nlohmann::json& j) {
-  using json = nlohmann::json;
-  std::string out;
-  struct frame {
-    const json* v;
-    std::size_t next;                       // arrays: next element
-    json::object_t::const_iterator it;      // objects: next member
-  };
-  std::vector<frame> stack;
-  auto open = [&](const json& v) {
-    if (v.is_array()) {
-      out += '[';
-      stack.push_back({&v, 0, {}});
-    } else if (v.is_object()) {
-      out += '{';
-      stack.push_back({&v, 0, v.get_ref<const json::object_t&>().begin()});
-    } else {
-      out += v.dump();  // a scalar: no recursion
-    }
-  };
-  open(j);
-  while (!stack.empty()) {
-    frame& f = stack.back();
-    const json* child = nullptr;
-    if (f.v->is_array()) {
-      const auto& a = f.v->get_ref<const json::array_t&>();
-      if (f.next == a.size()) {
-        out += ']';
-        stack.pop_back();
-        continue;
-      }
-      if (f.next) out += ',';
-      child = &a[f.next++];
-    } else {
-      const auto& o = f.v->get_ref<const json::object_t&>();
-      if (f.it == o.end()) {
-        out += '}';
-        stack.pop_back();
-        continue;
-      }
-      if (f.it != o.begin()) out += ',';
-      out += json(f.it->first).dump();
-      out += ':';
-      child = &f.it->second;
-      ++f.it;
-    }
-    open(*child);  // `f` is dangling from here on
-  }
-  return out;
-}
-
-inline std::string Skeleton::dump() const {
-  if (tape_)
-    if (auto text = detail::tape_dump(*tape_)) return std::move(*text);
-  return skeleton_dump(json());
-}
-
-/// A tensor node of a skeleton: the name it has in the tensor map, its dtype and shape.
-struct SkeletonTensor {
-  std::string name;
-  statedict::dtype dtype = statedict::dtype::F32;
-  shape_t shape;
-  friend bool operator==(const SkeletonTensor&, const SkeletonTensor&) = default;
-};
-
-/// The tensor nodes of a skeleton in pre-order (the tensors a writer must store).
-inline std::vector<SkeletonTensor> skeleton_tensors(const nlohmann::json& skeleton) {
-  std::vector<SkeletonTensor> out;
-  detail::skeleton_cursor cur(detail::skeleton_root(skeleton));
-  try {
-    for (;;) {
-      auto e = cur.next();
-      if (e.type == detail::skeleton_cursor::ev::done) break;
-      if (e.type != detail::skeleton_cursor::ev::leaf || e.node.kind != detail::snode::tensor) continue;
-      out.push_back({e.node.body->get<std::string>(), detail::member_dtype(*e.node.node, "a tensor node"),
-                     detail::member_dims(*e.node.node, "shape", "a tensor node")});
-    }
-  } catch (error& err) {
-    err.add_context("skeleton node " + quote(dotted(cur.path())));
-    throw;
-  }
-  return out;
-}
-
-namespace detail {
+namespace statedict::inline v0::detail {
 
 /// Walks a skeleton with the path of every node: f(event, path) for leaf and enter events, and
 /// for leave events (with the container's path). With `with_path` false the path stays empty (for
@@ -5846,7 +5953,116 @@ inline std::vector<std::pair<std::string, Value>> named_values(const std::vector
   return out;
 }
 
-}  // namespace detail
+}  // namespace statedict::inline v0::detail
+
+namespace statedict::inline v0 {
+
+/// Flattens a tree: its tensors by name, in pre-order, plus the skeleton (docs/flatten.md).
+/// Tensors reached twice as the very same view become `alias` nodes; views whose bytes lie inside
+/// an earlier contiguous tensor of the same dtype become `view_of` nodes; each is stored once.
+inline FlatStateDict flatten(const Value& tree) { return detail::flattener().run(tree); }
+
+/// Rebuilds the tree from any name -> tensor collection (a NamedTensors list, std::map or
+/// std::unordered_map of TensorView or Tensor, ...) and a skeleton. The result equals (==) the
+/// flattened tree. Throws a statedict error naming the node or tensor when they do not match:
+/// flat_malformed, flat_version, flat_missing_tensor, flat_extra_tensor, flat_tensor_dtype,
+/// flat_tensor_shape, flat_duplicate_name, flat_bad_alias, flat_view_bounds, flat_view_base,
+/// flat_duplicate_key. A null skeleton means a flat dict of the tensors in order.
+template <detail::named_tensor_range Tensors>
+Value unflatten(const Tensors& tensors, const nlohmann::json& skeleton) {
+  detail::tensor_table tt;
+  std::deque<TensorView> converted;
+  detail::fill_table(tt, tensors, converted);
+  return detail::unflatten_impl(tt, skeleton);
+}
+
+/// unflatten for a Skeleton: one made by flatten is read in its compact form (no JSON is built
+/// unless the map does not match it, to report the mismatch exactly as for its JSON document).
+template <detail::named_tensor_range Tensors, class S>
+  requires std::same_as<S, Skeleton>
+Value unflatten(const Tensors& tensors, const S& skeleton) {
+  const detail::skeleton_tape* tape = skeleton.tape();
+  if (!tape) return unflatten(tensors, skeleton.json());
+  detail::tensor_table tt;
+  tt.defer_index();
+  std::deque<TensorView> converted;
+  detail::fill_table(tt, tensors, converted);
+  try {
+    Value v = detail::build_from_tape(*tape, tt);
+    bool all = true;
+    for (std::uint32_t i = 0; i < tt.size() && all; ++i) all = tt.declared(i);
+    if (all) return v;
+  } catch (const detail::tape_mismatch&) {
+  } catch (const error&) {
+  }
+  tt.reset();
+  return detail::unflatten_impl(tt, skeleton.json());  // throws the error, with the node's path
+}
+
+inline Value unflatten(const FlatStateDict& flat) { return unflatten(flat.tensors, flat.skeleton); }
+
+/// The skeleton of a flat dict of named tensors in order: what a plain safetensors file is.
+/// Elements are (name, TensorView-or-Tensor) pairs, or records with `.name`, `.dtype` and `.shape`
+/// (such as ShardedCheckpoint's TensorInfo). No alias detection: build a Dict and flatten it for that.
+template <class Range>
+nlohmann::json flat_skeleton(const Range& tensors) {
+  using json = nlohmann::json;
+  json::array_t pairs;
+  if constexpr (requires { tensors.size(); }) pairs.reserve(tensors.size());
+  for (const auto& t : tensors) {
+    json node(json::value_t::object);
+    auto& o = node.get_ref<json::object_t&>();
+    std::string name;
+    if constexpr (requires { t.name; t.dtype; t.shape; }) {
+      name = std::string(t.name);
+      o.emplace("dtype", std::string(statedict::name(t.dtype)));
+      o.emplace("shape", detail::shape_json(t.shape));
+    } else {
+      name = std::string(t.first);
+      const TensorView v(t.second);
+      o.emplace("dtype", std::string(statedict::name(v.dtype())));
+      o.emplace("shape", detail::shape_json(v.shape()));
+    }
+    o.emplace("tensor", name);
+    json pair = json::array_t(2);
+    pair[0] = detail::encode_string(name);
+    pair[1] = std::move(node);
+    pairs.push_back(std::move(pair));
+  }
+  json root(json::value_t::object);
+  root.get_ref<json::object_t&>().emplace("dict", std::move(pairs));
+  json skel(json::value_t::object);
+  skel.get_ref<json::object_t&>().emplace("statedict_skeleton", 1);
+  skel.get_ref<json::object_t&>().emplace("root", std::move(root));
+  return skel;
+}
+
+/// A tensor node of a skeleton: the name it has in the tensor map, its dtype and shape.
+struct SkeletonTensor {
+  std::string name;
+  statedict::dtype dtype = statedict::dtype::F32;
+  shape_t shape;
+  friend bool operator==(const SkeletonTensor&, const SkeletonTensor&) = default;
+};
+
+/// The tensor nodes of a skeleton in pre-order (the tensors a writer must store).
+inline std::vector<SkeletonTensor> skeleton_tensors(const nlohmann::json& skeleton) {
+  std::vector<SkeletonTensor> out;
+  detail::skeleton_cursor cur(detail::skeleton_root(skeleton));
+  try {
+    for (;;) {
+      auto e = cur.next();
+      if (e.type == detail::skeleton_cursor::ev::done) break;
+      if (e.type != detail::skeleton_cursor::ev::leaf || e.node.kind != detail::snode::tensor) continue;
+      out.push_back({e.node.body->get<std::string>(), detail::member_dtype(*e.node.node, "a tensor node"),
+                     detail::member_dims(*e.node.node, "shape", "a tensor node")});
+    }
+  } catch (error& err) {
+    err.add_context("skeleton node " + quote(dotted(cur.path())));
+    throw;
+  }
+  return out;
+}
 
 /// The alias and view_of nodes of a skeleton as (name, target) pairs in pre-order: `name` is the
 /// node's own name (the naming rule of docs/flatten.md, unique among tensor names), `target` the
@@ -5908,228 +6124,6 @@ inline std::vector<std::pair<std::string, Value>> skeleton_values(const Skeleton
   std::vector<Value> values;
   detail::tape_values(*t, paths, values);
   return detail::named_values(paths, values);
-}
-
-// ------------------------------------------------------------------------------------------------
-// Subsets (`convert --only PREFIX`)
-
-/// A tensor of a subset skeleton: its name there, the map name of the tensor its elements come
-/// from, and, when it was a view of a tensor the subset dropped, which elements (`view`).
-struct SubsetTensor {
-  std::string name;
-  std::string source;
-  std::optional<ViewSpec> view;
-  friend bool operator==(const SubsetTensor&, const SubsetTensor&) = default;
-};
-
-struct SkeletonSubset {
-  nlohmann::json skeleton;
-  std::vector<SubsetTensor> tensors;  ///< in the order of the new skeleton's tensor nodes
-};
-
-/// A predicate over node paths.
-using PathFilter = std::function<bool(const Path&)>;
-
-/// Keeps a node when its dotted name equals a prefix or continues it at a '.' boundary
-/// ("model.layers.1" keeps "model.layers.1.w" but not "model.layers.10.w"; a prefix ending in '.'
-/// keeps everything below it). An empty prefix keeps everything.
-inline PathFilter name_prefix_filter(std::vector<std::string> prefixes) {
-  return [prefixes = std::move(prefixes)](const Path& p) {
-    const std::string d = dotted(p);
-    for (const auto& pre : prefixes) {
-      if (pre.empty() || d == pre) return true;
-      if (d.size() > pre.size() && d.compare(0, pre.size(), pre) == 0 && (pre.back() == '.' || d[pre.size()] == '.'))
-        return true;
-    }
-    return false;
-  };
-}
-
-/// The part of a skeleton that `keep` selects (docs/flatten.md, "Subsets"): a leaf (or empty
-/// container) is kept when keep(path) is true; a container is kept when something below it is;
-/// an opaque object is kept whole or not at all. Dropped list and tuple elements before a kept
-/// one become None, so kept elements keep their index. An alias or view_of whose target tensor
-/// was dropped becomes a tensor node of its own (its listing name), with `source`/`view` saying
-/// where its elements come from. The result's tensor nodes are listed in `tensors`.
-inline SkeletonSubset skeleton_subset(const nlohmann::json& skeleton, const PathFilter& keep) {
-  using json = nlohmann::json;
-  using ev = detail::skeleton_cursor::ev;
-  using detail::snode;
-  // Pass 1: decide, for every node in pre-order, whether it is kept.
-  struct node {
-    std::size_t parent;
-    std::size_t end;  // one past the last node of its subtree
-    snode kind;
-    bool kept;
-  };
-  std::vector<node> nodes;
-  std::vector<std::size_t> open;  // indices of enclosing containers
-  constexpr std::size_t none = static_cast<std::size_t>(-1);
-  detail::walk_skeleton(skeleton, [&](const detail::skeleton_cursor::event& e, const Path& p, detail::skeleton_cursor&) {
-    if (e.type == ev::leave) {
-      node& c = nodes[open.back()];
-      c.end = nodes.size();
-      if (c.end == open.back() + 1) c.kept = keep(p);  // an empty container
-      open.pop_back();
-      return;
-    }
-    nodes.push_back({open.empty() ? none : open.back(), nodes.size() + 1, e.node.kind, false});
-    if (e.type == ev::enter) open.push_back(nodes.size() - 1);
-    else nodes.back().kept = keep(p);
-  });
-  for (std::size_t i = nodes.size(); i-- > 0;)
-    if (nodes[i].kept && nodes[i].parent != none) nodes[nodes[i].parent].kept = true;
-  if (!nodes.empty()) nodes[0].kept = true;  // the root always stays
-  for (std::size_t i = 0; i < nodes.size(); ++i)
-    if (nodes[i].kind == snode::object && nodes[i].kept)
-      for (std::size_t j = i + 1; j < nodes[i].end; ++j) nodes[j].kept = true;
-
-  // Tensor-like nodes: names, and which map names survive as tensor nodes.
-  std::vector<detail::tensorish> tl = detail::list_tensorish(skeleton);
-  std::unordered_map<std::string, const json*> declared;  // map name -> its tensor node
-  for (const auto& t : tl)
-    if (t.kind == snode::tensor) declared.emplace(t.target, t.node);
-
-  // Pass 2: rebuild.
-  SkeletonSubset out;
-  std::unordered_set<std::string> kept_tensors;
-  std::unordered_map<std::string, std::string> promoted;  // dropped map name -> new name
-  json root;
-  std::vector<json*> stack;
-  std::size_t idx = 0, tidx = 0;
-  detail::walk_skeleton(skeleton, [&](const detail::skeleton_cursor::event& e, const Path& path, detail::skeleton_cursor& cur) {
-    if (e.type == ev::leave) {
-      stack.pop_back();
-      return;
-    }
-    const std::size_t me = idx++;
-    const bool tensorish = e.node.kind == snode::tensor || e.node.kind == snode::alias || e.node.kind == snode::view;
-    const detail::tensorish* t = tensorish ? &tl[tidx++] : nullptr;
-    if (!nodes[me].kept) {
-      if (e.type == ev::enter) {
-        // Skip the subtree, staying aligned with `nodes` and `tl`; the matching leave pops a null.
-        for (std::size_t j = me + 1; j < nodes[me].end; ++j)
-          if (nodes[j].kind == snode::tensor || nodes[j].kind == snode::alias || nodes[j].kind == snode::view) ++tidx;
-        idx = nodes[me].end;
-        stack.push_back(nullptr);
-        cur.skip();
-      }
-      return;
-    }
-    json* slot = &root;
-    if (!stack.empty()) {
-      json& parent = *stack.back();
-      switch (e.slot) {
-        case detail::slot_kind::index: {
-          json& arr = parent.begin().value();
-          while (arr.size() < e.index) arr.push_back(nullptr);
-          slot = &arr.emplace_back();
-          break;
-        }
-        case detail::slot_kind::dict: {
-          json& arr = parent["dict"];
-          json pair = json::array_t(2);
-          pair[0] = detail::encode_key(path.back());  // walk_skeleton moved e.key there
-          arr.push_back(std::move(pair));
-          slot = &arr.back()[1];
-          break;
-        }
-        case detail::slot_kind::args: slot = &parent["object"]["args"].emplace_back(); break;
-        case detail::slot_kind::state: slot = &parent["object"]["state"].emplace_back(); break;
-        case detail::slot_kind::items: slot = &parent["object"]["items"].emplace_back(); break;
-        case detail::slot_kind::root: break;
-      }
-    }
-    if (e.type == ev::enter) {
-      json c(json::value_t::object);
-      switch (e.node.kind) {
-        case snode::list: c["list"] = json::array(); break;
-        case snode::tuple: c["tuple"] = json::array(); break;
-        case snode::dict: c["dict"] = json::array(); break;
-        default: {
-          const Object o = detail::decode_object_header(*e.node.body);
-          json body(json::value_t::object);
-          body["module"] = detail::encode_string(o.module);
-          body["name"] = detail::encode_string(o.name);
-          body["how"] = std::string(detail::how_name(o.how));
-          body["args"] = json::array();
-          body["state"] = json::array();
-          body["items"] = json::array();
-          c["object"] = std::move(body);
-          break;
-        }
-      }
-      *slot = std::move(c);
-      stack.push_back(slot);
-      return;
-    }
-    if (!t) {
-      *slot = *e.node.node;  // a scalar leaf: a small, flat JSON value
-      return;
-    }
-    auto add = [&](const std::string& name, const std::string& source, std::optional<ViewSpec> view) {
-      out.tensors.push_back({name, source, std::move(view)});
-      kept_tensors.insert(name);
-    };
-    if (t->kind == snode::tensor) {
-      *slot = *e.node.node;
-      add(t->target, t->target, std::nullopt);
-      return;
-    }
-    auto it = declared.find(t->target);
-    if (it == declared.end())
-      throw_error(errors::flat_bad_alias, "target " + quote(t->target) + " is not declared by a tensor node");
-    std::string live;  // the name under which the target's elements are in the subset
-    if (kept_tensors.count(t->target)) live = t->target;
-    else if (auto pr = promoted.find(t->target); pr != promoted.end()) live = pr->second;
-    if (t->kind == snode::alias) {
-      if (!live.empty()) {
-        *slot = detail::alias_node(live);
-        return;
-      }
-      json n(json::value_t::object);
-      n["tensor"] = t->name;
-      n["dtype"] = it->second->at("dtype");
-      n["shape"] = it->second->at("shape");
-      *slot = std::move(n);
-      add(t->name, t->target, std::nullopt);
-      promoted.emplace(t->target, t->name);
-      return;
-    }
-    ViewSpec spec = detail::decode_view(e.node);
-    if (!live.empty()) {
-      *slot = detail::view_node(live, spec);
-      return;
-    }
-    json n(json::value_t::object);
-    n["tensor"] = t->name;
-    n["dtype"] = std::string(statedict::name(spec.dtype));
-    n["shape"] = detail::shape_json(spec.shape);
-    *slot = std::move(n);
-    add(t->name, t->target, std::move(spec));
-  });
-  out.skeleton = json::object();
-  out.skeleton["statedict_skeleton"] = 1;
-  out.skeleton["root"] = std::move(root);
-  return out;
-}
-
-/// The part of a flat state dict that `keep` selects (see skeleton_subset): its tensors are views
-/// of the input's, never copies.
-inline FlatStateDict select(const FlatStateDict& flat, const PathFilter& keep) {
-  SkeletonSubset s = skeleton_subset(flat.skeleton, keep);
-  std::unordered_map<std::string_view, const TensorView*> index;
-  index.reserve(flat.tensors.size());
-  for (const auto& [n, v] : flat.tensors) index.emplace(n, &v);
-  FlatStateDict out;
-  out.tensors.reserve(s.tensors.size());
-  for (auto& t : s.tensors) {
-    auto it = index.find(t.source);
-    if (it == index.end()) throw_error(errors::flat_missing_tensor, "tensor " + quote(t.source) + " is not in the tensor map");
-    out.tensors.emplace_back(std::move(t.name), t.view ? view_into(*it->second, *t.view) : *it->second);
-  }
-  out.skeleton = std::move(s.skeleton);
-  return out;
 }
 
 }  // namespace statedict::inline v0
@@ -6385,67 +6379,46 @@ struct open_options {
   limits lim{};
 };
 
-namespace detail {
+}  // namespace safetensors
+}  // namespace statedict::inline v0
 
-/// True when [s, s + n) is valid UTF-8 (Rust's `str::from_utf8` rules: no overlong forms, no
-/// surrogates, nothing above U+10FFFF); otherwise `bad_at` is the offset of the first bad byte.
-inline bool valid_utf8(const unsigned char* s, std::size_t n, std::size_t& bad_at) noexcept {
-  std::size_t i = 0;
-  while (i < n) {
-    while (i + 8 <= n) {
-      std::uint64_t w;
-      std::memcpy(&w, s + i, 8);
-      if ((w & 0x8080808080808080ULL) != 0) break;
-      i += 8;
-    }
-    if (i >= n) break;
-    const unsigned char c = s[i];
-    if (c < 0x80) {
-      ++i;
-      continue;
-    }
-    std::size_t need = 0;
-    unsigned char lo = 0x80, hi = 0xBF;
-    if (c >= 0xC2 && c <= 0xDF) {
-      need = 1;
-    } else if (c == 0xE0) {
-      need = 2, lo = 0xA0;
-    } else if ((c >= 0xE1 && c <= 0xEC) || c == 0xEE || c == 0xEF) {
-      need = 2;
-    } else if (c == 0xED) {
-      need = 2, hi = 0x9F;
-    } else if (c == 0xF0) {
-      need = 3, lo = 0x90;
-    } else if (c >= 0xF1 && c <= 0xF3) {
-      need = 3;
-    } else if (c == 0xF4) {
-      need = 3, hi = 0x8F;
-    } else {
-      bad_at = i;
-      return false;
-    }
-    if (i + need >= n) {  // not enough bytes left
-      bad_at = i;
-      return false;
-    }
-    if (s[i + 1] < lo || s[i + 1] > hi) {
-      bad_at = i;
-      return false;
-    }
-    for (std::size_t k = 2; k <= need; ++k)
-      if ((s[i + k] & 0xC0) != 0x80) {
-        bad_at = i;
-        return false;
-      }
-    i += need + 1;
-  }
-  return true;
-}
+// The header parser (a strict JSON scanner and the schema checks), which needs the types above.
+// ---- statedict/io/detail/safetensors_header.hpp ----
+// statedict: parsing a safetensors header with the reference reader's rules: a strict JSON scanner
+// (serde_json's grammar and recursion limit, duplicate keys found) and the schema checks, each
+// violation its own error id (io/safetensors.hpp is the public header).
+// SPDX-License-Identifier: MIT
 
-inline bool valid_utf8(std::string_view s) noexcept {
-  std::size_t bad = 0;
-  return valid_utf8(reinterpret_cast<const unsigned char*>(s.data()), s.size(), bad);
-}
+#include <locale.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+
+
+namespace statedict::inline v0::safetensors::detail {
+
+
+using statedict::detail::first_invalid_utf8;
+using statedict::detail::valid_utf8;
 
 // JSON text as serde_json writes it (the same as nlohmann's dump() for UTF-8).
 using statedict::detail::append_json_string;
@@ -6986,57 +6959,41 @@ inline void check_syntax(const char* first, std::uint64_t n, const limits& lim, 
   parse_json(first, static_cast<std::size_t>(n), s, where);
 }
 
-/// Name -> position index over names stored elsewhere (open addressing, linear probing): two
-/// 32-bit words per slot and no per-name allocation, so indexing 100k names stays cache-friendly.
+}  // namespace statedict::inline v0::safetensors::detail
+
+namespace statedict::inline v0 {
+namespace safetensors {
+
+namespace detail {
+
+/// Name -> position index over names stored elsewhere (core/hash_index.hpp): `names[i].name`.
 class name_index {
  public:
   static constexpr std::size_t npos = ~std::size_t{0};
 
   /// Prepares for `n` names.
   void reset(std::size_t n) {
-    std::size_t cap = 16;
-    while (cap < n * 2) cap <<= 1;
-    slots_.assign(cap, slot{0, 0});
-    mask_ = cap - 1;
+    index_.clear();
+    index_.reserve(n);
   }
   /// Adds names[i]; returns false when an equal name is already indexed.
   template <class Names>
   bool insert(const Names& names, std::size_t i) {
-    const std::string_view key = name_of(names[i]);
-    const std::size_t h = std::hash<std::string_view>{}(key);
-    const auto tag = static_cast<std::uint32_t>(h >> 32);
-    for (std::size_t k = h & mask_;; k = (k + 1) & mask_) {
-      slot& sl = slots_[k];
-      if (sl.pos == 0) {
-        sl = slot{static_cast<std::uint32_t>(i + 1), tag};
-        return true;
-      }
-      if (sl.tag == tag && name_of(names[sl.pos - 1]) == key) return false;
-    }
+    const std::string_view key = names[i].name;
+    const std::uint32_t h = hash_of(key);
+    if (index_.find(h, [&](std::uint32_t p) { return std::string_view(names[p].name) == key; }) != statedict::detail::hash_index::npos) return false;
+    index_.add(h, i);
+    return true;
   }
   template <class Names>
   [[nodiscard]] std::size_t find(const Names& names, std::string_view key) const {
-    if (slots_.empty()) return npos;
-    const std::size_t h = std::hash<std::string_view>{}(key);
-    const auto tag = static_cast<std::uint32_t>(h >> 32);
-    for (std::size_t k = h & mask_;; k = (k + 1) & mask_) {
-      const slot& sl = slots_[k];
-      if (sl.pos == 0) return npos;
-      if (sl.tag == tag && name_of(names[sl.pos - 1]) == key) return sl.pos - 1;
-    }
+    const std::uint32_t p = index_.find(hash_of(key), [&](std::uint32_t q) { return std::string_view(names[q].name) == key; });
+    return p == statedict::detail::hash_index::npos ? npos : p;
   }
 
  private:
-  struct slot {
-    std::uint32_t pos;  // index + 1; 0 = empty
-    std::uint32_t tag;  // high hash bits
-  };
-  template <class E>
-  static std::string_view name_of(const E& e) noexcept {
-    return e.name;
-  }
-  std::vector<slot> slots_;
-  std::size_t mask_ = 0;
+  static std::uint32_t hash_of(std::string_view s) noexcept { return statedict::detail::hash_index::mix(std::hash<std::string_view>{}(s)); }
+  statedict::detail::hash_index index_;
 };
 
 /// Everything `File` holds; shared by copies of a File.
@@ -7228,8 +7185,8 @@ class File {
     st.header_size = n;
     const Region hr = read_region(src, 8, n);
     const auto* h = reinterpret_cast<const unsigned char*>(hr.data);
-    std::size_t bad = 0;
-    if (!detail::valid_utf8(h, static_cast<std::size_t>(n), bad))
+    const std::size_t bad = detail::first_invalid_utf8(std::string_view(reinterpret_cast<const char*>(h), static_cast<std::size_t>(n)));
+    if (bad != std::string_view::npos)
       throw_error(errors::st_header_utf8, where, "header is not UTF-8 (bad byte at header offset " + std::to_string(bad) + ")");
     detail::header_parser p(lim, where);
     const char* first = reinterpret_cast<const char*>(h);
@@ -7473,168 +7430,7 @@ inline Layout layout(std::span<const TensorSpec> specs, const std::optional<std:
   return out;
 }
 
-/// One tensor to write: either a view, or contiguous row-major bytes in a byte source (a mapped or
-/// pread file; the writer then streams them in blocks, or with copy_file_range when possible).
-struct Input {
-  std::string name;
-  statedict::dtype dtype = statedict::dtype::F32;  ///< dtype of the data as given
-  shape_t shape;
-  TensorView view;                                 ///< the data, when `source` is null
-  std::shared_ptr<const ByteSource> source;        ///< or: the bytes at `offset` in this source
-  std::uint64_t offset = 0;
-
-  static Input of(std::string tensor_name, TensorView v) {
-    Input in;
-    in.name = std::move(tensor_name);
-    in.dtype = v.dtype();
-    in.shape = v.shape();
-    in.view = std::move(v);
-    return in;
-  }
-  static Input from_source(std::string tensor_name, statedict::dtype t, shape_t dims, std::shared_ptr<const ByteSource> src,
-                           std::uint64_t at) {
-    Input in;
-    in.name = std::move(tensor_name);
-    in.dtype = t;
-    in.shape = std::move(dims);
-    in.source = std::move(src);
-    in.offset = at;
-    return in;
-  }
-};
-
-struct write_options {
-  /// Cast floating-point tensors to this dtype (F32, BF16, F16, ...); other tensors keep theirs.
-  std::optional<statedict::dtype> cast;
-  /// The user's `__metadata__` (nullopt: none). Keys "statedict.*" are reserved.
-  std::optional<std::map<std::string, std::string>> metadata;
-  /// Further names for written tensors: (alias, stored name). Recorded under "statedict.aliases".
-  std::vector<std::pair<std::string, std::string>> aliases;
-  /// Inputs that are the very same view as an earlier input are written once and recorded as
-  /// aliases of it (tied weights). Not done when a skeleton is given (its alias nodes record ties).
-  bool dedupe_views = true;
-  /// A flatten skeleton to store under "statedict.skeleton" (null: none).
-  nlohmann::json skeleton;
-  /// Size of the staging buffer used for casts, strided views and pread sources. Small enough to
-  /// stay in a core's L2 cache between the cast and the write() that copies it out, which
-  /// measured ~2x faster than an 8 MiB buffer for an F32 -> BF16 conversion.
-  std::size_t buffer_bytes = std::size_t{256} << 10;
-  /// Let the kernel copy uncast bytes between files (copy_file_range) when the source has a file
-  /// descriptor. Off by default, as in the executor (exec_options::copy_file_range says why).
-  bool copy_file_range = false;
-  limits lim{};
-};
-
-/// What write() did.
-struct write_result {
-  Layout layout;
-  std::vector<TensorSpec> specs;  ///< the stored tensors (after dedupe and cast), as given to layout()
-  std::vector<std::pair<std::string, std::string>> aliases;
-  std::optional<std::map<std::string, std::string>> metadata;  ///< the `__metadata__` written
-};
-
 namespace detail {
-
-/// The output dtype of an input under `cast`.
-inline statedict::dtype out_dtype(statedict::dtype t, const std::optional<statedict::dtype>& cast) {
-  return cast && is_floating(t) ? *cast : t;
-}
-
-/// Streams bytes into an OutputFile through a fixed staging buffer.
-class stream_writer {
- public:
-  stream_writer(OutputFile& out, std::size_t buffer_bytes, bool allow_cfr)
-      : out_(out), buf_(std::max<std::size_t>(buffer_bytes, 4096)), cfr_(allow_cfr) {}
-
-  void flush() {
-    if (fill_) out_.write(std::span<const std::byte>(buf_.data(), fill_));
-    fill_ = 0;
-  }
-  /// Appends raw bytes (large ones go straight to the file).
-  void put(const std::byte* p, std::uint64_t n) {
-    if (n >= buf_.size() / 2) {
-      flush();
-      while (n > 0) {
-        const std::size_t take = static_cast<std::size_t>(std::min<std::uint64_t>(n, std::uint64_t{1} << 30));
-        out_.write(std::span<const std::byte>(p, take));
-        p += take;
-        n -= take;
-      }
-      return;
-    }
-    if (fill_ + n > buf_.size()) flush();
-    std::memcpy(buf_.data() + fill_, p, static_cast<std::size_t>(n));
-    fill_ += static_cast<std::size_t>(n);
-  }
-  /// Appends `count` elements cast from `from` to `to`.
-  void put_cast(statedict::dtype from, const std::byte* p, statedict::dtype to, std::uint64_t count) {
-    if (from == to) return put(p, count * itemsize(from));
-    const std::size_t os = itemsize(to), is = itemsize(from);
-    while (count > 0) {
-      std::size_t room = (buf_.size() - fill_) / os;
-      if (room == 0) {
-        flush();
-        room = buf_.size() / os;
-      }
-      const std::size_t take = static_cast<std::size_t>(std::min<std::uint64_t>(count, room));
-      cast_run(from, p, to, buf_.data() + fill_, take);
-      fill_ += take * os;
-      p += take * is;
-      count -= take;
-    }
-  }
-  /// Appends `n` bytes at `offset` of `src`, cast from `from` to `to` (n counts source bytes).
-  void put_source(const ByteSource& src, std::uint64_t offset, std::uint64_t n, statedict::dtype from, statedict::dtype to) {
-    src.check_range(offset, n, "tensor data");
-    if (n == 0) return;
-    if (from == to && cfr_ && src.fd() >= 0 && try_copy_file_range(src, offset, n)) return;
-    if (const std::byte* d = src.data()) {
-      if (const auto* f = dynamic_cast<const InputFile*>(&src)) f->advise(offset, n, access_hint::sequential);
-      return put_cast(from, d + offset, to, n / itemsize(from));
-    }
-    // pread into the first half of the buffer, cast into the second.
-    flush();
-    const std::size_t is = itemsize(from);
-    std::vector<std::byte> in(std::min<std::uint64_t>(n, std::max<std::size_t>(buf_.size() / 2 / is * is, is)));
-    while (n > 0) {
-      const std::size_t take = static_cast<std::size_t>(std::min<std::uint64_t>(n, in.size()));
-      src.read(offset, std::span<std::byte>(in.data(), take));
-      put_cast(from, in.data(), to, take / is);
-      offset += take;
-      n -= take;
-    }
-  }
-
- private:
-  bool try_copy_file_range(const ByteSource& src, std::uint64_t offset, std::uint64_t n) {
-    flush();
-    auto in_off = static_cast<loff_t>(src.fd_offset() + offset);
-    auto out_off = static_cast<loff_t>(out_.position());
-    std::uint64_t done = 0;
-    while (done < n) {
-      const ssize_t r = ::copy_file_range(src.fd(), &in_off, out_.fd(), &out_off,
-                                          static_cast<std::size_t>(std::min<std::uint64_t>(n - done, std::uint64_t{1} << 30)), 0);
-      if (r < 0) {
-        if (errno == EINTR) continue;
-        if (done == 0 && (errno == EXDEV || errno == ENOSYS || errno == EINVAL || errno == EOPNOTSUPP)) {
-          cfr_ = false;
-          return false;
-        }
-        throw_error(errors::write_failed, "file " + quote(out_.path().string()), "copy_file_range failed: " + statedict::detail::errno_text(errno));
-      }
-      if (r == 0)
-        throw_error(errors::file_shrank, "file " + quote(src.name()), "ended while copying, shorter than when opened");
-      done += static_cast<std::uint64_t>(r);
-    }
-    out_.seek(out_.position() + n);
-    return true;
-  }
-
-  OutputFile& out_;
-  std::vector<std::byte> buf_;
-  std::size_t fill_ = 0;
-  bool cfr_;
-};
 
 /// Rewrites the dtype of every floating-point tensor and view node of a flatten skeleton to `to`,
 /// so that the skeleton describes what a cast write stores. Iterative (any depth).
@@ -7655,172 +7451,7 @@ inline void cast_skeleton(nlohmann::json& skeleton, statedict::dtype to) {
   }
 }
 
-struct prepared {
-  std::vector<std::size_t> stored;  // indices of inputs to store
-  std::vector<TensorSpec> specs;    // their output specs, same order
-  std::vector<std::pair<std::string, std::string>> aliases;
-  std::optional<std::map<std::string, std::string>> metadata;
-};
-
-inline prepared prepare(std::span<const Input> inputs, const write_options& opt) {
-  prepared p;
-  if (opt.cast && !is_floating(*opt.cast))
-    throw_error(errors::st_write_input, "cast to " + std::string(name(*opt.cast)), "only floating dtypes are cast targets");
-  p.aliases = opt.aliases;
-  std::unordered_map<const std::byte*, std::vector<std::size_t>> by_ptr;
-  for (std::size_t i = 0; i < inputs.size(); ++i) {
-    const Input& in = inputs[i];
-    if (in.source == nullptr && (in.view.dtype() != in.dtype || in.view.shape() != in.shape))
-      throw_error(errors::st_write_input, where_tensor(in.name), "dtype/shape differ from its view's");
-    // With a skeleton, ties are the skeleton's business (its alias nodes): store what is given.
-    if (opt.dedupe_views && opt.skeleton.is_null() && in.source == nullptr && in.view.numel() != 0) {
-      auto& seen = by_ptr[in.view.data()];
-      bool dup = false;
-      for (std::size_t j : seen)
-        if (same_view(inputs[j].view, in.view)) {
-          p.aliases.emplace_back(in.name, inputs[j].name);
-          dup = true;
-          break;
-        }
-      if (dup) continue;
-      seen.push_back(i);
-    }
-    if (opt.cast) check_cast(in.dtype, out_dtype(in.dtype, opt.cast));
-    p.stored.push_back(i);
-    p.specs.push_back(TensorSpec{in.name, out_dtype(in.dtype, opt.cast), in.shape});
-  }
-  p.metadata = opt.metadata;
-  if (p.metadata)
-    for (const auto& [k, v] : *p.metadata)
-      if (k == aliases_key || k == skeleton_key)
-        throw_error(errors::st_write_metadata, "__metadata__ key " + quote(k), "reserved for statedict");
-  if (!p.aliases.empty()) {
-    std::unordered_set<std::string_view> stored;
-    for (const auto& s : p.specs) stored.insert(s.name);
-    nlohmann::ordered_json j = nlohmann::ordered_json::object();
-    for (const auto& [alias, target] : p.aliases) {
-      if (!stored.count(target))
-        throw_error(errors::st_write_input, "alias " + quote(alias), "refers to " + quote(target) + ", which is not written");
-      if (stored.count(alias) || j.contains(alias))
-        throw_error(errors::st_write_name, "alias " + quote(alias), "the name appears twice");
-      if (!valid_utf8(alias)) throw_error(errors::st_write_name, "alias " + quote(alias), "the name is not UTF-8");
-      j[alias] = target;
-    }
-    if (!p.metadata) p.metadata.emplace();
-    p.metadata->emplace(std::string(aliases_key), j.dump());
-  }
-  if (!opt.skeleton.is_null()) {
-    if (!p.metadata) p.metadata.emplace();
-    if (opt.cast) {
-      nlohmann::json sk = opt.skeleton;
-      cast_skeleton(sk, *opt.cast);
-      p.metadata->emplace(std::string(skeleton_key), sk.dump());
-    } else {
-      p.metadata->emplace(std::string(skeleton_key), opt.skeleton.dump());
-    }
-  }
-  return p;
-}
-
 }  // namespace detail
-
-/// Writes the tensors into an open output file, from its current position 0: header first, then
-/// each tensor's bytes in file order. Memory: one staging buffer (write_options::buffer_bytes).
-inline write_result write_to(OutputFile& out, std::span<const Input> inputs, const write_options& opt = {}) {
-  detail::prepared p = detail::prepare(inputs, opt);
-  write_result r;
-  r.layout = layout(p.specs, p.metadata, opt.lim);
-  detail::stream_writer w(out, opt.buffer_bytes, opt.copy_file_range);
-  w.put(reinterpret_cast<const std::byte*>(r.layout.header.data()), r.layout.header.size());
-  for (const LayoutEntry& e : r.layout.entries) {
-    const Input& in = inputs[p.stored[e.index]];
-    const statedict::dtype to = p.specs[e.index].dtype;
-    try {
-      if (in.source) {
-        w.put_source(*in.source, in.offset, byte_size(in.shape, itemsize(in.dtype)), in.dtype, to);
-      } else {
-        in.view.for_each_run([&](const std::byte* ptr, std::uint64_t count) { w.put_cast(in.dtype, ptr, to, count); });
-      }
-    } catch (error& err) {
-      err.add_context(detail::where_tensor(in.name));
-      throw;
-    }
-  }
-  w.flush();
-  if (out.position() != r.layout.file_size)
-    throw_error(errors::write_failed, "file " + quote(out.path().string()),
-                "wrote " + std::to_string(out.position()) + " bytes, expected " + std::to_string(r.layout.file_size));
-  r.specs = std::move(p.specs);
-  r.aliases = std::move(p.aliases);
-  r.metadata = std::move(p.metadata);
-  return r;
-}
-
-/// Writes a .safetensors file atomically (temporary name, fsync, rename).
-inline write_result write(const std::filesystem::path& path, std::span<const Input> inputs, const write_options& opt = {}) {
-  OutputFile out = OutputFile::create(path);
-  write_result r;
-  try {
-    r = write_to(out, inputs, opt);
-  } catch (error& e) {
-    e.add_context("file " + quote(path.string()));
-    throw;
-  }
-  out.commit();
-  return r;
-}
-
-/// Inputs for every tensor of a ShardedCheckpoint whose elements lie in one contiguous,
-/// row-major chunk of one source (what every safetensors file and HF shard is). Throws
-/// errors::st_write_input for a tensor split over several chunks (the executor handles those).
-inline std::vector<Input> inputs_of(const ShardedCheckpoint& c) {
-  std::vector<Input> out;
-  out.reserve(c.tensors.size());
-  for (const TensorInfo& t : c.tensors) {
-    bool whole = t.chunks.size() == 1 && t.chunks[0].at.strides.empty() && t.chunks[0].at.stored == t.dtype;
-    if (whole) {
-      const auto& reg = t.chunks[0].region;
-      if (const Box* b = std::get_if<Box>(&reg))
-        whole = b->sizes == t.shape && std::all_of(b->offsets.begin(), b->offsets.end(), [](dim_t o) { return o == 0; });
-      else {
-        const auto& fr = std::get<FlatRange>(reg);
-        whole = fr.begin == 0 && fr.end == numel(t.shape);
-      }
-    }
-    if (!whole)
-      throw_error(errors::st_write_input, detail::where_tensor(t.name), "is not one contiguous chunk of one source");
-    out.push_back(Input::from_source(t.name, t.dtype, t.shape, c.sources.at(t.chunks[0].at.source), t.chunks[0].at.byte_offset));
-  }
-  return out;
-}
-
-/// True when `state` is a plain dict {string name: tensor}, what a safetensors file holds without
-/// a skeleton.
-inline bool is_flat_tensor_dict(const Value& state) {
-  if (!state.is_dict()) return false;
-  for (const auto& [k, v] : state.as_dict())
-    if (!k.is_string() || !v.is_tensor()) return false;
-  return true;
-}
-
-/// Writes a whole state (model + optimizer + scalars + strings: any Value tree) into one file. A
-/// plain {name: tensor} dict becomes a plain file (entries that are the same view are written once
-/// and recorded as aliases); any other tree is flattened (core/flatten.hpp) and its skeleton stored
-/// under "statedict.skeleton", next to the user's metadata. `read_state` gives back an equal tree.
-inline write_result write_state(const std::filesystem::path& path, const Value& state, write_options opt = {}) {
-  std::vector<Input> in;
-  if (is_flat_tensor_dict(state)) {
-    in.reserve(state.as_dict().size());
-    for (const auto& [k, v] : state.as_dict()) in.push_back(Input::of(k.as_string(), v.as_tensor()));
-    return write(path, in, opt);
-  }
-  FlatStateDict flat = flatten(state);
-  in.reserve(flat.tensors.size());
-  for (const auto& [n, v] : flat.tensors) in.push_back(Input::of(n, v));
-  opt.skeleton = std::move(flat.skeleton).take_json();
-  opt.dedupe_views = false;  // ties are alias nodes of the skeleton already
-  return write(path, in, opt);
-}
 
 /// The Value tree a file holds: with a statedict skeleton, the tree that was written (unflatten);
 /// otherwise a flat dict {name: tensor} in file order, aliases resolved to views of their target.
@@ -7839,6 +7470,7 @@ inline Value read_state(const File& f) {
 
 }  // namespace safetensors
 }  // namespace statedict::inline v0
+
 // ---- statedict/io/hf_sharded.hpp ----
 // statedict: Hugging Face sharded safetensors checkpoints (a directory of shards and an index).
 // SPDX-License-Identifier: MIT
@@ -7847,11 +7479,10 @@ inline Value read_state(const File& f) {
 // `model.safetensors.index.json` = {"metadata": {"total_size": N, ...}, "weight_map": {tensor: file}};
 // a checkpoint that fits in one shard is a single `model.safetensors` and no index.
 //
-// Writing: `hf::write_sharded(dir, inputs, options)` splits with huggingface_hub's
-// `split_state_dict_into_shards_factory` rule (one greedy pass in input order; a tensor larger
-// than the maximum goes alone into a shard of its own, placed before the shard still open; sizes
-// in decimal units), writes every shard with the streaming safetensors writer, and makes the whole
-// directory appear atomically (io/file.hpp OutputDir).
+// Writing (formats/hf.hpp) splits with huggingface_hub's `split_state_dict_into_shards_factory`
+// rule, `plan_shards` here (one greedy pass in input order; a tensor larger than the maximum goes
+// alone into a shard of its own, placed before the shard still open; sizes in decimal units), and
+// writes the index with `index_json`.
 //
 // Reading: `hf::Checkpoint::open(dir or index file)` validates the index against the shards
 // (every weight_map entry is in its file, no tensor in two files, no tensor missing from the index,
@@ -8112,98 +7743,6 @@ inline std::string index_json(std::uint64_t total_size, const std::map<std::stri
   }
   out += first ? "}\n}" : "\n  }\n}";
   return out;
-}
-
-struct write_options {
-  std::uint64_t max_shard_size = default_max_shard_size;
-  /// Cast floating-point tensors to this dtype; sizes are computed after the cast.
-  std::optional<statedict::dtype> cast;
-  /// The user's metadata: in the index when sharded, in the file (after "format": "pt") when not.
-  std::map<std::string, std::string> metadata;
-  /// Further names for written tensors: (alias, stored name), recorded in the stored tensor's shard.
-  std::vector<std::pair<std::string, std::string>> aliases;
-  bool dedupe_views = true;
-  /// A flatten skeleton: in the index metadata under "statedict.skeleton" when sharded, in the file
-  /// when not.
-  nlohmann::json skeleton;
-  std::size_t buffer_bytes = std::size_t{256} << 10;
-  bool copy_file_range = false;  ///< as safetensors::write_options::copy_file_range
-};
-
-struct write_result {
-  ShardPlan plan;
-  std::vector<std::string> files;  ///< written file names, index last when sharded
-  std::vector<std::pair<std::string, std::string>> aliases;
-};
-
-/// Writes a Hugging Face checkpoint directory atomically: `dir` appears complete or not at all
-/// (an existing `dir` is replaced in one step).
-inline write_result write_sharded(const std::filesystem::path& dir, std::span<const safetensors::Input> inputs,
-                                  const write_options& opt = {}) {
-  namespace st = safetensors;
-  st::write_options base;
-  base.cast = opt.cast;
-  base.aliases = opt.aliases;
-  base.dedupe_views = opt.dedupe_views;
-  base.skeleton = opt.skeleton;  // (a skeleton turns deduplication off: its alias nodes record ties)
-  // Dedupe and cast once over the whole state, so that aliases are not counted as tensors.
-  st::detail::prepared p = st::detail::prepare(inputs, base);
-  std::vector<ShardItem> items;
-  items.reserve(p.specs.size());
-  for (const auto& s : p.specs) items.push_back(ShardItem{s.name, byte_size(s.shape, itemsize(s.dtype)), std::nullopt});
-  write_result r;
-  r.plan = plan_shards(items, opt.max_shard_size);
-  r.aliases = p.aliases;
-  const bool sharded = r.plan.is_sharded();
-
-  std::unordered_map<std::string_view, std::size_t> shard_of;
-  for (std::size_t k = 0; k < r.plan.shards.size(); ++k)
-    for (std::size_t i : r.plan.shards[k].items) shard_of.emplace(p.specs[i].name, k);
-
-  OutputDir out = OutputDir::create(dir);
-  for (std::size_t k = 0; k < r.plan.shards.size(); ++k) {
-    const auto& shard = r.plan.shards[k];
-    std::vector<st::Input> sub;
-    sub.reserve(shard.items.size());
-    for (std::size_t i : shard.items) sub.push_back(inputs[p.stored[i]]);
-    st::write_options o;
-    o.cast = opt.cast;
-    o.dedupe_views = false;
-    o.buffer_bytes = opt.buffer_bytes;
-    o.copy_file_range = opt.copy_file_range;
-    std::map<std::string, std::string> md{{"format", "pt"}};
-    if (!sharded) {
-      for (const auto& [key, v] : opt.metadata) md[key] = v;
-      o.skeleton = opt.skeleton;
-    }
-    o.metadata = std::move(md);
-    for (const auto& a : p.aliases)
-      if (shard_of.at(a.second) == k) o.aliases.push_back(a);
-    OutputFile f = out.create_file(shard.filename);
-    try {
-      (void)st::write_to(f, sub, o);
-    } catch (error& e) {
-      e.add_context("file " + quote(shard.filename));
-      throw;
-    }
-    f.commit();
-    r.files.push_back(shard.filename);
-  }
-  if (sharded) {
-    std::vector<std::pair<std::string, std::string>> weight_map;
-    weight_map.reserve(p.specs.size());
-    for (const auto& shard : r.plan.shards)
-      for (std::size_t i : shard.items) weight_map.emplace_back(p.specs[i].name, shard.filename);
-    std::map<std::string, std::string> md = opt.metadata;
-    if (!opt.skeleton.is_null()) md[std::string(st::skeleton_key)] = opt.skeleton.dump();
-    const std::string text = index_json(r.plan.total_size, md, weight_map);
-    OutputFile f = out.create_file(std::string(index_name));
-    f.write(text);
-    f.commit();
-    r.files.emplace_back(index_name);
-  }
-  out.commit();
-  return r;
 }
 
 struct open_options {
@@ -9750,37 +9289,7 @@ namespace detail {
 /// Validates UTF-8 as Python's decoder with "surrogatepass" does (surrogate code points encoded
 /// as three bytes are accepted, overlong forms and values beyond U+10FFFF are not).
 inline bool valid_utf8(std::string_view s) noexcept {
-  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
-  const auto* end = p + s.size();
-  while (p < end) {
-    if (end - p >= 8) {  // eight ASCII bytes at a time (names are mostly ASCII)
-      std::uint64_t w;
-      std::memcpy(&w, p, 8);
-      if ((w & 0x8080808080808080ULL) == 0) {
-        p += 8;
-        continue;
-      }
-    }
-    const unsigned c = *p;
-    if (c < 0x80) {
-      ++p;
-      continue;
-    }
-    std::size_t n = 0;
-    std::uint32_t cp = 0, min = 0;
-    if ((c & 0xE0) == 0xC0) n = 1, cp = c & 0x1F, min = 0x80;
-    else if ((c & 0xF0) == 0xE0) n = 2, cp = c & 0x0F, min = 0x800;
-    else if ((c & 0xF8) == 0xF0) n = 3, cp = c & 0x07, min = 0x10000;
-    else return false;
-    if (static_cast<std::size_t>(end - p) <= n) return false;
-    for (std::size_t i = 1; i <= n; ++i) {
-      if ((p[i] & 0xC0) != 0x80) return false;
-      cp = (cp << 6) | (p[i] & 0x3FU);
-    }
-    if (cp < min || cp > 0x10FFFF) return false;
-    p += n + 1;
-  }
-  return true;
+  return statedict::detail::first_invalid_utf8(s, statedict::detail::utf8_surrogates::allowed) == std::string_view::npos;
 }
 
 /// Decodes UTF-8 (already validated) into code points; false if any is above `max`.
@@ -9843,6 +9352,38 @@ inline std::string opcode_name(unsigned char op) {
   return s;
 }
 }  // namespace detail
+
+}  // namespace pickle
+}  // namespace statedict::inline v0
+
+// The reader itself (the opcode machine), which needs the types above.
+// ---- statedict/io/detail/pickle_reader.hpp ----
+// statedict: the unpickler's machine: a flat node table built opcode by opcode, then turned into
+// Values (io/pickle_read.hpp is the public header, and says what becomes what).
+// SPDX-License-Identifier: MIT
+
+#include <algorithm>
+#include <bit>
+#include <charconv>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <new>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+
+
+namespace statedict::inline v0::pickle {
 
 namespace detail {
 /// A growable array of a trivially copyable type whose append is one store once room is checked
@@ -10760,6 +10301,38 @@ class Reader {
   std::vector<Attributes> attributes_;
 };
 
+}  // namespace statedict::inline v0::pickle
+
+// Args and the opcode loop, which need the whole Reader.
+// ---- statedict/io/detail/pickle_opcodes.hpp ----
+// statedict: the unpickler's opcode loop (Reader::run) and the arguments view registered functions
+// read (Args); io/pickle_read.hpp is the public header.
+// SPDX-License-Identifier: MIT
+
+
+#include <algorithm>
+#include <bit>
+#include <charconv>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <new>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+
+
+namespace statedict::inline v0::pickle {
+
 /// The arguments of a call (or the items of a persistent id) as the reader holds them: kinds,
 /// scalars, strings as views of the input, the Values of registered functions' results and
 /// persistent ids, tuples of ints. For fast_fn; valid only during that call. Reading an argument
@@ -11132,6 +10705,11 @@ inline Result Reader::run() {
   }
 }
 
+}  // namespace statedict::inline v0::pickle
+
+namespace statedict::inline v0 {
+namespace pickle {
+
 namespace detail {
 inline const List& one_sequence_arg(Call& c, std::size_t max_args = 1) {
   static const List empty;
@@ -11234,6 +10812,7 @@ inline Result load(std::span<const std::byte> bytes, const options& opts = {}) {
 
 }  // namespace pickle
 }  // namespace statedict::inline v0
+
 // ---- statedict/io/pickle_write.hpp ----
 // statedict: a pickler for Value trees (protocol 2, the protocol torch.save uses).
 // SPDX-License-Identifier: MIT
@@ -11663,8 +11242,8 @@ inline std::vector<std::byte> dumps(const Value& v, const std::vector<Attributes
 // and its strides; no tensor byte is read (for a pread source the views point into reserved,
 // inaccessible address space, used only for offset arithmetic).
 //
-// Writing (`torch::save`, `torch::plan_save` + `torch::PlannedWriter`): a file torch.load reads
-// back equal to the tree, written the way torch.save writes it (see the writer section below).
+// Writing: io/torch_save.hpp plans a file the way torch.save writes it (`plan_save`,
+// `PlannedWriter`); formats/torch.hpp streams the bytes (`torch::save`, `formats::write_torch`).
 
 #include <sys/mman.h>
 
@@ -11781,21 +11360,61 @@ struct File {
 /// What a file looks like from its first bytes.
 enum class file_kind : std::uint8_t { zip, legacy, legacy_tar, unknown };
 
-inline file_kind detect(const ByteSource& src) {
-  if (src.size() < 4) return file_kind::unknown;
-  std::byte b[4];
-  src.read(0, b);
-  const auto u = [&](int i) { return std::to_integer<unsigned>(b[i]); };
+/// What a file is, from its first bytes (`head`, at least 4 of them when the file has them; the
+/// tar check needs 262) and its size.
+inline file_kind kind_of(std::span<const std::byte> head, std::uint64_t size) {
+  if (size < 4 || head.size() < 4) return file_kind::unknown;
+  const auto u = [&](std::size_t i) { return std::to_integer<unsigned>(head[i]); };
   if (u(0) == 'P' && u(1) == 'K' && u(2) == 3 && u(3) == 4) return file_kind::zip;
   // Legacy: PROTO 2, then LONG1 of the 10-byte magic number 0x1950a86a20f9469cfc6c.
   if (u(0) == 0x80 && u(1) == 0x02 && u(2) == 0x8a && u(3) == 0x0a) return file_kind::legacy;
-  if (src.size() >= 512) {
-    std::byte t[8];
-    src.read(257, t);
-    if (std::memcmp(t, "ustar", 5) == 0) return file_kind::legacy_tar;
-  }
+  if (size >= 512 && head.size() >= 262 && std::memcmp(head.data() + 257, "ustar", 5) == 0) return file_kind::legacy_tar;
   return file_kind::unknown;
 }
+
+inline file_kind detect(const ByteSource& src) {
+  std::byte b[262];
+  const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(src.size(), sizeof b));
+  src.peek(0, std::span<std::byte>(b, n));
+  return kind_of(std::span<const std::byte>(b, n), src.size());
+}
+
+}  // namespace torch
+}  // namespace statedict::inline v0
+
+// The reader (zip and legacy layouts, the torch globals of the unpickler), which needs the types above.
+// ---- statedict/io/detail/torch_read.hpp ----
+// statedict: reading torch.save files: the torch globals of the unpickler (tensor rebuilds,
+// storages), the zip layout (PyTorch >= 1.6) and the legacy layout (io/torch_file.hpp is the
+// public header).
+// SPDX-License-Identifier: MIT
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <thread>
+#include <tuple>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+
+
+namespace statedict::inline v0::torch {
 
 namespace detail {
 
@@ -12560,6 +12179,11 @@ inline File read_any(std::shared_ptr<const ByteSource> src, const load_options& 
 
 }  // namespace detail
 
+}  // namespace statedict::inline v0::torch
+
+namespace statedict::inline v0 {
+namespace torch {
+
 /// Reads a torch.save file: the tree with zero-copy tensors, attributes, storages.
 inline File read(std::shared_ptr<const ByteSource> source, const load_options& opts = {}) {
   return detail::read_any(std::move(source), opts, false);
@@ -12650,13 +12274,53 @@ inline ShardedCheckpoint describe(const File& file) {
   return ck;
 }
 
+/// Reads a file for describing it: under pread the tensor views point into reserved address
+/// space (their offsets only), so no tensor byte is read; under mmap they point into the mapping.
+inline File read_lazily(std::shared_ptr<const ByteSource> source, const load_options& opts = {}) {
+  return detail::read_any(std::move(source), opts, true);
+}
+
 /// Describes a torch.save file without reading any tensor byte (inspect).
 inline ShardedCheckpoint describe(std::shared_ptr<const ByteSource> source, const load_options& opts = {}) {
-  return describe(detail::read_any(std::move(source), opts, true));
+  return describe(read_lazily(std::move(source), opts));
 }
 inline ShardedCheckpoint describe(const std::filesystem::path& path, const load_options& opts = {}) {
   return describe(InputFile::open(path, opts.mode), opts);
 }
+
+}  // namespace torch
+}  // namespace statedict::inline v0
+// ---- statedict/io/torch_save.hpp ----
+// statedict: planning torch.save files: the pickle, the zip layout and where every storage goes,
+// before a byte is written; PlannedWriter writes the framing around storages filled by positioned
+// writes (the executor's path, formats/torch.hpp).
+// SPDX-License-Identifier: MIT
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <thread>
+#include <tuple>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+
+
+namespace statedict::inline v0 {
+namespace torch {
 
 // =============================================================================================
 // Writing
@@ -12683,9 +12347,6 @@ struct save_options {
   std::vector<pickle::Attributes> attributes;
   pickle::write_options pickle{};
   zip::write_options zip{};
-  /// Bytes copied per write call when streaming storages (bounded memory; no buffer is allocated
-  /// when the source is in memory or mapped).
-  std::uint64_t block_bytes = std::uint64_t{1} << 20;
 };
 
 /// torch's archive name for a path: the basename without its last extension
@@ -12719,7 +12380,10 @@ struct PlannedStorage {
 
 /// One tensor of a planned file: which storage, where in it.
 struct PlannedTensor {
-  std::string name;  ///< dotted path (empty for tensors inside kept objects)
+  std::string name;  ///< dotted path (empty for tensors inside kept objects, and for a bare root tensor)
+  /// One of the tensors of the described checkpoint (plan_save(ShardedCheckpoint)): destination()
+  /// places these, whatever their name.
+  bool described = false;
   std::size_t storage = 0;
   std::uint64_t offset = 0;  ///< storage offset, in elements
   statedict::dtype dtype = statedict::dtype::F32;
@@ -12745,7 +12409,7 @@ struct SavePlan {
   /// Byte range [first, first + nbytes) of storage `i` in the output file.
   [[nodiscard]] std::uint64_t storage_offset(std::size_t i) const { return layout.entries[storages[i].record].data_offset; }
 
-  /// Where every named tensor's elements go in the output: the planner's destination layout
+  /// Where every described tensor's elements go in the output: the planner's destination layout
   /// (shard/plan.hpp make_plan), one destination (the output file, `file_size()` bytes) and one
   /// chunk per tensor at its byte offset, contiguous. Tensors the skeleton makes views or aliases
   /// of another are not listed: their bytes are their base's.
@@ -12754,7 +12418,7 @@ struct SavePlan {
     d.names.push_back(std::move(name));
     d.sizes.push_back(file_size());
     for (const PlannedTensor& t : tensors) {
-      if (t.name.empty()) continue;
+      if (!t.described) continue;
       TensorInfo ti;
       ti.name = t.name;
       ti.dtype = t.dtype;
@@ -13049,12 +12713,12 @@ inline SavePlan plan_save(const ShardedCheckpoint& ck, save_options opts) {
     const std::byte* p = named[i].second.data();
     auto it = std::upper_bound(starts.begin(), starts.end(), p,
                                [](const std::byte* x, const auto& e) { return std::less<const std::byte*>()(x, e.first); });
-    if (it == starts.begin()) continue;  // not written (cannot happen for a valid skeleton)
+    const bool found = it != starts.begin() && static_cast<std::uint64_t>(p - std::prev(it)->first) <= plan.storages[std::prev(it)->second].nbytes;
+    if (!found) throw_error(errors::pt_unwritable, "tensor " + quote(named[i].first), "has no storage in the planned file");
     --it;
-    const PlannedStorage& s = plan.storages[it->second];
-    if (static_cast<std::uint64_t>(p - it->first) > s.nbytes) continue;
     PlannedTensor t;
     t.name = named[i].first;
+    t.described = true;
     t.storage = it->second;
     t.offset = static_cast<std::uint64_t>(p - it->first) / itemsize(named[i].second.dtype());
     t.dtype = named[i].second.dtype();
@@ -13067,49 +12731,6 @@ inline SavePlan plan_save(const ShardedCheckpoint& ck, save_options opts) {
     s.owner.reset();
   }
   return plan;
-}
-
-/// Writes a planned file sequentially into `out` (from its current position): headers, records
-/// and storages in file order, CRCs computed on the way, `block_bytes` at a time.
-inline void write_plan(OutputFile& out, const SavePlan& plan, std::uint64_t block_bytes = std::uint64_t{1} << 20) {
-  zip::Writer zw(out, plan.layout);
-  for (const auto& r : plan.records) {
-    zw.begin_entry();
-    if (!r.storage) {
-      zw.write(r.bytes);
-    } else {
-      const PlannedStorage& s = plan.storages[*r.storage];
-      if (s.nbytes && !s.source)
-        throw_error(errors::pt_unwritable, "storage " + quote(s.key) + " has no source bytes; fill it with a PlannedWriter");
-      for (std::uint64_t off = 0; off < s.nbytes; off += block_bytes) {
-        const std::uint64_t n = std::min(block_bytes, s.nbytes - off);
-        zw.write(std::span<const std::byte>(s.source + off, static_cast<std::size_t>(n)));
-      }
-    }
-    zw.end_entry();
-  }
-  zw.finish();
-}
-
-/// Writes `tree` as a torch.save file at `path`, atomically (temporary name, fsync, rename),
-/// streaming: no buffer holds more than the pickle and one block.
-inline void save(const std::filesystem::path& path, const Value& tree, save_options opts = {}) {
-  if (opts.archive_name.empty()) opts.archive_name = archive_name_for(path.filename());
-  const SavePlan plan = plan_save(tree, opts);
-  OutputFile out = OutputFile::create(path);
-  try {
-    write_plan(out, plan, opts.block_bytes);
-    out.commit();
-  } catch (error& e) {
-    e.add_context("file " + quote(path.string()));
-    throw;
-  }
-}
-
-/// Writes a File read earlier (its attributes included) to `path`.
-inline void save(const std::filesystem::path& path, const File& file, save_options opts = {}) {
-  if (opts.attributes.empty()) opts.attributes = file.attributes;
-  save(path, file.value, std::move(opts));
 }
 
 /// A torch.save file filled by positioned writes, in any order and from several threads: the
@@ -13157,16 +12778,6 @@ class PlannedWriter {
     const std::size_t si = std::prev(it)->second;
     report_crc(si, file_offset - plan_.storage_offset(si), length, crc);
   }
-  /// Copies every storage that has source bytes (a plan made from a tree of real tensors).
-  void fill_from_sources(std::uint64_t block_bytes = std::uint64_t{1} << 20) {
-    for (std::size_t i = 0; i < plan_.storages.size(); ++i) {
-      const PlannedStorage& s = plan_.storages[i];
-      if (!s.source) continue;
-      for (std::uint64_t off = 0; off < s.nbytes; off += block_bytes)
-        write(i, off, std::span<const std::byte>(s.source + off, static_cast<std::size_t>(std::min(block_bytes, s.nbytes - off))));
-    }
-  }
-
   /// Completes the archive and gives it its final name.
   void finish() {
     out_.resize(plan_.layout.total_size);  // storages nobody wrote read back as zeros
@@ -13312,6 +12923,16 @@ inline std::uint64_t region_numel(const ChunkRegion& r) {
 inline shape_t region_shape(const ChunkRegion& r) {
   if (const auto* b = std::get_if<Box>(&r)) return b->sizes;
   return shape_t{detail::i64(std::get<FlatRange>(r).size())};
+}
+
+/// True when the region holds every element of a tensor of `shape` (a whole box, or the whole
+/// flat range).
+inline bool covers_whole(const ChunkRegion& r, std::span<const dim_t> shape) {
+  if (const Box* b = std::get_if<Box>(&r))
+    return std::equal(b->sizes.begin(), b->sizes.end(), shape.begin(), shape.end()) &&
+           std::all_of(b->offsets.begin(), b->offsets.end(), [](dim_t o) { return o == 0; });
+  const auto& f = std::get<FlatRange>(r);
+  return f.begin == 0 && f.end == numel(shape);
 }
 
 /// `inner` lies inside `outer` (same rank). An empty inner box lies inside any box of its rank.
@@ -14926,40 +14547,46 @@ inline void merge_ops(std::vector<CopyOp>& ops) {
 
 }  // namespace detail
 
-/// Plans the copies that lay `src`'s tensors out as `dst` describes (see the top of this file).
-/// Every tensor of `dst` must exist in `src` with the same shape (dtypes may differ: the values are
-/// cast exactly). `src.sources` must hold a ByteSource for every source id used.
-inline Plan make_plan(const ShardedCheckpoint& src, const Destination& dst, const plan_options& opt = {}) {
-  Plan plan;
-  for (const auto& s : src.sources) {
-    if (!s) throw_error(errors::bad_source_id, "checkpoint", "a byte source is missing (null)");
-    plan.source_names.push_back(s->name());
-    plan.source_sizes.push_back(s->size());
-  }
-  plan.destination_names = dst.names;
-  const auto nd = static_cast<std::uint32_t>(dst.names.size());
-  plan.destination_sizes.assign(nd, 0);
-  for (std::uint32_t d = 0; d < nd && d < dst.sizes.size(); ++d) plan.destination_sizes[d] = dst.sizes[d];
-  plan.tensors = dst.tensors;
+namespace detail {
 
-  std::unordered_map<std::string_view, std::size_t> seen;
-  std::uint64_t raw_ops = 0;
-  for (std::uint32_t ti = 0; ti < plan.tensors.size(); ++ti) {
+/// make_plan's work for one tensor at a time: the checked source pieces, the checked destination
+/// pieces, the tiling of each destination piece by source pieces (copy operations) and the replica
+/// comparisons.
+class tensor_planner {
+ public:
+  tensor_planner(const ShardedCheckpoint& src, const Destination& dst, const plan_options& opt, Plan& out)
+      : src_(src), dst_(dst), opt_(opt), plan(out), nd(static_cast<std::uint32_t>(dst.names.size())) {}
+
+  void add(std::uint32_t ti) {
     const TensorInfo& t = plan.tensors[ti];
     auto ctx = [&] { return "tensor " + quote(t.name); };  // built only for errors
-    if (!seen.emplace(t.name, ti).second) throw_error(errors::duplicate_tensor, ctx(), "listed twice in the destination");
-    const TensorInfo* s = src.find(t.name);
-    if (!s) throw_error(errors::missing_tensor, ctx(), "is not in the source checkpoint (" + src.format + ")");
+    if (!seen_.emplace(t.name, ti).second) throw_error(errors::duplicate_tensor, ctx(), "listed twice in the destination");
+    const TensorInfo* s = src_.find(t.name);
+    if (!s) throw_error(errors::missing_tensor, ctx(), "is not in the source checkpoint (" + src_.format + ")");
     if (s->shape != t.shape)
       throw_error(errors::tensor_shape_mismatch, ctx(),
                   "has shape " + to_string(s->shape) + " in the source but " + to_string(t.shape) + " in the destination");
     if (t.shape.size() > max_placement_rank)
       throw_error(errors::too_many_dims, ctx(), "rank " + std::to_string(t.shape.size()) + " exceeds " +
                                                   std::to_string(max_placement_rank));
-    const Box whole = full_box(t.shape);
+    std::vector<std::pair<SrcPiece, SrcPiece>> replicas;  // (kept piece, its replica)
+    std::uint64_t max_len = 0;
+    const std::vector<SrcPiece> kept = sources(*s, t, replicas, max_len);
+    const std::vector<DstPiece> dpieces = destinations(*s, t);
+    tile(ti, *s, t, kept, max_len, dpieces);
+    compare(ti, *s, t, replicas);
+  }
 
-    // Source pieces, checked, in preference order; identical regions are replicas.
-    std::vector<detail::SrcPiece> pieces;
+ private:
+  /// The source pieces of `s` (its chunks' mapped boxes), checked, without replicas (identical
+  /// regions after the first in preference order, kept in `replicas` when they are checked),
+  /// sorted by linear extent; `max_len` is the longest extent.
+  std::vector<SrcPiece> sources(const TensorInfo& s_ref, const TensorInfo& t, std::vector<std::pair<SrcPiece, SrcPiece>>& replicas,
+                                std::uint64_t& max_len) {
+    const TensorInfo* s = &s_ref;
+    const ShardedCheckpoint& src = src_;
+    auto ctx = [&] { return "tensor " + quote(t.name); };
+    std::vector<SrcPiece> pieces;
     for (std::uint32_t ci = 0; ci < s->chunks.size(); ++ci) {
       const Chunk& c = s->chunks[ci];
       auto what = [&] { return ctx() + " source chunk " + std::to_string(ci); };  // built only for errors
@@ -14982,7 +14609,7 @@ inline Plan make_plan(const ShardedCheckpoint& src, const Destination& dst, cons
                     "needs bytes [" + std::to_string(c.at.byte_offset) + ", +" + std::to_string(ext) + ") of " +
                         quote(plan.source_names[c.at.source]) + ", which has " + std::to_string(size));
       for (auto& m : boxes) {
-        detail::SrcPiece p;
+        SrcPiece p;
         p.lin = linear_extent(m.box, t.shape);
         p.m = std::move(m);
         p.chunk = ci;
@@ -14992,29 +14619,35 @@ inline Plan make_plan(const ShardedCheckpoint& src, const Destination& dst, cons
         pieces.push_back(std::move(p));
       }
     }
-    std::stable_sort(pieces.begin(), pieces.end(), [](const detail::SrcPiece& a, const detail::SrcPiece& b) {
-      if (detail::box_less(a.m.box, b.m.box)) return true;
-      if (detail::box_less(b.m.box, a.m.box)) return false;
+    std::stable_sort(pieces.begin(), pieces.end(), [](const SrcPiece& a, const SrcPiece& b) {
+      if (box_less(a.m.box, b.m.box)) return true;
+      if (box_less(b.m.box, a.m.box)) return false;
       return std::tie(a.source, a.byte_offset, a.chunk) < std::tie(b.source, b.byte_offset, b.chunk);
     });
-    std::vector<detail::SrcPiece> kept;
-    std::vector<std::pair<detail::SrcPiece, detail::SrcPiece>> replicas;  // (kept piece, its replica)
+    std::vector<SrcPiece> kept;
     for (auto& p : pieces) {
       if (!kept.empty() && kept.back().m.box == p.m.box) {
-        if (opt.check_replicas) replicas.emplace_back(kept.back(), std::move(p));
+        if (opt_.check_replicas) replicas.emplace_back(kept.back(), std::move(p));
         continue;
       }
       kept.push_back(std::move(p));
     }
     // Candidate lookup by linear extent; the cover's preference is (source, offset).
-    std::sort(kept.begin(), kept.end(), [](const detail::SrcPiece& a, const detail::SrcPiece& b) {
+    std::sort(kept.begin(), kept.end(), [](const SrcPiece& a, const SrcPiece& b) {
       return std::tie(a.lin.begin, a.source, a.byte_offset, a.chunk) < std::tie(b.lin.begin, b.source, b.byte_offset, b.chunk);
     });
-    std::uint64_t max_len = 0;
     for (const auto& p : kept) max_len = std::max(max_len, p.lin.size());
+    return kept;
+  }
 
-    // Destination pieces, checked.
-    std::vector<detail::DstPiece> dpieces;
+  /// The destination pieces of `t` (its chunks' mapped boxes), checked: inside their destination,
+  /// castable from the source dtype, covering the tensor when the plan requires it.
+  std::vector<DstPiece> destinations(const TensorInfo& s_ref, const TensorInfo& t) {
+    const TensorInfo* s = &s_ref;
+    const Destination& dst = dst_;
+    auto ctx = [&] { return "tensor " + quote(t.name); };
+    const Box whole = full_box(t.shape);
+    std::vector<DstPiece> dpieces;
     dtype last_checked_stored = dtype::F32;
     for (std::uint32_t ci = 0; ci < t.chunks.size(); ++ci) {
       const Chunk& c = t.chunks[ci];
@@ -15043,24 +14676,32 @@ inline Plan make_plan(const ShardedCheckpoint& src, const Destination& dst, cons
       }
       if (c.at.stored != last_checked_stored || ci == 0) {
         try {
-          (void)detail::cast_chain(s->dtype, s->dtype, t.dtype, c.at.stored);
+          (void)cast_chain(s->dtype, s->dtype, t.dtype, c.at.stored);
         } catch (error& e) {
           e.add_context(ctx());
           throw;
         }
         last_checked_stored = c.at.stored;
       }
-      for (auto& m : boxes) dpieces.push_back(detail::DstPiece{std::move(m), ci});
+      for (auto& m : boxes) dpieces.push_back(DstPiece{std::move(m), ci});
     }
-    if (opt.require_full_destination) {
+    if (opt_.require_full_destination) {
       std::vector<Box> dboxes;
       for (const auto& p : dpieces) dboxes.push_back(p.m.box);
       if (auto issue = cover(whole, dboxes, true))
         throw_error(errors::destination_uncovered, ctx(),
                     "element " + to_string(issue->index) + " is in no destination chunk");
     }
+    return dpieces;
+  }
 
-    // Tile every destination piece with the source pieces it needs.
+  /// Tiles every destination piece with the source pieces it needs: the copy operations.
+  void tile(std::uint32_t ti, const TensorInfo& s_ref, const TensorInfo& t, const std::vector<SrcPiece>& kept, std::uint64_t max_len,
+            const std::vector<DstPiece>& dpieces) {
+    const TensorInfo* s = &s_ref;
+    const Destination& dst = dst_;
+    const plan_options& opt = opt_;
+    auto ctx = [&] { return "tensor " + quote(t.name); };
     std::vector<std::size_t> cand;
     std::vector<Box> cand_boxes;
     std::vector<CoverTile> tiles;
@@ -15074,7 +14715,7 @@ inline Plan make_plan(const ShardedCheckpoint& src, const Destination& dst, cons
       cand_boxes.clear();
       const std::uint64_t from = dl.begin > max_len ? dl.begin - max_len : 0;
       auto it = std::lower_bound(kept.begin(), kept.end(), from,
-                                 [](const detail::SrcPiece& p, std::uint64_t v) { return p.lin.begin < v; });
+                                 [](const SrcPiece& p, std::uint64_t v) { return p.lin.begin < v; });
       for (; it != kept.end() && it->lin.begin < dl.end; ++it) {
         if (it->lin.end <= dl.begin) continue;
         if (!intersect(it->m.box, dp.m.box)) continue;
@@ -15096,14 +14737,14 @@ inline Plan make_plan(const ShardedCheckpoint& src, const Destination& dst, cons
         const auto& b = kept[cand[issue->second]];
         throw_error(errors::source_overlap, ctx(),
                     "element " + to_string(issue->index) + " is in two source chunks that are not replicas: chunk " +
-                        std::to_string(a.chunk) + " (" + detail::where_in(plan.source_names, a.source, a.byte_offset) +
+                        std::to_string(a.chunk) + " (" + where_in(plan.source_names, a.source, a.byte_offset) +
                         ") and chunk " + std::to_string(b.chunk) + " (" +
-                        detail::where_in(plan.source_names, b.source, b.byte_offset) + ")");
+                        where_in(plan.source_names, b.source, b.byte_offset) + ")");
       }
       for (const CoverTile& tile : tiles) {
         const auto& sp = kept[cand[tile.which]];
         if (!have_chain || chain_key.first != sp.stored || chain_key.second != dc.at.stored) {
-          chain = detail::cast_chain(sp.stored, s->dtype, t.dtype, dc.at.stored);
+          chain = cast_chain(sp.stored, s->dtype, t.dtype, dc.at.stored);
           chain_key = {sp.stored, dc.at.stored};
           have_chain = true;
         }
@@ -15132,12 +14773,17 @@ inline Plan make_plan(const ShardedCheckpoint& src, const Destination& dst, cons
         });
       }
     }
+  }
 
-    // Replica comparisons: each dropped replica against the kept piece with the same box.
+  /// Replica comparisons: each dropped replica against the kept piece with the same box.
+  void compare(std::uint32_t ti, const TensorInfo& s_ref, const TensorInfo& t, const std::vector<std::pair<SrcPiece, SrcPiece>>& replicas) {
+    const TensorInfo* s = &s_ref;
+    const plan_options& opt = opt_;
+    auto ctx = [&] { return "tensor " + quote(t.name); };
     for (const auto& pair : replicas) {
-      const detail::SrcPiece& kp = pair.first;
-      const detail::SrcPiece& rp = pair.second;
-      (void)detail::cast_chain(rp.stored, s->dtype, s->dtype, s->dtype);
+      const SrcPiece& kp = pair.first;
+      const SrcPiece& rp = pair.second;
+      (void)cast_chain(rp.stored, s->dtype, s->dtype, s->dtype);
       for_each_storage_run(kp.m.box, kp.m, rp.m, [&](const StorageRuns& r) {
         if (++raw_ops > opt.max_ops)
           throw_error(errors::too_many_ops, ctx(), "more than " + std::to_string(opt.max_ops) + " operations");
@@ -15159,6 +14805,35 @@ inline Plan make_plan(const ShardedCheckpoint& src, const Destination& dst, cons
       });
     }
   }
+
+  const ShardedCheckpoint& src_;
+  const Destination& dst_;
+  const plan_options& opt_;
+  Plan& plan;
+  std::uint32_t nd;
+  std::unordered_map<std::string_view, std::size_t> seen_;
+  std::uint64_t raw_ops = 0;
+};
+
+}  // namespace detail
+
+/// Plans the copies that lay `src`'s tensors out as `dst` describes (see the top of this file).
+/// Every tensor of `dst` must exist in `src` with the same shape (dtypes may differ: the values are
+/// cast exactly). `src.sources` must hold a ByteSource for every source id used.
+inline Plan make_plan(const ShardedCheckpoint& src, const Destination& dst, const plan_options& opt = {}) {
+  Plan plan;
+  for (const auto& s : src.sources) {
+    if (!s) throw_error(errors::bad_source_id, "checkpoint", "a byte source is missing (null)");
+    plan.source_names.push_back(s->name());
+    plan.source_sizes.push_back(s->size());
+  }
+  plan.destination_names = dst.names;
+  const auto nd = static_cast<std::uint32_t>(dst.names.size());
+  plan.destination_sizes.assign(nd, 0);
+  for (std::uint32_t d = 0; d < nd && d < dst.sizes.size(); ++d) plan.destination_sizes[d] = dst.sizes[d];
+  plan.tensors = dst.tensors;
+  detail::tensor_planner tp(src, dst, opt, plan);
+  for (std::uint32_t ti = 0; ti < plan.tensors.size(); ++ti) tp.add(ti);
   detail::merge_ops(plan.ops);
   if (opt.verify) verify(plan);
   return plan;
@@ -15244,6 +14919,7 @@ inline bool in_part(const Plan& plan, std::uint32_t d, PartSpec p) { return assi
 //                 copy_file_range fast path; optional CRC-32 of byte regions (zip records),
 //                 computed from whatever order the pieces are written in (crc32_combine)
 //   MemorySink    a growable in-memory buffer (tests, small outputs)
+//   SpanSink      a caller's buffer of fixed size (exec/read.hpp)
 //   Crc32Sink     only the CRC-32 of everything written, any order, nothing stored
 //   Sha256Sink    only the SHA-256 of everything written; an *ordered* sink: the executor hands it
 //                 bytes in increasing offsets from one thread (`inspect --hash`)
@@ -15407,6 +15083,17 @@ class FileSink final : public Sink {
   detail::crc_regions crc_;
 };
 
+namespace detail {
+/// Copies `bytes` to [offset, offset + bytes.size()) of `to`; throws sink_overflow past its end.
+inline void copy_into(std::span<std::byte> to, std::uint64_t offset, std::span<const std::byte> bytes, const std::string& sink) {
+  if (offset > to.size() || bytes.size() > to.size() - offset)
+    throw_error(errors::sink_overflow, "sink " + quote(sink),
+                "write of " + std::to_string(bytes.size()) + " bytes at " + std::to_string(offset) + " past its " +
+                    std::to_string(to.size()) + " bytes");
+  if (!bytes.empty()) std::memcpy(to.data() + offset, bytes.data(), bytes.size());
+}
+}  // namespace detail
+
 /// An in-memory destination. reserve() sizes it (zero-filled); writes beyond its size throw.
 class MemorySink final : public Sink {
  public:
@@ -15414,13 +15101,7 @@ class MemorySink final : public Sink {
     bytes_.resize(static_cast<std::size_t>(size));
   }
   [[nodiscard]] const std::string& name() const noexcept override { return name_; }
-  void write(std::uint64_t offset, std::span<const std::byte> bytes) override {
-    if (offset > bytes_.size() || bytes.size() > bytes_.size() - offset)
-      throw_error(errors::sink_overflow, "sink " + quote(name_),
-                  "write of " + std::to_string(bytes.size()) + " bytes at " + std::to_string(offset) + " past its " +
-                      std::to_string(bytes_.size()) + " bytes");
-    if (!bytes.empty()) std::memcpy(bytes_.data() + offset, bytes.data(), bytes.size());
-  }
+  void write(std::uint64_t offset, std::span<const std::byte> bytes) override { detail::copy_into(bytes_, offset, bytes, name_); }
   void reserve(std::uint64_t size) override {
     if (size > bytes_.size()) bytes_.resize(static_cast<std::size_t>(size));
   }
@@ -15430,6 +15111,23 @@ class MemorySink final : public Sink {
  private:
   std::string name_;
   std::vector<std::byte> bytes_;
+};
+
+/// A caller's buffer of fixed size, not owned. Writes beyond it throw.
+class SpanSink final : public Sink {
+ public:
+  SpanSink(std::string name, std::span<std::byte> bytes) : name_(std::move(name)), bytes_(bytes) {}
+  [[nodiscard]] const std::string& name() const noexcept override { return name_; }
+  void write(std::uint64_t offset, std::span<const std::byte> bytes) override { detail::copy_into(bytes_, offset, bytes, name_); }
+  void reserve(std::uint64_t size) override {
+    if (size > bytes_.size())
+      throw_error(errors::sink_overflow, "sink " + quote(name_),
+                  "needs " + std::to_string(size) + " bytes, has " + std::to_string(bytes_.size()));
+  }
+
+ private:
+  std::string name_;
+  std::span<std::byte> bytes_;
 };
 
 /// The CRC-32 of a destination of `reserve()`d size, from writes in any order; nothing is stored.
@@ -16322,6 +16020,525 @@ inline std::vector<std::pair<std::string, std::string>> sha256_tensors(const Sha
 }
 
 }  // namespace statedict::inline v0
+// ---- statedict/exec/read.hpp ----
+// statedict: random access to one tensor of any (sharded) checkpoint, without consolidating the rest.
+// SPDX-License-Identifier: MIT
+//
+// `read_elements(ck, t, begin, end, as, out)` copies elements [begin, end) of tensor `t` (its
+// row-major flat index) into a caller buffer, converted to `as`. Only the chunks that hold those
+// elements are read, through the planner (coverage proven) and the executor (bounded memory), so
+// the time is that of the bytes asked for plus the description that open() already built. The
+// helpers read whole tensors, rows (dim-0 slices) or an owning Tensor.
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+
+namespace statedict::inline v0 {
+
+namespace errors {
+// clang-format off
+inline constexpr error_id read_range  {657, error_kind::usage, "exec.read_range"};
+inline constexpr error_id read_buffer {658, error_kind::usage, "exec.read_buffer"};
+// clang-format on
+}  // namespace errors
+
+/// Elements [begin, end) of tensor `t` of `ck` (row-major flat index), converted to `as` (any cast
+/// core/cast.hpp has), into `out`, which must hold exactly (end - begin) * itemsize(as) bytes.
+inline void read_elements(const ShardedCheckpoint& ck, const TensorInfo& t, std::uint64_t begin, std::uint64_t end, dtype as,
+                          std::span<std::byte> out, const exec_options& opt = {}) {
+  const std::uint64_t n = numel(t.shape);
+  if (begin > end || end > n)
+    throw_error(errors::read_range, "tensor " + quote(t.name),
+                "elements [" + std::to_string(begin) + ", " + std::to_string(end) + ") of " + std::to_string(n));
+  const std::uint64_t bytes = checked_mul(end - begin, itemsize(as), "read size");
+  if (out.size() != bytes)
+    throw_error(errors::read_buffer, "tensor " + quote(t.name),
+                "a buffer of " + std::to_string(out.size()) + " bytes for " + std::to_string(bytes) + " bytes of elements");
+  if (bytes == 0) return;
+  Destination d;
+  d.names.push_back(t.name);
+  d.sizes.push_back(bytes);
+  TensorInfo x{t.name, as, t.shape, {}};
+  x.chunks.push_back(Chunk{FlatRange{begin, end}, Placement{0, 0, {}, as}});
+  d.tensors.push_back(std::move(x));
+  plan_options po;
+  po.require_full_destination = false;
+  const Plan plan = make_plan(ck, d, po);
+  SpanSink sink(t.name, out);
+  std::vector<Sink*> sinks{&sink};
+  exec_options e = opt;
+  e.progress = {};
+  (void)execute(plan, ck, sinks, e);
+}
+
+/// The tensor named `name` (throws errors::missing_tensor when there is none).
+inline const TensorInfo& tensor_named(const ShardedCheckpoint& ck, std::string_view name) {
+  const TensorInfo* t = ck.find(name);
+  if (!t) throw_error(errors::missing_tensor, "tensor " + quote(name), "is not in the checkpoint (" + ck.format + ")");
+  return *t;
+}
+
+/// Rows [row_begin, row_end) of tensor `name` (a slice along dim 0; a 0-d tensor has one row) into
+/// `out`, converted to `as` (default: the tensor's dtype).
+inline void read_rows(const ShardedCheckpoint& ck, std::string_view name, std::uint64_t row_begin, std::uint64_t row_end,
+                      std::span<std::byte> out, std::optional<dtype> as = std::nullopt, const exec_options& opt = {}) {
+  const TensorInfo& t = tensor_named(ck, name);
+  const std::uint64_t rows = t.shape.empty() ? 1 : static_cast<std::uint64_t>(t.shape[0]);
+  if (row_begin > row_end || row_end > rows)
+    throw_error(errors::read_range, "tensor " + quote(t.name),
+                "rows [" + std::to_string(row_begin) + ", " + std::to_string(row_end) + ") of " + std::to_string(rows));
+  const std::uint64_t per_row = rows == 0 ? 0 : numel(t.shape) / rows;
+  read_elements(ck, t, row_begin * per_row, row_end * per_row, as.value_or(t.dtype), out, opt);
+}
+
+/// All of tensor `name`, as an owning contiguous Tensor (converted to `as` when given).
+inline Tensor read_tensor(const ShardedCheckpoint& ck, std::string_view name, std::optional<dtype> as = std::nullopt,
+                          const exec_options& opt = {}) {
+  const TensorInfo& t = tensor_named(ck, name);
+  Tensor x(as.value_or(t.dtype), t.shape);
+  read_elements(ck, t, 0, numel(t.shape), x.dtype(), std::span<std::byte>(x.data(), static_cast<std::size_t>(x.nbytes())), opt);
+  return x;
+}
+
+}  // namespace statedict::inline v0
+// ---- statedict/exec/compare.hpp ----
+// statedict: compare every tensor and value of two checkpoints, whatever their formats and
+// layouts, in bounded memory (what `statedict verify` runs).
+// SPDX-License-Identifier: MIT
+//
+// Exact comparisons hash both sides first (exec/digest.hpp, one pass over each) and read elements
+// only for tensors whose digests differ, to name the first differing element. With a tolerance,
+// floating tensors are compared block by block in F64. Tensors only on one side, shapes, dtypes and
+// non-tensor values (the skeletons' leaves) are compared too.
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+
+namespace statedict::inline v0 {
+
+/// How compare() judges elements and how much it reports.
+struct compare_options {
+  /// With rtol or atol > 0, floating elements a and b are equal when |a - b| <= atol + rtol * |b|
+  /// (compared in F64; NaN equals NaN), and floating dtypes may differ between the two sides.
+  double rtol = 0;
+  double atol = 0;
+  exec_options exec{};
+  /// Differences listed in full; the rest are counted in `omitted`.
+  std::size_t max_report = 20;
+  /// Elements per comparison block.
+  std::uint64_t block_elements = std::uint64_t{1} << 19;
+};
+
+/// What compare() found.
+struct comparison {
+  /// One line per difference ("tensor 'w': element [3, 1] differs (A 1, B 2)").
+  std::vector<std::string> differences;
+  std::size_t omitted = 0;
+  std::size_t tensors = 0;  ///< tensors present on both sides
+  std::size_t values = 0;   ///< non-tensor values present on both sides
+  [[nodiscard]] bool equal() const { return differences.empty() && omitted == 0; }
+};
+
+namespace detail {
+
+/// Elements [begin, end) of `t`, converted to `as`, in a fresh buffer.
+inline std::vector<std::byte> read_block(const ShardedCheckpoint& ck, const TensorInfo& t, std::uint64_t begin, std::uint64_t end,
+                                         dtype as, const exec_options& exec) {
+  std::vector<std::byte> out(static_cast<std::size_t>((end - begin) * itemsize(as)));
+  read_elements(ck, t, begin, end, as, out, exec);
+  return out;
+}
+
+inline std::string index_of(std::uint64_t flat, const shape_t& shape) {
+  shape_t idx(shape.size());
+  for (std::size_t i = shape.size(); i-- > 0;) {
+    const auto n = static_cast<std::uint64_t>(shape[i]);
+    idx[i] = static_cast<dim_t>(flat % n);
+    flat /= n;
+  }
+  return to_string(idx);
+}
+
+inline double as_double(const std::byte* p) {
+  double d;
+  std::memcpy(&d, p, sizeof d);
+  return d;
+}
+
+inline std::string fmt(double d) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.9g", d);
+  return buf;
+}
+
+}  // namespace detail
+
+/// Compares A and B: the same tensor names, shapes and dtypes (with a tolerance, floating dtypes
+/// may differ: values are compared in F64), elements equal (exactly; or |a - b| <= atol + rtol *
+/// |b|, NaN matching NaN), and the same non-tensor values.
+inline comparison compare(const ShardedCheckpoint& A, const ShardedCheckpoint& B, const compare_options& opt = {}) {
+  comparison r;
+  auto report = [&](std::string s) {
+    if (r.differences.size() < opt.max_report) r.differences.push_back(std::move(s));
+    else ++r.omitted;
+  };
+  const bool tolerant = opt.rtol > 0 || opt.atol > 0;
+
+  // Tensors present on both sides with the same shape; which need an element comparison.
+  std::vector<std::pair<const TensorInfo*, const TensorInfo*>> exact, approx;
+  for (const auto& ta : A.tensors) {
+    const TensorInfo* tb = B.find(ta.name);
+    if (!tb) {
+      report("tensor " + quote(ta.name) + ": only in A");
+      continue;
+    }
+    ++r.tensors;
+    if (ta.shape != tb->shape) {
+      report("tensor " + quote(ta.name) + ": shape " + to_string(ta.shape) + " in A, " + to_string(tb->shape) + " in B");
+      continue;
+    }
+    if (ta.dtype != tb->dtype && !(tolerant && is_floating(ta.dtype) && is_floating(tb->dtype))) {
+      report("tensor " + quote(ta.name) + ": dtype " + std::string(name(ta.dtype)) + " in A, " +
+             std::string(name(tb->dtype)) + " in B");
+      continue;
+    }
+    if (tolerant && is_floating(ta.dtype)) approx.emplace_back(&ta, tb);
+    else exact.emplace_back(&ta, tb);
+  }
+  for (const auto& tb : B.tensors)
+    if (!A.find(tb.name)) report("tensor " + quote(tb.name) + ": only in B");
+
+  // Exact: digests first (one pass over each side), then the first differing element of each
+  // tensor whose digests differ.
+  if (!exact.empty()) {
+    std::vector<std::string> names;
+    for (const auto& p : exact) names.push_back(p.first->name);
+    const auto ha = sha256_tensors(A, opt.exec, names);
+    const auto hb = sha256_tensors(B, opt.exec, names);
+    for (std::size_t i = 0; i < exact.size(); ++i) {
+      if (ha[i].second == hb[i].second) continue;
+      const TensorInfo& ta = *exact[i].first;
+      const TensorInfo& tb = *exact[i].second;
+      const std::uint64_t n = numel(ta.shape);
+      const std::size_t item = itemsize(ta.dtype);
+      std::string where = "the digests differ";
+      for (std::uint64_t b = 0; b < n; b += opt.block_elements) {
+        const std::uint64_t e = std::min(n, b + opt.block_elements);
+        const auto xa = detail::read_block(A, ta, b, e, ta.dtype, opt.exec);
+        const auto xb = detail::read_block(B, tb, b, e, ta.dtype, opt.exec);
+        if (std::memcmp(xa.data(), xb.data(), xa.size()) == 0) continue;
+        std::uint64_t k = 0;
+        while (std::memcmp(xa.data() + k * item, xb.data() + k * item, item) == 0) ++k;
+        where = "element " + detail::index_of(b + k, ta.shape) + " differs";
+        if (is_floating(ta.dtype) && can_cast(ta.dtype, dtype::F64)) {
+          double va = 0, vb = 0;
+          cast_run(ta.dtype, xa.data() + k * item, dtype::F64, reinterpret_cast<std::byte*>(&va), 1);
+          cast_run(ta.dtype, xb.data() + k * item, dtype::F64, reinterpret_cast<std::byte*>(&vb), 1);
+          where += " (A " + detail::fmt(va) + ", B " + detail::fmt(vb) + ")";
+        }
+        break;
+      }
+      report("tensor " + quote(ta.name) + ": " + where);
+    }
+  }
+
+  // With a tolerance: both sides in F64, block by block.
+  for (const auto& [ta, tb] : approx) {
+    const std::uint64_t n = numel(ta->shape);
+    std::uint64_t bad = 0;
+    std::string first;
+    for (std::uint64_t b = 0; b < n; b += opt.block_elements) {
+      const std::uint64_t e = std::min(n, b + opt.block_elements);
+      const auto xa = detail::read_block(A, *ta, b, e, dtype::F64, opt.exec);
+      const auto xb = detail::read_block(B, *tb, b, e, dtype::F64, opt.exec);
+      for (std::uint64_t k = 0; k < e - b; ++k) {
+        const double va = detail::as_double(xa.data() + k * 8), vb = detail::as_double(xb.data() + k * 8);
+        const bool same = (std::isnan(va) && std::isnan(vb)) || va == vb ||
+                          (std::isfinite(va) && std::isfinite(vb) && std::fabs(va - vb) <= opt.atol + opt.rtol * std::fabs(vb));
+        if (same) continue;
+        if (bad++ == 0)
+          first = "element " + detail::index_of(b + k, ta->shape) + " (A " + detail::fmt(va) + ", B " + detail::fmt(vb) + ")";
+      }
+    }
+    if (bad) report("tensor " + quote(ta->name) + ": " + std::to_string(bad) + " element(s) beyond rtol/atol, first " + first);
+  }
+
+  // Values.
+  std::map<std::string, Value> va, vb;
+  if (!A.skeleton.is_null())
+    for (auto& [n, v] : skeleton_values(A.skeleton)) va.emplace(n, std::move(v));
+  if (!B.skeleton.is_null())
+    for (auto& [n, v] : skeleton_values(B.skeleton)) vb.emplace(n, std::move(v));
+  for (const auto& [n, v] : va) {
+    auto it = vb.find(n);
+    if (it == vb.end()) {
+      report("value " + quote(n) + ": only in A");
+      continue;
+    }
+    ++r.values;
+    if (!(v == it->second)) report("value " + quote(n) + ": " + value_json(v).dump() + " in A, " + value_json(it->second).dump() + " in B");
+  }
+  for (const auto& [n, v] : vb)
+    if (!va.count(n)) report("value " + quote(n) + ": only in B");
+  return r;
+}
+
+}  // namespace statedict::inline v0
+// ---- statedict/core/subset.hpp ----
+// statedict: subsets of a skeleton (`convert --only PREFIX`): the part a path filter selects, with
+// aliases and views of dropped tensors turned into tensors of their own.
+// SPDX-License-Identifier: MIT
+
+#include <functional>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+
+namespace statedict::inline v0 {
+
+namespace detail {
+inline json view_node(std::string_view base, const ViewSpec& s) {
+  if (s.shape.size() != s.strides.size()) throw_error(errors::flat_view_bounds, "a view's shape and strides have different lengths");
+  return view_node(base, s.dtype, s.offset, s.shape.data(), s.strides.data(), s.shape.size());
+}
+}  // namespace detail
+
+/// A tensor of a subset skeleton: its name there, the map name of the tensor its elements come
+/// from, and, when it was a view of a tensor the subset dropped, which elements (`view`).
+struct SubsetTensor {
+  std::string name;
+  std::string source;
+  std::optional<ViewSpec> view;
+  friend bool operator==(const SubsetTensor&, const SubsetTensor&) = default;
+};
+
+struct SkeletonSubset {
+  nlohmann::json skeleton;
+  std::vector<SubsetTensor> tensors;  ///< in the order of the new skeleton's tensor nodes
+};
+
+/// A predicate over node paths.
+using PathFilter = std::function<bool(const Path&)>;
+
+/// Keeps a node when its dotted name equals a prefix or continues it at a '.' boundary
+/// ("model.layers.1" keeps "model.layers.1.w" but not "model.layers.10.w"; a prefix ending in '.'
+/// keeps everything below it). An empty prefix keeps everything.
+inline PathFilter name_prefix_filter(std::vector<std::string> prefixes) {
+  return [prefixes = std::move(prefixes)](const Path& p) {
+    const std::string d = dotted(p);
+    for (const auto& pre : prefixes) {
+      if (pre.empty() || d == pre) return true;
+      if (d.size() > pre.size() && d.compare(0, pre.size(), pre) == 0 && (pre.back() == '.' || d[pre.size()] == '.'))
+        return true;
+    }
+    return false;
+  };
+}
+
+/// The part of a skeleton that `keep` selects (docs/flatten.md, "Subsets"): a leaf (or empty
+/// container) is kept when keep(path) is true; a container is kept when something below it is;
+/// an opaque object is kept whole or not at all. Dropped list and tuple elements before a kept
+/// one become None, so kept elements keep their index. An alias or view_of whose target tensor
+/// was dropped becomes a tensor node of its own (its listing name), with `source`/`view` saying
+/// where its elements come from. The result's tensor nodes are listed in `tensors`.
+inline SkeletonSubset skeleton_subset(const nlohmann::json& skeleton, const PathFilter& keep) {
+  using json = nlohmann::json;
+  using ev = detail::skeleton_cursor::ev;
+  using detail::snode;
+  // Pass 1: decide, for every node in pre-order, whether it is kept.
+  struct node {
+    std::size_t parent;
+    std::size_t end;  // one past the last node of its subtree
+    snode kind;
+    bool kept;
+  };
+  std::vector<node> nodes;
+  std::vector<std::size_t> open;  // indices of enclosing containers
+  constexpr std::size_t none = static_cast<std::size_t>(-1);
+  detail::walk_skeleton(skeleton, [&](const detail::skeleton_cursor::event& e, const Path& p, detail::skeleton_cursor&) {
+    if (e.type == ev::leave) {
+      node& c = nodes[open.back()];
+      c.end = nodes.size();
+      if (c.end == open.back() + 1) c.kept = keep(p);  // an empty container
+      open.pop_back();
+      return;
+    }
+    nodes.push_back({open.empty() ? none : open.back(), nodes.size() + 1, e.node.kind, false});
+    if (e.type == ev::enter) open.push_back(nodes.size() - 1);
+    else nodes.back().kept = keep(p);
+  });
+  for (std::size_t i = nodes.size(); i-- > 0;)
+    if (nodes[i].kept && nodes[i].parent != none) nodes[nodes[i].parent].kept = true;
+  if (!nodes.empty()) nodes[0].kept = true;  // the root always stays
+  for (std::size_t i = 0; i < nodes.size(); ++i)
+    if (nodes[i].kind == snode::object && nodes[i].kept)
+      for (std::size_t j = i + 1; j < nodes[i].end; ++j) nodes[j].kept = true;
+
+  // Tensor-like nodes: names, and which map names survive as tensor nodes.
+  std::vector<detail::tensorish> tl = detail::list_tensorish(skeleton);
+  std::unordered_map<std::string, const json*> declared;  // map name -> its tensor node
+  for (const auto& t : tl)
+    if (t.kind == snode::tensor) declared.emplace(t.target, t.node);
+
+  // Pass 2: rebuild.
+  SkeletonSubset out;
+  std::unordered_set<std::string> kept_tensors;
+  std::unordered_map<std::string, std::string> promoted;  // dropped map name -> new name
+  json root;
+  std::vector<json*> stack;
+  std::size_t idx = 0, tidx = 0;
+  detail::walk_skeleton(skeleton, [&](const detail::skeleton_cursor::event& e, const Path& path, detail::skeleton_cursor& cur) {
+    if (e.type == ev::leave) {
+      stack.pop_back();
+      return;
+    }
+    const std::size_t me = idx++;
+    const bool tensorish = e.node.kind == snode::tensor || e.node.kind == snode::alias || e.node.kind == snode::view;
+    const detail::tensorish* t = tensorish ? &tl[tidx++] : nullptr;
+    if (!nodes[me].kept) {
+      if (e.type == ev::enter) {
+        // Skip the subtree, staying aligned with `nodes` and `tl`; the matching leave pops a null.
+        for (std::size_t j = me + 1; j < nodes[me].end; ++j)
+          if (nodes[j].kind == snode::tensor || nodes[j].kind == snode::alias || nodes[j].kind == snode::view) ++tidx;
+        idx = nodes[me].end;
+        stack.push_back(nullptr);
+        cur.skip();
+      }
+      return;
+    }
+    json* slot = &root;
+    if (!stack.empty()) {
+      json& parent = *stack.back();
+      switch (e.slot) {
+        case detail::slot_kind::index: {
+          json& arr = parent.begin().value();
+          while (arr.size() < e.index) arr.push_back(nullptr);
+          slot = &arr.emplace_back();
+          break;
+        }
+        case detail::slot_kind::dict: {
+          json& arr = parent["dict"];
+          json pair = json::array_t(2);
+          pair[0] = detail::encode_key(path.back());  // walk_skeleton moved e.key there
+          arr.push_back(std::move(pair));
+          slot = &arr.back()[1];
+          break;
+        }
+        case detail::slot_kind::args: slot = &parent["object"]["args"].emplace_back(); break;
+        case detail::slot_kind::state: slot = &parent["object"]["state"].emplace_back(); break;
+        case detail::slot_kind::items: slot = &parent["object"]["items"].emplace_back(); break;
+        case detail::slot_kind::root: break;
+      }
+    }
+    if (e.type == ev::enter) {
+      json c(json::value_t::object);
+      switch (e.node.kind) {
+        case snode::list: c["list"] = json::array(); break;
+        case snode::tuple: c["tuple"] = json::array(); break;
+        case snode::dict: c["dict"] = json::array(); break;
+        default: {
+          const Object o = detail::decode_object_header(*e.node.body);
+          json body(json::value_t::object);
+          body["module"] = detail::encode_string(o.module);
+          body["name"] = detail::encode_string(o.name);
+          body["how"] = std::string(detail::how_name(o.how));
+          body["args"] = json::array();
+          body["state"] = json::array();
+          body["items"] = json::array();
+          c["object"] = std::move(body);
+          break;
+        }
+      }
+      *slot = std::move(c);
+      stack.push_back(slot);
+      return;
+    }
+    if (!t) {
+      *slot = *e.node.node;  // a scalar leaf: a small, flat JSON value
+      return;
+    }
+    auto add = [&](const std::string& name, const std::string& source, std::optional<ViewSpec> view) {
+      out.tensors.push_back({name, source, std::move(view)});
+      kept_tensors.insert(name);
+    };
+    if (t->kind == snode::tensor) {
+      *slot = *e.node.node;
+      add(t->target, t->target, std::nullopt);
+      return;
+    }
+    auto it = declared.find(t->target);
+    if (it == declared.end())
+      throw_error(errors::flat_bad_alias, "target " + quote(t->target) + " is not declared by a tensor node");
+    std::string live;  // the name under which the target's elements are in the subset
+    if (kept_tensors.count(t->target)) live = t->target;
+    else if (auto pr = promoted.find(t->target); pr != promoted.end()) live = pr->second;
+    if (t->kind == snode::alias) {
+      if (!live.empty()) {
+        *slot = detail::alias_node(live);
+        return;
+      }
+      json n(json::value_t::object);
+      n["tensor"] = t->name;
+      n["dtype"] = it->second->at("dtype");
+      n["shape"] = it->second->at("shape");
+      *slot = std::move(n);
+      add(t->name, t->target, std::nullopt);
+      promoted.emplace(t->target, t->name);
+      return;
+    }
+    ViewSpec spec = detail::decode_view(e.node);
+    if (!live.empty()) {
+      *slot = detail::view_node(live, spec);
+      return;
+    }
+    json n(json::value_t::object);
+    n["tensor"] = t->name;
+    n["dtype"] = std::string(statedict::name(spec.dtype));
+    n["shape"] = detail::shape_json(spec.shape);
+    *slot = std::move(n);
+    add(t->name, t->target, std::move(spec));
+  });
+  out.skeleton = json::object();
+  out.skeleton["statedict_skeleton"] = 1;
+  out.skeleton["root"] = std::move(root);
+  return out;
+}
+
+/// The part of a flat state dict that `keep` selects (see skeleton_subset): its tensors are views
+/// of the input's, never copies.
+inline FlatStateDict select(const FlatStateDict& flat, const PathFilter& keep) {
+  SkeletonSubset s = skeleton_subset(flat.skeleton, keep);
+  std::unordered_map<std::string_view, const TensorView*> index;
+  index.reserve(flat.tensors.size());
+  for (const auto& [n, v] : flat.tensors) index.emplace(n, &v);
+  FlatStateDict out;
+  out.tensors.reserve(s.tensors.size());
+  for (auto& t : s.tensors) {
+    auto it = index.find(t.source);
+    if (it == index.end()) throw_error(errors::flat_missing_tensor, "tensor " + quote(t.source) + " is not in the tensor map");
+    out.tensors.emplace_back(std::move(t.name), t.view ? view_into(*it->second, *t.view) : *it->second);
+  }
+  out.skeleton = std::move(s.skeleton);
+  return out;
+}
+
+}  // namespace statedict::inline v0
 // ---- statedict/core/optim.hpp ----
 // statedict: optimizer state dicts: re-key `state` between int parameter ids and parameter names.
 // SPDX-License-Identifier: MIT
@@ -16653,6 +16870,470 @@ inline Value by_id(const Value& named, const options& opt = {}) {
 
 }  // namespace optim
 }  // namespace statedict::inline v0
+// ---- statedict/shard/views.hpp ----
+// statedict: tensors in memory (views, with any strides) as a ShardedCheckpoint, so that writing a
+// tree of tensors goes through the same planner and executor as writing any described checkpoint.
+// SPDX-License-Identifier: MIT
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+
+
+namespace statedict::inline v0 {
+
+/// Appends `view` to `ck` as tensor `name`: one chunk, in a MemorySource over exactly the bytes the
+/// view spans (kept alive by the view's owner), with the view's strides.
+inline TensorInfo& add_view(ShardedCheckpoint& ck, std::string name, const TensorView& view) {
+  const auto src = static_cast<std::uint32_t>(ck.sources.size());
+  ck.sources.push_back(std::make_shared<MemorySource>(name, view.data(), view.extent_bytes(), view.owner()));
+  TensorInfo& t = ck.tensors.emplace_back();
+  t.name = std::move(name);
+  t.dtype = view.dtype();
+  t.shape = view.shape();
+  Chunk& c = t.chunks.emplace_back();
+  c.region = Box{shape_t(view.rank(), 0), view.shape()};
+  c.at.source = src;
+  c.at.byte_offset = 0;
+  if (!view.is_contiguous()) c.at.strides = view.strides();
+  c.at.stored = view.dtype();
+  return t;
+}
+
+/// Appends tensor `name` stored contiguously, row-major, at `offset` of `source`.
+inline TensorInfo& add_stored(ShardedCheckpoint& ck, std::string name, dtype stored, shape_t shape, std::shared_ptr<const ByteSource> source,
+                              std::uint64_t offset) {
+  const auto src = static_cast<std::uint32_t>(ck.sources.size());
+  ck.sources.push_back(std::move(source));
+  TensorInfo& t = ck.tensors.emplace_back();
+  t.name = std::move(name);
+  t.dtype = stored;
+  t.shape = std::move(shape);
+  Chunk& c = t.chunks.emplace_back();
+  c.region = Box{shape_t(t.shape.size(), 0), t.shape};
+  c.at.source = src;
+  c.at.byte_offset = offset;
+  c.at.stored = stored;
+  return t;
+}
+
+/// A flat checkpoint of named views (null skeleton, format "memory").
+inline ShardedCheckpoint describe_views(const NamedTensors& tensors) {
+  ShardedCheckpoint ck;
+  ck.format = "memory";
+  ck.sources.reserve(tensors.size());
+  ck.tensors.reserve(tensors.size());
+  for (const auto& [n, v] : tensors) add_view(ck, n, v);
+  return ck;
+}
+
+}  // namespace statedict::inline v0
+// ---- statedict/formats/format.hpp ----
+// statedict: the format plug-in interface, and the options every format shares.
+// SPDX-License-Identifier: MIT
+//
+// A checkpoint layout (safetensors, torch.save, DCP, DeepSpeed, ...) is one class derived from
+// Format, in one header under formats/: detect() says from content whether an input is that
+// layout (and why, or what it looked for instead), describe() turns it into the ShardedCheckpoint
+// every writer consumes, and save() writes one where the layout can be written. The registry
+// (formats/registry.hpp) lists them; open() and save() go through it. A format's own options (its
+// caps on hostile input, its switches) travel in open_options::settings / save_options::settings
+// by type, so adding a format adds no field here.
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <typeindex>
+#include <typeinfo>
+#include <utility>
+#include <vector>
+
+
+namespace statedict::inline v0 {
+
+namespace errors {
+// clang-format off
+inline constexpr error_id unknown_format  {790, error_kind::format, "detect.unknown_format"};
+inline constexpr error_id no_such_path    {791, error_kind::usage,  "detect.no_such_path"};
+inline constexpr error_id no_such_format  {795, error_kind::usage,  "formats.no_such_format"};
+inline constexpr error_id cannot_write    {796, error_kind::usage,  "formats.cannot_write"};
+inline constexpr error_id output_unclear  {797, error_kind::usage,  "formats.output_unclear"};
+inline constexpr error_id bad_save_option {798, error_kind::usage,  "formats.bad_save_option"};
+// clang-format on
+}  // namespace errors
+
+namespace formats {
+
+/// Settings of particular formats and readers, kept by type: a format reads its own with
+/// `get<dcp::limits>()` (a default one when nobody set it), a caller changes one with
+/// `set<dcp::limits>().max_files = 8`. Copies are deep.
+class settings {
+ public:
+  settings() = default;
+  settings(const settings& o) {
+    for (const auto& [k, v] : o.items_) items_.emplace(k, v->clone());
+  }
+  settings(settings&&) noexcept = default;
+  settings& operator=(const settings& o) {
+    if (this != &o) *this = settings(o);
+    return *this;
+  }
+  settings& operator=(settings&&) noexcept = default;
+  ~settings() = default;
+
+  template <class T>
+  [[nodiscard]] const T& get() const {
+    if (const auto it = items_.find(std::type_index(typeid(T))); it != items_.end()) return static_cast<const item<T>&>(*it->second).value;
+    static const T fallback{};
+    return fallback;
+  }
+  /// The settings of type T, for editing (made with T's defaults on first use).
+  template <class T>
+  T& set() {
+    auto& slot = items_[std::type_index(typeid(T))];
+    if (!slot) slot = std::make_unique<item<T>>();
+    return static_cast<item<T>&>(*slot).value;
+  }
+  template <class T>
+  T& set(T value) {
+    return set<T>() = std::move(value);
+  }
+
+ private:
+  struct any_item {
+    virtual ~any_item() = default;
+    [[nodiscard]] virtual std::unique_ptr<any_item> clone() const = 0;
+  };
+  template <class T>
+  struct item final : any_item {
+    T value{};
+    item() = default;
+    explicit item(const T& v) : value(v) {}
+    [[nodiscard]] std::unique_ptr<any_item> clone() const override { return std::make_unique<item>(value); }
+  };
+  std::map<std::type_index, std::unique_ptr<any_item>> items_;
+};
+
+/// How open() reads a checkpoint.
+struct open_options {
+  /// mmap (default) or pread (network filesystems).
+  read_mode mode = read_mode::mmap;
+  /// Describe optimizer state too, keyed by parameter name, for formats that shard it (DeepSpeed,
+  /// FSDP). Formats that store it as ordinary entries (torch.save files, DCP) always include it.
+  bool with_optimizer = false;
+  /// dtype of every floating model tensor. Formats that choose dtypes while describing apply it
+  /// there (DeepSpeed: F32 master weights by default, as zero_to_fp32); for the others open()
+  /// sets it on the description and the executor casts exactly (round to nearest even).
+  std::optional<statedict::dtype> dtype;
+  /// Check that replicated copies agree (ShardedTensor rank files; the planner checks the rest).
+  bool check_replicas = false;
+  /// Read the input as this format (its registry name) instead of detecting it.
+  std::string format;
+  /// Format settings by type: caps on hostile input (`settings.set<torch::limits>()`,
+  /// docs/limits.md lists every field) and format switches.
+  formats::settings settings;
+};
+
+/// How save() writes a checkpoint.
+struct save_options {
+  /// The output format (its registry name: "safetensors", "hf", "torch", "dcp", ...); empty: from
+  /// the output path (formats/registry.hpp choose_output).
+  std::string format;
+  exec_options exec{};
+  plan_options plan{};
+  /// Outputs split into shards by size (Hugging Face): largest shard, decimal units
+  /// (huggingface_hub's rule); unset: 5 GB. Given, it also asks for a sharded output.
+  std::optional<std::uint64_t> max_shard_size;
+  /// Outputs for a number of ranks (DCP): the ranks that will load it.
+  std::optional<std::uint32_t> world_size;
+  /// Multi-file outputs: write only the files of part k of K (shard/plan.hpp assign_parts),
+  /// each atomically, straight into the output directory; `index_only` writes only the index
+  /// (after checking that every file exists with its planned size), the final step.
+  std::optional<PartSpec> part;
+  bool index_only = false;
+  /// Format settings by type (`settings.set<dcp::save_settings>()`).
+  formats::settings settings;
+};
+
+/// What a format's detect() says about an input.
+struct Detection {
+  enum class verdict : std::uint8_t {
+    no,       ///< not this format (`rule` says what was looked for and found; empty: not applicable)
+    damaged,  ///< not readable as this format, but named like it: when nothing matches, describe()
+              ///< is run to report precisely what is wrong
+    yes,      ///< this format; `rule` is the rule that matched
+  };
+  verdict how = verdict::no;
+  std::string rule;
+
+  static Detection match(std::string rule) { return {verdict::yes, std::move(rule)}; }
+  static Detection miss(std::string why) { return {verdict::no, std::move(why)}; }
+  static Detection not_applicable() { return {verdict::no, {}}; }
+  static Detection named_like(std::string why) { return {verdict::damaged, std::move(why)}; }
+  [[nodiscard]] bool found() const noexcept { return how == verdict::yes; }
+};
+
+/// The input as every format's detect() sees it: its path and, for a file, its bytes (opened once
+/// and shared by all formats).
+class Input {
+ public:
+  Input(std::filesystem::path path, read_mode mode) : path_(std::move(path)), mode_(mode) {
+    std::error_code ec;
+    dir_ = std::filesystem::is_directory(path_, ec);
+  }
+  [[nodiscard]] const std::filesystem::path& path() const noexcept { return path_; }
+  [[nodiscard]] bool is_directory() const noexcept { return dir_; }
+  [[nodiscard]] std::string filename() const { return path_.filename().string(); }
+  [[nodiscard]] read_mode mode() const noexcept { return mode_; }
+  /// The file's bytes (nullptr for a directory).
+  [[nodiscard]] const std::shared_ptr<const ByteSource>& file() const {
+    if (!dir_ && !file_) file_ = InputFile::open(path_, mode_);
+    return file_;
+  }
+  /// Up to the first 4 KiB of the file (empty for a directory).
+  [[nodiscard]] std::span<const std::byte> head() const {
+    if (!dir_ && !head_read_) {
+      const auto& f = file();
+      head_.resize(static_cast<std::size_t>(std::min<std::uint64_t>(f->size(), 4096)));
+      f->peek(0, head_);
+      head_read_ = true;
+    }
+    return head_;
+  }
+
+ private:
+  std::filesystem::path path_;
+  read_mode mode_;
+  bool dir_ = false;
+  mutable std::shared_ptr<const ByteSource> file_;
+  mutable std::vector<std::byte> head_;
+  mutable bool head_read_ = false;
+};
+
+/// How strongly a format claims an output path (Format::claims_output): by its name (an extension
+/// of the format's) over by the options given (a world size asks for DCP).
+enum class output_claim : std::uint8_t { none, by_options, by_name };
+
+/// One checkpoint layout.
+class Format {
+ public:
+  Format() = default;
+  Format(const Format&) = delete;
+  Format& operator=(const Format&) = delete;
+  virtual ~Format() = default;
+
+  /// Registry name: the value of `--to` / `open_options::format`, and ShardedCheckpoint::format
+  /// of what it describes ("dcp").
+  [[nodiscard]] virtual std::string_view name() const noexcept = 0;
+  /// What it is, in words ("torch.distributed.checkpoint directory").
+  [[nodiscard]] virtual std::string_view title() const noexcept = 0;
+
+  /// Says from content whether `in` is this format. Never throws for an input that is not; the
+  /// rule says what matched, or what was looked for and found (open() lists these when no format
+  /// matches).
+  [[nodiscard]] virtual Detection detect(const Input& in, const open_options& opt) const = 0;
+  /// Describes `in`: every tensor, where its bytes are, and the rest of the tree.
+  [[nodiscard]] virtual ShardedCheckpoint describe(const Input& in, const open_options& opt) const = 0;
+  /// True when describe() applies open_options::dtype itself.
+  [[nodiscard]] virtual bool applies_dtype() const noexcept { return false; }
+
+  /// True when this format can write checkpoints.
+  [[nodiscard]] virtual bool can_write() const noexcept { return false; }
+  /// Whether an output at `out` with these options is this format's by default: by its name (the
+  /// format's extension), or by the options given. save() picks the strongest claim, then the
+  /// first registered format.
+  [[nodiscard]] virtual output_claim claims_output(const std::filesystem::path& /*out*/, const save_options& /*opt*/) const {
+    return output_claim::none;
+  }
+  /// Checks the options for an output at `out` before anything is read (throws a usage error).
+  virtual void check_output(const std::filesystem::path& /*out*/, const save_options& /*opt*/) const {}
+  /// Writes `ck` at `out` atomically; returns the names of the files written.
+  virtual std::vector<std::string> save(const ShardedCheckpoint& ck, const std::filesystem::path& out, const save_options& opt) const {
+    (void)ck;
+    (void)opt;
+    throw_error(errors::cannot_write, "output " + quote(out.string()), std::string(name()) + " checkpoints can be read, not written");
+  }
+};
+
+}  // namespace formats
+}  // namespace statedict::inline v0
+// ---- statedict/formats/transform.hpp ----
+// statedict: transformations of a checkpoint description (no tensor byte is touched): the subset
+// of `--only`, the dtype change of `--dtype`, and listing the names the skeleton ties.
+// SPDX-License-Identifier: MIT
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+
+namespace statedict::inline v0 {
+
+namespace errors {
+// clang-format off
+inline constexpr error_id select_view_sharded {792, error_kind::unsupported, "convert.select_view_sharded"};
+inline constexpr error_id select_nothing      {793, error_kind::usage,       "convert.select_nothing"};
+// clang-format on
+}  // namespace errors
+
+namespace formats {
+
+/// A name the skeleton ties to a stored tensor: an alias of it, or a view into its elements.
+struct Tie {
+  std::string name;              ///< the tied name (as listed: dotted)
+  std::string target;            ///< the stored tensor it refers to
+  std::optional<ViewSpec> view;  ///< the elements, for a view; nullopt for an alias
+};
+
+/// The tied names of a skeleton (aliases and views), with the view's elements for views. For the
+/// skeleton of an opened checkpoint (validated when it was read): one without alias or view_of
+/// nodes is not walked with paths and names (a tenth of `inspect` of a 10k-tensor .pt).
+inline std::vector<Tie> tied_names(const nlohmann::json& skeleton) {
+  std::vector<Tie> out;
+  if (!statedict::detail::may_hold_aliases(skeleton)) return out;
+  for (const auto& t : statedict::detail::list_tensorish(skeleton)) {
+    if (t.kind == statedict::detail::snode::tensor) continue;
+    Tie x{t.name, t.target, std::nullopt};
+    if (t.kind == statedict::detail::snode::view) x.view = statedict::detail::decode_view(statedict::detail::classify(*t.node));
+    out.push_back(std::move(x));
+  }
+  return out;
+}
+/// tied_names for a Skeleton: a compact one without alias or view nodes (the usual checkpoint) is
+/// answered from its leaf records, without building its JSON document.
+inline std::vector<Tie> tied_names(const Skeleton& skeleton) {
+  if (!statedict::detail::may_hold_aliases(skeleton)) return {};
+  return tied_names(skeleton.json());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Transformations of a description
+
+/// Sets every floating tensor's logical dtype to `to` (the executor casts exactly, rounding to
+/// nearest even), in the tensors and in the skeleton. Integer, bool and complex tensors keep theirs.
+inline void cast(ShardedCheckpoint& ck, dtype to) {
+  if (!is_floating(to)) throw_error(errors::unsupported_cast, "--dtype " + std::string(name(to)), "is not a floating dtype");
+  for (TensorInfo& t : ck.tensors)
+    if (is_floating(t.dtype)) t.dtype = to;
+  if (!ck.skeleton.is_null()) safetensors::detail::cast_skeleton(ck.skeleton.mutable_json(), to);
+}
+
+namespace detail {
+/// Tensor `name`: the elements `v` selects of `base`'s row-major flat index, described in place
+/// (base must be stored whole, contiguous, in one chunk: a torch.save or safetensors tensor).
+inline TensorInfo view_of(const TensorInfo& base, const std::string& name, const ViewSpec& v) {
+  const auto& c = base.chunks;
+  const bool whole = c.size() == 1 && c[0].at.strides.empty() && c[0].at.stored == base.dtype &&
+                     std::holds_alternative<Box>(c[0].region) && std::get<Box>(c[0].region) == full_box(base.shape);
+  if (!whole)
+    throw_error(errors::select_view_sharded, "tensor " + quote(name),
+                "is a view of " + quote(base.name) + ", which is stored in several pieces");
+  TensorInfo t{name, base.dtype, v.shape, {}};
+  Chunk ch;
+  ch.region = full_box(t.shape);
+  ch.at = c[0].at;
+  ch.at.byte_offset = checked_add(c[0].at.byte_offset, checked_mul(static_cast<std::uint64_t>(v.offset), itemsize(base.dtype)));
+  ch.at.strides = v.strides;
+  t.chunks = {ch};
+  return t;
+}
+}  // namespace detail
+
+/// The checkpoint with every tied name of its skeleton (an alias of a tensor, or a view into one)
+/// listed as a tensor of its own, reading the same bytes: what inspect and verify show, so that
+/// a tied name compares equal to the same tensor stored untied.
+/// `ties` are tied_names(ck.skeleton), for callers that list them too.
+inline ShardedCheckpoint expand_ties(ShardedCheckpoint ck, const std::vector<Tie>& ties) {
+  std::vector<TensorInfo> extra;
+  for (const auto& t : ties) {
+    const TensorInfo* base = ck.find(t.target);
+    if (!base) throw_error(errors::flat_missing_tensor, "tensor " + quote(t.target), "the skeleton names it but the checkpoint lacks it");
+    if (t.view) {
+      extra.push_back(detail::view_of(*base, t.name, *t.view));
+    } else {
+      TensorInfo a = *base;
+      a.name = t.name;
+      extra.push_back(std::move(a));
+    }
+  }
+  if (extra.empty()) return ck;
+  for (auto& t : extra) ck.tensors.push_back(std::move(t));
+  ck.reindex();
+  return ck;
+}
+inline ShardedCheckpoint expand_ties(ShardedCheckpoint ck) {
+  if (ck.skeleton.is_null()) return ck;
+  const auto ties = tied_names(ck.skeleton);
+  return expand_ties(std::move(ck), ties);
+}
+
+/// The tensors and values under the given dotted-name prefixes ("model" keeps "model.w" and
+/// "model", not "models.w"; see name_prefix_filter). A tied name whose target is dropped becomes a
+/// tensor of its own.
+inline ShardedCheckpoint select(const ShardedCheckpoint& ck, const std::vector<std::string>& prefixes) {
+  if (prefixes.empty()) return ck;
+  const PathFilter keep = name_prefix_filter(prefixes);
+  ShardedCheckpoint out;
+  out.format = ck.format;
+  out.sources = ck.sources;
+  out.metadata = ck.metadata;
+  if (ck.skeleton.is_null()) {
+    for (const TensorInfo& t : ck.tensors) {
+      Path p;
+      p.emplace_back(t.name);  // a flat dict: the name is one key
+      if (keep(p)) out.tensors.push_back(t);
+    }
+  } else {
+    SkeletonSubset sub = skeleton_subset(ck.skeleton, keep);
+    out.skeleton = std::move(sub.skeleton);
+    for (const SubsetTensor& st : sub.tensors) {
+      const TensorInfo* src = ck.find(st.source);
+      if (!src) throw_error(errors::flat_missing_tensor, "tensor " + quote(st.source), "the skeleton names it but the checkpoint lacks it");
+      TensorInfo t = *src;
+      t.name = st.name;
+      if (st.view) t = detail::view_of(*src, st.name, *st.view);
+      out.tensors.push_back(std::move(t));
+    }
+  }
+  if (out.tensors.empty() && (out.skeleton.is_null() || skeleton_values(out.skeleton).empty()))
+    throw_error(errors::select_nothing, "--only", "no tensor or value matches the given prefixes");
+  return out;
+}
+
+}  // namespace formats
+}  // namespace statedict::inline v0
+// ---- statedict/formats/registry.hpp ----
+// statedict: the format registry, and open() / save() over it.
+// SPDX-License-Identifier: MIT
+//
+// open(path) asks every registered format, in order, whether the path is one of its checkpoints
+// (from content: formats/format.hpp Detection) and describes it with the first that says yes; the
+// result says which rule matched. When none does, the error lists what each format looked for and
+// what it found. save(ck, out) writes with the format named in the options, or the first that
+// claims the output path (its extension, or the options given).
+//
+// A new layout is one header with a class derived from Format, and one line in builtin_formats()
+// (or a call to add_format() from a program that brings its own).
+
+#include <algorithm>
+#include <filesystem>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
 // ---- statedict/formats/dcp.hpp ----
 // statedict: torch.distributed.checkpoint (DCP) directories: detect, describe, write.
 // SPDX-License-Identifier: MIT
@@ -16679,6 +17360,7 @@ inline Value by_id(const Value& named, const options& opt = {}) {
 //                                    -> a DCP directory that M ranks load with PyTorch's reader:
 //                                       dim-0 chunks (torch.chunk rule) for tensors with at least
 //                                       M rows, rank 0 for the rest; values as bytes items
+
 
 #include <algorithm>
 #include <cstdint>
@@ -17098,6 +17780,24 @@ inline Result finish(const Value& tree, const std::vector<TensorInfo>& described
 }
 
 }  // namespace statedict::inline v0::detail::describe_tree
+// ---- statedict/formats/detail/dcp_metadata.hpp ----
+// statedict: the `.metadata` of torch.distributed.checkpoint directories: its types, parsed and
+// validated from the pickle without running it (formats/dcp.hpp is the public header).
+// SPDX-License-Identifier: MIT
+
+#include <algorithm>
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <utility>
+#include <vector>
+
 // ---- statedict/formats/detail/pyobj.hpp ----
 // statedict: reading pickled Python objects kept as opaque `Object` nodes (dataclasses, enums,
 // torch.Size, dtypes) with checked field access and messages that say where and what.
@@ -17268,7 +17968,6 @@ inline std::optional<dtype> torch_dtype(const error_id& id, const Where& w, cons
 }
 
 }  // namespace statedict::inline v0::detail::pyobj
-
 namespace statedict::inline v0 {
 
 namespace errors {
@@ -17332,12 +18031,6 @@ struct limits {
   pickle::limits pickle{};
   /// Bytes of one item's `data.pkl` read into memory.
   std::uint64_t max_item_pickle_bytes = std::uint64_t{1} << 30;
-};
-
-struct options {
-  dcp::limits limits{};
-  /// How data files are opened (mmap or pread).
-  read_mode mode = read_mode::mmap;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -17684,7 +18377,7 @@ inline Metadata parse_metadata(const Value& root, const limits& lim = {}, std::s
   return md;
 }
 
-// ---------------------------------------------------------------------------------------------
+
 // Files
 
 namespace detail {
@@ -17720,6 +18413,604 @@ inline Metadata read_metadata(const std::filesystem::path& dir, const limits& li
 }
 
 /// What detect() found (the same shape as the other formats' detection).
+}  // namespace dcp
+}  // namespace statedict::inline v0
+// ---- statedict/formats/detail/dcp_write.hpp ----
+// statedict: writing torch.distributed.checkpoint directories for M ranks, in the layout of PyTorch
+// 1.13 or 2.x, through the planner and the streaming executor (formats/dcp.hpp is the public header).
+// SPDX-License-Identifier: MIT
+
+#include <algorithm>
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <utility>
+#include <vector>
+
+// ---- statedict/formats/detail/write_files.hpp ----
+// statedict: writing an output of several files (Hugging Face shards, DCP rank files) from one plan:
+// the whole directory atomically, or one part of it from one of several processes, then the index.
+// SPDX-License-Identifier: MIT
+//
+// Every file is a destination of one Destination; the executor streams the planned bytes into all
+// of them in bounded memory. A writer adds what only it knows through two callbacks: `prepare`
+// before the bytes (a header, the byte regions to checksum) and `finish` after them (zip framing
+// that needs the checksums). Without a part the directory appears complete or not at all
+// (io/file.hpp OutputDir) and the index is written last inside it; with save_options::part only
+// that part's files are written, each atomically, straight into the directory; with
+// save_options::index_only only the index, after checking that every planned file exists with its
+// planned size. The directory is complete when its index exists (docs/slurm.md).
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+
+namespace statedict::inline v0::formats::detail {
+
+struct file_set {
+  /// The files (dst.names, relative to the directory) and where each tensor element goes.
+  Destination dst;
+  /// Called for each file this process writes, before the executor runs.
+  std::function<void(std::size_t file, OutputFile&, FileSink&)> prepare;
+  /// Called for each file this process writes, after the executor ran, before it is committed.
+  std::function<void(std::size_t file, OutputFile&, FileSink&)> finish;
+  /// The index: its file name (empty: none) and its bytes (made when needed).
+  std::string index_name;
+  std::function<std::vector<std::byte>()> index_bytes;
+  /// For messages: "DCP checkpoint", "rank file"; the error id of a failed index check.
+  std::string what, file_kind;
+  const error_id* part_error = &errors::bad_part;
+};
+
+/// Writes `files` from `src` into `dir` (see the top of this file); returns the names written.
+inline std::vector<std::string> write_file_set(const ShardedCheckpoint& src, const file_set& files, const std::filesystem::path& dir,
+                                               const save_options& opt) {
+  const auto write_index = [&](auto&& create) {
+    if (files.index_name.empty()) return;
+    OutputFile f = create(files.index_name);
+    f.write(files.index_bytes());
+    f.commit();
+  };
+  const std::size_t n = files.dst.names.size();
+  if (opt.index_only) {
+    std::filesystem::create_directories(dir);
+    std::vector<PlannedFile> planned;
+    for (std::size_t k = 0; k < n; ++k) planned.push_back({files.dst.names[k], k < files.dst.sizes.size() ? files.dst.sizes[k] : 0});
+    check_parts_written(dir, planned, *files.part_error, files.what, files.file_kind);
+    write_index([&](const std::string& name) { return OutputFile::create(dir / name); });
+    return {files.index_name};
+  }
+  Plan plan = make_plan(src, files.dst, opt.plan);
+  std::vector<bool> mine(n, true);
+  if (opt.part) {
+    const auto parts = assign_parts(plan, opt.part->count);
+    for (std::size_t d = 0; d < n; ++d) mine[d] = parts[d] == opt.part->index;
+    plan = select_part(plan, *opt.part);
+  }
+  std::optional<OutputDir> out;
+  if (!opt.part) out.emplace(OutputDir::create(dir));
+  else std::filesystem::create_directories(dir);
+  std::vector<std::unique_ptr<OutputFile>> outs(n);
+  std::vector<std::unique_ptr<FileSink>> sinks(n);
+  std::vector<Sink*> ptrs(n, nullptr);
+  for (std::size_t d = 0; d < n; ++d) {
+    if (!mine[d]) continue;
+    const std::string& name = files.dst.names[d];
+    outs[d] = std::make_unique<OutputFile>(out ? out->create_file(name) : OutputFile::create(dir / name));
+    sinks[d] = std::make_unique<FileSink>(*outs[d]);
+    if (files.prepare) files.prepare(d, *outs[d], *sinks[d]);
+    ptrs[d] = sinks[d].get();
+  }
+  (void)execute(plan, src, ptrs, opt.exec);
+  std::vector<std::string> written;
+  for (std::size_t d = 0; d < n; ++d) {
+    if (!outs[d]) continue;
+    if (files.finish) files.finish(d, *outs[d], *sinks[d]);
+    outs[d]->commit();
+    written.push_back(files.dst.names[d]);
+  }
+  if (!out) return written;  // a part: the index step writes the index
+  write_index([&](const std::string& name) { return out->create_file(name); });
+  if (!files.index_name.empty()) written.push_back(files.index_name);
+  out->commit();
+  return written;
+}
+
+}  // namespace statedict::inline v0::formats::detail
+namespace statedict::inline v0::dcp {
+
+// ---------------------------------------------------------------------------------------------
+// Writing
+
+struct write_options {
+  /// Ranks that will load the checkpoint (M); one `__<rank>_0.distcp` file per rank.
+  std::uint32_t world_size = 1;
+  /// Class names of `.metadata`: torch 1.13's (`torch.distributed._shard.checkpoint`, what the
+  /// tests load with PyTorch 1.13) or 2.x's (`torch.distributed.checkpoint`, with the 2.x flatten
+  /// rule and its planner_data mapping). See docs/formats/dcp.md.
+  class_names classes = class_names::torch_1_13;
+  exec_options exec{};
+  plan_options plan{};
+  /// Write only the rank files of part k of K (shard/plan.hpp assign_parts), each atomically,
+  /// straight into `dir`; no `.metadata`. Several processes can each write one part.
+  std::optional<PartSpec> part;
+  /// Write only `.metadata`, after checking that every rank file exists with its planned size:
+  /// the last step after all parts. The directory is complete when `.metadata` exists.
+  bool index_only = false;
+};
+
+/// The writer's sharding rule: the dimension a tensor of `shape` is chunked along for `world`
+/// ranks (dim 0 when it has at least `world` rows and at least one element), or nullopt: the whole
+/// tensor is one item written by rank 0.
+inline std::optional<std::size_t> shard_dim(std::span<const dim_t> shape, std::uint32_t world) {
+  if (shape.empty() || world < 2 || shape[0] < static_cast<dim_t>(world) || numel(shape) == 0) return std::nullopt;
+  return 0;
+}
+
+/// The chunks (rank, box) of a tensor by the writer's rule: torch.chunk along shard_dim (empty
+/// trailing parts dropped, as ChunkShardingSpec does), or the whole tensor on rank 0.
+inline std::vector<std::pair<std::uint32_t, Box>> chunks_for(std::span<const dim_t> shape, std::uint32_t world) {
+  std::vector<std::pair<std::uint32_t, Box>> out;
+  const auto dim = shard_dim(shape, world);
+  if (!dim) {
+    out.emplace_back(0, full_box(shape));
+    return out;
+  }
+  for (std::uint32_t r = 0; r < world; ++r) {
+    Box b = layout::split_box(shape, *dim, world, r, layout::split_rule::chunk);
+    if (!is_empty(b)) out.emplace_back(r, std::move(b));
+  }
+  return out;
+}
+
+namespace detail {
+
+/// One item the writer stores: a tensor chunk or a bytes value.
+struct WItem {
+  std::string key;       ///< fqn in state_dict_metadata
+  bool tensor = false;
+  std::size_t t = 0;     ///< index into ShardedCheckpoint::tensors (tensor items)
+  Box box;               ///< tensor items: the chunk
+  std::size_t chunk = 0; ///< position of the chunk in its tensor's chunk list
+  Value value;           ///< bytes items
+  torch::SavePlan plan;  ///< the item's torch.save archive
+  std::uint32_t rank = 0;
+  std::uint64_t offset = 0;  ///< in its rank file
+};
+
+/// A key of the state dict being written (fqn) with its path (2.x planner_data: dict keys as str,
+/// sequence indices as int).
+struct WKey {
+  std::string fqn;
+  List path;
+  bool tensor = false;
+  std::size_t t = 0;
+  const Value* value = nullptr;
+};
+
+/// Encodes a path so that int and str keys never collide (for the "holds a tensor" set).
+inline std::string path_code(const Path& p) {
+  std::string s;
+  for (const Key& k : p) {
+    if (k.is_int()) s += "i" + std::to_string(k.as_int()) + ";";
+    else s += "s" + std::to_string(k.as_string().size()) + ":" + k.as_string();
+  }
+  return s;
+}
+
+/// The state dict's items by the key rule of `classes` (docs/formats/dcp.md, "Keys"):
+///  1.13: a dict, list or tuple that holds a tensor is recursed; every tensor is an item; every
+///        subtree without tensors is one bytes item.
+///  2.x:  DCP's flatten (traverse_state_dict): dicts always recursed (an empty dict gives nothing),
+///        a list recursed when it holds a tensor, a dict or a recursed list, anything else a leaf.
+/// Tensors are recognised by `tensor_index` (nullopt for a view of another tensor).
+template <class TensorIndex>
+std::vector<WKey> state_keys(const Value& root, class_names classes, TensorIndex&& tensor_index) {
+  if (!root.is_dict())
+    throw_error(errors::dcp_write_unsupported, "the state dict is a " + std::string(to_string(root.kind())) +
+                                                   "; DCP stores a dict");
+  // Which containers hold a tensor somewhere below (by path).
+  std::set<std::string> holders;
+  visit(root, [&](const Path& p, const Value& v) {
+    if (!v.is_tensor()) return;
+    Path q = p;
+    while (!q.empty()) {
+      q.pop_back();
+      if (!holders.insert(path_code(q)).second) break;
+    }
+  });
+  auto non_terminal_list = [&](const Value& list) {
+    std::vector<const Value*> work{&list};
+    while (!work.empty()) {
+      const Value* v = work.back();
+      work.pop_back();
+      for (const Value& e : v->as_list()) {
+        if (e.is_tensor() || e.is_dict()) return true;
+        if (e.is_list()) work.push_back(&e);
+      }
+    }
+    return false;
+  };
+  std::vector<WKey> out;
+  struct frame {
+    const Value* v;
+    Path path;
+    List dpath;
+  };
+  std::vector<frame> work;
+  const auto& items = root.as_dict().items();
+  for (std::size_t i = items.size(); i-- > 0;)
+    work.push_back({&items[i].second, Path{items[i].first}, List{Value(items[i].first.str())}});
+  while (!work.empty()) {
+    frame f = std::move(work.back());
+    work.pop_back();
+    const Value& v = *f.v;
+    const std::string fqn = dotted(f.path);
+    if (v.is_tensor()) {
+      const auto t = tensor_index(v.as_tensor());
+      if (!t)
+        throw_error(errors::dcp_write_unsupported, "key " + quote(fqn),
+                    "a view into another tensor's elements cannot be a DCP item");
+      out.push_back(WKey{fqn, std::move(f.dpath), true, *t, nullptr});
+      continue;
+    }
+    const bool holds = holders.count(path_code(f.path)) != 0;
+    bool recurse = false;
+    if (classes == class_names::torch_1_13) recurse = holds && (v.is_dict() || v.is_sequence());
+    else recurse = v.is_dict() || (v.is_list() && non_terminal_list(v));
+    if (!recurse) {
+      if (holds)
+        throw_error(errors::dcp_write_unsupported, "key " + quote(fqn),
+                    "a " + statedict::detail::pyobj::kind_of(v) + " holding tensors cannot be stored as a DCP item");
+      out.push_back(WKey{fqn, std::move(f.dpath), false, 0, &v});
+      continue;
+    }
+    if (v.is_dict()) {
+      const auto& d = v.as_dict().items();
+      for (std::size_t i = d.size(); i-- > 0;) {
+        frame c{&d[i].second, f.path, f.dpath};
+        c.path.push_back(d[i].first);
+        c.dpath.emplace_back(d[i].first.str());
+        work.push_back(std::move(c));
+      }
+    } else {
+      const List& l = v.as_list();
+      for (std::size_t i = l.size(); i-- > 0;) {
+        frame c{&l[i], f.path, f.dpath};
+        c.path.emplace_back(static_cast<std::int64_t>(i));
+        c.dpath.emplace_back(static_cast<std::int64_t>(i));
+        work.push_back(std::move(c));
+      }
+    }
+  }
+  return out;
+}
+
+// Metadata objects, as PyTorch pickles them.
+struct names_of {
+  std::string md, fs, props, mem_enum;
+  explicit names_of(class_names c)
+      : md(c == class_names::torch_2 ? mod_2 : mod_113),
+        fs(c == class_names::torch_2 ? fs_2 : fs_113),
+        props(c == class_names::torch_2 ? mod_2 : st_meta),
+        mem_enum(c == class_names::torch_2 ? "_MEM_FORMAT_ENCODING" : "MEM_FORMAT_ENCODING") {}
+};
+
+inline Value new_object(const std::string& module, const std::string& name, std::optional<Value> state) {
+  Object o{module, name, object_build::newobj, {}, {}, {}};
+  if (state) o.state.push_back(std::move(*state));
+  return Value(std::move(o));
+}
+
+inline Value torch_size(const shape_t& s) {
+  List l;
+  for (dim_t d : s) l.emplace_back(d);
+  Object o{"torch", "Size", object_build::reduce, {}, {}, {}};
+  o.args.push_back(Value::tuple(std::move(l)));
+  return Value(std::move(o));
+}
+
+inline Value global(const std::string& module, const std::string& name) {
+  return Value(Object{module, name, object_build::global, {}, {}, {}});
+}
+
+inline Value tensor_properties_value(const names_of& n, dtype t) {
+  Object layout{"torch.serialization", "_get_layout", object_build::reduce, {}, {}, {}};
+  layout.args.emplace_back("torch.strided");
+  Object mem{"builtins", "getattr", object_build::reduce, {}, {}, {}};
+  mem.args.push_back(global(n.props, n.mem_enum));
+  mem.args.emplace_back("TORCH_CONTIGUOUS_FORMAT");
+  List state;
+  state.push_back(global("torch", std::string(info(t).torch_name)));
+  state.emplace_back(std::move(layout));
+  state.emplace_back(false);
+  state.emplace_back(std::move(mem));
+  state.emplace_back(false);
+  return new_object(n.props, "TensorProperties", Value::tuple(std::move(state)));
+}
+
+}  // namespace detail
+
+namespace detail {
+
+/// The tree `src` describes, with placeholder views for its tensors (reserved address space, never
+/// read), each at its own address with a gap so that a view_of node cannot pass for a tensor, and
+/// the DCP keys of its leaves (state_keys), which point into it.
+struct keyed_tree {
+  std::unique_ptr<Value> tree;
+  std::vector<WKey> keys;
+};
+
+inline keyed_tree keys_of(const ShardedCheckpoint& src, class_names classes) {
+  const std::size_t n = src.tensors.size();
+  std::vector<std::uint64_t> start(n);
+  std::uint64_t total = 16;
+  for (std::size_t i = 0; i < n; ++i) {
+    const TensorInfo& t = src.tensors[i];
+    if (classes == class_names::torch_1_13 && info(t.dtype).storage_name.empty())
+      throw_error(errors::dcp_write_unsupported, "tensor " + quote(t.name),
+                  "dtype " + std::string(name(t.dtype)) + " has no storage class in PyTorch 1.13 (write the 2.x layout)");
+    start[i] = total;
+    total = checked_add(total, checked_add(byte_size(t.shape, itemsize(t.dtype)), 31, "reservation") / 16 * 16, "reservation");
+  }
+  auto space = std::make_shared<torch::detail::reservation>(total);
+  NamedTensors named;
+  named.reserve(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    const TensorInfo& t = src.tensors[i];
+    named.emplace_back(t.name, TensorView::contiguous(t.dtype, t.shape, space->base() + start[i], space));
+  }
+  keyed_tree out;
+  out.tree = std::make_unique<Value>(unflatten(named, src.skeleton));
+  auto tensor_index = [&](const TensorView& v) -> std::optional<std::size_t> {
+    const auto off = static_cast<std::uint64_t>(v.data() - space->base());
+    auto it = std::lower_bound(start.begin(), start.end(), off);
+    if (it == start.end() || *it != off) return std::nullopt;
+    const auto i = static_cast<std::size_t>(it - start.begin());
+    const TensorInfo& t = src.tensors[i];
+    if (v.dtype() != t.dtype || v.shape() != t.shape || !v.is_contiguous()) return std::nullopt;
+    return i;
+  };
+  out.keys = state_keys(*out.tree, classes, tensor_index);
+  return out;
+}
+
+/// Every item of the output, per rank in key order, each planned as the torch.save archive
+/// torch.save writes to a stream (folder "archive/"), placed in its rank file.
+inline std::vector<WItem> plan_items(const ShardedCheckpoint& src, const std::vector<WKey>& keys, std::uint32_t world,
+                                     std::vector<std::uint64_t>& file_size) {
+  std::set<std::string> seen;
+  std::vector<WItem> items;
+  std::uint64_t max_chunk = 0;
+  for (const auto& k : keys) {
+    if (!seen.insert(k.fqn).second)
+      throw_error(errors::dcp_write_key_conflict, "key " + quote(k.fqn), "two items of the state dict have this name");
+    if (!k.tensor) {
+      WItem it;
+      it.key = k.fqn;
+      it.value = copy_tree(*k.value);
+      items.push_back(std::move(it));
+      continue;
+    }
+    const TensorInfo& t = src.tensors[k.t];
+    std::size_t ci = 0;
+    for (auto& [rank, box] : chunks_for(t.shape, world)) {
+      WItem it;
+      it.key = k.fqn;
+      it.tensor = true;
+      it.t = k.t;
+      it.chunk = ci++;
+      it.rank = rank;
+      max_chunk = std::max(max_chunk, byte_size(box.sizes, itemsize(t.dtype)));
+      it.box = std::move(box);
+      items.push_back(std::move(it));
+    }
+  }
+  auto chunk_space = std::make_shared<torch::detail::reservation>(max_chunk + 16);
+  torch::save_options so;
+  so.archive_name = "archive";
+  file_size.assign(world, 0);
+  for (auto& it : items) {
+    if (it.tensor) {
+      const Value v(TensorView::contiguous(src.tensors[it.t].dtype, it.box.sizes, chunk_space->base(), chunk_space));
+      it.plan = torch::plan_save(v, so);
+    } else {
+      it.plan = torch::plan_save(it.value, so);
+    }
+    it.offset = file_size[it.rank];
+    file_size[it.rank] = checked_add(file_size[it.rank], it.plan.file_size(), "file size");
+  }
+  return items;
+}
+
+inline std::string rank_file_name(std::uint32_t r) { return "__" + std::to_string(r) + "_0.distcp"; }
+
+/// The pickled `.metadata` of the output.
+inline std::vector<std::byte> metadata_bytes(const ShardedCheckpoint& src, const std::vector<WKey>& keys, const std::vector<WItem>& items,
+                                             class_names classes) {
+  const names_of nm(classes);
+  Dict sdm;
+  std::vector<Value> storage_items;
+  for (const auto& it : items) {
+    Dict info_state;
+    info_state.set("relative_path", rank_file_name(it.rank));
+    info_state.set("offset", static_cast<std::int64_t>(it.offset));
+    info_state.set("length", static_cast<std::int64_t>(it.plan.file_size()));
+    Value info = new_object(nm.fs, "_StorageInfo", Value(std::move(info_state)));
+    Dict idx;
+    idx.set("fqn", it.key);
+    if (it.tensor) {
+      const TensorInfo& t = src.tensors[it.t];
+      Value* e = sdm.find(Key(it.key));
+      if (!e) {
+        Dict tsm;
+        tsm.set("properties", tensor_properties_value(nm, t.dtype));
+        tsm.set("size", torch_size(t.shape));
+        tsm.set("chunks", Value::list());
+        e = &sdm.set(Key(it.key), new_object(nm.md, "TensorStorageMetadata", Value(std::move(tsm))));
+      }
+      Dict csm;
+      csm.set("offsets", torch_size(it.box.offsets));
+      csm.set("sizes", torch_size(it.box.sizes));
+      e->as_object().state[0].as_dict().at(Key("chunks")).as_list().push_back(
+          new_object(nm.md, "ChunkStorageMetadata", Value(std::move(csm))));
+      idx.set("offset", torch_size(it.box.offsets));
+      idx.set("index", static_cast<std::int64_t>(it.chunk));
+    } else {
+      sdm.set(Key(it.key), new_object(nm.md, "BytesStorageMetadata", std::nullopt));
+      idx.set("offset", Value());
+      idx.set("index", Value());
+    }
+    List pair;
+    pair.push_back(new_object(nm.md, "MetadataIndex", Value(std::move(idx))));
+    pair.push_back(std::move(info));
+    storage_items.push_back(Value::tuple(std::move(pair)));
+  }
+  Dict md_state;
+  md_state.set("state_dict_metadata", Value(std::move(sdm)));
+  if (classes == class_names::torch_2) {
+    Dict mapping;
+    for (const auto& k : keys) mapping.set(Key(k.fqn), Value::tuple(k.path));
+    md_state.set("planner_data", Value(std::move(mapping)));
+  } else {
+    md_state.set("planner_data", Value());
+  }
+  Object sd{"builtins", "dict", object_build::reduce, {}, {}, std::move(storage_items)};
+  md_state.set("storage_data", Value(std::move(sd)));
+  return pickle::dumps(new_object(nm.md, "Metadata", Value(std::move(md_state))));
+}
+
+/// Where every tensor element goes: each tensor item's storage record in its rank file. A tensor
+/// stored under two keys (an alias in the skeleton) gets a second source entry of its own name in
+/// `work`, so the planner sees two tensors; `from` is the description to plan from. `crc_regions`
+/// gets each rank file's storage records.
+inline Destination destination(const ShardedCheckpoint& src, const std::vector<WItem>& items, std::uint32_t world,
+                               ShardedCheckpoint& work, const ShardedCheckpoint*& from, std::vector<std::vector<FlatRange>>& crc_regions) {
+  Destination dst;
+  for (std::uint32_t r = 0; r < world; ++r) dst.names.push_back(rank_file_name(r));
+  from = &src;
+  std::map<std::pair<std::size_t, std::string>, std::size_t> dst_of;  // (tensor, key) -> dst tensor
+  std::set<std::size_t> placed;
+  crc_regions.assign(world, {});
+  for (const auto& it : items) {
+    if (!it.tensor || it.plan.storages.empty() || it.plan.storages[0].nbytes == 0) continue;
+    const std::uint64_t data = it.offset + it.plan.storage_offset(0);
+    crc_regions[it.rank].push_back(FlatRange{data, data + it.plan.storages[0].nbytes});
+    const TensorInfo& t = src.tensors[it.t];
+    auto d = dst_of.find({it.t, it.key});
+    if (d == dst_of.end()) {
+      std::string dname = t.name;
+      if (!placed.insert(it.t).second) {
+        if (from == &src) {
+          work.format = src.format;
+          work.sources = src.sources;
+          work.tensors = src.tensors;
+          from = &work;
+        }
+        dname = std::string("\x01") + "dcp key " + it.key;
+        work.tensors.push_back(TensorInfo{dname, t.dtype, t.shape, t.chunks});
+      }
+      dst.tensors.push_back(TensorInfo{dname, t.dtype, t.shape, {}});
+      d = dst_of.emplace(std::make_pair(it.t, it.key), dst.tensors.size() - 1).first;
+    }
+    dst.tensors[d->second].chunks.push_back(Chunk{it.box, Placement{it.rank, data, {}, t.dtype}});
+  }
+  for (auto& regs : crc_regions)
+    std::sort(regs.begin(), regs.end(), [](const FlatRange& a, const FlatRange& b) { return a.begin < b.begin; });
+  return dst;
+}
+
+/// Writes the zip framing of every item of rank file `r` (local headers, small records,
+/// descriptors, central directories), with the storage CRCs the sink computed; adjacent pieces, and
+/// the pieces of consecutive items, go out as one write.
+inline void write_framing(std::uint32_t r, const std::vector<WItem>& items, OutputFile& file, const FileSink& sink) {
+  WriteCoalescer f(file);
+  const auto& regs = sink.crc_regions();
+  for (const auto& it : items) {
+    if (it.rank != r) continue;
+    const auto& L = it.plan.layout;
+    std::vector<std::uint32_t> crcs(it.plan.records.size(), 0);
+    for (std::size_t e = 0; e < it.plan.records.size(); ++e) {
+      const auto& rec = it.plan.records[e];
+      if (!rec.storage) {
+        crcs[e] = zip::crc32(rec.bytes);
+      } else if (it.plan.storages[*rec.storage].nbytes > 0) {
+        const std::uint64_t data = it.offset + L.entries[e].data_offset;
+        auto pos = std::lower_bound(regs.begin(), regs.end(), data, [](const FlatRange& a, std::uint64_t v) { return a.begin < v; });
+        crcs[e] = sink.crc32(static_cast<std::size_t>(pos - regs.begin()));
+      }
+      f.write(it.offset + L.entries[e].header_offset, zip::local_header_bytes(L.entries[e], L.options));
+      if (!rec.storage) f.write(it.offset + L.entries[e].data_offset, rec.bytes);
+      f.write(it.offset + L.entries[e].descriptor_offset, zip::descriptor_bytes(L.entries[e], crcs[e]));
+    }
+    f.write(it.offset + L.central_offset, zip::tail_bytes(L, crcs));
+  }
+  f.flush();
+}
+
+}  // namespace detail
+
+/// Writes `src` as a DCP checkpoint for `world_size` ranks into the directory `dir` (replaced
+/// atomically: the directory appears complete or not at all). Tensors are chunked by shard_dim /
+/// chunks_for; every chunk is a torch.save archive whose storage record the executor fills from
+/// the source chunks (streaming, bounded memory, casting to each TensorInfo's dtype); non-tensor
+/// values are bytes items (rank 0). Files: `__<rank>_0.distcp` for every rank, and `.metadata`.
+/// With `part`, only that part's rank files; with `index_only`, only `.metadata` (the last step).
+inline void write(const ShardedCheckpoint& src, const std::filesystem::path& dir, const write_options& opt = {}) {
+  const std::uint32_t world = opt.world_size;
+  if (world == 0 || world > (1U << 20))
+    throw_error(errors::dcp_bad_world_size, "world size " + std::to_string(world) + " is not in [1, 2^20]");
+  const detail::keyed_tree kt = detail::keys_of(src, opt.classes);
+  const std::vector<detail::WKey>& keys = kt.keys;
+  std::vector<std::uint64_t> file_size;
+  const std::vector<detail::WItem> items = detail::plan_items(src, keys, world, file_size);
+
+  ShardedCheckpoint work;
+  const ShardedCheckpoint* from = nullptr;
+  std::vector<std::vector<FlatRange>> crc_regions;
+  formats::detail::file_set files;
+  files.dst = detail::destination(src, items, world, work, from, crc_regions);
+  files.dst.sizes = file_size;
+  // No resize up front: storages are written first, in ascending order, so a file mostly grows at
+  // its end (filling a sparse file's holes is slower on ext4); the zip framing of every item fills
+  // the gaps between them afterwards.
+  files.prepare = [&](std::size_t r, OutputFile&, FileSink& sink) { sink.track_crc32(crc_regions[r]); };
+  files.finish = [&](std::size_t r, OutputFile& f, FileSink& sink) { detail::write_framing(static_cast<std::uint32_t>(r), items, f, sink); };
+  files.index_name = ".metadata";
+  files.index_bytes = [&] { return detail::metadata_bytes(src, keys, items, opt.classes); };
+  files.what = "DCP checkpoint";
+  files.file_kind = "rank file";
+  files.part_error = &errors::dcp_write_part;
+  formats::save_options so;
+  so.exec = opt.exec;
+  so.plan = opt.plan;
+  so.part = opt.part;
+  so.index_only = opt.index_only;
+  (void)formats::detail::write_file_set(*from, files, dir, so);
+}
+
+}  // namespace statedict::inline v0::dcp
+namespace statedict::inline v0 {
+namespace dcp {
+
+struct options {
+  dcp::limits limits{};
+  /// How data files are opened (mmap or pread).
+  read_mode mode = read_mode::mmap;
+};
+
 struct detection {
   bool found = false;
   /// The rule that matched ("dcp: .metadata is a pickled torch.distributed._shard.checkpoint
@@ -18009,998 +19300,49 @@ inline ShardedCheckpoint describe(const std::filesystem::path& dir, const option
 }
 
 // ---------------------------------------------------------------------------------------------
-// Writing
+// The plug-in
 
-struct write_options {
-  /// Ranks that will load the checkpoint (M); one `__<rank>_0.distcp` file per rank.
-  std::uint32_t world_size = 1;
-  /// Class names of `.metadata`: torch 1.13's (`torch.distributed._shard.checkpoint`, what the
-  /// tests load with PyTorch 1.13) or 2.x's (`torch.distributed.checkpoint`, with the 2.x flatten
-  /// rule and its planner_data mapping). See docs/formats/dcp.md.
-  class_names classes = class_names::torch_1_13;
-  exec_options exec{};
-  plan_options plan{};
-  /// Write only the rank files of part k of K (shard/plan.hpp assign_parts), each atomically,
-  /// straight into `dir`; no `.metadata`. Several processes can each write one part.
-  std::optional<PartSpec> part;
-  /// Write only `.metadata`, after checking that every rank file exists with its planned size:
-  /// the last step after all parts. The directory is complete when `.metadata` exists.
-  bool index_only = false;
+/// torch.distributed.checkpoint directories: read in the 1.13 and 2.x layouts, written for M ranks
+/// (save_options::world_size; settings `dcp::write_options` choose the layout).
+class format final : public formats::Format {
+ public:
+  [[nodiscard]] std::string_view name() const noexcept override { return "dcp"; }
+  [[nodiscard]] std::string_view title() const noexcept override { return "DCP"; }
+
+  [[nodiscard]] formats::Detection detect(const formats::Input& in, const formats::open_options&) const override {
+    if (!in.is_directory()) return formats::Detection::not_applicable();
+    detection d = dcp::detect(in.path());
+    return d.found ? formats::Detection::match(std::move(d.rule)) : formats::Detection::miss(std::move(d.rule));
+  }
+  [[nodiscard]] ShardedCheckpoint describe(const formats::Input& in, const formats::open_options& opt) const override {
+    options o = opt.settings.get<options>();
+    o.mode = opt.mode;
+    return dcp::describe(in.path(), o);
+  }
+
+  [[nodiscard]] bool can_write() const noexcept override { return true; }
+  [[nodiscard]] formats::output_claim claims_output(const std::filesystem::path&, const formats::save_options& opt) const override {
+    return opt.world_size ? formats::output_claim::by_options : formats::output_claim::none;
+  }
+  void check_output(const std::filesystem::path&, const formats::save_options& opt) const override {
+    if (opt.max_shard_size)
+      throw_error(errors::bad_save_option, "--max-shard-size", "does not apply to DCP output: its files are one per rank");
+    if (opt.world_size && (*opt.world_size == 0 || *opt.world_size > (1U << 16)))
+      throw_error(errors::dcp_bad_world_size, "--world-size " + std::to_string(*opt.world_size), "expected 1 to 65536 ranks");
+  }
+  std::vector<std::string> save(const ShardedCheckpoint& ck, const std::filesystem::path& out, const formats::save_options& opt) const override {
+    write_options o = opt.settings.get<write_options>();
+    o.world_size = opt.world_size.value_or(1);
+    o.exec = opt.exec;
+    o.plan = opt.plan;
+    o.part = opt.part;
+    o.index_only = opt.index_only;
+    write(ck, out, o);
+    return {};
+  }
 };
-
-/// The writer's sharding rule: the dimension a tensor of `shape` is chunked along for `world`
-/// ranks (dim 0 when it has at least `world` rows and at least one element), or nullopt: the whole
-/// tensor is one item written by rank 0.
-inline std::optional<std::size_t> shard_dim(std::span<const dim_t> shape, std::uint32_t world) {
-  if (shape.empty() || world < 2 || shape[0] < static_cast<dim_t>(world) || numel(shape) == 0) return std::nullopt;
-  return 0;
-}
-
-/// The chunks (rank, box) of a tensor by the writer's rule: torch.chunk along shard_dim (empty
-/// trailing parts dropped, as ChunkShardingSpec does), or the whole tensor on rank 0.
-inline std::vector<std::pair<std::uint32_t, Box>> chunks_for(std::span<const dim_t> shape, std::uint32_t world) {
-  std::vector<std::pair<std::uint32_t, Box>> out;
-  const auto dim = shard_dim(shape, world);
-  if (!dim) {
-    out.emplace_back(0, full_box(shape));
-    return out;
-  }
-  for (std::uint32_t r = 0; r < world; ++r) {
-    Box b = layout::split_box(shape, *dim, world, r, layout::split_rule::chunk);
-    if (!is_empty(b)) out.emplace_back(r, std::move(b));
-  }
-  return out;
-}
-
-namespace detail {
-
-/// One item the writer stores: a tensor chunk or a bytes value.
-struct WItem {
-  std::string key;       ///< fqn in state_dict_metadata
-  bool tensor = false;
-  std::size_t t = 0;     ///< index into ShardedCheckpoint::tensors (tensor items)
-  Box box;               ///< tensor items: the chunk
-  std::size_t chunk = 0; ///< position of the chunk in its tensor's chunk list
-  Value value;           ///< bytes items
-  torch::SavePlan plan;  ///< the item's torch.save archive
-  std::uint32_t rank = 0;
-  std::uint64_t offset = 0;  ///< in its rank file
-};
-
-/// A key of the state dict being written (fqn) with its path (2.x planner_data: dict keys as str,
-/// sequence indices as int).
-struct WKey {
-  std::string fqn;
-  List path;
-  bool tensor = false;
-  std::size_t t = 0;
-  const Value* value = nullptr;
-};
-
-/// Encodes a path so that int and str keys never collide (for the "holds a tensor" set).
-inline std::string path_code(const Path& p) {
-  std::string s;
-  for (const Key& k : p) {
-    if (k.is_int()) s += "i" + std::to_string(k.as_int()) + ";";
-    else s += "s" + std::to_string(k.as_string().size()) + ":" + k.as_string();
-  }
-  return s;
-}
-
-/// The state dict's items by the key rule of `classes` (docs/formats/dcp.md, "Keys"):
-///  1.13: a dict, list or tuple that holds a tensor is recursed; every tensor is an item; every
-///        subtree without tensors is one bytes item.
-///  2.x:  DCP's flatten (traverse_state_dict): dicts always recursed (an empty dict gives nothing),
-///        a list recursed when it holds a tensor, a dict or a recursed list, anything else a leaf.
-/// Tensors are recognised by `tensor_index` (nullopt for a view of another tensor).
-template <class TensorIndex>
-std::vector<WKey> state_keys(const Value& root, class_names classes, TensorIndex&& tensor_index) {
-  if (!root.is_dict())
-    throw_error(errors::dcp_write_unsupported, "the state dict is a " + std::string(to_string(root.kind())) +
-                                                   "; DCP stores a dict");
-  // Which containers hold a tensor somewhere below (by path).
-  std::set<std::string> holders;
-  visit(root, [&](const Path& p, const Value& v) {
-    if (!v.is_tensor()) return;
-    Path q = p;
-    while (!q.empty()) {
-      q.pop_back();
-      if (!holders.insert(path_code(q)).second) break;
-    }
-  });
-  auto non_terminal_list = [&](const Value& list) {
-    std::vector<const Value*> work{&list};
-    while (!work.empty()) {
-      const Value* v = work.back();
-      work.pop_back();
-      for (const Value& e : v->as_list()) {
-        if (e.is_tensor() || e.is_dict()) return true;
-        if (e.is_list()) work.push_back(&e);
-      }
-    }
-    return false;
-  };
-  std::vector<WKey> out;
-  struct frame {
-    const Value* v;
-    Path path;
-    List dpath;
-  };
-  std::vector<frame> work;
-  const auto& items = root.as_dict().items();
-  for (std::size_t i = items.size(); i-- > 0;)
-    work.push_back({&items[i].second, Path{items[i].first}, List{Value(items[i].first.str())}});
-  while (!work.empty()) {
-    frame f = std::move(work.back());
-    work.pop_back();
-    const Value& v = *f.v;
-    const std::string fqn = dotted(f.path);
-    if (v.is_tensor()) {
-      const auto t = tensor_index(v.as_tensor());
-      if (!t)
-        throw_error(errors::dcp_write_unsupported, "key " + quote(fqn),
-                    "a view into another tensor's elements cannot be a DCP item");
-      out.push_back(WKey{fqn, std::move(f.dpath), true, *t, nullptr});
-      continue;
-    }
-    const bool holds = holders.count(path_code(f.path)) != 0;
-    bool recurse = false;
-    if (classes == class_names::torch_1_13) recurse = holds && (v.is_dict() || v.is_sequence());
-    else recurse = v.is_dict() || (v.is_list() && non_terminal_list(v));
-    if (!recurse) {
-      if (holds)
-        throw_error(errors::dcp_write_unsupported, "key " + quote(fqn),
-                    "a " + statedict::detail::pyobj::kind_of(v) + " holding tensors cannot be stored as a DCP item");
-      out.push_back(WKey{fqn, std::move(f.dpath), false, 0, &v});
-      continue;
-    }
-    if (v.is_dict()) {
-      const auto& d = v.as_dict().items();
-      for (std::size_t i = d.size(); i-- > 0;) {
-        frame c{&d[i].second, f.path, f.dpath};
-        c.path.push_back(d[i].first);
-        c.dpath.emplace_back(d[i].first.str());
-        work.push_back(std::move(c));
-      }
-    } else {
-      const List& l = v.as_list();
-      for (std::size_t i = l.size(); i-- > 0;) {
-        frame c{&l[i], f.path, f.dpath};
-        c.path.emplace_back(static_cast<std::int64_t>(i));
-        c.dpath.emplace_back(static_cast<std::int64_t>(i));
-        work.push_back(std::move(c));
-      }
-    }
-  }
-  return out;
-}
-
-// Metadata objects, as PyTorch pickles them.
-struct names_of {
-  std::string md, fs, props, mem_enum;
-  explicit names_of(class_names c)
-      : md(c == class_names::torch_2 ? mod_2 : mod_113),
-        fs(c == class_names::torch_2 ? fs_2 : fs_113),
-        props(c == class_names::torch_2 ? mod_2 : st_meta),
-        mem_enum(c == class_names::torch_2 ? "_MEM_FORMAT_ENCODING" : "MEM_FORMAT_ENCODING") {}
-};
-
-inline Value new_object(const std::string& module, const std::string& name, std::optional<Value> state) {
-  Object o{module, name, object_build::newobj, {}, {}, {}};
-  if (state) o.state.push_back(std::move(*state));
-  return Value(std::move(o));
-}
-
-inline Value torch_size(const shape_t& s) {
-  List l;
-  for (dim_t d : s) l.emplace_back(d);
-  Object o{"torch", "Size", object_build::reduce, {}, {}, {}};
-  o.args.push_back(Value::tuple(std::move(l)));
-  return Value(std::move(o));
-}
-
-inline Value global(const std::string& module, const std::string& name) {
-  return Value(Object{module, name, object_build::global, {}, {}, {}});
-}
-
-inline Value tensor_properties_value(const names_of& n, dtype t) {
-  Object layout{"torch.serialization", "_get_layout", object_build::reduce, {}, {}, {}};
-  layout.args.emplace_back("torch.strided");
-  Object mem{"builtins", "getattr", object_build::reduce, {}, {}, {}};
-  mem.args.push_back(global(n.props, n.mem_enum));
-  mem.args.emplace_back("TORCH_CONTIGUOUS_FORMAT");
-  List state;
-  state.push_back(global("torch", std::string(info(t).torch_name)));
-  state.emplace_back(std::move(layout));
-  state.emplace_back(false);
-  state.emplace_back(std::move(mem));
-  state.emplace_back(false);
-  return new_object(n.props, "TensorProperties", Value::tuple(std::move(state)));
-}
-
-}  // namespace detail
-
-/// Writes `src` as a DCP checkpoint for `world_size` ranks into the directory `dir` (replaced
-/// atomically: the directory appears complete or not at all). Tensors are chunked by shard_dim /
-/// chunks_for; every chunk is a torch.save archive whose storage record the executor fills from
-/// the source chunks (streaming, bounded memory, casting to each TensorInfo's dtype); non-tensor
-/// values are bytes items (rank 0). Files: `__<rank>_0.distcp` for every rank, and `.metadata`.
-inline void write(const ShardedCheckpoint& src, const std::filesystem::path& dir, const write_options& opt = {}) {
-  namespace tr = statedict::detail::torch_refs;
-  const std::uint32_t world = opt.world_size;
-  if (world == 0 || world > (1U << 20))
-    throw_error(errors::dcp_bad_world_size, "world size " + std::to_string(world) + " is not in [1, 2^20]");
-  const detail::names_of nm(opt.classes);
-
-  // The tree: unflatten the skeleton with placeholder views (reserved address space, never read),
-  // each tensor at its own address with a gap, so a view_of node cannot pass for a tensor.
-  const std::size_t n = src.tensors.size();
-  std::vector<std::uint64_t> start(n);
-  std::uint64_t total = 16;
-  for (std::size_t i = 0; i < n; ++i) {
-    const TensorInfo& t = src.tensors[i];
-    if (opt.classes == class_names::torch_1_13 && info(t.dtype).storage_name.empty())
-      throw_error(errors::dcp_write_unsupported, "tensor " + quote(t.name),
-                  "dtype " + std::string(name(t.dtype)) + " has no storage class in PyTorch 1.13 (write the 2.x layout)");
-    start[i] = total;
-    total = checked_add(total, checked_add(byte_size(t.shape, itemsize(t.dtype)), 31, "reservation") / 16 * 16, "reservation");
-  }
-  auto space = std::make_shared<torch::detail::reservation>(total);
-  NamedTensors named;
-  named.reserve(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    const TensorInfo& t = src.tensors[i];
-    named.emplace_back(t.name, TensorView::contiguous(t.dtype, t.shape, space->base() + start[i], space));
-  }
-  const Value tree = unflatten(named, src.skeleton);
-  auto tensor_index = [&](const TensorView& v) -> std::optional<std::size_t> {
-    const auto off = static_cast<std::uint64_t>(v.data() - space->base());
-    auto it = std::lower_bound(start.begin(), start.end(), off);
-    if (it == start.end() || *it != off) return std::nullopt;
-    const auto i = static_cast<std::size_t>(it - start.begin());
-    const TensorInfo& t = src.tensors[i];
-    if (v.dtype() != t.dtype || v.shape() != t.shape || !v.is_contiguous()) return std::nullopt;
-    return i;
-  };
-  const std::vector<detail::WKey> keys = detail::state_keys(tree, opt.classes, tensor_index);
-
-  // Items, per rank in key order.
-  std::set<std::string> seen;
-  std::vector<detail::WItem> items;
-  std::uint64_t max_chunk = 0;
-  for (const auto& k : keys) {
-    if (!seen.insert(k.fqn).second)
-      throw_error(errors::dcp_write_key_conflict, "key " + quote(k.fqn), "two items of the state dict have this name");
-    if (!k.tensor) {
-      detail::WItem it;
-      it.key = k.fqn;
-      it.value = copy_tree(*k.value);
-      items.push_back(std::move(it));
-      continue;
-    }
-    const TensorInfo& t = src.tensors[k.t];
-    std::size_t ci = 0;
-    for (auto& [rank, box] : chunks_for(t.shape, world)) {
-      detail::WItem it;
-      it.key = k.fqn;
-      it.tensor = true;
-      it.t = k.t;
-      it.chunk = ci++;
-      it.rank = rank;
-      max_chunk = std::max(max_chunk, byte_size(box.sizes, itemsize(t.dtype)));
-      it.box = std::move(box);
-      items.push_back(std::move(it));
-    }
-  }
-
-  // Each item's archive, as torch.save writes it to a stream (folder "archive/").
-  auto chunk_space = std::make_shared<torch::detail::reservation>(max_chunk + 16);
-  torch::save_options so;
-  so.archive_name = "archive";
-  std::vector<std::uint64_t> file_size(world, 0);
-  for (auto& it : items) {
-    if (it.tensor) {
-      const Value v(TensorView::contiguous(src.tensors[it.t].dtype, it.box.sizes, chunk_space->base(), chunk_space));
-      it.plan = torch::plan_save(v, so);
-    } else {
-      it.plan = torch::plan_save(it.value, so);
-    }
-    it.offset = file_size[it.rank];
-    file_size[it.rank] = checked_add(file_size[it.rank], it.plan.file_size(), "file size");
-  }
-  auto file_name = [](std::uint32_t r) { return "__" + std::to_string(r) + "_0.distcp"; };
-
-  // .metadata
-  Dict sdm;
-  std::vector<Value> storage_items;
-  std::map<std::string, std::size_t> entry_of;  // fqn -> chunks so far (for the index hint)
-  for (const auto& it : items) {
-    const std::string rel = file_name(it.rank);
-    Dict info_state;
-    info_state.set("relative_path", rel);
-    info_state.set("offset", static_cast<std::int64_t>(it.offset));
-    info_state.set("length", static_cast<std::int64_t>(it.plan.file_size()));
-    Value info = detail::new_object(nm.fs, "_StorageInfo", Value(std::move(info_state)));
-    Dict idx;
-    idx.set("fqn", it.key);
-    if (it.tensor) {
-      const TensorInfo& t = src.tensors[it.t];
-      Value* e = sdm.find(Key(it.key));
-      if (!e) {
-        Dict tsm;
-        tsm.set("properties", detail::tensor_properties_value(nm, t.dtype));
-        tsm.set("size", detail::torch_size(t.shape));
-        tsm.set("chunks", Value::list());
-        e = &sdm.set(Key(it.key), detail::new_object(nm.md, "TensorStorageMetadata", Value(std::move(tsm))));
-      }
-      Dict csm;
-      csm.set("offsets", detail::torch_size(it.box.offsets));
-      csm.set("sizes", detail::torch_size(it.box.sizes));
-      e->as_object().state[0].as_dict().at(Key("chunks")).as_list().push_back(
-          detail::new_object(nm.md, "ChunkStorageMetadata", Value(std::move(csm))));
-      idx.set("offset", detail::torch_size(it.box.offsets));
-      idx.set("index", static_cast<std::int64_t>(it.chunk));
-    } else {
-      sdm.set(Key(it.key), detail::new_object(nm.md, "BytesStorageMetadata", std::nullopt));
-      idx.set("offset", Value());
-      idx.set("index", Value());
-    }
-    List pair;
-    pair.push_back(detail::new_object(nm.md, "MetadataIndex", Value(std::move(idx))));
-    pair.push_back(std::move(info));
-    storage_items.push_back(Value::tuple(std::move(pair)));
-  }
-  Dict md_state;
-  md_state.set("state_dict_metadata", Value(std::move(sdm)));
-  if (opt.classes == class_names::torch_2) {
-    Dict mapping;
-    for (const auto& k : keys) mapping.set(Key(k.fqn), Value::tuple(k.path));
-    md_state.set("planner_data", Value(std::move(mapping)));
-  } else {
-    md_state.set("planner_data", Value());
-  }
-  Object sd{"builtins", "dict", object_build::reduce, {}, {}, std::move(storage_items)};
-  md_state.set("storage_data", Value(std::move(sd)));
-  const std::vector<std::byte> md_bytes =
-      pickle::dumps(detail::new_object(nm.md, "Metadata", Value(std::move(md_state))));
-
-  if (opt.index_only) {
-    std::filesystem::create_directories(dir);
-    std::vector<PlannedFile> planned;
-    for (std::uint32_t r = 0; r < world; ++r) planned.push_back({file_name(r), file_size[r]});
-    check_parts_written(dir, planned, errors::dcp_write_part, "DCP checkpoint", "rank file");
-    OutputFile mf = OutputFile::create(dir / ".metadata");
-    mf.write(md_bytes);
-    mf.commit();
-    return;
-  }
-  // Destination: each tensor item's storage record. A tensor stored under two keys (an alias in
-  // the skeleton) gets a second source entry of its own name, so the planner sees two tensors.
-  Destination dst;
-  for (std::uint32_t r = 0; r < world; ++r) dst.names.push_back(file_name(r));
-  dst.sizes = file_size;
-  ShardedCheckpoint work;
-  const ShardedCheckpoint* from = &src;
-  std::map<std::pair<std::size_t, std::string>, std::size_t> dst_of;  // (tensor, key) -> dst tensor
-  std::set<std::size_t> placed;
-  std::vector<std::vector<FlatRange>> crc_regions(world);
-  for (const auto& it : items) {
-    if (!it.tensor || it.plan.storages.empty() || it.plan.storages[0].nbytes == 0) continue;
-    const std::uint64_t data = it.offset + it.plan.storage_offset(0);
-    crc_regions[it.rank].push_back(FlatRange{data, data + it.plan.storages[0].nbytes});
-    const TensorInfo& t = src.tensors[it.t];
-    auto d = dst_of.find({it.t, it.key});
-    if (d == dst_of.end()) {
-      std::string dname = t.name;
-      if (!placed.insert(it.t).second) {
-        if (from == &src) {
-          work.format = src.format;
-          work.sources = src.sources;
-          work.tensors = src.tensors;
-          from = &work;
-        }
-        dname = std::string("\x01") + "dcp key " + it.key;
-        work.tensors.push_back(TensorInfo{dname, t.dtype, t.shape, t.chunks});
-      }
-      dst.tensors.push_back(TensorInfo{dname, t.dtype, t.shape, {}});
-      d = dst_of.emplace(std::make_pair(it.t, it.key), dst.tensors.size() - 1).first;
-    }
-    dst.tensors[d->second].chunks.push_back(Chunk{it.box, Placement{it.rank, data, {}, t.dtype}});
-  }
-  Plan plan = make_plan(*from, dst, opt.plan);
-  std::vector<bool> mine(world, true);
-  if (opt.part) {
-    const auto parts = assign_parts(plan, opt.part->count);
-    for (std::uint32_t r = 0; r < world; ++r) mine[r] = parts[r] == opt.part->index;
-    plan = select_part(plan, *opt.part);
-  }
-
-  // Files: headers and small records now, storages through the executor, CRCs and directories last.
-  std::optional<OutputDir> out;
-  if (!opt.part) out.emplace(OutputDir::create(dir));
-  else std::filesystem::create_directories(dir);
-  std::vector<std::unique_ptr<OutputFile>> files(world);
-  for (std::uint32_t r = 0; r < world; ++r) {
-    if (!mine[r]) continue;
-    // No resize up front: storages are written first, in ascending order, so the file mostly
-    // grows at its end (filling a sparse file's holes is slower on ext4); the zip framing of
-    // every item fills the gaps between them afterwards.
-    files[r] = std::make_unique<OutputFile>(out ? out->create_file(file_name(r)) : OutputFile::create(dir / file_name(r)));
-  }
-  std::vector<std::unique_ptr<FileSink>> sinks(world);
-  std::vector<Sink*> sink_ptrs(world, nullptr);
-  for (std::uint32_t r = 0; r < world; ++r) {
-    if (!files[r]) continue;
-    sinks[r] = std::make_unique<FileSink>(*files[r]);
-    std::sort(crc_regions[r].begin(), crc_regions[r].end(), [](const FlatRange& a, const FlatRange& b) { return a.begin < b.begin; });
-    sinks[r]->track_crc32(crc_regions[r]);
-    sink_ptrs[r] = sinks[r].get();
-  }
-  (void)execute(plan, *from, sink_ptrs, opt.exec);
-  // Each item's framing in file order (local header, small record data, descriptor; central
-  // directory): adjacent pieces, and the pieces of consecutive items, go out as one write.
-  std::vector<std::optional<WriteCoalescer>> framing(world);
-  for (std::uint32_t r = 0; r < world; ++r)
-    if (files[r]) framing[r].emplace(*files[r]);
-  for (const auto& it : items) {
-    if (!files[it.rank]) continue;
-    WriteCoalescer& f = *framing[it.rank];
-    const auto& L = it.plan.layout;
-    std::vector<std::uint32_t> crcs(it.plan.records.size(), 0);
-    for (std::size_t e = 0; e < it.plan.records.size(); ++e) {
-      const auto& rec = it.plan.records[e];
-      if (!rec.storage) {
-        crcs[e] = zip::crc32(rec.bytes);
-      } else if (it.plan.storages[*rec.storage].nbytes > 0) {
-        const std::uint64_t data = it.offset + L.entries[e].data_offset;
-        const auto& regs = sinks[it.rank]->crc_regions();
-        auto pos = std::lower_bound(regs.begin(), regs.end(), data, [](const FlatRange& a, std::uint64_t v) { return a.begin < v; });
-        crcs[e] = sinks[it.rank]->crc32(static_cast<std::size_t>(pos - regs.begin()));
-      }
-      f.write(it.offset + L.entries[e].header_offset, zip::local_header_bytes(L.entries[e], L.options));
-      if (!rec.storage) f.write(it.offset + L.entries[e].data_offset, rec.bytes);
-      f.write(it.offset + L.entries[e].descriptor_offset, zip::descriptor_bytes(L.entries[e], crcs[e]));
-    }
-    f.write(it.offset + L.central_offset, zip::tail_bytes(L, crcs));
-  }
-  for (auto& f : framing)
-    if (f) f->flush();
-  for (auto& f : files)
-    if (f) f->commit();
-  if (!out) return;  // a part: the index step writes .metadata
-  {
-    OutputFile mf = out->create_file(".metadata");
-    mf.write(md_bytes);
-    mf.commit();
-  }
-  out->commit();
-}
 
 }  // namespace dcp
-}  // namespace statedict::inline v0
-// ---- statedict/formats/sharded_tensor.hpp ----
-// statedict: directories of ShardedTensor rank files (`rank<N>.pt`, OLMo's legacy sharded
-// checkpointer): detect and describe.
-// SPDX-License-Identifier: MIT
-//
-// Each rank torch.save()s the same nested state dict; sharded parameters are ShardedTensor objects
-// (torch.distributed._shard.sharded_tensor), pickled as
-//   torch._tensor._rebuild_from_type_v2(torch._utils._rebuild_wrapper_subclass, ShardedTensor,
-//       (ShardedTensor, dtype, size, stride, storage_offset, layout, device, requires_grad),
-//       (local_shards, ShardedTensorMetadata, ProcessGroupState, sharding_spec, init_rrefs))
-// with `local_shards` a list of Shard(tensor, ShardMetadata(shard_offsets, shard_sizes, placement))
-// and ShardedTensorMetadata(shards_metadata, size, tensor_properties) the global view (identical on
-// every rank). Every rank file is read with the safe unpickler (unknown classes kept as opaque
-// objects, never executed) and no tensor data is read: each global tensor's chunks point at its
-// local shards' storage records inside the rank files. Plain tensors and non-tensor values come from
-// rank 0; `options::check_replicas` compares them across ranks.
-//
-// The dtype: torch 1.13's loader ignores the pickled wrapper dtype (a loaded bf16 ShardedTensor
-// reports float32), so it is taken from the metadata's tensor_properties and checked against the
-// wrapper argument and every local shard. docs/formats/sharded-tensor.md has the details.
-
-#include <algorithm>
-#include <charconv>
-#include <cstdint>
-#include <filesystem>
-#include <map>
-#include <memory>
-#include <optional>
-#include <set>
-#include <string>
-#include <string_view>
-#include <system_error>
-#include <utility>
-#include <vector>
-
-
-namespace statedict::inline v0 {
-
-namespace errors {
-// clang-format off
-inline constexpr error_id st_no_rank_files     {780, error_kind::format, "sharded_tensor.no_rank_files"};
-inline constexpr error_id st_bad_rank_set      {781, error_kind::format, "sharded_tensor.bad_rank_set"};
-inline constexpr error_id st_bad_object        {782, error_kind::format, "sharded_tensor.bad_object"};
-inline constexpr error_id st_dtype_mismatch    {783, error_kind::format, "sharded_tensor.dtype_mismatch"};
-inline constexpr error_id st_rank_disagreement {784, error_kind::format, "sharded_tensor.rank_disagreement"};
-inline constexpr error_id st_shard_mismatch    {785, error_kind::format, "sharded_tensor.shard_mismatch"};
-inline constexpr error_id st_incomplete        {786, error_kind::format, "sharded_tensor.incomplete"};
-inline constexpr error_id st_replica_mismatch  {787, error_kind::format, "sharded_tensor.replica_mismatch"};
-inline constexpr error_id st_too_many_ranks    {788, error_kind::limit,  "sharded_tensor.too_many_ranks"};
-// clang-format on
-}  // namespace errors
-
-namespace sharded_tensor {
-
-/// Caps on hostile rank files.
-struct limits {
-  /// Rank files in one directory.
-  std::uint64_t max_ranks = 1U << 16;
-  /// Dimensions of one tensor.
-  std::size_t max_dims = 64;
-  /// Shards listed in one ShardedTensor's metadata.
-  std::uint64_t max_shards = 1U << 20;
-  /// The unpickler's caps for each rank file's `data.pkl`.
-  pickle::limits pickle{};
-  /// Bytes of one rank file's `data.pkl` read into memory.
-  std::uint64_t max_pickle_bytes = std::uint64_t{1} << 30;
-};
-
-struct options {
-  sharded_tensor::limits limits{};
-  read_mode mode = read_mode::mmap;
-  /// Compare the non-tensor values and the plain (replicated) tensors of every rank with rank 0's,
-  /// reading the tensors' bytes; a difference is errors::st_replica_mismatch. Off by default: the
-  /// structure (names, kinds, global metadata) is always checked, values and bytes only with this.
-  bool check_replicas = false;
-};
-
-/// What detect() found (the same shape as the other formats' detection).
-struct detection {
-  bool found = false;
-  /// The rule that matched, or what was looked for and what was found instead.
-  std::string rule;
-  std::uint32_t world_size = 0;  ///< rank files found
-};
-
-namespace detail {
-namespace po = statedict::detail::pyobj;
-namespace tr = statedict::detail::torch_refs;
-
-inline constexpr std::string_view st_module = "torch.distributed._shard.sharded_tensor.api";
-
-/// `rank<N>.pt` -> N (decimal, no sign, no leading zeros except "0").
-inline std::optional<std::uint64_t> rank_of(std::string_view file) {
-  if (file.size() < 8 || file.substr(0, 4) != "rank" || file.substr(file.size() - 3) != ".pt") return std::nullopt;
-  const std::string_view digits = file.substr(4, file.size() - 7);
-  if (digits.empty() || digits.size() > 9 || (digits.size() > 1 && digits[0] == '0')) return std::nullopt;
-  std::uint64_t r = 0;
-  auto [p, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), r);
-  if (ec != std::errc() || p != digits.data() + digits.size()) return std::nullopt;
-  return r;
-}
-
-/// Sorted rank files of `dir` ({rank, path}).
-inline std::vector<std::pair<std::uint64_t, std::filesystem::path>> rank_files(const std::filesystem::path& dir) {
-  std::vector<std::pair<std::uint64_t, std::filesystem::path>> out;
-  std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
-    if (auto r = rank_of(e.path().filename().string()); r && e.is_regular_file(ec)) out.emplace_back(*r, e.path());
-  }
-  std::sort(out.begin(), out.end());
-  return out;
-}
-
-/// True when `v` is a pickled ShardedTensor (_rebuild_from_type_v2 of _rebuild_wrapper_subclass).
-inline bool is_sharded_tensor(const Value& v) {
-  if (!po::is_class(v, {"torch._tensor._rebuild_from_type_v2"})) return false;
-  const List& a = v.as_object().args;
-  return a.size() == 4 && po::is_global(a[1], st_module, "ShardedTensor");
-}
-
-/// One shard of a ShardedTensor's global metadata.
-struct ShardMeta {
-  shape_t offsets;
-  shape_t sizes;
-  std::uint64_t rank = 0;
-  friend bool operator==(const ShardMeta&, const ShardMeta&) = default;
-};
-
-/// A ShardedTensor as one rank saw it.
-struct Parsed {
-  statedict::dtype dtype = statedict::dtype::F32;
-  shape_t size;
-  std::vector<ShardMeta> shards;  ///< global metadata, in placement order
-  /// Local shards: (index into `shards`, tensor reference index in the rank's tree).
-  std::vector<std::pair<std::size_t, std::size_t>> local;
-};
-
-inline shape_t dims(const po::Where& w, const Value& v, const limits& lim) {
-  shape_t s = po::as_ints(errors::st_bad_object, errors::st_bad_object, lim.max_dims, w, v);
-  for (dim_t d : s)
-    if (d < 0) throw_error(errors::st_bad_object, w.text(), "negative value in " + to_string(s));
-  return s;
-}
-
-inline ShardMeta shard_meta(const po::Where& w, const Value& v, const limits& lim) {
-  if (!po::is_class(v, {"torch.distributed._shard.metadata.ShardMetadata"}))
-    po::expected(errors::st_bad_object, w, "a ShardMetadata object", v);
-  const Dict a = po::require_attributes(errors::st_bad_object, w, v, "ShardMetadata");
-  ShardMeta m;
-  m.offsets = dims(w / "shard_offsets", po::field(errors::st_bad_object, w, a, "shard_offsets"), lim);
-  m.sizes = dims(w / "shard_sizes", po::field(errors::st_bad_object, w, a, "shard_sizes"), lim);
-  const Value& pl = po::field(errors::st_bad_object, w, a, "placement");
-  const po::Where pw = w / "placement";
-  if (!po::is_class(pl, {"torch.distributed.remote_device._remote_device"}))
-    po::expected(errors::st_bad_object, pw, "a _remote_device object", pl);
-  const Dict pa = po::require_attributes(errors::st_bad_object, pw, pl, "_remote_device");
-  const Value& rank = po::field(errors::st_bad_object, pw, pa, "_rank");
-  if (rank.is_none())
-    throw_error(errors::st_bad_object, (pw / "_rank").text(), "placement by worker name is not supported (no rank)");
-  m.rank = po::as_count(errors::st_bad_object, errors::st_bad_object, pw / "_rank", rank);
-  return m;
-}
-
-/// The dtype of TensorProperties (state tuple or attribute dict).
-inline std::optional<dtype> properties_dtype(const po::Where& w, const Value& v, std::string& tname) {
-  if (!po::is_class(v, {"torch.distributed._shard.sharded_tensor.metadata.TensorProperties"}))
-    po::expected(errors::st_bad_object, w, "a TensorProperties object", v);
-  const Object& o = v.as_object();
-  if (o.state.size() == 1 && o.state[0].is_tuple() && !o.state[0].as_list().empty())
-    return po::torch_dtype(errors::st_bad_object, w / "dtype", o.state[0].as_list()[0], &tname);
-  const Dict a = po::require_attributes(errors::st_bad_object, w, v, "TensorProperties");
-  return po::torch_dtype(errors::st_bad_object, w / "dtype", po::field(errors::st_bad_object, w, a, "dtype"), &tname);
-}
-
-inline Parsed parse(const po::Where& w, const Value& v, const tr::Tree& tree, std::uint64_t file_rank, const limits& lim) {
-  const List& a = v.as_object().args;
-  if (!po::is_global(a[0], "torch._utils", "_rebuild_wrapper_subclass"))
-    po::expected(errors::st_bad_object, w, "a ShardedTensor rebuilt by torch._utils._rebuild_wrapper_subclass", a[0]);
-  if (!a[2].is_sequence() || a[2].as_list().size() < 3)
-    po::expected(errors::st_bad_object, w / "args", "the wrapper's (cls, dtype, size, ...) tuple", a[2]);
-  const List& wa = a[2].as_list();
-  std::string wname;
-  const auto wdtype = po::torch_dtype(errors::st_bad_object, w / "args" / std::size_t{1}, wa[1], &wname);
-  const shape_t wsize = dims(w / "args" / std::size_t{2}, wa[2], lim);
-  if (!a[3].is_tuple() || a[3].as_list().size() < 2)
-    po::expected(errors::st_bad_object, w / "state", "the ShardedTensor state (local_shards, metadata, ...)", a[3]);
-  const List& st = a[3].as_list();
-  const Value& md = st[1];
-  const po::Where mw = w / "state" / "metadata";
-  if (!po::is_class(md, {"torch.distributed._shard.sharded_tensor.metadata.ShardedTensorMetadata"}))
-    po::expected(errors::st_bad_object, mw, "a ShardedTensorMetadata object", md);
-  const Dict ma = po::require_attributes(errors::st_bad_object, mw, md, "ShardedTensorMetadata");
-  Parsed p;
-  p.size = dims(mw / "size", po::field(errors::st_bad_object, mw, ma, "size"), lim);
-  (void)numel(p.size);
-  std::string tname;
-  const auto mdtype = properties_dtype(mw / "tensor_properties", po::field(errors::st_bad_object, mw, ma, "tensor_properties"), tname);
-  if (!mdtype) throw_error(errors::st_bad_object, (mw / "tensor_properties").text(), "dtype torch." + tname + " is not supported");
-  p.dtype = *mdtype;
-  if (!wdtype || *wdtype != p.dtype)
-    throw_error(errors::st_dtype_mismatch, w.text(),
-                "the wrapper says torch." + wname + ", the metadata's tensor_properties say " + std::string(name(p.dtype)));
-  if (wsize != p.size)
-    throw_error(errors::st_bad_object, w.text(), "the wrapper's size " + to_string(wsize) + " differs from the metadata's " + to_string(p.size));
-  const Value& sm = po::field(errors::st_bad_object, mw, ma, "shards_metadata");
-  if (!sm.is_list()) po::expected(errors::st_bad_object, mw / "shards_metadata", "a list of ShardMetadata", sm);
-  if (sm.as_list().size() > lim.max_shards)
-    throw_error(errors::st_bad_object, (mw / "shards_metadata").text(),
-                std::to_string(sm.as_list().size()) + " shards exceed limits.max_shards");
-  const Box whole = full_box(p.size);
-  for (std::size_t i = 0; i < sm.as_list().size(); ++i) {
-    const po::Where sw = mw / "shards_metadata" / i;
-    ShardMeta m = shard_meta(sw, sm.as_list()[i], lim);
-    if (m.offsets.size() != p.size.size() || m.sizes.size() != p.size.size() || !contains(whole, Box{m.offsets, m.sizes}))
-      throw_error(errors::st_incomplete, sw.text(),
-                  "shard at offsets " + to_string(m.offsets) + " with sizes " + to_string(m.sizes) +
-                      " is not inside the tensor's size " + to_string(p.size));
-    p.shards.push_back(std::move(m));
-  }
-  // Local shards
-  const Value& ls = st[0];
-  if (!ls.is_list()) po::expected(errors::st_bad_object, w / "state" / "local_shards", "a list of Shard", ls);
-  for (std::size_t i = 0; i < ls.as_list().size(); ++i) {
-    const po::Where sw = w / "state" / "local_shards" / i;
-    const Value& s = ls.as_list()[i];
-    if (!po::is_class(s, {"torch.distributed._shard.sharded_tensor.shard.Shard"}))
-      po::expected(errors::st_bad_object, sw, "a Shard object", s);
-    const Dict sa = po::require_attributes(errors::st_bad_object, sw, s, "Shard");
-    const Value& t = po::field(errors::st_bad_object, sw, sa, "tensor");
-    if (!tr::is_ref(t)) po::expected(errors::st_bad_object, sw / "tensor", "a saved tensor", t);
-    ShardMeta m = shard_meta(sw / "metadata", po::field(errors::st_bad_object, sw, sa, "metadata"), lim);
-    if (m.rank != file_rank)
-      throw_error(errors::st_shard_mismatch, sw.text(),
-                  "local shard placed on rank " + std::to_string(m.rank) + " is in the file of rank " + std::to_string(file_rank));
-    auto it = std::find(p.shards.begin(), p.shards.end(), m);
-    if (it == p.shards.end())
-      throw_error(errors::st_shard_mismatch, sw.text(),
-                  "local shard at offsets " + to_string(m.offsets) + " with sizes " + to_string(m.sizes) +
-                      " is not in the global shards_metadata");
-    const tr::TensorRef& r = tree.tensors[tr::ref_index(t)];
-    if (r.dtype != p.dtype)
-      throw_error(errors::st_dtype_mismatch, (sw / "tensor").text(),
-                  "local shard is " + std::string(name(r.dtype)) + ", the metadata says " + std::string(name(p.dtype)));
-    if (r.sizes != m.sizes)
-      throw_error(errors::st_shard_mismatch, (sw / "tensor").text(),
-                  "local shard tensor has size " + to_string(r.sizes) + ", its metadata says " + to_string(m.sizes));
-    const auto idx = static_cast<std::size_t>(it - p.shards.begin());
-    for (const auto& l : p.local)
-      if (l.first == idx) throw_error(errors::st_shard_mismatch, sw.text(), "the same shard appears twice");
-    p.local.emplace_back(idx, tr::ref_index(t));
-  }
-  return p;
-}
-
-/// Kind signature of a tree for cross-rank comparison: containers and leaf kinds by path, with
-/// sharded tensors and plain tensors marked.
-inline void check_same_structure(const Value& a, const Value& b, std::uint64_t rank, const std::string& where) {
-  std::vector<std::pair<std::string, std::string>> sa, sb;
-  auto sig = [](const Value& root, std::vector<std::pair<std::string, std::string>>& out) {
-    visit(root, [&](const Path& p, const Value& v) {
-      std::string k;
-      if (tr::is_ref(v)) k = "tensor";
-      else if (is_sharded_tensor(v)) k = "ShardedTensor";
-      else k = po::kind_of(v);
-      out.emplace_back(dotted(p), std::move(k));
-      return (tr::is_ref(v) || is_sharded_tensor(v)) ? visit_control::skip : visit_control::descend;
-    });
-  };
-  sig(a, sa);
-  sig(b, sb);
-  const std::size_t n = std::min(sa.size(), sb.size());
-  for (std::size_t i = 0; i < n; ++i)
-    if (sa[i] != sb[i])
-      throw_error(errors::st_rank_disagreement, where,
-                  "rank 0 has " + sa[i].second + " at " + quote(sa[i].first) + ", rank " + std::to_string(rank) +
-                      " has " + sb[i].second + " at " + quote(sb[i].first));
-  if (sa.size() != sb.size())
-    throw_error(errors::st_rank_disagreement, where,
-                "rank 0 and rank " + std::to_string(rank) + " hold different numbers of entries (" +
-                    std::to_string(sa.size()) + " and " + std::to_string(sb.size()) + ")");
-}
-
-/// Reads the elements of a tensor reference, row-major (for replica comparison).
-inline std::vector<std::byte> gather(const ByteSource& src, const tr::TensorRef& r) {
-  const std::size_t is = itemsize(r.dtype);
-  const std::uint64_t n = numel(r.sizes);
-  std::vector<std::byte> out(static_cast<std::size_t>(checked_mul(n, is, "tensor bytes")));
-  if (n == 0) return out;
-  const std::uint64_t base = r.byte_offset();
-  if (is_contiguous(r.sizes, r.strides)) {
-    src.read(base, out);
-    return out;
-  }
-  shape_t idx(r.sizes.size(), 0);
-  for (std::uint64_t e = 0; e < n; ++e) {
-    std::uint64_t off = 0;
-    for (std::size_t d = 0; d < idx.size(); ++d) off += static_cast<std::uint64_t>(idx[d] * r.strides[d]);
-    src.read(base + off * is, std::span<std::byte>(out.data() + e * is, is));
-    for (std::size_t d = idx.size(); d-- > 0;) {
-      if (++idx[d] < r.sizes[d]) break;
-      idx[d] = 0;
-    }
-  }
-  return out;
-}
-
-}  // namespace detail
-
-/// Says from content whether `dir` holds ShardedTensor rank files: `rank0.pt` .. `rank<W-1>.pt`
-/// where `rank0.pt` is a torch.save zip archive whose `data.pkl` names the ShardedTensor class.
-/// Never throws for other directories. `rule` names the rule that matched, or says what was looked
-/// for and what was found.
-inline detection detect(const std::filesystem::path& dir) {
-  detection d;
-  const std::string wanted = "sharded_tensor_ranks: wanted rank0.pt .. rank<W-1>.pt holding ShardedTensor objects; found ";
-  std::error_code ec;
-  if (!std::filesystem::is_directory(dir, ec)) {
-    d.rule = wanted + "no directory";
-    return d;
-  }
-  const auto files = detail::rank_files(dir);
-  bool consecutive = true;
-  for (std::size_t i = 0; i < files.size(); ++i) consecutive = consecutive && files[i].first == i;
-  if (files.empty() || !consecutive) {
-    d.rule = wanted + std::to_string(files.size()) + " rank<N>.pt file(s)" + (files.empty() ? "" : ", not numbered 0 .. W-1");
-    return d;
-  }
-  const std::string n = std::to_string(files.size()) + " rank file(s)";
-  try {
-    auto f = InputFile::open(files.front().second, read_mode::pread);
-    const zip::Archive ar = zip::Archive::open(f);
-    const std::string first = ar.entries().empty() ? std::string() : ar.entries().front().name;
-    const zip::Entry* pkl = ar.find(first.substr(0, first.find('/') + 1) + "data.pkl");
-    if (!pkl) {
-      d.rule = wanted + n + "; rank0.pt is a zip archive without data.pkl";
-      return d;
-    }
-    const Region r = ar.read(*pkl);
-    const std::string_view text(reinterpret_cast<const char*>(r.data), static_cast<std::size_t>(r.size));
-    if (text.find("torch.distributed._shard.sharded_tensor.api\nShardedTensor\n") != std::string_view::npos) {
-      d.found = true;
-      d.world_size = static_cast<std::uint32_t>(files.size());
-      d.rule = "sharded_tensor_ranks: rank0.pt is a torch.save archive whose pickle holds ShardedTensor objects (" + n + ")";
-    } else {
-      d.rule = wanted + n + "; rank0.pt's pickle does not name torch.distributed._shard.sharded_tensor.api.ShardedTensor";
-    }
-  } catch (const error& e) {
-    d.rule = wanted + n + "; rank0.pt is not a readable torch.save archive (" + std::string(e.what()) + ")";
-  }
-  return d;
-}
-
-/// Reads every rank file of `dir` and describes the global tensors (see the top of this file).
-inline ShardedCheckpoint describe(const std::filesystem::path& dir, const options& opt = {}) {
-  namespace po = statedict::detail::pyobj;
-  namespace tr = statedict::detail::torch_refs;
-  const auto files = detail::rank_files(dir);
-  const std::string dwhere = "directory " + quote(dir.string());
-  if (files.empty()) throw_error(errors::st_no_rank_files, dwhere, "no rank<N>.pt files");
-  if (files.size() > opt.limits.max_ranks)
-    throw_error(errors::st_too_many_ranks, dwhere,
-                std::to_string(files.size()) + " rank files exceed limits.max_ranks (" + std::to_string(opt.limits.max_ranks) + ")");
-  for (std::size_t i = 0; i < files.size(); ++i)
-    if (files[i].first != i)
-      throw_error(errors::st_bad_rank_set, dwhere,
-                  "rank files must be rank0.pt .. rank" + std::to_string(files.size() - 1) + ".pt; rank" +
-                      std::to_string(i) + ".pt is missing");
-  const auto world = static_cast<std::uint32_t>(files.size());
-
-  ShardedCheckpoint ck;
-  std::vector<TensorInfo> tensors;  // unnamed, indexed by the placeholders of `tree`
-  ck.format = "sharded_tensor_ranks";
-  ck.metadata["sharded_tensor.world_size"] = std::to_string(world);
-
-  tr::load_options lo;
-  lo.pickle = opt.limits.pickle;
-  lo.max_pickle_bytes = opt.limits.max_pickle_bytes;
-  std::vector<tr::Tree> trees;
-  trees.reserve(world);
-  for (const auto& [rank, path] : files) {
-    auto f = InputFile::open(path, opt.mode);
-    ck.sources.push_back(f);
-    try {
-      trees.push_back(tr::load(f, lo));
-    } catch (error& e) {
-      e.add_context("file " + quote(path.string()));
-      throw;
-    }
-  }
-  for (std::uint32_t r = 1; r < world; ++r)
-    detail::check_same_structure(trees[0].value, trees[r].value, r, dwhere);
-
-  // Sharded tensors: rank 0's tree gives the names; each rank's copy gives its local shards.
-  struct Found {
-    Path path;
-    std::vector<detail::Parsed> per_rank;
-  };
-  std::vector<Found> found;
-  visit(trees[0].value, [&](const Path& p, const Value& v) {
-    if (!detail::is_sharded_tensor(v)) return visit_control::descend;
-    found.push_back(Found{p, {}});
-    return visit_control::skip;
-  });
-  for (Found& f : found) {
-    for (std::uint32_t r = 0; r < world; ++r) {
-      const po::Where w{"file " + quote(files[r].second.string()), dotted(f.path)};
-      const Value* v = find_path(trees[r].value, f.path);
-      f.per_rank.push_back(detail::parse(w, *v, trees[r], r, opt.limits));
-    }
-  }
-
-  // Rank 0's tree, with every tensor a placeholder indexing `tensors`.
-  std::size_t next_found = 0;
-  Value tree = transform(trees[0].value, [&](const Path& p, const Value& v) -> std::optional<Value> {
-    if (detail::is_sharded_tensor(v)) {
-      const Found& f = found[next_found++];
-      const detail::Parsed& p0 = f.per_rank[0];
-      const std::string tensor_name = dotted(p);
-      const std::string where = dwhere + ": ShardedTensor " + quote(tensor_name);
-      for (std::uint32_t r = 1; r < world; ++r) {
-        const detail::Parsed& pr = f.per_rank[r];
-        if (pr.dtype != p0.dtype || pr.size != p0.size || pr.shards != p0.shards)
-          throw_error(errors::st_rank_disagreement, where,
-                      "rank " + std::to_string(r) + "'s global metadata (dtype, size or shards) differs from rank 0's");
-      }
-      TensorInfo ti;
-      ti.name = tensor_name;
-      ti.dtype = p0.dtype;
-      ti.shape = p0.size;
-      std::vector<Box> boxes;
-      for (std::size_t s = 0; s < p0.shards.size(); ++s) {
-        const detail::ShardMeta& m = p0.shards[s];
-        boxes.push_back(Box{m.offsets, m.sizes});
-        if (m.rank >= world)
-          throw_error(errors::st_incomplete, where,
-                      "shard at " + to_string(m.offsets) + " is placed on rank " + std::to_string(m.rank) + " but only " +
-                          std::to_string(world) + " rank files exist");
-        const detail::Parsed& holder = f.per_rank[m.rank];
-        auto it = std::find_if(holder.local.begin(), holder.local.end(), [&](const auto& l) { return l.first == s; });
-        if (it == holder.local.end()) {
-          if (numel(m.sizes) == 0) continue;
-          throw_error(errors::st_incomplete, where,
-                      "shard at " + to_string(m.offsets) + " placed on rank " + std::to_string(m.rank) +
-                          " is not among that rank file's local shards");
-        }
-        if (numel(m.sizes) == 0) continue;
-        const tr::TensorRef& r = trees[m.rank].tensors[it->second];
-        Placement at;
-        at.source = static_cast<std::uint32_t>(m.rank);
-        at.byte_offset = r.byte_offset();
-        at.stored = r.dtype;
-        if (!is_contiguous(r.sizes, r.strides)) at.strides = r.strides;
-        ti.chunks.push_back(Chunk{Box{m.offsets, m.sizes}, std::move(at)});
-      }
-      if (numel(ti.shape) > 0) {
-        if (auto issue = cover(full_box(ti.shape), boxes, false)) {
-          if (issue->what == CoverIssue::kind::hole)
-            throw_error(errors::st_incomplete, where, "element " + to_string(issue->index) + " is in no shard");
-          throw_error(errors::st_incomplete, where,
-                      "shards at " + to_string(boxes[issue->first].offsets) + " and " + to_string(boxes[issue->second].offsets) +
-                          " overlap at element " + to_string(issue->index));
-        }
-      }
-      tensors.push_back(std::move(ti));
-      return tr::make_ref(tensors.size() - 1);
-    }
-    if (tr::is_ref(v)) {
-      const tr::TensorRef& r = trees[0].tensors[tr::ref_index(v)];
-      TensorInfo ti;
-      ti.name = dotted(p);
-      ti.dtype = r.dtype;
-      ti.shape = r.sizes;
-      if (numel(r.sizes) > 0) {
-        Placement at;
-        at.source = 0;
-        at.byte_offset = r.byte_offset();
-        at.stored = r.dtype;
-        if (!is_contiguous(r.sizes, r.strides)) at.strides = r.strides;
-        ti.chunks.push_back(Chunk{full_box(r.sizes), std::move(at)});
-      }
-      tensors.push_back(std::move(ti));
-      return tr::make_ref(tensors.size() - 1);
-    }
-    return std::nullopt;
-  });
-
-  if (opt.check_replicas) {
-    for (std::uint32_t rk = 1; rk < world; ++rk) {
-      // Non-tensor leaves equal, plain tensors byte-equal.
-      std::vector<const Value*> a, b;
-      std::vector<Path> paths;
-      auto leaves = [](const Value& root, std::vector<const Value*>& out, std::vector<Path>* ps) {
-        visit(root, [&](const Path& p, const Value& v) {
-          if (detail::is_sharded_tensor(v)) return visit_control::skip;
-          if (!tr::is_ref(v) && v.is_container()) return visit_control::descend;
-          out.push_back(&v);
-          if (ps) ps->push_back(p);
-          return visit_control::skip;
-        });
-      };
-      leaves(trees[0].value, a, &paths);
-      leaves(trees[rk].value, b, nullptr);
-      for (std::size_t i = 0; i < a.size() && i < b.size(); ++i) {
-        const std::string where = dwhere + ": rank " + std::to_string(rk) + ": key " + quote(dotted(paths[i]));
-        if (tr::is_ref(*a[i])) {
-          const auto& ra = trees[0].tensors[tr::ref_index(*a[i])];
-          const auto& rb = trees[rk].tensors[tr::ref_index(*b[i])];
-          if (ra.dtype != rb.dtype || ra.sizes != rb.sizes ||
-              detail::gather(*ck.sources[0], ra) != detail::gather(*ck.sources[rk], rb))
-            throw_error(errors::st_replica_mismatch, where, "replicated tensor differs from rank 0's");
-        } else if (!(*a[i] == *b[i])) {
-          throw_error(errors::st_replica_mismatch, where, "value differs from rank 0's");
-        }
-      }
-    }
-  }
-  auto fin = statedict::detail::describe_tree::finish(tree, tensors);
-  ck.tensors = std::move(fin.tensors);
-  ck.skeleton = std::move(fin.skeleton);
-  return ck;
-}
-
-}  // namespace sharded_tensor
 }  // namespace statedict::inline v0
 // ---- statedict/formats/deepspeed.hpp ----
 // statedict: DeepSpeed ZeRO stage 1, 2 and 3 checkpoints, described as one consolidated state.
@@ -19045,6 +19387,23 @@ inline ShardedCheckpoint describe(const std::filesystem::path& dir, const option
 #include <string_view>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
+#include <vector>
+
+// ---- statedict/formats/detail/files.hpp ----
+// statedict: pieces every directory-format reader shares: file-name rules (rank files, natural
+// order), the torch.save check of a file's first bytes, and loading a rank file's pickle without
+// reading its tensors.
+// SPDX-License-Identifier: MIT
+
+#include <algorithm>
+#include <charconv>
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -19736,6 +20095,131 @@ inline Destination destination(std::span<const TensorInfo> full, const ShardSpec
 }  // namespace optim_shard
 }  // namespace statedict::inline v0
 
+namespace statedict::inline v0::formats::detail {
+
+inline bool ends_with(std::string_view s, std::string_view suffix) noexcept {
+  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
+/// True when the file name of `p` ends with `ext` (".pt"), in any letter case.
+inline bool has_extension(const std::filesystem::path& p, std::string_view ext) {
+  const std::string n = p.filename().string();
+  if (n.size() <= ext.size()) return false;
+  for (std::size_t i = 0; i < ext.size(); ++i) {
+    const char a = n[n.size() - ext.size() + i];
+    const char b = ext[i];
+    if ((a >= 'A' && a <= 'Z' ? static_cast<char>(a - 'A' + 'a') : a) != b) return false;
+  }
+  return true;
+}
+
+/// Python's str.strip(): leading and trailing whitespace removed.
+inline std::string strip(std::string_view s) {
+  auto ws = [](char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; };
+  while (!s.empty() && ws(s.back())) s.remove_suffix(1);
+  while (!s.empty() && ws(s.front())) s.remove_prefix(1);
+  return std::string(s);
+}
+
+/// Python's "natural keys" order: digit runs compare as numbers, the rest as text.
+inline bool natural_less(std::string_view a, std::string_view b) {
+  std::size_t i = 0, j = 0;
+  auto digit = [](char c) { return c >= '0' && c <= '9'; };
+  while (i < a.size() && j < b.size()) {
+    if (digit(a[i]) && digit(b[j])) {
+      std::size_t ie = i, je = j;
+      while (ie < a.size() && digit(a[ie])) ++ie;
+      while (je < b.size() && digit(b[je])) ++je;
+      std::string_view x = a.substr(i, ie - i), y = b.substr(j, je - j);
+      while (x.size() > 1 && x[0] == '0') x.remove_prefix(1);
+      while (y.size() > 1 && y[0] == '0') y.remove_prefix(1);
+      if (x.size() != y.size()) return x.size() < y.size();
+      if (x != y) return x < y;
+      i = ie;
+      j = je;
+    } else {
+      if (a[i] != b[j]) return a[i] < b[j];
+      ++i;
+      ++j;
+    }
+  }
+  return (a.size() - i) < (b.size() - j);
+}
+
+/// An unsigned decimal of 1 to 9 digits without leading zeros ("0" allowed), as a number.
+inline std::optional<std::uint64_t> plain_number(std::string_view digits) {
+  if (digits.empty() || digits.size() > 9 || (digits.size() > 1 && digits[0] == '0')) return std::nullopt;
+  std::uint64_t r = 0;
+  const auto [p, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), r);
+  if (ec != std::errc() || p != digits.data() + digits.size()) return std::nullopt;
+  return r;
+}
+
+/// `<prefix><N><suffix>` -> N ("rank3.pt" with prefix "rank" and suffix ".pt" -> 3).
+inline std::optional<std::uint64_t> number_in(std::string_view file, std::string_view prefix, std::string_view suffix) {
+  if (file.size() <= prefix.size() + suffix.size() || file.substr(0, prefix.size()) != prefix || !ends_with(file, suffix))
+    return std::nullopt;
+  return plain_number(file.substr(prefix.size(), file.size() - prefix.size() - suffix.size()));
+}
+
+/// The `rank<N>.pt` files of a directory, sorted by N.
+inline std::vector<std::pair<std::uint64_t, std::filesystem::path>> rank_files(const std::filesystem::path& dir) {
+  std::vector<std::pair<std::uint64_t, std::filesystem::path>> out;
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    std::error_code ec2;
+    if (!it->is_regular_file(ec2)) continue;
+    if (auto r = number_in(it->path().filename().string(), "rank", ".pt")) out.emplace_back(*r, it->path());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+/// What is wrong with a set of rank files that should be rank 0 .. W-1 (nullopt: nothing).
+inline std::optional<std::string> rank_gap(const std::vector<std::pair<std::uint64_t, std::filesystem::path>>& files,
+                                           const std::filesystem::path& dir) {
+  if (files.empty()) return quote(dir.string()) + " has no rank<N>.pt file";
+  for (std::size_t i = 0; i < files.size(); ++i)
+    if (files[i].first != i)
+      return quote(dir.string()) + " has rank" + std::to_string(files[i].first) + ".pt but no rank" + std::to_string(i) + ".pt";
+  return std::nullopt;
+}
+
+/// True when the file at `p` begins like a torch.save file (torch::kind_of).
+inline bool begins_like_torch_file(const std::filesystem::path& p) {
+  try {
+    const auto f = InputFile::open(p, read_mode::pread);
+    std::byte head[16] = {};
+    const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(f->size(), sizeof head));
+    f->peek(0, std::span<std::byte>(head, n));
+    return torch::kind_of(std::span<const std::byte>(head, n), f->size()) != torch::file_kind::unknown;
+  } catch (const error&) {
+    return false;
+  }
+}
+
+/// "file '<name>'": the context of an error about one loaded file.
+inline std::string file_ctx(const optim_shard::LoadedFile& f) { return "file " + quote(f.name); }
+
+/// Loads a rank file's pickle without reading its tensors (torch::read_lazily), keeping objects
+/// outside the allow-list as data; errors get `context` (the checkpoint) added.
+inline optim_shard::LoadedFile load_rank_file(const std::filesystem::path& p, read_mode mode, const torch::limits& lim,
+                                              const std::string& context) {
+  torch::load_options lo;
+  lo.limits = lim;
+  lo.keep_unknown_objects = true;  // config objects, loss scalers, numpy RNG states: kept as data, never run
+  lo.mode = mode;
+  try {
+    torch::File f = torch::read_lazily(InputFile::open(p, mode), lo);
+    return optim_shard::LoadedFile{p.string(), f.source, std::move(f.value), f.view_base};
+  } catch (error& e) {
+    e.add_context(context);
+    throw;
+  }
+}
+
+}  // namespace statedict::inline v0::formats::detail
+
 namespace statedict::inline v0 {
 
 namespace errors {
@@ -19819,45 +20303,6 @@ struct detection {
 
 namespace detail {
 
-/// Python's "natural keys" order (zero_to_fp32 get_checkpoint_files): digit runs compare as
-/// numbers, the rest as text.
-inline bool natural_less(std::string_view a, std::string_view b) {
-  std::size_t i = 0, j = 0;
-  auto digit = [](char c) { return c >= '0' && c <= '9'; };
-  while (i < a.size() && j < b.size()) {
-    if (digit(a[i]) && digit(b[j])) {
-      std::size_t ie = i, je = j;
-      while (ie < a.size() && digit(a[ie])) ++ie;
-      while (je < b.size() && digit(b[je])) ++je;
-      std::string_view x = a.substr(i, ie - i), y = b.substr(j, je - j);
-      while (x.size() > 1 && x[0] == '0') x.remove_prefix(1);
-      while (y.size() > 1 && y[0] == '0') y.remove_prefix(1);
-      if (x.size() != y.size()) return x.size() < y.size();
-      if (x != y) return x < y;
-      i = ie;
-      j = je;
-    } else {
-      if (a[i] != b[j]) return a[i] < b[j];
-      ++i;
-      ++j;
-    }
-  }
-  return (a.size() - i) < (b.size() - j);
-}
-
-inline bool ends_with(std::string_view s, std::string_view suffix) {
-  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
-}
-
-/// A torch.save file by its first bytes (zip or legacy pickle).
-inline bool looks_like_torch_file(const std::filesystem::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  char b[4] = {};
-  if (!f.read(b, 4)) return false;
-  return (b[0] == 'P' && b[1] == 'K' && b[2] == 3 && b[3] == 4) ||
-         (static_cast<unsigned char>(b[0]) == 0x80 && b[1] == 2);
-}
-
 struct listing {
   std::vector<std::filesystem::path> model, optim, expert;
 };
@@ -19869,14 +20314,14 @@ inline listing list_tag_dir(const std::filesystem::path& dir) {
     std::error_code ec2;
     if (!it->is_regular_file(ec2)) continue;
     const std::string n = it->path().filename().string();
-    const bool expert_model = ends_with(n, "_model_states.pt") && n.find("expert_") != std::string::npos;
-    const bool expert_optim = n.rfind("expp_rank_", 0) == 0 && ends_with(n, "_optim_states.pt");
+    const bool expert_model = formats::detail::ends_with(n, "_model_states.pt") && n.find("expert_") != std::string::npos;
+    const bool expert_optim = n.rfind("expp_rank_", 0) == 0 && formats::detail::ends_with(n, "_optim_states.pt");
     if (expert_model || expert_optim) l.expert.push_back(it->path());
-    else if (ends_with(n, "_model_states.pt")) l.model.push_back(it->path());
-    else if (ends_with(n, "_optim_states.pt")) l.optim.push_back(it->path());
+    else if (formats::detail::ends_with(n, "_model_states.pt")) l.model.push_back(it->path());
+    else if (formats::detail::ends_with(n, "_optim_states.pt")) l.optim.push_back(it->path());
   }
   auto by_name = [](const std::filesystem::path& a, const std::filesystem::path& b) {
-    return natural_less(a.filename().string(), b.filename().string());
+    return formats::detail::natural_less(a.filename().string(), b.filename().string());
   };
   std::sort(l.model.begin(), l.model.end(), by_name);
   std::sort(l.optim.begin(), l.optim.end(), by_name);
@@ -19890,14 +20335,6 @@ inline bool valid_tag(std::string_view t) {
   for (char c : t)
     if (c == '/' || c == '\\' || static_cast<unsigned char>(c) < 0x20 || c == 0x7f) return false;
   return true;
-}
-
-inline std::string strip(std::string s) {
-  auto ws = [](char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; };
-  while (!s.empty() && ws(s.back())) s.pop_back();
-  std::size_t i = 0;
-  while (i < s.size() && ws(s[i])) ++i;
-  return s.substr(i);
 }
 
 inline std::string count_text(const listing& l) {
@@ -19932,7 +20369,7 @@ inline detection detect(const std::filesystem::path& dir, std::string_view tag =
     }
     for (const auto* list : {&l.model, &l.optim})
       for (const auto& p : *list)
-        if (!detail::looks_like_torch_file(p)) {
+        if (!formats::detail::begins_like_torch_file(p)) {
           why += how + ", but " + quote(p.filename().string()) + " does not begin like a torch.save file; ";
           return false;
         }
@@ -19960,7 +20397,7 @@ inline detection detect(const std::filesystem::path& dir, std::string_view tag =
                         std::to_string(lim.max_tag_bytes) + ") for a tag");
       std::ifstream f(latest, std::ios::binary);
       std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-      std::string t = detail::strip(text);  // zero_to_fp32: fd.read().strip()
+      std::string t = formats::detail::strip(text);  // zero_to_fp32: fd.read().strip()
       if (!detail::valid_tag(t))
         throw_error(errors::ds_bad_tag, "file " + quote(latest.string()),
                     "holds " + quote(t) + ", which is not a tag folder name (one path component)");
@@ -19990,11 +20427,40 @@ struct Inputs {
   std::string tag;
 };
 
-namespace detail {
+}  // namespace deepspeed
+}  // namespace statedict::inline v0
+
+// Parsing the rank files and placing every tensor, which need the types above.
+// ---- statedict/formats/detail/deepspeed_describe.hpp ----
+// statedict: DeepSpeed ZeRO rank files parsed (model states, optimizer states) and every tensor of
+// the consolidated checkpoint placed in them, as zero_to_fp32 would consolidate it
+// (formats/deepspeed.hpp is the public header).
+// SPDX-License-Identifier: MIT
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+
+
+namespace statedict::inline v0::deepspeed::detail {
+
 
 using optim_shard::Access;
 
-inline std::string file_ctx(const optim_shard::LoadedFile& f) { return "file " + quote(f.name); }
+using formats::detail::file_ctx;
 
 /// ZeroStageEnum as pickled by Python <= 3.10 (REDUCE(cls, (2,))), >= 3.11
 /// (getattr(cls, 'gradients')), or a plain int (older DeepSpeed).
@@ -20617,7 +21083,10 @@ inline void add_optimizer3(builder& b, const trainable& tr, const model_file& m,
   }
 }
 
-}  // namespace detail
+}  // namespace statedict::inline v0::deepspeed::detail
+
+namespace statedict::inline v0 {
+namespace deepspeed {
 
 /// Describes loaded files (see Inputs). The result's format is "deepspeed_zero1", "_zero2" or
 /// "_zero3"; its metadata holds "deepspeed.version", "deepspeed.tag", "deepspeed.world_size".
@@ -20740,21 +21209,8 @@ inline ShardedCheckpoint describe(const std::filesystem::path& dir, const option
   in.tag = d.tag;
   for (const auto& p : d.expert_files) in.expert_files.push_back(p.string());
   if (!in.expert_files.empty()) return describe(in, opt);
-  torch::load_options lo;
-  lo.limits = opt.limits.torch;
-  lo.keep_unknown_objects = true;  // ZeroStageEnum, loss scalers, fragment_address: kept, never run
-  lo.mode = opt.mode;
-  auto load = [&](const std::filesystem::path& p) {
-    try {
-      // Lazy: under pread the views point into reserved address space (offsets only), so no
-      // tensor byte is read here; under mmap they point into the mapping either way.
-      torch::File f = torch::detail::read_any(InputFile::open(p, opt.mode), lo, /*lazy=*/true);
-      return optim_shard::LoadedFile{p.string(), f.source, std::move(f.value), f.view_base};
-    } catch (error& e) {
-      e.add_context("DeepSpeed checkpoint " + quote(d.tag_dir.string()));
-      throw;
-    }
-  };
+  const std::string context = "DeepSpeed checkpoint " + quote(d.tag_dir.string());
+  auto load = [&](const std::filesystem::path& p) { return formats::detail::load_rank_file(p, opt.mode, opt.limits.torch, context); };
   if (d.optim_files.size() > opt.limits.max_ranks)
     throw_error(errors::ds_limit, "directory " + quote(d.tag_dir.string()),
                 std::to_string(d.optim_files.size()) + " optim files, more than limits::max_ranks");
@@ -20763,8 +21219,35 @@ inline ShardedCheckpoint describe(const std::filesystem::path& dir, const option
   return describe(in, opt);
 }
 
+// =============================================================================================
+// The plug-in
+
+/// DeepSpeed ZeRO 1/2/3 checkpoints (a `latest` file naming a tag folder, or a tag folder):
+/// consolidated as zero_to_fp32 does, without loading any tensor data.
+class format final : public formats::Format {
+ public:
+  [[nodiscard]] std::string_view name() const noexcept override { return "deepspeed"; }
+  [[nodiscard]] std::string_view title() const noexcept override { return "DeepSpeed"; }
+
+  [[nodiscard]] formats::Detection detect(const formats::Input& in, const formats::open_options& opt) const override {
+    if (!in.is_directory()) return formats::Detection::not_applicable();
+    const options& o = opt.settings.get<options>();
+    detection d = deepspeed::detect(in.path(), o.tag, o.limits);
+    return d.found ? formats::Detection::match(std::move(d.rule)) : formats::Detection::miss(std::move(d.rule));
+  }
+  [[nodiscard]] ShardedCheckpoint describe(const formats::Input& in, const formats::open_options& opt) const override {
+    options o = opt.settings.get<options>();
+    o.dtype = opt.dtype;
+    o.with_optimizer = opt.with_optimizer;
+    o.mode = opt.mode;
+    return deepspeed::describe(in.path(), o);
+  }
+  [[nodiscard]] bool applies_dtype() const noexcept override { return true; }
+};
+
 }  // namespace deepspeed
 }  // namespace statedict::inline v0
+
 // ---- statedict/formats/fsdp.hpp ----
 // statedict: FSDP flat parameters as OLMo's LocalShardedCheckpointer saves them, described as one
 // consolidated state.
@@ -20871,39 +21354,20 @@ struct detection {
 
 namespace detail {
 
-inline bool torch_magic(const std::filesystem::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  char b[4] = {};
-  if (!f.read(b, 4)) return false;
-  return (b[0] == 'P' && b[1] == 'K' && b[2] == 3 && b[3] == 4) ||
-         (static_cast<unsigned char>(b[0]) == 0x80 && b[1] == 2);
-}
-
-/// `rank<N>.pt` files of a folder, by N; nullopt unless they are exactly rank0 .. rank<W-1>.
+/// `rank<N>.pt` files of a folder, by N; empty (with `why`) unless they are exactly rank0 ..
+/// rank<W-1> and at most `max`.
 inline std::vector<std::filesystem::path> rank_files(const std::filesystem::path& dir, std::string& why, std::uint64_t max) {
-  std::map<std::uint64_t, std::filesystem::path> found;
-  std::error_code ec;
-  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-    const std::string n = it->path().filename().string();
-    if (n.size() < 8 || n.rfind("rank", 0) != 0 || n.substr(n.size() - 3) != ".pt") continue;
-    const std::string digits = n.substr(4, n.size() - 7);
-    if (digits.empty() || digits.size() > 9 || digits.find_first_not_of("0123456789") != std::string::npos) continue;
-    if (digits.size() > 1 && digits[0] == '0') continue;
-    found.emplace(std::stoull(digits), it->path());
+  const auto found = formats::detail::rank_files(dir);
+  if (auto gap = formats::detail::rank_gap(found, dir)) {
+    why = *gap;
+    return {};
+  }
+  if (found.size() > max) {
+    why = quote(dir.string()) + " has more rank files than limits::max_ranks";
+    return {};
   }
   std::vector<std::filesystem::path> out;
-  for (const auto& [r, p] : found) {
-    if (r != out.size()) {
-      why = quote(dir.string()) + " has rank" + std::to_string(r) + ".pt but no rank" + std::to_string(out.size()) + ".pt";
-      return {};
-    }
-    if (out.size() >= max) {
-      why = quote(dir.string()) + " has more rank files than limits::max_ranks";
-      return {};
-    }
-    out.push_back(p);
-  }
-  if (out.empty()) why = quote(dir.string()) + " has no rank<N>.pt file";
+  for (const auto& f : found) out.push_back(f.second);
   return out;
 }
 
@@ -20953,7 +21417,7 @@ inline detection detect(const std::filesystem::path& dir, const limits& lim = {}
     return d;
   }
   for (const auto& p : model)
-    if (!detail::torch_magic(p)) {
+    if (!formats::detail::begins_like_torch_file(p)) {
       d.rule = "looked for an OLMo local sharded checkpoint: " + quote(p.string()) + " does not begin like a torch.save file";
       return d;
     }
@@ -20984,7 +21448,7 @@ namespace detail {
 
 using optim_shard::Access;
 
-inline std::string file_ctx(const optim_shard::LoadedFile& f) { return "file " + quote(f.name); }
+using formats::detail::file_ctx;
 
 /// OLMo's name of an FSDP module's parameters: the module name with every
 /// "_fsdp_wrapped_module." removed (olmo/checkpoint.py _iter_flat_param_shards).
@@ -21444,21 +21908,8 @@ inline ShardedCheckpoint describe(const Inputs& in, const options& opt = {}) {
 inline ShardedCheckpoint describe(const std::filesystem::path& dir, const options& opt = {}) {
   const detection d = detect(dir, opt.limits);
   if (!d.found) throw_error(errors::fsdp_not_found, "directory " + quote(dir.string()), d.rule);
-  torch::load_options lo;
-  lo.limits = opt.limits.torch;
-  lo.keep_unknown_objects = true;  // _ShardParamInfo, pathlib.PosixPath, numpy RNG state: kept, never run
-  lo.mode = opt.mode;
-  auto load = [&](const std::filesystem::path& p) {
-    try {
-      // Lazy: under pread the views point into reserved address space (offsets only), so no
-      // tensor byte is read here; under mmap they point into the mapping either way.
-      torch::File f = torch::detail::read_any(InputFile::open(p, opt.mode), lo, /*lazy=*/true);
-      return optim_shard::LoadedFile{p.string(), f.source, std::move(f.value), f.view_base};
-    } catch (error& e) {
-      e.add_context("OLMo checkpoint " + quote(d.step_dir.string()));
-      throw;
-    }
-  };
+  const std::string context = "OLMo checkpoint " + quote(d.step_dir.string());
+  auto load = [&](const std::filesystem::path& p) { return formats::detail::load_rank_file(p, opt.mode, opt.limits.torch, context); };
   Inputs in;
   in.metadata_world_size = d.metadata_world_size;
   for (const auto& p : d.model_files) in.model.push_back(load(p));
@@ -21473,395 +21924,83 @@ inline ShardedCheckpoint describe(const std::filesystem::path& dir, const option
   return describe(in, opt);
 }
 
+// ---------------------------------------------------------------------------------------------
+// The plug-in
+
+/// OLMo's local sharded checkpoints (`model/rank<N>.pt` of FSDP flat parameters, `optim/`,
+/// `train/`): consolidated into named parameters and, on request, optimizer state.
+class format final : public formats::Format {
+ public:
+  [[nodiscard]] std::string_view name() const noexcept override { return "fsdp"; }
+  [[nodiscard]] std::string_view title() const noexcept override { return "FSDP flat parameters"; }
+
+  [[nodiscard]] formats::Detection detect(const formats::Input& in, const formats::open_options& opt) const override {
+    if (!in.is_directory()) return formats::Detection::not_applicable();
+    detection d = fsdp::detect(in.path(), opt.settings.get<options>().limits);
+    return d.found ? formats::Detection::match(std::move(d.rule)) : formats::Detection::miss(std::move(d.rule));
+  }
+  [[nodiscard]] ShardedCheckpoint describe(const formats::Input& in, const formats::open_options& opt) const override {
+    options o = opt.settings.get<options>();
+    o.dtype = opt.dtype;
+    o.with_optimizer = opt.with_optimizer;
+    o.with_train_state = o.with_train_state || opt.with_optimizer;
+    o.mode = opt.mode;
+    return fsdp::describe(in.path(), o);
+  }
+  [[nodiscard]] bool applies_dtype() const noexcept override { return true; }
+};
+
 }  // namespace fsdp
 }  // namespace statedict::inline v0
-// ---- statedict/formats/open.hpp ----
-// statedict: open any supported checkpoint as a ShardedCheckpoint, detecting its format from content.
+// ---- statedict/formats/hf.hpp ----
+// statedict: Hugging Face checkpoint directories (safetensors shards and an index) as a format
+// plug-in, and their writers: every shard of one output is one destination of a single plan, so
+// the executor streams them all in bounded memory.
 // SPDX-License-Identifier: MIT
 //
-// Files: safetensors (an 8-byte header length, then a JSON object), torch.save (a zip archive, or
-// the legacy pickle stream), a Hugging Face index (`*.index.json`). Directories: DCP (`.metadata`),
-// DeepSpeed ZeRO (`latest` or a tag folder), OLMo/FSDP flat parameters (`model/rank<N>.pt`),
-// ShardedTensor rank files (`rank<N>.pt`), Hugging Face sharded (`model.safetensors.index.json` or
-// `model.safetensors`). Each format's own detect() decides from the bytes; the result says which
-// rule matched. When nothing matches, the error lists what each rule looked for and what it found.
+// Reading and the split rule are io/hf_sharded.hpp. A checkpoint that fits in one shard is one
+// `model.safetensors` and no index; otherwise `model-0000k-of-0000n.safetensors` and
+// `model.safetensors.index.json`, the skeleton of a nested tree in the index metadata. The
+// directory appears atomically, or, with save_options::part, each file does (docs/slurm.md).
 
-#include <cstdint>
-#include <filesystem>
-#include <optional>
-#include <string>
-#include <vector>
-
-
-namespace statedict::inline v0 {
-
-namespace errors {
-// clang-format off
-inline constexpr error_id unknown_format {790, error_kind::format, "detect.unknown_format"};
-inline constexpr error_id no_such_path   {791, error_kind::usage,  "detect.no_such_path"};
-// clang-format on
-}  // namespace errors
-
-namespace formats {
-
-/// Caps on hostile input of every reader open() may hand a path to (docs/limits.md lists each
-/// field, its default and its error). Raise a field when a legitimate checkpoint exceeds it.
-struct open_limits {
-  safetensors::limits safetensors{};
-  /// Largest Hugging Face index file read (hf::open_options::max_index_bytes).
-  std::uint64_t max_index_bytes = hf::open_options{}.max_index_bytes;
-  torch::limits torch{};
-  dcp::limits dcp{};
-  deepspeed::limits deepspeed{};
-  fsdp::limits fsdp{};
-  sharded_tensor::limits sharded_tensor{};
-};
-
-struct open_options {
-  /// mmap (default) or pread (network filesystems).
-  read_mode mode = read_mode::mmap;
-  /// Describe optimizer state too, keyed by parameter name (DeepSpeed, FSDP). Formats that store
-  /// the optimizer state as ordinary entries (torch.save files, DCP) always include it.
-  bool with_optimizer = false;
-  /// dtype of the model tensors of formats that choose it while describing (DeepSpeed: F32 by
-  /// default as zero_to_fp32; FSDP: the flat parameter's). Other formats are cast by cast().
-  std::optional<statedict::dtype> dtype;
-  /// Check that replicated copies agree (ShardedTensor rank files; the planner checks the rest).
-  bool check_replicas = false;
-  /// Caps on hostile input, per reader.
-  open_limits limits{};
-};
-
-/// A checkpoint and how it was recognised.
-struct Opened {
-  ShardedCheckpoint checkpoint;
-  /// The detection rule that matched, in words.
-  std::string rule;
-  /// True when the format already applied open_options::dtype.
-  bool dtype_applied = false;
-};
-
-namespace detail {
-/// A safetensors file starts with a little-endian header length that fits the file, followed by
-/// a JSON object ('{', after optional spaces).
-inline bool looks_like_safetensors(const ByteSource& src, std::string& found) {
-  if (src.size() < 9) {
-    found = "the file has " + std::to_string(src.size()) + " bytes, fewer than a safetensors header needs";
-    return false;
-  }
-  std::byte head[8];
-  src.read(0, head);
-  std::uint64_t n = 0;
-  for (int i = 7; i >= 0; --i) n = (n << 8) | std::to_integer<std::uint64_t>(head[i]);
-  if (n > src.size() - 8) {
-    found = "the first 8 bytes (" + std::to_string(n) + " as a header length) exceed the file";
-    return false;
-  }
-  std::byte c[1];
-  for (std::uint64_t i = 8; i < 8 + n && i < 8 + 64; ++i) {
-    src.read(i, c);
-    const auto ch = std::to_integer<char>(c[0]);
-    if (ch == ' ' || ch == '\t' || ch == '\n' || ch == '\r') continue;
-    if (ch == '{') return true;
-    break;
-  }
-  found = "no JSON object after the header length";
-  return false;
-}
-
-/// True when the byte after the 8-byte header length is '{', whatever the length says.
-inline bool json_after_length(const ByteSource& src) {
-  if (src.size() < 9) return false;
-  std::byte c[1];
-  src.read(8, c);
-  return std::to_integer<char>(c[0]) == '{';
-}
-
-inline bool ends_with(const std::string& s, std::string_view suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-}  // namespace detail
-
-/// Opens `path` (a file or a directory) as a ShardedCheckpoint.
-inline Opened open(const std::filesystem::path& path, const open_options& opt = {}) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  const std::string where = quote(path.string());
-  if (!fs::exists(path, ec)) throw_error(errors::no_such_path, where, "no such file or directory");
-  Opened out;
-  const hf::open_options hf_options{.mode = opt.mode, .lim = opt.limits.safetensors, .max_index_bytes = opt.limits.max_index_bytes};
-  if (fs::is_directory(path, ec)) {
-    std::vector<std::string> tried;
-    if (auto d = dcp::detect(path); d.found) {
-      out.checkpoint = dcp::describe(path, dcp::options{.limits = opt.limits.dcp, .mode = opt.mode});
-      out.rule = d.rule;
-      return out;
-    } else {
-      tried.push_back("DCP: " + d.rule);
-    }
-    if (auto d = deepspeed::detect(path, {}, opt.limits.deepspeed); d.found) {
-      deepspeed::options o;
-      o.dtype = opt.dtype;
-      o.with_optimizer = opt.with_optimizer;
-      o.mode = opt.mode;
-      o.limits = opt.limits.deepspeed;
-      out.checkpoint = deepspeed::describe(path, o);
-      out.rule = d.rule;
-      out.dtype_applied = true;
-      return out;
-    } else {
-      tried.push_back("DeepSpeed: " + d.rule);
-    }
-    if (auto d = fsdp::detect(path, opt.limits.fsdp); d.found) {
-      fsdp::options o;
-      o.dtype = opt.dtype;
-      o.with_optimizer = opt.with_optimizer;
-      o.with_train_state = opt.with_optimizer;
-      o.mode = opt.mode;
-      o.limits = opt.limits.fsdp;
-      out.checkpoint = fsdp::describe(path, o);
-      out.rule = d.rule;
-      out.dtype_applied = true;
-      return out;
-    } else {
-      tried.push_back("FSDP flat parameters: " + d.rule);
-    }
-    if (auto d = sharded_tensor::detect(path); d.found) {
-      sharded_tensor::options o;
-      o.mode = opt.mode;
-      o.check_replicas = opt.check_replicas;
-      o.limits = opt.limits.sharded_tensor;
-      out.checkpoint = sharded_tensor::describe(path, o);
-      out.rule = d.rule;
-      return out;
-    } else {
-      tried.push_back("ShardedTensor rank files: " + d.rule);
-    }
-    if (fs::exists(path / hf::index_name, ec) || fs::exists(path / hf::single_name, ec)) {
-      out.checkpoint = hf::Checkpoint::open(path, hf_options).describe();
-      out.rule = fs::exists(path / hf::index_name, ec) ? "Hugging Face sharded: " + std::string(hf::index_name)
-                                                       : "Hugging Face single file: " + std::string(hf::single_name);
-      return out;
-    }
-    tried.push_back(std::string("Hugging Face: neither ") + std::string(hf::index_name) + " nor " +
-                    std::string(hf::single_name) + " is in the directory");
-    std::string msg = "not a checkpoint directory statedict recognises; looked for:";
-    for (const auto& t : tried) msg += " [" + t + "]";
-    throw_error(errors::unknown_format, "directory " + where, msg);
-  }
-
-  const std::string name = path.filename().string();
-  if (detail::ends_with(name, ".index.json")) {
-    out.checkpoint = hf::Checkpoint::open(path, hf_options).describe();
-    out.rule = "Hugging Face index file";
-    return out;
-  }
-  auto src = InputFile::open(path, opt.mode);
-  std::string st_found;
-  if (detail::looks_like_safetensors(*src, st_found)) {
-    out.checkpoint = safetensors::File::open(src, opt.limits.safetensors).describe();
-    out.rule = "safetensors: little-endian header length followed by a JSON object";
-    return out;
-  }
-  switch (torch::detect(*src)) {
-    case torch::file_kind::zip:
-      out.checkpoint = torch::describe(src, torch::load_options{.limits = opt.limits.torch, .mode = opt.mode});
-      out.rule = "torch.save: zip archive";
-      return out;
-    case torch::file_kind::legacy:
-    case torch::file_kind::legacy_tar:
-      out.checkpoint = torch::describe(src, torch::load_options{.limits = opt.limits.torch, .mode = opt.mode});
-      out.rule = "torch.save: legacy (pre-1.6) format";
-      return out;
-    case torch::file_kind::unknown: break;
-  }
-  // Neither format matched. A file named .safetensors, or whose header length is followed by a
-  // JSON object, is a damaged safetensors file (a truncated one, or one whose header length lies):
-  // the safetensors reader says precisely what is wrong with it.
-  if (detail::ends_with(name, ".safetensors") || detail::json_after_length(*src))
-    (void)safetensors::File::open(src, opt.limits.safetensors);
-  throw_error(errors::unknown_format, "file " + where,
-              "not a checkpoint file statedict recognises; looked for: [safetensors: " + st_found +
-                  "] [torch.save: neither a zip archive (PK\\x03\\x04) nor a pickle (\\x80\\x02)]");
-}
-
-}  // namespace formats
-}  // namespace statedict::inline v0
-// ---- statedict/formats/convert.hpp ----
-// statedict: write any described checkpoint (any input format, sharded or not) in any output format.
-// SPDX-License-Identifier: MIT
-//
-// Every writer here computes the output layout first (headers, offsets: nothing read), turns it
-// into a Destination, lets the planner prove the copy (every output element written exactly once,
-// every read inside its input) and the executor stream it in bounded memory. The output appears
-// atomically (io/file.hpp). Also: select(), the `--only PREFIX` subset, and cast(), the `--dtype`
-// change of every floating tensor.
-
-#include <algorithm>
 #include <cstdint>
 #include <filesystem>
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
+#include <string_view>
 #include <unordered_map>
+#include <utility>
 #include <vector>
+
+#include <nlohmann/json.hpp>
+
+// ---- statedict/formats/detail/safetensors_write.hpp ----
+// statedict: laying out and streaming safetensors files from a description: the pieces the
+// safetensors, Hugging Face and tree writers share.
+// SPDX-License-Identifier: MIT
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
 
 
 namespace statedict::inline v0 {
 
-namespace errors {
-// clang-format off
-inline constexpr error_id select_view_sharded {792, error_kind::unsupported, "convert.select_view_sharded"};
-inline constexpr error_id select_nothing      {793, error_kind::usage,       "convert.select_nothing"};
-inline constexpr error_id convert_part        {794, error_kind::usage,       "convert.part"};
-// clang-format on
-}  // namespace errors
-
-namespace formats {
-
-namespace detail {
-struct tie {
-  std::string name;    ///< the tied name's listing name
-  std::string target;  ///< the stored tensor it refers to
-  std::optional<ViewSpec> view;
-};
-}  // namespace detail
-
-/// The tied names of a skeleton (aliases and views), with the view's elements for views. For the
-/// skeleton of an opened checkpoint (validated when it was read): one without alias or view_of
-/// nodes is not walked with paths and names (a tenth of `inspect` of a 10k-tensor .pt).
-inline std::vector<detail::tie> tied_names(const nlohmann::json& skeleton) {
-  std::vector<detail::tie> out;
-  if (!statedict::detail::may_hold_aliases(skeleton)) return out;
-  for (const auto& t : statedict::detail::list_tensorish(skeleton)) {
-    if (t.kind == statedict::detail::snode::tensor) continue;
-    detail::tie x{t.name, t.target, std::nullopt};
-    if (t.kind == statedict::detail::snode::view) x.view = statedict::detail::decode_view(statedict::detail::classify(*t.node));
-    out.push_back(std::move(x));
-  }
-  return out;
-}
-/// tied_names for a Skeleton: a compact one without alias or view nodes (the usual checkpoint) is
-/// answered from its leaf records, without building its JSON document.
-inline std::vector<detail::tie> tied_names(const Skeleton& skeleton) {
-  if (!statedict::detail::may_hold_aliases(skeleton)) return {};
-  return tied_names(skeleton.json());
-}
-
-/// How the executor runs, and which part of a multi-file output this process writes.
-struct write_options {
-  exec_options exec{};
-  plan_options plan{};
-  /// Hugging Face sharded output: largest shard (huggingface_hub's rule; decimal units).
-  std::uint64_t max_shard_size = hf::default_max_shard_size;
-  /// DCP output: ranks that will load it.
-  std::uint32_t world_size = 1;
-  /// Multi-file outputs (Hugging Face sharded, DCP): write only the files of part k of K, straight
-  /// into the final directory (each file atomically); `index_only` writes only the index (after
-  /// checking that every file exists with its planned size), the final step.
-  std::optional<PartSpec> part;
-  bool index_only = false;
-};
-
-// ---------------------------------------------------------------------------------------------
-// Transformations of a description
-
-/// Sets every floating tensor's logical dtype to `to` (the executor casts exactly, rounding to
-/// nearest even), in the tensors and in the skeleton. Integer, bool and complex tensors keep theirs.
-inline void cast(ShardedCheckpoint& ck, dtype to) {
-  if (!is_floating(to)) throw_error(errors::unsupported_cast, "--dtype " + std::string(name(to)), "is not a floating dtype");
-  for (TensorInfo& t : ck.tensors)
-    if (is_floating(t.dtype)) t.dtype = to;
-  if (!ck.skeleton.is_null()) safetensors::detail::cast_skeleton(ck.skeleton.mutable_json(), to);
-}
-
-namespace detail {
-/// Tensor `name`: the elements `v` selects of `base`'s row-major flat index, described in place
-/// (base must be stored whole, contiguous, in one chunk: a torch.save or safetensors tensor).
-inline TensorInfo view_of(const TensorInfo& base, const std::string& name, const ViewSpec& v) {
-  const auto& c = base.chunks;
-  const bool whole = c.size() == 1 && c[0].at.strides.empty() && c[0].at.stored == base.dtype &&
-                     std::holds_alternative<Box>(c[0].region) && std::get<Box>(c[0].region) == full_box(base.shape);
-  if (!whole)
-    throw_error(errors::select_view_sharded, "tensor " + quote(name),
-                "is a view of " + quote(base.name) + ", which is stored in several pieces");
-  TensorInfo t{name, base.dtype, v.shape, {}};
-  Chunk ch;
-  ch.region = full_box(t.shape);
-  ch.at = c[0].at;
-  ch.at.byte_offset = checked_add(c[0].at.byte_offset, checked_mul(static_cast<std::uint64_t>(v.offset), itemsize(base.dtype)));
-  ch.at.strides = v.strides;
-  t.chunks = {ch};
-  return t;
-}
-}  // namespace detail
-
-/// The checkpoint with every tied name of its skeleton (an alias of a tensor, or a view into one)
-/// listed as a tensor of its own, reading the same bytes: what inspect and verify show, so that
-/// a tied name compares equal to the same tensor stored untied.
-/// `ties` are tied_names(ck.skeleton), for callers that list them too.
-inline ShardedCheckpoint expand_ties(ShardedCheckpoint ck, const std::vector<detail::tie>& ties) {
-  std::vector<TensorInfo> extra;
-  for (const auto& t : ties) {
-    const TensorInfo* base = ck.find(t.target);
-    if (!base) throw_error(errors::flat_missing_tensor, "tensor " + quote(t.target), "the skeleton names it but the checkpoint lacks it");
-    if (t.view) {
-      extra.push_back(detail::view_of(*base, t.name, *t.view));
-    } else {
-      TensorInfo a = *base;
-      a.name = t.name;
-      extra.push_back(std::move(a));
-    }
-  }
-  if (extra.empty()) return ck;
-  for (auto& t : extra) ck.tensors.push_back(std::move(t));
-  ck.reindex();
-  return ck;
-}
-inline ShardedCheckpoint expand_ties(ShardedCheckpoint ck) {
-  if (ck.skeleton.is_null()) return ck;
-  const auto ties = tied_names(ck.skeleton);
-  return expand_ties(std::move(ck), ties);
-}
-
-/// The tensors and values under the given dotted-name prefixes ("model" keeps "model.w" and
-/// "model", not "models.w"; see name_prefix_filter). A tied name whose target is dropped becomes a
-/// tensor of its own.
-inline ShardedCheckpoint select(const ShardedCheckpoint& ck, const std::vector<std::string>& prefixes) {
-  if (prefixes.empty()) return ck;
-  const PathFilter keep = name_prefix_filter(prefixes);
-  ShardedCheckpoint out;
-  out.format = ck.format;
-  out.sources = ck.sources;
-  out.metadata = ck.metadata;
-  if (ck.skeleton.is_null()) {
-    for (const TensorInfo& t : ck.tensors) {
-      Path p;
-      p.emplace_back(t.name);  // a flat dict: the name is one key
-      if (keep(p)) out.tensors.push_back(t);
-    }
-  } else {
-    SkeletonSubset sub = skeleton_subset(ck.skeleton, keep);
-    out.skeleton = std::move(sub.skeleton);
-    for (const SubsetTensor& st : sub.tensors) {
-      const TensorInfo* src = ck.find(st.source);
-      if (!src) throw_error(errors::flat_missing_tensor, "tensor " + quote(st.source), "the skeleton names it but the checkpoint lacks it");
-      TensorInfo t = *src;
-      t.name = st.name;
-      if (st.view) t = detail::view_of(*src, st.name, *st.view);
-      out.tensors.push_back(std::move(t));
-    }
-  }
-  if (out.tensors.empty() && (out.skeleton.is_null() || skeleton_values(out.skeleton).empty()))
-    throw_error(errors::select_nothing, "--only", "no tensor or value matches the given prefixes");
-  return out;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Writers
-
-namespace detail {
+namespace formats::detail {
 
 /// One destination chunk holding all of tensor `t` at `offset` of destination `dest`, row-major.
 inline TensorInfo whole_at(const TensorInfo& t, std::uint32_t dest, std::uint64_t offset) {
@@ -21870,7 +22009,46 @@ inline TensorInfo whole_at(const TensorInfo& t, std::uint32_t dest, std::uint64_
   return d;
 }
 
-/// The safetensors `__metadata__` for a described checkpoint: its string metadata (which carries
+inline std::vector<safetensors::TensorSpec> specs_of(std::span<const TensorInfo> tensors) {
+  std::vector<safetensors::TensorSpec> s;
+  s.reserve(tensors.size());
+  for (const TensorInfo& t : tensors) s.push_back({t.name, t.dtype, t.shape});
+  return s;
+}
+
+/// The destination of one safetensors file laid out as `lay` for `tensors` (destination 0).
+inline Destination safetensors_destination(std::span<const TensorInfo> tensors, const safetensors::Layout& lay, std::string name) {
+  Destination dst;
+  dst.names.push_back(std::move(name));
+  dst.sizes.push_back(lay.file_size);
+  dst.tensors.reserve(lay.entries.size());
+  for (const safetensors::LayoutEntry& e : lay.entries) dst.tensors.push_back(whole_at(tensors[e.index], 0, lay.data_start() + e.begin));
+  return dst;
+}
+
+/// Writes every tensor of `ck` (each in its logical dtype; the executor casts from the stored
+/// one) into a new safetensors file at `path` with this `__metadata__`, atomically.
+inline safetensors::Layout write_safetensors_file(const ShardedCheckpoint& ck, const std::optional<std::map<std::string, std::string>>& metadata,
+                                                  const std::filesystem::path& path, const exec_options& exec, const plan_options& popt,
+                                                  const safetensors::limits& lim = {}) {
+  safetensors::Layout lay = safetensors::layout(specs_of(ck.tensors), metadata, lim);
+  const Destination dst = safetensors_destination(ck.tensors, lay, path.filename().string());
+  const Plan plan = make_plan(ck, dst, popt);
+  OutputFile out = OutputFile::create(path);
+  try {
+    out.write(lay.header);
+    FileSink sink(out);
+    std::vector<Sink*> sinks{&sink};
+    (void)execute(plan, ck, sinks, exec);
+  } catch (error& e) {
+    e.add_context("file " + quote(path.string()));
+    throw;
+  }
+  out.commit();
+  return lay;
+}
+
+/// The safetensors `__metadata__` of a described checkpoint: its string metadata (which carries
 /// e.g. a torch file's module attributes, so they come back when converted again), "format": "pt"
 /// unless it has a format, and the skeleton when the tree is not a flat dict of its tensors.
 inline std::map<std::string, std::string> safetensors_metadata(const ShardedCheckpoint& ck, bool with_skeleton) {
@@ -21882,148 +22060,1338 @@ inline std::map<std::string, std::string> safetensors_metadata(const ShardedChec
   return md;
 }
 
-inline std::vector<safetensors::TensorSpec> specs_of(const std::vector<TensorInfo>& tensors) {
-  std::vector<safetensors::TensorSpec> s;
-  s.reserve(tensors.size());
-  for (const TensorInfo& t : tensors) s.push_back({t.name, t.dtype, t.shape});
-  return s;
+/// Refuses a save option the format does not take.
+inline void refuse_option(bool given, std::string_view option, std::string_view format, std::string_view why) {
+  if (given) throw_error(errors::bad_save_option, std::string(option), "does not apply to " + std::string(format) + " output: " + std::string(why));
 }
 
-inline void run(const Plan& plan, const ShardedCheckpoint& ck, std::vector<Sink*> sinks, const write_options& opt) {
-  (void)execute(plan, ck, sinks, opt.exec);
+}  // namespace formats::detail
+
+namespace safetensors {
+
+/// One tensor to write: either a view, or contiguous row-major bytes in a byte source (a mapped or
+/// pread file).
+struct Input {
+  std::string name;
+  statedict::dtype dtype = statedict::dtype::F32;  ///< dtype of the data as given
+  shape_t shape;
+  TensorView view;                                 ///< the data, when `source` is null
+  std::shared_ptr<const ByteSource> source;        ///< or: the bytes at `offset` in this source
+  std::uint64_t offset = 0;
+
+  static Input of(std::string tensor_name, TensorView v) {
+    Input in;
+    in.name = std::move(tensor_name);
+    in.dtype = v.dtype();
+    in.shape = v.shape();
+    in.view = std::move(v);
+    return in;
+  }
+  static Input from_source(std::string tensor_name, statedict::dtype t, shape_t dims, std::shared_ptr<const ByteSource> src,
+                           std::uint64_t at) {
+    Input in;
+    in.name = std::move(tensor_name);
+    in.dtype = t;
+    in.shape = std::move(dims);
+    in.source = std::move(src);
+    in.offset = at;
+    return in;
+  }
+};
+
+struct write_options {
+  /// Cast floating-point tensors to this dtype (F32, BF16, F16, ...); other tensors keep theirs.
+  std::optional<statedict::dtype> cast;
+  /// The user's `__metadata__` (nullopt: none). Keys "statedict.*" are reserved.
+  std::optional<std::map<std::string, std::string>> metadata;
+  /// Further names for written tensors: (alias, stored name). Recorded under "statedict.aliases".
+  std::vector<std::pair<std::string, std::string>> aliases;
+  /// Inputs that are the very same view as an earlier input are written once and recorded as
+  /// aliases of it (tied weights). Not done when a skeleton is given (its alias nodes record ties).
+  bool dedupe_views = true;
+  /// A flatten skeleton to store under "statedict.skeleton" (null: none).
+  nlohmann::json skeleton;
+  /// How the bytes are copied (threads, memory budget, copy paths).
+  exec_options exec{};
+  limits lim{};
+};
+
+/// What write() did.
+struct write_result {
+  Layout layout;
+  std::vector<TensorSpec> specs;  ///< the stored tensors (after dedupe and cast), as given to layout()
+  std::vector<std::pair<std::string, std::string>> aliases;
+  std::optional<std::map<std::string, std::string>> metadata;  ///< the `__metadata__` written
+};
+
+namespace detail {
+
+/// The output dtype of an input under `cast`.
+inline statedict::dtype out_dtype(statedict::dtype t, const std::optional<statedict::dtype>& cast) {
+  return cast && is_floating(t) ? *cast : t;
 }
+
+struct prepared {
+  std::vector<std::size_t> stored;  // indices of inputs to store
+  std::vector<TensorSpec> specs;    // their output specs, same order
+  std::vector<std::pair<std::string, std::string>> aliases;
+  std::optional<std::map<std::string, std::string>> metadata;
+};
+
+inline prepared prepare(std::span<const Input> inputs, const write_options& opt) {
+  prepared p;
+  if (opt.cast && !is_floating(*opt.cast))
+    throw_error(errors::st_write_input, "cast to " + std::string(name(*opt.cast)), "only floating dtypes are cast targets");
+  p.aliases = opt.aliases;
+  std::unordered_map<const std::byte*, std::vector<std::size_t>> by_ptr;
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    const Input& in = inputs[i];
+    if (in.source == nullptr && (in.view.dtype() != in.dtype || in.view.shape() != in.shape))
+      throw_error(errors::st_write_input, safetensors::detail::where_tensor(in.name), "dtype/shape differ from its view's");
+    // With a skeleton, ties are the skeleton's business (its alias nodes): store what is given.
+    if (opt.dedupe_views && opt.skeleton.is_null() && in.source == nullptr && in.view.numel() != 0) {
+      auto& seen = by_ptr[in.view.data()];
+      bool dup = false;
+      for (std::size_t j : seen)
+        if (same_view(inputs[j].view, in.view)) {
+          p.aliases.emplace_back(in.name, inputs[j].name);
+          dup = true;
+          break;
+        }
+      if (dup) continue;
+      seen.push_back(i);
+    }
+    if (opt.cast) check_cast(in.dtype, out_dtype(in.dtype, opt.cast));
+    p.stored.push_back(i);
+    p.specs.push_back(TensorSpec{in.name, out_dtype(in.dtype, opt.cast), in.shape});
+  }
+  p.metadata = opt.metadata;
+  if (p.metadata)
+    for (const auto& [k, v] : *p.metadata)
+      if (k == aliases_key || k == skeleton_key)
+        throw_error(errors::st_write_metadata, "__metadata__ key " + quote(k), "reserved for statedict");
+  if (!p.aliases.empty()) {
+    std::unordered_set<std::string_view> stored;
+    for (const auto& s : p.specs) stored.insert(s.name);
+    nlohmann::ordered_json j = nlohmann::ordered_json::object();
+    for (const auto& [alias, target] : p.aliases) {
+      if (!stored.count(target))
+        throw_error(errors::st_write_input, "alias " + quote(alias), "refers to " + quote(target) + ", which is not written");
+      if (stored.count(alias) || j.contains(alias))
+        throw_error(errors::st_write_name, "alias " + quote(alias), "the name appears twice");
+      if (!safetensors::detail::valid_utf8(alias)) throw_error(errors::st_write_name, "alias " + quote(alias), "the name is not UTF-8");
+      j[alias] = target;
+    }
+    if (!p.metadata) p.metadata.emplace();
+    p.metadata->emplace(std::string(aliases_key), j.dump());
+  }
+  if (!opt.skeleton.is_null()) {
+    if (!p.metadata) p.metadata.emplace();
+    if (opt.cast) {
+      nlohmann::json sk = opt.skeleton;
+      safetensors::detail::cast_skeleton(sk, *opt.cast);
+      p.metadata->emplace(std::string(skeleton_key), sk.dump());
+    } else {
+      p.metadata->emplace(std::string(skeleton_key), opt.skeleton.dump());
+    }
+  }
+  return p;
+}
+
 }  // namespace detail
 
-/// Writes one .safetensors file. Tensors the skeleton ties (aliases, views) are stored once.
-inline void write_safetensors(const ShardedCheckpoint& ck, const std::filesystem::path& path, const write_options& opt = {}) {
-  const safetensors::Layout lay = safetensors::layout(detail::specs_of(ck.tensors), detail::safetensors_metadata(ck, true));
-  Destination dst;
-  dst.names.push_back(path.filename().string());
-  dst.sizes.push_back(lay.file_size);
-  for (const safetensors::LayoutEntry& e : lay.entries)
-    dst.tensors.push_back(detail::whole_at(ck.tensors[e.index], 0, lay.data_start() + e.begin));
-  const Plan plan = make_plan(ck, dst, opt.plan);
-  OutputFile out = OutputFile::create(path);
-  out.write(lay.header);
-  FileSink sink(out);
-  detail::run(plan, ck, {&sink}, opt);
-  out.commit();
-}
+}  // namespace safetensors
 
-/// Writes a Hugging Face checkpoint directory: shards split by huggingface_hub's rule,
-/// `model.safetensors.index.json` (the skeleton in its metadata when the tree is nested), or one
-/// `model.safetensors` when everything fits. With `opt.part`, only that part's shard files are
-/// written, each atomically, into `dir`; with `opt.index_only`, only the index.
-inline std::vector<std::string> write_hf(const ShardedCheckpoint& ck, const std::filesystem::path& dir, const write_options& opt = {}) {
-  std::vector<hf::ShardItem> items;
-  items.reserve(ck.tensors.size());
-  for (const TensorInfo& t : ck.tensors) items.push_back({t.name, byte_size(t.shape, itemsize(t.dtype)), std::nullopt});
-  const hf::ShardPlan sp = hf::plan_shards(items, opt.max_shard_size);
-  const bool sharded = sp.is_sharded();
+}  // namespace statedict::inline v0
+
+namespace statedict::inline v0 {
+
+namespace errors {
+// clang-format off
+inline constexpr error_id convert_part {794, error_kind::usage, "convert.part"};
+// clang-format on
+}  // namespace errors
+
+namespace formats::detail {
+
+/// A Hugging Face directory to write: `ck` holds exactly the tensors to store, `shards` says which
+/// go where, `shard_metadata[k]` is shard k's `__metadata__`, `index_metadata` the index's (beside
+/// total_size), written only when there are several shards.
+struct hf_output {
+  const ShardedCheckpoint& ck;
+  const hf::ShardPlan& shards;
+  std::vector<std::map<std::string, std::string>> shard_metadata;
+  std::map<std::string, std::string> index_metadata;
+};
+
+inline std::vector<std::string> write_hf_dir(const hf_output& o, const std::filesystem::path& dir, const save_options& opt) {
+  const bool sharded = o.shards.is_sharded();
   if ((opt.part || opt.index_only) && !sharded)
     throw_error(errors::convert_part, "--part", "the output fits in one file (" + std::string(hf::single_name) + "): nothing to split");
 
   // Layout of every shard, then one destination per shard.
   Destination dst;
   std::vector<safetensors::Layout> layouts;
-  for (std::uint32_t k = 0; k < sp.shards.size(); ++k) {
+  for (std::uint32_t k = 0; k < o.shards.shards.size(); ++k) {
     std::vector<TensorInfo> in_shard;
-    for (std::size_t i : sp.shards[k].items) in_shard.push_back(ck.tensors[i]);
-    std::map<std::string, std::string> md{{"format", "pt"}};
-    if (!sharded) md = detail::safetensors_metadata(ck, true);
-    layouts.push_back(safetensors::layout(detail::specs_of(in_shard), md));
-    dst.names.push_back(sp.shards[k].filename);
+    for (std::size_t i : o.shards.shards[k].items) in_shard.push_back(o.ck.tensors[i]);
+    layouts.push_back(safetensors::layout(specs_of(in_shard), o.shard_metadata.at(k)));
+    dst.names.push_back(o.shards.shards[k].filename);
     dst.sizes.push_back(layouts.back().file_size);
     for (const auto& e : layouts.back().entries)
-      dst.tensors.push_back(detail::whole_at(in_shard[e.index], k, layouts.back().data_start() + e.begin));
+      dst.tensors.push_back(whole_at(in_shard[e.index], k, layouts.back().data_start() + e.begin));
   }
-  auto index_text = [&] {
-    std::vector<std::pair<std::string, std::string>> weight_map;
-    for (const auto& s : sp.shards)
-      for (std::size_t i : s.items) weight_map.emplace_back(ck.tensors[i].name, s.filename);
-    std::map<std::string, std::string> md;
-    if (!ck.skeleton.is_null()) md[std::string(safetensors::skeleton_key)] = ck.skeleton.dump();
-    return hf::index_json(sp.total_size, md, weight_map);
-  };
-
-  std::vector<std::string> written;
-  if (opt.index_only) {
-    std::filesystem::create_directories(dir);
-    std::vector<PlannedFile> planned;
-    for (std::size_t k = 0; k < dst.names.size(); ++k) planned.push_back({dst.names[k], dst.sizes[k]});
-    check_parts_written(dir, planned, errors::convert_part, "Hugging Face checkpoint", "shard");
-    OutputFile f = OutputFile::create(dir / std::string(hf::index_name));
-    f.write(index_text());
-    f.commit();
-    return {std::string(hf::index_name)};
+  file_set files;
+  files.dst = std::move(dst);
+  files.prepare = [&](std::size_t d, OutputFile& f, FileSink&) { f.write(layouts[d].header); };
+  if (sharded) {
+    files.index_name = std::string(hf::index_name);
+    files.index_bytes = [&] {
+      std::vector<std::pair<std::string, std::string>> weight_map;
+      for (const auto& s : o.shards.shards)
+        for (std::size_t i : s.items) weight_map.emplace_back(o.ck.tensors[i].name, s.filename);
+      const std::string text = hf::index_json(o.shards.total_size, o.index_metadata, weight_map);
+      const auto* b = reinterpret_cast<const std::byte*>(text.data());
+      return std::vector<std::byte>(b, b + text.size());
+    };
   }
-  Plan plan = make_plan(ck, dst, opt.plan);
-  std::vector<bool> mine(dst.names.size(), true);
-  if (opt.part) {
-    const auto parts = assign_parts(plan, opt.part->count);
-    for (std::size_t d = 0; d < mine.size(); ++d) mine[d] = parts[d] == opt.part->index;
-    plan = select_part(plan, *opt.part);
-  }
-  std::optional<OutputDir> outdir;
-  if (!opt.part) outdir.emplace(OutputDir::create(dir));
-  else std::filesystem::create_directories(dir);
-  std::vector<std::unique_ptr<OutputFile>> files(dst.names.size());
-  std::vector<std::unique_ptr<FileSink>> sinks(dst.names.size());
-  std::vector<Sink*> ptrs(dst.names.size(), nullptr);
-  for (std::size_t d = 0; d < dst.names.size(); ++d) {
-    if (!mine[d]) continue;
-    files[d] = std::make_unique<OutputFile>(outdir ? outdir->create_file(dst.names[d]) : OutputFile::create(dir / dst.names[d]));
-    files[d]->write(layouts[d].header);
-    sinks[d] = std::make_unique<FileSink>(*files[d]);
-    ptrs[d] = sinks[d].get();
-  }
-  detail::run(plan, ck, ptrs, opt);
-  for (std::size_t d = 0; d < dst.names.size(); ++d)
-    if (files[d]) {
-      files[d]->commit();
-      written.push_back(dst.names[d]);
-    }
-  if (outdir) {
-    if (sharded) {
-      OutputFile f = outdir->create_file(std::string(hf::index_name));
-      f.write(index_text());
-      f.commit();
-      written.emplace_back(hf::index_name);
-    }
-    outdir->commit();
-  }
-  return written;
+  files.what = "Hugging Face checkpoint";
+  files.file_kind = "shard";
+  files.part_error = &errors::convert_part;
+  return write_file_set(o.ck, files, dir, opt);
 }
+
+inline hf::ShardPlan shard_plan_of(const ShardedCheckpoint& ck, const save_options& opt) {
+  std::vector<hf::ShardItem> items;
+  items.reserve(ck.tensors.size());
+  for (const TensorInfo& t : ck.tensors) items.push_back({t.name, byte_size(t.shape, itemsize(t.dtype)), std::nullopt});
+  return hf::plan_shards(items, opt.max_shard_size.value_or(hf::default_max_shard_size));
+}
+
+}  // namespace formats::detail
+
+namespace formats {
+
+/// Writes a Hugging Face checkpoint directory: shards split by huggingface_hub's rule,
+/// `model.safetensors.index.json` (the skeleton in its metadata when the tree is nested), or one
+/// `model.safetensors` when everything fits. With `opt.part`, only that part's shard files are
+/// written, each atomically, into `dir`; with `opt.index_only`, only the index. Returns the names
+/// of the files written.
+inline std::vector<std::string> write_hf(const ShardedCheckpoint& ck, const std::filesystem::path& dir, const save_options& opt = {}) {
+  const hf::ShardPlan sp = detail::shard_plan_of(ck, opt);
+  detail::hf_output o{ck, sp, {}, {}};
+  for (std::size_t k = 0; k < sp.shards.size(); ++k)
+    o.shard_metadata.push_back(sp.is_sharded() ? std::map<std::string, std::string>{{"format", "pt"}} : detail::safetensors_metadata(ck, true));
+  if (!ck.skeleton.is_null()) o.index_metadata[std::string(safetensors::skeleton_key)] = ck.skeleton.dump();
+  return detail::write_hf_dir(o, dir, opt);
+}
+
+}  // namespace formats
+
+namespace hf {
+
+struct write_options {
+  std::uint64_t max_shard_size = default_max_shard_size;
+  /// Cast floating-point tensors to this dtype; sizes are computed after the cast.
+  std::optional<statedict::dtype> cast;
+  /// The user's metadata: in the index when sharded, in the file (after "format": "pt") when not.
+  std::map<std::string, std::string> metadata;
+  /// Further names for written tensors: (alias, stored name), recorded in the stored tensor's shard.
+  std::vector<std::pair<std::string, std::string>> aliases;
+  bool dedupe_views = true;
+  /// A flatten skeleton: in the index metadata under "statedict.skeleton" when sharded, in the file
+  /// when not.
+  nlohmann::json skeleton;
+  /// How the bytes are copied (threads, memory budget, copy paths).
+  exec_options exec{};
+};
+
+struct write_result {
+  ShardPlan plan;
+  std::vector<std::string> files;  ///< written file names, index last when sharded
+  std::vector<std::pair<std::string, std::string>> aliases;
+};
+
+/// Writes a Hugging Face checkpoint directory of these tensors atomically: `dir` appears complete
+/// or not at all (an existing `dir` is replaced in one step). Views that are the same tensor are
+/// stored once and recorded as aliases in the stored tensor's shard.
+inline write_result write_sharded(const std::filesystem::path& dir, std::span<const safetensors::Input> inputs,
+                                  const write_options& opt = {}) {
+  namespace st = safetensors;
+  st::write_options base;
+  base.cast = opt.cast;
+  base.aliases = opt.aliases;
+  base.dedupe_views = opt.dedupe_views;
+  base.skeleton = opt.skeleton;  // (a skeleton turns deduplication off: its alias nodes record ties)
+  // Dedupe and cast once over the whole state, so that aliases are not counted as tensors.
+  st::detail::prepared p = st::detail::prepare(inputs, base);
+  ShardedCheckpoint ck;
+  ck.format = "memory";
+  for (std::size_t k = 0; k < p.stored.size(); ++k) {
+    const st::Input& in = inputs[p.stored[k]];
+    TensorInfo& t = in.source ? add_stored(ck, in.name, in.dtype, in.shape, in.source, in.offset) : add_view(ck, in.name, in.view);
+    t.dtype = p.specs[k].dtype;  // the executor casts from the stored dtype
+  }
+  formats::save_options so;
+  so.max_shard_size = opt.max_shard_size;
+  so.exec = opt.exec;
+  write_result r;
+  r.plan = formats::detail::shard_plan_of(ck, so);
+  r.aliases = p.aliases;
+  const bool sharded = r.plan.is_sharded();
+
+  for (const auto& [key, v] : opt.metadata)
+    if (key == st::aliases_key || key == st::skeleton_key)
+      throw_error(errors::st_write_metadata, "__metadata__ key " + quote(key), "reserved for statedict");
+  std::string skeleton;  // as stored: with the cast applied
+  if (!opt.skeleton.is_null()) {
+    nlohmann::json sk = opt.skeleton;
+    if (opt.cast) st::detail::cast_skeleton(sk, *opt.cast);
+    skeleton = sk.dump();
+  }
+  std::unordered_map<std::string_view, std::size_t> shard_of;
+  for (std::size_t k = 0; k < r.plan.shards.size(); ++k)
+    for (std::size_t i : r.plan.shards[k].items) shard_of.emplace(p.specs[i].name, k);
+  formats::detail::hf_output o{ck, r.plan, {}, {}};
+  for (std::size_t k = 0; k < r.plan.shards.size(); ++k) {
+    std::map<std::string, std::string> md{{"format", "pt"}};
+    if (!sharded) {
+      for (const auto& [key, v] : opt.metadata) md[key] = v;
+      if (!skeleton.empty()) md[std::string(st::skeleton_key)] = skeleton;
+    }
+    nlohmann::ordered_json al = nlohmann::ordered_json::object();
+    for (const auto& a : p.aliases)
+      if (shard_of.at(a.second) == k) al[a.first] = a.second;
+    if (!al.empty()) md[std::string(st::aliases_key)] = al.dump();
+    o.shard_metadata.push_back(std::move(md));
+  }
+  if (sharded) {
+    o.index_metadata = opt.metadata;
+    if (!skeleton.empty()) o.index_metadata[std::string(st::skeleton_key)] = skeleton;
+  }
+  r.files = formats::detail::write_hf_dir(o, dir, so);
+  return r;
+}
+
+/// Hugging Face checkpoint directories (a `model.safetensors.index.json` and its shards, or one
+/// `model.safetensors`) and index files: read, validated against the shards; written with
+/// huggingface_hub's split rule.
+class format final : public formats::Format {
+ public:
+  [[nodiscard]] std::string_view name() const noexcept override { return "hf"; }
+  [[nodiscard]] std::string_view title() const noexcept override { return "Hugging Face"; }
+
+  [[nodiscard]] formats::Detection detect(const formats::Input& in, const formats::open_options&) const override {
+    namespace fs = std::filesystem;
+    std::error_code ec;
+    if (!in.is_directory()) {
+      if (formats::detail::ends_with(in.filename(), ".index.json")) return formats::Detection::match("Hugging Face index file");
+      return formats::Detection::not_applicable();
+    }
+    if (fs::exists(in.path() / index_name, ec)) return formats::Detection::match("Hugging Face sharded: " + std::string(index_name));
+    if (fs::exists(in.path() / single_name, ec)) return formats::Detection::match("Hugging Face single file: " + std::string(single_name));
+    return formats::Detection::miss("neither " + std::string(index_name) + " nor " + std::string(single_name) + " is in the directory");
+  }
+  [[nodiscard]] ShardedCheckpoint describe(const formats::Input& in, const formats::open_options& opt) const override {
+    open_options o = opt.settings.get<open_options>();
+    o.mode = opt.mode;
+    return Checkpoint::open(in.path(), o).describe();
+  }
+
+  [[nodiscard]] bool can_write() const noexcept override { return true; }
+  [[nodiscard]] formats::output_claim claims_output(const std::filesystem::path&, const formats::save_options& opt) const override {
+    return opt.max_shard_size ? formats::output_claim::by_options : formats::output_claim::none;
+  }
+  void check_output(const std::filesystem::path&, const formats::save_options& opt) const override {
+    formats::detail::refuse_option(opt.world_size.has_value(), "--world-size", "a Hugging Face directory", "it is for DCP output");
+  }
+  std::vector<std::string> save(const ShardedCheckpoint& ck, const std::filesystem::path& out, const formats::save_options& opt) const override {
+    return formats::write_hf(ck, out, opt);
+  }
+};
+
+}  // namespace hf
+}  // namespace statedict::inline v0
+// ---- statedict/formats/safetensors.hpp ----
+// statedict: safetensors files as a format plug-in: detection, description, and the writers (a
+// described checkpoint, or a list of tensors and byte ranges), all through the planner and the
+// streaming executor.
+// SPDX-License-Identifier: MIT
+//
+// The reader and the header layout are io/safetensors.hpp; this file writes. The output is
+// byte-identical to the reference writer's (`serialize_to_file`) for the same tensors and
+// metadata, appears atomically (temporary name, fsync, rename), and is streamed in bounded memory,
+// casting floating tensors on the fly when asked.
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+
+namespace statedict::inline v0 {
+
+namespace formats {
+
+/// Writes one .safetensors file. Tensors the skeleton ties (aliases, views) are stored once.
+inline void write_safetensors(const ShardedCheckpoint& ck, const std::filesystem::path& path, const save_options& opt = {}) {
+  (void)detail::write_safetensors_file(ck, detail::safetensors_metadata(ck, true), path, opt.exec, opt.plan);
+}
+
+}  // namespace formats
+
+// ---------------------------------------------------------------------------------------------
+// Writing tensors and byte ranges (no description needed)
+
+namespace safetensors {
+
+/// Writes a .safetensors file atomically (temporary name, fsync, rename), streaming every tensor
+/// from its view or byte source through the executor (casting on the fly when asked).
+inline write_result write(const std::filesystem::path& path, std::span<const Input> inputs, const write_options& opt = {}) {
+  detail::prepared p = detail::prepare(inputs, opt);
+  ShardedCheckpoint ck;
+  ck.format = "memory";
+  for (std::size_t k = 0; k < p.stored.size(); ++k) {
+    const Input& in = inputs[p.stored[k]];
+    TensorInfo& t = in.source ? add_stored(ck, in.name, in.dtype, in.shape, in.source, in.offset) : add_view(ck, in.name, in.view);
+    t.dtype = p.specs[k].dtype;  // the executor casts from the stored dtype
+  }
+  write_result r;
+  r.layout = formats::detail::write_safetensors_file(ck, p.metadata, path, opt.exec, plan_options{}, opt.lim);
+  r.specs = std::move(p.specs);
+  r.aliases = std::move(p.aliases);
+  r.metadata = std::move(p.metadata);
+  return r;
+}
+
+/// Inputs for every tensor of a ShardedCheckpoint whose elements lie in one contiguous,
+/// row-major chunk of one source (what every safetensors file and HF shard is). Throws
+/// errors::st_write_input for a tensor split over several chunks (formats::write_safetensors
+/// writes those).
+inline std::vector<Input> inputs_of(const ShardedCheckpoint& c) {
+  std::vector<Input> out;
+  out.reserve(c.tensors.size());
+  for (const TensorInfo& t : c.tensors) {
+    const bool whole = t.chunks.size() == 1 && t.chunks[0].at.strides.empty() && t.chunks[0].at.stored == t.dtype &&
+                       covers_whole(t.chunks[0].region, t.shape);
+    if (!whole)
+      throw_error(errors::st_write_input, detail::where_tensor(t.name), "is not one contiguous chunk of one source");
+    out.push_back(Input::from_source(t.name, t.dtype, t.shape, c.sources.at(t.chunks[0].at.source), t.chunks[0].at.byte_offset));
+  }
+  return out;
+}
+
+/// True when `state` is a plain dict {string name: tensor}, what a safetensors file holds without
+/// a skeleton.
+inline bool is_flat_tensor_dict(const Value& state) {
+  if (!state.is_dict()) return false;
+  for (const auto& [k, v] : state.as_dict())
+    if (!k.is_string() || !v.is_tensor()) return false;
+  return true;
+}
+
+/// Writes a whole state (model + optimizer + scalars + strings: any Value tree) into one file. A
+/// plain {name: tensor} dict becomes a plain file (entries that are the same view are written once
+/// and recorded as aliases); any other tree is flattened (core/flatten.hpp) and its skeleton stored
+/// under "statedict.skeleton", next to the user's metadata. `read_state` gives back an equal tree.
+inline write_result write_state(const std::filesystem::path& path, const Value& state, write_options opt = {}) {
+  std::vector<Input> in;
+  if (is_flat_tensor_dict(state)) {
+    in.reserve(state.as_dict().size());
+    for (const auto& [k, v] : state.as_dict()) in.push_back(Input::of(k.as_string(), v.as_tensor()));
+    return write(path, in, opt);
+  }
+  FlatStateDict flat = flatten(state);
+  in.reserve(flat.tensors.size());
+  for (const auto& [n, v] : flat.tensors) in.push_back(Input::of(n, v));
+  opt.skeleton = std::move(flat.skeleton).take_json();
+  opt.dedupe_views = false;  // ties are alias nodes of the skeleton already
+  return write(path, in, opt);
+}
+
+}  // namespace safetensors
+
+// ---------------------------------------------------------------------------------------------
+// The plug-in
+
+namespace safetensors {
+
+namespace detail {
+/// A safetensors file starts with a little-endian header length that fits the file, followed by
+/// a JSON object ('{', after optional spaces).
+inline bool looks_like_file(std::span<const std::byte> head, std::uint64_t size, std::string& found) {
+  if (size < 9 || head.size() < 9) {
+    found = "the file has " + std::to_string(size) + " bytes, fewer than a safetensors header needs";
+    return false;
+  }
+  std::uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | std::to_integer<std::uint64_t>(head[static_cast<std::size_t>(i)]);
+  if (n > size - 8) {
+    found = "the first 8 bytes (" + std::to_string(n) + " as a header length) exceed the file";
+    return false;
+  }
+  for (std::uint64_t i = 8; i < 8 + n && i < 8 + 64 && i < head.size(); ++i) {
+    const auto ch = std::to_integer<char>(head[static_cast<std::size_t>(i)]);
+    if (ch == ' ' || ch == '\t' || ch == '\n' || ch == '\r') continue;
+    if (ch == '{') return true;
+    break;
+  }
+  found = "no JSON object after the header length";
+  return false;
+}
+}  // namespace detail
+
+/// safetensors files: read zero-copy with the reference's validation, written byte-identical to
+/// the reference writer. `--to safetensors` with an output not named *.safetensors writes a
+/// Hugging Face directory (formats/hf.hpp).
+class format final : public formats::Format {
+ public:
+  [[nodiscard]] std::string_view name() const noexcept override { return "safetensors"; }
+  [[nodiscard]] std::string_view title() const noexcept override { return "safetensors"; }
+
+  [[nodiscard]] formats::Detection detect(const formats::Input& in, const formats::open_options&) const override {
+    if (in.is_directory()) return formats::Detection::not_applicable();
+    std::string found;
+    if (detail::looks_like_file(in.head(), in.file()->size(), found))
+      return formats::Detection::match("safetensors: little-endian header length followed by a JSON object");
+    // Named like one, or a header length followed by a JSON object whatever the length says: a
+    // damaged safetensors file (truncated, or its length lies), which the reader explains.
+    const auto h = in.head();
+    if (formats::detail::ends_with(in.filename(), ".safetensors") || (h.size() >= 9 && std::to_integer<char>(h[8]) == '{'))
+      return formats::Detection::named_like(found);
+    return formats::Detection::miss(found);
+  }
+  [[nodiscard]] ShardedCheckpoint describe(const formats::Input& in, const formats::open_options& opt) const override {
+    return File::open(in.file(), opt.settings.get<open_options>().lim).describe();
+  }
+
+  [[nodiscard]] bool can_write() const noexcept override { return true; }
+  [[nodiscard]] formats::output_claim claims_output(const std::filesystem::path& out, const formats::save_options&) const override {
+    return formats::detail::has_extension(out, ".safetensors") ? formats::output_claim::by_name : formats::output_claim::none;
+  }
+  void check_output(const std::filesystem::path& out, const formats::save_options& opt) const override {
+    formats::detail::refuse_option(opt.world_size.has_value(), "--world-size", "safetensors", "it is for DCP output");
+    if (claims_output(out, opt) != formats::output_claim::by_name) return;  // a Hugging Face directory
+    formats::detail::refuse_option(opt.max_shard_size.has_value(), "--max-shard-size", "a single .safetensors file",
+                                   "it writes a directory of shards: name the output without .safetensors");
+    formats::detail::refuse_option(opt.part.has_value() || opt.index_only, "--part", "a single file",
+                                   "parts split outputs of several files (Hugging Face shards, DCP)");
+  }
+  std::vector<std::string> save(const ShardedCheckpoint& ck, const std::filesystem::path& out, const formats::save_options& opt) const override {
+    if (claims_output(out, opt) != formats::output_claim::by_name) return formats::write_hf(ck, out, opt);
+    formats::write_safetensors(ck, out, opt);
+    return {out.filename().string()};
+  }
+};
+
+}  // namespace safetensors
+}  // namespace statedict::inline v0
+// ---- statedict/formats/sharded_tensor.hpp ----
+// statedict: directories of ShardedTensor rank files (`rank<N>.pt`, OLMo's legacy sharded
+// checkpointer): detect and describe.
+// SPDX-License-Identifier: MIT
+//
+// Each rank torch.save()s the same nested state dict; sharded parameters are ShardedTensor objects
+// (torch.distributed._shard.sharded_tensor), pickled as
+//   torch._tensor._rebuild_from_type_v2(torch._utils._rebuild_wrapper_subclass, ShardedTensor,
+//       (ShardedTensor, dtype, size, stride, storage_offset, layout, device, requires_grad),
+//       (local_shards, ShardedTensorMetadata, ProcessGroupState, sharding_spec, init_rrefs))
+// with `local_shards` a list of Shard(tensor, ShardMetadata(shard_offsets, shard_sizes, placement))
+// and ShardedTensorMetadata(shards_metadata, size, tensor_properties) the global view (identical on
+// every rank). Every rank file is read with the safe unpickler (unknown classes kept as opaque
+// objects, never executed) and no tensor data is read: each global tensor's chunks point at its
+// local shards' storage records inside the rank files. Plain tensors and non-tensor values come from
+// rank 0; `options::check_replicas` compares them across ranks.
+//
+// The dtype: torch 1.13's loader ignores the pickled wrapper dtype (a loaded bf16 ShardedTensor
+// reports float32), so it is taken from the metadata's tensor_properties and checked against the
+// wrapper argument and every local shard. docs/formats/sharded-tensor.md has the details.
+
+#include <algorithm>
+#include <charconv>
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <utility>
+#include <vector>
+
+
+namespace statedict::inline v0 {
+
+namespace errors {
+// clang-format off
+inline constexpr error_id st_no_rank_files     {780, error_kind::format, "sharded_tensor.no_rank_files"};
+inline constexpr error_id st_bad_rank_set      {781, error_kind::format, "sharded_tensor.bad_rank_set"};
+inline constexpr error_id st_bad_object        {782, error_kind::format, "sharded_tensor.bad_object"};
+inline constexpr error_id st_dtype_mismatch    {783, error_kind::format, "sharded_tensor.dtype_mismatch"};
+inline constexpr error_id st_rank_disagreement {784, error_kind::format, "sharded_tensor.rank_disagreement"};
+inline constexpr error_id st_shard_mismatch    {785, error_kind::format, "sharded_tensor.shard_mismatch"};
+inline constexpr error_id st_incomplete        {786, error_kind::format, "sharded_tensor.incomplete"};
+inline constexpr error_id st_replica_mismatch  {787, error_kind::format, "sharded_tensor.replica_mismatch"};
+inline constexpr error_id st_too_many_ranks    {788, error_kind::limit,  "sharded_tensor.too_many_ranks"};
+// clang-format on
+}  // namespace errors
+
+namespace sharded_tensor {
+
+/// Caps on hostile rank files.
+struct limits {
+  /// Rank files in one directory.
+  std::uint64_t max_ranks = 1U << 16;
+  /// Dimensions of one tensor.
+  std::size_t max_dims = 64;
+  /// Shards listed in one ShardedTensor's metadata.
+  std::uint64_t max_shards = 1U << 20;
+  /// The unpickler's caps for each rank file's `data.pkl`.
+  pickle::limits pickle{};
+  /// Bytes of one rank file's `data.pkl` read into memory.
+  std::uint64_t max_pickle_bytes = std::uint64_t{1} << 30;
+};
+
+struct options {
+  sharded_tensor::limits limits{};
+  read_mode mode = read_mode::mmap;
+  /// Compare the non-tensor values and the plain (replicated) tensors of every rank with rank 0's,
+  /// reading the tensors' bytes; a difference is errors::st_replica_mismatch. Off by default: the
+  /// structure (names, kinds, global metadata) is always checked, values and bytes only with this.
+  bool check_replicas = false;
+};
+
+/// What detect() found (the same shape as the other formats' detection).
+struct detection {
+  bool found = false;
+  /// The rule that matched, or what was looked for and what was found instead.
+  std::string rule;
+  std::uint32_t world_size = 0;  ///< rank files found
+};
+
+namespace detail {
+namespace po = statedict::detail::pyobj;
+namespace tr = statedict::detail::torch_refs;
+
+inline constexpr std::string_view st_module = "torch.distributed._shard.sharded_tensor.api";
+
+using formats::detail::rank_files;
+
+/// True when `v` is a pickled ShardedTensor (_rebuild_from_type_v2 of _rebuild_wrapper_subclass).
+inline bool is_sharded_tensor(const Value& v) {
+  if (!po::is_class(v, {"torch._tensor._rebuild_from_type_v2"})) return false;
+  const List& a = v.as_object().args;
+  return a.size() == 4 && po::is_global(a[1], st_module, "ShardedTensor");
+}
+
+/// One shard of a ShardedTensor's global metadata.
+struct ShardMeta {
+  shape_t offsets;
+  shape_t sizes;
+  std::uint64_t rank = 0;
+  friend bool operator==(const ShardMeta&, const ShardMeta&) = default;
+};
+
+/// A ShardedTensor as one rank saw it.
+struct Parsed {
+  statedict::dtype dtype = statedict::dtype::F32;
+  shape_t size;
+  std::vector<ShardMeta> shards;  ///< global metadata, in placement order
+  /// Local shards: (index into `shards`, tensor reference index in the rank's tree).
+  std::vector<std::pair<std::size_t, std::size_t>> local;
+};
+
+inline shape_t dims(const po::Where& w, const Value& v, const limits& lim) {
+  shape_t s = po::as_ints(errors::st_bad_object, errors::st_bad_object, lim.max_dims, w, v);
+  for (dim_t d : s)
+    if (d < 0) throw_error(errors::st_bad_object, w.text(), "negative value in " + to_string(s));
+  return s;
+}
+
+inline ShardMeta shard_meta(const po::Where& w, const Value& v, const limits& lim) {
+  if (!po::is_class(v, {"torch.distributed._shard.metadata.ShardMetadata"}))
+    po::expected(errors::st_bad_object, w, "a ShardMetadata object", v);
+  const Dict a = po::require_attributes(errors::st_bad_object, w, v, "ShardMetadata");
+  ShardMeta m;
+  m.offsets = dims(w / "shard_offsets", po::field(errors::st_bad_object, w, a, "shard_offsets"), lim);
+  m.sizes = dims(w / "shard_sizes", po::field(errors::st_bad_object, w, a, "shard_sizes"), lim);
+  const Value& pl = po::field(errors::st_bad_object, w, a, "placement");
+  const po::Where pw = w / "placement";
+  if (!po::is_class(pl, {"torch.distributed.remote_device._remote_device"}))
+    po::expected(errors::st_bad_object, pw, "a _remote_device object", pl);
+  const Dict pa = po::require_attributes(errors::st_bad_object, pw, pl, "_remote_device");
+  const Value& rank = po::field(errors::st_bad_object, pw, pa, "_rank");
+  if (rank.is_none())
+    throw_error(errors::st_bad_object, (pw / "_rank").text(), "placement by worker name is not supported (no rank)");
+  m.rank = po::as_count(errors::st_bad_object, errors::st_bad_object, pw / "_rank", rank);
+  return m;
+}
+
+/// The dtype of TensorProperties (state tuple or attribute dict).
+inline std::optional<dtype> properties_dtype(const po::Where& w, const Value& v, std::string& tname) {
+  if (!po::is_class(v, {"torch.distributed._shard.sharded_tensor.metadata.TensorProperties"}))
+    po::expected(errors::st_bad_object, w, "a TensorProperties object", v);
+  const Object& o = v.as_object();
+  if (o.state.size() == 1 && o.state[0].is_tuple() && !o.state[0].as_list().empty())
+    return po::torch_dtype(errors::st_bad_object, w / "dtype", o.state[0].as_list()[0], &tname);
+  const Dict a = po::require_attributes(errors::st_bad_object, w, v, "TensorProperties");
+  return po::torch_dtype(errors::st_bad_object, w / "dtype", po::field(errors::st_bad_object, w, a, "dtype"), &tname);
+}
+
+inline Parsed parse(const po::Where& w, const Value& v, const tr::Tree& tree, std::uint64_t file_rank, const limits& lim) {
+  const List& a = v.as_object().args;
+  if (!po::is_global(a[0], "torch._utils", "_rebuild_wrapper_subclass"))
+    po::expected(errors::st_bad_object, w, "a ShardedTensor rebuilt by torch._utils._rebuild_wrapper_subclass", a[0]);
+  if (!a[2].is_sequence() || a[2].as_list().size() < 3)
+    po::expected(errors::st_bad_object, w / "args", "the wrapper's (cls, dtype, size, ...) tuple", a[2]);
+  const List& wa = a[2].as_list();
+  std::string wname;
+  const auto wdtype = po::torch_dtype(errors::st_bad_object, w / "args" / std::size_t{1}, wa[1], &wname);
+  const shape_t wsize = dims(w / "args" / std::size_t{2}, wa[2], lim);
+  if (!a[3].is_tuple() || a[3].as_list().size() < 2)
+    po::expected(errors::st_bad_object, w / "state", "the ShardedTensor state (local_shards, metadata, ...)", a[3]);
+  const List& st = a[3].as_list();
+  const Value& md = st[1];
+  const po::Where mw = w / "state" / "metadata";
+  if (!po::is_class(md, {"torch.distributed._shard.sharded_tensor.metadata.ShardedTensorMetadata"}))
+    po::expected(errors::st_bad_object, mw, "a ShardedTensorMetadata object", md);
+  const Dict ma = po::require_attributes(errors::st_bad_object, mw, md, "ShardedTensorMetadata");
+  Parsed p;
+  p.size = dims(mw / "size", po::field(errors::st_bad_object, mw, ma, "size"), lim);
+  (void)numel(p.size);
+  std::string tname;
+  const auto mdtype = properties_dtype(mw / "tensor_properties", po::field(errors::st_bad_object, mw, ma, "tensor_properties"), tname);
+  if (!mdtype) throw_error(errors::st_bad_object, (mw / "tensor_properties").text(), "dtype torch." + tname + " is not supported");
+  p.dtype = *mdtype;
+  if (!wdtype || *wdtype != p.dtype)
+    throw_error(errors::st_dtype_mismatch, w.text(),
+                "the wrapper says torch." + wname + ", the metadata's tensor_properties say " + std::string(name(p.dtype)));
+  if (wsize != p.size)
+    throw_error(errors::st_bad_object, w.text(), "the wrapper's size " + to_string(wsize) + " differs from the metadata's " + to_string(p.size));
+  const Value& sm = po::field(errors::st_bad_object, mw, ma, "shards_metadata");
+  if (!sm.is_list()) po::expected(errors::st_bad_object, mw / "shards_metadata", "a list of ShardMetadata", sm);
+  if (sm.as_list().size() > lim.max_shards)
+    throw_error(errors::st_bad_object, (mw / "shards_metadata").text(),
+                std::to_string(sm.as_list().size()) + " shards exceed limits.max_shards");
+  const Box whole = full_box(p.size);
+  for (std::size_t i = 0; i < sm.as_list().size(); ++i) {
+    const po::Where sw = mw / "shards_metadata" / i;
+    ShardMeta m = shard_meta(sw, sm.as_list()[i], lim);
+    if (m.offsets.size() != p.size.size() || m.sizes.size() != p.size.size() || !contains(whole, Box{m.offsets, m.sizes}))
+      throw_error(errors::st_incomplete, sw.text(),
+                  "shard at offsets " + to_string(m.offsets) + " with sizes " + to_string(m.sizes) +
+                      " is not inside the tensor's size " + to_string(p.size));
+    p.shards.push_back(std::move(m));
+  }
+  // Local shards
+  const Value& ls = st[0];
+  if (!ls.is_list()) po::expected(errors::st_bad_object, w / "state" / "local_shards", "a list of Shard", ls);
+  for (std::size_t i = 0; i < ls.as_list().size(); ++i) {
+    const po::Where sw = w / "state" / "local_shards" / i;
+    const Value& s = ls.as_list()[i];
+    if (!po::is_class(s, {"torch.distributed._shard.sharded_tensor.shard.Shard"}))
+      po::expected(errors::st_bad_object, sw, "a Shard object", s);
+    const Dict sa = po::require_attributes(errors::st_bad_object, sw, s, "Shard");
+    const Value& t = po::field(errors::st_bad_object, sw, sa, "tensor");
+    if (!tr::is_ref(t)) po::expected(errors::st_bad_object, sw / "tensor", "a saved tensor", t);
+    ShardMeta m = shard_meta(sw / "metadata", po::field(errors::st_bad_object, sw, sa, "metadata"), lim);
+    if (m.rank != file_rank)
+      throw_error(errors::st_shard_mismatch, sw.text(),
+                  "local shard placed on rank " + std::to_string(m.rank) + " is in the file of rank " + std::to_string(file_rank));
+    auto it = std::find(p.shards.begin(), p.shards.end(), m);
+    if (it == p.shards.end())
+      throw_error(errors::st_shard_mismatch, sw.text(),
+                  "local shard at offsets " + to_string(m.offsets) + " with sizes " + to_string(m.sizes) +
+                      " is not in the global shards_metadata");
+    const tr::TensorRef& r = tree.tensors[tr::ref_index(t)];
+    if (r.dtype != p.dtype)
+      throw_error(errors::st_dtype_mismatch, (sw / "tensor").text(),
+                  "local shard is " + std::string(name(r.dtype)) + ", the metadata says " + std::string(name(p.dtype)));
+    if (r.sizes != m.sizes)
+      throw_error(errors::st_shard_mismatch, (sw / "tensor").text(),
+                  "local shard tensor has size " + to_string(r.sizes) + ", its metadata says " + to_string(m.sizes));
+    const auto idx = static_cast<std::size_t>(it - p.shards.begin());
+    for (const auto& l : p.local)
+      if (l.first == idx) throw_error(errors::st_shard_mismatch, sw.text(), "the same shard appears twice");
+    p.local.emplace_back(idx, tr::ref_index(t));
+  }
+  return p;
+}
+
+/// Kind signature of a tree for cross-rank comparison: containers and leaf kinds by path, with
+/// sharded tensors and plain tensors marked.
+inline void check_same_structure(const Value& a, const Value& b, std::uint64_t rank, const std::string& where) {
+  std::vector<std::pair<std::string, std::string>> sa, sb;
+  auto sig = [](const Value& root, std::vector<std::pair<std::string, std::string>>& out) {
+    visit(root, [&](const Path& p, const Value& v) {
+      std::string k;
+      if (tr::is_ref(v)) k = "tensor";
+      else if (is_sharded_tensor(v)) k = "ShardedTensor";
+      else k = po::kind_of(v);
+      out.emplace_back(dotted(p), std::move(k));
+      return (tr::is_ref(v) || is_sharded_tensor(v)) ? visit_control::skip : visit_control::descend;
+    });
+  };
+  sig(a, sa);
+  sig(b, sb);
+  const std::size_t n = std::min(sa.size(), sb.size());
+  for (std::size_t i = 0; i < n; ++i)
+    if (sa[i] != sb[i])
+      throw_error(errors::st_rank_disagreement, where,
+                  "rank 0 has " + sa[i].second + " at " + quote(sa[i].first) + ", rank " + std::to_string(rank) +
+                      " has " + sb[i].second + " at " + quote(sb[i].first));
+  if (sa.size() != sb.size())
+    throw_error(errors::st_rank_disagreement, where,
+                "rank 0 and rank " + std::to_string(rank) + " hold different numbers of entries (" +
+                    std::to_string(sa.size()) + " and " + std::to_string(sb.size()) + ")");
+}
+
+/// Reads the elements of a tensor reference, row-major (for replica comparison).
+inline std::vector<std::byte> gather(const ByteSource& src, const tr::TensorRef& r) {
+  const std::size_t is = itemsize(r.dtype);
+  const std::uint64_t n = numel(r.sizes);
+  std::vector<std::byte> out(static_cast<std::size_t>(checked_mul(n, is, "tensor bytes")));
+  if (n == 0) return out;
+  const std::uint64_t base = r.byte_offset();
+  if (is_contiguous(r.sizes, r.strides)) {
+    src.read(base, out);
+    return out;
+  }
+  shape_t idx(r.sizes.size(), 0);
+  for (std::uint64_t e = 0; e < n; ++e) {
+    std::uint64_t off = 0;
+    for (std::size_t d = 0; d < idx.size(); ++d) off += static_cast<std::uint64_t>(idx[d] * r.strides[d]);
+    src.read(base + off * is, std::span<std::byte>(out.data() + e * is, is));
+    for (std::size_t d = idx.size(); d-- > 0;) {
+      if (++idx[d] < r.sizes[d]) break;
+      idx[d] = 0;
+    }
+  }
+  return out;
+}
+
+}  // namespace detail
+
+/// Says from content whether `dir` holds ShardedTensor rank files: `rank0.pt` .. `rank<W-1>.pt`
+/// where `rank0.pt` is a torch.save zip archive whose `data.pkl` names the ShardedTensor class.
+/// Never throws for other directories. `rule` names the rule that matched, or says what was looked
+/// for and what was found.
+inline detection detect(const std::filesystem::path& dir) {
+  detection d;
+  const std::string wanted = "sharded_tensor_ranks: wanted rank0.pt .. rank<W-1>.pt holding ShardedTensor objects; found ";
+  std::error_code ec;
+  if (!std::filesystem::is_directory(dir, ec)) {
+    d.rule = wanted + "no directory";
+    return d;
+  }
+  const auto files = detail::rank_files(dir);
+  bool consecutive = true;
+  for (std::size_t i = 0; i < files.size(); ++i) consecutive = consecutive && files[i].first == i;
+  if (files.empty() || !consecutive) {
+    d.rule = wanted + std::to_string(files.size()) + " rank<N>.pt file(s)" + (files.empty() ? "" : ", not numbered 0 .. W-1");
+    return d;
+  }
+  const std::string n = std::to_string(files.size()) + " rank file(s)";
+  try {
+    auto f = InputFile::open(files.front().second, read_mode::pread);
+    const zip::Archive ar = zip::Archive::open(f);
+    const std::string first = ar.entries().empty() ? std::string() : ar.entries().front().name;
+    const zip::Entry* pkl = ar.find(first.substr(0, first.find('/') + 1) + "data.pkl");
+    if (!pkl) {
+      d.rule = wanted + n + "; rank0.pt is a zip archive without data.pkl";
+      return d;
+    }
+    const Region r = ar.read(*pkl);
+    const std::string_view text(reinterpret_cast<const char*>(r.data), static_cast<std::size_t>(r.size));
+    if (text.find("torch.distributed._shard.sharded_tensor.api\nShardedTensor\n") != std::string_view::npos) {
+      d.found = true;
+      d.world_size = static_cast<std::uint32_t>(files.size());
+      d.rule = "sharded_tensor_ranks: rank0.pt is a torch.save archive whose pickle holds ShardedTensor objects (" + n + ")";
+    } else {
+      d.rule = wanted + n + "; rank0.pt's pickle does not name torch.distributed._shard.sharded_tensor.api.ShardedTensor";
+    }
+  } catch (const error& e) {
+    d.rule = wanted + n + "; rank0.pt is not a readable torch.save archive (" + std::string(e.what()) + ")";
+  }
+  return d;
+}
+
+/// Reads every rank file of `dir` and describes the global tensors (see the top of this file).
+inline ShardedCheckpoint describe(const std::filesystem::path& dir, const options& opt = {}) {
+  namespace po = statedict::detail::pyobj;
+  namespace tr = statedict::detail::torch_refs;
+  const auto files = detail::rank_files(dir);
+  const std::string dwhere = "directory " + quote(dir.string());
+  if (files.empty()) throw_error(errors::st_no_rank_files, dwhere, "no rank<N>.pt files");
+  if (files.size() > opt.limits.max_ranks)
+    throw_error(errors::st_too_many_ranks, dwhere,
+                std::to_string(files.size()) + " rank files exceed limits.max_ranks (" + std::to_string(opt.limits.max_ranks) + ")");
+  for (std::size_t i = 0; i < files.size(); ++i)
+    if (files[i].first != i)
+      throw_error(errors::st_bad_rank_set, dwhere,
+                  "rank files must be rank0.pt .. rank" + std::to_string(files.size() - 1) + ".pt; rank" +
+                      std::to_string(i) + ".pt is missing");
+  const auto world = static_cast<std::uint32_t>(files.size());
+
+  ShardedCheckpoint ck;
+  std::vector<TensorInfo> tensors;  // unnamed, indexed by the placeholders of `tree`
+  ck.format = "sharded_tensor_ranks";
+  ck.metadata["sharded_tensor.world_size"] = std::to_string(world);
+
+  tr::load_options lo;
+  lo.pickle = opt.limits.pickle;
+  lo.max_pickle_bytes = opt.limits.max_pickle_bytes;
+  std::vector<tr::Tree> trees;
+  trees.reserve(world);
+  for (const auto& [rank, path] : files) {
+    auto f = InputFile::open(path, opt.mode);
+    ck.sources.push_back(f);
+    try {
+      trees.push_back(tr::load(f, lo));
+    } catch (error& e) {
+      e.add_context("file " + quote(path.string()));
+      throw;
+    }
+  }
+  for (std::uint32_t r = 1; r < world; ++r)
+    detail::check_same_structure(trees[0].value, trees[r].value, r, dwhere);
+
+  // Sharded tensors: rank 0's tree gives the names; each rank's copy gives its local shards.
+  struct Found {
+    Path path;
+    std::vector<detail::Parsed> per_rank;
+  };
+  std::vector<Found> found;
+  visit(trees[0].value, [&](const Path& p, const Value& v) {
+    if (!detail::is_sharded_tensor(v)) return visit_control::descend;
+    found.push_back(Found{p, {}});
+    return visit_control::skip;
+  });
+  for (Found& f : found) {
+    for (std::uint32_t r = 0; r < world; ++r) {
+      const po::Where w{"file " + quote(files[r].second.string()), dotted(f.path)};
+      const Value* v = find_path(trees[r].value, f.path);
+      f.per_rank.push_back(detail::parse(w, *v, trees[r], r, opt.limits));
+    }
+  }
+
+  // Rank 0's tree, with every tensor a placeholder indexing `tensors`.
+  std::size_t next_found = 0;
+  Value tree = transform(trees[0].value, [&](const Path& p, const Value& v) -> std::optional<Value> {
+    if (detail::is_sharded_tensor(v)) {
+      const Found& f = found[next_found++];
+      const detail::Parsed& p0 = f.per_rank[0];
+      const std::string tensor_name = dotted(p);
+      const std::string where = dwhere + ": ShardedTensor " + quote(tensor_name);
+      for (std::uint32_t r = 1; r < world; ++r) {
+        const detail::Parsed& pr = f.per_rank[r];
+        if (pr.dtype != p0.dtype || pr.size != p0.size || pr.shards != p0.shards)
+          throw_error(errors::st_rank_disagreement, where,
+                      "rank " + std::to_string(r) + "'s global metadata (dtype, size or shards) differs from rank 0's");
+      }
+      TensorInfo ti;
+      ti.name = tensor_name;
+      ti.dtype = p0.dtype;
+      ti.shape = p0.size;
+      std::vector<Box> boxes;
+      for (std::size_t s = 0; s < p0.shards.size(); ++s) {
+        const detail::ShardMeta& m = p0.shards[s];
+        boxes.push_back(Box{m.offsets, m.sizes});
+        if (m.rank >= world)
+          throw_error(errors::st_incomplete, where,
+                      "shard at " + to_string(m.offsets) + " is placed on rank " + std::to_string(m.rank) + " but only " +
+                          std::to_string(world) + " rank files exist");
+        const detail::Parsed& holder = f.per_rank[m.rank];
+        auto it = std::find_if(holder.local.begin(), holder.local.end(), [&](const auto& l) { return l.first == s; });
+        if (it == holder.local.end()) {
+          if (numel(m.sizes) == 0) continue;
+          throw_error(errors::st_incomplete, where,
+                      "shard at " + to_string(m.offsets) + " placed on rank " + std::to_string(m.rank) +
+                          " is not among that rank file's local shards");
+        }
+        if (numel(m.sizes) == 0) continue;
+        const tr::TensorRef& r = trees[m.rank].tensors[it->second];
+        Placement at;
+        at.source = static_cast<std::uint32_t>(m.rank);
+        at.byte_offset = r.byte_offset();
+        at.stored = r.dtype;
+        if (!is_contiguous(r.sizes, r.strides)) at.strides = r.strides;
+        ti.chunks.push_back(Chunk{Box{m.offsets, m.sizes}, std::move(at)});
+      }
+      if (numel(ti.shape) > 0) {
+        if (auto issue = cover(full_box(ti.shape), boxes, false)) {
+          if (issue->what == CoverIssue::kind::hole)
+            throw_error(errors::st_incomplete, where, "element " + to_string(issue->index) + " is in no shard");
+          throw_error(errors::st_incomplete, where,
+                      "shards at " + to_string(boxes[issue->first].offsets) + " and " + to_string(boxes[issue->second].offsets) +
+                          " overlap at element " + to_string(issue->index));
+        }
+      }
+      tensors.push_back(std::move(ti));
+      return tr::make_ref(tensors.size() - 1);
+    }
+    if (tr::is_ref(v)) {
+      const tr::TensorRef& r = trees[0].tensors[tr::ref_index(v)];
+      TensorInfo ti;
+      ti.name = dotted(p);
+      ti.dtype = r.dtype;
+      ti.shape = r.sizes;
+      if (numel(r.sizes) > 0) {
+        Placement at;
+        at.source = 0;
+        at.byte_offset = r.byte_offset();
+        at.stored = r.dtype;
+        if (!is_contiguous(r.sizes, r.strides)) at.strides = r.strides;
+        ti.chunks.push_back(Chunk{full_box(r.sizes), std::move(at)});
+      }
+      tensors.push_back(std::move(ti));
+      return tr::make_ref(tensors.size() - 1);
+    }
+    return std::nullopt;
+  });
+
+  if (opt.check_replicas) {
+    for (std::uint32_t rk = 1; rk < world; ++rk) {
+      // Non-tensor leaves equal, plain tensors byte-equal.
+      std::vector<const Value*> a, b;
+      std::vector<Path> paths;
+      auto leaves = [](const Value& root, std::vector<const Value*>& out, std::vector<Path>* ps) {
+        visit(root, [&](const Path& p, const Value& v) {
+          if (detail::is_sharded_tensor(v)) return visit_control::skip;
+          if (!tr::is_ref(v) && v.is_container()) return visit_control::descend;
+          out.push_back(&v);
+          if (ps) ps->push_back(p);
+          return visit_control::skip;
+        });
+      };
+      leaves(trees[0].value, a, &paths);
+      leaves(trees[rk].value, b, nullptr);
+      for (std::size_t i = 0; i < a.size() && i < b.size(); ++i) {
+        const std::string where = dwhere + ": rank " + std::to_string(rk) + ": key " + quote(dotted(paths[i]));
+        if (tr::is_ref(*a[i])) {
+          const auto& ra = trees[0].tensors[tr::ref_index(*a[i])];
+          const auto& rb = trees[rk].tensors[tr::ref_index(*b[i])];
+          if (ra.dtype != rb.dtype || ra.sizes != rb.sizes ||
+              detail::gather(*ck.sources[0], ra) != detail::gather(*ck.sources[rk], rb))
+            throw_error(errors::st_replica_mismatch, where, "replicated tensor differs from rank 0's");
+        } else if (!(*a[i] == *b[i])) {
+          throw_error(errors::st_replica_mismatch, where, "value differs from rank 0's");
+        }
+      }
+    }
+  }
+  auto fin = statedict::detail::describe_tree::finish(tree, tensors);
+  ck.tensors = std::move(fin.tensors);
+  ck.skeleton = std::move(fin.skeleton);
+  return ck;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The plug-in
+
+/// Directories of `rank<N>.pt` files holding ShardedTensors (OLMo's legacy sharded checkpointer).
+class format final : public formats::Format {
+ public:
+  [[nodiscard]] std::string_view name() const noexcept override { return "sharded_tensor_ranks"; }
+  [[nodiscard]] std::string_view title() const noexcept override { return "ShardedTensor rank files"; }
+
+  [[nodiscard]] formats::Detection detect(const formats::Input& in, const formats::open_options&) const override {
+    if (!in.is_directory()) return formats::Detection::not_applicable();
+    detection d = sharded_tensor::detect(in.path());
+    return d.found ? formats::Detection::match(std::move(d.rule)) : formats::Detection::miss(std::move(d.rule));
+  }
+  [[nodiscard]] ShardedCheckpoint describe(const formats::Input& in, const formats::open_options& opt) const override {
+    options o = opt.settings.get<options>();
+    o.mode = opt.mode;
+    o.check_replicas = o.check_replicas || opt.check_replicas;
+    return sharded_tensor::describe(in.path(), o);
+  }
+};
+
+}  // namespace sharded_tensor
+}  // namespace statedict::inline v0
+// ---- statedict/formats/torch.hpp ----
+// statedict: torch.save files as a format plug-in, and their writers (a described checkpoint, or
+// a Value tree of tensors), both through the planner and the streaming executor.
+// SPDX-License-Identifier: MIT
+//
+// Reading and the file plan (pickle, zip layout, where each storage goes) are io/torch_file.hpp.
+// Writing fills the storages of a SavePlan with the executor (any thread count, bounded memory,
+// CRCs computed as the bytes go by) and lets PlannedWriter write the zip framing around them and
+// commit the file atomically.
+
+#include <algorithm>
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+
+namespace statedict::inline v0 {
+
+namespace torch {
+
+namespace detail {
+/// Streams `src` into the storages of `sp` (where `dst` says each of src's tensors goes) and
+/// completes the file at `path`.
+inline void write_planned(SavePlan sp, const ShardedCheckpoint& src, const Destination& dst, const std::filesystem::path& path,
+                          const exec_options& exec, const plan_options& popt) {
+  std::vector<FlatRange> regions = sp.storage_ranges();
+  std::sort(regions.begin(), regions.end(), [](const FlatRange& a, const FlatRange& b) { return a.begin < b.begin; });
+  const Plan plan = make_plan(src, dst, popt);
+  PlannedWriter w(path, std::move(sp));
+  try {
+    FileSink sink(w.file());
+    sink.track_crc32(regions);
+    std::vector<Sink*> sinks{&sink};
+    (void)execute(plan, src, sinks, exec);
+    for (std::size_t i = 0; i < regions.size(); ++i)
+      if (regions[i].size()) w.report_file_crc(regions[i].begin, regions[i].size(), sink.crc32(i));
+    w.finish();
+  } catch (error& e) {
+    e.add_context("file " + quote(path.string()));
+    throw;
+  }
+}
+}  // namespace detail
+
+/// Writes `tree` as a torch.save file at `path`, atomically (temporary name, fsync, rename),
+/// streaming every storage through the executor: no buffer holds more than the pickle and the
+/// executor's blocks.
+inline void save(const std::filesystem::path& path, const Value& tree, save_options opts = {}, const exec_options& exec = {}) {
+  if (opts.archive_name.empty()) opts.archive_name = archive_name_for(path.filename());
+  SavePlan sp = plan_save(tree, opts);
+  // Each storage is one byte tensor, copied from where its tensors' memory is.
+  ShardedCheckpoint src;
+  src.format = "memory";
+  Destination dst;
+  dst.names.push_back(path.filename().string());
+  dst.sizes.push_back(sp.file_size());
+  for (std::size_t i = 0; i < sp.storages.size(); ++i) {
+    const PlannedStorage& s = sp.storages[i];
+    if (s.nbytes == 0) continue;
+    if (!s.source) throw_error(errors::pt_unwritable, "storage " + quote(s.key), "has no source bytes");
+    std::string name = "storage " + s.key;
+    const TensorInfo& t = add_stored(src, name, dtype::U8, shape_t{static_cast<dim_t>(s.nbytes)},
+                                     std::make_shared<MemorySource>(name, s.source, s.nbytes, s.owner), 0);
+    dst.tensors.push_back(formats::detail::whole_at(t, 0, sp.storage_offset(i)));
+  }
+  detail::write_planned(std::move(sp), src, dst, path, exec, plan_options{});
+}
+
+/// Writes a File read earlier (its attributes included) to `path`.
+inline void save(const std::filesystem::path& path, const File& file, save_options opts = {}, const exec_options& exec = {}) {
+  if (opts.attributes.empty()) opts.attributes = file.attributes;
+  save(path, file.value, std::move(opts), exec);
+}
+
+}  // namespace torch
+
+namespace formats {
 
 /// Writes a torch.save file that torch.load reads back as the checkpoint's tree (its skeleton;
 /// a flat dict when it has none). Storage CRCs are computed as the bytes are written.
-inline void write_torch(const ShardedCheckpoint& ck, const std::filesystem::path& path, const write_options& opt = {}) {
+inline void write_torch(const ShardedCheckpoint& ck, const std::filesystem::path& path, const save_options& opt = {}) {
   torch::save_options so;
   so.archive_name = torch::archive_name_for(path.filename());
   torch::SavePlan sp = torch::plan_save(ck, so);
   const Destination dst = sp.destination(path.filename().string());
-  std::vector<FlatRange> regions = sp.storage_ranges();
-  std::sort(regions.begin(), regions.end(), [](const FlatRange& a, const FlatRange& b) { return a.begin < b.begin; });
-  const Plan plan = make_plan(ck, dst, opt.plan);
-  torch::PlannedWriter w(path, std::move(sp));
-  FileSink sink(w.file());
-  sink.track_crc32(regions);
-  detail::run(plan, ck, {&sink}, opt);
-  for (std::size_t i = 0; i < regions.size(); ++i)
-    if (regions[i].size()) w.report_file_crc(regions[i].begin, regions[i].size(), sink.crc32(i));
-  w.finish();
-}
-
-/// Writes a DCP checkpoint for `opt.world_size` ranks (formats/dcp.hpp).
-inline void write_dcp(const ShardedCheckpoint& ck, const std::filesystem::path& dir, const write_options& opt = {}) {
-  dcp::write_options o;
-  o.world_size = opt.world_size;
-  o.exec = opt.exec;
-  o.plan = opt.plan;
-  o.part = opt.part;
-  o.index_only = opt.index_only;
-  dcp::write(ck, dir, o);
+  torch::detail::write_planned(std::move(sp), ck, dst, path, opt.exec, opt.plan);
 }
 
 }  // namespace formats
+
+namespace torch {
+
+/// torch.save files (zip, and the legacy format before 1.6): read zero-copy, never running pickled
+/// code; written so that torch.load (also with weights_only=True) reads them back.
+class format final : public formats::Format {
+ public:
+  [[nodiscard]] std::string_view name() const noexcept override { return "torch"; }
+  [[nodiscard]] std::string_view title() const noexcept override { return "torch.save"; }
+
+  [[nodiscard]] formats::Detection detect(const formats::Input& in, const formats::open_options&) const override {
+    if (in.is_directory()) return formats::Detection::not_applicable();
+    switch (kind_of(in.head(), in.file()->size())) {
+      case file_kind::zip: return formats::Detection::match("torch.save: zip archive");
+      case file_kind::legacy:
+      case file_kind::legacy_tar: return formats::Detection::match("torch.save: legacy (pre-1.6) format");
+      case file_kind::unknown: break;
+    }
+    return formats::Detection::miss("neither a zip archive (PK\\x03\\x04) nor a pickle (\\x80\\x02)");
+  }
+  [[nodiscard]] ShardedCheckpoint describe(const formats::Input& in, const formats::open_options& opt) const override {
+    load_options o = opt.settings.get<load_options>();
+    o.mode = opt.mode;
+    return torch::describe(in.file(), o);
+  }
+
+  [[nodiscard]] bool can_write() const noexcept override { return true; }
+  [[nodiscard]] formats::output_claim claims_output(const std::filesystem::path& out, const formats::save_options&) const override {
+    for (const char* ext : {".pt", ".pth", ".bin", ".ckpt"})
+      if (formats::detail::has_extension(out, ext)) return formats::output_claim::by_name;
+    return formats::output_claim::none;
+  }
+  void check_output(const std::filesystem::path&, const formats::save_options& opt) const override {
+    formats::detail::refuse_option(opt.max_shard_size.has_value(), "--max-shard-size", "a torch.save file", "it is one file");
+    formats::detail::refuse_option(opt.world_size.has_value(), "--world-size", "a torch.save file", "it is for DCP output");
+    formats::detail::refuse_option(opt.part.has_value() || opt.index_only, "--part", "a single file",
+                                   "parts split outputs of several files (Hugging Face shards, DCP)");
+  }
+  std::vector<std::string> save(const ShardedCheckpoint& ck, const std::filesystem::path& out, const formats::save_options& opt) const override {
+    formats::write_torch(ck, out, opt);
+    return {out.filename().string()};
+  }
+};
+
+}  // namespace torch
 }  // namespace statedict::inline v0
+
+namespace statedict::inline v0::formats {
+
+/// The formats statedict knows, in detection order (directories: the most specific first; files:
+/// safetensors before torch.save).
+inline std::vector<std::shared_ptr<const Format>> builtin_formats() {
+  return {
+      std::make_shared<dcp::format>(),
+      std::make_shared<deepspeed::format>(),
+      std::make_shared<fsdp::format>(),
+      std::make_shared<sharded_tensor::format>(),
+      std::make_shared<hf::format>(),
+      std::make_shared<safetensors::format>(),
+      std::make_shared<torch::format>(),
+  };
+}
+
+namespace detail {
+struct registry_state {
+  std::mutex mutex;
+  std::vector<std::shared_ptr<const Format>> formats = builtin_formats();
+};
+inline registry_state& registry_instance() {
+  static registry_state r;
+  return r;
+}
+}  // namespace detail
+
+/// The registered formats, in detection order (a copy: safe while another thread adds one).
+inline std::vector<std::shared_ptr<const Format>> registered_formats() {
+  auto& r = detail::registry_instance();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  return r.formats;
+}
+
+/// Registers a format of the program's own. It is tried before the built-in ones (so it can claim
+/// inputs they would misread); a format with the same name replaces the registered one.
+inline void add_format(std::shared_ptr<const Format> f) {
+  auto& r = detail::registry_instance();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  std::erase_if(r.formats, [&](const auto& g) { return g->name() == f->name(); });
+  r.formats.insert(r.formats.begin(), std::move(f));
+}
+
+/// The registered format named `name`; throws errors::no_such_format listing the names.
+inline std::shared_ptr<const Format> find_format(std::string_view name) {
+  const auto all = registered_formats();
+  for (const auto& f : all)
+    if (f->name() == name) return f;
+  std::string names;
+  for (const auto& f : all) names += (names.empty() ? "" : ", ") + std::string(f->name());
+  throw_error(errors::no_such_format, "format " + quote(name), "is not one of: " + names);
+}
+
+/// A checkpoint and how it was recognised.
+struct Opened {
+  ShardedCheckpoint checkpoint;
+  /// The detection rule that matched, in words.
+  std::string rule;
+  /// The format that read it.
+  std::shared_ptr<const Format> format;
+};
+
+/// Opens `path` (a file or a directory) as a ShardedCheckpoint, detecting its format from content
+/// (or reading it as `opt.format`), and applies `opt.dtype` to every floating tensor.
+inline Opened open(const std::filesystem::path& path, const open_options& opt = {}) {
+  std::error_code ec;
+  const std::string where = quote(path.string());
+  if (!std::filesystem::exists(path, ec)) throw_error(errors::no_such_path, where, "no such file or directory");
+  const Input in(path, opt.mode);
+  Opened out;
+  if (!opt.format.empty()) {
+    out.format = find_format(opt.format);
+    out.rule = "read as " + std::string(out.format->name()) + " (asked for)";
+  } else {
+    std::string tried;
+    std::shared_ptr<const Format> damaged;
+    for (const auto& f : registered_formats()) {
+      Detection d = f->detect(in, opt);
+      if (d.found()) {
+        out.format = f;
+        out.rule = std::move(d.rule);
+        break;
+      }
+      if (d.how == Detection::verdict::damaged && !damaged) damaged = f;
+      if (!d.rule.empty()) tried += " [" + std::string(f->title()) + ": " + d.rule + "]";
+    }
+    if (!out.format) {
+      // Named like a format but not readable as one: its reader says precisely what is wrong.
+      if (damaged) (void)damaged->describe(in, opt);
+      throw_error(errors::unknown_format, (in.is_directory() ? "directory " : "file ") + where,
+                  std::string("not a checkpoint ") + (in.is_directory() ? "directory" : "file") +
+                      " statedict recognises; looked for:" + tried);
+    }
+  }
+  out.checkpoint = out.format->describe(in, opt);
+  if (opt.dtype && !out.format->applies_dtype()) cast(out.checkpoint, *opt.dtype);
+  return out;
+}
+
+/// The format an output at `out` is written in: `opt.format`, else the registered format that
+/// claims the path most strongly (its extension over its options; the first among equals); its
+/// options are checked (usage errors) before anything is read.
+inline std::shared_ptr<const Format> choose_output(const std::filesystem::path& out, const save_options& opt) {
+  std::shared_ptr<const Format> f;
+  if (!opt.format.empty()) {
+    f = find_format(opt.format);
+    if (!f->can_write()) throw_error(errors::cannot_write, "--to " + opt.format, std::string(f->title()) + " checkpoints can be read, not written");
+  } else {
+    std::string writable;
+    output_claim best = output_claim::none;
+    for (const auto& g : registered_formats()) {
+      if (!g->can_write()) continue;
+      writable += (writable.empty() ? "" : "|") + std::string(g->name());
+      const output_claim c = g->claims_output(out, opt);
+      if (c > best) {
+        best = c;
+        f = g;
+      }
+    }
+    if (!f)
+      throw_error(errors::output_unclear, "output " + quote(out.string()),
+                  "cannot tell the output format from its name: name it .safetensors or .pt, or give the format (--to " + writable + ")");
+  }
+  f->check_output(out, opt);
+  return f;
+}
+
+/// Writes `ck` at `out` in the chosen format (choose_output); returns the files written.
+inline std::vector<std::string> save(const ShardedCheckpoint& ck, const std::filesystem::path& out, const save_options& opt = {}) {
+  return choose_output(out, opt)->save(ck, out, opt);
+}
+
+}  // namespace statedict::inline v0::formats

@@ -11,7 +11,7 @@
 #include <statedict/formats/dcp.hpp>
 #include <statedict/formats/deepspeed.hpp>
 #include <statedict/formats/fsdp.hpp>
-#include <statedict/formats/open.hpp>
+#include <statedict/formats/registry.hpp>
 #include <statedict/formats/sharded_tensor.hpp>
 #include <statedict/io/hf_sharded.hpp>
 #include <statedict/io/pickle_read.hpp>

@@ -4,6 +4,7 @@
 // validated against them and described.
 // SPDX-License-Identifier: MIT
 #include <statedict/io/hf_sharded.hpp>
+#include <statedict/formats/hf.hpp>
 
 #include "fuzz_common.hpp"
 

@@ -1,11 +1,10 @@
-// Fuzz target: formats::open (formats/open.hpp), the content-based detection of every format:
+// Fuzz target: formats::open (formats/registry.hpp), the content-based detection of every format:
 // a multi-file input (fuzz_common.hpp) written to a scratch directory, opened as a directory and,
-// when the first file is a regular file, as that file. When open_options has per-reader limits
-// (open_options::limits), they are lowered as in the other targets; otherwise every reader runs
-// with its default caps.
+// when the first file is a regular file, as that file. Every reader's caps are lowered through
+// open_options::settings as in the other targets.
 // Flags: bit 0 with_optimizer, bit 1 check_replicas, bit 2 pread.
 // SPDX-License-Identifier: MIT
-#include <statedict/formats/open.hpp>
+#include <statedict/formats/registry.hpp>
 
 #include "fuzz_common.hpp"
 #include "fuzz_limits.hpp"
@@ -13,27 +12,31 @@
 namespace formats = statedict::formats;
 
 namespace {
-template <class Options>
-void lower_limits(Options& o) {
-  if constexpr (requires { o.limits.torch; o.limits.dcp; o.limits.deepspeed; o.limits.fsdp; o.limits.sharded_tensor; }) {
-    o.limits.safetensors.max_header_bytes = 1 << 20;
-    o.limits.safetensors.max_tensors = 1 << 14;
-    o.limits.max_index_bytes = 1 << 20;
-    o.limits.torch = fuzz::torch_limits();
-    o.limits.dcp.pickle = fuzz::pickle_limits();
-    o.limits.dcp.max_entries = 1 << 14;
-    o.limits.dcp.max_chunks = 1 << 14;
-    o.limits.dcp.max_metadata_bytes = 1 << 20;
-    o.limits.dcp.max_item_pickle_bytes = 1 << 20;
-    o.limits.deepspeed.torch = fuzz::torch_limits();
-    o.limits.deepspeed.max_entries = 1 << 14;
-    o.limits.deepspeed.max_converted_buffer_bytes = 1 << 20;
-    o.limits.fsdp.torch = fuzz::torch_limits();
-    o.limits.fsdp.max_entries = 1 << 14;
-    o.limits.sharded_tensor.pickle = fuzz::pickle_limits();
-    o.limits.sharded_tensor.max_shards = 1 << 12;
-    o.limits.sharded_tensor.max_pickle_bytes = 1 << 20;
-  }
+void lower_limits(formats::open_options& o) {
+  auto& st = o.settings.set<statedict::safetensors::open_options>();
+  st.lim.max_header_bytes = 1 << 20;
+  st.lim.max_tensors = 1 << 14;
+  auto& hf = o.settings.set<statedict::hf::open_options>();
+  hf.lim = st.lim;
+  hf.max_index_bytes = 1 << 20;
+  o.settings.set<statedict::torch::load_options>().limits = fuzz::torch_limits();
+  auto& dcp = o.settings.set<statedict::dcp::options>().limits;
+  dcp.pickle = fuzz::pickle_limits();
+  dcp.max_entries = 1 << 14;
+  dcp.max_chunks = 1 << 14;
+  dcp.max_metadata_bytes = 1 << 20;
+  dcp.max_item_pickle_bytes = 1 << 20;
+  auto& ds = o.settings.set<statedict::deepspeed::options>().limits;
+  ds.torch = fuzz::torch_limits();
+  ds.max_entries = 1 << 14;
+  ds.max_converted_buffer_bytes = 1 << 20;
+  auto& fsdp = o.settings.set<statedict::fsdp::options>().limits;
+  fsdp.torch = fuzz::torch_limits();
+  fsdp.max_entries = 1 << 14;
+  auto& sh = o.settings.set<statedict::sharded_tensor::options>().limits;
+  sh.pickle = fuzz::pickle_limits();
+  sh.max_shards = 1 << 12;
+  sh.max_pickle_bytes = 1 << 20;
 }
 }  // namespace
 

@@ -3,6 +3,7 @@
 // skeleton. A writer refusal is acceptable only as a statedict::error; a difference aborts.
 // SPDX-License-Identifier: MIT
 #include <statedict/io/safetensors.hpp>
+#include <statedict/formats/safetensors.hpp>
 
 #include <cstdio>
 #include <cstdlib>

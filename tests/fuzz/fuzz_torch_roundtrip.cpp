@@ -5,6 +5,7 @@
 // which the writer renumbers (torch.load does not show it either).
 // SPDX-License-Identifier: MIT
 #include <statedict/io/torch_file.hpp>
+#include <statedict/formats/torch.hpp>
 
 #include <cstdio>
 #include <cstdlib>

@@ -331,9 +331,12 @@ expect_index_cancelled "$index" "$out" "$kind" 2
 id=$(sbatch --parsable --output="$work/log/index-early.out" "$docs/reshard-index.sbatch")
 expect_states "$id" "- FAILED 2:0"
 msg=$(cat "$work/log/index-early.out")
-first=$(head -n 1 "$work/files-$kind-2")
-grep -qF "statedict: [statedict.usage_error.743] DCP checkpoint '$out': rank file '$first': is missing: write every part before the index" <<<"$msg" ||
-  fail "the index step before part 2 was written said: '$msg' (expected it to name '$first' as missing)"
+grep -qF "statedict: [statedict.usage_error.743] DCP checkpoint '$out': " <<<"$msg" && grep -qF "missing (" <<<"$msg" &&
+  grep -qF "): write every part before the index" <<<"$msg" ||
+  fail "the index step before part 2 was written said: '$msg' (expected it to list part 2's files as missing)"
+while read -r f; do
+  grep -qF "'$f'" <<<"$msg" || fail "the index step's message does not name part 2's missing file '$f': '$msg'"
+done <"$work/files-$kind-2"
 [ ! -e "$out/${index_file[$kind]}" ] || fail "the refused index step wrote an index"
 say "the index step refused: $msg"
 rerun_part "$out" "$kind" 2

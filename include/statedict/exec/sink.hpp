@@ -5,6 +5,7 @@
 //                 copy_file_range fast path; optional CRC-32 of byte regions (zip records),
 //                 computed from whatever order the pieces are written in (crc32_combine)
 //   MemorySink    a growable in-memory buffer (tests, small outputs)
+//   SpanSink      a caller's buffer of fixed size (exec/read.hpp)
 //   Crc32Sink     only the CRC-32 of everything written, any order, nothing stored
 //   Sha256Sink    only the SHA-256 of everything written; an *ordered* sink: the executor hands it
 //                 bytes in increasing offsets from one thread (`inspect --hash`)
@@ -174,6 +175,17 @@ class FileSink final : public Sink {
   detail::crc_regions crc_;
 };
 
+namespace detail {
+/// Copies `bytes` to [offset, offset + bytes.size()) of `to`; throws sink_overflow past its end.
+inline void copy_into(std::span<std::byte> to, std::uint64_t offset, std::span<const std::byte> bytes, const std::string& sink) {
+  if (offset > to.size() || bytes.size() > to.size() - offset)
+    throw_error(errors::sink_overflow, "sink " + quote(sink),
+                "write of " + std::to_string(bytes.size()) + " bytes at " + std::to_string(offset) + " past its " +
+                    std::to_string(to.size()) + " bytes");
+  if (!bytes.empty()) std::memcpy(to.data() + offset, bytes.data(), bytes.size());
+}
+}  // namespace detail
+
 /// An in-memory destination. reserve() sizes it (zero-filled); writes beyond its size throw.
 class MemorySink final : public Sink {
  public:
@@ -181,13 +193,7 @@ class MemorySink final : public Sink {
     bytes_.resize(static_cast<std::size_t>(size));
   }
   [[nodiscard]] const std::string& name() const noexcept override { return name_; }
-  void write(std::uint64_t offset, std::span<const std::byte> bytes) override {
-    if (offset > bytes_.size() || bytes.size() > bytes_.size() - offset)
-      throw_error(errors::sink_overflow, "sink " + quote(name_),
-                  "write of " + std::to_string(bytes.size()) + " bytes at " + std::to_string(offset) + " past its " +
-                      std::to_string(bytes_.size()) + " bytes");
-    if (!bytes.empty()) std::memcpy(bytes_.data() + offset, bytes.data(), bytes.size());
-  }
+  void write(std::uint64_t offset, std::span<const std::byte> bytes) override { detail::copy_into(bytes_, offset, bytes, name_); }
   void reserve(std::uint64_t size) override {
     if (size > bytes_.size()) bytes_.resize(static_cast<std::size_t>(size));
   }
@@ -197,6 +203,23 @@ class MemorySink final : public Sink {
  private:
   std::string name_;
   std::vector<std::byte> bytes_;
+};
+
+/// A caller's buffer of fixed size, not owned. Writes beyond it throw.
+class SpanSink final : public Sink {
+ public:
+  SpanSink(std::string name, std::span<std::byte> bytes) : name_(std::move(name)), bytes_(bytes) {}
+  [[nodiscard]] const std::string& name() const noexcept override { return name_; }
+  void write(std::uint64_t offset, std::span<const std::byte> bytes) override { detail::copy_into(bytes_, offset, bytes, name_); }
+  void reserve(std::uint64_t size) override {
+    if (size > bytes_.size())
+      throw_error(errors::sink_overflow, "sink " + quote(name_),
+                  "needs " + std::to_string(size) + " bytes, has " + std::to_string(bytes_.size()));
+  }
+
+ private:
+  std::string name_;
+  std::span<std::byte> bytes_;
 };
 
 /// The CRC-32 of a destination of `reserve()`d size, from writes in any order; nothing is stored.

@@ -50,6 +50,8 @@
 #include "../io/torch_file.hpp"
 #include "../shard/checkpoint.hpp"
 #include "../shard/layout.hpp"
+#include "detail/files.hpp"
+#include "format.hpp"
 #include "optim_shard.hpp"
 
 namespace statedict::inline v0 {
@@ -114,39 +116,20 @@ struct detection {
 
 namespace detail {
 
-inline bool torch_magic(const std::filesystem::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  char b[4] = {};
-  if (!f.read(b, 4)) return false;
-  return (b[0] == 'P' && b[1] == 'K' && b[2] == 3 && b[3] == 4) ||
-         (static_cast<unsigned char>(b[0]) == 0x80 && b[1] == 2);
-}
-
-/// `rank<N>.pt` files of a folder, by N; nullopt unless they are exactly rank0 .. rank<W-1>.
+/// `rank<N>.pt` files of a folder, by N; empty (with `why`) unless they are exactly rank0 ..
+/// rank<W-1> and at most `max`.
 inline std::vector<std::filesystem::path> rank_files(const std::filesystem::path& dir, std::string& why, std::uint64_t max) {
-  std::map<std::uint64_t, std::filesystem::path> found;
-  std::error_code ec;
-  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-    const std::string n = it->path().filename().string();
-    if (n.size() < 8 || n.rfind("rank", 0) != 0 || n.substr(n.size() - 3) != ".pt") continue;
-    const std::string digits = n.substr(4, n.size() - 7);
-    if (digits.empty() || digits.size() > 9 || digits.find_first_not_of("0123456789") != std::string::npos) continue;
-    if (digits.size() > 1 && digits[0] == '0') continue;
-    found.emplace(std::stoull(digits), it->path());
+  const auto found = formats::detail::rank_files(dir);
+  if (auto gap = formats::detail::rank_gap(found, dir)) {
+    why = *gap;
+    return {};
+  }
+  if (found.size() > max) {
+    why = quote(dir.string()) + " has more rank files than limits::max_ranks";
+    return {};
   }
   std::vector<std::filesystem::path> out;
-  for (const auto& [r, p] : found) {
-    if (r != out.size()) {
-      why = quote(dir.string()) + " has rank" + std::to_string(r) + ".pt but no rank" + std::to_string(out.size()) + ".pt";
-      return {};
-    }
-    if (out.size() >= max) {
-      why = quote(dir.string()) + " has more rank files than limits::max_ranks";
-      return {};
-    }
-    out.push_back(p);
-  }
-  if (out.empty()) why = quote(dir.string()) + " has no rank<N>.pt file";
+  for (const auto& f : found) out.push_back(f.second);
   return out;
 }
 
@@ -196,7 +179,7 @@ inline detection detect(const std::filesystem::path& dir, const limits& lim = {}
     return d;
   }
   for (const auto& p : model)
-    if (!detail::torch_magic(p)) {
+    if (!formats::detail::begins_like_torch_file(p)) {
       d.rule = "looked for an OLMo local sharded checkpoint: " + quote(p.string()) + " does not begin like a torch.save file";
       return d;
     }
@@ -227,7 +210,7 @@ namespace detail {
 
 using optim_shard::Access;
 
-inline std::string file_ctx(const optim_shard::LoadedFile& f) { return "file " + quote(f.name); }
+using formats::detail::file_ctx;
 
 /// OLMo's name of an FSDP module's parameters: the module name with every
 /// "_fsdp_wrapped_module." removed (olmo/checkpoint.py _iter_flat_param_shards).
@@ -687,21 +670,8 @@ inline ShardedCheckpoint describe(const Inputs& in, const options& opt = {}) {
 inline ShardedCheckpoint describe(const std::filesystem::path& dir, const options& opt = {}) {
   const detection d = detect(dir, opt.limits);
   if (!d.found) throw_error(errors::fsdp_not_found, "directory " + quote(dir.string()), d.rule);
-  torch::load_options lo;
-  lo.limits = opt.limits.torch;
-  lo.keep_unknown_objects = true;  // _ShardParamInfo, pathlib.PosixPath, numpy RNG state: kept, never run
-  lo.mode = opt.mode;
-  auto load = [&](const std::filesystem::path& p) {
-    try {
-      // Lazy: under pread the views point into reserved address space (offsets only), so no
-      // tensor byte is read here; under mmap they point into the mapping either way.
-      torch::File f = torch::detail::read_any(InputFile::open(p, opt.mode), lo, /*lazy=*/true);
-      return optim_shard::LoadedFile{p.string(), f.source, std::move(f.value), f.view_base};
-    } catch (error& e) {
-      e.add_context("OLMo checkpoint " + quote(d.step_dir.string()));
-      throw;
-    }
-  };
+  const std::string context = "OLMo checkpoint " + quote(d.step_dir.string());
+  auto load = [&](const std::filesystem::path& p) { return formats::detail::load_rank_file(p, opt.mode, opt.limits.torch, context); };
   Inputs in;
   in.metadata_world_size = d.metadata_world_size;
   for (const auto& p : d.model_files) in.model.push_back(load(p));
@@ -715,6 +685,32 @@ inline ShardedCheckpoint describe(const std::filesystem::path& dir, const option
   if (opt.with_train_state && !d.train_files.empty()) in.train.push_back(load(d.train_files[0]));
   return describe(in, opt);
 }
+
+// ---------------------------------------------------------------------------------------------
+// The plug-in
+
+/// OLMo's local sharded checkpoints (`model/rank<N>.pt` of FSDP flat parameters, `optim/`,
+/// `train/`): consolidated into named parameters and, on request, optimizer state.
+class format final : public formats::Format {
+ public:
+  [[nodiscard]] std::string_view name() const noexcept override { return "fsdp"; }
+  [[nodiscard]] std::string_view title() const noexcept override { return "FSDP flat parameters"; }
+
+  [[nodiscard]] formats::Detection detect(const formats::Input& in, const formats::open_options& opt) const override {
+    if (!in.is_directory()) return formats::Detection::not_applicable();
+    detection d = fsdp::detect(in.path(), opt.settings.get<options>().limits);
+    return d.found ? formats::Detection::match(std::move(d.rule)) : formats::Detection::miss(std::move(d.rule));
+  }
+  [[nodiscard]] ShardedCheckpoint describe(const formats::Input& in, const formats::open_options& opt) const override {
+    options o = opt.settings.get<options>();
+    o.dtype = opt.dtype;
+    o.with_optimizer = opt.with_optimizer;
+    o.with_train_state = o.with_train_state || opt.with_optimizer;
+    o.mode = opt.mode;
+    return fsdp::describe(in.path(), o);
+  }
+  [[nodiscard]] bool applies_dtype() const noexcept override { return true; }
+};
 
 }  // namespace fsdp
 }  // namespace statedict::inline v0

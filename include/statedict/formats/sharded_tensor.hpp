@@ -46,6 +46,8 @@
 #include "../shard/checkpoint.hpp"
 #include "../shard/cover.hpp"
 #include "detail/describe_tree.hpp"
+#include "detail/files.hpp"
+#include "format.hpp"
 #include "detail/pyobj.hpp"
 #include "detail/torch_refs.hpp"
 
@@ -104,27 +106,7 @@ namespace tr = statedict::detail::torch_refs;
 
 inline constexpr std::string_view st_module = "torch.distributed._shard.sharded_tensor.api";
 
-/// `rank<N>.pt` -> N (decimal, no sign, no leading zeros except "0").
-inline std::optional<std::uint64_t> rank_of(std::string_view file) {
-  if (file.size() < 8 || file.substr(0, 4) != "rank" || file.substr(file.size() - 3) != ".pt") return std::nullopt;
-  const std::string_view digits = file.substr(4, file.size() - 7);
-  if (digits.empty() || digits.size() > 9 || (digits.size() > 1 && digits[0] == '0')) return std::nullopt;
-  std::uint64_t r = 0;
-  auto [p, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), r);
-  if (ec != std::errc() || p != digits.data() + digits.size()) return std::nullopt;
-  return r;
-}
-
-/// Sorted rank files of `dir` ({rank, path}).
-inline std::vector<std::pair<std::uint64_t, std::filesystem::path>> rank_files(const std::filesystem::path& dir) {
-  std::vector<std::pair<std::uint64_t, std::filesystem::path>> out;
-  std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
-    if (auto r = rank_of(e.path().filename().string()); r && e.is_regular_file(ec)) out.emplace_back(*r, e.path());
-  }
-  std::sort(out.begin(), out.end());
-  return out;
-}
+using formats::detail::rank_files;
 
 /// True when `v` is a pickled ShardedTensor (_rebuild_from_type_v2 of _rebuild_wrapper_subclass).
 inline bool is_sharded_tensor(const Value& v) {
@@ -534,6 +516,28 @@ inline ShardedCheckpoint describe(const std::filesystem::path& dir, const option
   ck.skeleton = std::move(fin.skeleton);
   return ck;
 }
+
+// ---------------------------------------------------------------------------------------------
+// The plug-in
+
+/// Directories of `rank<N>.pt` files holding ShardedTensors (OLMo's legacy sharded checkpointer).
+class format final : public formats::Format {
+ public:
+  [[nodiscard]] std::string_view name() const noexcept override { return "sharded_tensor_ranks"; }
+  [[nodiscard]] std::string_view title() const noexcept override { return "ShardedTensor rank files"; }
+
+  [[nodiscard]] formats::Detection detect(const formats::Input& in, const formats::open_options&) const override {
+    if (!in.is_directory()) return formats::Detection::not_applicable();
+    detection d = sharded_tensor::detect(in.path());
+    return d.found ? formats::Detection::match(std::move(d.rule)) : formats::Detection::miss(std::move(d.rule));
+  }
+  [[nodiscard]] ShardedCheckpoint describe(const formats::Input& in, const formats::open_options& opt) const override {
+    options o = opt.settings.get<options>();
+    o.mode = opt.mode;
+    o.check_replicas = o.check_replicas || opt.check_replicas;
+    return sharded_tensor::describe(in.path(), o);
+  }
+};
 
 }  // namespace sharded_tensor
 }  // namespace statedict::inline v0

@@ -443,19 +443,32 @@ struct PlannedFile {
 };
 
 /// The last step of an output written in parts (`--part index`): throws `id`, naming `kind` (a
-/// "Hugging Face checkpoint"), `dir` and the `noun` ("shard") of the file, unless every planned
-/// file exists in `dir` with its planned size.
+/// "Hugging Face checkpoint"), `dir` and every planned file (a `noun`, "shard") that is missing or
+/// has another size than planned, unless there is none.
 inline void check_parts_written(const std::filesystem::path& dir, const std::vector<PlannedFile>& files, const error_id& id,
                                 std::string_view kind, std::string_view noun) {
+  std::vector<std::string> missing, wrong;
   for (const PlannedFile& f : files) {
     std::error_code ec;
     const auto have = std::filesystem::file_size(dir / f.name, ec);
-    if (ec || have != f.size)
-      throw_error(id, std::string(kind) + " " + quote(dir.string()) + ": " + std::string(noun) + " " + quote(f.name),
-                  ec ? "is missing: write every part before the index"
-                     : "has " + std::to_string(have) + " bytes, the plan expects " + std::to_string(f.size) +
-                           " (a part written with other options?)");
+    if (ec) missing.push_back(quote(f.name));
+    else if (have != f.size)
+      wrong.push_back(quote(f.name) + " has " + std::to_string(have) + " bytes, the plan expects " + std::to_string(f.size));
   }
+  if (missing.empty() && wrong.empty()) return;
+  auto list = [](const std::vector<std::string>& v) {
+    std::string s;
+    for (std::size_t i = 0; i < v.size() && i < 20; ++i) s += (i ? ", " : "") + v[i];
+    if (v.size() > 20) s += " and " + std::to_string(v.size() - 20) + " more";
+    return s;
+  };
+  std::string what;
+  if (!missing.empty())
+    what = std::to_string(missing.size()) + " " + std::string(noun) + (missing.size() == 1 ? "" : "s") + " missing (" + list(missing) +
+           "): write every part before the index";
+  if (!wrong.empty())
+    what += (what.empty() ? "" : "; ") + list(wrong) + " (a part written with other options?)";
+  throw_error(id, std::string(kind) + " " + quote(dir.string()), what);
 }
 
 }  // namespace statedict::inline v0

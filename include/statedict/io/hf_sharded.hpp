@@ -5,11 +5,10 @@
 // `model.safetensors.index.json` = {"metadata": {"total_size": N, ...}, "weight_map": {tensor: file}};
 // a checkpoint that fits in one shard is a single `model.safetensors` and no index.
 //
-// Writing: `hf::write_sharded(dir, inputs, options)` splits with huggingface_hub's
-// `split_state_dict_into_shards_factory` rule (one greedy pass in input order; a tensor larger
-// than the maximum goes alone into a shard of its own, placed before the shard still open; sizes
-// in decimal units), writes every shard with the streaming safetensors writer, and makes the whole
-// directory appear atomically (io/file.hpp OutputDir).
+// Writing (formats/hf.hpp) splits with huggingface_hub's `split_state_dict_into_shards_factory`
+// rule, `plan_shards` here (one greedy pass in input order; a tensor larger than the maximum goes
+// alone into a shard of its own, placed before the shard still open; sizes in decimal units), and
+// writes the index with `index_json`.
 //
 // Reading: `hf::Checkpoint::open(dir or index file)` validates the index against the shards
 // (every weight_map entry is in its file, no tensor in two files, no tensor missing from the index,
@@ -275,98 +274,6 @@ inline std::string index_json(std::uint64_t total_size, const std::map<std::stri
   }
   out += first ? "}\n}" : "\n  }\n}";
   return out;
-}
-
-struct write_options {
-  std::uint64_t max_shard_size = default_max_shard_size;
-  /// Cast floating-point tensors to this dtype; sizes are computed after the cast.
-  std::optional<statedict::dtype> cast;
-  /// The user's metadata: in the index when sharded, in the file (after "format": "pt") when not.
-  std::map<std::string, std::string> metadata;
-  /// Further names for written tensors: (alias, stored name), recorded in the stored tensor's shard.
-  std::vector<std::pair<std::string, std::string>> aliases;
-  bool dedupe_views = true;
-  /// A flatten skeleton: in the index metadata under "statedict.skeleton" when sharded, in the file
-  /// when not.
-  nlohmann::json skeleton;
-  std::size_t buffer_bytes = std::size_t{256} << 10;
-  bool copy_file_range = false;  ///< as safetensors::write_options::copy_file_range
-};
-
-struct write_result {
-  ShardPlan plan;
-  std::vector<std::string> files;  ///< written file names, index last when sharded
-  std::vector<std::pair<std::string, std::string>> aliases;
-};
-
-/// Writes a Hugging Face checkpoint directory atomically: `dir` appears complete or not at all
-/// (an existing `dir` is replaced in one step).
-inline write_result write_sharded(const std::filesystem::path& dir, std::span<const safetensors::Input> inputs,
-                                  const write_options& opt = {}) {
-  namespace st = safetensors;
-  st::write_options base;
-  base.cast = opt.cast;
-  base.aliases = opt.aliases;
-  base.dedupe_views = opt.dedupe_views;
-  base.skeleton = opt.skeleton;  // (a skeleton turns deduplication off: its alias nodes record ties)
-  // Dedupe and cast once over the whole state, so that aliases are not counted as tensors.
-  st::detail::prepared p = st::detail::prepare(inputs, base);
-  std::vector<ShardItem> items;
-  items.reserve(p.specs.size());
-  for (const auto& s : p.specs) items.push_back(ShardItem{s.name, byte_size(s.shape, itemsize(s.dtype)), std::nullopt});
-  write_result r;
-  r.plan = plan_shards(items, opt.max_shard_size);
-  r.aliases = p.aliases;
-  const bool sharded = r.plan.is_sharded();
-
-  std::unordered_map<std::string_view, std::size_t> shard_of;
-  for (std::size_t k = 0; k < r.plan.shards.size(); ++k)
-    for (std::size_t i : r.plan.shards[k].items) shard_of.emplace(p.specs[i].name, k);
-
-  OutputDir out = OutputDir::create(dir);
-  for (std::size_t k = 0; k < r.plan.shards.size(); ++k) {
-    const auto& shard = r.plan.shards[k];
-    std::vector<st::Input> sub;
-    sub.reserve(shard.items.size());
-    for (std::size_t i : shard.items) sub.push_back(inputs[p.stored[i]]);
-    st::write_options o;
-    o.cast = opt.cast;
-    o.dedupe_views = false;
-    o.buffer_bytes = opt.buffer_bytes;
-    o.copy_file_range = opt.copy_file_range;
-    std::map<std::string, std::string> md{{"format", "pt"}};
-    if (!sharded) {
-      for (const auto& [key, v] : opt.metadata) md[key] = v;
-      o.skeleton = opt.skeleton;
-    }
-    o.metadata = std::move(md);
-    for (const auto& a : p.aliases)
-      if (shard_of.at(a.second) == k) o.aliases.push_back(a);
-    OutputFile f = out.create_file(shard.filename);
-    try {
-      (void)st::write_to(f, sub, o);
-    } catch (error& e) {
-      e.add_context("file " + quote(shard.filename));
-      throw;
-    }
-    f.commit();
-    r.files.push_back(shard.filename);
-  }
-  if (sharded) {
-    std::vector<std::pair<std::string, std::string>> weight_map;
-    weight_map.reserve(p.specs.size());
-    for (const auto& shard : r.plan.shards)
-      for (std::size_t i : shard.items) weight_map.emplace_back(p.specs[i].name, shard.filename);
-    std::map<std::string, std::string> md = opt.metadata;
-    if (!opt.skeleton.is_null()) md[std::string(st::skeleton_key)] = opt.skeleton.dump();
-    const std::string text = index_json(r.plan.total_size, md, weight_map);
-    OutputFile f = out.create_file(std::string(index_name));
-    f.write(text);
-    f.commit();
-    r.files.emplace_back(index_name);
-  }
-  out.commit();
-  return r;
 }
 
 struct open_options {

@@ -96,6 +96,16 @@ inline shape_t region_shape(const ChunkRegion& r) {
   return shape_t{detail::i64(std::get<FlatRange>(r).size())};
 }
 
+/// True when the region holds every element of a tensor of `shape` (a whole box, or the whole
+/// flat range).
+inline bool covers_whole(const ChunkRegion& r, std::span<const dim_t> shape) {
+  if (const Box* b = std::get_if<Box>(&r))
+    return std::equal(b->sizes.begin(), b->sizes.end(), shape.begin(), shape.end()) &&
+           std::all_of(b->offsets.begin(), b->offsets.end(), [](dim_t o) { return o == 0; });
+  const auto& f = std::get<FlatRange>(r);
+  return f.begin == 0 && f.end == numel(shape);
+}
+
 /// `inner` lies inside `outer` (same rank). An empty inner box lies inside any box of its rank.
 inline bool contains(const Box& outer, const Box& inner) noexcept {
   if (outer.offsets.size() != inner.offsets.size()) return false;

@@ -24,7 +24,7 @@
 #include <vector>
 
 #include "../core/dtype.hpp"
-#include "../core/flatten.hpp"
+#include "../core/skeleton.hpp"
 #include "../core/shape.hpp"
 #include "../core/source.hpp"
 

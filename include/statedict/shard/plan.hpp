@@ -399,40 +399,46 @@ inline void merge_ops(std::vector<CopyOp>& ops) {
 
 }  // namespace detail
 
-/// Plans the copies that lay `src`'s tensors out as `dst` describes (see the top of this file).
-/// Every tensor of `dst` must exist in `src` with the same shape (dtypes may differ: the values are
-/// cast exactly). `src.sources` must hold a ByteSource for every source id used.
-inline Plan make_plan(const ShardedCheckpoint& src, const Destination& dst, const plan_options& opt = {}) {
-  Plan plan;
-  for (const auto& s : src.sources) {
-    if (!s) throw_error(errors::bad_source_id, "checkpoint", "a byte source is missing (null)");
-    plan.source_names.push_back(s->name());
-    plan.source_sizes.push_back(s->size());
-  }
-  plan.destination_names = dst.names;
-  const auto nd = static_cast<std::uint32_t>(dst.names.size());
-  plan.destination_sizes.assign(nd, 0);
-  for (std::uint32_t d = 0; d < nd && d < dst.sizes.size(); ++d) plan.destination_sizes[d] = dst.sizes[d];
-  plan.tensors = dst.tensors;
+namespace detail {
 
-  std::unordered_map<std::string_view, std::size_t> seen;
-  std::uint64_t raw_ops = 0;
-  for (std::uint32_t ti = 0; ti < plan.tensors.size(); ++ti) {
+/// make_plan's work for one tensor at a time: the checked source pieces, the checked destination
+/// pieces, the tiling of each destination piece by source pieces (copy operations) and the replica
+/// comparisons.
+class tensor_planner {
+ public:
+  tensor_planner(const ShardedCheckpoint& src, const Destination& dst, const plan_options& opt, Plan& out)
+      : src_(src), dst_(dst), opt_(opt), plan(out), nd(static_cast<std::uint32_t>(dst.names.size())) {}
+
+  void add(std::uint32_t ti) {
     const TensorInfo& t = plan.tensors[ti];
     auto ctx = [&] { return "tensor " + quote(t.name); };  // built only for errors
-    if (!seen.emplace(t.name, ti).second) throw_error(errors::duplicate_tensor, ctx(), "listed twice in the destination");
-    const TensorInfo* s = src.find(t.name);
-    if (!s) throw_error(errors::missing_tensor, ctx(), "is not in the source checkpoint (" + src.format + ")");
+    if (!seen_.emplace(t.name, ti).second) throw_error(errors::duplicate_tensor, ctx(), "listed twice in the destination");
+    const TensorInfo* s = src_.find(t.name);
+    if (!s) throw_error(errors::missing_tensor, ctx(), "is not in the source checkpoint (" + src_.format + ")");
     if (s->shape != t.shape)
       throw_error(errors::tensor_shape_mismatch, ctx(),
                   "has shape " + to_string(s->shape) + " in the source but " + to_string(t.shape) + " in the destination");
     if (t.shape.size() > max_placement_rank)
       throw_error(errors::too_many_dims, ctx(), "rank " + std::to_string(t.shape.size()) + " exceeds " +
                                                   std::to_string(max_placement_rank));
-    const Box whole = full_box(t.shape);
+    std::vector<std::pair<SrcPiece, SrcPiece>> replicas;  // (kept piece, its replica)
+    std::uint64_t max_len = 0;
+    const std::vector<SrcPiece> kept = sources(*s, t, replicas, max_len);
+    const std::vector<DstPiece> dpieces = destinations(*s, t);
+    tile(ti, *s, t, kept, max_len, dpieces);
+    compare(ti, *s, t, replicas);
+  }
 
-    // Source pieces, checked, in preference order; identical regions are replicas.
-    std::vector<detail::SrcPiece> pieces;
+ private:
+  /// The source pieces of `s` (its chunks' mapped boxes), checked, without replicas (identical
+  /// regions after the first in preference order, kept in `replicas` when they are checked),
+  /// sorted by linear extent; `max_len` is the longest extent.
+  std::vector<SrcPiece> sources(const TensorInfo& s_ref, const TensorInfo& t, std::vector<std::pair<SrcPiece, SrcPiece>>& replicas,
+                                std::uint64_t& max_len) {
+    const TensorInfo* s = &s_ref;
+    const ShardedCheckpoint& src = src_;
+    auto ctx = [&] { return "tensor " + quote(t.name); };
+    std::vector<SrcPiece> pieces;
     for (std::uint32_t ci = 0; ci < s->chunks.size(); ++ci) {
       const Chunk& c = s->chunks[ci];
       auto what = [&] { return ctx() + " source chunk " + std::to_string(ci); };  // built only for errors
@@ -455,7 +461,7 @@ inline Plan make_plan(const ShardedCheckpoint& src, const Destination& dst, cons
                     "needs bytes [" + std::to_string(c.at.byte_offset) + ", +" + std::to_string(ext) + ") of " +
                         quote(plan.source_names[c.at.source]) + ", which has " + std::to_string(size));
       for (auto& m : boxes) {
-        detail::SrcPiece p;
+        SrcPiece p;
         p.lin = linear_extent(m.box, t.shape);
         p.m = std::move(m);
         p.chunk = ci;
@@ -465,29 +471,35 @@ inline Plan make_plan(const ShardedCheckpoint& src, const Destination& dst, cons
         pieces.push_back(std::move(p));
       }
     }
-    std::stable_sort(pieces.begin(), pieces.end(), [](const detail::SrcPiece& a, const detail::SrcPiece& b) {
-      if (detail::box_less(a.m.box, b.m.box)) return true;
-      if (detail::box_less(b.m.box, a.m.box)) return false;
+    std::stable_sort(pieces.begin(), pieces.end(), [](const SrcPiece& a, const SrcPiece& b) {
+      if (box_less(a.m.box, b.m.box)) return true;
+      if (box_less(b.m.box, a.m.box)) return false;
       return std::tie(a.source, a.byte_offset, a.chunk) < std::tie(b.source, b.byte_offset, b.chunk);
     });
-    std::vector<detail::SrcPiece> kept;
-    std::vector<std::pair<detail::SrcPiece, detail::SrcPiece>> replicas;  // (kept piece, its replica)
+    std::vector<SrcPiece> kept;
     for (auto& p : pieces) {
       if (!kept.empty() && kept.back().m.box == p.m.box) {
-        if (opt.check_replicas) replicas.emplace_back(kept.back(), std::move(p));
+        if (opt_.check_replicas) replicas.emplace_back(kept.back(), std::move(p));
         continue;
       }
       kept.push_back(std::move(p));
     }
     // Candidate lookup by linear extent; the cover's preference is (source, offset).
-    std::sort(kept.begin(), kept.end(), [](const detail::SrcPiece& a, const detail::SrcPiece& b) {
+    std::sort(kept.begin(), kept.end(), [](const SrcPiece& a, const SrcPiece& b) {
       return std::tie(a.lin.begin, a.source, a.byte_offset, a.chunk) < std::tie(b.lin.begin, b.source, b.byte_offset, b.chunk);
     });
-    std::uint64_t max_len = 0;
     for (const auto& p : kept) max_len = std::max(max_len, p.lin.size());
+    return kept;
+  }
 
-    // Destination pieces, checked.
-    std::vector<detail::DstPiece> dpieces;
+  /// The destination pieces of `t` (its chunks' mapped boxes), checked: inside their destination,
+  /// castable from the source dtype, covering the tensor when the plan requires it.
+  std::vector<DstPiece> destinations(const TensorInfo& s_ref, const TensorInfo& t) {
+    const TensorInfo* s = &s_ref;
+    const Destination& dst = dst_;
+    auto ctx = [&] { return "tensor " + quote(t.name); };
+    const Box whole = full_box(t.shape);
+    std::vector<DstPiece> dpieces;
     dtype last_checked_stored = dtype::F32;
     for (std::uint32_t ci = 0; ci < t.chunks.size(); ++ci) {
       const Chunk& c = t.chunks[ci];
@@ -516,24 +528,32 @@ inline Plan make_plan(const ShardedCheckpoint& src, const Destination& dst, cons
       }
       if (c.at.stored != last_checked_stored || ci == 0) {
         try {
-          (void)detail::cast_chain(s->dtype, s->dtype, t.dtype, c.at.stored);
+          (void)cast_chain(s->dtype, s->dtype, t.dtype, c.at.stored);
         } catch (error& e) {
           e.add_context(ctx());
           throw;
         }
         last_checked_stored = c.at.stored;
       }
-      for (auto& m : boxes) dpieces.push_back(detail::DstPiece{std::move(m), ci});
+      for (auto& m : boxes) dpieces.push_back(DstPiece{std::move(m), ci});
     }
-    if (opt.require_full_destination) {
+    if (opt_.require_full_destination) {
       std::vector<Box> dboxes;
       for (const auto& p : dpieces) dboxes.push_back(p.m.box);
       if (auto issue = cover(whole, dboxes, true))
         throw_error(errors::destination_uncovered, ctx(),
                     "element " + to_string(issue->index) + " is in no destination chunk");
     }
+    return dpieces;
+  }
 
-    // Tile every destination piece with the source pieces it needs.
+  /// Tiles every destination piece with the source pieces it needs: the copy operations.
+  void tile(std::uint32_t ti, const TensorInfo& s_ref, const TensorInfo& t, const std::vector<SrcPiece>& kept, std::uint64_t max_len,
+            const std::vector<DstPiece>& dpieces) {
+    const TensorInfo* s = &s_ref;
+    const Destination& dst = dst_;
+    const plan_options& opt = opt_;
+    auto ctx = [&] { return "tensor " + quote(t.name); };
     std::vector<std::size_t> cand;
     std::vector<Box> cand_boxes;
     std::vector<CoverTile> tiles;
@@ -547,7 +567,7 @@ inline Plan make_plan(const ShardedCheckpoint& src, const Destination& dst, cons
       cand_boxes.clear();
       const std::uint64_t from = dl.begin > max_len ? dl.begin - max_len : 0;
       auto it = std::lower_bound(kept.begin(), kept.end(), from,
-                                 [](const detail::SrcPiece& p, std::uint64_t v) { return p.lin.begin < v; });
+                                 [](const SrcPiece& p, std::uint64_t v) { return p.lin.begin < v; });
       for (; it != kept.end() && it->lin.begin < dl.end; ++it) {
         if (it->lin.end <= dl.begin) continue;
         if (!intersect(it->m.box, dp.m.box)) continue;
@@ -569,14 +589,14 @@ inline Plan make_plan(const ShardedCheckpoint& src, const Destination& dst, cons
         const auto& b = kept[cand[issue->second]];
         throw_error(errors::source_overlap, ctx(),
                     "element " + to_string(issue->index) + " is in two source chunks that are not replicas: chunk " +
-                        std::to_string(a.chunk) + " (" + detail::where_in(plan.source_names, a.source, a.byte_offset) +
+                        std::to_string(a.chunk) + " (" + where_in(plan.source_names, a.source, a.byte_offset) +
                         ") and chunk " + std::to_string(b.chunk) + " (" +
-                        detail::where_in(plan.source_names, b.source, b.byte_offset) + ")");
+                        where_in(plan.source_names, b.source, b.byte_offset) + ")");
       }
       for (const CoverTile& tile : tiles) {
         const auto& sp = kept[cand[tile.which]];
         if (!have_chain || chain_key.first != sp.stored || chain_key.second != dc.at.stored) {
-          chain = detail::cast_chain(sp.stored, s->dtype, t.dtype, dc.at.stored);
+          chain = cast_chain(sp.stored, s->dtype, t.dtype, dc.at.stored);
           chain_key = {sp.stored, dc.at.stored};
           have_chain = true;
         }
@@ -605,12 +625,17 @@ inline Plan make_plan(const ShardedCheckpoint& src, const Destination& dst, cons
         });
       }
     }
+  }
 
-    // Replica comparisons: each dropped replica against the kept piece with the same box.
+  /// Replica comparisons: each dropped replica against the kept piece with the same box.
+  void compare(std::uint32_t ti, const TensorInfo& s_ref, const TensorInfo& t, const std::vector<std::pair<SrcPiece, SrcPiece>>& replicas) {
+    const TensorInfo* s = &s_ref;
+    const plan_options& opt = opt_;
+    auto ctx = [&] { return "tensor " + quote(t.name); };
     for (const auto& pair : replicas) {
-      const detail::SrcPiece& kp = pair.first;
-      const detail::SrcPiece& rp = pair.second;
-      (void)detail::cast_chain(rp.stored, s->dtype, s->dtype, s->dtype);
+      const SrcPiece& kp = pair.first;
+      const SrcPiece& rp = pair.second;
+      (void)cast_chain(rp.stored, s->dtype, s->dtype, s->dtype);
       for_each_storage_run(kp.m.box, kp.m, rp.m, [&](const StorageRuns& r) {
         if (++raw_ops > opt.max_ops)
           throw_error(errors::too_many_ops, ctx(), "more than " + std::to_string(opt.max_ops) + " operations");
@@ -632,6 +657,35 @@ inline Plan make_plan(const ShardedCheckpoint& src, const Destination& dst, cons
       });
     }
   }
+
+  const ShardedCheckpoint& src_;
+  const Destination& dst_;
+  const plan_options& opt_;
+  Plan& plan;
+  std::uint32_t nd;
+  std::unordered_map<std::string_view, std::size_t> seen_;
+  std::uint64_t raw_ops = 0;
+};
+
+}  // namespace detail
+
+/// Plans the copies that lay `src`'s tensors out as `dst` describes (see the top of this file).
+/// Every tensor of `dst` must exist in `src` with the same shape (dtypes may differ: the values are
+/// cast exactly). `src.sources` must hold a ByteSource for every source id used.
+inline Plan make_plan(const ShardedCheckpoint& src, const Destination& dst, const plan_options& opt = {}) {
+  Plan plan;
+  for (const auto& s : src.sources) {
+    if (!s) throw_error(errors::bad_source_id, "checkpoint", "a byte source is missing (null)");
+    plan.source_names.push_back(s->name());
+    plan.source_sizes.push_back(s->size());
+  }
+  plan.destination_names = dst.names;
+  const auto nd = static_cast<std::uint32_t>(dst.names.size());
+  plan.destination_sizes.assign(nd, 0);
+  for (std::uint32_t d = 0; d < nd && d < dst.sizes.size(); ++d) plan.destination_sizes[d] = dst.sizes[d];
+  plan.tensors = dst.tensors;
+  detail::tensor_planner tp(src, dst, opt, plan);
+  for (std::uint32_t ti = 0; ti < plan.tensors.size(); ++ti) tp.add(ti);
   detail::merge_ops(plan.ops);
   if (opt.verify) verify(plan);
   return plan;

@@ -8,8 +8,6 @@
 #include <malloc.h>
 #endif
 
-#include <statedict/formats/convert.hpp>
-#include <statedict/formats/open.hpp>
 #include <statedict/statedict.hpp>
 
 #include <algorithm>
@@ -29,7 +27,6 @@
 #include <vector>
 
 #include "args.hpp"
-#include "verify.hpp"
 
 namespace sd = statedict;
 
@@ -38,12 +35,12 @@ namespace {
 constexpr const char* usage_text = R"(statedict: read, convert and verify ML checkpoints without PyTorch.
 
 usage:
-  statedict inspect PATH [--json] [--hash] [--with-optimizer] [--io mmap|pread]
-  statedict convert IN OUT [--to safetensors|torch|dcp] [--dtype F32|BF16|F16]
+  statedict inspect PATH [--json] [--hash] [--with-optimizer] [--from FORMAT] [--io mmap|pread]
+  statedict convert IN OUT [--to safetensors|hf|torch|dcp] [--from FORMAT] [--dtype F32|BF16|F16]
                     [--max-shard-size 5GB] [--world-size M] [--only NAME_PREFIX]...
                     [--with-optimizer] [--threads N] [--memory-budget 256MiB]
                     [--part k/K | --part index] [--check-replicas] [--io mmap|pread]
-  statedict verify A B [--rtol R] [--atol A] [--with-optimizer] [--io mmap|pread]
+  statedict verify A B [--rtol R] [--atol A] [--with-optimizer] [--from FORMAT] [--io mmap|pread]
   statedict --version
 
 PATH, IN, A, B: a .safetensors file, a torch.save file (.pt, .bin, any name), a Hugging Face
@@ -133,6 +130,7 @@ sd::formats::Opened open_input(const std::string& path, const cli::Args& a, std:
   o.with_optimizer = a.flag("--with-optimizer");
   o.check_replicas = a.flag("--check-replicas");
   o.dtype = dtype;
+  if (auto f = a.value("--from")) o.format = *f;
   return sd::formats::open(path, o);
 }
 
@@ -208,12 +206,12 @@ std::string json_string(const std::string& s) {
 
 int cmd_inspect(const std::vector<std::string>& argv) {
   cli::Args a(argv,
-              {{"--json", false}, {"--hash", false}, {"--with-optimizer", false}, {"--io", true}, {"--threads", true},
-               {"--memory-budget", true}},
+              {{"--json", false}, {"--hash", false}, {"--with-optimizer", false}, {"--from", true}, {"--io", true},
+               {"--threads", true}, {"--memory-budget", true}},
               1, 1, "inspect");
   heap_for_many_small_objects();
   auto opened = open_input(a.positional()[0], a);
-  const auto ties = opened.checkpoint.skeleton.is_null() ? std::vector<sd::formats::detail::tie>{}
+  const auto ties = opened.checkpoint.skeleton.is_null() ? std::vector<sd::formats::Tie>{}
                                                          : sd::formats::tied_names(opened.checkpoint.skeleton);
   auto values = opened.checkpoint.skeleton.is_null() ? std::vector<std::pair<std::string, sd::Value>>{}
                                                            : sd::skeleton_values(opened.checkpoint.skeleton);
@@ -259,7 +257,7 @@ int cmd_inspect(const std::vector<std::string>& argv) {
       }
       o += first ? "}" : "\n }";
     };
-    object("values", values, [](const sd::Value& v) { return cli::value_json(v).dump(); });
+    object("values", values, [](const sd::Value& v) { return sd::value_json(v).dump(); });
     std::vector<std::pair<std::string, std::string>> aliases;
     aliases.reserve(ties.size());
     for (const auto& t : ties) aliases.emplace_back(t.name, t.target);
@@ -301,7 +299,7 @@ int cmd_inspect(const std::vector<std::string>& argv) {
   }
   if (!values.empty()) {
     std::cout << "values: " << values.size() << "\n";
-    for (const auto& [n, v] : values) std::cout << "  " << n << " = " << cli::value_json(v).dump() << "\n";
+    for (const auto& [n, v] : values) std::cout << "  " << n << " = " << sd::value_json(v).dump() << "\n";
   }
   if (!ck.metadata.empty()) {
     std::cout << "metadata:\n";
@@ -312,45 +310,17 @@ int cmd_inspect(const std::vector<std::string>& argv) {
   return 0;
 }
 
-std::string extension_of(const std::string& path) {
-  const auto slash = path.find_last_of('/');
-  const std::string base = slash == std::string::npos ? path : path.substr(slash + 1);
-  const auto dot = base.find_last_of('.');
-  if (dot == std::string::npos || dot == 0) return "";
-  std::string e = base.substr(dot);
-  for (auto& c : e) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return e;
-}
-
 int cmd_convert(const std::vector<std::string>& argv) {
   cli::Args a(argv,
-              {{"--to", true}, {"--dtype", true}, {"--max-shard-size", true}, {"--world-size", true}, {"--only", true, true},
-               {"--with-optimizer", false}, {"--threads", true}, {"--memory-budget", true}, {"--part", true},
+              {{"--to", true}, {"--from", true}, {"--dtype", true}, {"--max-shard-size", true}, {"--world-size", true},
+               {"--only", true, true}, {"--with-optimizer", false}, {"--threads", true}, {"--memory-budget", true}, {"--part", true},
                {"--check-replicas", false}, {"--io", true}},
               2, 2, "convert");
   const std::string in = a.positional()[0], out = a.positional()[1];
   const auto dtype = parse_dtype(a);
 
-  // Output kind: --to, else the extension of OUT.
-  std::string to = a.value("--to").value_or("");
-  const std::string ext = extension_of(out);
-  if (to.empty()) {
-    if (ext == ".safetensors") to = "safetensors";
-    else if (ext == ".pt" || ext == ".pth" || ext == ".bin" || ext == ".ckpt") to = "torch";
-    else if (a.value("--max-shard-size")) to = "safetensors";
-    else
-      a.fail(cli::errors::usage, "cannot tell the output format from " + sd::quote(out) +
-                                     ": name it .safetensors or .pt, or give --to safetensors|torch|dcp");
-  }
-  if (to != "safetensors" && to != "torch" && to != "dcp") a.fail(cli::errors::bad_value, "--to takes safetensors, torch or dcp");
-  const bool hf_dir = to == "safetensors" && ext != ".safetensors";
-  if (to == "safetensors" && !hf_dir && a.value("--max-shard-size"))
-    a.fail(cli::errors::usage, "--max-shard-size writes a directory of shards: name OUT without .safetensors");
-  if (a.value("--world-size") && to != "dcp") a.fail(cli::errors::usage, "--world-size applies to --to dcp");
-  if (a.value("--part") && !hf_dir && to != "dcp")
-    a.fail(cli::errors::usage, "--part applies to outputs of several files (Hugging Face shards, DCP)");
-
-  sd::formats::write_options w;
+  sd::formats::save_options w;
+  w.format = a.value("--to").value_or("");
   w.exec = exec_options_from(a);
   w.plan.check_replicas = a.flag("--check-replicas");
   if (auto m = a.value("--max-shard-size")) w.max_shard_size = sd::hf::parse_max_shard_size(*m);
@@ -359,11 +329,12 @@ int cmd_convert(const std::vector<std::string>& argv) {
     if (*p == "index") w.index_only = true;
     else w.part = sd::parse_part(*p);
   }
+  // The output format and its options are checked before the input is read.
+  const auto format = sd::formats::choose_output(out, w);
 
   const auto t0 = std::chrono::steady_clock::now();
   auto opened = open_input(in, a, dtype);
-  sd::ShardedCheckpoint ck = sd::formats::select(opened.checkpoint, a.values("--only"));
-  if (dtype && !opened.dtype_applied) sd::formats::cast(ck, *dtype);
+  const sd::ShardedCheckpoint ck = sd::formats::select(opened.checkpoint, a.values("--only"));
 
   std::uint64_t bytes = 0;
   for (const auto& t : ck.tensors) bytes += sd::byte_size(t.shape, sd::itemsize(t.dtype));
@@ -373,23 +344,12 @@ int cmd_convert(const std::vector<std::string>& argv) {
     std::filesystem::create_directories(parent, ec);
     if (ec) sd::throw_error(sd::errors::open_failed, "folder " + sd::quote(parent.string()), "cannot create: " + ec.message());
   }
-  std::string what;
-  if (to == "torch") {
-    sd::formats::write_torch(ck, out, w);
-    what = "torch.save file";
-  } else if (to == "dcp") {
-    sd::formats::write_dcp(ck, out, w);
-    what = std::string(w.index_only ? "the index of a " : "") + "DCP checkpoint for " + std::to_string(w.world_size) +
-           " rank" + (w.world_size == 1 ? "" : "s") +
-           (w.part ? " (part " + std::to_string(w.part->index) + "/" + std::to_string(w.part->count) + ")" : "");
-  } else if (hf_dir) {
-    const auto files = sd::formats::write_hf(ck, out, w);
-    what = "Hugging Face checkpoint (" + std::to_string(files.size()) + " file" + (files.size() == 1 ? "" : "s") +
-           (w.part ? ", part " + std::to_string(w.part->index) + "/" + std::to_string(w.part->count) : "") + ")";
-  } else {
-    sd::formats::write_safetensors(ck, out, w);
-    what = "safetensors file";
-  }
+  const auto files = format->save(ck, out, w);
+  std::string what = std::string(format->title()) + " checkpoint";
+  if (w.index_only) what = "the index of a " + what;
+  if (w.world_size) what += " for " + std::to_string(*w.world_size) + " rank" + (*w.world_size == 1 ? "" : "s");
+  if (files.size() > 1) what += " (" + std::to_string(files.size()) + " files)";
+  if (w.part) what += " (part " + std::to_string(w.part->index) + "/" + std::to_string(w.part->count) + ")";
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::fprintf(stderr, "statedict: wrote %s %s: %zu tensors, %.3f GB from %s in %.2f s\n", what.c_str(), sd::quote(out).c_str(),
                ck.tensors.size(), static_cast<double>(bytes) / 1e9, ck.format.c_str(), secs);
@@ -398,10 +358,10 @@ int cmd_convert(const std::vector<std::string>& argv) {
 
 int cmd_verify(const std::vector<std::string>& argv) {
   cli::Args a(argv,
-              {{"--rtol", true}, {"--atol", true}, {"--with-optimizer", false}, {"--io", true}, {"--threads", true},
-               {"--memory-budget", true}},
+              {{"--rtol", true}, {"--atol", true}, {"--with-optimizer", false}, {"--from", true}, {"--io", true},
+               {"--threads", true}, {"--memory-budget", true}},
               2, 2, "verify");
-  cli::verify_options vo;
+  sd::compare_options vo;
   auto num = [&](const char* opt) -> double {
     const auto v = a.value(opt);
     if (!v) return 0.0;
@@ -419,7 +379,7 @@ int cmd_verify(const std::vector<std::string>& argv) {
   vo.exec.progress = {};
   const auto A = open_input(a.positional()[0], a);
   const auto B = open_input(a.positional()[1], a);
-  const cli::verify_report r = cli::verify(sd::formats::expand_ties(A.checkpoint), sd::formats::expand_ties(B.checkpoint), vo);
+  const sd::comparison r = sd::compare(sd::formats::expand_ties(A.checkpoint), sd::formats::expand_ties(B.checkpoint), vo);
   for (const auto& d : r.differences) std::cout << d << "\n";
   if (r.omitted) std::cout << "... and " << r.omitted << " more differences\n";
   if (r.equal()) {

@@ -1,0 +1,103 @@
+// statedict: writing an output of several files (Hugging Face shards, DCP rank files) from one plan:
+// the whole directory atomically, or one part of it from one of several processes, then the index.
+// SPDX-License-Identifier: MIT
+//
+// Every file is a destination of one Destination; the executor streams the planned bytes into all
+// of them in bounded memory. A writer adds what only it knows through two callbacks: `prepare`
+// before the bytes (a header, the byte regions to checksum) and `finish` after them (zip framing
+// that needs the checksums). Without a part the directory appears complete or not at all
+// (io/file.hpp OutputDir) and the index is written last inside it; with save_options::part only
+// that part's files are written, each atomically, straight into the directory; with
+// save_options::index_only only the index, after checking that every planned file exists with its
+// planned size. The directory is complete when its index exists (docs/slurm.md).
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "../../core/error.hpp"
+#include "../../exec/executor.hpp"
+#include "../../exec/sink.hpp"
+#include "../../io/file.hpp"
+#include "../../shard/checkpoint.hpp"
+#include "../../shard/plan.hpp"
+#include "../format.hpp"
+
+namespace statedict::inline v0::formats::detail {
+
+struct file_set {
+  /// The files (dst.names, relative to the directory) and where each tensor element goes.
+  Destination dst;
+  /// Called for each file this process writes, before the executor runs.
+  std::function<void(std::size_t file, OutputFile&, FileSink&)> prepare;
+  /// Called for each file this process writes, after the executor ran, before it is committed.
+  std::function<void(std::size_t file, OutputFile&, FileSink&)> finish;
+  /// The index: its file name (empty: none) and its bytes (made when needed).
+  std::string index_name;
+  std::function<std::vector<std::byte>()> index_bytes;
+  /// For messages: "DCP checkpoint", "rank file"; the error id of a failed index check.
+  std::string what, file_kind;
+  const error_id* part_error = &errors::bad_part;
+};
+
+/// Writes `files` from `src` into `dir` (see the top of this file); returns the names written.
+inline std::vector<std::string> write_file_set(const ShardedCheckpoint& src, const file_set& files, const std::filesystem::path& dir,
+                                               const save_options& opt) {
+  const auto write_index = [&](auto&& create) {
+    if (files.index_name.empty()) return;
+    OutputFile f = create(files.index_name);
+    f.write(files.index_bytes());
+    f.commit();
+  };
+  const std::size_t n = files.dst.names.size();
+  if (opt.index_only) {
+    std::filesystem::create_directories(dir);
+    std::vector<PlannedFile> planned;
+    for (std::size_t k = 0; k < n; ++k) planned.push_back({files.dst.names[k], k < files.dst.sizes.size() ? files.dst.sizes[k] : 0});
+    check_parts_written(dir, planned, *files.part_error, files.what, files.file_kind);
+    write_index([&](const std::string& name) { return OutputFile::create(dir / name); });
+    return {files.index_name};
+  }
+  Plan plan = make_plan(src, files.dst, opt.plan);
+  std::vector<bool> mine(n, true);
+  if (opt.part) {
+    const auto parts = assign_parts(plan, opt.part->count);
+    for (std::size_t d = 0; d < n; ++d) mine[d] = parts[d] == opt.part->index;
+    plan = select_part(plan, *opt.part);
+  }
+  std::optional<OutputDir> out;
+  if (!opt.part) out.emplace(OutputDir::create(dir));
+  else std::filesystem::create_directories(dir);
+  std::vector<std::unique_ptr<OutputFile>> outs(n);
+  std::vector<std::unique_ptr<FileSink>> sinks(n);
+  std::vector<Sink*> ptrs(n, nullptr);
+  for (std::size_t d = 0; d < n; ++d) {
+    if (!mine[d]) continue;
+    const std::string& name = files.dst.names[d];
+    outs[d] = std::make_unique<OutputFile>(out ? out->create_file(name) : OutputFile::create(dir / name));
+    sinks[d] = std::make_unique<FileSink>(*outs[d]);
+    if (files.prepare) files.prepare(d, *outs[d], *sinks[d]);
+    ptrs[d] = sinks[d].get();
+  }
+  (void)execute(plan, src, ptrs, opt.exec);
+  std::vector<std::string> written;
+  for (std::size_t d = 0; d < n; ++d) {
+    if (!outs[d]) continue;
+    if (files.finish) files.finish(d, *outs[d], *sinks[d]);
+    outs[d]->commit();
+    written.push_back(files.dst.names[d]);
+  }
+  if (!out) return written;  // a part: the index step writes the index
+  write_index([&](const std::string& name) { return out->create_file(name); });
+  if (!files.index_name.empty()) written.push_back(files.index_name);
+  out->commit();
+  return written;
+}
+
+}  // namespace statedict::inline v0::formats::detail

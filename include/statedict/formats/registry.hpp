@@ -1,0 +1,167 @@
+// statedict: the format registry, and open() / save() over it.
+// SPDX-License-Identifier: MIT
+//
+// open(path) asks every registered format, in order, whether the path is one of its checkpoints
+// (from content: formats/format.hpp Detection) and describes it with the first that says yes; the
+// result says which rule matched. When none does, the error lists what each format looked for and
+// what it found. save(ck, out) writes with the format named in the options, or the first that
+// claims the output path (its extension, or the options given).
+//
+// A new layout is one header with a class derived from Format, and one line in builtin_formats()
+// (or a call to add_format() from a program that brings its own).
+#pragma once
+
+#include <algorithm>
+#include <filesystem>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "../core/error.hpp"
+#include "../shard/checkpoint.hpp"
+#include "dcp.hpp"
+#include "deepspeed.hpp"
+#include "format.hpp"
+#include "fsdp.hpp"
+#include "hf.hpp"
+#include "safetensors.hpp"
+#include "sharded_tensor.hpp"
+#include "torch.hpp"
+#include "transform.hpp"
+
+namespace statedict::inline v0::formats {
+
+/// The formats statedict knows, in detection order (directories: the most specific first; files:
+/// safetensors before torch.save).
+inline std::vector<std::shared_ptr<const Format>> builtin_formats() {
+  return {
+      std::make_shared<dcp::format>(),
+      std::make_shared<deepspeed::format>(),
+      std::make_shared<fsdp::format>(),
+      std::make_shared<sharded_tensor::format>(),
+      std::make_shared<hf::format>(),
+      std::make_shared<safetensors::format>(),
+      std::make_shared<torch::format>(),
+  };
+}
+
+namespace detail {
+struct registry_state {
+  std::mutex mutex;
+  std::vector<std::shared_ptr<const Format>> formats = builtin_formats();
+};
+inline registry_state& registry_instance() {
+  static registry_state r;
+  return r;
+}
+}  // namespace detail
+
+/// The registered formats, in detection order (a copy: safe while another thread adds one).
+inline std::vector<std::shared_ptr<const Format>> registered_formats() {
+  auto& r = detail::registry_instance();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  return r.formats;
+}
+
+/// Registers a format of the program's own. It is tried before the built-in ones (so it can claim
+/// inputs they would misread); a format with the same name replaces the registered one.
+inline void add_format(std::shared_ptr<const Format> f) {
+  auto& r = detail::registry_instance();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  std::erase_if(r.formats, [&](const auto& g) { return g->name() == f->name(); });
+  r.formats.insert(r.formats.begin(), std::move(f));
+}
+
+/// The registered format named `name`; throws errors::no_such_format listing the names.
+inline std::shared_ptr<const Format> find_format(std::string_view name) {
+  const auto all = registered_formats();
+  for (const auto& f : all)
+    if (f->name() == name) return f;
+  std::string names;
+  for (const auto& f : all) names += (names.empty() ? "" : ", ") + std::string(f->name());
+  throw_error(errors::no_such_format, "format " + quote(name), "is not one of: " + names);
+}
+
+/// A checkpoint and how it was recognised.
+struct Opened {
+  ShardedCheckpoint checkpoint;
+  /// The detection rule that matched, in words.
+  std::string rule;
+  /// The format that read it.
+  std::shared_ptr<const Format> format;
+};
+
+/// Opens `path` (a file or a directory) as a ShardedCheckpoint, detecting its format from content
+/// (or reading it as `opt.format`), and applies `opt.dtype` to every floating tensor.
+inline Opened open(const std::filesystem::path& path, const open_options& opt = {}) {
+  std::error_code ec;
+  const std::string where = quote(path.string());
+  if (!std::filesystem::exists(path, ec)) throw_error(errors::no_such_path, where, "no such file or directory");
+  const Input in(path, opt.mode);
+  Opened out;
+  if (!opt.format.empty()) {
+    out.format = find_format(opt.format);
+    out.rule = "read as " + std::string(out.format->name()) + " (asked for)";
+  } else {
+    std::string tried;
+    std::shared_ptr<const Format> damaged;
+    for (const auto& f : registered_formats()) {
+      Detection d = f->detect(in, opt);
+      if (d.found()) {
+        out.format = f;
+        out.rule = std::move(d.rule);
+        break;
+      }
+      if (d.how == Detection::verdict::damaged && !damaged) damaged = f;
+      if (!d.rule.empty()) tried += " [" + std::string(f->title()) + ": " + d.rule + "]";
+    }
+    if (!out.format) {
+      // Named like a format but not readable as one: its reader says precisely what is wrong.
+      if (damaged) (void)damaged->describe(in, opt);
+      throw_error(errors::unknown_format, (in.is_directory() ? "directory " : "file ") + where,
+                  std::string("not a checkpoint ") + (in.is_directory() ? "directory" : "file") +
+                      " statedict recognises; looked for:" + tried);
+    }
+  }
+  out.checkpoint = out.format->describe(in, opt);
+  if (opt.dtype && !out.format->applies_dtype()) cast(out.checkpoint, *opt.dtype);
+  return out;
+}
+
+/// The format an output at `out` is written in: `opt.format`, else the registered format that
+/// claims the path most strongly (its extension over its options; the first among equals); its
+/// options are checked (usage errors) before anything is read.
+inline std::shared_ptr<const Format> choose_output(const std::filesystem::path& out, const save_options& opt) {
+  std::shared_ptr<const Format> f;
+  if (!opt.format.empty()) {
+    f = find_format(opt.format);
+    if (!f->can_write()) throw_error(errors::cannot_write, "--to " + opt.format, std::string(f->title()) + " checkpoints can be read, not written");
+  } else {
+    std::string writable;
+    output_claim best = output_claim::none;
+    for (const auto& g : registered_formats()) {
+      if (!g->can_write()) continue;
+      writable += (writable.empty() ? "" : "|") + std::string(g->name());
+      const output_claim c = g->claims_output(out, opt);
+      if (c > best) {
+        best = c;
+        f = g;
+      }
+    }
+    if (!f)
+      throw_error(errors::output_unclear, "output " + quote(out.string()),
+                  "cannot tell the output format from its name: name it .safetensors or .pt, or give the format (--to " + writable + ")");
+  }
+  f->check_output(out, opt);
+  return f;
+}
+
+/// Writes `ck` at `out` in the chosen format (choose_output); returns the files written.
+inline std::vector<std::string> save(const ShardedCheckpoint& ck, const std::filesystem::path& out, const save_options& opt = {}) {
+  return choose_output(out, opt)->save(ck, out, opt);
+}
+
+}  // namespace statedict::inline v0::formats
