@@ -8,6 +8,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace cli {
@@ -63,6 +64,7 @@ class Args {
       auto& slot = options_[name];
       if (!slot.empty() && !s->repeatable) fail(errors::bad_option, "option " + name + " given more than once");
       slot.push_back(value.value_or(""));
+      sequence_.emplace_back(name, value.value_or(""));
     }
     if (positional_.size() < min_pos || positional_.size() > max_pos)
       fail(errors::usage, "expected " +
@@ -83,6 +85,9 @@ class Args {
     return it == options_.end() ? std::vector<std::string>{} : it->second;
   }
 
+  /// Every option given, with its value, in command-line order.
+  [[nodiscard]] const std::vector<std::pair<std::string, std::string>>& sequence() const { return sequence_; }
+
   [[noreturn]] void fail(const statedict::error_id& id, const std::string& detail) const {
     statedict::throw_error(id, "statedict " + command_, detail + " (see 'statedict " + command_ + " --help')");
   }
@@ -91,6 +96,7 @@ class Args {
   std::string command_;
   std::vector<std::string> positional_;
   std::map<std::string, std::vector<std::string>> options_;
+  std::vector<std::pair<std::string, std::string>> sequence_;
 };
 
 }  // namespace cli

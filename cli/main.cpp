@@ -8,6 +8,7 @@
 #include <malloc.h>
 #endif
 
+#include <statedict/formats/transform_regex.hpp>
 #include <statedict/statedict.hpp>
 
 #include <algorithm>
@@ -18,7 +19,9 @@
 #include <cstring>
 #include <filesystem>
 #include <iostream>
+#include <map>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -37,7 +40,9 @@ constexpr const char* usage_text = R"(statedict: read, convert and verify ML che
 usage:
   statedict inspect PATH [--json] [--hash] [--with-optimizer] [--from FORMAT] [--io mmap|pread]
   statedict convert IN OUT [--to safetensors|hf|torch|dcp] [--from FORMAT] [--dtype F32|BF16|F16]
-                    [--max-shard-size 5GB] [--world-size M] [--only NAME_PREFIX]...
+                    [--cast-integer-buffers] [--max-shard-size 5GB] [--world-size M]
+                    [--only NAME_PREFIX]... [--drop REGEX]... [--strip-prefix P]... [--add-prefix P]...
+                    [--rename FROM=TO]... [--rename-regex REGEX=REPLACEMENT]... [--map NAMES.json]...
                     [--with-optimizer] [--threads N] [--memory-budget 256MiB]
                     [--part k/K | --part index] [--check-replicas] [--io mmap|pread]
   statedict verify A B [--rtol R] [--atol A] [--with-optimizer] [--from FORMAT] [--io mmap|pread]
@@ -46,7 +51,8 @@ usage:
 PATH, IN, A, B: a .safetensors file, a torch.save file (.pt, .bin, any name), a Hugging Face
 sharded directory or index, a torch.distributed.checkpoint directory, a DeepSpeed ZeRO 1/2/3
 checkpoint, an OLMo/FSDP sharded checkpoint, or ShardedTensor rank files. The format is detected
-from the content. Exit codes: 0 success, 1 verify found a difference, 2 bad input or usage.
+from the content (--from FORMAT reads it as that format). The name options of convert apply in
+the order given. Exit codes: 0 success, 1 verify found a difference, 2 bad input or usage.
 See docs/cli.md.
 )";
 
@@ -130,6 +136,7 @@ sd::formats::Opened open_input(const std::string& path, const cli::Args& a, std:
   o.with_optimizer = a.flag("--with-optimizer");
   o.check_replicas = a.flag("--check-replicas");
   o.dtype = dtype;
+  o.cast_integer_origin = a.flag("--cast-integer-buffers");
   if (auto f = a.value("--from")) o.format = *f;
   return sd::formats::open(path, o);
 }
@@ -239,6 +246,11 @@ int cmd_inspect(const std::vector<std::string>& argv) {
         o.append(digits, static_cast<std::size_t>(std::to_chars(digits, digits + sizeof digits, t.shape[d]).ptr - digits));
       }
       o += "]"sv;
+      if (t.converted_from) {
+        o += ",\n   \"converted_from\": \""sv;
+        o += sd::name(*t.converted_from);
+        o += "\""sv;
+      }
       if (!hashes.empty()) o += ",\n   \"sha256\": \"" + hashes[i].second + "\"";
       o += "\n  }"sv;
     }
@@ -290,6 +302,7 @@ int cmd_inspect(const std::vector<std::string>& argv) {
     std::string dt(sd::name(t.dtype));
     dt.resize(wdtype + 2, ' ');
     line += dt + shape_str(t.shape);
+    if (t.converted_from) line += "  (stored as " + std::string(sd::name(*t.converted_from)) + ")";
     if (!hashes.empty()) line += "  " + hashes[i].second;
     std::cout << line << "\n";
   }
@@ -310,10 +323,76 @@ int cmd_inspect(const std::vector<std::string>& argv) {
   return 0;
 }
 
+/// "FROM=TO" split at its first '=' (a name may not contain one; a regex replacement may).
+std::pair<std::string, std::string> split_pair(const std::string& text, const cli::Args& a, const char* option) {
+  const auto eq = text.find('=');
+  if (eq == std::string::npos || eq == 0) a.fail(cli::errors::bad_value, std::string(option) + " takes FROM=TO, not " + sd::quote(text));
+  return {text.substr(0, eq), text.substr(eq + 1)};
+}
+
+/// A JSON object {old name: new name} read from `path` (at most 64 MiB).
+std::map<std::string, std::string, std::less<>> read_name_map(const std::string& path) {
+  const auto f = sd::InputFile::open(path, sd::read_mode::pread);
+  if (f->size() > (std::uint64_t{64} << 20))
+    sd::throw_error(cli::errors::bad_value, "--map " + sd::quote(path), "is larger than 64 MiB");
+  std::string text(static_cast<std::size_t>(f->size()), '\0');
+  f->read(0, std::as_writable_bytes(std::span<char>(text.data(), text.size())));
+  const auto j = nlohmann::json::parse(text, nullptr, false);
+  if (!j.is_object()) sd::throw_error(cli::errors::bad_value, "--map " + sd::quote(path), "is not a JSON object {\"old name\": \"new name\"}");
+  std::map<std::string, std::string, std::less<>> m;
+  for (const auto& [k, v] : j.items()) {
+    if (!v.is_string())
+      sd::throw_error(cli::errors::bad_value, "--map " + sd::quote(path), "maps " + sd::quote(k) + " to a " + v.type_name() + ", not a name");
+    m.emplace(k, v.get<std::string>());
+  }
+  return m;
+}
+
+/// The name options of convert (--only, --drop, --strip-prefix, --add-prefix, --rename,
+/// --rename-regex, --map), as transforms applied in command-line order. Regular expressions and
+/// maps are read here, before the input.
+std::vector<std::function<sd::ShardedCheckpoint(const sd::ShardedCheckpoint&)>> name_transforms(const cli::Args& a) {
+  namespace f = sd::formats;
+  std::vector<std::function<sd::ShardedCheckpoint(const sd::ShardedCheckpoint&)>> out;
+  std::vector<std::string> only;  // consecutive --only prefixes select together
+  auto flush_only = [&] {
+    if (only.empty()) return;
+    out.emplace_back([p = only](const sd::ShardedCheckpoint& ck) { return f::select(ck, p); });
+    only.clear();
+  };
+  for (const auto& [opt, value] : a.sequence()) {
+    if (opt == "--only") {
+      only.push_back(value);
+      continue;
+    }
+    flush_only();
+    auto rename = [&](f::name_map m) { out.emplace_back([m = std::move(m)](const sd::ShardedCheckpoint& ck) { return f::rename(ck, m); }); };
+    if (opt == "--drop") {
+      out.emplace_back([pred = f::regex_matches(value)](const sd::ShardedCheckpoint& ck) { return f::drop(ck, pred); });
+    } else if (opt == "--strip-prefix") {
+      rename(f::strip_prefix(value));
+    } else if (opt == "--add-prefix") {
+      rename(f::add_prefix(value));
+    } else if (opt == "--rename") {
+      auto [from, to] = split_pair(value, a, "--rename");
+      rename(f::rename_prefix(from, to));
+    } else if (opt == "--rename-regex") {
+      auto [from, to] = split_pair(value, a, "--rename-regex");
+      rename(f::rename_regex(from, to));
+    } else if (opt == "--map") {
+      rename(f::rename_map(read_name_map(value)));
+    }
+  }
+  flush_only();
+  return out;
+}
+
 int cmd_convert(const std::vector<std::string>& argv) {
   cli::Args a(argv,
-              {{"--to", true}, {"--from", true}, {"--dtype", true}, {"--max-shard-size", true}, {"--world-size", true},
-               {"--only", true, true}, {"--with-optimizer", false}, {"--threads", true}, {"--memory-budget", true}, {"--part", true},
+              {{"--to", true}, {"--from", true}, {"--dtype", true}, {"--cast-integer-buffers", false}, {"--max-shard-size", true},
+               {"--world-size", true}, {"--only", true, true}, {"--drop", true, true}, {"--strip-prefix", true, true},
+               {"--add-prefix", true, true}, {"--rename", true, true}, {"--rename-regex", true, true}, {"--map", true, true},
+               {"--with-optimizer", false}, {"--threads", true}, {"--memory-budget", true}, {"--part", true},
                {"--check-replicas", false}, {"--io", true}},
               2, 2, "convert");
   const std::string in = a.positional()[0], out = a.positional()[1];
@@ -329,12 +408,14 @@ int cmd_convert(const std::vector<std::string>& argv) {
     if (*p == "index") w.index_only = true;
     else w.part = sd::parse_part(*p);
   }
-  // The output format and its options are checked before the input is read.
+  // The output format, its options and the name options are checked before the input is read.
   const auto format = sd::formats::choose_output(out, w);
+  const auto transforms = name_transforms(a);
 
   const auto t0 = std::chrono::steady_clock::now();
   auto opened = open_input(in, a, dtype);
-  const sd::ShardedCheckpoint ck = sd::formats::select(opened.checkpoint, a.values("--only"));
+  sd::ShardedCheckpoint ck = std::move(opened.checkpoint);
+  for (const auto& t : transforms) ck = t(ck);
 
   std::uint64_t bytes = 0;
   for (const auto& t : ck.tensors) bytes += sd::byte_size(t.shape, sd::itemsize(t.dtype));
@@ -344,7 +425,7 @@ int cmd_convert(const std::vector<std::string>& argv) {
     std::filesystem::create_directories(parent, ec);
     if (ec) sd::throw_error(sd::errors::open_failed, "folder " + sd::quote(parent.string()), "cannot create: " + ec.message());
   }
-  const auto files = format->save(ck, out, w);
+  const auto files = sd::formats::save(ck, out, w);
   std::string what = std::string(format->title()) + " checkpoint";
   if (w.index_only) what = "the index of a " + what;
   if (w.world_size) what += " for " + std::to_string(*w.world_size) + " rank" + (*w.world_size == 1 ? "" : "s");

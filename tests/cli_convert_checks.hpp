@@ -39,8 +39,66 @@ inline std::string only_prefix(const json& m) {
 }
 
 struct convert_counts {
-  std::size_t fixtures = 0, torch_checked = 0, safetensors_checked = 0, hf_sharded = 0, cast_checked = 0, only_checked = 0;
+  std::size_t fixtures = 0, torch_checked = 0, safetensors_checked = 0, hf_sharded = 0, cast_checked = 0, only_checked = 0,
+              transformed = 0;
 };
+
+/// `name` as an ECMAScript regular expression that matches exactly it.
+inline std::string regex_quote(const std::string& name) {
+  std::string out;
+  for (const char c : name) {
+    if (std::strchr("\\^$.|?*+()[]{}", c) != nullptr) out += '\\';
+    out += c;
+  }
+  return out;
+}
+
+/// The transforms check_convert applies with the name options of convert: which tensor
+/// `--drop` removes (a stored one no other name ties to; none when there is no such tensor but
+/// the only one), and the new name of every tensor and value (`--strip-prefix P. --add-prefix
+/// net.`, P the first component of the first name); `rename` maps old names to new ones (the
+/// dropped name to null), `want` is the manifest the output must have with --dtype BF16.
+struct transform_case {
+  std::vector<std::string> args;
+  json rename = json::object();
+  json want;
+};
+
+inline transform_case transform_for(const json& m, const std::set<std::string>& integer_origin) {
+  transform_case c;
+  const std::string p = only_prefix(m) + ".";
+  auto renamed = [&](const std::string& n) { return "net." + (n.rfind(p, 0) == 0 && n.size() > p.size() ? n.substr(p.size()) : n); };
+  const json aliases = m.value("aliases", json::object());
+  std::set<std::string> targets;
+  for (const auto& kv : aliases.items()) targets.insert(kv.value().get<std::string>());
+  std::string dropped;
+  std::size_t stored = 0;
+  for (const auto& kv : m["tensors"].items())
+    if (!aliases.contains(kv.key())) {
+      ++stored;
+      if (!targets.count(kv.key())) dropped = kv.key();
+    }
+  if (stored < 2) dropped.clear();
+  if (!dropped.empty()) c.args = {"--drop", regex_quote(dropped)};
+  c.args.insert(c.args.end(), {"--strip-prefix", p, "--add-prefix", "net.", "--dtype", "BF16"});
+  c.want = {{"tensors", json::object()}, {"values", json::object()}, {"aliases", json::object()}};
+  for (const auto& kv : m["tensors"].items()) {
+    if (kv.key() == dropped) {
+      c.rename[kv.key()] = nullptr;
+      continue;
+    }
+    json t = kv.value();
+    if (is_floating_name(t["dtype"]) && !integer_origin.count(kv.key())) t["dtype"] = "BF16";
+    c.rename[kv.key()] = renamed(kv.key());
+    c.want["tensors"][renamed(kv.key())] = t;
+  }
+  for (const auto& kv : m.value("values", json::object()).items()) {
+    c.rename[kv.key()] = renamed(kv.key());
+    c.want["values"][renamed(kv.key())] = kv.value();
+  }
+  for (const auto& kv : aliases.items()) c.want["aliases"][renamed(kv.key())] = renamed(kv.value().get<std::string>());
+  return c;
+}
 
 /// Everything above for every fixture of the given generators.
 inline convert_counts check_convert(const std::vector<std::string>& generators, const std::string& scratch_name) {
@@ -62,6 +120,10 @@ inline convert_counts check_convert(const std::vector<std::string>& generators, 
       const fs::path dir = work / (g + "-" + std::to_string(n.fixtures));
       fs::create_directories(dir);
       const bool torch_ok = torch113_loads(f.manifest);
+      // Tensors the reader made floating from integers (DeepSpeed's buffers): --dtype leaves them.
+      std::set<std::string> integer_origin;
+      for (const auto& [t, e] : inspect(f.path)["tensors"].items())
+        if (e.contains("converted_from") && !is_floating_name(e["converted_from"])) integer_origin.insert(t);
       bool st_ok = true;  // safetensors has no C128
       for (const auto& [t, e] : f.manifest["tensors"].items())
         if (e["dtype"] == "C128") st_ok = false;
@@ -156,17 +218,42 @@ inline convert_counts check_convert(const std::vector<std::string>& generators, 
         const json got = inspect(bf);
         json want = f.manifest;
         for (auto& [t, e] : want["tensors"].items())
-          if (is_floating_name(e["dtype"])) e["dtype"] = "BF16";
+          if (is_floating_name(e["dtype"]) && !integer_origin.count(t)) e["dtype"] = "BF16";
         compare_options o;
         o.hashes = false;
         const auto p = compare_with_manifest(got, want, o);
         CHECK_MESSAGE(p.empty(), f.label() << " --dtype BF16 re-inspected:" << join(p));
         for (const auto& kv : f.manifest["tensors"].items())
-          if (!is_floating_name(kv.value()["dtype"]) && got["tensors"].contains(kv.key()))
+          if ((!is_floating_name(kv.value()["dtype"]) || integer_origin.count(kv.key())) && got["tensors"].contains(kv.key()))
             CHECK(got["tensors"][kv.key()]["sha256"] == kv.value()["sha256"]);
         if (torch_ok && fs::exists(pt)) {
-          add_job({{"kind", "cast"}, {"orig", pt.string()}, {"cast", bf.string()}, {"dtype", "BF16"}}, f.label() + " --dtype BF16");
+          add_job({{"kind", "cast"}, {"orig", pt.string()}, {"cast", bf.string()}, {"dtype", "BF16"}, {"keep", integer_origin}},
+                  f.label() + " --dtype BF16");
           ++n.cast_checked;
+        }
+      }
+
+      // --drop, --strip-prefix, --add-prefix and --dtype together, to a .pt and a .safetensors:
+      // the new names, the ties and the values as the manifest has them, the floating tensors
+      // equal to torch's .to(torch.bfloat16) of the untransformed output.
+      if (f.manifest["tensors"].size() > 0 && !f.manifest["tensors"].contains("")) {
+        const transform_case tc = transform_for(f.manifest, integer_origin);
+        compare_options o;
+        o.hashes = false;
+        for (const char* ext : {".pt", ".safetensors"}) {
+          const bool st = std::string(ext) == ".safetensors";
+          if (st && !st_ok) continue;
+          const fs::path out = dir / (std::string("transformed") + ext);
+          std::vector<std::string> args = {out.string()};
+          args.insert(args.end(), tc.args.begin(), tc.args.end());
+          if (!convert(args)) continue;
+          const auto p = compare_with_manifest(inspect(out), tc.want, o);
+          CHECK_MESSAGE(p.empty(), f.label() << " " << join(args) << " re-inspected:" << join(p));
+          ++n.transformed;
+          if (torch_ok && fs::exists(pt))
+            add_job({{"kind", "cast"}, {"orig", pt.string()}, {"cast", out.string()}, {"dtype", "BF16"}, {"rename", tc.rename},
+                     {"aliases", tc.want["aliases"]}, {"keep", integer_origin}},
+                    f.label() + " transformed" + ext);
         }
       }
 
@@ -188,7 +275,7 @@ inline convert_counts check_convert(const std::vector<std::string>& generators, 
     CHECK_MESSAGE(results[i].empty(), job_label[i] << ": PyTorch disagrees:" << join(results[i]));
   MESSAGE(n.fixtures << " fixtures converted; PyTorch checked " << n.torch_checked << " .pt, " << n.safetensors_checked
                      << " .safetensors, " << n.cast_checked << " BF16 casts; " << n.hf_sharded << " sharded HF outputs; "
-                     << n.only_checked << " --only subsets");
+                     << n.only_checked << " --only subsets, " << n.transformed << " transformed outputs");
   return n;
 }
 

@@ -17,9 +17,14 @@ those of tests/python/torch_check.py and tests/python/dcp_load_check.py, importe
   {"kind": "dcp", "dir": D, "manifest": M, "world_size": W}
       dcp_load_check.py D M W: static checks, then PyTorch's own DCP reader on W gloo processes
       into ShardedTensor receivers chunked on dim 0, compared with M.
-  {"kind": "cast", "orig": A, "cast": B, "dtype": "BF16"}
-      torch.load both: every floating tensor of B equals A's .to(dtype) bit for bit, every other
-      tensor and value of B equals A's, and both have the same names.
+  {"kind": "cast", "orig": A, "cast": B, "dtype": "BF16", "rename": {OLD: NEW or null}, "aliases": {N: T}}
+      torch.load A (and B, or B read by the strict safetensors reader when it is a .safetensors
+      file or a Hugging Face sharded directory):
+      every floating tensor of B equals A's .to(dtype) bit for bit, every other tensor and value of
+      B equals A's, and B has A's names after "rename" (optional: a name mapped to null is
+      dropped). "aliases" (optional, B's names): each pair shares storage in B; in a .safetensors
+      B, where ties are stored once, the tied names are absent and values are not compared.
+      "keep" (optional, A's names): floating tensors the cast leaves as they are.
 
 M is a path or an inline manifest object. Exit status 0 when every job ran (whatever it found),
 2 on bad usage.
@@ -48,12 +53,45 @@ def manifest_of(job):
     return m
 
 
+def safetensors_leaves(path):
+    if os.path.isdir(path):  # a Hugging Face sharded directory: every shard its index names
+        with open(os.path.join(path, "model.safetensors.index.json")) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        out = {}
+        for name in files:
+            out.update(safetensors_leaves(os.path.join(path, name)))
+        return out
+    entries, _, _, start, blob = torch_check.read_safetensors(path, strict=True)
+    out = {}
+    for name, dt, shape, s, e in entries:
+        dtype = C.torch_dtype(dt)
+        flat = torch.frombuffer(bytearray(blob[start + s:start + e]), dtype=dtype) if e > s else torch.empty(0, dtype=dtype)
+        out[name] = flat.reshape(shape)
+    return out
+
+
 def check_cast(job):
     dtype = C.torch_dtype(job["dtype"])
-    a = torch.load(job["orig"], map_location="cpu")
-    b = torch.load(job["cast"], map_location="cpu")
-    la, lb = torch_check.leaf_map(a), torch_check.leaf_map(b)
-    problems = [f"{n}: only in the cast file" for n in lb if n not in la]
+    rename = job.get("rename", {})
+    aliases = job.get("aliases", {})
+    keep = {rename.get(n, n) for n in job.get("keep", [])}
+    la = {}
+    for n, x in torch_check.leaf_map(torch.load(job["orig"], map_location="cpu")).items():
+        to = rename.get(n, n)
+        if to is not None:
+            la[to] = x
+    problems = []
+    if job["cast"].endswith(".safetensors") or os.path.isdir(job["cast"]):
+        lb = safetensors_leaves(job["cast"])
+        la = {n: x for n, x in la.items() if C.is_tensor(x) and n not in aliases}
+    else:
+        lb = torch_check.leaf_map(torch.load(job["cast"], map_location="cpu"))
+        for a, t in aliases.items():
+            if a not in lb or t not in lb:
+                problems.append(f"{a}: tied to {t}, but {'/'.join(n for n in (a, t) if n not in lb)} not in the cast file")
+            elif not torch_check.shares_storage(lb[a], lb[t]):
+                problems.append(f"{a}: tied to {t}, but they do not share storage in the cast file")
+    problems += [f"{n}: only in the cast file" for n in lb if n not in la]
     for n, x in la.items():
         if n not in lb:
             problems.append(f"{n}: missing from the cast file")
@@ -63,7 +101,7 @@ def check_cast(job):
             if not C.is_tensor(y):
                 problems.append(f"{n}: not a tensor in the cast file")
                 continue
-            want = x.detach().to(dtype) if x.is_floating_point() else x.detach()
+            want = x.detach().to(dtype) if x.is_floating_point() and n not in keep else x.detach()
             if want.dtype != y.dtype or list(want.shape) != list(y.shape):
                 problems.append(f"{n}: {y.dtype} {list(y.shape)}, torch gives {want.dtype} {list(want.shape)}")
             elif C.tensor_bytes(want) != C.tensor_bytes(y):

@@ -108,7 +108,7 @@ TEST_CASE("cast changes floating tensors only, and the output holds the rounded 
   formats::write_safetensors(ck, out / "m.safetensors");
   const auto f = safetensors::File::open(out / "m.safetensors");
   const FlatStateDict flat = flatten(safetensors::read_state(f));
-  const TensorView* c = flat.find("c");
+  const auto c = flat.find("c");
   REQUIRE(c);
   CHECK(c->dtype() == dtype::BF16);
   Tensor back(dtype::F32, c->shape());

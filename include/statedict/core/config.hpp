@@ -15,6 +15,23 @@
 #error "statedict needs C++20"
 #endif
 
+// Compilation modes. By default statedict is header-only: every function is inline. A program
+// that would rather compile statedict once defines STATEDICT_SEPARATE_COMPILATION in every
+// translation unit (CMake: link statedict::compiled) and includes only <statedict/statedict.hpp>
+// or <statedict/api.hpp>, which then declare the facade (api.hpp) without defining it; one
+// translation unit also defines STATEDICT_IMPLEMENTATION and gets every definition (the
+// statedict::compiled library is that unit, src/statedict.cpp). STATEDICT_API marks the functions
+// of the facade: inline in header-only mode, defined once otherwise.
+#if defined(STATEDICT_SEPARATE_COMPILATION)
+#define STATEDICT_API
+#else
+#define STATEDICT_API inline
+#endif
+// True in a translation unit that sees declarations of the facade only.
+#if defined(STATEDICT_SEPARATE_COMPILATION) && !defined(STATEDICT_IMPLEMENTATION)
+#define STATEDICT_DECLARATIONS_ONLY 1
+#endif
+
 #include <bit>
 static_assert(std::endian::native == std::endian::little,
               "statedict assumes a little-endian host (every checkpoint format it reads is little-endian)");

@@ -12,6 +12,9 @@
 // bounded only by memory.
 #pragma once
 
+#include "config.hpp"
+#include "detail/defines_facade.hpp"
+
 #include <deque>
 #include <string>
 #include <string_view>
@@ -24,6 +27,7 @@
 #include "detail/flattener.hpp"
 #include "detail/skeleton_query.hpp"
 #include "detail/unflatten.hpp"
+#include "flat_state_dict.hpp"
 #include "skeleton.hpp"
 #include "tensor.hpp"
 #include "value.hpp"
@@ -33,7 +37,7 @@ namespace statedict::inline v0 {
 /// Flattens a tree: its tensors by name, in pre-order, plus the skeleton (docs/flatten.md).
 /// Tensors reached twice as the very same view become `alias` nodes; views whose bytes lie inside
 /// an earlier contiguous tensor of the same dtype become `view_of` nodes; each is stored once.
-inline FlatStateDict flatten(const Value& tree) { return detail::flattener().run(tree); }
+STATEDICT_API FlatStateDict flatten(const Value& tree) { return detail::flattener().run(tree); }
 
 /// Rebuilds the tree from any name -> tensor collection (a NamedTensors list, std::map or
 /// std::unordered_map of TensorView or Tensor, ...) and a skeleton. The result equals (==) the
@@ -72,7 +76,7 @@ Value unflatten(const Tensors& tensors, const S& skeleton) {
   return detail::unflatten_impl(tt, skeleton.json());  // throws the error, with the node's path
 }
 
-inline Value unflatten(const FlatStateDict& flat) { return unflatten(flat.tensors, flat.skeleton); }
+STATEDICT_API Value unflatten(const FlatStateDict& flat) { return unflatten(flat.tensors, flat.skeleton); }
 
 /// The skeleton of a flat dict of named tensors in order: what a plain safetensors file is.
 /// Elements are (name, TensorView-or-Tensor) pairs, or records with `.name`, `.dtype` and `.shape`
@@ -190,7 +194,19 @@ inline std::vector<std::pair<std::string, Value>> skeleton_values(const nlohmann
 }
 
 /// skeleton_values for a Skeleton: a compact one is read without building its JSON document.
-inline std::vector<std::pair<std::string, Value>> skeleton_values(const Skeleton& skeleton) {
+STATEDICT_API std::vector<detail::skeleton_tie> detail::skeleton_ties(const Skeleton& skeleton) {
+  std::vector<skeleton_tie> out;
+  if (!may_hold_aliases(skeleton)) return out;
+  for (const auto& t : list_tensorish(skeleton.json())) {
+    if (t.kind == snode::tensor) continue;
+    std::optional<ViewSpec> v;
+    if (t.kind == snode::view) v = decode_view(classify(*t.node));
+    out.push_back({t.name, t.target, std::move(v)});
+  }
+  return out;
+}
+
+STATEDICT_API std::vector<std::pair<std::string, Value>> skeleton_values(const Skeleton& skeleton) {
   const detail::skeleton_tape* t = skeleton.tape();
   if (!t) return skeleton_values(skeleton.json());
   std::vector<Path> paths;

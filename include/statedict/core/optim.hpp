@@ -17,6 +17,9 @@
 // optimizer order), which every Optimizer.state_dict() satisfies.
 #pragma once
 
+#include "config.hpp"
+#include "detail/defines_facade.hpp"
+
 #include <algorithm>
 #include <charconv>
 #include <cstddef>
@@ -29,6 +32,8 @@
 #include <vector>
 
 #include "error.hpp"
+#include "optim_options.hpp"
+#include "flatten.hpp"
 #include "tensor.hpp"
 #include "value.hpp"
 
@@ -49,12 +54,6 @@ inline constexpr error_id optim_no_names         {226, error_kind::usage,  "opti
 
 namespace optim {
 
-struct options {
-  /// State keys whose value must be the same for every parameter of a group that has one (e.g.
-  /// {"step"}: PyTorch steps all parameters of a group together, so different steps mean state
-  /// from different runs was mixed, or a parameter joined late). Not checked when empty.
-  std::vector<std::string> constant_keys;
-};
 
 namespace detail {
 
@@ -197,7 +196,7 @@ inline void check_constant_state(const Value& osd, std::span<const std::string> 
 /// each group's "params" listing names, everything else unchanged and in place. `names` are the
 /// parameter names in optimizer order (the concatenation of the groups' "params"); when empty, the
 /// groups' "param_names" are used. State for a parameter no group lists is an error.
-inline Value by_name(const Value& osd, std::span<const std::string> names = {}, const options& opt = {}) {
+STATEDICT_API Value by_name(const Value& osd, std::span<const std::string> names = {}, const options& opt = {}) {
   const auto params = detail::group_params(osd);
   std::vector<std::string> from_groups = param_names(osd);
   std::size_t count = 0;
@@ -275,7 +274,7 @@ inline Value by_name(const Value& osd, std::span<const std::string> names = {}, 
 
 /// Re-keys a by-name optimizer state dict back to int param ids, numbering the parameters in
 /// optimizer order from 0 as PyTorch does; "params" become those ids, `state` is keyed by them.
-inline Value by_id(const Value& named, const options& opt = {}) {
+STATEDICT_API Value by_id(const Value& named, const options& opt = {}) {
   const auto params = detail::group_params(named);
   std::unordered_map<std::string_view, std::int64_t> id_of;
   std::int64_t next = 0;
@@ -329,6 +328,16 @@ inline Value by_id(const Value& named, const options& opt = {}) {
   }
   return Value(std::move(out));
 }
+
+/// by_name for a flattened optimizer state (`flatten(optimizer.state_dict())`): the same
+/// re-keying, flat in and out ("state.0.exp_avg" becomes "state.fc.weight.exp_avg"). The tensors
+/// are the same views: nothing is copied.
+STATEDICT_API FlatStateDict by_name(const FlatStateDict& osd, std::span<const std::string> names = {}, const options& opt = {}) {
+  return flatten(by_name(unflatten(osd), names, opt));
+}
+
+/// by_id for a flattened optimizer state keyed by names.
+STATEDICT_API FlatStateDict by_id(const FlatStateDict& named, const options& opt = {}) { return flatten(by_id(unflatten(named), opt)); }
 
 }  // namespace optim
 }  // namespace statedict::inline v0

@@ -31,7 +31,14 @@
 
 #include <nlohmann/json.hpp>
 
+#include "config.hpp"
+#ifndef STATEDICT_DECLARATIONS_ONLY
 #include "detail/skeleton_tape.hpp"
+#else
+namespace statedict::inline v0::detail {
+struct skeleton_tape;
+}  // namespace statedict::inline v0::detail
+#endif
 #include "dtype.hpp"
 #include "error.hpp"
 #include "shape.hpp"
@@ -113,19 +120,6 @@ class Skeleton {
   mutable std::atomic<nlohmann::json*> cache_{nullptr};  // the tape's document, once built
 };
 
-/// What `flatten` returns: the tensors (unique names, tree pre-order) and the skeleton.
-struct FlatStateDict {
-  NamedTensors tensors;
-  Skeleton skeleton;
-
-  /// The tensor named `name`, or nullptr (a linear search).
-  [[nodiscard]] const TensorView* find(std::string_view name) const {
-    for (const auto& [n, v] : tensors)
-      if (n == name) return &v;
-    return nullptr;
-  }
-};
-
 /// Where a `view_of` node's elements are: element offset, shape and strides over the row-major
 /// flat index of its (contiguous) base tensor.
 struct ViewSpec {
@@ -176,10 +170,15 @@ inline TensorView view_into(const TensorView& base, const ViewSpec& spec) {
 }
 
 /// The compact JSON text of a skeleton (or any JSON value), exactly what `skeleton.dump()` gives,
+/// without recursion (see its definition below).
+STATEDICT_API std::string skeleton_dump(const nlohmann::json& j);
+
+#ifndef STATEDICT_DECLARATIONS_ONLY
+/// The compact JSON text of a skeleton (or any JSON value), exactly what `skeleton.dump()` gives,
 /// without recursion: nlohmann's dump() recurses once per nesting level, which a skeleton of a
 /// very deep tree would turn into a stack overflow. Throws nlohmann's type_error on strings that
 /// are not UTF-8, as dump() does (flatten never puts one in a skeleton).
-inline std::string skeleton_dump(const nlohmann::json& j) {
+STATEDICT_API std::string skeleton_dump(const nlohmann::json& j) {
   using json = nlohmann::json;
   std::string out;
   struct frame {
@@ -232,7 +231,7 @@ inline std::string skeleton_dump(const nlohmann::json& j) {
 
 // ---- Skeleton members
 
-inline const nlohmann::json& Skeleton::json() const {
+STATEDICT_API const nlohmann::json& Skeleton::json() const {
   if (!tape_) return doc_;
   nlohmann::json* p = cache_.load(std::memory_order_acquire);
   if (p) return *p;
@@ -241,7 +240,7 @@ inline const nlohmann::json& Skeleton::json() const {
   return *p;  // another thread built it first
 }
 
-inline nlohmann::json& Skeleton::mutable_json() {
+STATEDICT_API nlohmann::json& Skeleton::mutable_json() {
   if (tape_) {
     doc_ = std::move(*this).take_json();
     tape_.reset();
@@ -249,7 +248,7 @@ inline nlohmann::json& Skeleton::mutable_json() {
   return doc_;
 }
 
-inline nlohmann::json Skeleton::take_json() && {
+STATEDICT_API nlohmann::json Skeleton::take_json() && {
   if (!tape_) return std::move(doc_);
   std::unique_ptr<nlohmann::json> cached(cache_.exchange(nullptr));
   nlohmann::json out = cached ? std::move(*cached) : detail::tape_to_json(*tape_);
@@ -257,10 +256,12 @@ inline nlohmann::json Skeleton::take_json() && {
   return out;
 }
 
-inline std::string Skeleton::dump() const {
+STATEDICT_API std::string Skeleton::dump() const {
   if (tape_)
     if (auto text = detail::tape_dump(*tape_)) return std::move(*text);
   return skeleton_dump(json());
 }
+
+#endif  // STATEDICT_DECLARATIONS_ONLY
 
 }  // namespace statedict::inline v0

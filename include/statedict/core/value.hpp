@@ -243,33 +243,44 @@ class Value {
     if (is_int()) return static_cast<double>(as_int());
     return as_double();
   }
-  [[nodiscard]] const std::string& as_string() const { return get<std::string>(value_kind::string); }
-  [[nodiscard]] const Bytes& as_bytes() const { return get<Bytes>(value_kind::bytes); }
-  [[nodiscard]] const TensorView& as_tensor() const { return get<TensorView>(value_kind::tensor); }
+  // Accessors. On a temporary Value (a function's result) they return the part by value, moved
+  // out, so that `for (auto& [k, v] : torch::load(p).as_dict())` iterates a living dict.
+  [[nodiscard]] const std::string& as_string() const& { return get<std::string>(value_kind::string); }
+  [[nodiscard]] std::string as_string() && { return std::move(get<std::string>(value_kind::string)); }
+  [[nodiscard]] const Bytes& as_bytes() const& { return get<Bytes>(value_kind::bytes); }
+  [[nodiscard]] Bytes as_bytes() && { return std::move(get<Bytes>(value_kind::bytes)); }
+  [[nodiscard]] const TensorView& as_tensor() const& { return get<TensorView>(value_kind::tensor); }
+  [[nodiscard]] TensorView as_tensor() && { return std::move(get<TensorView>(value_kind::tensor)); }
   /// The items of a list or tuple.
-  [[nodiscard]] const List& as_list() const {
+  [[nodiscard]] const List& as_list() const& {
     if (!is_sequence()) kind_error(value_kind::list);
     return std::get<List>(v_);
   }
-  [[nodiscard]] List& as_list() {
+  [[nodiscard]] List& as_list() & {
     if (!is_sequence()) kind_error(value_kind::list);
     return std::get<List>(v_);
   }
-  [[nodiscard]] const Dict& as_dict() const { return get<Dict>(value_kind::dict); }
-  [[nodiscard]] Dict& as_dict() { return get<Dict>(value_kind::dict); }
-  [[nodiscard]] const Object& as_object() const { return get<Object>(value_kind::object); }
-  [[nodiscard]] Object& as_object() { return get<Object>(value_kind::object); }
+  [[nodiscard]] List as_list() && { return std::move(as_list()); }
+  [[nodiscard]] const Dict& as_dict() const& { return get<Dict>(value_kind::dict); }
+  [[nodiscard]] Dict& as_dict() & { return get<Dict>(value_kind::dict); }
+  [[nodiscard]] Dict as_dict() && { return std::move(get<Dict>(value_kind::dict)); }
+  [[nodiscard]] const Object& as_object() const& { return get<Object>(value_kind::object); }
+  [[nodiscard]] Object& as_object() & { return get<Object>(value_kind::object); }
+  [[nodiscard]] Object as_object() && { return std::move(get<Object>(value_kind::object)); }
 
   /// Dict lookup; throws errors::missing_key or errors::value_kind.
-  const Value& operator[](const Key& k) const { return as_dict().at(k); }
-  Value& operator[](const Key& k) { return as_dict().at(k); }
+  const Value& operator[](const Key& k) const& { return as_dict().at(k); }
+  Value& operator[](const Key& k) & { return as_dict().at(k); }
+  Value operator[](const Key& k) && { return std::move(as_dict().at(k)); }
   /// List/tuple element; throws errors::out_of_range.
-  const Value& at(std::size_t i) const {
+  const Value& at(std::size_t i) const& {
     const List& l = as_list();
     if (i >= l.size())
       throw_error(errors::out_of_range, "index " + std::to_string(i) + " of a " + std::string(to_string(kind_)) +
                                             " of " + std::to_string(l.size()));
     return l[i];
+  }
+  Value at(std::size_t i) && { return std::move(const_cast<Value&>(std::as_const(*this).at(i)));  // NOLINT(cppcoreguidelines-pro-type-const-cast)
   }
 
   /// Deep equality; tensors compare by dtype, shape and element bytes; doubles bitwise.

@@ -369,4 +369,14 @@ inline std::optional<Path> undotted(const Value& root, std::string_view name) {
   return std::move(m.front());
 }
 
+/// The node of `root` whose dotted name is `name` ("model.layers.0.weight"), or nullptr when no
+/// node or more than one has it (undotted).
+inline const Value* find_dotted(const Value& root, std::string_view name) {
+  const std::optional<Path> p = undotted(root, name);
+  return p ? find_path(root, *p) : nullptr;
+}
+inline Value* find_dotted(Value& root, std::string_view name) {
+  return const_cast<Value*>(find_dotted(std::as_const(root), name));  // NOLINT(cppcoreguidelines-pro-type-const-cast)
+}
+
 }  // namespace statedict::inline v0

@@ -8,6 +8,9 @@
 // non-tensor values (the skeletons' leaves) are compared too.
 #pragma once
 
+#include "../core/config.hpp"
+#include "../core/detail/defines_facade.hpp"
+
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -25,29 +28,6 @@
 #include "read.hpp"
 
 namespace statedict::inline v0 {
-
-/// How compare() judges elements and how much it reports.
-struct compare_options {
-  /// With rtol or atol > 0, floating elements a and b are equal when |a - b| <= atol + rtol * |b|
-  /// (compared in F64; NaN equals NaN), and floating dtypes may differ between the two sides.
-  double rtol = 0;
-  double atol = 0;
-  exec_options exec{};
-  /// Differences listed in full; the rest are counted in `omitted`.
-  std::size_t max_report = 20;
-  /// Elements per comparison block.
-  std::uint64_t block_elements = std::uint64_t{1} << 19;
-};
-
-/// What compare() found.
-struct comparison {
-  /// One line per difference ("tensor 'w': element [3, 1] differs (A 1, B 2)").
-  std::vector<std::string> differences;
-  std::size_t omitted = 0;
-  std::size_t tensors = 0;  ///< tensors present on both sides
-  std::size_t values = 0;   ///< non-tensor values present on both sides
-  [[nodiscard]] bool equal() const { return differences.empty() && omitted == 0; }
-};
 
 namespace detail {
 
@@ -86,7 +66,7 @@ inline std::string fmt(double d) {
 /// Compares A and B: the same tensor names, shapes and dtypes (with a tolerance, floating dtypes
 /// may differ: values are compared in F64), elements equal (exactly; or |a - b| <= atol + rtol *
 /// |b|, NaN matching NaN), and the same non-tensor values.
-inline comparison compare(const ShardedCheckpoint& A, const ShardedCheckpoint& B, const compare_options& opt = {}) {
+STATEDICT_API comparison compare(const ShardedCheckpoint& A, const ShardedCheckpoint& B, const compare_options& opt = {}) {
   comparison r;
   auto report = [&](std::string s) {
     if (r.differences.size() < opt.max_report) r.differences.push_back(std::move(s));

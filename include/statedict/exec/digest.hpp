@@ -7,6 +7,9 @@
 // digest core/sha256.hpp `sha256_hex(view)` gives for a consolidated tensor.
 #pragma once
 
+#include "../core/config.hpp"
+#include "../core/detail/defines_facade.hpp"
+
 #include <memory>
 #include <span>
 #include <string>
@@ -23,7 +26,7 @@ namespace statedict::inline v0 {
 
 /// (name, 64 hex digits) for each tensor of `ckpt` named in `names` (every tensor, in checkpoint
 /// order, when `names` is empty).
-inline std::vector<std::pair<std::string, std::string>> sha256_tensors(const ShardedCheckpoint& ckpt,
+STATEDICT_API std::vector<std::pair<std::string, std::string>> sha256_tensors(const ShardedCheckpoint& ckpt,
                                                                        const exec_options& opt = {},
                                                                        std::span<const std::string> names = {},
                                                                        const plan_options& popt = {}) {

@@ -57,6 +57,7 @@
 #include "../core/source.hpp"
 #include "../io/file.hpp"
 #include "../shard/plan.hpp"
+#include "options.hpp"
 #include "sink.hpp"
 
 namespace statedict::inline v0 {
@@ -70,62 +71,6 @@ inline constexpr error_id budget_too_small {655, error_kind::usage,  "exec.budge
 inline constexpr error_id copy_failed      {656, error_kind::io,     "exec.copy_failed"};
 // clang-format on
 }  // namespace errors
-
-/// 256 MiB.
-inline constexpr std::uint64_t default_memory_budget = std::uint64_t{256} << 20;
-
-/// How to run a plan.
-struct exec_options {
-  /// Bytes of buffers the executor may allocate in all (threads included).
-  std::uint64_t memory_budget = default_memory_budget;
-  /// Worker threads (the calling thread is one of them); 0 means one per CPU.
-  unsigned threads = 1;
-  /// Called with (bytes written, total bytes) from worker threads, one call at a time, at most
-  /// about a thousand times per run, and once at the end.
-  std::function<void(std::uint64_t done, std::uint64_t total)> progress;
-  /// Allow writes straight from source mappings (and copy_file_range, when that is on too).
-  bool zero_copy = true;
-  /// Let the kernel copy plain runs between files (copy_file_range). Off by default: on ext4 with
-  /// Linux 6.x it writes the destination a 4 KiB page at a time (splice), and writeback of those small
-  /// folios cost more than the copy it saves. `.pt` -> `.safetensors`, 3 GiB, 10,005 tensors,
-  /// system-wide cycles including writeback: 9.0-11.3 G with it, 6.7-6.9 G with pread + pwrite in
-  /// blocks, 6.3-6.8 G for `cp` + `sync` of the same bytes (perf: memcpy_orig, filemap_get_folios_tag,
-  /// folio start/end writeback, ext4_finish_bio).
-  bool copy_file_range = false;
-  /// Smallest run handed to copy_file_range.
-  std::uint64_t copy_file_range_min = std::uint64_t{1} << 20;
-  /// Smallest run written straight from a source mapping (smaller ones are gathered).
-  std::uint64_t direct_write_min = std::uint64_t{64} << 10;
-  /// Release the pages of mapped sources once an item has used them.
-  bool release_source_pages = true;
-  /// Read sources that have a file descriptor with pread, even when they are mapped, rather than
-  /// copying or writing from the mapping. Faulting a mapping in page by page inside pwrite cost more
-  /// than the extra copy (ZeRO-3 -> DCP, 3 GiB, 2 threads, warm cache: 1.3-2.3 s of system time and
-  /// 5-8 s wall from the mapping, 0.9-1.0 s and 3.7-3.9 s with pread; perf: copy_folio_from_iter_atomic,
-  /// fault_in_readable and page faults under the paravirtualized MMU of the benchmark machine).
-  bool pread_files = true;
-  /// Largest buffer per thread and direction. 1 MiB: a block read with pread is still in the
-  /// core's cache when pwrite copies it out. Warm cache, 2 threads, whole command, medians of 6-8
-  /// runs interleaved with `cp` + `sync` of the output bytes:
-  ///   ZeRO-3 8 ranks -> one .safetensors (1 GiB): 1.01x cp with 1 MiB blocks, 1.18x with 4 MiB,
-  ///   1.19x with 64 MiB, 1.14x with 64 MiB and copy_file_range (the former defaults);
-  ///   .pt -> .safetensors (3 GiB, 10,005 tensors): 1.01x with 512 KiB, 0.92x with 1 MiB, 1.01x
-  ///   with 4 MiB, 1.13x with 64 MiB and copy_file_range.
-  std::uint64_t max_block = std::uint64_t{1} << 20;
-};
-
-/// What a run did.
-struct exec_stats {
-  std::uint64_t bytes_written = 0;       ///< destination bytes produced
-  std::uint64_t bytes_in_kernel = 0;     ///< of which copied by copy_file_range
-  std::uint64_t bytes_from_mapping = 0;  ///< of which written straight from a source mapping
-  std::uint64_t bytes_converted = 0;     ///< of which produced by a dtype conversion
-  std::uint64_t elements_compared = 0;   ///< replica elements checked
-  std::uint64_t buffer_bytes = 0;        ///< peak bytes of the executor's own buffers
-  std::uint64_t block_bytes = 0;         ///< buffer size per thread and direction
-  std::uint64_t work_items = 0;
-  unsigned threads = 0;
-};
 
 namespace detail {
 

@@ -8,6 +8,9 @@
 // helpers read whole tensors, rows (dim-0 slices) or an owning Tensor.
 #pragma once
 
+#include "../core/config.hpp"
+#include "../core/detail/defines_facade.hpp"
+
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -35,7 +38,7 @@ inline constexpr error_id read_buffer {658, error_kind::usage, "exec.read_buffer
 
 /// Elements [begin, end) of tensor `t` of `ck` (row-major flat index), converted to `as` (any cast
 /// core/cast.hpp has), into `out`, which must hold exactly (end - begin) * itemsize(as) bytes.
-inline void read_elements(const ShardedCheckpoint& ck, const TensorInfo& t, std::uint64_t begin, std::uint64_t end, dtype as,
+STATEDICT_API void read_elements(const ShardedCheckpoint& ck, const TensorInfo& t, std::uint64_t begin, std::uint64_t end, dtype as,
                           std::span<std::byte> out, const exec_options& opt = {}) {
   const std::uint64_t n = numel(t.shape);
   if (begin > end || end > n)
@@ -63,7 +66,7 @@ inline void read_elements(const ShardedCheckpoint& ck, const TensorInfo& t, std:
 }
 
 /// The tensor named `name` (throws errors::missing_tensor when there is none).
-inline const TensorInfo& tensor_named(const ShardedCheckpoint& ck, std::string_view name) {
+STATEDICT_API const TensorInfo& tensor_named(const ShardedCheckpoint& ck, std::string_view name) {
   const TensorInfo* t = ck.find(name);
   if (!t) throw_error(errors::missing_tensor, "tensor " + quote(name), "is not in the checkpoint (" + ck.format + ")");
   return *t;
@@ -71,7 +74,7 @@ inline const TensorInfo& tensor_named(const ShardedCheckpoint& ck, std::string_v
 
 /// Rows [row_begin, row_end) of tensor `name` (a slice along dim 0; a 0-d tensor has one row) into
 /// `out`, converted to `as` (default: the tensor's dtype).
-inline void read_rows(const ShardedCheckpoint& ck, std::string_view name, std::uint64_t row_begin, std::uint64_t row_end,
+STATEDICT_API void read_rows(const ShardedCheckpoint& ck, std::string_view name, std::uint64_t row_begin, std::uint64_t row_end,
                       std::span<std::byte> out, std::optional<dtype> as = std::nullopt, const exec_options& opt = {}) {
   const TensorInfo& t = tensor_named(ck, name);
   const std::uint64_t rows = t.shape.empty() ? 1 : static_cast<std::uint64_t>(t.shape[0]);
@@ -83,7 +86,7 @@ inline void read_rows(const ShardedCheckpoint& ck, std::string_view name, std::u
 }
 
 /// All of tensor `name`, as an owning contiguous Tensor (converted to `as` when given).
-inline Tensor read_tensor(const ShardedCheckpoint& ck, std::string_view name, std::optional<dtype> as = std::nullopt,
+STATEDICT_API Tensor read_tensor(const ShardedCheckpoint& ck, std::string_view name, std::optional<dtype> as = std::nullopt,
                           const exec_options& opt = {}) {
   const TensorInfo& t = tensor_named(ck, name);
   Tensor x(as.value_or(t.dtype), t.shape);

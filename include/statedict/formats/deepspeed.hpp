@@ -115,6 +115,10 @@ struct options {
   /// taken from `module` instead, where stage 1/2 keeps them whole in the model dtype (every
   /// `module` entry that is not a buffer, a trainable parameter or a tied name).
   bool frozen_from_module = false;
+  /// With `dtype`: also give it to the buffers of integer origin (zero_to_fp32's `.float()` of an
+  /// int64 or bool buffer), which `dtype` may not hold exactly; off, they stay F32. Either way
+  /// their TensorInfo::converted_from says what they were.
+  bool cast_integer_buffers = true;
   /// The tag folder to read; empty: the one `latest` names.
   std::string tag;
   read_mode mode = read_mode::mmap;
@@ -423,6 +427,7 @@ class format final : public formats::Format {
   [[nodiscard]] ShardedCheckpoint describe(const formats::Input& in, const formats::open_options& opt) const override {
     options o = opt.settings.get<options>();
     o.dtype = opt.dtype;
+    o.cast_integer_buffers = opt.cast_integer_origin;
     o.with_optimizer = opt.with_optimizer;
     o.mode = opt.mode;
     return deepspeed::describe(in.path(), o);

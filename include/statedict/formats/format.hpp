@@ -26,10 +26,10 @@
 #include "../core/dtype.hpp"
 #include "../core/error.hpp"
 #include "../core/source.hpp"
-#include "../exec/executor.hpp"
+#include "../exec/options.hpp"
 #include "../io/file.hpp"
 #include "../shard/checkpoint.hpp"
-#include "../shard/plan.hpp"
+#include "../shard/plan_options.hpp"
 
 namespace statedict::inline v0 {
 
@@ -107,6 +107,9 @@ struct open_options {
   /// there (DeepSpeed: F32 master weights by default, as zero_to_fp32); for the others open()
   /// sets it on the description and the executor casts exactly (round to nearest even).
   std::optional<statedict::dtype> dtype;
+  /// With `dtype`: also cast tensors a reader converted to a floating dtype from an integer one
+  /// (DeepSpeed's buffers: TensorInfo::converted_from), which the dtype may not hold exactly.
+  bool cast_integer_origin = false;
   /// Check that replicated copies agree (ShardedTensor rank files; the planner checks the rest).
   bool check_replicas = false;
   /// Read the input as this format (its registry name) instead of detecting it.
@@ -235,6 +238,15 @@ class Format {
     (void)opt;
     throw_error(errors::cannot_write, "output " + quote(out.string()), std::string(name()) + " checkpoints can be read, not written");
   }
+};
+
+/// A checkpoint and how it was recognised.
+struct Opened {
+  ShardedCheckpoint checkpoint;
+  /// The detection rule that matched, in words.
+  std::string rule;
+  /// The format that read it.
+  std::shared_ptr<const Format> format;
 };
 
 }  // namespace formats

@@ -37,6 +37,7 @@
 #include "detail/safetensors_write.hpp"
 #include "detail/write_files.hpp"
 #include "format.hpp"
+#include "transform.hpp"
 
 namespace statedict::inline v0 {
 
@@ -112,6 +113,7 @@ namespace formats {
 /// written, each atomically, into `dir`; with `opt.index_only`, only the index. Returns the names
 /// of the files written.
 inline std::vector<std::string> write_hf(const ShardedCheckpoint& ck, const std::filesystem::path& dir, const save_options& opt = {}) {
+  check_consistent(ck);
   const hf::ShardPlan sp = detail::shard_plan_of(ck, opt);
   detail::hf_output o{ck, sp, {}, {}};
   for (std::size_t k = 0; k < sp.shards.size(); ++k)

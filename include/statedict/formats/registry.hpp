@@ -11,6 +11,9 @@
 // (or a call to add_format() from a program that brings its own).
 #pragma once
 
+#include "../core/config.hpp"
+#include "../core/detail/defines_facade.hpp"
+
 #include <algorithm>
 #include <filesystem>
 #include <memory>
@@ -60,7 +63,7 @@ inline registry_state& registry_instance() {
 }  // namespace detail
 
 /// The registered formats, in detection order (a copy: safe while another thread adds one).
-inline std::vector<std::shared_ptr<const Format>> registered_formats() {
+STATEDICT_API std::vector<std::shared_ptr<const Format>> registered_formats() {
   auto& r = detail::registry_instance();
   std::lock_guard<std::mutex> lock(r.mutex);
   return r.formats;
@@ -68,7 +71,7 @@ inline std::vector<std::shared_ptr<const Format>> registered_formats() {
 
 /// Registers a format of the program's own. It is tried before the built-in ones (so it can claim
 /// inputs they would misread); a format with the same name replaces the registered one.
-inline void add_format(std::shared_ptr<const Format> f) {
+STATEDICT_API void add_format(std::shared_ptr<const Format> f) {
   auto& r = detail::registry_instance();
   std::lock_guard<std::mutex> lock(r.mutex);
   std::erase_if(r.formats, [&](const auto& g) { return g->name() == f->name(); });
@@ -76,7 +79,7 @@ inline void add_format(std::shared_ptr<const Format> f) {
 }
 
 /// The registered format named `name`; throws errors::no_such_format listing the names.
-inline std::shared_ptr<const Format> find_format(std::string_view name) {
+STATEDICT_API std::shared_ptr<const Format> find_format(std::string_view name) {
   const auto all = registered_formats();
   for (const auto& f : all)
     if (f->name() == name) return f;
@@ -85,18 +88,10 @@ inline std::shared_ptr<const Format> find_format(std::string_view name) {
   throw_error(errors::no_such_format, "format " + quote(name), "is not one of: " + names);
 }
 
-/// A checkpoint and how it was recognised.
-struct Opened {
-  ShardedCheckpoint checkpoint;
-  /// The detection rule that matched, in words.
-  std::string rule;
-  /// The format that read it.
-  std::shared_ptr<const Format> format;
-};
 
 /// Opens `path` (a file or a directory) as a ShardedCheckpoint, detecting its format from content
 /// (or reading it as `opt.format`), and applies `opt.dtype` to every floating tensor.
-inline Opened open(const std::filesystem::path& path, const open_options& opt = {}) {
+STATEDICT_API Opened open(const std::filesystem::path& path, const open_options& opt = {}) {
   std::error_code ec;
   const std::string where = quote(path.string());
   if (!std::filesystem::exists(path, ec)) throw_error(errors::no_such_path, where, "no such file or directory");
@@ -127,14 +122,14 @@ inline Opened open(const std::filesystem::path& path, const open_options& opt = 
     }
   }
   out.checkpoint = out.format->describe(in, opt);
-  if (opt.dtype && !out.format->applies_dtype()) cast(out.checkpoint, *opt.dtype);
+  if (opt.dtype && !out.format->applies_dtype()) cast(out.checkpoint, *opt.dtype, cast_options{opt.cast_integer_origin});
   return out;
 }
 
 /// The format an output at `out` is written in: `opt.format`, else the registered format that
 /// claims the path most strongly (its extension over its options; the first among equals); its
 /// options are checked (usage errors) before anything is read.
-inline std::shared_ptr<const Format> choose_output(const std::filesystem::path& out, const save_options& opt) {
+STATEDICT_API std::shared_ptr<const Format> choose_output(const std::filesystem::path& out, const save_options& opt) {
   std::shared_ptr<const Format> f;
   if (!opt.format.empty()) {
     f = find_format(opt.format);
@@ -160,7 +155,7 @@ inline std::shared_ptr<const Format> choose_output(const std::filesystem::path& 
 }
 
 /// Writes `ck` at `out` in the chosen format (choose_output); returns the files written.
-inline std::vector<std::string> save(const ShardedCheckpoint& ck, const std::filesystem::path& out, const save_options& opt = {}) {
+STATEDICT_API std::vector<std::string> save(const ShardedCheckpoint& ck, const std::filesystem::path& out, const save_options& opt = {}) {
   return choose_output(out, opt)->save(ck, out, opt);
 }
 

@@ -38,6 +38,7 @@
 #include "../shard/views.hpp"
 #include "detail/safetensors_write.hpp"
 #include "format.hpp"
+#include "transform.hpp"
 #include "hf.hpp"
 
 namespace statedict::inline v0 {
@@ -46,6 +47,7 @@ namespace formats {
 
 /// Writes one .safetensors file. Tensors the skeleton ties (aliases, views) are stored once.
 inline void write_safetensors(const ShardedCheckpoint& ck, const std::filesystem::path& path, const save_options& opt = {}) {
+  check_consistent(ck);
   (void)detail::write_safetensors_file(ck, detail::safetensors_metadata(ck, true), path, opt.exec, opt.plan);
 }
 

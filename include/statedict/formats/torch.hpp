@@ -30,6 +30,7 @@
 #include "detail/files.hpp"
 #include "detail/safetensors_write.hpp"
 #include "format.hpp"
+#include "transform.hpp"
 
 namespace statedict::inline v0 {
 
@@ -96,6 +97,7 @@ namespace formats {
 /// Writes a torch.save file that torch.load reads back as the checkpoint's tree (its skeleton;
 /// a flat dict when it has none). Storage CRCs are computed as the bytes are written.
 inline void write_torch(const ShardedCheckpoint& ck, const std::filesystem::path& path, const save_options& opt = {}) {
+  check_consistent(ck);
   torch::save_options so;
   so.archive_name = torch::archive_name_for(path.filename());
   torch::SavePlan sp = torch::plan_save(ck, so);

@@ -1,9 +1,33 @@
-// statedict: transformations of a checkpoint description (no tensor byte is touched): the subset
-// of `--only`, the dtype change of `--dtype`, and listing the names the skeleton ties.
+// statedict: transformations of a checkpoint description. No tensor byte is read or written: each
+// returns the description of the transformed checkpoint, which any writer then streams.
 // SPDX-License-Identifier: MIT
+//
+//   rename(ck, f)           every leaf (tensor or value) whose dotted name f changes moves to its new
+//                           name; optimizer states keyed by parameter names are re-keyed by f too.
+//                           Name functions: strip_prefix, add_prefix, rename_prefix, rename_map;
+//                           formats/transform_regex.hpp adds rename_regex.
+//   filter(ck, keep)        the leaves whose names `keep` accepts (drop: the others); select(ck,
+//                           prefixes) is the filter of `--only`
+//   cast(ck, dtype)         every floating tensor's dtype (cast_options: also integer-origin buffers)
+//   split(ck, name, ...)    a tensor cut along a dimension into named parts
+//   concat(ck, names, ...)  tensors joined along a dimension into one
+//   check_consistent(ck)    the skeleton and the tensors agree (every writer checks it first)
+//
+// Ties and views stay consistent through every transform: each works on the checkpoint's tree
+// with a stand-in for each tensor (formats/detail/tree_form.hpp), so a tied name renamed or dropped
+// keeps or becomes the tensor, and the skeleton is flatten's own. What cannot be kept consistent
+// is refused with an error naming the leaf: two names onto one, a leaf of a list renamed, a split
+// of a tied tensor.
 #pragma once
 
+#include "../core/config.hpp"
+#include "../core/detail/defines_facade.hpp"
+
 #include <algorithm>
+#include <functional>
+#include <map>
+#include <span>
+#include <string_view>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -17,24 +41,24 @@
 #include "../io/safetensors.hpp"
 #include "../shard/box.hpp"
 #include "../shard/checkpoint.hpp"
+#include "detail/rename_tree.hpp"
+#include "transform_types.hpp"
+#include "detail/tree_form.hpp"
 
 namespace statedict::inline v0 {
 
 namespace errors {
 // clang-format off
-inline constexpr error_id select_view_sharded {792, error_kind::unsupported, "convert.select_view_sharded"};
 inline constexpr error_id select_nothing      {793, error_kind::usage,       "convert.select_nothing"};
+inline constexpr error_id transform_no_tensor {852, error_kind::key,         "transform.no_such_tensor"};
+inline constexpr error_id transform_tied      {853, error_kind::unsupported, "transform.tied_tensor"};
+inline constexpr error_id transform_parts     {854, error_kind::usage,       "transform.bad_parts"};
+inline constexpr error_id stale_skeleton      {855, error_kind::format,      "transform.stale_skeleton"};
 // clang-format on
 }  // namespace errors
 
 namespace formats {
 
-/// A name the skeleton ties to a stored tensor: an alias of it, or a view into its elements.
-struct Tie {
-  std::string name;              ///< the tied name (as listed: dotted)
-  std::string target;            ///< the stored tensor it refers to
-  std::optional<ViewSpec> view;  ///< the elements, for a view; nullopt for an alias
-};
 
 /// The tied names of a skeleton (aliases and views), with the view's elements for views. For the
 /// skeleton of an opened checkpoint (validated when it was read): one without alias or view_of
@@ -52,7 +76,7 @@ inline std::vector<Tie> tied_names(const nlohmann::json& skeleton) {
 }
 /// tied_names for a Skeleton: a compact one without alias or view nodes (the usual checkpoint) is
 /// answered from its leaf records, without building its JSON document.
-inline std::vector<Tie> tied_names(const Skeleton& skeleton) {
+STATEDICT_API std::vector<Tie> tied_names(const Skeleton& skeleton) {
   if (!statedict::detail::may_hold_aliases(skeleton)) return {};
   return tied_names(skeleton.json());
 }
@@ -60,41 +84,35 @@ inline std::vector<Tie> tied_names(const Skeleton& skeleton) {
 // ---------------------------------------------------------------------------------------------
 // Transformations of a description
 
+
 /// Sets every floating tensor's logical dtype to `to` (the executor casts exactly, rounding to
 /// nearest even), in the tensors and in the skeleton. Integer, bool and complex tensors keep theirs.
-inline void cast(ShardedCheckpoint& ck, dtype to) {
+STATEDICT_API void cast(ShardedCheckpoint& ck, dtype to, const cast_options& opt = {}) {
   if (!is_floating(to)) throw_error(errors::unsupported_cast, "--dtype " + std::string(name(to)), "is not a floating dtype");
-  for (TensorInfo& t : ck.tensors)
-    if (is_floating(t.dtype)) t.dtype = to;
-  if (!ck.skeleton.is_null()) safetensors::detail::cast_skeleton(ck.skeleton.mutable_json(), to);
+  bool kept = false;  // a floating tensor left as it is (of integer origin)
+  for (TensorInfo& t : ck.tensors) {
+    if (!is_floating(t.dtype)) continue;
+    if (t.converted_from && !is_floating(*t.converted_from) && !opt.integer_origin) {
+      kept = true;
+      continue;
+    }
+    t.dtype = to;
+  }
+  if (ck.skeleton.is_null()) return;
+  if (!kept) {
+    safetensors::detail::cast_skeleton(ck.skeleton.mutable_json(), to);
+    return;
+  }
+  // Some floating tensors keep their dtype: the skeleton's tensor nodes take each tensor's own.
+  detail::tree_form form(ck);
+  ck.skeleton = form.result().skeleton;
 }
-
-namespace detail {
-/// Tensor `name`: the elements `v` selects of `base`'s row-major flat index, described in place
-/// (base must be stored whole, contiguous, in one chunk: a torch.save or safetensors tensor).
-inline TensorInfo view_of(const TensorInfo& base, const std::string& name, const ViewSpec& v) {
-  const auto& c = base.chunks;
-  const bool whole = c.size() == 1 && c[0].at.strides.empty() && c[0].at.stored == base.dtype &&
-                     std::holds_alternative<Box>(c[0].region) && std::get<Box>(c[0].region) == full_box(base.shape);
-  if (!whole)
-    throw_error(errors::select_view_sharded, "tensor " + quote(name),
-                "is a view of " + quote(base.name) + ", which is stored in several pieces");
-  TensorInfo t{name, base.dtype, v.shape, {}};
-  Chunk ch;
-  ch.region = full_box(t.shape);
-  ch.at = c[0].at;
-  ch.at.byte_offset = checked_add(c[0].at.byte_offset, checked_mul(static_cast<std::uint64_t>(v.offset), itemsize(base.dtype)));
-  ch.at.strides = v.strides;
-  t.chunks = {ch};
-  return t;
-}
-}  // namespace detail
 
 /// The checkpoint with every tied name of its skeleton (an alias of a tensor, or a view into one)
 /// listed as a tensor of its own, reading the same bytes: what inspect and verify show, so that
 /// a tied name compares equal to the same tensor stored untied.
 /// `ties` are tied_names(ck.skeleton), for callers that list them too.
-inline ShardedCheckpoint expand_ties(ShardedCheckpoint ck, const std::vector<Tie>& ties) {
+STATEDICT_API ShardedCheckpoint expand_ties(ShardedCheckpoint ck, const std::vector<Tie>& ties) {
   std::vector<TensorInfo> extra;
   for (const auto& t : ties) {
     const TensorInfo* base = ck.find(t.target);
@@ -112,7 +130,7 @@ inline ShardedCheckpoint expand_ties(ShardedCheckpoint ck, const std::vector<Tie
   ck.reindex();
   return ck;
 }
-inline ShardedCheckpoint expand_ties(ShardedCheckpoint ck) {
+STATEDICT_API ShardedCheckpoint expand_ties(ShardedCheckpoint ck) {
   if (ck.skeleton.is_null()) return ck;
   const auto ties = tied_names(ck.skeleton);
   return expand_ties(std::move(ck), ties);
@@ -121,7 +139,7 @@ inline ShardedCheckpoint expand_ties(ShardedCheckpoint ck) {
 /// The tensors and values under the given dotted-name prefixes ("model" keeps "model.w" and
 /// "model", not "models.w"; see name_prefix_filter). A tied name whose target is dropped becomes a
 /// tensor of its own.
-inline ShardedCheckpoint select(const ShardedCheckpoint& ck, const std::vector<std::string>& prefixes) {
+STATEDICT_API ShardedCheckpoint select(const ShardedCheckpoint& ck, const std::vector<std::string>& prefixes) {
   if (prefixes.empty()) return ck;
   const PathFilter keep = name_prefix_filter(prefixes);
   ShardedCheckpoint out;
@@ -149,6 +167,226 @@ inline ShardedCheckpoint select(const ShardedCheckpoint& ck, const std::vector<s
   if (out.tensors.empty() && (out.skeleton.is_null() || skeleton_values(out.skeleton).empty()))
     throw_error(errors::select_nothing, "--only", "no tensor or value matches the given prefixes");
   return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Structure
+
+/// The checkpoint with its leaves renamed by `f` (see formats/detail/rename_tree.hpp for where a
+/// renamed leaf goes): tensors, values, ties, views and optimizer states keyed by parameter name.
+STATEDICT_API ShardedCheckpoint rename(const ShardedCheckpoint& ck, const name_map& f) {
+  detail::tree_form form(ck);
+  detail::rename_tree(form.tree(), f);
+  return form.result();
+}
+
+/// The leaves whose dotted names `keep` accepts (an opaque object is kept whole when any of its
+/// leaves is). Dropped list elements before a kept one become None, so kept ones keep their index;
+/// containers left empty go. A tied name whose tensor is dropped becomes the tensor.
+STATEDICT_API ShardedCheckpoint filter(const ShardedCheckpoint& ck, const std::function<bool(std::string_view)>& keep) {
+  ShardedCheckpoint out;
+  out.format = ck.format;
+  out.sources = ck.sources;
+  out.metadata = ck.metadata;
+  if (ck.skeleton.is_null()) {
+    for (const TensorInfo& t : ck.tensors)
+      if (keep(t.name)) out.tensors.push_back(t);
+    return out;
+  }
+  SkeletonSubset sub = skeleton_subset(ck.skeleton, [&](const Path& p) { return keep(dotted(p)); });
+  out.skeleton = std::move(sub.skeleton);
+  for (const SubsetTensor& st : sub.tensors) {
+    const TensorInfo* src = ck.find(st.source);
+    if (!src) throw_error(errors::flat_missing_tensor, "tensor " + quote(st.source), "the skeleton names it but the checkpoint lacks it");
+    TensorInfo t = st.view ? detail::view_of(*src, st.name, *st.view) : *src;
+    t.name = st.name;
+    out.tensors.push_back(std::move(t));
+  }
+  return out;
+}
+
+/// The leaves whose dotted names `pred` does not accept (filter with the opposite).
+STATEDICT_API ShardedCheckpoint drop(const ShardedCheckpoint& ck, const std::function<bool(std::string_view)>& pred) {
+  return filter(ck, [&](std::string_view n) { return !pred(n); });
+}
+
+namespace detail {
+
+/// The tensors of `ck` whose chunks hold the elements of `box` of `t`, shifted by `shift` (added to
+/// the region's offsets), as chunks of another tensor: pure placements, no byte moved.
+inline std::vector<Chunk> sub_chunks(const TensorInfo& t, const Box& box, const shape_t& shift) {
+  std::vector<Chunk> out;
+  for (std::size_t ci = 0; ci < t.chunks.size(); ++ci) {
+    const Chunk& c = t.chunks[ci];
+    for (const MappedBox& m : mapped_boxes(c, t.shape, "tensor " + quote(t.name) + " chunk " + std::to_string(ci))) {
+      const auto isect = intersect(m.box, box);
+      if (!isect || is_empty(*isect)) continue;
+      Chunk piece;
+      Box region = *isect;
+      for (std::size_t d = 0; d < region.offsets.size(); ++d) region.offsets[d] += shift[d];
+      piece.region = std::move(region);
+      piece.at = c.at;
+      piece.at.byte_offset = checked_add(c.at.byte_offset, checked_mul(m.offset_of(isect->offsets), itemsize(c.at.stored)));
+      piece.at.strides.assign(m.step.begin(), m.step.end());
+      out.push_back(std::move(piece));
+    }
+  }
+  return out;
+}
+
+/// The path of the dict entry holding the placeholder `v` (the same view), or nullopt; throws
+/// transform_tied when another leaf shares its elements.
+inline Path entry_of(const Value& tree, const TensorView& v, std::string_view name) {
+  std::vector<Path> at;
+  bool shared = false;
+  const auto* lo = v.data();
+  const auto* hi = v.data() + std::max<std::uint64_t>(v.nbytes(), 1);
+  visit(tree, [&](const Path& p, const Value& x) {
+    if (!x.is_tensor()) return;
+    const TensorView& y = x.as_tensor();
+    if (y.data() >= lo && y.data() < hi) {
+      if (same_view(y, v)) at.push_back(p);
+      else shared = true;
+    }
+  });
+  if (at.empty()) throw_error(errors::transform_no_tensor, "tensor " + quote(name), "is not in the checkpoint's tree");
+  if (at.size() > 1 || shared)
+    throw_error(errors::transform_tied, "tensor " + quote(name), "shares its elements with another name: untie it first (expand_ties)");
+  const Value* parent = find_path(tree, Path(at[0].begin(), at[0].end() - 1));
+  if (!parent || !parent->is_dict()) throw_error(errors::rename_not_dict, "tensor " + quote(name), "is not a dict entry");
+  return at[0];
+}
+
+}  // namespace detail
+
+
+/// Tensor `name` cut along `dim` into `parts` (sizes summing to its size there), each a tensor of
+/// its own at its name (as rename places names), in the tensor's place; the tensor goes. The
+/// parts read the same bytes: nothing is copied until a writer streams them.
+STATEDICT_API ShardedCheckpoint split(const ShardedCheckpoint& ck, std::string_view name, std::size_t dim, const std::vector<part>& parts) {
+  const TensorInfo* t = ck.find(name);
+  if (!t) throw_error(errors::transform_no_tensor, "tensor " + quote(name), "is not in the checkpoint (" + ck.format + ")");
+  if (dim >= t->shape.size())
+    throw_error(errors::transform_parts, "tensor " + quote(name), "has " + std::to_string(t->shape.size()) + " dimensions; cannot split dim " + std::to_string(dim));
+  dim_t total = 0;
+  for (const part& p : parts) {
+    if (p.size < 0 || p.name.empty()) throw_error(errors::transform_parts, "tensor " + quote(name), "a part needs a name and a size >= 0");
+    total = static_cast<dim_t>(checked_add(static_cast<std::uint64_t>(total), static_cast<std::uint64_t>(p.size)));
+  }
+  if (total != t->shape[dim])
+    throw_error(errors::transform_parts, "tensor " + quote(name),
+                "parts of " + std::to_string(total) + " along dim " + std::to_string(dim) + " for its " + std::to_string(t->shape[dim]));
+  detail::tree_form form(ck);
+  const TensorInfo original = *t;
+  const Path at = detail::entry_of(form.tree(), *form.placeholder(name), name);
+  Value& parent = *find_path(form.tree(), Path(at.begin(), at.end() - 1));
+  // The parts, under temporary keys in the tensor's place, then renamed to their names.
+  Dict rebuilt;
+  std::map<std::string, std::string, std::less<>> names;
+  const std::string prefix = at.size() > 1 ? dotted(Path(at.begin(), at.end() - 1)) + "." : std::string();
+  for (auto& [k, v] : parent.as_dict()) {
+    if (!(k == at.back())) {
+      rebuilt.insert(k, std::move(v));
+      continue;
+    }
+    dim_t offset = 0;
+    for (std::size_t i = 0; i < parts.size(); ++i) {
+      Box box = full_box(original.shape);
+      box.offsets[dim] = offset;
+      box.sizes[dim] = parts[i].size;
+      shape_t shift(original.shape.size(), 0);
+      shift[dim] = -offset;
+      TensorInfo piece{parts[i].name, original.dtype, box.sizes, detail::sub_chunks(original, box, shift)};
+      piece.converted_from = original.converted_from;
+      const std::string key = "\x01split " + std::to_string(i);
+      names.emplace(prefix + key, parts[i].name);
+      rebuilt.insert(Key(key), Value(form.add(std::move(piece))));
+      offset += parts[i].size;
+    }
+  }
+  parent = Value(std::move(rebuilt));
+  detail::rename_tree(form.tree(), rename_map(std::move(names)));
+  return form.result();
+}
+
+/// Tensors `names` (same dtype, same shape but along `dim`) joined along `dim` into one tensor
+/// `to`, in the place of the first; the parts go. Pure placements: the planner proves the joined
+/// tensor covered when a writer streams it.
+STATEDICT_API ShardedCheckpoint concat(const ShardedCheckpoint& ck, const std::vector<std::string>& names, std::size_t dim, const std::string& to) {
+  if (names.empty()) throw_error(errors::transform_parts, "concat into " + quote(to), "no tensors given");
+  std::vector<const TensorInfo*> parts;
+  for (const auto& n : names) {
+    const TensorInfo* t = ck.find(n);
+    if (!t) throw_error(errors::transform_no_tensor, "tensor " + quote(n), "is not in the checkpoint (" + ck.format + ")");
+    parts.push_back(t);
+  }
+  const TensorInfo& first = *parts.front();
+  if (dim >= first.shape.size())
+    throw_error(errors::transform_parts, "tensor " + quote(first.name), "has no dim " + std::to_string(dim) + " to join along");
+  shape_t shape = first.shape;
+  shape[dim] = 0;
+  for (const TensorInfo* t : parts) {
+    bool fits = t->dtype == first.dtype && t->shape.size() == first.shape.size();
+    for (std::size_t d = 0; fits && d < first.shape.size(); ++d) fits = d == dim || t->shape[d] == first.shape[d];
+    if (!fits)
+      throw_error(errors::transform_parts, "tensor " + quote(t->name),
+                  std::string(name(t->dtype)) + " " + to_string(t->shape) + " cannot join " + std::string(name(first.dtype)) + " " +
+                      to_string(first.shape) + " along dim " + std::to_string(dim));
+    shape[dim] = static_cast<dim_t>(checked_add(static_cast<std::uint64_t>(shape[dim]), static_cast<std::uint64_t>(t->shape[dim])));
+  }
+  TensorInfo joined{to, first.dtype, shape, {}};
+  dim_t offset = 0;
+  for (const TensorInfo* t : parts) {
+    shape_t shift(shape.size(), 0);
+    shift[dim] = offset;
+    for (Chunk& c : detail::sub_chunks(*t, full_box(t->shape), shift)) joined.chunks.push_back(std::move(c));
+    offset += t->shape[dim];
+  }
+  detail::tree_form form(ck);
+  std::vector<Path> at;
+  for (const TensorInfo* t : parts) at.push_back(detail::entry_of(form.tree(), *form.placeholder(t->name), t->name));
+  // The joined tensor takes the first part's entry (under a temporary key); the others go.
+  const std::string key = "\x01concat";
+  const std::string prefix = at[0].size() > 1 ? dotted(Path(at[0].begin(), at[0].end() - 1)) + "." : std::string();
+  const TensorView placeholder = form.add(std::move(joined));
+  for (std::size_t i = at.size(); i-- > 1;) find_path(form.tree(), Path(at[i].begin(), at[i].end() - 1))->as_dict().erase(at[i].back());
+  Value& parent = *find_path(form.tree(), Path(at[0].begin(), at[0].end() - 1));
+  Dict rebuilt;
+  for (auto& [k, v] : parent.as_dict()) {
+    if (k == at[0].back()) rebuilt.insert(Key(key), Value(placeholder));
+    else rebuilt.insert(k, std::move(v));
+  }
+  parent = Value(std::move(rebuilt));
+  detail::rename_tree(form.tree(), rename_map({{prefix + key, to}}));
+  return form.result();
+}
+
+/// Throws errors::stale_skeleton unless the skeleton and the tensors agree: every tensor node
+/// names a tensor of the checkpoint with its dtype and shape, and every tensor is named by one
+/// (a null skeleton agrees with any tensors). Writers check this before writing a byte.
+STATEDICT_API void check_consistent(const ShardedCheckpoint& ck) {
+  if (ck.skeleton.is_null()) return;
+  std::vector<std::uint8_t> named(ck.tensors.size(), 0);
+  auto one = [&](std::string_view n, dtype dt, std::span<const dim_t> shape) {
+    const TensorInfo* t = ck.find(n);
+    if (!t) throw_error(errors::stale_skeleton, "tensor " + quote(n), "the skeleton names it but the checkpoint has no such tensor");
+    if (t->dtype != dt || !std::equal(shape.begin(), shape.end(), t->shape.begin(), t->shape.end()))
+      throw_error(errors::stale_skeleton, "tensor " + quote(n),
+                  "is " + std::string(name(t->dtype)) + " " + to_string(t->shape) + " in the checkpoint, " + std::string(name(dt)) +
+                      " " + to_string(shape_t(shape.begin(), shape.end())) + " in the skeleton");
+    auto& seen = named[static_cast<std::size_t>(t - ck.tensors.data())];
+    if (seen) throw_error(errors::stale_skeleton, "tensor " + quote(n), "the skeleton declares it twice");
+    seen = 1;
+  };
+  if (const auto* tape = ck.skeleton.tape()) {
+    for (const auto& l : tape->leaves)
+      if (l.kind == statedict::detail::snode::tensor)
+        one(tape->str(l.name, l.name_len), l.dtype, std::span<const dim_t>(tape->dims.data() + l.dims, l.rank));
+  } else {
+    for (const SkeletonTensor& st : skeleton_tensors(ck.skeleton.json())) one(st.name, st.dtype, st.shape);
+  }
+  for (std::size_t i = 0; i < named.size(); ++i)
+    if (!named[i]) throw_error(errors::stale_skeleton, "tensor " + quote(ck.tensors[i].name), "is in the checkpoint but no node of the skeleton names it");
 }
 
 }  // namespace formats

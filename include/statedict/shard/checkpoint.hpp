@@ -17,6 +17,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -69,6 +70,9 @@ struct TensorInfo {
   statedict::dtype dtype = statedict::dtype::F32;
   shape_t shape;
   std::vector<Chunk> chunks;
+  /// The dtype the tensor had before its reader converted it (DeepSpeed's integer buffers, made
+  /// F32 as zero_to_fp32 makes them); nullopt when the reader kept it.
+  std::optional<statedict::dtype> converted_from = std::nullopt;
 };
 
 /// Where each element of each tensor must go: the destination side of a plan (shard/plan.hpp).

@@ -47,6 +47,7 @@
 #include "../core/source.hpp"
 #include "box.hpp"
 #include "checkpoint.hpp"
+#include "plan_options.hpp"
 #include "cover.hpp"
 
 namespace statedict::inline v0 {
@@ -66,7 +67,6 @@ inline constexpr error_id written_twice         {613, error_kind::plan,   "plan.
 inline constexpr error_id read_outside          {614, error_kind::plan,   "plan.read_outside"};
 inline constexpr error_id write_outside         {615, error_kind::plan,   "plan.write_outside"};
 inline constexpr error_id too_many_ops          {616, error_kind::limit,  "plan.too_many_ops"};
-inline constexpr error_id bad_part              {617, error_kind::usage,  "plan.bad_part"};
 inline constexpr error_id destination_too_small {618, error_kind::plan,   "plan.destination_too_small"};
 inline constexpr error_id duplicate_tensor      {619, error_kind::key,    "plan.duplicate_tensor"};
 // clang-format on
@@ -139,21 +139,6 @@ struct Plan {
   }
 };
 
-/// Choices and caps of make_plan.
-struct plan_options {
-  /// Emit CompareOps so the executor checks that replicated copies hold the same values.
-  bool check_replicas = false;
-  /// Accept source chunks that partially overlap (the one with the lowest (source, offset) wins);
-  /// by default a partial overlap is an error (identical regions are replicas and always allowed).
-  bool allow_overlapping_sources = false;
-  /// Every destination tensor must be covered by its destination chunks.
-  bool require_full_destination = true;
-  /// Run verify() on the result.
-  bool verify = true;
-  /// Cap on the number of copy operations before merging (hostile strides could ask for one per
-  /// element). About 100 bytes each.
-  std::uint64_t max_ops = std::uint64_t{1} << 24;
-};
 
 namespace detail {
 
@@ -693,27 +678,6 @@ inline Plan make_plan(const ShardedCheckpoint& src, const Destination& dst, cons
 
 // ---------------------------------------------------------------------------------------------
 // Parts: one plan, K processes
-
-/// Part `index` of `count` (0 <= index < count).
-struct PartSpec {
-  std::uint32_t index = 0;
-  std::uint32_t count = 1;
-};
-
-/// Parses "k/K" (0-based k, e.g. "0/4" .. "3/4"); throws errors::bad_part.
-inline PartSpec parse_part(std::string_view text) {
-  const auto slash = text.find('/');
-  auto num = [&](std::string_view s) -> std::uint32_t {
-    if (s.empty() || s.size() > 9 || s.find_first_not_of("0123456789") != std::string_view::npos)
-      throw_error(errors::bad_part, "part " + quote(text), "expected k/K with 0 <= k < K, e.g. 0/4");
-    return static_cast<std::uint32_t>(std::stoul(std::string(s)));
-  };
-  if (slash == std::string_view::npos) num("");
-  PartSpec p{num(text.substr(0, slash)), num(text.substr(slash + 1))};
-  if (p.count == 0 || p.index >= p.count)
-    throw_error(errors::bad_part, "part " + quote(text), "expected k/K with 0 <= k < K, e.g. 0/4");
-  return p;
-}
 
 /// The part (0..count-1) that writes each destination: destinations are taken largest first (by
 /// bytes written, then by index) and each goes to the part with the fewest bytes so far (then the

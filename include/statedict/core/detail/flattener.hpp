@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "../error.hpp"
+#include "../flat_state_dict.hpp"
 #include "../hash_index.hpp"
 #include "../skeleton.hpp"
 #include "../tensor.hpp"

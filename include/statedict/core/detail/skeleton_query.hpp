@@ -30,6 +30,7 @@
 #include "../error.hpp"
 #include "../skeleton.hpp"
 #include "../value.hpp"
+#include "../visit.hpp"
 #include "naming.hpp"
 #include "skeleton_reader.hpp"
 #include "skeleton_tape.hpp"

@@ -38,6 +38,7 @@
 #include "../../shard/plan.hpp"
 #include "describe_tree.hpp"
 #include "../format.hpp"
+#include "../transform.hpp"
 #include "dcp_metadata.hpp"
 #include "write_files.hpp"
 #include "pyobj.hpp"
@@ -482,6 +483,7 @@ inline void write_framing(std::uint32_t r, const std::vector<WItem>& items, Outp
 /// values are bytes items (rank 0). Files: `__<rank>_0.distcp` for every rank, and `.metadata`.
 /// With `part`, only that part's rank files; with `index_only`, only `.metadata` (the last step).
 inline void write(const ShardedCheckpoint& src, const std::filesystem::path& dir, const write_options& opt = {}) {
+  formats::check_consistent(src);
   const std::uint32_t world = opt.world_size;
   if (world == 0 || world > (1U << 20))
     throw_error(errors::dcp_bad_world_size, "world size " + std::to_string(world) + " is not in [1, 2^20]");

@@ -265,6 +265,8 @@ inline void add_buffers(builder& b, const model_file& m) {
         store_f32(out.data() + i * 4, as_float(values.view(), i));
       const std::uint32_t src = b.table.add_owned(name + " (as F32)", std::move(out));
       info.chunks.push_back(Chunk{full_box(t.shape()), Placement{src, 0, {}, dtype::F32}});
+      info.converted_from = t.dtype();
+      if (!b.opt.cast_integer_buffers) info.dtype = dtype::F32;
     } else {
       throw_error(errors::ds_buffer, where, "buffer " + quote(name) + " is " + std::string(statedict::name(t.dtype())) +
                                                 ", which `.float()` would not convert exactly");

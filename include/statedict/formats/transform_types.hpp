@@ -1,0 +1,79 @@
+// statedict: the types of the transforms of formats/transform.hpp (ties, cast options, split
+// parts) and the name functions rename() takes.
+// SPDX-License-Identifier: MIT
+#pragma once
+
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+
+#include "../core/shape.hpp"
+#include "../core/skeleton.hpp"
+
+namespace statedict::inline v0::formats {
+
+/// A name the skeleton ties to a stored tensor: an alias of it, or a view into its elements.
+struct Tie {
+  std::string name;              ///< the tied name (as listed: dotted)
+  std::string target;            ///< the stored tensor it refers to
+  std::optional<ViewSpec> view;  ///< the elements, for a view; nullopt for an alias
+};
+
+/// What cast() changes besides floating tensors.
+struct cast_options {
+  /// Also cast tensors a reader converted to a floating dtype from an integer one (DeepSpeed's
+  /// buffers, made F32 as zero_to_fp32 makes them: TensorInfo::converted_from). Off by default:
+  /// BF16 or F16 cannot hold every integer (2^8 + 1 and 2^11 + 1 are the first they round).
+  bool integer_origin = false;
+};
+
+/// One part of a split: its name and its size along the split dimension.
+struct part {
+  std::string name;
+  dim_t size = 0;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Names
+
+/// A renaming: the new name of a leaf from its dotted name (the name itself: unchanged).
+using name_map = std::function<std::string(std::string_view)>;
+
+/// Names that begin with `prefix` lose it ("module." turns "module.fc.w" into "fc.w").
+inline name_map strip_prefix(std::string prefix) {
+  return [p = std::move(prefix)](std::string_view n) {
+    return n.size() > p.size() && n.substr(0, p.size()) == p ? std::string(n.substr(p.size())) : std::string(n);
+  };
+}
+
+/// Every name gets `prefix` in front.
+inline name_map add_prefix(std::string prefix) {
+  return [p = std::move(prefix)](std::string_view n) { return p + std::string(n); };
+}
+
+/// `from` itself and every name below it (`from.` ...) move to `to` (and `to.` ...).
+inline name_map rename_prefix(std::string from, std::string to) {
+  return [f = std::move(from), t = std::move(to)](std::string_view n) {
+    if (n == f) return t;
+    if (n.size() > f.size() && n.substr(0, f.size()) == f && n[f.size()] == '.') return t + std::string(n.substr(f.size()));
+    return std::string(n);
+  };
+}
+
+/// Names found in `table` (whole names) get its value; the others stay.
+inline name_map rename_map(std::map<std::string, std::string, std::less<>> table) {
+  return [m = std::move(table)](std::string_view n) {
+    const auto it = m.find(n);
+    return it == m.end() ? std::string(n) : it->second;
+  };
+}
+
+/// `first`, then `second`.
+inline name_map then(name_map first, name_map second) {
+  return [a = std::move(first), b = std::move(second)](std::string_view n) { return b(a(n)); };
+}
+
+}  // namespace statedict::inline v0::formats
