@@ -167,3 +167,24 @@ TEST_CASE("round trip: a view adapted and viewed again is the same view") {
   CHECK(s.dimension() == 0);
   CHECK(s() == 0.0F);
 }
+
+TEST_CASE("xt_as_float: BF16, F16 and F8 views read as float lazily, each element converted as torch's .float()") {
+  // Values exact in every format: 1.5, -2, 0.25, 448 (the largest F8_E4M3 finite).
+  const std::vector<float> vals{1.5F, -2.0F, 0.25F, 448.0F};
+  const Tensor f32 = Tensor::from<float>(std::span<const float>(vals), {2, 2});
+  for (const dtype dt : {dtype::BF16, dtype::F16}) {
+    const Tensor h = contiguous(f32.view(), dt);
+    const auto lazy = xt_as_float(h.view());
+    CHECK(lazy(0, 0) == 1.5F);
+    CHECK(lazy(1, 1) == 448.0F);
+    const xt::xarray<float> all = lazy;
+    CHECK(all.shape()[0] == 2);
+    CHECK(all(0, 1) == -2.0F);
+    // A strided view (the transpose) converts through its strides.
+    const TensorView t(dt, {2, 2}, {1, 2}, h.data(), h.view().owner());
+    CHECK(xt_as_float(t)(0, 1) == 0.25F);
+  }
+  const Tensor f8 = contiguous(f32.view(), dtype::F8_E4M3);
+  CHECK(xt_as_float8(f8.view())(1, 1) == 448.0F);
+  CHECK_THROWS_AS((void)xt_as_float(f32.view()), type_error);
+}
