@@ -7,6 +7,7 @@
 #include <statedict/statedict.hpp>
 
 #include <cstdio>
+#include <optional>
 
 namespace sd = statedict;
 
@@ -31,7 +32,7 @@ int main(int argc, char** argv) try {
   // The same file read back: every tensor is a zero-copy view into the mapped file; copy() casts.
   const sd::safetensors::File file = sd::safetensors::File::open(argv[2]);
   const sd::FlatStateDict flat = sd::flatten(sd::safetensors::read_state(file));
-  if (const sd::TensorView* w = flat.find("embed.weight")) {
+  if (const std::optional<sd::TensorView> w = flat.find("embed.weight")) {
     sd::Tensor f32(sd::dtype::F32, w->shape());
     sd::copy(*w, f32.span());  // bf16 -> f32, exact
     std::printf("embed.weight: %s, first element %g\n", std::string(sd::name(w->dtype())).c_str(),
