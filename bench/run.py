@@ -43,7 +43,7 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     a = ap.add_argument
-    a("--cases", default=env_default("cases", ",".join(cases.ALL)), help="comma-separated subset of B1..B6")
+    a("--cases", default=env_default("cases", ",".join(cases.ALL)), help="comma-separated subset of B1..B9")
     a("--reps", type=int, default=int(env_default("reps", 5)), help="warm repetitions per peer (default 5)")
     a("--cold-reps", type=int, default=int(env_default("cold_reps", 2)), help="cold repetitions (default 2)")
     a("--scale-reps", type=int, default=int(env_default("scale_reps", 3)), help="repetitions per B6 size (default 3)")
@@ -139,12 +139,13 @@ def build(ctx):
             msg = "Release, CLI only (configuring the micro-benchmarks failed, see log)"
             if sh(base + ["-DSTATEDICT_BUILD_BENCH=OFF"]) != 0:
                 return f"FAILED to configure, see {os.path.relpath(log, REPO)}"
-        # Only what the suite runs: the CLI and B5's micro-benchmark (not the other bench-*.cpp).
+        # Only what the suite runs: the CLI, B5's micro-benchmark and B8's reader (not the other bench-*.cpp).
         build = ["cmake", "--build", args.build_dir, "-j", str(os.cpu_count() or 2), "--target"]
         if sh(build + ["statedict_cli"]) != 0:
             msg += f"; the CLI FAILED to build, see {os.path.relpath(log, REPO)}"
-        if os.path.exists(os.path.join(REPO, "bench", "bench-flatten.cpp")) and sh(build + ["bench-flatten"]) != 0:
-            msg += f"; bench-flatten FAILED to build, see {os.path.relpath(log, REPO)}"
+        for target, case in (("bench-flatten", "B5"), ("bench-read", "B8")):
+            if case in args.cases and sh(build + [target]) != 0:
+                msg += f"; {target} FAILED to build, see {os.path.relpath(log, REPO)}"
     ctx.log(f"build: {msg} ({time.perf_counter() - t0:.0f}s)")
     return msg
 
@@ -156,7 +157,7 @@ def generate(ctx, selected):
         jobs.append([PY, os.path.join(HERE, "gen", "gen_pt.py"), ctx.pt_dir(),
                      "--gib", str(args.pt_gib), "--tensors", str(args.pt_tensors)])
     sizes = []
-    if {"B1", "B4"} & selected:
+    if {"B1", "B4", "B8"} & selected:
         sizes.append(args.zero_gib)
     if "B6" in selected:
         sizes += [g for g in args.scale_gib if g not in sizes]

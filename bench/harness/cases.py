@@ -1,4 +1,5 @@
-"""The benchmark cases B1..B6 (see bench/README.md for what each measures and why)."""
+"""The benchmark cases B1..B9 (see bench/README.md for what each measures and why); B8 and B9 are in
+cases_library.py."""
 import json
 import math
 import os
@@ -6,7 +7,7 @@ import shutil
 import subprocess
 import sys
 
-from . import cache, stcheck
+from . import cache, cases_library, stcheck
 from .runner import Peer
 
 PY = "/usr/bin/python3"  # Debian's python3 with PyTorch 1.13 (the pyenv python3 on PATH has no torch)
@@ -347,7 +348,8 @@ def b6(ctx, runner, b1_result=None):
                        f"peak anon RSS {f['anon_min_mib']:.0f}..{f['anon_max_mib']:.0f} MiB")
 
 
-ALL = ["B1", "B2", "B3", "B4", "B5", "B6"]
+ALL = ["B1", "B2", "B3", "B4", "B5", "B6", "B8", "B9"]
+TARGETS.update(cases_library.TARGETS)
 
 
 def run_all(ctx, runner, selected):
@@ -360,7 +362,8 @@ def run_all(ctx, runner, selected):
         if cid == "B6":
             out[cid] = b6(ctx, runner, out.get("B1"))
         else:
-            out[cid] = {"B1": b1, "B2": b2, "B3": b3, "B4": b4, "B5": b5}[cid](ctx, runner)
+            out[cid] = {"B1": b1, "B2": b2, "B3": b3, "B4": b4, "B5": b5, "B8": cases_library.b8,
+                        "B9": cases_library.b9}[cid](ctx, runner)
         out[cid]["target"] = TARGETS[cid]
         out[cid]["seconds"] = ctx.clock() - t0
         ctx.log(f"   {cid}: {out[cid]['verdict']} -- {out[cid]['detail']}  ({out[cid]['seconds']:.0f}s)")

@@ -129,6 +129,16 @@ def write(doc, path, chart_rel):
                     L.append(f"| {n} | {t(v['cpu'])} | {t(v['real'])} |")
                 L.append("")
             continue
+        if cid == "B9":
+            if c.get("compile"):
+                L.append("| translation unit | median CPU | x json.hpp | median wall | peak RSS | CPU of each run |")
+                L.append("|---|---|---|---|---|---|")
+                for n, v in c["compile"].items():
+                    runs = ", ".join(f"{x:.2f}" for x in v["cpu_runs"])
+                    L.append(f"| {n} | **{v['cpu_median']:.2f} s** | {v['vs_json']:.2f} | {v['wall_median']:.2f} s "
+                             f"| {v['peak_rss_mb']:.0f} MB | {runs} |")
+                L.append("")
+            continue
         if cid == "B6":
             for p in c["points"]:
                 src = " (the B1 measurement)" if p.get("from_b1") else ""
