@@ -50,10 +50,11 @@ namespace statedict::inline v0::dcp {
 struct write_options {
   /// Ranks that will load the checkpoint (M); one `__<rank>_0.distcp` file per rank.
   std::uint32_t world_size = 1;
-  /// Class names of `.metadata`: torch 1.13's (`torch.distributed._shard.checkpoint`, what the
-  /// tests load with PyTorch 1.13) or 2.x's (`torch.distributed.checkpoint`, with the 2.x flatten
-  /// rule and its planner_data mapping). See docs/formats/dcp.md.
-  class_names classes = class_names::torch_1_13;
+  /// The layout of the PyTorch that will load the checkpoint: 2.x's (`torch.distributed.checkpoint`
+  /// classes, the 2.x flatten rule and its planner_data mapping; the default, since restarts happen
+  /// on current PyTorch, whose dcp.load refuses the 1.13 class names) or 1.13's
+  /// (`torch.distributed._shard.checkpoint`, which PyTorch 1.13 loads). See docs/formats/dcp.md.
+  class_names classes = class_names::torch_2;
   exec_options exec{};
   plan_options plan{};
   /// Write only the rank files of part k of K (shard/plan.hpp assign_parts), each atomically,
