@@ -370,8 +370,7 @@ class Checkpoint {
       const safetensors::File& f = files_[i.file];
       const safetensors::TensorEntry& e = *i.entry;
       if (!e.dtype)
-        throw_error(errors::st_unsupported_dtype, "file " + quote(f.name()) + ": tensor " + quote(e.name),
-                    "dtype " + std::string(e.dtype_name) + " is valid safetensors but statedict has no such dtype");
+        throw_error(errors::st_unsupported_dtype, "file " + quote(f.name()) + ": tensor " + quote(e.name), safetensors::unsupported_reason(e));
       TensorInfo t;
       t.name = i.name;
       t.dtype = *e.dtype;

@@ -338,6 +338,9 @@ inline SavePlan plan_save(const Value& tree, const save_options& opts) {
       const TensorView& t = v.as_tensor();
       const std::string id = detail::view_identity(t);
       if (t.numel() > 0 && wr.get_memo(id)) return true;
+      if (info(t.dtype()).torch_name.empty())
+        throw_error(errors::pt_unwritable, "tensor" + (names.count(&t) ? " " + quote(*names.at(&t)) : std::string()),
+                    "dtype " + std::string(name(t.dtype())) + " has no PyTorch dtype (a safetensors-only type): torch.save files cannot hold it");
       const std::size_t si = storage_of(t);
       const PlannedStorage& s = plan.storages[si];
       const std::uint64_t off = t.numel() == 0 ? 0 : static_cast<std::uint64_t>(t.data() - g.groups[g.group_of.at(&t)].lo) / t.itemsize();

@@ -165,8 +165,10 @@ inline std::string where_in(const std::vector<std::string>& names, std::uint32_t
 
 inline bool exact_widening(dtype from, dtype to) noexcept {
   if (from == to) return true;
+  // E8M0 spans 2^-127 .. 2^127: F16 cannot hold it, the 8-bit exponent types can.
+  if (from == dtype::F8_E8M0) return to == dtype::BF16 || to == dtype::F32 || to == dtype::F64;
   if (is_floating(from) && is_floating(to)) return itemsize(to) > itemsize(from);
-  return from == dtype::C64 && to == dtype::C128;
+  return (from == dtype::C64 && to == dtype::C128) || (from == dtype::C32 && (to == dtype::C64 || to == dtype::C128));
 }
 
 /// The conversion chain stored -> logical -> destination logical -> destination stored, with

@@ -273,6 +273,9 @@ inline keyed_tree keys_of(const ShardedCheckpoint& src, class_names classes) {
   std::uint64_t total = 16;
   for (std::size_t i = 0; i < n; ++i) {
     const TensorInfo& t = src.tensors[i];
+    if (info(t.dtype).torch_name.empty())
+      throw_error(errors::dcp_write_unsupported, "tensor " + quote(t.name),
+                  "dtype " + std::string(name(t.dtype)) + " has no PyTorch dtype (a safetensors-only type)");
     if (classes == class_names::torch_1_13 && info(t.dtype).storage_name.empty())
       throw_error(errors::dcp_write_unsupported, "tensor " + quote(t.name),
                   "dtype " + std::string(name(t.dtype)) + " has no storage class in PyTorch 1.13 (write the 2.x layout)");
