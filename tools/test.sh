@@ -24,8 +24,8 @@ fuzz_seconds=${STATEDICT_FUZZ_SECONDS:-30}
 fuzz_seed=${STATEDICT_FUZZ_SEED:-1}
 jobs=${STATEDICT_JOBS:-$(nproc)}
 
-packages="cmake make g++ clang python3 nlohmann-json3-dev doctest-dev libxtensor-dev libboost1.81-dev \
-libbenchmark-dev python3-torch python3-numpy libfuzzer-14-dev libclang-rt-14-dev"
+packages="cmake make g++ clang python3 nlohmann-json3-dev zlib1g-dev doctest-dev libxtensor-dev libboost1.81-dev \
+libbenchmark-dev python3-torch python3-numpy libfuzzer-14-dev libclang-rt-14-dev debootstrap"
 missing=""
 for p in $packages; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"

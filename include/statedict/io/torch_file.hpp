@@ -121,7 +121,7 @@ struct Storage {
   std::string key;                 ///< persistent key ("0", or the legacy storage id)
   statedict::dtype dtype = statedict::dtype::U8;  ///< element type (U8 for an UntypedStorage)
   bool untyped = false;            ///< torch.UntypedStorage (dtype then comes from each tensor)
-  std::uint64_t offset = 0;        ///< first byte in the source
+  std::uint64_t offset = 0;        ///< first byte in File::source (the file, or its records' image in memory)
   std::uint64_t nbytes = 0;
   std::string record;              ///< zip entry name (empty for legacy files)
   std::string location;            ///< "cpu", "cuda:0", ...
@@ -134,7 +134,12 @@ struct File {
   std::vector<pickle::Attributes> attributes;
   std::string format;        ///< "zip" or "legacy"
   std::string archive_name;  ///< zip top folder ("model" for model.pt; "archive" when saved to a stream)
+  /// What the tensors are views of: the file, or, when some of its zip records are compressed,
+  /// an image in memory of its storage records (inflated or copied, each at a multiple of 64
+  /// bytes; not zero-copy: `in_memory_bytes`, within zip::limits::max_inflated_bytes).
   std::shared_ptr<const ByteSource> source;
+  std::size_t compressed_records = 0;  ///< storage records that were deflated in the archive
+  std::uint64_t in_memory_bytes = 0;   ///< size of the image (0: views of the file itself)
   std::vector<Storage> storages;  ///< in order of first use
   std::vector<std::string> records;  ///< zip entry names, in file order
   int pickle_protocol = 0;
@@ -261,6 +266,9 @@ inline ShardedCheckpoint describe(const File& file) {
   }
   ck.skeleton = std::move(flat.skeleton);
   ck.metadata["torch.format"] = file.format;
+  if (file.in_memory_bytes)
+    ck.metadata["torch.records_in_memory"] = std::to_string(file.compressed_records) + " deflated record(s): " +
+                                             std::to_string(file.in_memory_bytes) + " bytes of storage records inflated into memory (not zero-copy)";
   if (!file.archive_name.empty()) ck.metadata["torch.archive_name"] = file.archive_name;
   if (!file.attributes.empty()) ck.metadata[std::string(attributes_metadata_key)] = encode_attributes(file.attributes);
   return ck;
