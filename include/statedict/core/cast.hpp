@@ -187,6 +187,26 @@ inline void cast_complex(const std::byte* src, std::byte* dst, std::size_t n) no
 }
 }  // namespace detail
 
+/// Reverses the byte order of `n` contiguous elements of dtype `t` in place: each element (each
+/// component of a complex one) of info(t).swap_unit bytes; nothing for one-byte units. Turns the
+/// elements of a big-endian file into little-endian ones (and back).
+inline void byteswap_run(dtype t, std::byte* p, std::size_t n) noexcept {
+  const std::size_t unit = info(t).swap_unit;
+  const std::size_t count = n * (itemsize(t) / unit);
+  switch (unit) {
+    case 2:
+      for (std::size_t i = 0; i < count; ++i) detail::store_unaligned(p + 2 * i, __builtin_bswap16(detail::load_unaligned<std::uint16_t>(p + 2 * i)));
+      return;
+    case 4:
+      for (std::size_t i = 0; i < count; ++i) detail::store_unaligned(p + 4 * i, __builtin_bswap32(detail::load_unaligned<std::uint32_t>(p + 4 * i)));
+      return;
+    case 8:
+      for (std::size_t i = 0; i < count; ++i) detail::store_unaligned(p + 8 * i, __builtin_bswap64(detail::load_unaligned<std::uint64_t>(p + 8 * i)));
+      return;
+    default: return;  // one-byte units: nothing to swap
+  }
+}
+
 /// Casts `n` contiguous elements from `src` (dtype `from`) to `dst` (dtype `to`), producing the bytes
 /// `tensor.to(dtype)` produces in PyTorch 1.13 on a CPU (NaN encodings included). Neither pointer
 /// needs any alignment. The ranges must not overlap unless from == to and src == dst.

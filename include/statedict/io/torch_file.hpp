@@ -73,6 +73,7 @@ inline constexpr error_id pt_legacy_tar        {508, error_kind::unsupported, "t
 inline constexpr error_id pt_rank_limit        {509, error_kind::limit,       "torch.rank_limit"};
 inline constexpr error_id pt_big_endian        {510, error_kind::unsupported, "torch.big_endian"};
 inline constexpr error_id pt_bad_version       {511, error_kind::format,      "torch.bad_version"};
+inline constexpr error_id pt_bad_byteorder     {512, error_kind::format,      "torch.bad_byteorder"};
 inline constexpr error_id pt_unwritable        {520, error_kind::usage,       "torch.unwritable"};
 inline constexpr error_id pt_crc_incomplete    {521, error_kind::usage,       "torch.crc_incomplete"};
 inline constexpr error_id pt_bad_name          {522, error_kind::usage,       "torch.bad_archive_name"};
@@ -140,6 +141,12 @@ struct File {
   std::shared_ptr<const ByteSource> source;
   std::size_t compressed_records = 0;  ///< storage records that were deflated in the archive
   std::uint64_t in_memory_bytes = 0;   ///< size of the image (0: views of the file itself)
+  /// The file's `byteorder` record says "big": its storages hold big-endian elements.
+  bool big_endian = false;
+  /// The views see little-endian elements: a big-endian file read with read() (its storages
+  /// swapped in the image). read_lazily() leaves them as stored; describe() then marks every
+  /// placement big-endian and the executor swaps each element as it copies.
+  bool swapped = false;
   std::vector<Storage> storages;  ///< in order of first use
   std::vector<std::string> records;  ///< zip entry names, in file order
   int pickle_protocol = 0;
@@ -263,10 +270,14 @@ inline ShardedCheckpoint describe(const File& file) {
     c.at.byte_offset = addr - base;
     if (!v.is_contiguous()) c.at.strides = v.strides();
     c.at.stored = v.dtype();
+    if (file.big_endian && !file.swapped) c.at.order = byte_order::big;
   }
   ck.skeleton = std::move(flat.skeleton);
   ck.metadata["torch.format"] = file.format;
-  if (file.in_memory_bytes)
+  if (file.big_endian)
+    ck.metadata["torch.byteorder"] = file.swapped ? "big: storages byte-swapped to little-endian in memory when read"
+                                                  : "big: every element byte-swapped to little-endian as it is copied";
+  if (file.compressed_records)
     ck.metadata["torch.records_in_memory"] = std::to_string(file.compressed_records) + " deflated record(s): " +
                                              std::to_string(file.in_memory_bytes) + " bytes of storage records inflated into memory (not zero-copy)";
   if (!file.archive_name.empty()) ck.metadata["torch.archive_name"] = file.archive_name;
