@@ -14,6 +14,7 @@
 // F16 it is 0x7e00 with the sign; F16 -> F32 sets the quiet bit.
 #pragma once
 
+#include <bit>
 #include <complex>
 #include <cstddef>
 #include <cstdint>
@@ -163,7 +164,9 @@ inline void cast_floats_from(const std::byte* src, dtype to, std::byte* dst, std
 }
 
 /// complex32 (two f16) <-> complex64 / complex128, component by component as PyTorch's
-/// c10::complex<Half> conversions do (through f32).
+/// c10::complex<Half> conversions do (through f32). Unlike the real f32 -> f16 tensor cast, which
+/// writes every NaN as 0x7e00, this scalar conversion keeps the top 10 payload bits of a NaN
+/// (quiet bit set), as torch 2.14 does.
 inline void cast_complex_half(const std::byte* src, dtype from, std::byte* dst, dtype to, std::size_t n) noexcept {
   for (std::size_t i = 0; i < 2 * n; ++i) {
     if (from == dtype::C32) {
@@ -172,7 +175,10 @@ inline void cast_complex_half(const std::byte* src, dtype from, std::byte* dst, 
       else store_unaligned(dst + i * 8, static_cast<double>(f));
     } else {
       const float f = from == dtype::C64 ? load_unaligned<float>(src + i * 4) : static_cast<float>(load_unaligned<double>(src + i * 8));
-      store_unaligned(dst + i * 2, f16_from_f32(f));
+      const auto u = std::bit_cast<std::uint32_t>(f);
+      std::uint16_t h = f16_from_f32(f);
+      if ((u & 0x7fffffffU) > 0x7f800000U) h = static_cast<std::uint16_t>(((u >> 16) & 0x8000U) | 0x7e00U | ((u >> 13) & 0x3ffU));
+      store_unaligned(dst + i * 2, h);
     }
   }
 }

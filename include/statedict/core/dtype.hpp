@@ -348,8 +348,9 @@ constexpr float f32_from_f8e5m2(std::uint8_t x) noexcept {
   return f32_from_f16(static_cast<std::uint16_t>(static_cast<std::uint16_t>(x) << 8));
 }
 
-/// The f32 bits PyTorch 2.x decodes the NaN code of the fnuz and e8m0 formats to.
-inline constexpr std::uint32_t f8_fnuz_nan_f32 = 0x7fc00001U;
+/// The f32 bits PyTorch 2.x decodes the NaN code of the fnuz and e8m0 formats to (a signalling
+/// NaN with payload 1; tests/interop-dtype2.cpp checks it against torch 2.14's own tables).
+inline constexpr std::uint32_t f8_fnuz_nan_f32 = 0x7f800001U;
 
 /// f32 -> float8_e4m3fnuz (bias 8, no infinities, a single NaN 0x80, no negative zero), as
 /// PyTorch 2.x: NaN, infinities and everything that rounds to 256 or beyond become 0x80; values
