@@ -44,17 +44,6 @@ inline json describe_json(const sd::ShardedCheckpoint& opened) {
   return j;
 }
 
-/// The manifest as statedict names things: a safetensors F4 tensor (values counted in its last
-/// dimension) is a float4_e2m1fn_x2 tensor of half as many elements, as statedict and PyTorch hold it.
-inline json statedict_view(json m) {
-  for (auto& [n, t] : m["tensors"].items())
-    if (t.value("dtype", "") == "F4") {
-      t["dtype"] = "F4_X2";
-      t["shape"].back() = t["shape"].back().get<std::int64_t>() / 2;
-    }
-  return m;
-}
-
 /// The error id an action throws (0: none).
 inline int error_of(const std::function<void()>& f) {
   try {
