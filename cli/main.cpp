@@ -40,7 +40,7 @@ constexpr const char* usage_text = R"(statedict: read, convert and verify ML che
 usage:
   statedict inspect PATH [--json] [--hash] [--with-optimizer] [--from FORMAT] [--io mmap|pread]
   statedict convert IN OUT [--to safetensors|hf|torch|dcp] [--from FORMAT] [--dtype F32|BF16|F16]
-                    [--cast-integer-buffers] [--max-shard-size 5GB] [--world-size M]
+                    [--cast-integer-buffers] [--max-shard-size 5GB] [--world-size M] [--dcp-layout 2|1.13]
                     [--only NAME_PREFIX]... [--drop REGEX]... [--strip-prefix P]... [--add-prefix P]...
                     [--rename FROM=TO]... [--rename-regex REGEX=REPLACEMENT]... [--map NAMES.json]...
                     [--with-optimizer] [--threads N] [--memory-budget 256MiB]
@@ -393,7 +393,7 @@ int cmd_convert(const std::vector<std::string>& argv) {
                {"--world-size", true}, {"--only", true, true}, {"--drop", true, true}, {"--strip-prefix", true, true},
                {"--add-prefix", true, true}, {"--rename", true, true}, {"--rename-regex", true, true}, {"--map", true, true},
                {"--with-optimizer", false}, {"--threads", true}, {"--memory-budget", true}, {"--part", true},
-               {"--check-replicas", false}, {"--io", true}},
+               {"--check-replicas", false}, {"--io", true}, {"--dcp-layout", true}},
               2, 2, "convert");
   const std::string in = a.positional()[0], out = a.positional()[1];
   const auto dtype = parse_dtype(a);
@@ -410,6 +410,12 @@ int cmd_convert(const std::vector<std::string>& argv) {
   }
   // The output format, its options and the name options are checked before the input is read.
   const auto format = sd::formats::choose_output(out, w);
+  if (auto l = a.value("--dcp-layout")) {
+    if (format->name() != "dcp") a.fail(cli::errors::bad_value, "--dcp-layout applies to DCP output (--to dcp) only");
+    if (*l == "2" || *l == "2.x") w.settings.set<sd::dcp::write_options>().classes = sd::dcp::class_names::torch_2;
+    else if (*l == "1.13") w.settings.set<sd::dcp::write_options>().classes = sd::dcp::class_names::torch_1_13;
+    else a.fail(cli::errors::bad_value, "--dcp-layout takes 2 (PyTorch 2.x, the default) or 1.13, not " + sd::quote(*l));
+  }
   const auto transforms = name_transforms(a);
 
   const auto t0 = std::chrono::steady_clock::now();

@@ -164,6 +164,8 @@ TEST_CASE("bad input and usage: exit 2, one line on stderr naming the path") {
   check_usage_error(cli({"convert", good, (work / "o.pt").string(), "--dtype", "I32"}), "--dtype");
   check_usage_error(cli({"convert", good, (work / "o.pt").string(), "--world-size", "2"}), "--world-size");
   check_usage_error(cli({"convert", good, (work / "d").string(), "--to", "dcp", "--world-size", "0"}), "--world-size");
+  check_usage_error(cli({"convert", good, (work / "d").string(), "--to", "dcp", "--dcp-layout", "3"}), "--dcp-layout");
+  check_usage_error(cli({"convert", good, (work / "o.pt").string(), "--dcp-layout", "1.13"}), "--dcp-layout");
   check_usage_error(cli({"convert", good, (work / "o.safetensors").string(), "--only", "no_such_prefix"}), "--only");
   check_usage_error(cli({"frobnicate"}), "frobnicate");
   CHECK_FALSE(fs::exists(work / "o.pt"));

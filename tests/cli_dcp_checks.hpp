@@ -1,4 +1,4 @@
-// `statedict convert --to dcp --world-size M` of every sharded fixture (DCP written by 2, 3 and 4
+// `statedict convert --to dcp --world-size M --dcp-layout 1.13` of every sharded fixture (DCP written by 2, 3 and 4
 // ranks, ShardedTensor rank files, DeepSpeed ZeRO 1/2/3, OLMo FSDP) for M = 1, 2, 3 and 5 (over
 // tests/cli-dcp-*.cpp): each
 // output is re-inspected by statedict and loaded by PyTorch 1.13's own DCP reader on M gloo
@@ -24,7 +24,10 @@ inline void check_dcp(const std::vector<int>& ms, const std::string& scratch_nam
       for (const int m : ms) {
         CAPTURE(m);
         const fs::path out = work / (f.name + "-m" + std::to_string(m));
-        const run_result r = cli({"convert", f.path.string(), out.string(), "--to", "dcp", "--world-size", std::to_string(m)});
+        // PyTorch 1.13 is the oracle here: the 1.13 layout (tests/interop-torch2.cpp loads the
+        // default 2.x layout in PyTorch 2.14).
+        const run_result r = cli({"convert", f.path.string(), out.string(), "--to", "dcp", "--world-size", std::to_string(m),
+                                  "--dcp-layout", "1.13"});
         INFO(r.describe());
         REQUIRE(r.code == 0);
         REQUIRE(fs::exists(out / ".metadata"));

@@ -183,8 +183,23 @@ inline std::vector<fixture> fixtures(const std::string& generator) {
 /// Dtypes PyTorch 1.13 cannot load (so its torch.load is no oracle for them).
 inline bool torch113_has(const std::string& dtype) {
   static const std::set<std::string> no{"U16", "U32", "U64", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ",
-                                        "F4", "F6_E2M3", "F6_E3M2"};
+                                        "F4", "F6_E2M3", "F6_E3M2", "F4_X2", "F6_E2M3_X4", "F6_E3M2_X4", "C32",
+                                        "BITS8", "BITS16", "BITS1X8", "BITS2X4", "BITS4X2"};
   return !no.count(dtype);
+}
+
+/// The manifest as statedict names things: a safetensors F4 / F6_* tensor (its last dimension
+/// counting values) is an F4_X2 / F6_*_X4 tensor of 2 / 4 values per element, as statedict (and,
+/// for F4, PyTorch's float4_e2m1fn_x2) holds it.
+inline json statedict_view(json m) {
+  for (auto& [n, t] : m["tensors"].items()) {
+    const std::string d = t.value("dtype", "");
+    const int per = d == "F4" ? 2 : (d == "F6_E2M3" || d == "F6_E3M2") ? 4 : 1;
+    if (per == 1 || t["shape"].empty()) continue;
+    t["dtype"] = d == "F4" ? "F4_X2" : d + "_X4";
+    t["shape"].back() = t["shape"].back().get<std::int64_t>() / per;
+  }
+  return m;
 }
 inline bool torch113_loads(const json& manifest) {
   for (const auto& [n, t] : manifest["tensors"].items())

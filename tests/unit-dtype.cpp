@@ -6,12 +6,14 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <bit>
 #include <complex>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 using namespace statedict;
@@ -20,7 +22,9 @@ namespace {
 constexpr std::array<dtype, dtype_count> all_dtypes = {
     dtype::BOOL, dtype::U8,  dtype::I8,  dtype::I16,     dtype::U16,     dtype::I32, dtype::U32,
     dtype::I64,  dtype::U64, dtype::F16, dtype::BF16,    dtype::F32,     dtype::F64, dtype::F8_E4M3,
-    dtype::F8_E5M2, dtype::C64, dtype::C128};
+    dtype::F8_E5M2, dtype::C64, dtype::C128, dtype::F8_E4M3FNUZ, dtype::F8_E5M2FNUZ, dtype::F8_E8M0,
+    dtype::F4_X2, dtype::F6_E2M3_X4, dtype::F6_E3M2_X4, dtype::C32, dtype::BITS8, dtype::BITS16,
+    dtype::BITS1X8, dtype::BITS2X4, dtype::BITS4X2};
 
 float f32(std::uint32_t u) { return std::bit_cast<float>(u); }
 std::uint32_t bits(float f) { return std::bit_cast<std::uint32_t>(f); }
@@ -65,6 +69,18 @@ TEST_CASE("names: safetensors, torch, legacy storage class") {
       {dtype::F8_E5M2, "F8_E5M2", "float8_e5m2", "", 1},
       {dtype::C64, "C64", "complex64", "ComplexFloatStorage", 8},
       {dtype::C128, "C128", "complex128", "ComplexDoubleStorage", 16},
+      {dtype::F8_E4M3FNUZ, "F8_E4M3FNUZ", "float8_e4m3fnuz", "", 1},
+      {dtype::F8_E5M2FNUZ, "F8_E5M2FNUZ", "float8_e5m2fnuz", "", 1},
+      {dtype::F8_E8M0, "F8_E8M0", "float8_e8m0fnu", "", 1},
+      {dtype::F4_X2, "F4_X2", "float4_e2m1fn_x2", "", 1},
+      {dtype::F6_E2M3_X4, "F6_E2M3_X4", "", "", 3},
+      {dtype::F6_E3M2_X4, "F6_E3M2_X4", "", "", 3},
+      {dtype::C32, "C32", "complex32", "", 4},
+      {dtype::BITS8, "BITS8", "bits8", "", 1},
+      {dtype::BITS16, "BITS16", "bits16", "", 2},
+      {dtype::BITS1X8, "BITS1X8", "bits1x8", "", 1},
+      {dtype::BITS2X4, "BITS2X4", "bits2x4", "", 1},
+      {dtype::BITS4X2, "BITS4X2", "bits4x2", "", 1},
   };
   CHECK(std::size(rows) == dtype_count);
   for (const auto& r : rows) {
@@ -74,7 +90,7 @@ TEST_CASE("names: safetensors, torch, legacy storage class") {
     CHECK(info(r.t).storage_name == r.storage);
     CHECK(itemsize(r.t) == r.size);
     CHECK(dtype_from_name(r.st) == r.t);
-    CHECK(dtype_from_torch_name(r.torch) == r.t);
+    if (!r.torch.empty()) CHECK(dtype_from_torch_name(r.torch) == r.t);
     if (!r.storage.empty()) CHECK(dtype_from_storage_name(r.storage) == r.t);
   }
 }
@@ -91,10 +107,12 @@ TEST_CASE("element types have the dtype's size") {
 TEST_CASE("kinds: floating, complex, signed") {
   for (dtype t : all_dtypes) {
     CAPTURE(name(t));
-    const bool floating = t == dtype::F16 || t == dtype::BF16 || t == dtype::F32 || t == dtype::F64 ||
-                          t == dtype::F8_E4M3 || t == dtype::F8_E5M2;
-    const bool complex = t == dtype::C64 || t == dtype::C128;
-    const bool unsigned_ = t == dtype::BOOL || t == dtype::U8 || t == dtype::U16 || t == dtype::U32 || t == dtype::U64;
+    const bool floating = t == dtype::F16 || t == dtype::BF16 || t == dtype::F32 || t == dtype::F64 || t == dtype::F8_E4M3 ||
+                          t == dtype::F8_E5M2 || t == dtype::F8_E4M3FNUZ || t == dtype::F8_E5M2FNUZ || t == dtype::F8_E8M0;
+    const bool complex = t == dtype::C64 || t == dtype::C128 || t == dtype::C32;
+    const bool unsigned_ = t == dtype::BOOL || t == dtype::U8 || t == dtype::U16 || t == dtype::U32 || t == dtype::U64 ||
+                           t == dtype::F8_E8M0 || t == dtype::BITS8 || t == dtype::BITS16 || t == dtype::BITS1X8 ||
+                           t == dtype::BITS2X4 || t == dtype::BITS4X2;
     CHECK(is_floating(t) == floating);
     CHECK(info(t).is_complex == complex);
     CHECK(info(t).is_signed == !unsigned_);
@@ -104,9 +122,11 @@ TEST_CASE("kinds: floating, complex, signed") {
 TEST_CASE("safetensors ranks follow its Dtype enum (the order its writer sorts by)") {
   // safetensors: BOOL, F4, F6_E2M3, F6_E3M2, U8, I8, F8_E5M2, F8_E4M3, F8_E8M0, F8_E4M3FNUZ,
   // F8_E5M2FNUZ, I16, U16, F16, BF16, I32, U32, F32, C64, F64, I64, U64.
-  const dtype order[] = {dtype::BOOL, dtype::U8,  dtype::I8,  dtype::F8_E5M2, dtype::F8_E4M3, dtype::I16,
-                         dtype::U16,  dtype::F16, dtype::BF16, dtype::I32,    dtype::U32,     dtype::F32,
-                         dtype::C64,  dtype::F64, dtype::I64, dtype::U64};
+  const dtype order[] = {dtype::BOOL,        dtype::F4_X2,       dtype::F6_E2M3_X4, dtype::F6_E3M2_X4, dtype::U8,
+                         dtype::I8,          dtype::F8_E5M2,     dtype::F8_E4M3,    dtype::F8_E8M0,    dtype::F8_E4M3FNUZ,
+                         dtype::F8_E5M2FNUZ, dtype::I16,         dtype::U16,        dtype::F16,        dtype::BF16,
+                         dtype::I32,         dtype::U32,         dtype::F32,        dtype::C64,        dtype::F64,
+                         dtype::I64,         dtype::U64};
   for (std::size_t i = 1; i < std::size(order); ++i) {
     CAPTURE(name(order[i]));
     CHECK(info(order[i - 1]).safetensors_rank < info(order[i]).safetensors_rank);
@@ -117,17 +137,40 @@ TEST_CASE("safetensors ranks follow its Dtype enum (the order its writer sorts b
   CHECK(info(dtype::I16).safetensors_rank == 11);
   CHECK(info(dtype::U64).safetensors_rank == 21);
   CHECK(info(dtype::C128).safetensors_rank == -1);  // safetensors cannot store complex128
+  CHECK(std::size(order) == safetensors::dtype_table.size());
+  for (std::size_t i = 0; i < std::size(order); ++i) {
+    CAPTURE(i);
+    CHECK(info(order[i]).safetensors_rank == static_cast<int>(i));
+    CHECK(safetensors::dtype_table[i].type == order[i]);  // the reader's table maps each name to it
+    CHECK(safetensors::dtype_table[i].name == safetensors::file_dtype_name(order[i]));
+  }
+  for (dtype t : {dtype::C128, dtype::C32, dtype::BITS8, dtype::BITS16, dtype::BITS1X8, dtype::BITS2X4, dtype::BITS4X2})
+    CHECK(info(t).safetensors_rank == -1);
+}
+
+TEST_CASE("byte order units and packing") {
+  CHECK(info(dtype::C64).swap_unit == 4);  // each component swapped on its own
+  CHECK(info(dtype::C32).swap_unit == 2);
+  CHECK(info(dtype::C128).swap_unit == 8);
+  CHECK(info(dtype::BITS16).swap_unit == 2);
+  CHECK(info(dtype::F4_X2).swap_unit == 1);
+  CHECK(info(dtype::F4_X2).packed == 2);
+  CHECK(info(dtype::F6_E2M3_X4).packed == 4);
+  for (dtype t : all_dtypes) {
+    CAPTURE(name(t));
+    CHECK(itemsize(t) % info(t).swap_unit == 0);
+  }
 }
 
 TEST_CASE("parsing rejects what is not a name") {
   CHECK_FALSE(dtype_from_name("f32").has_value());  // case matters
   CHECK_FALSE(dtype_from_name("F32 ").has_value());
   CHECK_FALSE(dtype_from_name("").has_value());
-  CHECK_FALSE(dtype_from_name("F8_E8M0").has_value());  // a safetensors dtype statedict does not handle
+  CHECK_FALSE(dtype_from_name("F4").has_value());  // safetensors' name of the packed F4_X2: not a statedict name
   CHECK_FALSE(dtype_from_name("float32").has_value());  // a torch name is not a safetensors name
   CHECK_FALSE(dtype_from_torch_name("torch.float32").has_value());
   CHECK_FALSE(dtype_from_torch_name("F32").has_value());
-  CHECK_FALSE(dtype_from_torch_name("complex32").has_value());
+  CHECK_FALSE(dtype_from_torch_name("").has_value());  // the safetensors-only dtypes have no torch name
   CHECK_FALSE(dtype_from_storage_name("").has_value());  // dtypes without a storage class do not match ""
   CHECK_FALSE(dtype_from_storage_name("UntypedStorage").has_value());
   CHECK_FALSE(dtype_from_storage_name("QInt8Storage").has_value());
@@ -142,6 +185,52 @@ TEST_CASE("torch aliases") {
   CHECK(dtype_from_torch_name("short") == dtype::I16);
   CHECK(dtype_from_torch_name("cfloat") == dtype::C64);
   CHECK(dtype_from_torch_name("cdouble") == dtype::C128);
+  CHECK(dtype_from_torch_name("chalf") == dtype::C32);
+}
+
+// Values torch 2.14 gives (`torch.tensor([x]).to(dtype).view(torch.uint8)`); the interop test
+// compares whole tables (tests/python/torch2/gen_t2_dtype_tables.py).
+TEST_CASE("fnuz and e8m0 conversions at their edges, as PyTorch 2.x") {
+  CHECK(f8e4m3fnuz_from_f32(240.0F) == 0x7f);
+  CHECK(f8e4m3fnuz_from_f32(247.0F) == 0x7f);
+  CHECK(f8e4m3fnuz_from_f32(248.0F) == 0x80);  // rounds to 256: NaN, the only non-finite code
+  CHECK(f8e4m3fnuz_from_f32(-0.0F) == 0x00);   // no negative zero
+  CHECK(f8e4m3fnuz_from_f32(-1e-10F) == 0x00);
+  CHECK(f8e4m3fnuz_from_f32(-std::numeric_limits<float>::infinity()) == 0x80);
+  CHECK(f8e4m3fnuz_from_f32(-1.0F) == 0xc0);
+  CHECK(f8e5m2fnuz_from_f32(240.0F) == 0x60);
+  CHECK(f8e5m2fnuz_from_f32(std::numeric_limits<float>::quiet_NaN()) == 0x80);
+  CHECK(bits(f32_from_f8e4m3fnuz(0x01)) == 0x3a800000);
+  CHECK(bits(f32_from_f8e4m3fnuz(0x7f)) == 0x43700000);
+  CHECK(bits(f32_from_f8e4m3fnuz(0xff)) == 0xc3700000);
+  CHECK(bits(f32_from_f8e4m3fnuz(0x80)) == f8_fnuz_nan_f32);
+  const std::pair<float, std::uint8_t> e8m0[] = {
+      {1.0F, 0x7f}, {1.4F, 0x7f}, {1.5F, 0x80}, {1.6F, 0x80}, {2.9F, 0x80}, {3.0F, 0x81}, {0.75F, 0x7f}, {1e-40F, 0x00},
+      {0.0F, 0x00}, {-1.0F, 0x7f}, {std::numeric_limits<float>::infinity(), 0xff}, {0x1p127F, 0xfe}, {0x1.8p127F, 0xff},
+      {0x1p-127F, 0x00}, {0x1p-128F, 0x00}};
+  for (const auto& [x, code] : e8m0) {
+    CAPTURE(x);
+    CHECK(f8e8m0_from_f32(x) == code);
+  }
+  CHECK(bits(f32_from_f8e8m0(0)) == 0x00400000);
+  CHECK(bits(f32_from_f8e8m0(127)) == 0x3f800000);
+  CHECK(bits(f32_from_f8e8m0(254)) == 0x7f000000);
+}
+
+TEST_CASE("complex32 casts component by component through f16") {
+  const std::uint16_t c32[4] = {0x3c00, 0xc000, 0x7c00, 0x0001};  // 1 - 2i, inf + 2^-24 i
+  float c64[4] = {};
+  cast_run(dtype::C32, reinterpret_cast<const std::byte*>(c32), dtype::C64, reinterpret_cast<std::byte*>(c64), 2);
+  CHECK(c64[0] == 1.0F);
+  CHECK(c64[1] == -2.0F);
+  CHECK(std::isinf(c64[2]));
+  CHECK(c64[3] == 0x1p-24F);
+  std::uint16_t back[4] = {};
+  cast_run(dtype::C64, reinterpret_cast<const std::byte*>(c64), dtype::C32, reinterpret_cast<std::byte*>(back), 2);
+  CHECK(std::equal(std::begin(back), std::end(back), std::begin(c32)));
+  CHECK_FALSE(can_cast(dtype::F4_X2, dtype::F32));
+  CHECK_FALSE(can_cast(dtype::BITS16, dtype::F16));
+  CHECK(can_cast(dtype::F8_E8M0, dtype::BF16));
 }
 
 TEST_CASE("scalar conversions at their edges") {

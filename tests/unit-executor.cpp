@@ -219,6 +219,89 @@ TEST_CASE("casts from pread sources equal cast_run") {
   }
 }
 
+TEST_CASE("big-endian sources: every element swapped as it is copied, bit-exact for any threads and budget") {
+  // The model's bytes read as big-endian elements: the expected little-endian output swaps each
+  // element (each component of a complex one) of the source bytes; casts come after the swap.
+  Model m = make_model(5);
+  m.tensors.push_back({"c", dtype::C64, {500}, {}});
+  m.tensors.push_back({"h", dtype::C32, {3}, {}});
+  m.tensors.push_back({"q", dtype::U8, {7}, {}});
+  m.tensors.push_back({"u", dtype::U64, {9}, {}});
+  const auto one = layout::single(m.tensors, "x");
+  m.data.resize(static_cast<std::size_t>(one.sizes[0]));
+  std::mt19937_64 rng(5);
+  for (auto& b : m.data) b = static_cast<std::byte>(rng());
+  const fs::path d1 = scratch("big");
+  exec_options opt;
+  (void)write_files(m.checkpoint(), one, d1, opt);
+  bytes little = m.data;
+  std::uint64_t at = 0;
+  for (const TensorInfo& t : m.tensors) {
+    const std::uint64_t n = numel(t.shape);
+    byteswap_run(t.dtype, little.data() + at, static_cast<std::size_t>(n));
+    at += n * itemsize(t.dtype);
+  }
+  CHECK(little != m.data);
+  // The F32 tensors cast to BF16 as well: swapped, then rounded.
+  std::vector<TensorInfo> out_tensors = m.tensors;
+  out_tensors[1].dtype = dtype::BF16;
+  bytes want_cast;
+  {
+    const auto single = layout::single(m.tensors, "x");
+    const std::uint64_t off1 = single.tensors[1].chunks[0].at.byte_offset;
+    const std::size_t n1 = 384 * 700;
+    bytes w1(2 * n1);
+    cast_run(dtype::F32, little.data() + off1, dtype::BF16, w1.data(), n1);
+    want_cast.assign(little.begin(), little.begin() + static_cast<std::ptrdiff_t>(off1));
+    want_cast.insert(want_cast.end(), w1.begin(), w1.end());
+    want_cast.insert(want_cast.end(), little.begin() + static_cast<std::ptrdiff_t>(off1 + 4 * n1), little.end());
+  }
+  for (read_mode mode : {read_mode::mmap, read_mode::pread})
+    for (unsigned threads : {1U, 3U})
+      for (std::uint64_t budget : {std::uint64_t{1} << 19, default_memory_budget}) {
+        CAPTURE(threads);
+        CAPTURE(budget);
+        ShardedCheckpoint src = open_files(one, d1, mode);
+        for (TensorInfo& t : src.tensors)
+          for (Chunk& c : t.chunks) c.at.order = byte_order::big;
+        opt.threads = threads;
+        opt.memory_budget = budget;
+        for (const bool cast : {false, true}) {
+          const Destination dst = layout::single(cast ? out_tensors : m.tensors, "y");
+          const Plan plan = make_plan(src, dst);
+          for (const CopyOp& o : plan.ops) CHECK(o.swap);
+          MemorySink sink("y");
+          Sink* p[] = {&sink};
+          execute(plan, src, p, opt);
+          CHECK(bytes(sink.bytes().begin(), sink.bytes().end()) == (cast ? want_cast : little));
+        }
+        // Digests are of the little-endian elements.
+        const auto h = sha256_tensors(src, opt);
+        CHECK(h[0].second == sha256_hex(TensorView::contiguous(dtype::F32, m.tensors[0].shape, little.data(), nullptr)));
+      }
+  // Replicas are compared after the swap: a big-endian copy equals the little-endian one.
+  ShardedCheckpoint two = open_files(one, d1, read_mode::mmap);
+  two.sources.push_back(MemorySource::copy_of("little", little));
+  for (TensorInfo& t : two.tensors) {
+    Chunk le = t.chunks[0];
+    le.at.source = 1;
+    t.chunks[0].at.order = byte_order::big;
+    t.chunks.push_back(le);
+  }
+  plan_options check;
+  check.check_replicas = true;
+  const Plan rp = make_plan(two, layout::single(m.tensors, "z"), check);
+  CHECK(!rp.checks.empty());
+  MemorySink sink("z");
+  Sink* p[] = {&sink};
+  execute(rp, two, p, opt);
+  CHECK(bytes(sink.bytes().begin(), sink.bytes().end()) == little);
+  // Destinations are little-endian only.
+  Destination bad = layout::single(m.tensors, "w");
+  bad.tensors[0].chunks[0].at.order = byte_order::big;
+  CHECK(error_of([&] { (void)make_plan(open_files(one, d1, read_mode::mmap), bad); }) == errors::destination_byte_order.id);
+}
+
 TEST_CASE("hashing sinks: CRC-32 of regions in any order, SHA-256 in order") {
   const Model m = make_model(5);
   const auto src = m.checkpoint();

@@ -4,6 +4,7 @@
 
 #include <statedict/io/hf_sharded.hpp>
 #include <statedict/formats/hf.hpp>
+#include <statedict/statedict.hpp>
 
 #include <filesystem>
 #include <fstream>
@@ -275,4 +276,79 @@ TEST_CASE("the reader validates the index against the shards") {
   const fs::path empty = tmp_dir("empty");
   fs::create_directories(empty);
   CHECK(open_error(empty) == 357);
+}
+
+namespace {
+int describe_error(const fs::path& p) {
+  try {
+    (void)hf::describe_checkpoint(p, {}, {});
+  } catch (const error& e) {
+    return e.id();
+  }
+  return 0;
+}
+}  // namespace
+
+TEST_CASE("an index of torch.save shards (transformers' .bin) is read shard by shard, by content") {
+  const fs::path dir = tmp_dir("bin");
+  fs::create_directories(dir);
+  Tensor a = Tensor::from<float>({1, 2}, {2});
+  Tensor b = Tensor::from<std::int64_t>({3}, {1});
+  Tensor c = Tensor::from<float>({4, 5, 6}, {3});
+  auto dict = [](std::vector<std::pair<std::string, Value>> items) {
+    Dict d;
+    for (auto& [k, v] : items) d.insert(k, std::move(v));
+    return Value(std::move(d));
+  };
+  torch::save(dir / "pytorch_model-00001-of-00002.bin", dict({{"x", Value(a.view())}, {"tied", Value(a.view())}}));
+  torch::save(dir / "pytorch_model-00002-of-00002.bin", dict({{"y", Value(b.view())}}));
+  st::write(dir / "more.safetensors", std::vector<st::Input>{st::Input::of("z", c.view())});
+  const fs::path idx = dir / "pytorch_model.bin.index.json";
+  write_all(idx, R"({"metadata":{"total_size":32},"weight_map":{"y":"pytorch_model-00002-of-00002.bin",)"
+                 R"("x":"pytorch_model-00001-of-00002.bin","tied":"pytorch_model-00001-of-00002.bin","z":"more.safetensors"}})");
+  for (const fs::path& p : {dir, idx}) {
+    CAPTURE(p.string());
+    const formats::Opened o = formats::open(p);
+    CHECK(o.format->name() == "hf");
+    const ShardedCheckpoint& ck = o.checkpoint;
+    CHECK(ck.format == "hf_sharded");
+    REQUIRE(ck.tensors.size() == 3);  // weight_map order; the tie stays a tie
+    CHECK(ck.tensors[0].name == "y");
+    CHECK(ck.tensors[1].name == "x");
+    CHECK(ck.tensors[2].name == "z");
+    CHECK(ck.sources.size() == 3);
+    CHECK(ck.metadata.at("total_size") == "32");
+    const auto hashes = sha256_tensors(formats::expand_ties(ck));
+    REQUIRE(hashes.size() == 4);
+    CHECK(hashes[0].second == sha256_hex(b.view()));
+    CHECK(hashes[1].second == sha256_hex(a.view()));
+    CHECK(hashes[2].second == sha256_hex(c.view()));
+    CHECK(hashes[3].first == "tied");
+    CHECK(hashes[3].second == sha256_hex(a.view()));
+  }
+  // The same validation as for safetensors shards, and a shard holds tensors only.
+  auto with_index = [&](const std::string& text) {
+    write_all(idx, text);
+    return describe_error(dir);
+  };
+  CHECK(with_index(R"({"weight_map":{"x":"pytorch_model-00001-of-00002.bin","tied":"pytorch_model-00001-of-00002.bin"}})") == 0);
+  CHECK(with_index(R"({"weight_map":{"x":"pytorch_model-00001-of-00002.bin"}})") == 355);  // "tied" unlisted
+  CHECK(with_index(R"({"weight_map":{"x":"pytorch_model-00001-of-00002.bin","tied":"pytorch_model-00001-of-00002.bin",)"
+                   R"("y":"pytorch_model-00001-of-00002.bin"}})") == 353);
+  CHECK(with_index(R"({"weight_map":{"x":"pytorch_model-00001-of-00002.bin","tied":"pytorch_model-00001-of-00002.bin",)"
+                   R"("y":"pytorch_model-00002-of-00002.bin","z":"pytorch_model-00002-of-00002.bin"}})") == 353);
+  CHECK(with_index(R"({"weight_map":{"x":"../pytorch_model-00001-of-00002.bin"}})") == 356);
+  CHECK(with_index(R"({"weight_map":{"x":"pytorch_model-00001-of-00002.bin","tied":"gone.bin"}})") == 380);
+  torch::save(dir / "values.bin", dict({{"w", Value(a.view())}, {"step", Value(std::int64_t{3})}}));
+  CHECK(with_index(R"({"weight_map":{"w":"values.bin","x":"pytorch_model-00001-of-00002.bin"}})") == 335);
+  torch::save(dir / "again.bin", dict({{"x", Value(c.view())}}));
+  CHECK(with_index(R"({"weight_map":{"x":"again.bin","tied":"pytorch_model-00001-of-00002.bin"}})") == 354);
+  // A directory with a single pytorch_model.bin.
+  const fs::path single = tmp_dir("bin_single");
+  fs::create_directories(single);
+  torch::save(single / "pytorch_model.bin", dict({{"w", Value(c.view())}}));
+  const formats::Opened o = formats::open(single);
+  CHECK(o.format->name() == "hf");
+  REQUIRE(o.checkpoint.tensors.size() == 1);
+  CHECK(o.checkpoint.tensors[0].name == "w");
 }

@@ -371,18 +371,64 @@ TEST_CASE("statedict limits (319, 320, 321)") {
   CHECK(error_of(image("{" + tensor_json("a", "U8", "[9223372036854775808,0]", 0, 0) + "}")) == 321);
 }
 
-TEST_CASE("dtypes statedict lacks open fine and refuse views (322)") {
-  st::File f = open_image(image("{" + tensor_json("s", "F8_E8M0", "[2]", 0, 2) + "," + tensor_json("q", "F4", "[2]", 2, 3) + "}", "abc"));
+TEST_CASE("packed dtypes: F4 / F6 values in elements of 2 / 4; a last dimension that does not split refuses views (322)") {
+  // F8_E8M0 is an element of its own; F4 [2, 4] is F4_X2 [2, 2]; F6_E2M3 [8] is F6_E2M3_X4 [2].
+  st::File ok = open_image(image("{" + tensor_json("s", "F8_E8M0", "[2]", 0, 2) + "," + tensor_json("q", "F4", "[2,4]", 2, 6) + "," +
+                                     tensor_json("h", "F6_E2M3", "[8]", 6, 12) + "}",
+                                 "ab" + std::string("cdef") + std::string("ghijkl")));
+  CHECK(ok.entries()[0].dtype == dtype::F8_E8M0);
+  CHECK(ok.entries()[1].dtype == dtype::F4_X2);
+  CHECK(ok.entries()[1].shape == shape_t{2, 2});
+  CHECK(ok.entries()[1].file_shape == shape_t{2, 4});
+  CHECK(ok.entries()[2].dtype == dtype::F6_E2M3_X4);
+  CHECK(ok.entries()[2].shape == shape_t{2});
+  CHECK(ok.view("q").nbytes() == 4);
+  CHECK(ok.view("h").nbytes() == 6);
+  const ShardedCheckpoint ck = ok.describe();
+  CHECK(ck.tensors[1].shape == shape_t{2, 2});
+  // Valid safetensors (6 four-bit values are 3 bytes), but 3 values per row do not make pairs.
+  st::File f = open_image(image("{" + tensor_json("q", "F4", "[2,3]", 0, 3) + "," + tensor_json("w", "U8", "[1]", 3, 4) + "}", "abcd"));
   CHECK(f.size() == 2);
-  CHECK(f.entries()[0].dtype_name == "F8_E8M0");
+  CHECK(f.entries()[0].dtype_name == "F4");
   CHECK_FALSE(f.entries()[0].dtype.has_value());
+  CHECK(f.sha256("q") == sha256_hex(std::string_view("abc")));  // hashed as stored all the same
   try {
-    (void)f.view("s");
+    (void)f.view("q");
     FAIL("expected an error");
   } catch (const unsupported_error& e) {
     CHECK(e.id() == 322);
+    CHECK(std::string(e.what()).find("multiple of 2") != std::string::npos);
   }
   CHECK_THROWS_AS((void)f.describe(), unsupported_error);
+  CHECK(error_of(image("{" + tensor_json("z", "F4", "[]", 0, 0) + "}", "")) == 316);  // one 4-bit value: half a byte
+}
+
+TEST_CASE("the writer names packed dtypes as safetensors does and refuses what it cannot hold (330)") {
+  auto id_of = [](const auto& f) {
+    try {
+      f();
+    } catch (const error& e) {
+      return e.id();
+    }
+    return 0;
+  };
+  const st::Layout l = st::layout(std::vector<st::TensorSpec>{{"q", dtype::F4_X2, {2, 3}}}, std::nullopt);
+  CHECK(l.header.find("\"dtype\":\"F4\",\"shape\":[2,6]") != std::string::npos);
+  const st::Layout l6 = st::layout(std::vector<st::TensorSpec>{{"h", dtype::F6_E3M2_X4, {5}}}, std::nullopt);
+  CHECK(l6.header.find("\"dtype\":\"F6_E3M2\",\"shape\":[20]") != std::string::npos);
+  CHECK(l6.file_size == l6.data_start() + 15);
+  for (const dtype t : {dtype::C32, dtype::BITS16, dtype::C128})
+    CHECK(id_of([&] { (void)st::layout(std::vector<st::TensorSpec>{{"x", t, {2}}}, std::nullopt); }) == 330);
+  CHECK(id_of([&] { (void)st::layout(std::vector<st::TensorSpec>{{"x", dtype::F4_X2, {}}}, std::nullopt); }) == 330);
+  // Written and read back: the same elements.
+  const fs::path p = tmp_dir() / "packed.safetensors";
+  Tensor t(dtype::F4_X2, {2, 3});
+  for (std::size_t i = 0; i < 6; ++i) t.data()[i] = static_cast<std::byte>(0x10 * i + 1);
+  st::write(p, std::vector<st::Input>{st::Input::of("q", t.view())});
+  const st::File back = st::File::open(p);
+  CHECK(back.entries()[0].dtype_name == "F4");
+  CHECK(back.entries()[0].file_shape == shape_t{2, 6});
+  CHECK(sha256_hex(back.view("q")) == sha256_hex(t.view()));
 }
 
 TEST_CASE("statedict metadata is checked (323)") {

@@ -1,11 +1,18 @@
 // Unit tests: CRC-32, zip reader (hostile input) and writer (torch's layout, byte for byte).
 #include <doctest/doctest.h>
 
+#include <statedict/io/torch_file.hpp>
 #include <statedict/io/zip.hpp>
+#include <statedict/exec/digest.hpp>
+#include <statedict/formats/torch.hpp>
+
+#include <zlib.h>
 
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
+#include <map>
+#include <span>
 #include <random>
 #include <string>
 #include <thread>
@@ -490,7 +497,7 @@ TEST_CASE("reader: hostile archives, one error id each") {
   }
   SUBCASE("compressed and encrypted entries: clear errors naming the entry, only when read") {
     auto v = good;
-    put16(v, cd2 + 10, 8);  // deflate
+    put16(v, cd2 + 10, 12);  // bzip2
     auto ar = open(v);
     CHECK(ar.read("p/data.pkl").size == 12);
     try {
@@ -499,7 +506,12 @@ TEST_CASE("reader: hostile archives, one error id each") {
     } catch (const unsupported_error& e) {
       CHECK(e.code() == errors::zip_compressed_entry);
       CHECK(std::string(e.what()).find("'p/data/0'") != std::string::npos);
+      CHECK(std::string(e.what()).find("method 12") != std::string::npos);
     }
+    auto d = good;
+    put16(d, cd2 + 10, 8);  // "deflated", but the bytes are not a DEFLATE stream
+    expect_error([&] { (void)open(d).read("p/data/0"); }, errors::zip_bad_deflate);
+    expect_error([&] { open(d).check_readable(open(d).at("p/data/0")); }, errors::zip_compressed_entry);  // not usable in place
     auto w = good;
     put16(w, cd + 8, 0x0809);
     expect_error([&] { (void)open(w).read("p/data.pkl"); }, errors::zip_encrypted_entry);
@@ -552,4 +564,169 @@ TEST_CASE("writer: misuse is reported") {
   w.end_entry();
   expect_error([&] { w.finish(); }, errors::zip_writer_order);
   expect_error([&] { (void)zip::tail_bytes(w.layout(), std::vector<std::uint32_t>{1}); }, errors::zip_bad_writer_input);
+}
+
+namespace {
+
+/// Raw DEFLATE of `in` (zlib, no header), as zip method 8 stores it.
+std::vector<std::byte> deflate_raw(std::span<const std::byte> in, int level = 6) {
+  z_stream zs{};
+  REQUIRE(deflateInit2(&zs, level, Z_DEFLATED, -MAX_WBITS, 8, Z_DEFAULT_STRATEGY) == Z_OK);
+  std::vector<std::byte> out(deflateBound(&zs, static_cast<uLong>(in.size())));
+  zs.next_in = reinterpret_cast<Bytef*>(const_cast<std::byte*>(in.data()));
+  zs.avail_in = static_cast<uInt>(in.size());
+  zs.next_out = reinterpret_cast<Bytef*>(out.data());
+  zs.avail_out = static_cast<uInt>(out.size());
+  REQUIRE(deflate(&zs, Z_FINISH) == Z_STREAM_END);
+  out.resize(zs.total_out);
+  deflateEnd(&zs);
+  return out;
+}
+
+struct Packed {
+  std::string name;
+  std::vector<std::byte> data;  ///< uncompressed
+  bool deflate = true;
+};
+
+/// A plain zip archive (no ZIP64, no data descriptors), as Python's zipfile writes one, with
+/// each entry stored or deflated. `declared` overrides the uncompressed size of entry i.
+std::vector<std::byte> repack(const std::vector<Packed>& entries, std::map<std::size_t, std::uint32_t> declared = {}) {
+  std::vector<std::byte> out, cd;
+  auto w16 = [](std::vector<std::byte>& v, std::uint32_t x) { zip::detail::wr16(v, x); };
+  auto w32 = [](std::vector<std::byte>& v, std::uint32_t x) { zip::detail::wr32(v, x); };
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    const Packed& p = entries[i];
+    const std::vector<std::byte> body = p.deflate ? deflate_raw(p.data) : p.data;
+    const auto crc = zip::crc32(std::span<const std::byte>(p.data));
+    const std::uint32_t size = declared.count(i) ? declared[i] : static_cast<std::uint32_t>(p.data.size());
+    const auto header_at = static_cast<std::uint32_t>(out.size());
+    for (auto* v : {&out, &cd}) {
+      w32(*v, v == &out ? 0x04034b50 : 0x02014b50);
+      if (v == &cd) w16(*v, 20);
+      w16(*v, 20);
+      w16(*v, 0);
+      w16(*v, p.deflate ? 8 : 0);
+      w32(*v, 0);  // time, date
+      w32(*v, crc);
+      w32(*v, static_cast<std::uint32_t>(body.size()));
+      w32(*v, size);
+      w16(*v, static_cast<std::uint32_t>(p.name.size()));
+      w16(*v, 0);
+      if (v == &cd) {
+        w16(*v, 0);
+        w16(*v, 0);
+        w16(*v, 0);
+        w32(*v, 0);
+        w32(*v, header_at);
+      }
+      zip::detail::wrstr(*v, p.name);
+    }
+    out.insert(out.end(), body.begin(), body.end());
+  }
+  const auto cd_at = static_cast<std::uint32_t>(out.size());
+  out.insert(out.end(), cd.begin(), cd.end());
+  w32(out, 0x06054b50);
+  w32(out, 0);
+  w16(out, static_cast<std::uint32_t>(entries.size()));
+  w16(out, static_cast<std::uint32_t>(entries.size()));
+  w32(out, static_cast<std::uint32_t>(cd.size()));
+  w32(out, cd_at);
+  w16(out, 0);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("inflate: raw DEFLATE streams of every shape, and hostile ones") {
+  std::mt19937 rng(7);
+  for (const std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{1000}, std::size_t{300000}}) {
+    CAPTURE(n);
+    std::vector<std::byte> data(n);
+    for (std::size_t i = 0; i < n; ++i) data[i] = static_cast<std::byte>(i % 7 == 0 ? rng() & 0xff : i & 0x3);
+    for (const int level : {0, 1, 9}) {
+      const auto packed = deflate_raw(data, level);
+      std::vector<std::byte> back(n);
+      zip::inflate_raw(packed, back, "test");
+      CHECK(back == data);
+      // Declared one byte short or long, cut short, or corrupt: errors, never a write past the buffer.
+      if (n > 0) {
+        std::vector<std::byte> short_out(n - 1);
+        expect_error([&] { zip::inflate_raw(packed, short_out, "test"); }, errors::zip_bad_deflate);
+      }
+      std::vector<std::byte> long_out(n + 1);
+      expect_error([&] { zip::inflate_raw(packed, long_out, "test"); }, errors::zip_bad_deflate);
+      expect_error([&] { zip::inflate_raw(std::span(packed).first(packed.size() - 1), back, "test"); }, errors::zip_bad_deflate);
+    }
+  }
+  std::vector<std::byte> out(16);
+  const std::vector<std::byte> junk(40, std::byte{0xff});
+  expect_error([&] { zip::inflate_raw(junk, out, "test"); }, errors::zip_bad_deflate);
+  expect_error([&] { zip::inflate_raw({}, out, "test"); }, errors::zip_bad_deflate);
+}
+
+TEST_CASE("reader: deflated entries are inflated into memory, within max_inflated_bytes") {
+  std::vector<std::byte> big(5000);
+  for (std::size_t i = 0; i < big.size(); ++i) big[i] = static_cast<std::byte>(i * 31 % 251);
+  const std::vector<Packed> entries = {{"a/x", bytes_of("hello hello hello"), true}, {"a/y", big, true}, {"a/z", bytes_of("plain"), false}};
+  const auto v = repack(entries);
+  zip::read_options o;
+  o.verify_crc = true;
+  const zip::Archive ar = zip::Archive::open(mem(v), o);
+  CHECK(ar.at("a/x").deflated());
+  const Region x = ar.read("a/x");
+  CHECK(std::string(reinterpret_cast<const char*>(x.data), static_cast<std::size_t>(x.size)) == "hello hello hello");
+  const Region y = ar.read("a/y");
+  CHECK(std::equal(big.begin(), big.end(), y.data, y.data + y.size));
+  CHECK(ar.read("a/z").size == 5);
+  CHECK(ar.inflated_bytes() == 17 + 5000);
+  expect_error([&] { ar.check_readable(ar.at("a/x")); }, errors::zip_compressed_entry);  // never a view of the file
+
+  zip::read_options small;
+  small.limits.max_inflated_bytes = 5010;  // y alone fits, x + y do not
+  const zip::Archive capped = zip::Archive::open(mem(v), small);
+  CHECK(capped.read("a/y").size == 5000);
+  expect_error([&] { (void)capped.read("a/x"); }, errors::zip_inflate_limit);
+
+  // A lying uncompressed size, and a CRC that does not match the inflated bytes.
+  expect_error([&] { (void)zip::Archive::open(mem(repack(entries, {{1, 4999}}))).read("a/y"); }, errors::zip_bad_deflate);
+  expect_error([&] { (void)zip::Archive::open(mem(repack(entries, {{1, 5001}}))).read("a/y"); }, errors::zip_bad_deflate);
+  auto bad_crc = v;
+  bad_crc[bad_crc.size() - 22 - (46 + 3) * 3 + 16] ^= std::byte{1};  // the first central entry's CRC
+  expect_error([&] { (void)zip::Archive::open(mem(bad_crc), o).read("a/x"); }, errors::zip_crc_mismatch);
+}
+
+TEST_CASE("torch: an archive whose records another zip tool deflated reads as the original") {
+  Dict d;
+  d.insert("w", Value(Tensor::from<float>({1, 2, 3, 4, 5, 6}, {2, 3}).view()));
+  d.insert("ids", Value(Tensor::from<std::int64_t>({7, -8}, {2}).view()));
+  d.insert("step", Value(std::int64_t{12}));
+  const auto path = tmp("orig.pt");
+  torch::save(path, Value(d));
+  const torch::File orig = torch::read(path);
+  // Every record, in the same order, stored -> deflated (the data.pkl too).
+  const zip::Archive ar = zip::Archive::open(mem(read_all(path)));
+  std::vector<Packed> entries;
+  for (const auto& e : ar.entries()) {
+    const Region r = ar.read(e);
+    entries.push_back({e.name, std::vector<std::byte>(r.data, r.data + r.size), true});
+  }
+  const auto deflated = repack(entries);
+  for (const bool lazy : {false, true}) {
+    CAPTURE(lazy);
+    const torch::File f = lazy ? torch::read_lazily(mem(deflated, "deflated.pt")) : torch::read(mem(deflated, "deflated.pt"));
+    CHECK(f.value == orig.value);
+    CHECK(f.compressed_records == 2);
+    CHECK(f.in_memory_bytes >= 24 + 16);
+    const ShardedCheckpoint ck = torch::describe(f);
+    CHECK(ck.metadata.at("torch.records_in_memory").find("2 deflated record(s)") != std::string::npos);
+    CHECK(ck.sources.at(0)->name().find("records in memory") != std::string::npos);
+    const auto h = sha256_tensors(ck);
+    const auto h0 = sha256_tensors(torch::describe(path));
+    CHECK(h == h0);
+  }
+  zip::read_options tiny;
+  torch::load_options lo;
+  lo.limits.zip.max_inflated_bytes = 30;
+  expect_error([&] { (void)torch::read(mem(deflated, "deflated.pt"), lo); }, errors::zip_inflate_limit);
 }

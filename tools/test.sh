@@ -7,7 +7,8 @@
 #   1. checks that single_include/ is up to date, that error ids are unique and documented, and
 #      that the pages quoting scripts (docs/slurm.md) quote them as they are;
 #   2. builds everything with g++ (warnings are errors) and runs the suite, including the interop
-#      tests against real PyTorch and the CMake consumer projects;
+#      tests against real PyTorch (Debian 12's 1.13, and 2.x from a Debian sid root that
+#      tools/sid-root.sh builds once per machine) and the CMake consumer projects;
 #   3. runs the job scripts of docs/slurm.md under a real single-node Slurm, torchrun and MPI;
 #   4. builds with clang and -fsanitize=address,undefined and runs the suite again;
 #   5. builds the unit tests against the single header in a Release build (-O2) and runs them;
@@ -24,8 +25,8 @@ fuzz_seconds=${STATEDICT_FUZZ_SECONDS:-30}
 fuzz_seed=${STATEDICT_FUZZ_SEED:-1}
 jobs=${STATEDICT_JOBS:-$(nproc)}
 
-packages="cmake make g++ clang python3 nlohmann-json3-dev doctest-dev libxtensor-dev libboost1.81-dev \
-libbenchmark-dev python3-torch python3-numpy libfuzzer-14-dev libclang-rt-14-dev"
+packages="cmake make g++ clang python3 nlohmann-json3-dev zlib1g-dev doctest-dev libxtensor-dev libboost1.81-dev \
+libbenchmark-dev python3-torch python3-numpy libfuzzer-14-dev libclang-rt-14-dev debootstrap"
 missing=""
 for p in $packages; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
@@ -69,6 +70,13 @@ if stage check; then
   python3 tools/doc_includes.py --check
 fi
 if stage gcc; then
+  # Today's PyTorch (2.x with safetensors, transformers, huggingface_hub) from a Debian sid root,
+  # built once per machine and cached outside the clone (/var/cache/statedict/sid-root): the
+  # fixtures and the oracle of tests/interop-torch2.cpp and tests/interop-corpus.cpp.
+  echo "== gcc: the Debian sid root with PyTorch 2.x (tools/sid-root.sh: minutes the first time on a machine, then cached)"
+  t_root=$(date +%s)
+  tools/sid-root.sh
+  echo "   sid root ready in $(( $(date +%s) - t_root )) s"
   CXX=g++ run_suite "g++" build/gcc "-O1"
 fi
 if stage slurm; then

@@ -571,8 +571,10 @@ inline bool is_contiguous(std::span<const dim_t> shape, std::span<const dim_t> s
 
 namespace statedict::inline v0 {
 
-/// Element types: every safetensors dtype statedict handles, plus C128 (PyTorch's complex128, which
-/// safetensors cannot store).
+/// Element types: every dtype of safetensors and of PyTorch's torch.save files. C128, C32 and the
+/// bits types are PyTorch's only (safetensors cannot store them); F6_E2M3_X4 and F6_E3M2_X4 are
+/// safetensors' only (PyTorch has no 6-bit dtype). New dtypes are appended, so the numbering of
+/// the older ones never changes.
 enum class dtype : std::uint8_t {
   BOOL,
   U8,
@@ -591,21 +593,39 @@ enum class dtype : std::uint8_t {
   F8_E5M2,
   C64,
   C128,
+  F8_E4M3FNUZ,  ///< torch.float8_e4m3fnuz: bias 8, NaN = 0x80 only, no infinities, no -0
+  F8_E5M2FNUZ,  ///< torch.float8_e5m2fnuz: bias 16, NaN = 0x80 only, no infinities, no -0
+  F8_E8M0,      ///< torch.float8_e8m0fnu: 2^(x - 127), unsigned, 0xff = NaN (OCP MX scales)
+  F4_X2,        ///< torch.float4_e2m1fn_x2: one byte, two packed e2m1 values (safetensors F4)
+  F6_E2M3_X4,   ///< safetensors F6_E2M3: three bytes, four packed 6-bit values
+  F6_E3M2_X4,   ///< safetensors F6_E3M2: three bytes, four packed 6-bit values
+  C32,          ///< torch.complex32 (chalf): two f16
+  BITS8,        ///< torch.bits8 and the other bits types: opaque bit containers
+  BITS16,
+  BITS1X8,
+  BITS2X4,
+  BITS4X2,
 };
 
-inline constexpr std::size_t dtype_count = 17;
+inline constexpr std::size_t dtype_count = 29;
 
 /// Everything statedict knows about one dtype.
 struct dtype_info {
   dtype id;
   std::uint8_t itemsize;              ///< bytes per element
-  std::string_view name;              ///< safetensors name ("F32"); C128 is statedict's own name
-  std::string_view torch_name;        ///< `torch.<name>` global ("float32")
+  std::string_view name;              ///< safetensors name ("F32"), or statedict's own (C128, F4_X2, ...)
+  std::string_view torch_name;        ///< `torch.<name>` global ("float32"); empty: PyTorch has no such dtype
   std::string_view storage_name;      ///< legacy typed storage class ("FloatStorage"); empty: UntypedStorage only
   std::int8_t safetensors_rank;       ///< position in safetensors' Dtype enum (its write order); -1: not storable
-  bool is_floating;                   ///< real floating point
+  bool is_floating;                   ///< real floating point that core/cast.hpp converts element by element
   bool is_complex;
   bool is_signed;                     ///< signed integer or floating
+  /// Bytes swapped together when the element is stored in the other byte order: the itemsize for
+  /// numbers, the component size for complex, 1 for byte-packed types.
+  std::uint8_t swap_unit;
+  /// Values one element packs (F4_X2: 2, F6_*_X4: 4): safetensors counts values, not elements, in
+  /// the last dimension of these.
+  std::uint8_t packed;
 };
 
 namespace detail {
@@ -614,25 +634,42 @@ namespace detail {
 // by that position, descending.
 // clang-format off
 inline constexpr std::array<dtype_info, dtype_count> dtype_table{{
-  {dtype::BOOL,    1, "BOOL",    "bool",          "BoolStorage",          0,  false, false, false},
-  {dtype::U8,      1, "U8",      "uint8",         "ByteStorage",          4,  false, false, false},
-  {dtype::I8,      1, "I8",      "int8",          "CharStorage",          5,  false, false, true},
-  {dtype::I16,     2, "I16",     "int16",         "ShortStorage",         11, false, false, true},
-  {dtype::U16,     2, "U16",     "uint16",        "",                     12, false, false, false},
-  {dtype::I32,     4, "I32",     "int32",         "IntStorage",           15, false, false, true},
-  {dtype::U32,     4, "U32",     "uint32",        "",                     16, false, false, false},
-  {dtype::I64,     8, "I64",     "int64",         "LongStorage",          20, false, false, true},
-  {dtype::U64,     8, "U64",     "uint64",        "",                     21, false, false, false},
-  {dtype::F16,     2, "F16",     "float16",       "HalfStorage",          13, true,  false, true},
-  {dtype::BF16,    2, "BF16",    "bfloat16",      "BFloat16Storage",      14, true,  false, true},
-  {dtype::F32,     4, "F32",     "float32",       "FloatStorage",         17, true,  false, true},
-  {dtype::F64,     8, "F64",     "float64",       "DoubleStorage",        19, true,  false, true},
-  {dtype::F8_E4M3, 1, "F8_E4M3", "float8_e4m3fn", "",                     7,  true,  false, true},
-  {dtype::F8_E5M2, 1, "F8_E5M2", "float8_e5m2",   "",                     6,  true,  false, true},
-  {dtype::C64,     8, "C64",     "complex64",     "ComplexFloatStorage",  18, false, true,  true},
-  {dtype::C128,   16, "C128",    "complex128",    "ComplexDoubleStorage", -1, false, true,  true},
+  {dtype::BOOL,        1, "BOOL",        "bool",            "BoolStorage",          0,  false, false, false, 1, 1},
+  {dtype::U8,          1, "U8",          "uint8",           "ByteStorage",          4,  false, false, false, 1, 1},
+  {dtype::I8,          1, "I8",          "int8",            "CharStorage",          5,  false, false, true,  1, 1},
+  {dtype::I16,         2, "I16",         "int16",           "ShortStorage",         11, false, false, true,  2, 1},
+  {dtype::U16,         2, "U16",         "uint16",          "",                     12, false, false, false, 2, 1},
+  {dtype::I32,         4, "I32",         "int32",           "IntStorage",           15, false, false, true,  4, 1},
+  {dtype::U32,         4, "U32",         "uint32",          "",                     16, false, false, false, 4, 1},
+  {dtype::I64,         8, "I64",         "int64",           "LongStorage",          20, false, false, true,  8, 1},
+  {dtype::U64,         8, "U64",         "uint64",          "",                     21, false, false, false, 8, 1},
+  {dtype::F16,         2, "F16",         "float16",         "HalfStorage",          13, true,  false, true,  2, 1},
+  {dtype::BF16,        2, "BF16",        "bfloat16",        "BFloat16Storage",      14, true,  false, true,  2, 1},
+  {dtype::F32,         4, "F32",         "float32",         "FloatStorage",         17, true,  false, true,  4, 1},
+  {dtype::F64,         8, "F64",         "float64",         "DoubleStorage",        19, true,  false, true,  8, 1},
+  {dtype::F8_E4M3,     1, "F8_E4M3",     "float8_e4m3fn",   "",                     7,  true,  false, true,  1, 1},
+  {dtype::F8_E5M2,     1, "F8_E5M2",     "float8_e5m2",     "",                     6,  true,  false, true,  1, 1},
+  {dtype::C64,         8, "C64",         "complex64",       "ComplexFloatStorage",  18, false, true,  true,  4, 1},
+  {dtype::C128,       16, "C128",        "complex128",      "ComplexDoubleStorage", -1, false, true,  true,  8, 1},
+  {dtype::F8_E4M3FNUZ, 1, "F8_E4M3FNUZ", "float8_e4m3fnuz", "",                     9,  true,  false, true,  1, 1},
+  {dtype::F8_E5M2FNUZ, 1, "F8_E5M2FNUZ", "float8_e5m2fnuz", "",                     10, true,  false, true,  1, 1},
+  {dtype::F8_E8M0,     1, "F8_E8M0",     "float8_e8m0fnu",  "",                     8,  true,  false, false, 1, 1},
+  {dtype::F4_X2,       1, "F4_X2",       "float4_e2m1fn_x2", "",                    1,  false, false, true,  1, 2},
+  {dtype::F6_E2M3_X4,  3, "F6_E2M3_X4",  "",                "",                     2,  false, false, true,  1, 4},
+  {dtype::F6_E3M2_X4,  3, "F6_E3M2_X4",  "",                "",                     3,  false, false, true,  1, 4},
+  {dtype::C32,         4, "C32",         "complex32",       "",                     -1, false, true,  true,  2, 1},
+  {dtype::BITS8,       1, "BITS8",       "bits8",           "",                     -1, false, false, false, 1, 1},
+  {dtype::BITS16,      2, "BITS16",      "bits16",          "",                     -1, false, false, false, 2, 1},
+  {dtype::BITS1X8,     1, "BITS1X8",     "bits1x8",         "",                     -1, false, false, false, 1, 1},
+  {dtype::BITS2X4,     1, "BITS2X4",     "bits2x4",         "",                     -1, false, false, false, 1, 1},
+  {dtype::BITS4X2,     1, "BITS4X2",     "bits4x2",         "",                     -1, false, false, false, 1, 1},
 }};
 // clang-format on
+static_assert([] {
+  for (std::size_t i = 0; i < dtype_table.size(); ++i)
+    if (static_cast<std::size_t>(dtype_table[i].id) != i) return false;
+  return true;
+}(), "dtype_table is indexed by dtype");
 }  // namespace detail
 
 constexpr const dtype_info& info(dtype t) noexcept { return detail::dtype_table[static_cast<std::size_t>(t)]; }
@@ -652,14 +689,14 @@ constexpr std::optional<dtype> dtype_from_name(std::string_view n) noexcept {
 /// aliases PyTorch accepts ("float", "half", "long", "cfloat", ...).
 constexpr std::optional<dtype> dtype_from_torch_name(std::string_view n) noexcept {
   for (const auto& i : detail::dtype_table)
-    if (i.torch_name == n) return i.id;
+    if (!i.torch_name.empty() && i.torch_name == n) return i.id;
   struct alias {
     std::string_view n;
     dtype t;
   };
   constexpr alias aliases[] = {{"float", dtype::F32},  {"double", dtype::F64},    {"half", dtype::F16},
                                {"long", dtype::I64},   {"int", dtype::I32},       {"short", dtype::I16},
-                               {"cfloat", dtype::C64}, {"cdouble", dtype::C128}};
+                               {"cfloat", dtype::C64}, {"cdouble", dtype::C128},  {"chalf", dtype::C32}};
   for (const auto& a : aliases)
     if (a.n == n) return a.t;
   return std::nullopt;
@@ -865,21 +902,98 @@ constexpr float f32_from_f8e5m2(std::uint8_t x) noexcept {
   return f32_from_f16(static_cast<std::uint16_t>(static_cast<std::uint16_t>(x) << 8));
 }
 
+/// The f32 bits PyTorch 2.x decodes the NaN code of the fnuz and e8m0 formats to (a signalling
+/// NaN with payload 1; tests/interop-dtype2.cpp checks it against torch 2.14's own tables).
+inline constexpr std::uint32_t f8_fnuz_nan_f32 = 0x7f800001U;
+
+/// f32 -> float8_e4m3fnuz (bias 8, no infinities, a single NaN 0x80, no negative zero), as
+/// PyTorch 2.x: NaN, infinities and everything that rounds to 256 or beyond become 0x80; values
+/// that round to zero become +0 whatever their sign.
+constexpr std::uint8_t f8e4m3fnuz_from_f32(float f) noexcept {
+  const auto u = std::bit_cast<std::uint32_t>(f);
+  const auto sign = static_cast<std::uint8_t>((u >> 24) & 0x80U);
+  const std::uint32_t a = u & 0x7fffffffU;
+  if (a >= 0x43800000U) return 0x80;  // >= 256 (or inf/NaN)
+  const std::uint32_t r = detail::round_to_small_float(a, 3, 8);
+  if (r == 0) return 0;
+  if (r > 0x7fU) return 0x80;  // rounded up to 256
+  return static_cast<std::uint8_t>(sign | r);
+}
+
+/// f32 -> float8_e5m2fnuz (bias 16, otherwise as e4m3fnuz; largest value 57344).
+constexpr std::uint8_t f8e5m2fnuz_from_f32(float f) noexcept {
+  const auto u = std::bit_cast<std::uint32_t>(f);
+  const auto sign = static_cast<std::uint8_t>((u >> 24) & 0x80U);
+  const std::uint32_t a = u & 0x7fffffffU;
+  if (a >= 0x47800000U) return 0x80;  // >= 65536 (or inf/NaN)
+  const std::uint32_t r = detail::round_to_small_float(a, 2, 16);
+  if (r == 0) return 0;
+  if (r > 0x7fU) return 0x80;
+  return static_cast<std::uint8_t>(sign | r);
+}
+
+namespace detail {
+/// Decodes a sign-magnitude float8 with `mbits` mantissa bits and exponent bias `bias` (no special
+/// codes: the callers handle NaN), exactly.
+constexpr float f32_from_small_float(std::uint8_t x, unsigned mbits, unsigned bias) noexcept {
+  const std::uint32_t sign = static_cast<std::uint32_t>(x & 0x80U) << 24;
+  const std::uint32_t e = (x & 0x7fU) >> mbits;
+  const std::uint32_t m = x & ((1U << mbits) - 1U);
+  if (e != 0) return std::bit_cast<float>(sign | ((e + 127U - bias) << 23) | (m << (23U - mbits)));
+  // Subnormal: m * 2^(1 - bias - mbits), exact in f32; +-0 for m == 0.
+  const float mag = static_cast<float>(m) * std::bit_cast<float>((128U - bias - mbits) << 23);
+  return std::bit_cast<float>(sign | std::bit_cast<std::uint32_t>(mag));
+}
+}  // namespace detail
+
+/// float8_e4m3fnuz -> f32, exact; 0x80 is NaN (f8_fnuz_nan_f32).
+constexpr float f32_from_f8e4m3fnuz(std::uint8_t x) noexcept {
+  return x == 0x80 ? std::bit_cast<float>(f8_fnuz_nan_f32) : detail::f32_from_small_float(x, 3, 8);
+}
+/// float8_e5m2fnuz -> f32, exact; 0x80 is NaN (f8_fnuz_nan_f32).
+constexpr float f32_from_f8e5m2fnuz(std::uint8_t x) noexcept {
+  return x == 0x80 ? std::bit_cast<float>(f8_fnuz_nan_f32) : detail::f32_from_small_float(x, 2, 16);
+}
+
+/// f32 -> float8_e8m0fnu (a power of two 2^(x - 127), x in 0..254; 0xff is NaN), as PyTorch 2.x:
+/// the sign is ignored, NaN and infinities give 0xff, the exponent is rounded to nearest with
+/// ties to even where the implicit mantissa bit is the last kept bit (so a normal f32 exactly
+/// between two powers of two rounds up, a subnormal one down), and rounding past 2^127 gives 0xff.
+constexpr std::uint8_t f8e8m0_from_f32(float f) noexcept {
+  const std::uint32_t a = std::bit_cast<std::uint32_t>(f) & 0x7fffffffU;
+  const std::uint32_t e = a >> 23;
+  if (e == 0xffU) return 0xff;
+  const std::uint32_t m = a & 0x7fffffU;
+  const bool half = (m & 0x400000U) != 0, rest = (m & 0x3fffffU) != 0;
+  const std::uint32_t up = half && (rest || e != 0) ? 1U : 0U;
+  return static_cast<std::uint8_t>(e + up);  // 254 + 1 = 0xff: NaN
+}
+
+/// float8_e8m0fnu -> f32, exact: 2^(x - 127) (x = 0 is the f32 subnormal 2^-127); 0xff is NaN.
+constexpr float f32_from_f8e8m0(std::uint8_t x) noexcept {
+  if (x == 0xff) return std::bit_cast<float>(f8_fnuz_nan_f32);
+  if (x == 0) return std::bit_cast<float>(0x00400000U);
+  return std::bit_cast<float>(static_cast<std::uint32_t>(x) << 23);
+}
+
 }  // namespace statedict::inline v0
 // ---- statedict/core/cast.hpp ----
 // statedict: element-wise dtype casts over runs of (possibly misaligned) bytes.
 // SPDX-License-Identifier: MIT
 //
-// Casts that exist: any dtype to itself; between the real floating dtypes (F8_E4M3, F8_E5M2, F16,
-// BF16, F32, F64), rounding to nearest even exactly as PyTorch (a double narrower than f32 is first
-// rounded to f32, as PyTorch's `Half(double)`/`BFloat16(double)` do); C64 <-> C128. Integer casts are
-// not offered: a checkpoint converter must not silently change integer data.
+// Casts that exist: any dtype to itself; between the real floating dtypes (F8_E4M3, F8_E5M2,
+// F8_E4M3FNUZ, F8_E5M2FNUZ, F8_E8M0, F16, BF16, F32, F64), rounding exactly as PyTorch (to nearest
+// even; a double narrower than f32 is first rounded to f32, as PyTorch's `Half(double)`/
+// `BFloat16(double)` do); between the complex dtypes C32, C64, C128. Integer casts are not
+// offered: a checkpoint converter must not silently change integer data; nor are casts of the
+// packed (F4_X2, F6_*_X4) and bits types, whose elements are not single numbers.
 //
 // The bytes are those `tensor.to(dtype)` writes in PyTorch 1.13 on an x86 CPU, NaNs included
 // (tests/interop-dtype.cpp compares against tables PyTorch wrote): a NaN cast to BF16 from F32 or
 // F64 is 0xffff (ATen's vectorised kernel), from F16 or F8 0x7fc0 (c10's scalar conversion); to
 // F16 it is 0x7e00 with the sign; F16 -> F32 sets the quiet bit.
 
+#include <bit>
 #include <complex>
 #include <cstddef>
 #include <cstdint>
@@ -950,6 +1064,24 @@ struct float_codec<dtype::F8_E5M2> {
   static constexpr std::uint8_t narrow(float f, std::uint16_t /*bf16 nan*/) noexcept { return f8e5m2_from_f32(f); }
 };
 template <>
+struct float_codec<dtype::F8_E4M3FNUZ> {
+  using storage = std::uint8_t;
+  static constexpr float widen(std::uint8_t x) noexcept { return f32_from_f8e4m3fnuz(x); }
+  static constexpr std::uint8_t narrow(float f, std::uint16_t /*bf16 nan*/) noexcept { return f8e4m3fnuz_from_f32(f); }
+};
+template <>
+struct float_codec<dtype::F8_E5M2FNUZ> {
+  using storage = std::uint8_t;
+  static constexpr float widen(std::uint8_t x) noexcept { return f32_from_f8e5m2fnuz(x); }
+  static constexpr std::uint8_t narrow(float f, std::uint16_t /*bf16 nan*/) noexcept { return f8e5m2fnuz_from_f32(f); }
+};
+template <>
+struct float_codec<dtype::F8_E8M0> {
+  using storage = std::uint8_t;
+  static constexpr float widen(std::uint8_t x) noexcept { return f32_from_f8e8m0(x); }
+  static constexpr std::uint8_t narrow(float f, std::uint16_t /*bf16 nan*/) noexcept { return f8e8m0_from_f32(f); }
+};
+template <>
 struct float_codec<dtype::F64> {
   using storage = double;
 };
@@ -1001,7 +1133,30 @@ inline void cast_floats_from(const std::byte* src, dtype to, std::byte* dst, std
     case dtype::F64: return cast_floats<From, dtype::F64>(src, dst, n);
     case dtype::F8_E4M3: return cast_floats<From, dtype::F8_E4M3>(src, dst, n);
     case dtype::F8_E5M2: return cast_floats<From, dtype::F8_E5M2>(src, dst, n);
+    case dtype::F8_E4M3FNUZ: return cast_floats<From, dtype::F8_E4M3FNUZ>(src, dst, n);
+    case dtype::F8_E5M2FNUZ: return cast_floats<From, dtype::F8_E5M2FNUZ>(src, dst, n);
+    case dtype::F8_E8M0: return cast_floats<From, dtype::F8_E8M0>(src, dst, n);
     default: return;  // not floating: refused by check_cast before
+  }
+}
+
+/// complex32 (two f16) <-> complex64 / complex128, component by component as PyTorch's
+/// c10::complex<Half> conversions do (through f32). Unlike the real f32 -> f16 tensor cast, which
+/// writes every NaN as 0x7e00, this scalar conversion keeps the top 10 payload bits of a NaN
+/// (quiet bit set), as torch 2.14 does.
+inline void cast_complex_half(const std::byte* src, dtype from, std::byte* dst, dtype to, std::size_t n) noexcept {
+  for (std::size_t i = 0; i < 2 * n; ++i) {
+    if (from == dtype::C32) {
+      const float f = f32_from_f16(load_unaligned<std::uint16_t>(src + i * 2));
+      if (to == dtype::C64) store_unaligned(dst + i * 4, f);
+      else store_unaligned(dst + i * 8, static_cast<double>(f));
+    } else {
+      const float f = from == dtype::C64 ? load_unaligned<float>(src + i * 4) : static_cast<float>(load_unaligned<double>(src + i * 8));
+      const auto u = std::bit_cast<std::uint32_t>(f);
+      std::uint16_t h = f16_from_f32(f);
+      if ((u & 0x7fffffffU) > 0x7f800000U) h = static_cast<std::uint16_t>(((u >> 16) & 0x8000U) | 0x7e00U | ((u >> 13) & 0x3ffU));
+      store_unaligned(dst + i * 2, h);
+    }
   }
 }
 
@@ -1014,6 +1169,26 @@ inline void cast_complex(const std::byte* src, std::byte* dst, std::size_t n) no
   }
 }
 }  // namespace detail
+
+/// Reverses the byte order of `n` contiguous elements of dtype `t` in place: each element (each
+/// component of a complex one) of info(t).swap_unit bytes; nothing for one-byte units. Turns the
+/// elements of a big-endian file into little-endian ones (and back).
+inline void byteswap_run(dtype t, std::byte* p, std::size_t n) noexcept {
+  const std::size_t unit = info(t).swap_unit;
+  const std::size_t count = n * (itemsize(t) / unit);
+  switch (unit) {
+    case 2:
+      for (std::size_t i = 0; i < count; ++i) detail::store_unaligned(p + 2 * i, __builtin_bswap16(detail::load_unaligned<std::uint16_t>(p + 2 * i)));
+      return;
+    case 4:
+      for (std::size_t i = 0; i < count; ++i) detail::store_unaligned(p + 4 * i, __builtin_bswap32(detail::load_unaligned<std::uint32_t>(p + 4 * i)));
+      return;
+    case 8:
+      for (std::size_t i = 0; i < count; ++i) detail::store_unaligned(p + 8 * i, __builtin_bswap64(detail::load_unaligned<std::uint64_t>(p + 8 * i)));
+      return;
+    default: return;  // one-byte units: nothing to swap
+  }
+}
 
 /// Casts `n` contiguous elements from `src` (dtype `from`) to `dst` (dtype `to`), producing the bytes
 /// `tensor.to(dtype)` produces in PyTorch 1.13 on a CPU (NaN encodings included). Neither pointer
@@ -1032,8 +1207,16 @@ inline void cast_run(dtype from, const std::byte* src, dtype to, std::byte* dst,
     case dtype::F64: return cast_floats_from<dtype::F64>(src, to, dst, n);
     case dtype::F8_E4M3: return cast_floats_from<dtype::F8_E4M3>(src, to, dst, n);
     case dtype::F8_E5M2: return cast_floats_from<dtype::F8_E5M2>(src, to, dst, n);
-    case dtype::C64: return cast_complex<float, double>(src, dst, n);
-    case dtype::C128: return cast_complex<double, float>(src, dst, n);
+    case dtype::F8_E4M3FNUZ: return cast_floats_from<dtype::F8_E4M3FNUZ>(src, to, dst, n);
+    case dtype::F8_E5M2FNUZ: return cast_floats_from<dtype::F8_E5M2FNUZ>(src, to, dst, n);
+    case dtype::F8_E8M0: return cast_floats_from<dtype::F8_E8M0>(src, to, dst, n);
+    case dtype::C32: return cast_complex_half(src, from, dst, to, n);
+    case dtype::C64:
+      if (to == dtype::C32) return cast_complex_half(src, from, dst, to, n);
+      return cast_complex<float, double>(src, dst, n);
+    case dtype::C128:
+      if (to == dtype::C32) return cast_complex_half(src, from, dst, to, n);
+      return cast_complex<double, float>(src, dst, n);
     default: return;  // refused by check_cast
   }
 }
@@ -6170,6 +6353,12 @@ struct FlatRange {
   friend bool operator==(const FlatRange&, const FlatRange&) = default;
 };
 
+/// The order of the bytes of each stored element (of each component, for complex dtypes).
+enum class byte_order : std::uint8_t {
+  little,  ///< what every writer writes and every tensor in memory holds
+  big,     ///< a torch.save file written on a big-endian machine (its `byteorder` record)
+};
+
 /// Where a chunk's elements are stored.
 struct Placement {
   std::uint32_t source = 0;       ///< index into the description's sources (or destinations)
@@ -6178,6 +6367,9 @@ struct Placement {
   /// empty means row-major contiguous.
   shape_t strides;
   dtype stored = dtype::F32;      ///< element type as stored; the executor casts to the logical dtype
+  /// Byte order of the stored elements; the executor swaps big-endian ones as it copies (sources
+  /// only: destinations are always little-endian).
+  byte_order order = byte_order::little;
   friend bool operator==(const Placement&, const Placement&) = default;
 };
 
@@ -6311,16 +6503,16 @@ struct dtype_entry {
 /// The reference's Dtype enum, in enum order (its writer sorts by this position, descending).
 inline constexpr std::array<dtype_entry, 22> dtype_table{{
     {"BOOL", 8, statedict::dtype::BOOL},
-    {"F4", 4, std::nullopt},
-    {"F6_E2M3", 6, std::nullopt},
-    {"F6_E3M2", 6, std::nullopt},
+    {"F4", 4, statedict::dtype::F4_X2},
+    {"F6_E2M3", 6, statedict::dtype::F6_E2M3_X4},
+    {"F6_E3M2", 6, statedict::dtype::F6_E3M2_X4},
     {"U8", 8, statedict::dtype::U8},
     {"I8", 8, statedict::dtype::I8},
     {"F8_E5M2", 8, statedict::dtype::F8_E5M2},
     {"F8_E4M3", 8, statedict::dtype::F8_E4M3},
-    {"F8_E8M0", 8, std::nullopt},
-    {"F8_E4M3FNUZ", 8, std::nullopt},
-    {"F8_E5M2FNUZ", 8, std::nullopt},
+    {"F8_E8M0", 8, statedict::dtype::F8_E8M0},
+    {"F8_E4M3FNUZ", 8, statedict::dtype::F8_E4M3FNUZ},
+    {"F8_E5M2FNUZ", 8, statedict::dtype::F8_E5M2FNUZ},
     {"I16", 16, statedict::dtype::I16},
     {"U16", 16, statedict::dtype::U16},
     {"F16", 16, statedict::dtype::F16},
@@ -6333,6 +6525,17 @@ inline constexpr std::array<dtype_entry, 22> dtype_table{{
     {"I64", 64, statedict::dtype::I64},
     {"U64", 64, statedict::dtype::U64},
 }};
+
+/// The name a dtype has in a safetensors header: name() except for the packed types, which
+/// safetensors names by their values (F4_X2 is "F4", F6_E2M3_X4 "F6_E2M3", F6_E3M2_X4 "F6_E3M2").
+constexpr std::string_view file_dtype_name(statedict::dtype t) noexcept {
+  switch (t) {
+    case statedict::dtype::F4_X2: return "F4";
+    case statedict::dtype::F6_E2M3_X4: return "F6_E2M3";
+    case statedict::dtype::F6_E3M2_X4: return "F6_E3M2";
+    default: return name(t);
+  }
+}
 
 /// Index into dtype_table of a dtype name, or -1.
 inline int dtype_index(std::string_view name) noexcept {
@@ -6365,10 +6568,16 @@ struct limits {
 /// One tensor of a file.
 struct TensorEntry {
   std::string name;
-  std::string_view dtype_name;             ///< the reference's name ("F32", "F8_E8M0", ...)
-  std::optional<statedict::dtype> dtype;   ///< nullopt for the dtypes statedict lacks (see dtype_table)
+  std::string_view dtype_name;             ///< the reference's name ("F32", "F4", ...)
+  /// statedict's dtype; nullopt when statedict cannot hold the tensor (a packed dtype whose last
+  /// dimension does not split into whole elements: see unsupported_reason()).
+  std::optional<statedict::dtype> dtype;
   std::uint8_t dtype_bits = 0;
+  /// The shape in statedict's elements: the header's, except for the packed dtypes (F4, F6_*),
+  /// whose last dimension counts values in the header and elements (2 or 4 values) here, as
+  /// PyTorch's float4_e2m1fn_x2 does. `file_shape` is the header's.
   shape_t shape;
+  shape_t file_shape;
   std::uint64_t begin = 0;  ///< byte offsets relative to the data section (data_offsets)
   std::uint64_t end = 0;
   [[nodiscard]] std::uint64_t nbytes() const noexcept { return end - begin; }
@@ -6378,6 +6587,14 @@ struct open_options {
   read_mode mode = read_mode::mmap;
   limits lim{};
 };
+
+/// Why statedict cannot hold entry `e` (its dtype is nullopt).
+inline std::string unsupported_reason(const TensorEntry& e) {
+  const int values = e.dtype_bits == 4 ? 2 : 4;
+  return std::string(e.dtype_name) + to_string(e.file_shape) + ": statedict holds " + std::string(e.dtype_name) +
+         " values in elements of " + std::to_string(values) + " (as PyTorch's float4_e2m1fn_x2 holds 2), so the last dimension must be a multiple of " +
+         std::to_string(values);
+}
 
 }  // namespace safetensors
 }  // namespace statedict::inline v0
@@ -7065,9 +7282,7 @@ class File {
   /// The tensor as a view. Mapped or in-memory sources: zero copy, the view keeps the mapping
   /// alive. pread sources: the bytes are read now into a fresh aligned buffer.
   [[nodiscard]] TensorView view(const TensorEntry& e) const {
-    if (!e.dtype)
-      throw_error(errors::st_unsupported_dtype, "file " + quote(name()) + ": tensor " + quote(e.name),
-                  "dtype " + std::string(e.dtype_name) + " is valid safetensors but statedict has no such dtype");
+    if (!e.dtype) throw_error(errors::st_unsupported_dtype, "file " + quote(name()) + ": tensor " + quote(e.name), unsupported_reason(e));
     const std::uint64_t off = data_offset() + e.begin;
     if (const std::byte* base = s_->source->data())
       return TensorView::contiguous(*e.dtype, e.shape, base + off, s_->source->owner());
@@ -7150,9 +7365,7 @@ class File {
 
  private:
   [[nodiscard]] TensorInfo info_of(const TensorEntry& e, const std::string& as) const {
-    if (!e.dtype)
-      throw_error(errors::st_unsupported_dtype, "file " + quote(name()) + ": tensor " + quote(e.name),
-                  "dtype " + std::string(e.dtype_name) + " is valid safetensors but statedict has no such dtype");
+    if (!e.dtype) throw_error(errors::st_unsupported_dtype, "file " + quote(name()) + ": tensor " + quote(e.name), unsupported_reason(e));
     TensorInfo t;
     t.name = as;
     t.dtype = *e.dtype;
@@ -7249,6 +7462,14 @@ class File {
                         " bytes, data_offsets give " + std::to_string(e.end - e.begin));
       if (numel > max_size)
         throw_error(errors::st_overflow, at_(), "element count " + std::to_string(numel) + " exceeds 2^63-1");
+    }
+    // The packed dtypes in statedict's elements (the last dimension divided by the values per element).
+    for (TensorEntry& e : st.entries) {
+      e.file_shape = e.shape;
+      if (!e.dtype || info(*e.dtype).packed == 1) continue;
+      const auto per = static_cast<dim_t>(info(*e.dtype).packed);
+      if (e.shape.empty() || e.shape.back() % per != 0) e.dtype.reset();
+      else e.shape.back() /= per;
     }
     const std::uint64_t data_len = len - 8 - n;
     if (start != data_len)
@@ -7362,7 +7583,11 @@ inline Layout layout(std::span<const TensorSpec> specs, const std::optional<std:
       rank[i] = info(s.dtype).safetensors_rank;
       if (rank[i] < 0)
         throw_error(errors::st_write_dtype, detail::where_tensor(s.name),
-                    std::string(name(s.dtype)) + " cannot be stored in safetensors");
+                    std::string(name(s.dtype)) + " cannot be stored in safetensors (it has no such dtype)");
+      if (info(s.dtype).packed != 1 && s.shape.empty())
+        throw_error(errors::st_write_dtype, detail::where_tensor(s.name),
+                    "a 0-d " + std::string(name(s.dtype)) + " tensor: safetensors counts " + std::string(file_dtype_name(s.dtype)) +
+                        " values in the last dimension, which a 0-d tensor does not have");
       if (s.name == "__metadata__")
         throw_error(errors::st_write_name, detail::where_tensor(s.name), "the name is reserved for the metadata");
       if (!detail::valid_utf8(s.name)) throw_error(errors::st_write_name, detail::where_tensor(s.name), "the name is not UTF-8");
@@ -7403,11 +7628,13 @@ inline Layout layout(std::span<const TensorSpec> specs, const std::optional<std:
     first = false;
     detail::append_json_string(h, s.name);
     h += ":{\"dtype\":\"";
-    h += name(s.dtype);
+    h += file_dtype_name(s.dtype);
     h += "\",\"shape\":[";
     for (std::size_t d = 0; d < s.shape.size(); ++d) {
       if (d) h += ',';
-      detail::append_uint(h, static_cast<std::uint64_t>(s.shape[d]));
+      std::uint64_t dim = static_cast<std::uint64_t>(s.shape[d]);
+      if (d + 1 == s.shape.size()) dim = checked_mul(dim, info(s.dtype).packed, "packed last dimension");  // values, not elements
+      detail::append_uint(h, dim);
     }
     h += "],\"data_offsets\":[";
     detail::append_uint(h, offset);
@@ -7520,6 +7747,7 @@ inline constexpr error_id hf_unlisted_tensor     {355, error_kind::format,   "hf
 inline constexpr error_id hf_bad_shard_name      {356, error_kind::security, "hf.bad_shard_name"};      // a path, not a file name
 inline constexpr error_id hf_not_a_checkpoint    {357, error_kind::usage,    "hf.not_a_checkpoint"};
 inline constexpr error_id hf_bad_max_shard_size  {358, error_kind::usage,    "hf.bad_max_shard_size"};
+inline constexpr error_id hf_shard_content       {335, error_kind::format,   "hf.shard_content"};       // a shard holding more than named tensors
 // clang-format on
 }  // namespace errors
 
@@ -7529,6 +7757,10 @@ namespace hf {
 inline constexpr std::uint64_t default_max_shard_size = 5'000'000'000;
 inline constexpr std::string_view index_name = "model.safetensors.index.json";
 inline constexpr std::string_view single_name = "model.safetensors";
+/// transformers' torch.save shards (`save_pretrained(safe_serialization=False)`, most older Hub
+/// checkpoints): `pytorch_model-0000k-of-0000n.bin` and this index, or one `pytorch_model.bin`.
+inline constexpr std::string_view bin_index_name = "pytorch_model.bin.index.json";
+inline constexpr std::string_view bin_single_name = "pytorch_model.bin";
 
 /// Parses a maximum shard size as huggingface_hub's `parse_size_to_int` does: a number (Python
 /// float syntax: "5", "1.5", "2e3") followed by one of the decimal units KB, MB, GB, TB (any
@@ -7752,6 +7984,62 @@ struct open_options {
   std::uint64_t max_index_bytes = 100'000'000;
 };
 
+/// An index file's content: the shard files in order of first appearance and each weight_map
+/// entry's file, validated (names are plain file names), and its "metadata" object.
+struct Index {
+  std::vector<std::string> files;
+  std::vector<std::pair<std::string, std::size_t>> listed;  ///< (tensor, index into files), weight_map order
+  nlohmann::ordered_json metadata = nlohmann::ordered_json::object();
+};
+
+/// Reads and validates an index file (`at` names it in errors): JSON within max_index_bytes, no
+/// duplicate keys, a "weight_map" object of strings that are plain file names.
+inline Index read_index(const std::filesystem::path& path, const open_options& opt, const std::string& at) {
+  auto f = InputFile::open(path, read_mode::pread);
+  if (f->size() > opt.max_index_bytes)
+    throw_error(errors::hf_index_json, at,
+                "index of " + std::to_string(f->size()) + " bytes exceeds the cap of " + std::to_string(opt.max_index_bytes) +
+                    " (open_options::max_index_bytes)");
+  std::string text(static_cast<std::size_t>(f->size()), '\0');
+  f->read(0, std::as_writable_bytes(std::span<char>(text.data(), text.size())));
+  // Duplicate keys are refused (Python's json keeps the last one silently).
+  std::vector<std::unordered_set<std::string>> keys;
+  auto cb = [&](int depth, nlohmann::ordered_json::parse_event_t ev, nlohmann::ordered_json& parsed) {
+    using ev_t = nlohmann::ordered_json::parse_event_t;
+    if (depth > 127) throw_error(errors::hf_index_json, at, "JSON nested deeper than 127 levels");
+    if (ev == ev_t::object_start) keys.emplace_back();
+    else if (ev == ev_t::object_end && !keys.empty()) keys.pop_back();
+    else if (ev == ev_t::key && !keys.empty() && !keys.back().insert(parsed.get<std::string>()).second)
+      throw_error(errors::hf_index_duplicate, at, "key " + quote(parsed.get<std::string>()) + " appears twice in one object");
+    return true;
+  };
+  nlohmann::ordered_json index;
+  try {
+    index = nlohmann::ordered_json::parse(text, cb);
+  } catch (const nlohmann::json::exception& e) {
+    throw_error(errors::hf_index_json, at, "invalid JSON: " + safetensors::detail::sanitize_message(e.what()));
+  }
+  if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
+    throw_error(errors::hf_index_schema, at, "expected an object with a \"weight_map\" object");
+  Index out;
+  if (index.contains("metadata")) {
+    if (!index["metadata"].is_object()) throw_error(errors::hf_index_schema, at, "\"metadata\" is not an object");
+    out.metadata = index["metadata"];
+  }
+  std::unordered_map<std::string, std::size_t> file_index;
+  for (const auto& [name, file] : index["weight_map"].items()) {
+    if (!file.is_string()) throw_error(errors::hf_index_schema, at + ": weight_map " + quote(name), "the file name is not a string");
+    const std::string& fn = file.get_ref<const std::string&>();
+    if (fn.empty() || fn == "." || fn == ".." || fn.find('/') != std::string::npos || fn.find('\0') != std::string::npos)
+      throw_error(errors::hf_bad_shard_name, at + ": weight_map " + quote(name),
+                  "shard " + quote(fn) + " is not a plain file name in the checkpoint directory");
+    auto [it, fresh] = file_index.emplace(fn, file_index.size());
+    if (fresh) out.files.push_back(fn);
+    out.listed.emplace_back(name, it->second);
+  }
+  return out;
+}
+
 /// A Hugging Face checkpoint: all shards as one map. Copies share the files.
 class Checkpoint {
  public:
@@ -7839,8 +8127,7 @@ class Checkpoint {
       const safetensors::File& f = files_[i.file];
       const safetensors::TensorEntry& e = *i.entry;
       if (!e.dtype)
-        throw_error(errors::st_unsupported_dtype, "file " + quote(f.name()) + ": tensor " + quote(e.name),
-                    "dtype " + std::string(e.dtype_name) + " is valid safetensors but statedict has no such dtype");
+        throw_error(errors::st_unsupported_dtype, "file " + quote(f.name()) + ": tensor " + quote(e.name), safetensors::unsupported_reason(e));
       TensorInfo t;
       t.name = i.name;
       t.dtype = *e.dtype;
@@ -7874,29 +8161,10 @@ class Checkpoint {
 
   void open_index(const open_options& opt) {
     const std::string at = where();
-    const nlohmann::ordered_json index = read_index(opt);
-    if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
-      throw_error(errors::hf_index_schema, at, "expected an object with a \"weight_map\" object");
-    if (index.contains("metadata")) {
-      if (!index["metadata"].is_object()) throw_error(errors::hf_index_schema, at, "\"metadata\" is not an object");
-      index_metadata_ = index["metadata"];
-    } else {
-      index_metadata_ = nlohmann::ordered_json::object();
-    }
-    // Shard files in order of first appearance.
-    std::unordered_map<std::string, std::size_t> file_index;
-    std::vector<std::pair<std::string, std::size_t>> listed;  // (tensor, file)
-    for (const auto& [name, file] : index["weight_map"].items()) {
-      if (!file.is_string())
-        throw_error(errors::hf_index_schema, at + ": weight_map " + quote(name), "the file name is not a string");
-      const std::string& fn = file.get_ref<const std::string&>();
-      if (fn.empty() || fn == "." || fn == ".." || fn.find('/') != std::string::npos || fn.find('\0') != std::string::npos)
-        throw_error(errors::hf_bad_shard_name, at + ": weight_map " + quote(name),
-                    "shard " + quote(fn) + " is not a plain file name in the checkpoint directory");
-      auto [it, fresh] = file_index.emplace(fn, file_index.size());
-      if (fresh) names_.push_back(fn);
-      listed.emplace_back(name, it->second);
-    }
+    Index index = read_index(index_path_, opt, at);
+    index_metadata_ = std::move(index.metadata);
+    names_ = std::move(index.files);
+    const std::vector<std::pair<std::string, std::size_t>>& listed = index.listed;
     for (const auto& fn : names_) {
       try {
         files_.push_back(safetensors::File::open(dir_ / fn, {opt.mode, opt.lim}));
@@ -7953,33 +8221,6 @@ class Checkpoint {
       metadata_[k] = v.is_string() ? v.get<std::string>() : v.dump();
     }
     index_names();
-  }
-
-  nlohmann::ordered_json read_index(const open_options& opt) const {
-    const std::string at = where();
-    auto f = InputFile::open(index_path_, read_mode::pread);
-    if (f->size() > opt.max_index_bytes)
-      throw_error(errors::hf_index_json, at,
-                  "index of " + std::to_string(f->size()) + " bytes exceeds the cap of " + std::to_string(opt.max_index_bytes) +
-                      " (open_options::max_index_bytes)");
-    std::string text(static_cast<std::size_t>(f->size()), '\0');
-    f->read(0, std::as_writable_bytes(std::span<char>(text.data(), text.size())));
-    // Duplicate keys are refused (Python's json keeps the last one silently).
-    std::vector<std::unordered_set<std::string>> keys;
-    auto cb = [&](int depth, nlohmann::ordered_json::parse_event_t ev, nlohmann::ordered_json& parsed) {
-      using ev_t = nlohmann::ordered_json::parse_event_t;
-      if (depth > 127) throw_error(errors::hf_index_json, at, "JSON nested deeper than 127 levels");
-      if (ev == ev_t::object_start) keys.emplace_back();
-      else if (ev == ev_t::object_end && !keys.empty()) keys.pop_back();
-      else if (ev == ev_t::key && !keys.empty() && !keys.back().insert(parsed.get<std::string>()).second)
-        throw_error(errors::hf_index_duplicate, at, "key " + quote(parsed.get<std::string>()) + " appears twice in one object");
-      return true;
-    };
-    try {
-      return nlohmann::ordered_json::parse(text, cb);
-    } catch (const nlohmann::json::exception& e) {
-      throw_error(errors::hf_index_json, at, "invalid JSON: " + safetensors::detail::sanitize_message(e.what()));
-    }
   }
 
   void index_names() {
@@ -8216,7 +8457,8 @@ inline bool crc32_accelerated() noexcept {
 
 }  // namespace statedict::inline v0::zip
 // ---- statedict/io/zip.hpp ----
-// statedict: zip archives of stored (uncompressed) entries, as torch.save writes them.
+// statedict: zip archives of stored entries, as torch.save writes them (and deflated ones, as
+// other zip tools may rewrite them).
 // SPDX-License-Identifier: MIT
 //
 // Reading: `zip::Archive::open(source)` reads the end-of-central-directory record (and the ZIP64
@@ -8226,9 +8468,10 @@ inline bool crc32_accelerated() noexcept {
 // archive embedded at an offset inside a larger file (a DCP item); data in front of the archive is
 // also tolerated (offsets are then rebased, as Python's zipfile does). Inputs are hostile: every
 // offset and size is checked against the source, counts are capped (`zip::limits`), ZIP64 fields
-// are validated, names are checked, and compressed or encrypted entries give an error naming the
-// entry when read. CRC verification is optional (`read_options::verify_crc`, off by default:
-// torch can write archives without CRCs).
+// are validated, names are checked, and encrypted entries or compression methods other than
+// DEFLATE give an error naming the entry when read. A deflated entry is inflated into memory
+// (io/inflate.hpp, zlib) within `limits::max_inflated_bytes`. CRC verification is optional
+// (`read_options::verify_crc`, off by default: torch can write archives without CRCs).
 //
 // Writing: the layout is computed up front from the entry names and sizes (`zip::plan`), exactly
 // as torch's writer (miniz with ZIP64 always on) places them: a local header with zero CRC and
@@ -8240,6 +8483,7 @@ inline bool crc32_accelerated() noexcept {
 // is the simple sequential streaming form.
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstring>
 #include <cstdint>
@@ -8251,6 +8495,103 @@ inline bool crc32_accelerated() noexcept {
 #include <utility>
 #include <vector>
 
+// ---- statedict/io/inflate.hpp ----
+// statedict: raw DEFLATE streams (zip compression method 8) inflated with zlib.
+// SPDX-License-Identifier: MIT
+//
+// torch.save stores every record uncompressed, but an archive rewritten by another zip tool (or
+// by Python's zipfile with ZIP_DEFLATED) has deflated records, and torch.load reads them. Such a
+// record cannot be a view of the file: it is inflated into memory, into a buffer of exactly the
+// size the central directory declares (io/zip.hpp caps the total with
+// zip::limits::max_inflated_bytes before anything is allocated). The input is hostile: a stream
+// that is corrupt, ends early, or would inflate to more or fewer bytes than declared is an error
+// naming the entry; nothing is written past the buffer.
+
+#include <zlib.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstddef>
+#include <cstdint>
+#include <new>
+#include <span>
+#include <string>
+
+
+namespace statedict::inline v0 {
+
+namespace errors {
+// clang-format off
+inline constexpr error_id zip_bad_deflate {417, error_kind::format, "zip.bad_deflate"};    // corrupt or truncated stream, wrong size
+inline constexpr error_id zip_inflate_limit{418, error_kind::limit, "zip.inflate_limit"};  // zip::limits::max_inflated_bytes
+// clang-format on
+}  // namespace errors
+
+namespace zip {
+
+/// Inflates the raw DEFLATE stream `in` (no zlib or gzip header, as zip stores it) into `out`,
+/// which it must fill exactly: a stream that ends before `out` is full, holds more, is corrupt,
+/// or runs past the end of `in` is errors::zip_bad_deflate, with `where` as the context.
+inline void inflate_raw(std::span<const std::byte> in, std::span<std::byte> out, const std::string& where) {
+  z_stream zs{};
+  if (inflateInit2(&zs, -MAX_WBITS) != Z_OK) throw std::bad_alloc();
+  struct closer {
+    z_stream* z;
+    ~closer() { inflateEnd(z); }
+  } close_it{&zs};
+  constexpr std::size_t step = std::size_t{1} << 30;  // zlib counts in uInt: feed it at most 1 GiB at a time
+  std::size_t in_done = 0, out_done = 0;
+  for (;;) {
+    if (zs.avail_in == 0 && in_done < in.size()) {
+      const std::size_t k = std::min(step, in.size() - in_done);
+      // zlib's next_in is not const-qualified before 1.2.12's Z_CONST builds; it only reads it.
+      zs.next_in = reinterpret_cast<Bytef*>(const_cast<std::byte*>(in.data() + in_done));
+      zs.avail_in = static_cast<uInt>(k);
+      in_done += k;
+    }
+    if (zs.avail_out == 0 && out_done < out.size()) {
+      const std::size_t k = std::min(step, out.size() - out_done);
+      zs.next_out = reinterpret_cast<Bytef*>(out.data() + out_done);
+      zs.avail_out = static_cast<uInt>(k);
+      out_done += k;
+    }
+    const uInt in_before = zs.avail_in, out_before = zs.avail_out;
+    // With no room left, a 1-byte scratch buffer tells a stream that has more (an error) from one
+    // whose end-of-stream block is all that remains.
+    unsigned char spill = 0;
+    const bool full = zs.avail_out == 0;
+    if (full) {
+      zs.next_out = &spill;
+      zs.avail_out = 1;
+    }
+    const int rc = inflate(&zs, Z_NO_FLUSH);
+    if (full && zs.avail_out == 0)
+      throw_error(errors::zip_bad_deflate, where, "inflates to more than its declared " + std::to_string(out.size()) + " bytes");
+    if (full) zs.avail_out = 0;
+    if (rc == Z_STREAM_END) {
+      const std::uint64_t produced = zs.total_out;
+      if (produced != out.size() || zs.avail_out != 0)
+        throw_error(errors::zip_bad_deflate, where,
+                    "inflates to " + std::to_string(produced) + " bytes, its declared size is " + std::to_string(out.size()));
+      return;
+    }
+    if (rc == Z_MEM_ERROR) throw std::bad_alloc();
+    if (rc == Z_NEED_DICT || rc == Z_DATA_ERROR || rc == Z_STREAM_ERROR)
+      throw_error(errors::zip_bad_deflate, where,
+                  std::string("corrupt DEFLATE stream (") + (zs.msg != nullptr ? zs.msg : "zlib error") + ")");
+    const bool no_progress = zs.avail_in == in_before && (full || zs.avail_out == out_before);
+    if (rc == Z_BUF_ERROR || no_progress) {
+      if (zs.avail_in == 0 && in_done == in.size())
+        throw_error(errors::zip_bad_deflate, where, "the DEFLATE stream ends before its end-of-stream block");
+      const bool can_feed = zs.avail_in == 0 && in_done < in.size();
+      const bool can_drain = !full && zs.avail_out == 0 && out_done < out.size();
+      if (!can_feed && !can_drain) throw_error(errors::zip_bad_deflate, where, "the DEFLATE stream makes no progress");
+    }
+  }
+}
+
+}  // namespace zip
+}  // namespace statedict::inline v0
 
 namespace statedict::inline v0 {
 
@@ -8286,6 +8627,10 @@ struct limits {
   std::uint64_t max_entries = 1U << 20;
   /// Bytes of central directory read into memory.
   std::uint64_t max_central_directory_bytes = std::uint64_t{256} << 20;
+  /// Bytes of deflated entries one archive inflates into memory, over all its entries (checked
+  /// against each entry's declared size before anything is allocated). Deflated records cannot be
+  /// views of the file; torch.save never writes them, another zip tool may.
+  std::uint64_t max_inflated_bytes = std::uint64_t{4} << 30;
 };
 
 struct read_options {
@@ -8310,6 +8655,7 @@ struct Entry {
   std::uint16_t method = 0;         ///< 0 stored, 8 deflate, ...
   std::uint16_t flags = 0;
   [[nodiscard]] bool stored() const noexcept { return method == 0; }
+  [[nodiscard]] bool deflated() const noexcept { return method == 8; }
 };
 
 namespace detail {
@@ -8393,26 +8739,73 @@ class Archive {
     throw_error(errors::zip_missing_entry, detail::where(*source_), "no entry " + quote(name));
   }
 
-  /// The stored bytes of an entry, zero-copy when the source is addressable. Throws for
-  /// compressed or encrypted entries, and on a CRC mismatch when verify_crc is set.
+  /// The bytes of an entry: for a stored entry, zero-copy when the source is addressable; a
+  /// deflated one is inflated into memory (counted against limits::max_inflated_bytes). Throws for
+  /// other methods or encrypted entries, and on a CRC mismatch when verify_crc is set.
   [[nodiscard]] Region read(const Entry& e) const {
-    check_readable(e);
-    if (e.data_offset == 0)  // a local header takes 30 bytes or more: 0 is "not read yet"
-      fail(errors::zip_bad_local_header, "entry " + quote(e.name) + ": its local header was not read (defer_local_headers)");
-    Region r = read_region(*source_, e.data_offset, e.size);
-    if (options_.verify_crc) verify(e, r);
-    return r;
+    check_extractable(e);
+    if (e.stored()) {
+      Region r = read_region(*source_, located(e), e.size);
+      if (options_.verify_crc) verify(e, r);
+      return r;
+    }
+    auto buf = std::make_shared<std::vector<std::byte>>();
+    claim_inflated(e);
+    buf->resize(static_cast<std::size_t>(e.size));
+    extract(e, *buf);
+    const std::byte* p = buf->data();
+    return Region{p, e.size, std::move(buf)};
   }
   [[nodiscard]] Region read(std::string_view name) const { return read(at(name)); }
 
-  /// Throws unless `e` is a stored, unencrypted entry (what read() needs).
+  /// Writes the bytes of entry `e` (stored or deflated) into `out`, which must hold e.size bytes;
+  /// verifies the CRC when verify_crc is set. The caller accounts for the memory: claim_inflated()
+  /// for a deflated entry.
+  void extract(const Entry& e, std::span<std::byte> out) const {
+    check_extractable(e);
+    if (out.size() != e.size)
+      throw_error(errors::out_of_range, detail::where(*source_), "entry " + quote(e.name) + ": a buffer of " + std::to_string(out.size()) +
+                                                                    " bytes for " + std::to_string(e.size));
+    if (e.stored()) {
+      source_->read(located(e), out);
+    } else {
+      const Region packed = read_region(*source_, located(e), e.compressed_size);
+      inflate_raw(packed.span(), out, detail::where(*source_) + ": entry " + quote(e.name));
+    }
+    if (options_.verify_crc) verify(e, Region{out.data(), out.size(), {}});
+  }
+
+  /// Counts a deflated entry's size against limits::max_inflated_bytes (the total over the
+  /// archive); throws errors::zip_inflate_limit beyond it.
+  void claim_inflated(const Entry& e) const {
+    const std::uint64_t cap = options_.limits.max_inflated_bytes;
+    std::uint64_t before = inflated_->load();
+    do {
+      if (e.size > cap || before > cap - e.size)
+        throw_error(errors::zip_inflate_limit, detail::where(*source_),
+                    "entry " + quote(e.name) + " inflates to " + std::to_string(e.size) + " bytes; with the " + std::to_string(before) +
+                        " already inflated that exceeds limits::max_inflated_bytes (" + std::to_string(cap) + ")");
+    } while (!inflated_->compare_exchange_weak(before, before + e.size));
+  }
+  /// Bytes of deflated entries inflated so far (claim_inflated()).
+  [[nodiscard]] std::uint64_t inflated_bytes() const noexcept { return inflated_->load(); }
+
+  /// Throws unless `e` is a stored, unencrypted entry: one whose bytes can be used in place.
   void check_readable(const Entry& e) const {
-    if (e.flags & 1U)
-      throw_error(errors::zip_encrypted_entry, detail::where(*source_), "entry " + quote(e.name) + " is encrypted");
+    check_extractable(e);
     if (!e.stored())
       throw_error(errors::zip_compressed_entry, detail::where(*source_),
                   "entry " + quote(e.name) + " is compressed (method " + std::to_string(e.method) +
-                      "); only stored entries can be read without copying, as torch.save writes them");
+                      "); only stored entries can be read in place, as torch.save writes them");
+  }
+  /// Throws unless `e` is unencrypted and stored or deflated (what read() and extract() handle).
+  void check_extractable(const Entry& e) const {
+    if (e.flags & 1U)
+      throw_error(errors::zip_encrypted_entry, detail::where(*source_), "entry " + quote(e.name) + " is encrypted");
+    if (!e.stored() && !e.deflated())
+      throw_error(errors::zip_compressed_entry, detail::where(*source_),
+                  "entry " + quote(e.name) + " is compressed with method " + std::to_string(e.method) +
+                      "; statedict reads stored (0) and deflated (8) entries");
   }
 
   /// Every entry's data offset, in entries() order, from the local headers (the central
@@ -8474,6 +8867,13 @@ class Archive {
     std::vector<std::byte> buf(static_cast<std::size_t>(header_end(e) - e.header_offset));
     source_->peek(e.header_offset, buf);
     entries_[i].data_offset = locate_data(e, buf.data());
+  }
+
+  /// The entry's data offset; throws when its local header was not read yet.
+  [[nodiscard]] std::uint64_t located(const Entry& e) const {
+    if (e.data_offset == 0)  // a local header takes 30 bytes or more: 0 is "not read yet"
+      fail(errors::zip_bad_local_header, "entry " + quote(e.name) + ": its local header was not read (defer_local_headers)");
+    return e.data_offset;
   }
 
   /// Checks the CRC-32 of an entry's bytes against the central directory.
@@ -8721,6 +9121,9 @@ class Archive {
 
   std::shared_ptr<const ByteSource> source_;
   read_options options_{};
+  /// Bytes of deflated entries inflated (claim_inflated); shared by moved-from copies, atomic so
+  /// that threads reading entries of one archive count them together.
+  std::shared_ptr<std::atomic<std::uint64_t>> inflated_ = std::make_shared<std::atomic<std::uint64_t>>(0);
   std::vector<Entry> entries_;
   [[nodiscard]] static std::uint32_t name_hash(std::string_view s) noexcept {
     return statedict::detail::hash_index::mix(std::hash<std::string_view>{}(s));
@@ -11285,6 +11688,7 @@ inline constexpr error_id pt_legacy_tar        {508, error_kind::unsupported, "t
 inline constexpr error_id pt_rank_limit        {509, error_kind::limit,       "torch.rank_limit"};
 inline constexpr error_id pt_big_endian        {510, error_kind::unsupported, "torch.big_endian"};
 inline constexpr error_id pt_bad_version       {511, error_kind::format,      "torch.bad_version"};
+inline constexpr error_id pt_bad_byteorder     {512, error_kind::format,      "torch.bad_byteorder"};
 inline constexpr error_id pt_unwritable        {520, error_kind::usage,       "torch.unwritable"};
 inline constexpr error_id pt_crc_incomplete    {521, error_kind::usage,       "torch.crc_incomplete"};
 inline constexpr error_id pt_bad_name          {522, error_kind::usage,       "torch.bad_archive_name"};
@@ -11333,7 +11737,7 @@ struct Storage {
   std::string key;                 ///< persistent key ("0", or the legacy storage id)
   statedict::dtype dtype = statedict::dtype::U8;  ///< element type (U8 for an UntypedStorage)
   bool untyped = false;            ///< torch.UntypedStorage (dtype then comes from each tensor)
-  std::uint64_t offset = 0;        ///< first byte in the source
+  std::uint64_t offset = 0;        ///< first byte in File::source (the file, or its records' image in memory)
   std::uint64_t nbytes = 0;
   std::string record;              ///< zip entry name (empty for legacy files)
   std::string location;            ///< "cpu", "cuda:0", ...
@@ -11346,7 +11750,18 @@ struct File {
   std::vector<pickle::Attributes> attributes;
   std::string format;        ///< "zip" or "legacy"
   std::string archive_name;  ///< zip top folder ("model" for model.pt; "archive" when saved to a stream)
+  /// What the tensors are views of: the file, or, when some of its zip records are compressed,
+  /// an image in memory of its storage records (inflated or copied, each at a multiple of 64
+  /// bytes; not zero-copy: `in_memory_bytes`, within zip::limits::max_inflated_bytes).
   std::shared_ptr<const ByteSource> source;
+  std::size_t compressed_records = 0;  ///< storage records that were deflated in the archive
+  std::uint64_t in_memory_bytes = 0;   ///< size of the image (0: views of the file itself)
+  /// The file's `byteorder` record says "big": its storages hold big-endian elements.
+  bool big_endian = false;
+  /// The views see little-endian elements: a big-endian file read with read() (its storages
+  /// swapped in the image). read_lazily() leaves them as stored; describe() then marks every
+  /// placement big-endian and the executor swaps each element as it copies.
+  bool swapped = false;
   std::vector<Storage> storages;  ///< in order of first use
   std::vector<std::string> records;  ///< zip entry names, in file order
   int pickle_protocol = 0;
@@ -11754,6 +12169,43 @@ inline std::optional<std::size_t> key_number(std::string_view key, std::size_t b
   return n;
 }
 
+/// Makes the storages of a big-endian file, read into the image f.view_base points at,
+/// little-endian in place. A typed storage is swapped by its class's dtype (as torch.load does); an
+/// untyped one by the dtype of the tensors viewing it (torch.load swaps none of it and so misreads
+/// uint16/32/64, complex32 and bits16 tensors of such files); one viewed as elements of two sizes
+/// has no single byte order and is refused. An untyped storage no tensor views stays as it is.
+inline void swap_storages(File& f, const std::vector<zip_storage>& seen) {
+  std::byte* const base = const_cast<std::byte*>(f.view_base);  // the image: memory this read owns
+  std::vector<std::uint32_t> by_offset(seen.size());
+  for (std::uint32_t i = 0; i < by_offset.size(); ++i) by_offset[i] = i;
+  std::sort(by_offset.begin(), by_offset.end(), [&](std::uint32_t a, std::uint32_t b) { return seen[a].data < seen[b].data; });
+  std::vector<std::uint8_t> unit(seen.size(), 1);
+  for (std::size_t i = 0; i < seen.size(); ++i)
+    if (!f.storages[i].untyped) unit[i] = info(seen[i].dtype).swap_unit;
+  visit(f.value, [&](const Path&, const Value& v) {
+    if (!v.is_tensor() || v.as_tensor().numel() == 0) return;
+    const TensorView& t = v.as_tensor();
+    const std::uint8_t u = info(t.dtype()).swap_unit;
+    if (u == 1) return;
+    auto it = std::upper_bound(by_offset.begin(), by_offset.end(), t.data(), [&](const std::byte* p, std::uint32_t i) { return p < seen[i].data; });
+    if (it == by_offset.begin()) return;
+    const std::uint32_t i = *(it - 1);
+    if (!f.storages[i].untyped) return;
+    if (unit[i] != 1 && unit[i] != u)
+      throw_error(errors::pt_bad_storage, "storage " + quote(f.storages[i].key) + " of a big-endian file",
+                  "is viewed as elements of " + std::to_string(unit[i]) + " and of " + std::to_string(u) +
+                      " bytes; its byte order cannot be undone for both");
+    unit[i] = u;
+  });
+  for (std::size_t i = 0; i < seen.size(); ++i) {
+    if (unit[i] == 1) continue;
+    const std::uint64_t bytes = seen[i].numel * itemsize(seen[i].dtype);
+    const dtype as = unit[i] == 2 ? dtype::U16 : unit[i] == 4 ? dtype::U32 : dtype::U64;
+    byteswap_run(as, base + (seen[i].data - f.view_base), static_cast<std::size_t>(bytes / unit[i]));
+  }
+  f.swapped = true;
+}
+
 inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& opts, bool lazy, bool may_overlap = true) {
   File f;
   f.format = "zip";
@@ -11767,7 +12219,10 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
   zo.verify_crc = opts.verify_crc && !lazy;
   zo.defer_local_headers = views_only && may_overlap;
   zip::Archive ar = zip::Archive::open(src, zo);
-  const bool overlap = zo.defer_local_headers && ar.entries().size() >= opts.overlap_headers_from;
+  // Compressed records (an archive another zip tool rewrote) cannot be views of the file: their
+  // local headers are read now, and the storage records go into an image in memory (below).
+  const bool compressed = std::any_of(ar.entries().begin(), ar.entries().end(), [](const zip::Entry& e) { return !e.stored(); });
+  bool overlap = zo.defer_local_headers && !compressed && ar.entries().size() >= opts.overlap_headers_from;
   if (zo.defer_local_headers && !overlap) ar.adopt_data_offsets(ar.data_offsets());
   // With `overlap`, the headers are read on `headers` from the pickle on; until the join, `ar`
   // is only read (data_offsets() is const; the few locate() calls come before the thread).
@@ -11789,21 +12244,38 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
     const zip::Entry* pkl = ar.find(prefix + "data.pkl");
     if (!pkl) throw_error(errors::pt_missing_record, where(*src), "no record " + quote(prefix + "data.pkl") + ": not a torch.save file");
     if (overlap) ar.locate(*pkl);
+    // A short text record: its first `cap` bytes (a deflated one is inflated only when that short).
+    auto text_record = [&](const zip::Entry& e, std::uint64_t cap) -> std::string {
+      if (overlap) ar.locate(e);
+      Region r;
+      if (e.stored()) {
+        ar.check_readable(e);
+        r = read_region(*src, e.data_offset, std::min<std::uint64_t>(e.size, cap));
+      } else {
+        ar.check_extractable(e);
+        if (e.size > cap) return std::string(static_cast<std::size_t>(cap) + 1, '?');  // longer than any valid content
+        r = ar.read(e);
+      }
+      return std::string(reinterpret_cast<const char*>(r.data), static_cast<std::size_t>(r.size));
+    };
     if (const zip::Entry* ver = ar.find(prefix + "version"); ver || (ver = ar.find(prefix + ".data/version"))) {
-      if (overlap) ar.locate(*ver);
-      ar.check_readable(*ver);
-      const Region r = read_region(*src, ver->data_offset, std::min<std::uint64_t>(ver->size, 32));
-      std::string v(reinterpret_cast<const char*>(r.data), static_cast<std::size_t>(r.size));
+      std::string v = text_record(*ver, 32);
       while (!v.empty() && (v.back() == '\n' || v.back() == '\r' || v.back() == ' ')) v.pop_back();
       if (v.empty() || v.find_first_not_of("0123456789") != std::string::npos)
         throw_error(errors::pt_bad_version, where(*src), "record " + quote(ver->name) + " holds " + quote(v) + ", not a version number");
     }
     if (const zip::Entry* bo = ar.find(prefix + "byteorder")) {
-      if (overlap) ar.locate(*bo);
-      ar.check_readable(*bo);
-      const Region r = read_region(*src, bo->data_offset, std::min<std::uint64_t>(bo->size, 16));
-      const std::string_view v(reinterpret_cast<const char*>(r.data), static_cast<std::size_t>(r.size));
-      if (v == "big") throw_error(errors::pt_big_endian, where(*src), "big-endian file (byteorder record) is not supported");
+      const std::string v = text_record(*bo, 16);
+      if (v == "big") f.big_endian = true;
+      else if (v != "little")
+        throw_error(errors::pt_bad_byteorder, where(*src), "record " + quote(bo->name) + " holds " + quote(v) + ", not little or big");
+    }
+    // A big-endian file read for its values: the storages are swapped in an image in memory, which
+    // needs every record's offset now (no prediction on another thread).
+    const bool swap_in_memory = f.big_endian && !lazy;
+    if (swap_in_memory && overlap) {
+      ar.adopt_data_offsets(ar.data_offsets());
+      overlap = false;
     }
     const Region pickle_bytes = ar.read(*pkl);
     if (overlap) {
@@ -11820,8 +12292,41 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
       }
     }
 
-    f.view_base = vb.base;
-    f.view_owner = vb.owner;
+    // The image of the storage records (every `data/` record, each at a multiple of 64 bytes) when
+    // some record is compressed: the File's source and view base are then the image.
+    std::vector<std::uint64_t> image_offset;  // per entry; only for records under data/
+    std::byte* image = nullptr;
+    if (compressed || swap_in_memory) {
+      const std::string data_dir = prefix + "data/";
+      image_offset.assign(ar.entries().size(), 0);
+      std::uint64_t total = 0;
+      for (std::size_t i = 0; i < ar.entries().size(); ++i) {
+        const zip::Entry& e = ar.entries()[i];
+        if (e.name.compare(0, data_dir.size(), data_dir) != 0) continue;
+        ar.check_extractable(e);
+        image_offset[i] = checked_add(total, 63, "records in memory") / 64 * 64;
+        total = checked_add(image_offset[i], e.size, "records in memory");
+        if (total > opts.limits.zip.max_inflated_bytes)
+          throw_error(errors::zip_inflate_limit, where(*src),
+                      "the storage records of an archive with compressed records are read into memory: more than " +
+                          std::to_string(opts.limits.zip.max_inflated_bytes) + " bytes (zip::limits::max_inflated_bytes)");
+      }
+      auto bytes = std::make_shared<std::vector<std::byte>>(static_cast<std::size_t>(std::max<std::uint64_t>(total, 1)));
+      for (std::size_t i = 0; i < ar.entries().size(); ++i) {
+        const zip::Entry& e = ar.entries()[i];
+        if (e.name.compare(0, data_dir.size(), data_dir) != 0) continue;
+        ar.extract(e, std::span<std::byte>(bytes->data() + image_offset[i], static_cast<std::size_t>(e.size)));
+        if (!e.stored()) ++f.compressed_records;
+      }
+      image = bytes->data();
+      f.in_memory_bytes = total;
+      f.source = std::make_shared<MemorySource>(src->name() + " (records in memory)", image, total, bytes);
+      f.view_base = image;
+      f.view_owner = bytes;
+    } else {
+      f.view_base = vb.base;
+      f.view_owner = vb.owner;
+    }
     // Storages and their records by key. torch.save's keys are the numbers 0, 1, 2, ... in order
     // of first use, and its records are sorted as strings ("0", "1", "10", "100", ...): such keys
     // are looked up in two arrays indexed by the number (a hash table probed at random misses the
@@ -11891,9 +12396,9 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
           if (!e) throw_error(errors::pt_missing_record, "storage " + quote(key) + ": no record " + quote(rec));
         }
         next_entry = static_cast<std::size_t>(e - entries.data()) + 1;
-        ar.check_readable(*e);
+        if (!image) ar.check_readable(*e);
         zip_storage c{e, nullptr, {}, t, numel};
-        std::uint64_t data_offset = e->data_offset;
+        std::uint64_t data_offset = image ? image_offset[static_cast<std::size_t>(e - entries.data())] : e->data_offset;
         if (overlap) {
           // The prediction, checked after the join. One that cannot be right (its bytes would run
           // into the central directory) still gets a pointer inside the source, never used.
@@ -11903,7 +12408,10 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
             data_offset = 0;
           }
         }
-        if (views_only) {
+        if (image) {
+          c.data = image + data_offset;
+          c.owner = f.view_owner;
+        } else if (views_only) {
           c.data = vb.base + data_offset;
           c.owner = vb.owner;
         } else {
@@ -12004,6 +12512,7 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
     // Not torch's layout (an archive rewritten by another zip tool): read it again, headers first.
     if (mispredicted) return read_zip(std::move(src), opts, lazy, false);
   }
+  if (f.big_endian && !lazy) swap_storages(f, seen);
   // The archive ends here: its entry names become the record list (moved, not copied).
   std::vector<zip::Entry> entries = ar.release_entries();
   f.records.reserve(entries.size());
@@ -12266,9 +12775,16 @@ inline ShardedCheckpoint describe(const File& file) {
     c.at.byte_offset = addr - base;
     if (!v.is_contiguous()) c.at.strides = v.strides();
     c.at.stored = v.dtype();
+    if (file.big_endian && !file.swapped) c.at.order = byte_order::big;
   }
   ck.skeleton = std::move(flat.skeleton);
   ck.metadata["torch.format"] = file.format;
+  if (file.big_endian)
+    ck.metadata["torch.byteorder"] = file.swapped ? "big: storages byte-swapped to little-endian in memory when read"
+                                                  : "big: every element byte-swapped to little-endian as it is copied";
+  if (file.compressed_records)
+    ck.metadata["torch.records_in_memory"] = std::to_string(file.compressed_records) + " deflated record(s): " +
+                                             std::to_string(file.in_memory_bytes) + " bytes of storage records inflated into memory (not zero-copy)";
   if (!file.archive_name.empty()) ck.metadata["torch.archive_name"] = file.archive_name;
   if (!file.attributes.empty()) ck.metadata[std::string(attributes_metadata_key)] = encode_attributes(file.attributes);
   return ck;
@@ -12331,7 +12847,7 @@ namespace torch {
 // out like torch's (io/zip.hpp). The pickle (protocol 2) writes each tensor as
 // `_rebuild_tensor_v2(storage, offset, size, stride, False, OrderedDict())` with the persistent id
 // `('storage', torch.<Dtype>Storage, key, 'cpu', numel)`; dtypes without a typed storage class
-// (U16, U32, U64, F8_*) use `_rebuild_tensor_v3` with `torch.UntypedStorage` and the dtype global,
+// (U16, U32, U64, F8_*) use `_rebuild_tensor_v3` with `torch.storage.UntypedStorage` and the dtype global,
 // as PyTorch >= 2.1 does. Tensors whose memory overlaps (same dtype) share one storage covering the
 // union of their byte ranges, so tied weights and views stay tied after torch.load; the same view
 // twice is written once and referenced (torch.load gives the same object). Storages are written once.
@@ -12370,7 +12886,7 @@ inline std::string archive_name_for(const std::filesystem::path& path) {
 struct PlannedStorage {
   std::string key;                                ///< "0", "1", ...
   statedict::dtype dtype = statedict::dtype::U8;  ///< element type of its tensors
-  bool untyped = false;                           ///< written as torch.UntypedStorage (+ _rebuild_tensor_v3)
+  bool untyped = false;                           ///< written as torch.storage.UntypedStorage (+ _rebuild_tensor_v3)
   std::uint64_t nbytes = 0;
   std::size_t record = 0;                         ///< index into SavePlan::records / layout.entries
   /// Bytes to copy (nbytes of them), or nullptr for a storage the caller fills (PlannedWriter).
@@ -12599,7 +13115,11 @@ inline SavePlan plan_save(const Value& tree, const save_options& opts) {
     const PlannedStorage& s = plan.storages[si];
     w.mark();
     w.str("storage");
-    w.global("torch", s.untyped ? std::string("UntypedStorage") : std::string(info(s.dtype).storage_name));
+    // As torch.save writes them: typed classes from module `torch`, the untyped one from
+    // `torch.storage` (torch 2.x's weights_only allow-list has `torch.storage.UntypedStorage`, not
+    // `torch.UntypedStorage`).
+    if (s.untyped) w.global("torch.storage", "UntypedStorage");
+    else w.global("torch", info(s.dtype).storage_name);
     w.str(s.key);
     w.str("cpu");
     w.integer(static_cast<std::int64_t>(s.untyped ? s.nbytes : s.nbytes / itemsize(s.dtype)));
@@ -12612,6 +13132,9 @@ inline SavePlan plan_save(const Value& tree, const save_options& opts) {
       const TensorView& t = v.as_tensor();
       const std::string id = detail::view_identity(t);
       if (t.numel() > 0 && wr.get_memo(id)) return true;
+      if (info(t.dtype()).torch_name.empty())
+        throw_error(errors::pt_unwritable, "tensor" + (names.count(&t) ? " " + quote(*names.at(&t)) : std::string()),
+                    "dtype " + std::string(name(t.dtype())) + " has no PyTorch dtype (a safetensors-only type): torch.save files cannot hold it");
       const std::size_t si = storage_of(t);
       const PlannedStorage& s = plan.storages[si];
       const std::uint64_t off = t.numel() == 0 ? 0 : static_cast<std::uint64_t>(t.data() - g.groups[g.group_of.at(&t)].lo) / t.itemsize();
@@ -14217,6 +14740,7 @@ inline constexpr error_id too_many_ops          {616, error_kind::limit,  "plan.
 inline constexpr error_id bad_part              {617, error_kind::usage,  "plan.bad_part"};
 inline constexpr error_id destination_too_small {618, error_kind::plan,   "plan.destination_too_small"};
 inline constexpr error_id duplicate_tensor      {619, error_kind::key,    "plan.duplicate_tensor"};
+inline constexpr error_id destination_byte_order{117, error_kind::usage,  "core.destination_byte_order"};
 // clang-format on
 }  // namespace errors
 
@@ -14237,12 +14761,15 @@ struct CopyOp {
   std::uint64_t reps = 1;
   std::uint64_t src_step = 0;
   std::uint64_t dst_step = 0;
+  /// The source elements are big-endian (Placement::order): swapped as they are read, before any
+  /// cast, so the op is never a plain byte copy.
+  bool swap = false;
 
   [[nodiscard]] std::uint64_t elements() const noexcept { return count * reps; }
   [[nodiscard]] std::uint64_t src_bytes() const noexcept { return elements() * itemsize(src_dtype); }
   [[nodiscard]] std::uint64_t dst_bytes() const noexcept { return elements() * itemsize(dst_dtype); }
   /// True when no conversion happens (a byte copy).
-  [[nodiscard]] bool plain() const noexcept { return nvia == 0 && src_dtype == dst_dtype; }
+  [[nodiscard]] bool plain() const noexcept { return nvia == 0 && src_dtype == dst_dtype && (!swap || info(src_dtype).swap_unit == 1); }
   friend bool operator==(const CopyOp&, const CopyOp&) = default;
 };
 
@@ -14256,6 +14783,7 @@ struct CompareOp {
   std::uint64_t a_offset = 0, b_offset = 0;
   std::uint64_t count = 0, reps = 1;
   std::uint64_t a_step = 0, b_step = 0;
+  bool a_swap = false, b_swap = false;  ///< big-endian elements (swapped before comparing)
   shape_t first_index;  ///< global index of the first element compared (for messages)
 };
 
@@ -14313,8 +14841,10 @@ inline std::string where_in(const std::vector<std::string>& names, std::uint32_t
 
 inline bool exact_widening(dtype from, dtype to) noexcept {
   if (from == to) return true;
+  // E8M0 spans 2^-127 .. 2^127: F16 cannot hold it, the 8-bit exponent types can.
+  if (from == dtype::F8_E8M0) return to == dtype::BF16 || to == dtype::F32 || to == dtype::F64;
   if (is_floating(from) && is_floating(to)) return itemsize(to) > itemsize(from);
-  return from == dtype::C64 && to == dtype::C128;
+  return (from == dtype::C64 && to == dtype::C128) || (from == dtype::C32 && (to == dtype::C64 || to == dtype::C128));
 }
 
 /// The conversion chain stored -> logical -> destination logical -> destination stored, with
@@ -14349,6 +14879,7 @@ struct SrcPiece {
   std::uint32_t source = 0;
   std::uint64_t byte_offset = 0;
   dtype stored = dtype::F32;
+  bool swap = false;  // big-endian elements
   FlatRange lin;  // linear extent of m.box
 };
 
@@ -14527,7 +15058,7 @@ inline void merge_ops(std::vector<CopyOp>& ops) {
     if (!out.empty()) {
       CopyOp& p = out.back();
       const bool same = p.src == o.src && p.dst == o.dst && p.src_dtype == o.src_dtype && p.dst_dtype == o.dst_dtype &&
-                        p.nvia == o.nvia && p.via == o.via;
+                        p.nvia == o.nvia && p.via == o.via && p.swap == o.swap;
       if (same && p.reps == 1 && o.reps == 1 && o.src_offset == p.src_offset + p.count * itemsize(p.src_dtype) &&
           o.dst_offset == p.dst_offset + p.count * itemsize(p.dst_dtype)) {
         p.count += o.count;
@@ -14616,6 +15147,7 @@ class tensor_planner {
         p.source = c.at.source;
         p.byte_offset = c.at.byte_offset;
         p.stored = c.at.stored;
+        p.swap = c.at.order == byte_order::big;
         pieces.push_back(std::move(p));
       }
     }
@@ -14655,6 +15187,8 @@ class tensor_planner {
       if (c.at.source >= nd)
         throw_error(errors::bad_source_id, what(), "refers to destination " + std::to_string(c.at.source) + " of " +
                                                        std::to_string(nd));
+      if (c.at.order != byte_order::little)
+        throw_error(errors::destination_byte_order, what(), "is big-endian; statedict writes little-endian elements only");
       std::vector<MappedBox> boxes;
       std::uint64_t ext = 0, end = 0;
       try {
@@ -14754,6 +15288,7 @@ class tensor_planner {
         base.dst = dc.at.source;
         base.src_dtype = sp.stored;
         base.dst_dtype = dc.at.stored;
+        base.swap = sp.swap;
         base.nvia = static_cast<std::uint8_t>(chain.size() > 2 ? chain.size() - 2 : 0);
         if (base.nvia > 2) throw_error(errors::unsupported_cast, ctx(), "conversion chain too long");
         for (std::size_t k = 0; k < base.nvia; ++k) base.via[k] = chain[k + 1];
@@ -14793,6 +15328,8 @@ class tensor_planner {
         c.b = rp.source;
         c.a_dtype = kp.stored;
         c.b_dtype = rp.stored;
+        c.a_swap = kp.swap;
+        c.b_swap = rp.swap;
         c.logical = s->dtype;
         c.a_offset = kp.byte_offset + r.a * itemsize(kp.stored);
         c.b_offset = rp.byte_offset + r.b * itemsize(rp.stored);
@@ -15244,6 +15781,7 @@ class Sha256Sink final : public Sink {
 #include <exception>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <mutex>
 #include <span>
 #include <string>
@@ -15624,12 +16162,19 @@ class exec_worker {
     while (n) {
       const std::uint64_t k = std::min(n, per);
       const std::byte* sp;
-      if (map) {
+      if (map && !o.swap) {
         src.check_range(so, k * ssz);
         sp = map + so;
       } else {
+        // Read into the buffer (big-endian elements are swapped there, never in the source).
         std::byte* b = rbuf_.get();
-        read(src, so, std::span<std::byte>(b, static_cast<std::size_t>(k * ssz)));
+        if (map) {
+          src.check_range(so, k * ssz);
+          std::memcpy(b, map + so, static_cast<std::size_t>(k * ssz));
+        } else {
+          read(src, so, std::span<std::byte>(b, static_cast<std::size_t>(k * ssz)));
+        }
+        if (o.swap) byteswap_run(o.src_dtype, b, static_cast<std::size_t>(k));
         sp = b;
       }
       std::byte* dp = reserve(dst, doff, k * dsz);
@@ -15761,13 +16306,22 @@ class exec_worker {
 
   // ---- replica checks --------------------------------------------------------------------------
 
-  const std::byte* bytes_of(const ByteSource& src, std::uint64_t off, std::uint64_t len, exec_buffer& buf) {
-    if (const std::byte* m = src.data()) {
+  /// `len` bytes at `off` of `src`: in place when mapped, else read into `buf`; elements of dtype
+  /// `swap` are byte-swapped in `buf` (big-endian sources).
+  const std::byte* bytes_of(const ByteSource& src, std::uint64_t off, std::uint64_t len, exec_buffer& buf, std::optional<dtype> swap) {
+    const std::byte* m = src.data();
+    if (m && !swap) {
       src.check_range(off, len);
       return m + off;
     }
     std::byte* b = buf.get();
-    src.read(off, std::span<std::byte>(b, static_cast<std::size_t>(len)));
+    if (m) {
+      src.check_range(off, len);
+      std::memcpy(b, m + off, static_cast<std::size_t>(len));
+    } else {
+      src.read(off, std::span<std::byte>(b, static_cast<std::size_t>(len)));
+    }
+    if (swap) byteswap_run(*swap, b, static_cast<std::size_t>(len / itemsize(*swap)));
     return b;
   }
 
@@ -15787,8 +16341,8 @@ class exec_worker {
         const std::uint64_t ao = c.a_offset + r * c.a_step + e * asz, bo = c.b_offset + r * c.b_step + e * bsz;
         touch(c.a, ao, k * asz);
         touch(c.b, bo, k * bsz);
-        const std::byte* pa = bytes_of(a, ao, k * asz, rbuf_);
-        const std::byte* pb = bytes_of(b, bo, k * bsz, wbuf_);
+        const std::byte* pa = bytes_of(a, ao, k * asz, rbuf_, c.a_swap ? c.a_dtype : std::optional<dtype>());
+        const std::byte* pb = bytes_of(b, bo, k * bsz, wbuf_, c.b_swap ? c.b_dtype : std::optional<dtype>());
         const std::byte* qa = pa;
         const std::byte* qb = pb;
         std::uint64_t isz = asz;
@@ -18537,10 +19091,11 @@ namespace statedict::inline v0::dcp {
 struct write_options {
   /// Ranks that will load the checkpoint (M); one `__<rank>_0.distcp` file per rank.
   std::uint32_t world_size = 1;
-  /// Class names of `.metadata`: torch 1.13's (`torch.distributed._shard.checkpoint`, what the
-  /// tests load with PyTorch 1.13) or 2.x's (`torch.distributed.checkpoint`, with the 2.x flatten
-  /// rule and its planner_data mapping). See docs/formats/dcp.md.
-  class_names classes = class_names::torch_1_13;
+  /// The layout of the PyTorch that will load the checkpoint: 2.x's (`torch.distributed.checkpoint`
+  /// classes, the 2.x flatten rule and its planner_data mapping; the default, since restarts happen
+  /// on current PyTorch, whose dcp.load refuses the 1.13 class names) or 1.13's
+  /// (`torch.distributed._shard.checkpoint`, which PyTorch 1.13 loads). See docs/formats/dcp.md.
+  class_names classes = class_names::torch_2;
   exec_options exec{};
   plan_options plan{};
   /// Write only the rank files of part k of K (shard/plan.hpp assign_parts), each atomically,
@@ -18759,6 +19314,9 @@ inline keyed_tree keys_of(const ShardedCheckpoint& src, class_names classes) {
   std::uint64_t total = 16;
   for (std::size_t i = 0; i < n; ++i) {
     const TensorInfo& t = src.tensors[i];
+    if (info(t.dtype).torch_name.empty())
+      throw_error(errors::dcp_write_unsupported, "tensor " + quote(t.name),
+                  "dtype " + std::string(name(t.dtype)) + " has no PyTorch dtype (a safetensors-only type)");
     if (classes == class_names::torch_1_13 && info(t.dtype).storage_name.empty())
       throw_error(errors::dcp_write_unsupported, "tensor " + quote(t.name),
                   "dtype " + std::string(name(t.dtype)) + " has no storage class in PyTorch 1.13 (write the 2.x layout)");
@@ -20211,6 +20769,9 @@ inline optim_shard::LoadedFile load_rank_file(const std::filesystem::path& p, re
   lo.mode = mode;
   try {
     torch::File f = torch::read_lazily(InputFile::open(p, mode), lo);
+    if (f.big_endian)  // its flat buffers would be sliced without their byte order
+      throw_error(errors::pt_big_endian, "file " + quote(p.string()),
+                  "a rank file written on a big-endian machine (byteorder record) is not supported by this reader");
     return optim_shard::LoadedFile{p.string(), f.source, std::move(f.value), f.view_base};
   } catch (error& e) {
     e.add_context(context);
@@ -21977,6 +22538,125 @@ class format final : public formats::Format {
 
 #include <nlohmann/json.hpp>
 
+// ---- statedict/formats/detail/hf_shards.hpp ----
+// statedict: Hugging Face checkpoints whose shards are not all safetensors files: transformers'
+// `pytorch_model-0000k-of-0000n.bin` + `pytorch_model.bin.index.json` (torch.save shards), or an
+// index mixing both kinds. Each shard is read by its own format (told by its content, never its
+// name) and the shards are merged into one description, validated against the index as
+// io/hf_sharded.hpp validates safetensors shards (formats/hf.hpp is the public header).
+// SPDX-License-Identifier: MIT
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+
+namespace statedict::inline v0::hf::detail {
+
+/// Whether the file holds a torch.save archive or pickle (else it is read as safetensors).
+inline bool is_torch_file(const ByteSource& src) {
+  const torch::file_kind k = torch::detect(src);
+  return k == torch::file_kind::zip || k == torch::file_kind::legacy || k == torch::file_kind::legacy_tar;
+}
+
+/// One shard described by its own format, its tensors by name and its aliases (name -> target).
+struct shard_content {
+  ShardedCheckpoint ck;
+  std::unordered_map<std::string, std::size_t> tensor;  ///< name -> index into ck.tensors
+  std::unordered_map<std::string, std::string> alias;
+};
+
+/// Describes shard `path`; `where` names the index for errors. A shard holds named tensors only: a
+/// non-tensor value, or a view into another tensor's elements, is hf.shard_content.
+inline shard_content describe_shard(const std::filesystem::path& path, const open_options& opt, const torch::load_options& topt,
+                                    const std::string& where) {
+  shard_content s;
+  const std::string at = where + ": shard " + quote(path.filename().string());
+  try {
+    auto src = InputFile::open(path, opt.mode);
+    s.ck = is_torch_file(*src) ? torch::describe(std::move(src), topt) : safetensors::File::open(std::move(src), opt.lim).describe();
+  } catch (error& e) {
+    e.add_context(where);
+    throw;
+  }
+  if (!s.ck.skeleton.is_null()) {
+    if (const auto values = skeleton_values(s.ck.skeleton); !values.empty())
+      throw_error(errors::hf_shard_content, at, "holds the value " + quote(values.front().first) + ": a shard holds tensors only");
+    if (statedict::detail::may_hold_aliases(s.ck.skeleton))
+      for (const auto& t : statedict::detail::list_tensorish(s.ck.skeleton.json())) {
+        if (t.kind == statedict::detail::snode::tensor) continue;
+        if (t.kind != statedict::detail::snode::alias)
+          throw_error(errors::hf_shard_content, at, "tensor " + quote(t.name) + " is a view into " + quote(t.target) +
+                                                        "; a shard holds whole tensors (or the same tensor under two names)");
+        s.alias.emplace(t.name, t.target);
+      }
+  }
+  for (std::size_t i = 0; i < s.ck.tensors.size(); ++i) s.tensor.emplace(s.ck.tensors[i].name, i);
+  return s;
+}
+
+/// The checkpoint an index describes, each shard read by its own format: tensors in weight_map
+/// order (each once; a name the index lists that its shard holds as an alias of another tensor
+/// stays a tie), sources = every shard's sources, metadata = the index's. Every weight_map entry
+/// must be in its shard, and every tensor of a shard listed for that shard.
+inline ShardedCheckpoint describe_mixed_index(const std::filesystem::path& index_path, const Index& index, const open_options& opt,
+                                              const torch::load_options& topt) {
+  const std::string where = "checkpoint " + quote(index_path.string());
+  const std::filesystem::path dir = statedict::detail::parent_or_dot(index_path);
+  std::vector<shard_content> shards;
+  std::vector<std::uint32_t> first_source;
+  ShardedCheckpoint out;
+  out.format = "hf_sharded";
+  for (const std::string& fn : index.files) {
+    shards.push_back(describe_shard(dir / fn, opt, topt, where));
+    first_source.push_back(static_cast<std::uint32_t>(out.sources.size()));
+    for (auto& src : shards.back().ck.sources) out.sources.push_back(src);
+  }
+  std::unordered_map<std::string, std::size_t> listed_file;
+  std::vector<std::pair<std::string, std::string>> aliases;
+  for (const auto& [name, k] : index.listed) {
+    listed_file.emplace(name, k);
+    shard_content& s = shards[k];
+    if (auto it = s.tensor.find(name); it != s.tensor.end()) {
+      TensorInfo t = std::move(s.ck.tensors[it->second]);
+      for (Chunk& c : t.chunks) c.at.source += first_source[k];
+      out.tensors.push_back(std::move(t));
+    } else if (auto a = s.alias.find(name); a != s.alias.end()) {
+      aliases.emplace_back(name, a->second);
+    } else {
+      throw_error(errors::hf_missing_tensor, where + ": tensor " + quote(name),
+                  "the index puts it in " + quote(index.files[k]) + ", which does not contain it");
+    }
+  }
+  for (std::size_t k = 0; k < shards.size(); ++k) {
+    auto check = [&](const std::string& name) {
+      auto it = listed_file.find(name);
+      if (it == listed_file.end())
+        throw_error(errors::hf_unlisted_tensor, where + ": tensor " + quote(name),
+                    "is in " + quote(index.files[k]) + " but not in the index's weight_map");
+      if (it->second != k)
+        throw_error(errors::hf_tensor_in_two_files, where + ": tensor " + quote(name),
+                    "is in both " + quote(index.files[it->second]) + " and " + quote(index.files[k]));
+    };
+    for (const auto& [name, i] : shards[k].tensor) check(name);
+    for (const auto& [name, target] : shards[k].alias) {
+      check(name);
+      if (listed_file.count(target) == 0)  // the tie's target must be stored too
+        throw_error(errors::hf_unlisted_tensor, where + ": tensor " + quote(target),
+                    "is in " + quote(index.files[k]) + " (as the target of " + quote(name) + ") but not in the index's weight_map");
+    }
+  }
+  if (!aliases.empty()) out.skeleton = safetensors::File::flat_skeleton_with_aliases(out.tensors, aliases);
+  for (const auto& [k, v] : index.metadata.items()) out.metadata[k] = v.is_string() ? v.get<std::string>() : v.dump();
+  return out;
+}
+
+}  // namespace statedict::inline v0::hf::detail
 // ---- statedict/formats/detail/safetensors_write.hpp ----
 // statedict: laying out and streaming safetensors files from a description: the pieces the
 // safetensors, Hugging Face and tree writers share.
@@ -22373,9 +23053,45 @@ inline write_result write_sharded(const std::filesystem::path& dir, std::span<co
   return r;
 }
 
-/// Hugging Face checkpoint directories (a `model.safetensors.index.json` and its shards, or one
-/// `model.safetensors`) and index files: read, validated against the shards; written with
-/// huggingface_hub's split rule.
+/// Describes a Hugging Face checkpoint: a directory (`model.safetensors.index.json`,
+/// `pytorch_model.bin.index.json`, `model.safetensors` or `pytorch_model.bin`, looked for in that
+/// order) or an index file. An index whose shards are all safetensors files is hf::Checkpoint;
+/// otherwise each shard is read by its own format (torch.save `.bin` shards, as transformers
+/// writes them) and the shards merged (detail::describe_mixed_index).
+inline ShardedCheckpoint describe_checkpoint(const std::filesystem::path& path, const open_options& o, const torch::load_options& topt) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::path index_path = path;
+  if (fs::is_directory(path, ec)) {
+    if (fs::exists(path / index_name, ec)) return Checkpoint::open(path, o).describe();
+    if (fs::exists(path / bin_index_name, ec)) {
+      index_path = path / bin_index_name;
+    } else if (fs::exists(path / single_name, ec)) {
+      return Checkpoint::open(path, o).describe();
+    } else if (fs::exists(path / bin_single_name, ec)) {
+      ShardedCheckpoint ck = torch::describe(InputFile::open(path / bin_single_name, o.mode), topt);
+      ck.format = "hf_sharded";
+      return ck;
+    } else {
+      throw_error(errors::hf_not_a_checkpoint, "directory " + quote(path.string()),
+                  "has none of " + std::string(index_name) + ", " + std::string(bin_index_name) + ", " + std::string(single_name) +
+                      ", " + std::string(bin_single_name));
+    }
+  }
+  const Index index = read_index(index_path, o, "checkpoint " + quote(index_path.string()));
+  const fs::path dir = statedict::detail::parent_or_dot(index_path);
+  bool all_safetensors = true;
+  for (const std::string& fn : index.files) {
+    if (!fs::is_regular_file(dir / fn, ec)) continue;  // the reader names the missing shard
+    all_safetensors = all_safetensors && !detail::is_torch_file(*InputFile::open(dir / fn, read_mode::pread));
+  }
+  if (all_safetensors) return Checkpoint::open(index_path, o).describe();
+  return detail::describe_mixed_index(index_path, index, o, topt);
+}
+
+/// Hugging Face checkpoint directories (an index and its shards, safetensors or transformers'
+/// torch.save `.bin` shards, or one `model.safetensors` / `pytorch_model.bin`) and index files:
+/// read, validated against the shards; written (safetensors) with huggingface_hub's split rule.
 class format final : public formats::Format {
  public:
   [[nodiscard]] std::string_view name() const noexcept override { return "hf"; }
@@ -22388,14 +23104,19 @@ class format final : public formats::Format {
       if (formats::detail::ends_with(in.filename(), ".index.json")) return formats::Detection::match("Hugging Face index file");
       return formats::Detection::not_applicable();
     }
-    if (fs::exists(in.path() / index_name, ec)) return formats::Detection::match("Hugging Face sharded: " + std::string(index_name));
-    if (fs::exists(in.path() / single_name, ec)) return formats::Detection::match("Hugging Face single file: " + std::string(single_name));
-    return formats::Detection::miss("neither " + std::string(index_name) + " nor " + std::string(single_name) + " is in the directory");
+    for (const std::string_view f : {index_name, bin_index_name})
+      if (fs::exists(in.path() / f, ec)) return formats::Detection::match("Hugging Face sharded: " + std::string(f));
+    for (const std::string_view f : {single_name, bin_single_name})
+      if (fs::exists(in.path() / f, ec)) return formats::Detection::match("Hugging Face single file: " + std::string(f));
+    return formats::Detection::miss("none of " + std::string(index_name) + ", " + std::string(bin_index_name) + ", " +
+                                    std::string(single_name) + ", " + std::string(bin_single_name) + " is in the directory");
   }
   [[nodiscard]] ShardedCheckpoint describe(const formats::Input& in, const formats::open_options& opt) const override {
     open_options o = opt.settings.get<open_options>();
     o.mode = opt.mode;
-    return Checkpoint::open(in.path(), o).describe();
+    torch::load_options t = opt.settings.get<torch::load_options>();  // the settings the torch format reads its files with
+    t.mode = opt.mode;
+    return describe_checkpoint(in.path(), o, t);
   }
 
   [[nodiscard]] bool can_write() const noexcept override { return true; }

@@ -14,6 +14,7 @@
 #include <statedict/formats/registry.hpp>
 #include <statedict/formats/sharded_tensor.hpp>
 #include <statedict/io/hf_sharded.hpp>
+#include <statedict/io/inflate.hpp>
 #include <statedict/io/pickle_read.hpp>
 #include <statedict/io/pickle_write.hpp>
 #include <statedict/io/safetensors.hpp>
@@ -41,6 +42,9 @@ namespace fuzz_hf_index {
 }
 namespace fuzz_zip {
 #include "fuzz_zip.cpp"
+}
+namespace fuzz_inflate {
+#include "fuzz_inflate.cpp"
 }
 namespace fuzz_pickle {
 #include "fuzz_pickle.cpp"
@@ -88,6 +92,7 @@ constexpr target targets[] = {
     {"safetensors-roundtrip", fuzz_safetensors_roundtrip::test_one_input},
     {"hf-index", fuzz_hf_index::test_one_input},
     {"zip", fuzz_zip::test_one_input},
+    {"inflate", fuzz_inflate::test_one_input},
     {"pickle", fuzz_pickle::test_one_input},
     {"pickle-roundtrip", fuzz_pickle_roundtrip::test_one_input},
     {"torch", fuzz_torch::test_one_input},

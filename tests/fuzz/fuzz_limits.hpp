@@ -24,6 +24,7 @@ inline statedict::zip::limits zip_limits() {
   statedict::zip::limits l;
   l.max_entries = 1 << 12;
   l.max_central_directory_bytes = 1 << 20;
+  l.max_inflated_bytes = 1 << 24;
   return l;
 }
 

@@ -11,6 +11,7 @@ STATEDICT_FUZZ_TARGET(data, size) {
   zip::read_options o;
   o.limits.max_entries = 1 << 12;
   o.limits.max_central_directory_bytes = 1 << 20;
+  o.limits.max_inflated_bytes = 1 << 24;  // deflated entries are inflated (io/inflate.hpp)
   o.verify_crc = true;
   try {
     const zip::Archive a = zip::Archive::open(fuzz::source_of(data, size), o);

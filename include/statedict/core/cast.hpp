@@ -1,10 +1,12 @@
 // statedict: element-wise dtype casts over runs of (possibly misaligned) bytes.
 // SPDX-License-Identifier: MIT
 //
-// Casts that exist: any dtype to itself; between the real floating dtypes (F8_E4M3, F8_E5M2, F16,
-// BF16, F32, F64), rounding to nearest even exactly as PyTorch (a double narrower than f32 is first
-// rounded to f32, as PyTorch's `Half(double)`/`BFloat16(double)` do); C64 <-> C128. Integer casts are
-// not offered: a checkpoint converter must not silently change integer data.
+// Casts that exist: any dtype to itself; between the real floating dtypes (F8_E4M3, F8_E5M2,
+// F8_E4M3FNUZ, F8_E5M2FNUZ, F8_E8M0, F16, BF16, F32, F64), rounding exactly as PyTorch (to nearest
+// even; a double narrower than f32 is first rounded to f32, as PyTorch's `Half(double)`/
+// `BFloat16(double)` do); between the complex dtypes C32, C64, C128. Integer casts are not
+// offered: a checkpoint converter must not silently change integer data; nor are casts of the
+// packed (F4_X2, F6_*_X4) and bits types, whose elements are not single numbers.
 //
 // The bytes are those `tensor.to(dtype)` writes in PyTorch 1.13 on an x86 CPU, NaNs included
 // (tests/interop-dtype.cpp compares against tables PyTorch wrote): a NaN cast to BF16 from F32 or
@@ -12,6 +14,7 @@
 // F16 it is 0x7e00 with the sign; F16 -> F32 sets the quiet bit.
 #pragma once
 
+#include <bit>
 #include <complex>
 #include <cstddef>
 #include <cstdint>
@@ -84,6 +87,24 @@ struct float_codec<dtype::F8_E5M2> {
   static constexpr std::uint8_t narrow(float f, std::uint16_t /*bf16 nan*/) noexcept { return f8e5m2_from_f32(f); }
 };
 template <>
+struct float_codec<dtype::F8_E4M3FNUZ> {
+  using storage = std::uint8_t;
+  static constexpr float widen(std::uint8_t x) noexcept { return f32_from_f8e4m3fnuz(x); }
+  static constexpr std::uint8_t narrow(float f, std::uint16_t /*bf16 nan*/) noexcept { return f8e4m3fnuz_from_f32(f); }
+};
+template <>
+struct float_codec<dtype::F8_E5M2FNUZ> {
+  using storage = std::uint8_t;
+  static constexpr float widen(std::uint8_t x) noexcept { return f32_from_f8e5m2fnuz(x); }
+  static constexpr std::uint8_t narrow(float f, std::uint16_t /*bf16 nan*/) noexcept { return f8e5m2fnuz_from_f32(f); }
+};
+template <>
+struct float_codec<dtype::F8_E8M0> {
+  using storage = std::uint8_t;
+  static constexpr float widen(std::uint8_t x) noexcept { return f32_from_f8e8m0(x); }
+  static constexpr std::uint8_t narrow(float f, std::uint16_t /*bf16 nan*/) noexcept { return f8e8m0_from_f32(f); }
+};
+template <>
 struct float_codec<dtype::F64> {
   using storage = double;
 };
@@ -135,7 +156,30 @@ inline void cast_floats_from(const std::byte* src, dtype to, std::byte* dst, std
     case dtype::F64: return cast_floats<From, dtype::F64>(src, dst, n);
     case dtype::F8_E4M3: return cast_floats<From, dtype::F8_E4M3>(src, dst, n);
     case dtype::F8_E5M2: return cast_floats<From, dtype::F8_E5M2>(src, dst, n);
+    case dtype::F8_E4M3FNUZ: return cast_floats<From, dtype::F8_E4M3FNUZ>(src, dst, n);
+    case dtype::F8_E5M2FNUZ: return cast_floats<From, dtype::F8_E5M2FNUZ>(src, dst, n);
+    case dtype::F8_E8M0: return cast_floats<From, dtype::F8_E8M0>(src, dst, n);
     default: return;  // not floating: refused by check_cast before
+  }
+}
+
+/// complex32 (two f16) <-> complex64 / complex128, component by component as PyTorch's
+/// c10::complex<Half> conversions do (through f32). Unlike the real f32 -> f16 tensor cast, which
+/// writes every NaN as 0x7e00, this scalar conversion keeps the top 10 payload bits of a NaN
+/// (quiet bit set), as torch 2.14 does.
+inline void cast_complex_half(const std::byte* src, dtype from, std::byte* dst, dtype to, std::size_t n) noexcept {
+  for (std::size_t i = 0; i < 2 * n; ++i) {
+    if (from == dtype::C32) {
+      const float f = f32_from_f16(load_unaligned<std::uint16_t>(src + i * 2));
+      if (to == dtype::C64) store_unaligned(dst + i * 4, f);
+      else store_unaligned(dst + i * 8, static_cast<double>(f));
+    } else {
+      const float f = from == dtype::C64 ? load_unaligned<float>(src + i * 4) : static_cast<float>(load_unaligned<double>(src + i * 8));
+      const auto u = std::bit_cast<std::uint32_t>(f);
+      std::uint16_t h = f16_from_f32(f);
+      if ((u & 0x7fffffffU) > 0x7f800000U) h = static_cast<std::uint16_t>(((u >> 16) & 0x8000U) | 0x7e00U | ((u >> 13) & 0x3ffU));
+      store_unaligned(dst + i * 2, h);
+    }
   }
 }
 
@@ -148,6 +192,26 @@ inline void cast_complex(const std::byte* src, std::byte* dst, std::size_t n) no
   }
 }
 }  // namespace detail
+
+/// Reverses the byte order of `n` contiguous elements of dtype `t` in place: each element (each
+/// component of a complex one) of info(t).swap_unit bytes; nothing for one-byte units. Turns the
+/// elements of a big-endian file into little-endian ones (and back).
+inline void byteswap_run(dtype t, std::byte* p, std::size_t n) noexcept {
+  const std::size_t unit = info(t).swap_unit;
+  const std::size_t count = n * (itemsize(t) / unit);
+  switch (unit) {
+    case 2:
+      for (std::size_t i = 0; i < count; ++i) detail::store_unaligned(p + 2 * i, __builtin_bswap16(detail::load_unaligned<std::uint16_t>(p + 2 * i)));
+      return;
+    case 4:
+      for (std::size_t i = 0; i < count; ++i) detail::store_unaligned(p + 4 * i, __builtin_bswap32(detail::load_unaligned<std::uint32_t>(p + 4 * i)));
+      return;
+    case 8:
+      for (std::size_t i = 0; i < count; ++i) detail::store_unaligned(p + 8 * i, __builtin_bswap64(detail::load_unaligned<std::uint64_t>(p + 8 * i)));
+      return;
+    default: return;  // one-byte units: nothing to swap
+  }
+}
 
 /// Casts `n` contiguous elements from `src` (dtype `from`) to `dst` (dtype `to`), producing the bytes
 /// `tensor.to(dtype)` produces in PyTorch 1.13 on a CPU (NaN encodings included). Neither pointer
@@ -166,8 +230,16 @@ inline void cast_run(dtype from, const std::byte* src, dtype to, std::byte* dst,
     case dtype::F64: return cast_floats_from<dtype::F64>(src, to, dst, n);
     case dtype::F8_E4M3: return cast_floats_from<dtype::F8_E4M3>(src, to, dst, n);
     case dtype::F8_E5M2: return cast_floats_from<dtype::F8_E5M2>(src, to, dst, n);
-    case dtype::C64: return cast_complex<float, double>(src, dst, n);
-    case dtype::C128: return cast_complex<double, float>(src, dst, n);
+    case dtype::F8_E4M3FNUZ: return cast_floats_from<dtype::F8_E4M3FNUZ>(src, to, dst, n);
+    case dtype::F8_E5M2FNUZ: return cast_floats_from<dtype::F8_E5M2FNUZ>(src, to, dst, n);
+    case dtype::F8_E8M0: return cast_floats_from<dtype::F8_E8M0>(src, to, dst, n);
+    case dtype::C32: return cast_complex_half(src, from, dst, to, n);
+    case dtype::C64:
+      if (to == dtype::C32) return cast_complex_half(src, from, dst, to, n);
+      return cast_complex<float, double>(src, dst, n);
+    case dtype::C128:
+      if (to == dtype::C32) return cast_complex_half(src, from, dst, to, n);
+      return cast_complex<double, float>(src, dst, n);
     default: return;  // refused by check_cast
   }
 }

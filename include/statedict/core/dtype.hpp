@@ -17,8 +17,10 @@
 
 namespace statedict::inline v0 {
 
-/// Element types: every safetensors dtype statedict handles, plus C128 (PyTorch's complex128, which
-/// safetensors cannot store).
+/// Element types: every dtype of safetensors and of PyTorch's torch.save files. C128, C32 and the
+/// bits types are PyTorch's only (safetensors cannot store them); F6_E2M3_X4 and F6_E3M2_X4 are
+/// safetensors' only (PyTorch has no 6-bit dtype). New dtypes are appended, so the numbering of
+/// the older ones never changes.
 enum class dtype : std::uint8_t {
   BOOL,
   U8,
@@ -37,21 +39,39 @@ enum class dtype : std::uint8_t {
   F8_E5M2,
   C64,
   C128,
+  F8_E4M3FNUZ,  ///< torch.float8_e4m3fnuz: bias 8, NaN = 0x80 only, no infinities, no -0
+  F8_E5M2FNUZ,  ///< torch.float8_e5m2fnuz: bias 16, NaN = 0x80 only, no infinities, no -0
+  F8_E8M0,      ///< torch.float8_e8m0fnu: 2^(x - 127), unsigned, 0xff = NaN (OCP MX scales)
+  F4_X2,        ///< torch.float4_e2m1fn_x2: one byte, two packed e2m1 values (safetensors F4)
+  F6_E2M3_X4,   ///< safetensors F6_E2M3: three bytes, four packed 6-bit values
+  F6_E3M2_X4,   ///< safetensors F6_E3M2: three bytes, four packed 6-bit values
+  C32,          ///< torch.complex32 (chalf): two f16
+  BITS8,        ///< torch.bits8 and the other bits types: opaque bit containers
+  BITS16,
+  BITS1X8,
+  BITS2X4,
+  BITS4X2,
 };
 
-inline constexpr std::size_t dtype_count = 17;
+inline constexpr std::size_t dtype_count = 29;
 
 /// Everything statedict knows about one dtype.
 struct dtype_info {
   dtype id;
   std::uint8_t itemsize;              ///< bytes per element
-  std::string_view name;              ///< safetensors name ("F32"); C128 is statedict's own name
-  std::string_view torch_name;        ///< `torch.<name>` global ("float32")
+  std::string_view name;              ///< safetensors name ("F32"), or statedict's own (C128, F4_X2, ...)
+  std::string_view torch_name;        ///< `torch.<name>` global ("float32"); empty: PyTorch has no such dtype
   std::string_view storage_name;      ///< legacy typed storage class ("FloatStorage"); empty: UntypedStorage only
   std::int8_t safetensors_rank;       ///< position in safetensors' Dtype enum (its write order); -1: not storable
-  bool is_floating;                   ///< real floating point
+  bool is_floating;                   ///< real floating point that core/cast.hpp converts element by element
   bool is_complex;
   bool is_signed;                     ///< signed integer or floating
+  /// Bytes swapped together when the element is stored in the other byte order: the itemsize for
+  /// numbers, the component size for complex, 1 for byte-packed types.
+  std::uint8_t swap_unit;
+  /// Values one element packs (F4_X2: 2, F6_*_X4: 4): safetensors counts values, not elements, in
+  /// the last dimension of these.
+  std::uint8_t packed;
 };
 
 namespace detail {
@@ -60,25 +80,42 @@ namespace detail {
 // by that position, descending.
 // clang-format off
 inline constexpr std::array<dtype_info, dtype_count> dtype_table{{
-  {dtype::BOOL,    1, "BOOL",    "bool",          "BoolStorage",          0,  false, false, false},
-  {dtype::U8,      1, "U8",      "uint8",         "ByteStorage",          4,  false, false, false},
-  {dtype::I8,      1, "I8",      "int8",          "CharStorage",          5,  false, false, true},
-  {dtype::I16,     2, "I16",     "int16",         "ShortStorage",         11, false, false, true},
-  {dtype::U16,     2, "U16",     "uint16",        "",                     12, false, false, false},
-  {dtype::I32,     4, "I32",     "int32",         "IntStorage",           15, false, false, true},
-  {dtype::U32,     4, "U32",     "uint32",        "",                     16, false, false, false},
-  {dtype::I64,     8, "I64",     "int64",         "LongStorage",          20, false, false, true},
-  {dtype::U64,     8, "U64",     "uint64",        "",                     21, false, false, false},
-  {dtype::F16,     2, "F16",     "float16",       "HalfStorage",          13, true,  false, true},
-  {dtype::BF16,    2, "BF16",    "bfloat16",      "BFloat16Storage",      14, true,  false, true},
-  {dtype::F32,     4, "F32",     "float32",       "FloatStorage",         17, true,  false, true},
-  {dtype::F64,     8, "F64",     "float64",       "DoubleStorage",        19, true,  false, true},
-  {dtype::F8_E4M3, 1, "F8_E4M3", "float8_e4m3fn", "",                     7,  true,  false, true},
-  {dtype::F8_E5M2, 1, "F8_E5M2", "float8_e5m2",   "",                     6,  true,  false, true},
-  {dtype::C64,     8, "C64",     "complex64",     "ComplexFloatStorage",  18, false, true,  true},
-  {dtype::C128,   16, "C128",    "complex128",    "ComplexDoubleStorage", -1, false, true,  true},
+  {dtype::BOOL,        1, "BOOL",        "bool",            "BoolStorage",          0,  false, false, false, 1, 1},
+  {dtype::U8,          1, "U8",          "uint8",           "ByteStorage",          4,  false, false, false, 1, 1},
+  {dtype::I8,          1, "I8",          "int8",            "CharStorage",          5,  false, false, true,  1, 1},
+  {dtype::I16,         2, "I16",         "int16",           "ShortStorage",         11, false, false, true,  2, 1},
+  {dtype::U16,         2, "U16",         "uint16",          "",                     12, false, false, false, 2, 1},
+  {dtype::I32,         4, "I32",         "int32",           "IntStorage",           15, false, false, true,  4, 1},
+  {dtype::U32,         4, "U32",         "uint32",          "",                     16, false, false, false, 4, 1},
+  {dtype::I64,         8, "I64",         "int64",           "LongStorage",          20, false, false, true,  8, 1},
+  {dtype::U64,         8, "U64",         "uint64",          "",                     21, false, false, false, 8, 1},
+  {dtype::F16,         2, "F16",         "float16",         "HalfStorage",          13, true,  false, true,  2, 1},
+  {dtype::BF16,        2, "BF16",        "bfloat16",        "BFloat16Storage",      14, true,  false, true,  2, 1},
+  {dtype::F32,         4, "F32",         "float32",         "FloatStorage",         17, true,  false, true,  4, 1},
+  {dtype::F64,         8, "F64",         "float64",         "DoubleStorage",        19, true,  false, true,  8, 1},
+  {dtype::F8_E4M3,     1, "F8_E4M3",     "float8_e4m3fn",   "",                     7,  true,  false, true,  1, 1},
+  {dtype::F8_E5M2,     1, "F8_E5M2",     "float8_e5m2",     "",                     6,  true,  false, true,  1, 1},
+  {dtype::C64,         8, "C64",         "complex64",       "ComplexFloatStorage",  18, false, true,  true,  4, 1},
+  {dtype::C128,       16, "C128",        "complex128",      "ComplexDoubleStorage", -1, false, true,  true,  8, 1},
+  {dtype::F8_E4M3FNUZ, 1, "F8_E4M3FNUZ", "float8_e4m3fnuz", "",                     9,  true,  false, true,  1, 1},
+  {dtype::F8_E5M2FNUZ, 1, "F8_E5M2FNUZ", "float8_e5m2fnuz", "",                     10, true,  false, true,  1, 1},
+  {dtype::F8_E8M0,     1, "F8_E8M0",     "float8_e8m0fnu",  "",                     8,  true,  false, false, 1, 1},
+  {dtype::F4_X2,       1, "F4_X2",       "float4_e2m1fn_x2", "",                    1,  false, false, true,  1, 2},
+  {dtype::F6_E2M3_X4,  3, "F6_E2M3_X4",  "",                "",                     2,  false, false, true,  1, 4},
+  {dtype::F6_E3M2_X4,  3, "F6_E3M2_X4",  "",                "",                     3,  false, false, true,  1, 4},
+  {dtype::C32,         4, "C32",         "complex32",       "",                     -1, false, true,  true,  2, 1},
+  {dtype::BITS8,       1, "BITS8",       "bits8",           "",                     -1, false, false, false, 1, 1},
+  {dtype::BITS16,      2, "BITS16",      "bits16",          "",                     -1, false, false, false, 2, 1},
+  {dtype::BITS1X8,     1, "BITS1X8",     "bits1x8",         "",                     -1, false, false, false, 1, 1},
+  {dtype::BITS2X4,     1, "BITS2X4",     "bits2x4",         "",                     -1, false, false, false, 1, 1},
+  {dtype::BITS4X2,     1, "BITS4X2",     "bits4x2",         "",                     -1, false, false, false, 1, 1},
 }};
 // clang-format on
+static_assert([] {
+  for (std::size_t i = 0; i < dtype_table.size(); ++i)
+    if (static_cast<std::size_t>(dtype_table[i].id) != i) return false;
+  return true;
+}(), "dtype_table is indexed by dtype");
 }  // namespace detail
 
 constexpr const dtype_info& info(dtype t) noexcept { return detail::dtype_table[static_cast<std::size_t>(t)]; }
@@ -98,14 +135,14 @@ constexpr std::optional<dtype> dtype_from_name(std::string_view n) noexcept {
 /// aliases PyTorch accepts ("float", "half", "long", "cfloat", ...).
 constexpr std::optional<dtype> dtype_from_torch_name(std::string_view n) noexcept {
   for (const auto& i : detail::dtype_table)
-    if (i.torch_name == n) return i.id;
+    if (!i.torch_name.empty() && i.torch_name == n) return i.id;
   struct alias {
     std::string_view n;
     dtype t;
   };
   constexpr alias aliases[] = {{"float", dtype::F32},  {"double", dtype::F64},    {"half", dtype::F16},
                                {"long", dtype::I64},   {"int", dtype::I32},       {"short", dtype::I16},
-                               {"cfloat", dtype::C64}, {"cdouble", dtype::C128}};
+                               {"cfloat", dtype::C64}, {"cdouble", dtype::C128},  {"chalf", dtype::C32}};
   for (const auto& a : aliases)
     if (a.n == n) return a.t;
   return std::nullopt;
@@ -309,6 +346,80 @@ constexpr std::uint8_t f8e5m2_from_f32(float f) noexcept {
 /// come out quiet, as in PyTorch).
 constexpr float f32_from_f8e5m2(std::uint8_t x) noexcept {
   return f32_from_f16(static_cast<std::uint16_t>(static_cast<std::uint16_t>(x) << 8));
+}
+
+/// The f32 bits PyTorch 2.x decodes the NaN code of the fnuz and e8m0 formats to (a signalling
+/// NaN with payload 1; tests/interop-dtype2.cpp checks it against torch 2.14's own tables).
+inline constexpr std::uint32_t f8_fnuz_nan_f32 = 0x7f800001U;
+
+/// f32 -> float8_e4m3fnuz (bias 8, no infinities, a single NaN 0x80, no negative zero), as
+/// PyTorch 2.x: NaN, infinities and everything that rounds to 256 or beyond become 0x80; values
+/// that round to zero become +0 whatever their sign.
+constexpr std::uint8_t f8e4m3fnuz_from_f32(float f) noexcept {
+  const auto u = std::bit_cast<std::uint32_t>(f);
+  const auto sign = static_cast<std::uint8_t>((u >> 24) & 0x80U);
+  const std::uint32_t a = u & 0x7fffffffU;
+  if (a >= 0x43800000U) return 0x80;  // >= 256 (or inf/NaN)
+  const std::uint32_t r = detail::round_to_small_float(a, 3, 8);
+  if (r == 0) return 0;
+  if (r > 0x7fU) return 0x80;  // rounded up to 256
+  return static_cast<std::uint8_t>(sign | r);
+}
+
+/// f32 -> float8_e5m2fnuz (bias 16, otherwise as e4m3fnuz; largest value 57344).
+constexpr std::uint8_t f8e5m2fnuz_from_f32(float f) noexcept {
+  const auto u = std::bit_cast<std::uint32_t>(f);
+  const auto sign = static_cast<std::uint8_t>((u >> 24) & 0x80U);
+  const std::uint32_t a = u & 0x7fffffffU;
+  if (a >= 0x47800000U) return 0x80;  // >= 65536 (or inf/NaN)
+  const std::uint32_t r = detail::round_to_small_float(a, 2, 16);
+  if (r == 0) return 0;
+  if (r > 0x7fU) return 0x80;
+  return static_cast<std::uint8_t>(sign | r);
+}
+
+namespace detail {
+/// Decodes a sign-magnitude float8 with `mbits` mantissa bits and exponent bias `bias` (no special
+/// codes: the callers handle NaN), exactly.
+constexpr float f32_from_small_float(std::uint8_t x, unsigned mbits, unsigned bias) noexcept {
+  const std::uint32_t sign = static_cast<std::uint32_t>(x & 0x80U) << 24;
+  const std::uint32_t e = (x & 0x7fU) >> mbits;
+  const std::uint32_t m = x & ((1U << mbits) - 1U);
+  if (e != 0) return std::bit_cast<float>(sign | ((e + 127U - bias) << 23) | (m << (23U - mbits)));
+  // Subnormal: m * 2^(1 - bias - mbits), exact in f32; +-0 for m == 0.
+  const float mag = static_cast<float>(m) * std::bit_cast<float>((128U - bias - mbits) << 23);
+  return std::bit_cast<float>(sign | std::bit_cast<std::uint32_t>(mag));
+}
+}  // namespace detail
+
+/// float8_e4m3fnuz -> f32, exact; 0x80 is NaN (f8_fnuz_nan_f32).
+constexpr float f32_from_f8e4m3fnuz(std::uint8_t x) noexcept {
+  return x == 0x80 ? std::bit_cast<float>(f8_fnuz_nan_f32) : detail::f32_from_small_float(x, 3, 8);
+}
+/// float8_e5m2fnuz -> f32, exact; 0x80 is NaN (f8_fnuz_nan_f32).
+constexpr float f32_from_f8e5m2fnuz(std::uint8_t x) noexcept {
+  return x == 0x80 ? std::bit_cast<float>(f8_fnuz_nan_f32) : detail::f32_from_small_float(x, 2, 16);
+}
+
+/// f32 -> float8_e8m0fnu (a power of two 2^(x - 127), x in 0..254; 0xff is NaN), as PyTorch 2.x:
+/// the sign is ignored, NaN and infinities give 0xff, the exponent is rounded to nearest with
+/// ties to even where the implicit mantissa bit is the last kept bit (so a normal f32 exactly
+/// between two powers of two rounds up, a subnormal one down), and rounding past 2^127 gives 0xff.
+constexpr std::uint8_t f8e8m0_from_f32(float f) noexcept {
+  const std::uint32_t a = std::bit_cast<std::uint32_t>(f) & 0x7fffffffU;
+  const std::uint32_t e = a >> 23;
+  if (e == 0xffU) return 0xff;
+  const std::uint32_t m = a & 0x7fffffU;
+  const bool half = (m & 0x400000U) != 0, rest = (m & 0x3fffffU) != 0;
+  const std::uint32_t up = half && (rest || e != 0) ? 1U : 0U;
+  return static_cast<std::uint8_t>(e + up);  // 254 + 1 = 0xff: NaN
+}
+
+/// float8_e8m0fnu -> f32, exact: 2^(x - 127) (x = 0 is the f32 subnormal 2^-127); 0xff is NaN.
+constexpr float f32_from_f8e8m0(std::uint8_t x) noexcept {
+  if (x == 0xff) return std::bit_cast<float>(f8_fnuz_nan_f32);
+  if (x == 0) return std::bit_cast<float>(0x00400000U);
+  return std::bit_cast<float>(static_cast<std::uint32_t>(x) << 23);
 }
 
 }  // namespace statedict::inline v0

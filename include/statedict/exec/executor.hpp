@@ -46,6 +46,7 @@
 #include <exception>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <mutex>
 #include <span>
 #include <string>
@@ -377,12 +378,19 @@ class exec_worker {
     while (n) {
       const std::uint64_t k = std::min(n, per);
       const std::byte* sp;
-      if (map) {
+      if (map && !o.swap) {
         src.check_range(so, k * ssz);
         sp = map + so;
       } else {
+        // Read into the buffer (big-endian elements are swapped there, never in the source).
         std::byte* b = rbuf_.get();
-        read(src, so, std::span<std::byte>(b, static_cast<std::size_t>(k * ssz)));
+        if (map) {
+          src.check_range(so, k * ssz);
+          std::memcpy(b, map + so, static_cast<std::size_t>(k * ssz));
+        } else {
+          read(src, so, std::span<std::byte>(b, static_cast<std::size_t>(k * ssz)));
+        }
+        if (o.swap) byteswap_run(o.src_dtype, b, static_cast<std::size_t>(k));
         sp = b;
       }
       std::byte* dp = reserve(dst, doff, k * dsz);
@@ -514,13 +522,22 @@ class exec_worker {
 
   // ---- replica checks --------------------------------------------------------------------------
 
-  const std::byte* bytes_of(const ByteSource& src, std::uint64_t off, std::uint64_t len, exec_buffer& buf) {
-    if (const std::byte* m = src.data()) {
+  /// `len` bytes at `off` of `src`: in place when mapped, else read into `buf`; elements of dtype
+  /// `swap` are byte-swapped in `buf` (big-endian sources).
+  const std::byte* bytes_of(const ByteSource& src, std::uint64_t off, std::uint64_t len, exec_buffer& buf, std::optional<dtype> swap) {
+    const std::byte* m = src.data();
+    if (m && !swap) {
       src.check_range(off, len);
       return m + off;
     }
     std::byte* b = buf.get();
-    src.read(off, std::span<std::byte>(b, static_cast<std::size_t>(len)));
+    if (m) {
+      src.check_range(off, len);
+      std::memcpy(b, m + off, static_cast<std::size_t>(len));
+    } else {
+      src.read(off, std::span<std::byte>(b, static_cast<std::size_t>(len)));
+    }
+    if (swap) byteswap_run(*swap, b, static_cast<std::size_t>(len / itemsize(*swap)));
     return b;
   }
 
@@ -540,8 +557,8 @@ class exec_worker {
         const std::uint64_t ao = c.a_offset + r * c.a_step + e * asz, bo = c.b_offset + r * c.b_step + e * bsz;
         touch(c.a, ao, k * asz);
         touch(c.b, bo, k * bsz);
-        const std::byte* pa = bytes_of(a, ao, k * asz, rbuf_);
-        const std::byte* pb = bytes_of(b, bo, k * bsz, wbuf_);
+        const std::byte* pa = bytes_of(a, ao, k * asz, rbuf_, c.a_swap ? c.a_dtype : std::optional<dtype>());
+        const std::byte* pb = bytes_of(b, bo, k * bsz, wbuf_, c.b_swap ? c.b_dtype : std::optional<dtype>());
         const std::byte* qa = pa;
         const std::byte* qb = pb;
         std::uint64_t isz = asz;

@@ -33,7 +33,9 @@
 #include "../shard/checkpoint.hpp"
 #include "../shard/plan.hpp"
 #include "../shard/views.hpp"
+#include "../io/torch_file.hpp"
 #include "detail/files.hpp"
+#include "detail/hf_shards.hpp"
 #include "detail/safetensors_write.hpp"
 #include "detail/write_files.hpp"
 #include "format.hpp"
@@ -209,9 +211,45 @@ inline write_result write_sharded(const std::filesystem::path& dir, std::span<co
   return r;
 }
 
-/// Hugging Face checkpoint directories (a `model.safetensors.index.json` and its shards, or one
-/// `model.safetensors`) and index files: read, validated against the shards; written with
-/// huggingface_hub's split rule.
+/// Describes a Hugging Face checkpoint: a directory (`model.safetensors.index.json`,
+/// `pytorch_model.bin.index.json`, `model.safetensors` or `pytorch_model.bin`, looked for in that
+/// order) or an index file. An index whose shards are all safetensors files is hf::Checkpoint;
+/// otherwise each shard is read by its own format (torch.save `.bin` shards, as transformers
+/// writes them) and the shards merged (detail::describe_mixed_index).
+inline ShardedCheckpoint describe_checkpoint(const std::filesystem::path& path, const open_options& o, const torch::load_options& topt) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::path index_path = path;
+  if (fs::is_directory(path, ec)) {
+    if (fs::exists(path / index_name, ec)) return Checkpoint::open(path, o).describe();
+    if (fs::exists(path / bin_index_name, ec)) {
+      index_path = path / bin_index_name;
+    } else if (fs::exists(path / single_name, ec)) {
+      return Checkpoint::open(path, o).describe();
+    } else if (fs::exists(path / bin_single_name, ec)) {
+      ShardedCheckpoint ck = torch::describe(InputFile::open(path / bin_single_name, o.mode), topt);
+      ck.format = "hf_sharded";
+      return ck;
+    } else {
+      throw_error(errors::hf_not_a_checkpoint, "directory " + quote(path.string()),
+                  "has none of " + std::string(index_name) + ", " + std::string(bin_index_name) + ", " + std::string(single_name) +
+                      ", " + std::string(bin_single_name));
+    }
+  }
+  const Index index = read_index(index_path, o, "checkpoint " + quote(index_path.string()));
+  const fs::path dir = statedict::detail::parent_or_dot(index_path);
+  bool all_safetensors = true;
+  for (const std::string& fn : index.files) {
+    if (!fs::is_regular_file(dir / fn, ec)) continue;  // the reader names the missing shard
+    all_safetensors = all_safetensors && !detail::is_torch_file(*InputFile::open(dir / fn, read_mode::pread));
+  }
+  if (all_safetensors) return Checkpoint::open(index_path, o).describe();
+  return detail::describe_mixed_index(index_path, index, o, topt);
+}
+
+/// Hugging Face checkpoint directories (an index and its shards, safetensors or transformers'
+/// torch.save `.bin` shards, or one `model.safetensors` / `pytorch_model.bin`) and index files:
+/// read, validated against the shards; written (safetensors) with huggingface_hub's split rule.
 class format final : public formats::Format {
  public:
   [[nodiscard]] std::string_view name() const noexcept override { return "hf"; }
@@ -224,14 +262,19 @@ class format final : public formats::Format {
       if (formats::detail::ends_with(in.filename(), ".index.json")) return formats::Detection::match("Hugging Face index file");
       return formats::Detection::not_applicable();
     }
-    if (fs::exists(in.path() / index_name, ec)) return formats::Detection::match("Hugging Face sharded: " + std::string(index_name));
-    if (fs::exists(in.path() / single_name, ec)) return formats::Detection::match("Hugging Face single file: " + std::string(single_name));
-    return formats::Detection::miss("neither " + std::string(index_name) + " nor " + std::string(single_name) + " is in the directory");
+    for (const std::string_view f : {index_name, bin_index_name})
+      if (fs::exists(in.path() / f, ec)) return formats::Detection::match("Hugging Face sharded: " + std::string(f));
+    for (const std::string_view f : {single_name, bin_single_name})
+      if (fs::exists(in.path() / f, ec)) return formats::Detection::match("Hugging Face single file: " + std::string(f));
+    return formats::Detection::miss("none of " + std::string(index_name) + ", " + std::string(bin_index_name) + ", " +
+                                    std::string(single_name) + ", " + std::string(bin_single_name) + " is in the directory");
   }
   [[nodiscard]] ShardedCheckpoint describe(const formats::Input& in, const formats::open_options& opt) const override {
     open_options o = opt.settings.get<open_options>();
     o.mode = opt.mode;
-    return Checkpoint::open(in.path(), o).describe();
+    torch::load_options t = opt.settings.get<torch::load_options>();  // the settings the torch format reads its files with
+    t.mode = opt.mode;
+    return describe_checkpoint(in.path(), o, t);
   }
 
   [[nodiscard]] bool can_write() const noexcept override { return true; }

@@ -51,6 +51,7 @@ inline constexpr error_id hf_unlisted_tensor     {355, error_kind::format,   "hf
 inline constexpr error_id hf_bad_shard_name      {356, error_kind::security, "hf.bad_shard_name"};      // a path, not a file name
 inline constexpr error_id hf_not_a_checkpoint    {357, error_kind::usage,    "hf.not_a_checkpoint"};
 inline constexpr error_id hf_bad_max_shard_size  {358, error_kind::usage,    "hf.bad_max_shard_size"};
+inline constexpr error_id hf_shard_content       {335, error_kind::format,   "hf.shard_content"};       // a shard holding more than named tensors
 // clang-format on
 }  // namespace errors
 
@@ -60,6 +61,10 @@ namespace hf {
 inline constexpr std::uint64_t default_max_shard_size = 5'000'000'000;
 inline constexpr std::string_view index_name = "model.safetensors.index.json";
 inline constexpr std::string_view single_name = "model.safetensors";
+/// transformers' torch.save shards (`save_pretrained(safe_serialization=False)`, most older Hub
+/// checkpoints): `pytorch_model-0000k-of-0000n.bin` and this index, or one `pytorch_model.bin`.
+inline constexpr std::string_view bin_index_name = "pytorch_model.bin.index.json";
+inline constexpr std::string_view bin_single_name = "pytorch_model.bin";
 
 /// Parses a maximum shard size as huggingface_hub's `parse_size_to_int` does: a number (Python
 /// float syntax: "5", "1.5", "2e3") followed by one of the decimal units KB, MB, GB, TB (any
@@ -283,6 +288,62 @@ struct open_options {
   std::uint64_t max_index_bytes = 100'000'000;
 };
 
+/// An index file's content: the shard files in order of first appearance and each weight_map
+/// entry's file, validated (names are plain file names), and its "metadata" object.
+struct Index {
+  std::vector<std::string> files;
+  std::vector<std::pair<std::string, std::size_t>> listed;  ///< (tensor, index into files), weight_map order
+  nlohmann::ordered_json metadata = nlohmann::ordered_json::object();
+};
+
+/// Reads and validates an index file (`at` names it in errors): JSON within max_index_bytes, no
+/// duplicate keys, a "weight_map" object of strings that are plain file names.
+inline Index read_index(const std::filesystem::path& path, const open_options& opt, const std::string& at) {
+  auto f = InputFile::open(path, read_mode::pread);
+  if (f->size() > opt.max_index_bytes)
+    throw_error(errors::hf_index_json, at,
+                "index of " + std::to_string(f->size()) + " bytes exceeds the cap of " + std::to_string(opt.max_index_bytes) +
+                    " (open_options::max_index_bytes)");
+  std::string text(static_cast<std::size_t>(f->size()), '\0');
+  f->read(0, std::as_writable_bytes(std::span<char>(text.data(), text.size())));
+  // Duplicate keys are refused (Python's json keeps the last one silently).
+  std::vector<std::unordered_set<std::string>> keys;
+  auto cb = [&](int depth, nlohmann::ordered_json::parse_event_t ev, nlohmann::ordered_json& parsed) {
+    using ev_t = nlohmann::ordered_json::parse_event_t;
+    if (depth > 127) throw_error(errors::hf_index_json, at, "JSON nested deeper than 127 levels");
+    if (ev == ev_t::object_start) keys.emplace_back();
+    else if (ev == ev_t::object_end && !keys.empty()) keys.pop_back();
+    else if (ev == ev_t::key && !keys.empty() && !keys.back().insert(parsed.get<std::string>()).second)
+      throw_error(errors::hf_index_duplicate, at, "key " + quote(parsed.get<std::string>()) + " appears twice in one object");
+    return true;
+  };
+  nlohmann::ordered_json index;
+  try {
+    index = nlohmann::ordered_json::parse(text, cb);
+  } catch (const nlohmann::json::exception& e) {
+    throw_error(errors::hf_index_json, at, "invalid JSON: " + safetensors::detail::sanitize_message(e.what()));
+  }
+  if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
+    throw_error(errors::hf_index_schema, at, "expected an object with a \"weight_map\" object");
+  Index out;
+  if (index.contains("metadata")) {
+    if (!index["metadata"].is_object()) throw_error(errors::hf_index_schema, at, "\"metadata\" is not an object");
+    out.metadata = index["metadata"];
+  }
+  std::unordered_map<std::string, std::size_t> file_index;
+  for (const auto& [name, file] : index["weight_map"].items()) {
+    if (!file.is_string()) throw_error(errors::hf_index_schema, at + ": weight_map " + quote(name), "the file name is not a string");
+    const std::string& fn = file.get_ref<const std::string&>();
+    if (fn.empty() || fn == "." || fn == ".." || fn.find('/') != std::string::npos || fn.find('\0') != std::string::npos)
+      throw_error(errors::hf_bad_shard_name, at + ": weight_map " + quote(name),
+                  "shard " + quote(fn) + " is not a plain file name in the checkpoint directory");
+    auto [it, fresh] = file_index.emplace(fn, file_index.size());
+    if (fresh) out.files.push_back(fn);
+    out.listed.emplace_back(name, it->second);
+  }
+  return out;
+}
+
 /// A Hugging Face checkpoint: all shards as one map. Copies share the files.
 class Checkpoint {
  public:
@@ -370,8 +431,7 @@ class Checkpoint {
       const safetensors::File& f = files_[i.file];
       const safetensors::TensorEntry& e = *i.entry;
       if (!e.dtype)
-        throw_error(errors::st_unsupported_dtype, "file " + quote(f.name()) + ": tensor " + quote(e.name),
-                    "dtype " + std::string(e.dtype_name) + " is valid safetensors but statedict has no such dtype");
+        throw_error(errors::st_unsupported_dtype, "file " + quote(f.name()) + ": tensor " + quote(e.name), safetensors::unsupported_reason(e));
       TensorInfo t;
       t.name = i.name;
       t.dtype = *e.dtype;
@@ -405,29 +465,10 @@ class Checkpoint {
 
   void open_index(const open_options& opt) {
     const std::string at = where();
-    const nlohmann::ordered_json index = read_index(opt);
-    if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
-      throw_error(errors::hf_index_schema, at, "expected an object with a \"weight_map\" object");
-    if (index.contains("metadata")) {
-      if (!index["metadata"].is_object()) throw_error(errors::hf_index_schema, at, "\"metadata\" is not an object");
-      index_metadata_ = index["metadata"];
-    } else {
-      index_metadata_ = nlohmann::ordered_json::object();
-    }
-    // Shard files in order of first appearance.
-    std::unordered_map<std::string, std::size_t> file_index;
-    std::vector<std::pair<std::string, std::size_t>> listed;  // (tensor, file)
-    for (const auto& [name, file] : index["weight_map"].items()) {
-      if (!file.is_string())
-        throw_error(errors::hf_index_schema, at + ": weight_map " + quote(name), "the file name is not a string");
-      const std::string& fn = file.get_ref<const std::string&>();
-      if (fn.empty() || fn == "." || fn == ".." || fn.find('/') != std::string::npos || fn.find('\0') != std::string::npos)
-        throw_error(errors::hf_bad_shard_name, at + ": weight_map " + quote(name),
-                    "shard " + quote(fn) + " is not a plain file name in the checkpoint directory");
-      auto [it, fresh] = file_index.emplace(fn, file_index.size());
-      if (fresh) names_.push_back(fn);
-      listed.emplace_back(name, it->second);
-    }
+    Index index = read_index(index_path_, opt, at);
+    index_metadata_ = std::move(index.metadata);
+    names_ = std::move(index.files);
+    const std::vector<std::pair<std::string, std::size_t>>& listed = index.listed;
     for (const auto& fn : names_) {
       try {
         files_.push_back(safetensors::File::open(dir_ / fn, {opt.mode, opt.lim}));
@@ -484,33 +525,6 @@ class Checkpoint {
       metadata_[k] = v.is_string() ? v.get<std::string>() : v.dump();
     }
     index_names();
-  }
-
-  nlohmann::ordered_json read_index(const open_options& opt) const {
-    const std::string at = where();
-    auto f = InputFile::open(index_path_, read_mode::pread);
-    if (f->size() > opt.max_index_bytes)
-      throw_error(errors::hf_index_json, at,
-                  "index of " + std::to_string(f->size()) + " bytes exceeds the cap of " + std::to_string(opt.max_index_bytes) +
-                      " (open_options::max_index_bytes)");
-    std::string text(static_cast<std::size_t>(f->size()), '\0');
-    f->read(0, std::as_writable_bytes(std::span<char>(text.data(), text.size())));
-    // Duplicate keys are refused (Python's json keeps the last one silently).
-    std::vector<std::unordered_set<std::string>> keys;
-    auto cb = [&](int depth, nlohmann::ordered_json::parse_event_t ev, nlohmann::ordered_json& parsed) {
-      using ev_t = nlohmann::ordered_json::parse_event_t;
-      if (depth > 127) throw_error(errors::hf_index_json, at, "JSON nested deeper than 127 levels");
-      if (ev == ev_t::object_start) keys.emplace_back();
-      else if (ev == ev_t::object_end && !keys.empty()) keys.pop_back();
-      else if (ev == ev_t::key && !keys.empty() && !keys.back().insert(parsed.get<std::string>()).second)
-        throw_error(errors::hf_index_duplicate, at, "key " + quote(parsed.get<std::string>()) + " appears twice in one object");
-      return true;
-    };
-    try {
-      return nlohmann::ordered_json::parse(text, cb);
-    } catch (const nlohmann::json::exception& e) {
-      throw_error(errors::hf_index_json, at, "invalid JSON: " + safetensors::detail::sanitize_message(e.what()));
-    }
   }
 
   void index_names() {

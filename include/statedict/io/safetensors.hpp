@@ -118,16 +118,16 @@ struct dtype_entry {
 /// The reference's Dtype enum, in enum order (its writer sorts by this position, descending).
 inline constexpr std::array<dtype_entry, 22> dtype_table{{
     {"BOOL", 8, statedict::dtype::BOOL},
-    {"F4", 4, std::nullopt},
-    {"F6_E2M3", 6, std::nullopt},
-    {"F6_E3M2", 6, std::nullopt},
+    {"F4", 4, statedict::dtype::F4_X2},
+    {"F6_E2M3", 6, statedict::dtype::F6_E2M3_X4},
+    {"F6_E3M2", 6, statedict::dtype::F6_E3M2_X4},
     {"U8", 8, statedict::dtype::U8},
     {"I8", 8, statedict::dtype::I8},
     {"F8_E5M2", 8, statedict::dtype::F8_E5M2},
     {"F8_E4M3", 8, statedict::dtype::F8_E4M3},
-    {"F8_E8M0", 8, std::nullopt},
-    {"F8_E4M3FNUZ", 8, std::nullopt},
-    {"F8_E5M2FNUZ", 8, std::nullopt},
+    {"F8_E8M0", 8, statedict::dtype::F8_E8M0},
+    {"F8_E4M3FNUZ", 8, statedict::dtype::F8_E4M3FNUZ},
+    {"F8_E5M2FNUZ", 8, statedict::dtype::F8_E5M2FNUZ},
     {"I16", 16, statedict::dtype::I16},
     {"U16", 16, statedict::dtype::U16},
     {"F16", 16, statedict::dtype::F16},
@@ -140,6 +140,17 @@ inline constexpr std::array<dtype_entry, 22> dtype_table{{
     {"I64", 64, statedict::dtype::I64},
     {"U64", 64, statedict::dtype::U64},
 }};
+
+/// The name a dtype has in a safetensors header: name() except for the packed types, which
+/// safetensors names by their values (F4_X2 is "F4", F6_E2M3_X4 "F6_E2M3", F6_E3M2_X4 "F6_E3M2").
+constexpr std::string_view file_dtype_name(statedict::dtype t) noexcept {
+  switch (t) {
+    case statedict::dtype::F4_X2: return "F4";
+    case statedict::dtype::F6_E2M3_X4: return "F6_E2M3";
+    case statedict::dtype::F6_E3M2_X4: return "F6_E3M2";
+    default: return name(t);
+  }
+}
 
 /// Index into dtype_table of a dtype name, or -1.
 inline int dtype_index(std::string_view name) noexcept {
@@ -172,10 +183,16 @@ struct limits {
 /// One tensor of a file.
 struct TensorEntry {
   std::string name;
-  std::string_view dtype_name;             ///< the reference's name ("F32", "F8_E8M0", ...)
-  std::optional<statedict::dtype> dtype;   ///< nullopt for the dtypes statedict lacks (see dtype_table)
+  std::string_view dtype_name;             ///< the reference's name ("F32", "F4", ...)
+  /// statedict's dtype; nullopt when statedict cannot hold the tensor (a packed dtype whose last
+  /// dimension does not split into whole elements: see unsupported_reason()).
+  std::optional<statedict::dtype> dtype;
   std::uint8_t dtype_bits = 0;
+  /// The shape in statedict's elements: the header's, except for the packed dtypes (F4, F6_*),
+  /// whose last dimension counts values in the header and elements (2 or 4 values) here, as
+  /// PyTorch's float4_e2m1fn_x2 does. `file_shape` is the header's.
   shape_t shape;
+  shape_t file_shape;
   std::uint64_t begin = 0;  ///< byte offsets relative to the data section (data_offsets)
   std::uint64_t end = 0;
   [[nodiscard]] std::uint64_t nbytes() const noexcept { return end - begin; }
@@ -185,6 +202,14 @@ struct open_options {
   read_mode mode = read_mode::mmap;
   limits lim{};
 };
+
+/// Why statedict cannot hold entry `e` (its dtype is nullopt).
+inline std::string unsupported_reason(const TensorEntry& e) {
+  const int values = e.dtype_bits == 4 ? 2 : 4;
+  return std::string(e.dtype_name) + to_string(e.file_shape) + ": statedict holds " + std::string(e.dtype_name) +
+         " values in elements of " + std::to_string(values) + " (as PyTorch's float4_e2m1fn_x2 holds 2), so the last dimension must be a multiple of " +
+         std::to_string(values);
+}
 
 }  // namespace safetensors
 }  // namespace statedict::inline v0
@@ -296,9 +321,7 @@ class File {
   /// The tensor as a view. Mapped or in-memory sources: zero copy, the view keeps the mapping
   /// alive. pread sources: the bytes are read now into a fresh aligned buffer.
   [[nodiscard]] TensorView view(const TensorEntry& e) const {
-    if (!e.dtype)
-      throw_error(errors::st_unsupported_dtype, "file " + quote(name()) + ": tensor " + quote(e.name),
-                  "dtype " + std::string(e.dtype_name) + " is valid safetensors but statedict has no such dtype");
+    if (!e.dtype) throw_error(errors::st_unsupported_dtype, "file " + quote(name()) + ": tensor " + quote(e.name), unsupported_reason(e));
     const std::uint64_t off = data_offset() + e.begin;
     if (const std::byte* base = s_->source->data())
       return TensorView::contiguous(*e.dtype, e.shape, base + off, s_->source->owner());
@@ -381,9 +404,7 @@ class File {
 
  private:
   [[nodiscard]] TensorInfo info_of(const TensorEntry& e, const std::string& as) const {
-    if (!e.dtype)
-      throw_error(errors::st_unsupported_dtype, "file " + quote(name()) + ": tensor " + quote(e.name),
-                  "dtype " + std::string(e.dtype_name) + " is valid safetensors but statedict has no such dtype");
+    if (!e.dtype) throw_error(errors::st_unsupported_dtype, "file " + quote(name()) + ": tensor " + quote(e.name), unsupported_reason(e));
     TensorInfo t;
     t.name = as;
     t.dtype = *e.dtype;
@@ -480,6 +501,14 @@ class File {
                         " bytes, data_offsets give " + std::to_string(e.end - e.begin));
       if (numel > max_size)
         throw_error(errors::st_overflow, at_(), "element count " + std::to_string(numel) + " exceeds 2^63-1");
+    }
+    // The packed dtypes in statedict's elements (the last dimension divided by the values per element).
+    for (TensorEntry& e : st.entries) {
+      e.file_shape = e.shape;
+      if (!e.dtype || info(*e.dtype).packed == 1) continue;
+      const auto per = static_cast<dim_t>(info(*e.dtype).packed);
+      if (e.shape.empty() || e.shape.back() % per != 0) e.dtype.reset();
+      else e.shape.back() /= per;
     }
     const std::uint64_t data_len = len - 8 - n;
     if (start != data_len)
@@ -593,7 +622,11 @@ inline Layout layout(std::span<const TensorSpec> specs, const std::optional<std:
       rank[i] = info(s.dtype).safetensors_rank;
       if (rank[i] < 0)
         throw_error(errors::st_write_dtype, detail::where_tensor(s.name),
-                    std::string(name(s.dtype)) + " cannot be stored in safetensors");
+                    std::string(name(s.dtype)) + " cannot be stored in safetensors (it has no such dtype)");
+      if (info(s.dtype).packed != 1 && s.shape.empty())
+        throw_error(errors::st_write_dtype, detail::where_tensor(s.name),
+                    "a 0-d " + std::string(name(s.dtype)) + " tensor: safetensors counts " + std::string(file_dtype_name(s.dtype)) +
+                        " values in the last dimension, which a 0-d tensor does not have");
       if (s.name == "__metadata__")
         throw_error(errors::st_write_name, detail::where_tensor(s.name), "the name is reserved for the metadata");
       if (!detail::valid_utf8(s.name)) throw_error(errors::st_write_name, detail::where_tensor(s.name), "the name is not UTF-8");
@@ -634,11 +667,13 @@ inline Layout layout(std::span<const TensorSpec> specs, const std::optional<std:
     first = false;
     detail::append_json_string(h, s.name);
     h += ":{\"dtype\":\"";
-    h += name(s.dtype);
+    h += file_dtype_name(s.dtype);
     h += "\",\"shape\":[";
     for (std::size_t d = 0; d < s.shape.size(); ++d) {
       if (d) h += ',';
-      detail::append_uint(h, static_cast<std::uint64_t>(s.shape[d]));
+      std::uint64_t dim = static_cast<std::uint64_t>(s.shape[d]);
+      if (d + 1 == s.shape.size()) dim = checked_mul(dim, info(s.dtype).packed, "packed last dimension");  // values, not elements
+      detail::append_uint(h, dim);
     }
     h += "],\"data_offsets\":[";
     detail::append_uint(h, offset);

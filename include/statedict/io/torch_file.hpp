@@ -73,6 +73,7 @@ inline constexpr error_id pt_legacy_tar        {508, error_kind::unsupported, "t
 inline constexpr error_id pt_rank_limit        {509, error_kind::limit,       "torch.rank_limit"};
 inline constexpr error_id pt_big_endian        {510, error_kind::unsupported, "torch.big_endian"};
 inline constexpr error_id pt_bad_version       {511, error_kind::format,      "torch.bad_version"};
+inline constexpr error_id pt_bad_byteorder     {512, error_kind::format,      "torch.bad_byteorder"};
 inline constexpr error_id pt_unwritable        {520, error_kind::usage,       "torch.unwritable"};
 inline constexpr error_id pt_crc_incomplete    {521, error_kind::usage,       "torch.crc_incomplete"};
 inline constexpr error_id pt_bad_name          {522, error_kind::usage,       "torch.bad_archive_name"};
@@ -121,7 +122,7 @@ struct Storage {
   std::string key;                 ///< persistent key ("0", or the legacy storage id)
   statedict::dtype dtype = statedict::dtype::U8;  ///< element type (U8 for an UntypedStorage)
   bool untyped = false;            ///< torch.UntypedStorage (dtype then comes from each tensor)
-  std::uint64_t offset = 0;        ///< first byte in the source
+  std::uint64_t offset = 0;        ///< first byte in File::source (the file, or its records' image in memory)
   std::uint64_t nbytes = 0;
   std::string record;              ///< zip entry name (empty for legacy files)
   std::string location;            ///< "cpu", "cuda:0", ...
@@ -134,7 +135,18 @@ struct File {
   std::vector<pickle::Attributes> attributes;
   std::string format;        ///< "zip" or "legacy"
   std::string archive_name;  ///< zip top folder ("model" for model.pt; "archive" when saved to a stream)
+  /// What the tensors are views of: the file, or, when some of its zip records are compressed,
+  /// an image in memory of its storage records (inflated or copied, each at a multiple of 64
+  /// bytes; not zero-copy: `in_memory_bytes`, within zip::limits::max_inflated_bytes).
   std::shared_ptr<const ByteSource> source;
+  std::size_t compressed_records = 0;  ///< storage records that were deflated in the archive
+  std::uint64_t in_memory_bytes = 0;   ///< size of the image (0: views of the file itself)
+  /// The file's `byteorder` record says "big": its storages hold big-endian elements.
+  bool big_endian = false;
+  /// The views see little-endian elements: a big-endian file read with read() (its storages
+  /// swapped in the image). read_lazily() leaves them as stored; describe() then marks every
+  /// placement big-endian and the executor swaps each element as it copies.
+  bool swapped = false;
   std::vector<Storage> storages;  ///< in order of first use
   std::vector<std::string> records;  ///< zip entry names, in file order
   int pickle_protocol = 0;
@@ -258,9 +270,16 @@ inline ShardedCheckpoint describe(const File& file) {
     c.at.byte_offset = addr - base;
     if (!v.is_contiguous()) c.at.strides = v.strides();
     c.at.stored = v.dtype();
+    if (file.big_endian && !file.swapped) c.at.order = byte_order::big;
   }
   ck.skeleton = std::move(flat.skeleton);
   ck.metadata["torch.format"] = file.format;
+  if (file.big_endian)
+    ck.metadata["torch.byteorder"] = file.swapped ? "big: storages byte-swapped to little-endian in memory when read"
+                                                  : "big: every element byte-swapped to little-endian as it is copied";
+  if (file.compressed_records)
+    ck.metadata["torch.records_in_memory"] = std::to_string(file.compressed_records) + " deflated record(s): " +
+                                             std::to_string(file.in_memory_bytes) + " bytes of storage records inflated into memory (not zero-copy)";
   if (!file.archive_name.empty()) ck.metadata["torch.archive_name"] = file.archive_name;
   if (!file.attributes.empty()) ck.metadata[std::string(attributes_metadata_key)] = encode_attributes(file.attributes);
   return ck;

@@ -53,7 +53,7 @@ namespace torch {
 // out like torch's (io/zip.hpp). The pickle (protocol 2) writes each tensor as
 // `_rebuild_tensor_v2(storage, offset, size, stride, False, OrderedDict())` with the persistent id
 // `('storage', torch.<Dtype>Storage, key, 'cpu', numel)`; dtypes without a typed storage class
-// (U16, U32, U64, F8_*) use `_rebuild_tensor_v3` with `torch.UntypedStorage` and the dtype global,
+// (U16, U32, U64, F8_*) use `_rebuild_tensor_v3` with `torch.storage.UntypedStorage` and the dtype global,
 // as PyTorch >= 2.1 does. Tensors whose memory overlaps (same dtype) share one storage covering the
 // union of their byte ranges, so tied weights and views stay tied after torch.load; the same view
 // twice is written once and referenced (torch.load gives the same object). Storages are written once.
@@ -92,7 +92,7 @@ inline std::string archive_name_for(const std::filesystem::path& path) {
 struct PlannedStorage {
   std::string key;                                ///< "0", "1", ...
   statedict::dtype dtype = statedict::dtype::U8;  ///< element type of its tensors
-  bool untyped = false;                           ///< written as torch.UntypedStorage (+ _rebuild_tensor_v3)
+  bool untyped = false;                           ///< written as torch.storage.UntypedStorage (+ _rebuild_tensor_v3)
   std::uint64_t nbytes = 0;
   std::size_t record = 0;                         ///< index into SavePlan::records / layout.entries
   /// Bytes to copy (nbytes of them), or nullptr for a storage the caller fills (PlannedWriter).
@@ -321,7 +321,11 @@ inline SavePlan plan_save(const Value& tree, const save_options& opts) {
     const PlannedStorage& s = plan.storages[si];
     w.mark();
     w.str("storage");
-    w.global("torch", s.untyped ? std::string("UntypedStorage") : std::string(info(s.dtype).storage_name));
+    // As torch.save writes them: typed classes from module `torch`, the untyped one from
+    // `torch.storage` (torch 2.x's weights_only allow-list has `torch.storage.UntypedStorage`, not
+    // `torch.UntypedStorage`).
+    if (s.untyped) w.global("torch.storage", "UntypedStorage");
+    else w.global("torch", info(s.dtype).storage_name);
     w.str(s.key);
     w.str("cpu");
     w.integer(static_cast<std::int64_t>(s.untyped ? s.nbytes : s.nbytes / itemsize(s.dtype)));
@@ -334,6 +338,9 @@ inline SavePlan plan_save(const Value& tree, const save_options& opts) {
       const TensorView& t = v.as_tensor();
       const std::string id = detail::view_identity(t);
       if (t.numel() > 0 && wr.get_memo(id)) return true;
+      if (info(t.dtype()).torch_name.empty())
+        throw_error(errors::pt_unwritable, "tensor" + (names.count(&t) ? " " + quote(*names.at(&t)) : std::string()),
+                    "dtype " + std::string(name(t.dtype())) + " has no PyTorch dtype (a safetensors-only type): torch.save files cannot hold it");
       const std::size_t si = storage_of(t);
       const PlannedStorage& s = plan.storages[si];
       const std::uint64_t off = t.numel() == 0 ? 0 : static_cast<std::uint64_t>(t.data() - g.groups[g.group_of.at(&t)].lo) / t.itemsize();

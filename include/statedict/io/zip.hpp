@@ -1,4 +1,5 @@
-// statedict: zip archives of stored (uncompressed) entries, as torch.save writes them.
+// statedict: zip archives of stored entries, as torch.save writes them (and deflated ones, as
+// other zip tools may rewrite them).
 // SPDX-License-Identifier: MIT
 //
 // Reading: `zip::Archive::open(source)` reads the end-of-central-directory record (and the ZIP64
@@ -8,9 +9,10 @@
 // archive embedded at an offset inside a larger file (a DCP item); data in front of the archive is
 // also tolerated (offsets are then rebased, as Python's zipfile does). Inputs are hostile: every
 // offset and size is checked against the source, counts are capped (`zip::limits`), ZIP64 fields
-// are validated, names are checked, and compressed or encrypted entries give an error naming the
-// entry when read. CRC verification is optional (`read_options::verify_crc`, off by default:
-// torch can write archives without CRCs).
+// are validated, names are checked, and encrypted entries or compression methods other than
+// DEFLATE give an error naming the entry when read. A deflated entry is inflated into memory
+// (io/inflate.hpp, zlib) within `limits::max_inflated_bytes`. CRC verification is optional
+// (`read_options::verify_crc`, off by default: torch can write archives without CRCs).
 //
 // Writing: the layout is computed up front from the entry names and sizes (`zip::plan`), exactly
 // as torch's writer (miniz with ZIP64 always on) places them: a local header with zero CRC and
@@ -23,6 +25,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstring>
 #include <cstdint>
@@ -39,6 +42,7 @@
 #include "../core/source.hpp"
 #include "crc32.hpp"
 #include "file.hpp"
+#include "inflate.hpp"
 
 namespace statedict::inline v0 {
 
@@ -74,6 +78,10 @@ struct limits {
   std::uint64_t max_entries = 1U << 20;
   /// Bytes of central directory read into memory.
   std::uint64_t max_central_directory_bytes = std::uint64_t{256} << 20;
+  /// Bytes of deflated entries one archive inflates into memory, over all its entries (checked
+  /// against each entry's declared size before anything is allocated). Deflated records cannot be
+  /// views of the file; torch.save never writes them, another zip tool may.
+  std::uint64_t max_inflated_bytes = std::uint64_t{4} << 30;
 };
 
 struct read_options {
@@ -98,6 +106,7 @@ struct Entry {
   std::uint16_t method = 0;         ///< 0 stored, 8 deflate, ...
   std::uint16_t flags = 0;
   [[nodiscard]] bool stored() const noexcept { return method == 0; }
+  [[nodiscard]] bool deflated() const noexcept { return method == 8; }
 };
 
 namespace detail {
@@ -181,26 +190,73 @@ class Archive {
     throw_error(errors::zip_missing_entry, detail::where(*source_), "no entry " + quote(name));
   }
 
-  /// The stored bytes of an entry, zero-copy when the source is addressable. Throws for
-  /// compressed or encrypted entries, and on a CRC mismatch when verify_crc is set.
+  /// The bytes of an entry: for a stored entry, zero-copy when the source is addressable; a
+  /// deflated one is inflated into memory (counted against limits::max_inflated_bytes). Throws for
+  /// other methods or encrypted entries, and on a CRC mismatch when verify_crc is set.
   [[nodiscard]] Region read(const Entry& e) const {
-    check_readable(e);
-    if (e.data_offset == 0)  // a local header takes 30 bytes or more: 0 is "not read yet"
-      fail(errors::zip_bad_local_header, "entry " + quote(e.name) + ": its local header was not read (defer_local_headers)");
-    Region r = read_region(*source_, e.data_offset, e.size);
-    if (options_.verify_crc) verify(e, r);
-    return r;
+    check_extractable(e);
+    if (e.stored()) {
+      Region r = read_region(*source_, located(e), e.size);
+      if (options_.verify_crc) verify(e, r);
+      return r;
+    }
+    auto buf = std::make_shared<std::vector<std::byte>>();
+    claim_inflated(e);
+    buf->resize(static_cast<std::size_t>(e.size));
+    extract(e, *buf);
+    const std::byte* p = buf->data();
+    return Region{p, e.size, std::move(buf)};
   }
   [[nodiscard]] Region read(std::string_view name) const { return read(at(name)); }
 
-  /// Throws unless `e` is a stored, unencrypted entry (what read() needs).
+  /// Writes the bytes of entry `e` (stored or deflated) into `out`, which must hold e.size bytes;
+  /// verifies the CRC when verify_crc is set. The caller accounts for the memory: claim_inflated()
+  /// for a deflated entry.
+  void extract(const Entry& e, std::span<std::byte> out) const {
+    check_extractable(e);
+    if (out.size() != e.size)
+      throw_error(errors::out_of_range, detail::where(*source_), "entry " + quote(e.name) + ": a buffer of " + std::to_string(out.size()) +
+                                                                    " bytes for " + std::to_string(e.size));
+    if (e.stored()) {
+      source_->read(located(e), out);
+    } else {
+      const Region packed = read_region(*source_, located(e), e.compressed_size);
+      inflate_raw(packed.span(), out, detail::where(*source_) + ": entry " + quote(e.name));
+    }
+    if (options_.verify_crc) verify(e, Region{out.data(), out.size(), {}});
+  }
+
+  /// Counts a deflated entry's size against limits::max_inflated_bytes (the total over the
+  /// archive); throws errors::zip_inflate_limit beyond it.
+  void claim_inflated(const Entry& e) const {
+    const std::uint64_t cap = options_.limits.max_inflated_bytes;
+    std::uint64_t before = inflated_->load();
+    do {
+      if (e.size > cap || before > cap - e.size)
+        throw_error(errors::zip_inflate_limit, detail::where(*source_),
+                    "entry " + quote(e.name) + " inflates to " + std::to_string(e.size) + " bytes; with the " + std::to_string(before) +
+                        " already inflated that exceeds limits::max_inflated_bytes (" + std::to_string(cap) + ")");
+    } while (!inflated_->compare_exchange_weak(before, before + e.size));
+  }
+  /// Bytes of deflated entries inflated so far (claim_inflated()).
+  [[nodiscard]] std::uint64_t inflated_bytes() const noexcept { return inflated_->load(); }
+
+  /// Throws unless `e` is a stored, unencrypted entry: one whose bytes can be used in place.
   void check_readable(const Entry& e) const {
-    if (e.flags & 1U)
-      throw_error(errors::zip_encrypted_entry, detail::where(*source_), "entry " + quote(e.name) + " is encrypted");
+    check_extractable(e);
     if (!e.stored())
       throw_error(errors::zip_compressed_entry, detail::where(*source_),
                   "entry " + quote(e.name) + " is compressed (method " + std::to_string(e.method) +
-                      "); only stored entries can be read without copying, as torch.save writes them");
+                      "); only stored entries can be read in place, as torch.save writes them");
+  }
+  /// Throws unless `e` is unencrypted and stored or deflated (what read() and extract() handle).
+  void check_extractable(const Entry& e) const {
+    if (e.flags & 1U)
+      throw_error(errors::zip_encrypted_entry, detail::where(*source_), "entry " + quote(e.name) + " is encrypted");
+    if (!e.stored() && !e.deflated())
+      throw_error(errors::zip_compressed_entry, detail::where(*source_),
+                  "entry " + quote(e.name) + " is compressed with method " + std::to_string(e.method) +
+                      "; statedict reads stored (0) and deflated (8) entries");
   }
 
   /// Every entry's data offset, in entries() order, from the local headers (the central
@@ -262,6 +318,13 @@ class Archive {
     std::vector<std::byte> buf(static_cast<std::size_t>(header_end(e) - e.header_offset));
     source_->peek(e.header_offset, buf);
     entries_[i].data_offset = locate_data(e, buf.data());
+  }
+
+  /// The entry's data offset; throws when its local header was not read yet.
+  [[nodiscard]] std::uint64_t located(const Entry& e) const {
+    if (e.data_offset == 0)  // a local header takes 30 bytes or more: 0 is "not read yet"
+      fail(errors::zip_bad_local_header, "entry " + quote(e.name) + ": its local header was not read (defer_local_headers)");
+    return e.data_offset;
   }
 
   /// Checks the CRC-32 of an entry's bytes against the central directory.
@@ -509,6 +572,9 @@ class Archive {
 
   std::shared_ptr<const ByteSource> source_;
   read_options options_{};
+  /// Bytes of deflated entries inflated (claim_inflated); shared by moved-from copies, atomic so
+  /// that threads reading entries of one archive count them together.
+  std::shared_ptr<std::atomic<std::uint64_t>> inflated_ = std::make_shared<std::atomic<std::uint64_t>>(0);
   std::vector<Entry> entries_;
   [[nodiscard]] static std::uint32_t name_hash(std::string_view s) noexcept {
     return statedict::detail::hash_index::mix(std::hash<std::string_view>{}(s));

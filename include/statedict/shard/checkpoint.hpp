@@ -46,6 +46,12 @@ struct FlatRange {
   friend bool operator==(const FlatRange&, const FlatRange&) = default;
 };
 
+/// The order of the bytes of each stored element (of each component, for complex dtypes).
+enum class byte_order : std::uint8_t {
+  little,  ///< what every writer writes and every tensor in memory holds
+  big,     ///< a torch.save file written on a big-endian machine (its `byteorder` record)
+};
+
 /// Where a chunk's elements are stored.
 struct Placement {
   std::uint32_t source = 0;       ///< index into the description's sources (or destinations)
@@ -54,6 +60,9 @@ struct Placement {
   /// empty means row-major contiguous.
   shape_t strides;
   dtype stored = dtype::F32;      ///< element type as stored; the executor casts to the logical dtype
+  /// Byte order of the stored elements; the executor swaps big-endian ones as it copies (sources
+  /// only: destinations are always little-endian).
+  byte_order order = byte_order::little;
   friend bool operator==(const Placement&, const Placement&) = default;
 };
 

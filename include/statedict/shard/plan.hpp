@@ -69,6 +69,7 @@ inline constexpr error_id write_outside         {615, error_kind::plan,   "plan.
 inline constexpr error_id too_many_ops          {616, error_kind::limit,  "plan.too_many_ops"};
 inline constexpr error_id destination_too_small {618, error_kind::plan,   "plan.destination_too_small"};
 inline constexpr error_id duplicate_tensor      {619, error_kind::key,    "plan.duplicate_tensor"};
+inline constexpr error_id destination_byte_order{117, error_kind::usage,  "core.destination_byte_order"};
 // clang-format on
 }  // namespace errors
 
@@ -89,12 +90,15 @@ struct CopyOp {
   std::uint64_t reps = 1;
   std::uint64_t src_step = 0;
   std::uint64_t dst_step = 0;
+  /// The source elements are big-endian (Placement::order): swapped as they are read, before any
+  /// cast, so the op is never a plain byte copy.
+  bool swap = false;
 
   [[nodiscard]] std::uint64_t elements() const noexcept { return count * reps; }
   [[nodiscard]] std::uint64_t src_bytes() const noexcept { return elements() * itemsize(src_dtype); }
   [[nodiscard]] std::uint64_t dst_bytes() const noexcept { return elements() * itemsize(dst_dtype); }
   /// True when no conversion happens (a byte copy).
-  [[nodiscard]] bool plain() const noexcept { return nvia == 0 && src_dtype == dst_dtype; }
+  [[nodiscard]] bool plain() const noexcept { return nvia == 0 && src_dtype == dst_dtype && (!swap || info(src_dtype).swap_unit == 1); }
   friend bool operator==(const CopyOp&, const CopyOp&) = default;
 };
 
@@ -108,6 +112,7 @@ struct CompareOp {
   std::uint64_t a_offset = 0, b_offset = 0;
   std::uint64_t count = 0, reps = 1;
   std::uint64_t a_step = 0, b_step = 0;
+  bool a_swap = false, b_swap = false;  ///< big-endian elements (swapped before comparing)
   shape_t first_index;  ///< global index of the first element compared (for messages)
 };
 
@@ -150,8 +155,10 @@ inline std::string where_in(const std::vector<std::string>& names, std::uint32_t
 
 inline bool exact_widening(dtype from, dtype to) noexcept {
   if (from == to) return true;
+  // E8M0 spans 2^-127 .. 2^127: F16 cannot hold it, the 8-bit exponent types can.
+  if (from == dtype::F8_E8M0) return to == dtype::BF16 || to == dtype::F32 || to == dtype::F64;
   if (is_floating(from) && is_floating(to)) return itemsize(to) > itemsize(from);
-  return from == dtype::C64 && to == dtype::C128;
+  return (from == dtype::C64 && to == dtype::C128) || (from == dtype::C32 && (to == dtype::C64 || to == dtype::C128));
 }
 
 /// The conversion chain stored -> logical -> destination logical -> destination stored, with
@@ -186,6 +193,7 @@ struct SrcPiece {
   std::uint32_t source = 0;
   std::uint64_t byte_offset = 0;
   dtype stored = dtype::F32;
+  bool swap = false;  // big-endian elements
   FlatRange lin;  // linear extent of m.box
 };
 
@@ -364,7 +372,7 @@ inline void merge_ops(std::vector<CopyOp>& ops) {
     if (!out.empty()) {
       CopyOp& p = out.back();
       const bool same = p.src == o.src && p.dst == o.dst && p.src_dtype == o.src_dtype && p.dst_dtype == o.dst_dtype &&
-                        p.nvia == o.nvia && p.via == o.via;
+                        p.nvia == o.nvia && p.via == o.via && p.swap == o.swap;
       if (same && p.reps == 1 && o.reps == 1 && o.src_offset == p.src_offset + p.count * itemsize(p.src_dtype) &&
           o.dst_offset == p.dst_offset + p.count * itemsize(p.dst_dtype)) {
         p.count += o.count;
@@ -453,6 +461,7 @@ class tensor_planner {
         p.source = c.at.source;
         p.byte_offset = c.at.byte_offset;
         p.stored = c.at.stored;
+        p.swap = c.at.order == byte_order::big;
         pieces.push_back(std::move(p));
       }
     }
@@ -492,6 +501,8 @@ class tensor_planner {
       if (c.at.source >= nd)
         throw_error(errors::bad_source_id, what(), "refers to destination " + std::to_string(c.at.source) + " of " +
                                                        std::to_string(nd));
+      if (c.at.order != byte_order::little)
+        throw_error(errors::destination_byte_order, what(), "is big-endian; statedict writes little-endian elements only");
       std::vector<MappedBox> boxes;
       std::uint64_t ext = 0, end = 0;
       try {
@@ -591,6 +602,7 @@ class tensor_planner {
         base.dst = dc.at.source;
         base.src_dtype = sp.stored;
         base.dst_dtype = dc.at.stored;
+        base.swap = sp.swap;
         base.nvia = static_cast<std::uint8_t>(chain.size() > 2 ? chain.size() - 2 : 0);
         if (base.nvia > 2) throw_error(errors::unsupported_cast, ctx(), "conversion chain too long");
         for (std::size_t k = 0; k < base.nvia; ++k) base.via[k] = chain[k + 1];
@@ -630,6 +642,8 @@ class tensor_planner {
         c.b = rp.source;
         c.a_dtype = kp.stored;
         c.b_dtype = rp.stored;
+        c.a_swap = kp.swap;
+        c.b_swap = rp.swap;
         c.logical = s->dtype;
         c.a_offset = kp.byte_offset + r.a * itemsize(kp.stored);
         c.b_offset = rp.byte_offset + r.b * itemsize(rp.stored);

@@ -59,7 +59,13 @@ def strided_bytes(t):
     t = t.detach().cpu().contiguous()
     if t.numel() == 0:
         return b""
-    return bytes(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    flat = t.reshape(-1)
+    if flat.stride(0) != 1:
+        # .contiguous() keeps the stride of a size-1 dimension (a [n, 1] view with stride 5
+        # counts as contiguous), and such a tensor cannot be viewed as bytes: a fresh 1-d copy.
+        flat = torch.empty(t.numel(), dtype=t.dtype)
+        flat.copy_(t.reshape(-1))
+    return bytes(flat.view(torch.uint8).numpy().tobytes())
 
 
 def numpy_bytes(a):

@@ -51,10 +51,11 @@ namespace statedict::inline v0::dcp {
 struct write_options {
   /// Ranks that will load the checkpoint (M); one `__<rank>_0.distcp` file per rank.
   std::uint32_t world_size = 1;
-  /// Class names of `.metadata`: torch 1.13's (`torch.distributed._shard.checkpoint`, what the
-  /// tests load with PyTorch 1.13) or 2.x's (`torch.distributed.checkpoint`, with the 2.x flatten
-  /// rule and its planner_data mapping). See docs/formats/dcp.md.
-  class_names classes = class_names::torch_1_13;
+  /// The layout of the PyTorch that will load the checkpoint: 2.x's (`torch.distributed.checkpoint`
+  /// classes, the 2.x flatten rule and its planner_data mapping; the default, since restarts happen
+  /// on current PyTorch, whose dcp.load refuses the 1.13 class names) or 1.13's
+  /// (`torch.distributed._shard.checkpoint`, which PyTorch 1.13 loads). See docs/formats/dcp.md.
+  class_names classes = class_names::torch_2;
   exec_options exec{};
   plan_options plan{};
   /// Write only the rank files of part k of K (shard/plan.hpp assign_parts), each atomically,
@@ -273,6 +274,9 @@ inline keyed_tree keys_of(const ShardedCheckpoint& src, class_names classes) {
   std::uint64_t total = 16;
   for (std::size_t i = 0; i < n; ++i) {
     const TensorInfo& t = src.tensors[i];
+    if (info(t.dtype).torch_name.empty())
+      throw_error(errors::dcp_write_unsupported, "tensor " + quote(t.name),
+                  "dtype " + std::string(name(t.dtype)) + " has no PyTorch dtype (a safetensors-only type)");
     if (classes == class_names::torch_1_13 && info(t.dtype).storage_name.empty())
       throw_error(errors::dcp_write_unsupported, "tensor " + quote(t.name),
                   "dtype " + std::string(name(t.dtype)) + " has no storage class in PyTorch 1.13 (write the 2.x layout)");

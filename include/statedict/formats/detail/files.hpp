@@ -136,6 +136,9 @@ inline optim_shard::LoadedFile load_rank_file(const std::filesystem::path& p, re
   lo.mode = mode;
   try {
     torch::File f = torch::read_lazily(InputFile::open(p, mode), lo);
+    if (f.big_endian)  // its flat buffers would be sliced without their byte order
+      throw_error(errors::pt_big_endian, "file " + quote(p.string()),
+                  "a rank file written on a big-endian machine (byteorder record) is not supported by this reader");
     return optim_shard::LoadedFile{p.string(), f.source, std::move(f.value), f.view_base};
   } catch (error& e) {
     e.add_context(context);

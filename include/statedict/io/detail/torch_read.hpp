@@ -27,6 +27,7 @@
 #include <utility>
 #include <vector>
 
+#include "../../core/cast.hpp"
 #include "../../core/dtype.hpp"
 #include "../../core/error.hpp"
 #include "../../core/flatten.hpp"
@@ -34,6 +35,7 @@
 #include "../../core/source.hpp"
 #include "../../core/tensor.hpp"
 #include "../../core/value.hpp"
+#include "../../core/visit.hpp"
 #include "../../shard/checkpoint.hpp"
 #include "../crc32.hpp"
 #include "../file.hpp"
@@ -383,6 +385,43 @@ inline std::optional<std::size_t> key_number(std::string_view key, std::size_t b
   return n;
 }
 
+/// Makes the storages of a big-endian file, read into the image f.view_base points at,
+/// little-endian in place. A typed storage is swapped by its class's dtype (as torch.load does); an
+/// untyped one by the dtype of the tensors viewing it (torch.load swaps none of it and so misreads
+/// uint16/32/64, complex32 and bits16 tensors of such files); one viewed as elements of two sizes
+/// has no single byte order and is refused. An untyped storage no tensor views stays as it is.
+inline void swap_storages(File& f, const std::vector<zip_storage>& seen) {
+  std::byte* const base = const_cast<std::byte*>(f.view_base);  // the image: memory this read owns
+  std::vector<std::uint32_t> by_offset(seen.size());
+  for (std::uint32_t i = 0; i < by_offset.size(); ++i) by_offset[i] = i;
+  std::sort(by_offset.begin(), by_offset.end(), [&](std::uint32_t a, std::uint32_t b) { return seen[a].data < seen[b].data; });
+  std::vector<std::uint8_t> unit(seen.size(), 1);
+  for (std::size_t i = 0; i < seen.size(); ++i)
+    if (!f.storages[i].untyped) unit[i] = info(seen[i].dtype).swap_unit;
+  visit(f.value, [&](const Path&, const Value& v) {
+    if (!v.is_tensor() || v.as_tensor().numel() == 0) return;
+    const TensorView& t = v.as_tensor();
+    const std::uint8_t u = info(t.dtype()).swap_unit;
+    if (u == 1) return;
+    auto it = std::upper_bound(by_offset.begin(), by_offset.end(), t.data(), [&](const std::byte* p, std::uint32_t i) { return p < seen[i].data; });
+    if (it == by_offset.begin()) return;
+    const std::uint32_t i = *(it - 1);
+    if (!f.storages[i].untyped) return;
+    if (unit[i] != 1 && unit[i] != u)
+      throw_error(errors::pt_bad_storage, "storage " + quote(f.storages[i].key) + " of a big-endian file",
+                  "is viewed as elements of " + std::to_string(unit[i]) + " and of " + std::to_string(u) +
+                      " bytes; its byte order cannot be undone for both");
+    unit[i] = u;
+  });
+  for (std::size_t i = 0; i < seen.size(); ++i) {
+    if (unit[i] == 1) continue;
+    const std::uint64_t bytes = seen[i].numel * itemsize(seen[i].dtype);
+    const dtype as = unit[i] == 2 ? dtype::U16 : unit[i] == 4 ? dtype::U32 : dtype::U64;
+    byteswap_run(as, base + (seen[i].data - f.view_base), static_cast<std::size_t>(bytes / unit[i]));
+  }
+  f.swapped = true;
+}
+
 inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& opts, bool lazy, bool may_overlap = true) {
   File f;
   f.format = "zip";
@@ -396,7 +435,10 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
   zo.verify_crc = opts.verify_crc && !lazy;
   zo.defer_local_headers = views_only && may_overlap;
   zip::Archive ar = zip::Archive::open(src, zo);
-  const bool overlap = zo.defer_local_headers && ar.entries().size() >= opts.overlap_headers_from;
+  // Compressed records (an archive another zip tool rewrote) cannot be views of the file: their
+  // local headers are read now, and the storage records go into an image in memory (below).
+  const bool compressed = std::any_of(ar.entries().begin(), ar.entries().end(), [](const zip::Entry& e) { return !e.stored(); });
+  bool overlap = zo.defer_local_headers && !compressed && ar.entries().size() >= opts.overlap_headers_from;
   if (zo.defer_local_headers && !overlap) ar.adopt_data_offsets(ar.data_offsets());
   // With `overlap`, the headers are read on `headers` from the pickle on; until the join, `ar`
   // is only read (data_offsets() is const; the few locate() calls come before the thread).
@@ -418,21 +460,38 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
     const zip::Entry* pkl = ar.find(prefix + "data.pkl");
     if (!pkl) throw_error(errors::pt_missing_record, where(*src), "no record " + quote(prefix + "data.pkl") + ": not a torch.save file");
     if (overlap) ar.locate(*pkl);
+    // A short text record: its first `cap` bytes (a deflated one is inflated only when that short).
+    auto text_record = [&](const zip::Entry& e, std::uint64_t cap) -> std::string {
+      if (overlap) ar.locate(e);
+      Region r;
+      if (e.stored()) {
+        ar.check_readable(e);
+        r = read_region(*src, e.data_offset, std::min<std::uint64_t>(e.size, cap));
+      } else {
+        ar.check_extractable(e);
+        if (e.size > cap) return std::string(static_cast<std::size_t>(cap) + 1, '?');  // longer than any valid content
+        r = ar.read(e);
+      }
+      return std::string(reinterpret_cast<const char*>(r.data), static_cast<std::size_t>(r.size));
+    };
     if (const zip::Entry* ver = ar.find(prefix + "version"); ver || (ver = ar.find(prefix + ".data/version"))) {
-      if (overlap) ar.locate(*ver);
-      ar.check_readable(*ver);
-      const Region r = read_region(*src, ver->data_offset, std::min<std::uint64_t>(ver->size, 32));
-      std::string v(reinterpret_cast<const char*>(r.data), static_cast<std::size_t>(r.size));
+      std::string v = text_record(*ver, 32);
       while (!v.empty() && (v.back() == '\n' || v.back() == '\r' || v.back() == ' ')) v.pop_back();
       if (v.empty() || v.find_first_not_of("0123456789") != std::string::npos)
         throw_error(errors::pt_bad_version, where(*src), "record " + quote(ver->name) + " holds " + quote(v) + ", not a version number");
     }
     if (const zip::Entry* bo = ar.find(prefix + "byteorder")) {
-      if (overlap) ar.locate(*bo);
-      ar.check_readable(*bo);
-      const Region r = read_region(*src, bo->data_offset, std::min<std::uint64_t>(bo->size, 16));
-      const std::string_view v(reinterpret_cast<const char*>(r.data), static_cast<std::size_t>(r.size));
-      if (v == "big") throw_error(errors::pt_big_endian, where(*src), "big-endian file (byteorder record) is not supported");
+      const std::string v = text_record(*bo, 16);
+      if (v == "big") f.big_endian = true;
+      else if (v != "little")
+        throw_error(errors::pt_bad_byteorder, where(*src), "record " + quote(bo->name) + " holds " + quote(v) + ", not little or big");
+    }
+    // A big-endian file read for its values: the storages are swapped in an image in memory, which
+    // needs every record's offset now (no prediction on another thread).
+    const bool swap_in_memory = f.big_endian && !lazy;
+    if (swap_in_memory && overlap) {
+      ar.adopt_data_offsets(ar.data_offsets());
+      overlap = false;
     }
     const Region pickle_bytes = ar.read(*pkl);
     if (overlap) {
@@ -449,8 +508,41 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
       }
     }
 
-    f.view_base = vb.base;
-    f.view_owner = vb.owner;
+    // The image of the storage records (every `data/` record, each at a multiple of 64 bytes) when
+    // some record is compressed: the File's source and view base are then the image.
+    std::vector<std::uint64_t> image_offset;  // per entry; only for records under data/
+    std::byte* image = nullptr;
+    if (compressed || swap_in_memory) {
+      const std::string data_dir = prefix + "data/";
+      image_offset.assign(ar.entries().size(), 0);
+      std::uint64_t total = 0;
+      for (std::size_t i = 0; i < ar.entries().size(); ++i) {
+        const zip::Entry& e = ar.entries()[i];
+        if (e.name.compare(0, data_dir.size(), data_dir) != 0) continue;
+        ar.check_extractable(e);
+        image_offset[i] = checked_add(total, 63, "records in memory") / 64 * 64;
+        total = checked_add(image_offset[i], e.size, "records in memory");
+        if (total > opts.limits.zip.max_inflated_bytes)
+          throw_error(errors::zip_inflate_limit, where(*src),
+                      "the storage records of an archive with compressed records are read into memory: more than " +
+                          std::to_string(opts.limits.zip.max_inflated_bytes) + " bytes (zip::limits::max_inflated_bytes)");
+      }
+      auto bytes = std::make_shared<std::vector<std::byte>>(static_cast<std::size_t>(std::max<std::uint64_t>(total, 1)));
+      for (std::size_t i = 0; i < ar.entries().size(); ++i) {
+        const zip::Entry& e = ar.entries()[i];
+        if (e.name.compare(0, data_dir.size(), data_dir) != 0) continue;
+        ar.extract(e, std::span<std::byte>(bytes->data() + image_offset[i], static_cast<std::size_t>(e.size)));
+        if (!e.stored()) ++f.compressed_records;
+      }
+      image = bytes->data();
+      f.in_memory_bytes = total;
+      f.source = std::make_shared<MemorySource>(src->name() + " (records in memory)", image, total, bytes);
+      f.view_base = image;
+      f.view_owner = bytes;
+    } else {
+      f.view_base = vb.base;
+      f.view_owner = vb.owner;
+    }
     // Storages and their records by key. torch.save's keys are the numbers 0, 1, 2, ... in order
     // of first use, and its records are sorted as strings ("0", "1", "10", "100", ...): such keys
     // are looked up in two arrays indexed by the number (a hash table probed at random misses the
@@ -520,9 +612,9 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
           if (!e) throw_error(errors::pt_missing_record, "storage " + quote(key) + ": no record " + quote(rec));
         }
         next_entry = static_cast<std::size_t>(e - entries.data()) + 1;
-        ar.check_readable(*e);
+        if (!image) ar.check_readable(*e);
         zip_storage c{e, nullptr, {}, t, numel};
-        std::uint64_t data_offset = e->data_offset;
+        std::uint64_t data_offset = image ? image_offset[static_cast<std::size_t>(e - entries.data())] : e->data_offset;
         if (overlap) {
           // The prediction, checked after the join. One that cannot be right (its bytes would run
           // into the central directory) still gets a pointer inside the source, never used.
@@ -532,7 +624,10 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
             data_offset = 0;
           }
         }
-        if (views_only) {
+        if (image) {
+          c.data = image + data_offset;
+          c.owner = f.view_owner;
+        } else if (views_only) {
           c.data = vb.base + data_offset;
           c.owner = vb.owner;
         } else {
@@ -633,6 +728,7 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
     // Not torch's layout (an archive rewritten by another zip tool): read it again, headers first.
     if (mispredicted) return read_zip(std::move(src), opts, lazy, false);
   }
+  if (f.big_endian && !lazy) swap_storages(f, seen);
   // The archive ends here: its entry names become the record list (moved, not copied).
   std::vector<zip::Entry> entries = ar.release_entries();
   f.records.reserve(entries.size());
