@@ -40,13 +40,16 @@ usage:
                     [--max-shard-size 5GB] [--world-size M] [--only NAME_PREFIX]...
                     [--with-optimizer] [--threads N] [--memory-budget 256MiB]
                     [--part k/K | --part index] [--check-replicas] [--io mmap|pread]
+                    [--keep-class MODULE.CLASS]...
   statedict verify A B [--rtol R] [--atol A] [--with-optimizer] [--from FORMAT] [--io mmap|pread]
   statedict --version
 
 PATH, IN, A, B: a .safetensors file, a torch.save file (.pt, .bin, any name), a Hugging Face
 sharded directory or index, a torch.distributed.checkpoint directory, a DeepSpeed ZeRO 1/2/3
 checkpoint, an OLMo/FSDP sharded checkpoint, or ShardedTensor rank files. The format is detected
-from the content. Exit codes: 0 success, 1 verify found a difference, 2 bad input or usage.
+from the content. Pickled objects are read as data, never run; convert writes each object whose
+class torch.load(weights_only=True) refuses as its data (--keep-class writes that class as itself,
+for input you trust). Exit codes: 0 success, 1 verify found a difference, 2 bad input or usage.
 See docs/cli.md.
 )";
 
@@ -299,7 +302,8 @@ int cmd_inspect(const std::vector<std::string>& argv) {
   }
   if (!values.empty()) {
     std::cout << "values: " << values.size() << "\n";
-    for (const auto& [n, v] : values) std::cout << "  " << n << " = " << sd::value_json(v).dump() << "\n";
+    for (const auto& [n, v] : values)
+      std::cout << "  " << n << " = " << (v.is_object() ? sd::value_repr(v) : sd::value_json(v).dump()) << "\n";
   }
   if (!ck.metadata.empty()) {
     std::cout << "metadata:\n";
@@ -314,7 +318,7 @@ int cmd_convert(const std::vector<std::string>& argv) {
   cli::Args a(argv,
               {{"--to", true}, {"--from", true}, {"--dtype", true}, {"--max-shard-size", true}, {"--world-size", true},
                {"--only", true, true}, {"--with-optimizer", false}, {"--threads", true}, {"--memory-budget", true}, {"--part", true},
-               {"--check-replicas", false}, {"--io", true}},
+               {"--check-replicas", false}, {"--io", true}, {"--keep-class", true, true}},
               2, 2, "convert");
   const std::string in = a.positional()[0], out = a.positional()[1];
   const auto dtype = parse_dtype(a);
@@ -329,12 +333,22 @@ int cmd_convert(const std::vector<std::string>& argv) {
     if (*p == "index") w.index_only = true;
     else w.part = sd::parse_part(*p);
   }
+  for (const auto& c : a.values("--keep-class")) {
+    if (c.empty() || c.find('.') == std::string::npos || c.front() == '.' || c.back() == '.')
+      a.fail(cli::errors::bad_value, "--keep-class takes a qualified class name such as argparse.Namespace, not " + sd::quote(c));
+    w.keep_classes.push_back(c);
+  }
   // The output format and its options are checked before the input is read.
   const auto format = sd::formats::choose_output(out, w);
 
   const auto t0 = std::chrono::steady_clock::now();
   auto opened = open_input(in, a, dtype);
-  const sd::ShardedCheckpoint ck = sd::formats::select(opened.checkpoint, a.values("--only"));
+  sd::ShardedCheckpoint ck = sd::formats::select(opened.checkpoint, a.values("--only"));
+  // Objects are written as their data (classes torch's weights_only list has, and --keep-class
+  // ones, as themselves): one line per class says what was done.
+  for (const auto& note : sd::formats::objects_as_data(ck, w.keep_classes))
+    std::fprintf(stderr, "statedict: %s%s\n", note.describe().c_str(),
+                 note.instances ? (" (--keep-class " + note.cls + " writes it as itself)").c_str() : "");
 
   std::uint64_t bytes = 0;
   for (const auto& t : ck.tensors) bytes += sd::byte_size(t.shape, sd::itemsize(t.dtype));
