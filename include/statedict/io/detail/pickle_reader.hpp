@@ -475,67 +475,10 @@ class Reader {
     return add_leaf(Value(std::move(o)));
   }
 
-  std::uint32_t parse_int_text(std::string_view s, bool is_long) {
-    if (is_long && !s.empty() && s.back() == 'L') s.remove_suffix(1);
-    if (!is_long && s == "00") return add_scalar(nk::boolean, 0);
-    if (!is_long && s == "01") return add_scalar(nk::boolean, 1);
-    std::int64_t v = 0;
-    const char* b = s.data();
-    if (!s.empty() && s[0] == '+') ++b;
-    auto [p, ec] = std::from_chars(b, s.data() + s.size(), v);
-    if (ec == std::errc::result_out_of_range) {
-      // Beyond int64 (torch's legacy magic number at protocols 0 and 1): 2.5 digits per byte.
-      if (s.size() > 3 * opts_.limits.max_long_bytes + 2)
-        fail(errors::pk_long_limit, "text integer of " + std::to_string(s.size()) + " digits exceeds limits.max_long_bytes (" +
-                                        std::to_string(opts_.limits.max_long_bytes) + " bytes)");
-      std::vector<std::uint8_t> bytes;
-      if (!detail::decimal_to_long(s, bytes)) fail(errors::pk_bad_text, "bad integer " + quote(s));
-      return long_node(std::move(bytes));
-    }
-    if (ec != std::errc() || p != s.data() + s.size() || s.empty()) fail(errors::pk_bad_text, "bad integer " + quote(s));
-    return add_scalar(nk::integer, v);
-  }
-
-  /// STRING: a quoted Python 2 str literal; str when its bytes are UTF-8, else bytes (as BINSTRING).
-  std::uint32_t read_quoted_string() {
-    const std::uint64_t at = pos_;
-    const std::string_view s = line();
-    if (s.size() < 2 || (s.front() != '\'' && s.front() != '"') || s.back() != s.front())
-      fail(errors::pk_bad_text, "STRING operand is not quoted");
-    const std::string_view body = s.substr(1, s.size() - 2);
-    if (body.size() > opts_.limits.max_string_bytes)
-      fail(errors::pk_string_limit, "STRING of " + std::to_string(body.size()) + " bytes exceeds limits.max_string_bytes");
-    if (body.find('\\') == std::string_view::npos) {  // no escape: the bytes are in the input
-      Node n;
-      n.kind = detail::valid_utf8(body) ? nk::str : nk::bytes;
-      n.u.off = at + 1;
-      n.index = static_cast<std::uint32_t>(body.size());
-      return add_node(n);
-    }
-    std::string out;
-    if (!detail::escape_decode(body, out)) fail(errors::pk_bad_text, "STRING operand with a bad escape");
-    return add_decoded(detail::valid_utf8(out) ? nk::str : nk::bytes, out);
-  }
-
-  /// UNICODE: a str in raw-unicode-escape.
-  std::uint32_t read_raw_unicode() {
-    const std::uint64_t at = pos_;
-    const std::string_view s = line();
-    if (s.size() > opts_.limits.max_string_bytes)
-      fail(errors::pk_string_limit, "UNICODE of " + std::to_string(s.size()) + " bytes exceeds limits.max_string_bytes");
-    if (std::all_of(s.begin(), s.end(), [](char c) { return c != '\\' && static_cast<unsigned char>(c) < 0x80; })) {
-      Node n;  // ASCII without escapes: the text is the input's
-      n.kind = nk::str;
-      n.u.off = at;
-      n.index = static_cast<std::uint32_t>(s.size());
-      return add_node(n);
-    }
-    std::string out;
-    if (!detail::raw_unicode_escape_decode(s, out)) fail(errors::pk_bad_text, "UNICODE operand with a bad \\u escape");
-    if (out.size() > opts_.limits.max_string_bytes)
-      fail(errors::pk_string_limit, "UNICODE of " + std::to_string(out.size()) + " bytes exceeds limits.max_string_bytes");
-    return add_decoded(nk::str, out);
-  }
+  // Text operands of protocols 0 and 1 (defined in pickle_opcodes.hpp).
+  std::uint32_t parse_int_text(std::string_view s, bool is_long);
+  std::uint32_t read_quoted_string();
+  std::uint32_t read_raw_unicode();
 
   /// The global named by module and name, after the Python 2 -> 3 renames and the security checks.
   std::uint32_t resolve_global(std::string_view module_in, std::string_view name) {
