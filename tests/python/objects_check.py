@@ -253,6 +253,9 @@ def check_file(bin_, src, ref, work, label, problems, expect_tensors=None, expec
         problems.append(f"{label}: inspect: exit {rc}: {se.strip()[:300]}")
         return
     got = json.loads(so)
+    rc2, so2, se2 = run([bin_, "inspect", "--json", "--hash", "--io", "pread", src])  # arrays copied out of the pickle
+    if rc2 != 0 or json.loads(so2) != got:
+        problems.append(f"{label}: inspect --io pread differs from mmap: exit {rc2}: {se2.strip()[:200]}")
     if expect_tensors is not None:
         for n, e in expect_tensors.items():
             g = got["tensors"].get(n)
