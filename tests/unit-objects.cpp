@@ -7,6 +7,7 @@
 #include <statedict/core/flatten.hpp>
 #include <statedict/core/value_json.hpp>
 #include <statedict/formats/objects.hpp>
+#include <statedict/formats/registry.hpp>
 #include <statedict/formats/torch.hpp>
 #include <statedict/io/pickle_read.hpp>
 #include <statedict/io/pickle_write.hpp>
@@ -343,6 +344,33 @@ TEST_CASE("objects_as_data: skeleton object nodes become dicts recording their c
   plain.skeleton = flatten(Value(Dict{{"w", Value(t.view())}})).skeleton;
   CHECK(formats::objects_as_data(plain, {}).empty());
   CHECK(plain.skeleton.tape() != nullptr);
+}
+
+TEST_CASE("formats::save writes every output's skeleton with its objects as data; keep_classes spares a class") {
+  const Tensor t = Tensor::from<float>({1, 2}, {2});
+  Object ns{"argparse", "Namespace", object_build::newobj, {}, {Value(Dict{{"lr", 0.1}})}, {}};
+  const Value tree(Dict{{"args", ns}, {"w", Value(t.view())}});
+  const auto dir = std::filesystem::path(STATEDICT_TEST_TMP) / "unit-objects-save";
+  std::filesystem::create_directories(dir);
+  ShardedCheckpoint ck;
+  const FlatStateDict flat = flatten(tree);
+  for (const auto& [name, v] : flat.tensors)
+    (void)add_stored(ck, name, v.dtype(), v.shape(), std::make_shared<MemorySource>(name, v.data(), v.nbytes(), v.owner()), 0);
+  ck.skeleton = flat.skeleton;
+  (void)formats::save(ck, dir / "data.safetensors");
+  const ShardedCheckpoint back = formats::open(dir / "data.safetensors").checkpoint;
+  CHECK(back.skeleton.json()["root"]["dict"][0][1]["class"] == "argparse.Namespace");
+  CHECK(back.skeleton.json()["root"]["dict"][0][1]["dict"][0][0] == "lr");
+  CHECK(ck.skeleton.json()["root"]["dict"][0][1].contains("object"));  // the caller's checkpoint is untouched
+  formats::save_options keep;
+  keep.keep_classes = {"argparse.Namespace"};
+  (void)formats::save(ck, dir / "kept.safetensors", keep);
+  CHECK(formats::open(dir / "kept.safetensors").checkpoint.skeleton.json()["root"]["dict"][0][1].contains("object"));
+  // .pt: the data, read back with objects refused.
+  (void)formats::save(ck, dir / "data.pt");
+  torch::load_options strict;
+  strict.keep_unknown_objects = false;
+  CHECK(torch::load(dir / "data.pt", strict)["args"]["lr"].as_double() == 0.1);
 }
 
 TEST_CASE("value_repr: objects as Python spells them") {
