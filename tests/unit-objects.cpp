@@ -148,6 +148,9 @@ TEST_CASE("numpy ndarray: _reconstruct + BUILD becomes a tensor, in place when i
   const Loaded empty = load("\x80\x02" + ndarray("numpy.core", {0, 3}, np_dtype("f4", "<"), false, glob("__builtin__", "bytes") + ")R") + ".");
   CHECK(empty.value.as_tensor().numel() == 0);
   CHECK(empty.value.as_tensor().data() != nullptr);
+  // Empty, with dimensions whose product is far beyond int64: no element, no stride to compute.
+  const Loaded wide = load(P3 + ndarray("numpy.core", {0, 0x7fffffff, 0x7fffffff, 0x7fffffff}, np_dtype("f8", "<"), true, bin("")) + ".");
+  CHECK(wide.value.as_tensor().numel() == 0);
   const std::string latin = glob("_codecs", "encode") + str("\x00\x00\xc2\x80?"_b) + str("latin1") + "\x86R";  // 1.0f = 00 00 80 3f
   CHECK(load("\x80\x02" + ndarray("numpy.core", {1}, np_dtype("f4", "<"), false, latin) + ".").value.as_tensor().load<float>(0) == 1.F);
   // A Python 2 str as the data: its bytes (as latin-1 code points once decoded).

@@ -104,11 +104,15 @@ inline TensorView numpy_tensor(Reader& r, numpy_dtype t, const shape_t& shape, b
   if (nbytes != data.size())
     r.fail(errors::pk_bad_numpy, std::string(what) + " of shape " + to_string(shape) + " and dtype " + std::string(name(t.type)) +
                                      " needs " + std::to_string(nbytes) + " bytes; its data has " + std::to_string(data.size()));
+  // Strides of the dimensions in memory order; an empty array has no element to address (its
+  // dimensions' product may exceed int64 where one of them is 0), so its strides are all 1.
   shape_t strides(shape.size(), 1);
-  if (fortran) {
-    for (std::size_t i = 1; i < shape.size(); ++i) strides[i] = strides[i - 1] * std::max<dim_t>(shape[i - 1], 1);
-  } else {
-    for (std::size_t i = shape.size(); i-- > 1;) strides[i - 1] = strides[i] * std::max<dim_t>(shape[i], 1);
+  if (n != 0) {  // every product below divides n, which fits
+    if (fortran) {
+      for (std::size_t i = 1; i < shape.size(); ++i) strides[i] = strides[i - 1] * shape[i - 1];
+    } else {
+      for (std::size_t i = shape.size(); i-- > 1;) strides[i - 1] = strides[i] * shape[i];
+    }
   }
   const keep_alive& owner = r.opts().input_owner;
   if (in_input && owner && !t.big_endian && !data.empty())

@@ -177,7 +177,7 @@ inline std::uint32_t Reader::parse_int_text(std::string_view s, bool is_long) {
   auto [p, ec] = std::from_chars(b, s.data() + s.size(), v);
   if (ec == std::errc::result_out_of_range) {
     // Beyond int64 (torch's legacy magic number at protocols 0 and 1): 2.5 digits per byte.
-    if (s.size() > 3 * opts_.limits.max_long_bytes + 2)
+    if (s.size() / 3 > opts_.limits.max_long_bytes)
       fail(errors::pk_long_limit, "text integer of " + std::to_string(s.size()) + " digits exceeds limits.max_long_bytes (" +
                                       std::to_string(opts_.limits.max_long_bytes) + " bytes)");
     std::vector<std::uint8_t> bytes;
@@ -195,7 +195,7 @@ inline std::uint32_t Reader::read_quoted_string() {
   if (s.size() < 2 || (s.front() != '\'' && s.front() != '"') || s.back() != s.front())
     fail(errors::pk_bad_text, "STRING operand is not quoted");
   const std::string_view body = s.substr(1, s.size() - 2);
-  if (body.size() > opts_.limits.max_string_bytes)
+  if (body.size() > opts_.limits.max_string_bytes || body.size() > 0xFFFFFFF0U)
     fail(errors::pk_string_limit, "STRING of " + std::to_string(body.size()) + " bytes exceeds limits.max_string_bytes");
   if (body.find('\\') == std::string_view::npos) {  // no escape: the bytes are in the input
     Node n;
@@ -213,7 +213,7 @@ inline std::uint32_t Reader::read_quoted_string() {
 inline std::uint32_t Reader::read_raw_unicode() {
   const std::uint64_t at = pos_;
   const std::string_view s = line();
-  if (s.size() > opts_.limits.max_string_bytes)
+  if (s.size() > opts_.limits.max_string_bytes || s.size() > 0xFFFFFFF0U)
     fail(errors::pk_string_limit, "UNICODE of " + std::to_string(s.size()) + " bytes exceeds limits.max_string_bytes");
   if (std::all_of(s.begin(), s.end(), [](char c) { return c != '\\' && static_cast<unsigned char>(c) < 0x80; })) {
     Node n;  // ASCII without escapes: the text is the input's
