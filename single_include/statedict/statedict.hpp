@@ -2323,17 +2323,163 @@ inline std::string sha256_hex(const TensorView& v) {
 // `verify` quotes.
 // SPDX-License-Identifier: MIT
 
+#include <algorithm>
 #include <cmath>
 #include <string>
+#include <string_view>
 
 #include <nlohmann/json.hpp>
 
 
 namespace statedict::inline v0 {
 
+namespace detail {
+
+/// Python's repr of a str: single quotes unless the text has one and no double quote, escapes for
+/// the quote, backslash, \n \r \t and other control characters (bytes that are not UTF-8 as \xNN).
+inline void repr_str(std::string& o, std::string_view s, bool is_bytes) {
+  const bool dq = s.find('\'') != std::string_view::npos && s.find('"') == std::string_view::npos;
+  const char q = dq ? '"' : '\'';
+  if (is_bytes) o += 'b';
+  o += q;
+  static constexpr char hex[] = "0123456789abcdef";
+  for (const char ch : s) {
+    const auto c = static_cast<unsigned char>(ch);
+    if (ch == q || ch == '\\') {
+      o += '\\';
+      o += ch;
+    } else if (ch == '\n') {
+      o += "\\n";
+    } else if (ch == '\r') {
+      o += "\\r";
+    } else if (ch == '\t') {
+      o += "\\t";
+    } else if (c < 0x20 || c == 0x7f || (is_bytes && c >= 0x80)) {
+      o += "\\x";
+      o += hex[c >> 4];
+      o += hex[c & 15];
+    } else {
+      o += ch;
+    }
+  }
+  o += q;
+}
+
+/// Python's repr of a float: the shortest digits that read back, with ".0" when they look like
+/// an int; nan, inf, -inf.
+inline std::string repr_float(double d) {
+  if (std::isnan(d)) return "nan";
+  if (std::isinf(d)) return d > 0 ? "inf" : "-inf";
+  std::string t = nlohmann::json(d).dump();
+  if (t.find_first_of(".eE") == std::string::npos) t += ".0";
+  return t;
+}
+
+inline void repr(std::string& o, const Value& v, std::size_t depth);
+
+inline void repr_seq(std::string& o, const List& l, std::size_t depth, const char* open, const char* close, bool tuple) {
+  o += open;
+  for (std::size_t i = 0; i < l.size(); ++i) {
+    if (i) o += ", ";
+    repr(o, l[i], depth + 1);
+  }
+  if (tuple && l.size() == 1) o += ',';
+  o += close;
+}
+
+inline void repr_dict(std::string& o, const Dict& d, std::size_t depth) {
+  o += '{';
+  bool first = true;
+  for (const auto& [k, x] : d.items()) {
+    if (!first) o += ", ";
+    first = false;
+    if (k.is_int()) o += std::to_string(k.as_int());
+    else repr_str(o, k.as_string(), false);
+    o += ": ";
+    repr(o, x, depth + 1);
+  }
+  o += '}';
+}
+
+/// An object as Python would spell its construction: `module.Name(attr=value, ...)` for an
+/// instance whose only state is its attribute dict, `module.name(args...)` for a call, with its
+/// state and items after it; `module.name` for the class or function itself.
+inline void repr_object(std::string& o, const Object& ob, std::size_t depth) {
+  o += ob.qualified();
+  if (ob.how == object_build::global) return;
+  const bool attrs = ob.args.empty() && ob.items.empty() && ob.state.size() == 1 && ob.state[0].is_dict() &&
+                     std::all_of(ob.state[0].as_dict().begin(), ob.state[0].as_dict().end(), [](const auto& kv) { return kv.first.is_string(); });
+  if (attrs) {
+    o += '(';
+    bool first = true;
+    for (const auto& [k, x] : ob.state[0].as_dict().items()) {
+      if (!first) o += ", ";
+      first = false;
+      o += k.as_string();
+      o += '=';
+      repr(o, x, depth + 1);
+    }
+    o += ')';
+    return;
+  }
+  repr_seq(o, ob.args, depth, "(", ")", false);
+  for (const Value& s : ob.state) {
+    o += " <state ";
+    repr(o, s, depth + 1);
+    o += '>';
+  }
+  if (!ob.items.empty()) {
+    o += " <items ";
+    repr_seq(o, ob.items, depth, "[", "]", false);
+    o += '>';
+  }
+}
+
+inline void repr(std::string& o, const Value& v, std::size_t depth) {
+  if (depth > 64 || o.size() > 100000) {  // a readable line, not the whole of a hostile tree
+    o += "...";
+    return;
+  }
+  switch (v.kind()) {
+    case value_kind::none: o += "None"; return;
+    case value_kind::boolean: o += v.as_bool() ? "True" : "False"; return;
+    case value_kind::integer: o += std::to_string(v.as_int()); return;
+    case value_kind::floating: o += repr_float(v.as_double()); return;
+    case value_kind::string: repr_str(o, v.as_string(), false); return;
+    case value_kind::bytes: {
+      const auto& b = v.as_bytes().data;
+      repr_str(o, std::string_view(reinterpret_cast<const char*>(b.data()), b.size()), true);
+      return;
+    }
+    case value_kind::list: repr_seq(o, v.as_list(), depth, "[", "]", false); return;
+    case value_kind::tuple: repr_seq(o, v.as_list(), depth, "(", ")", true); return;
+    case value_kind::dict: repr_dict(o, v.as_dict(), depth); return;
+    case value_kind::object: repr_object(o, v.as_object(), depth); return;
+    case value_kind::tensor: {
+      o += "tensor(";
+      o += name(v.as_tensor().dtype());
+      o += ' ';
+      o += to_string(v.as_tensor().shape());
+      o += ')';
+      return;
+    }
+  }
+}
+
+}  // namespace detail
+
+/// `v` written as Python writes values (`argparse.Namespace(lr=0.1, arch='transformer')`,
+/// `(0.9, 0.98)`, `b'\x00'`), objects spelled as calls of their class; nesting below 64 levels
+/// and text past 100,000 characters become "...". For people (inspect), not to be parsed.
+inline std::string value_repr(const Value& v) {
+  std::string o;
+  detail::repr(o, v, 0);
+  return o;
+}
+
 /// `v` as JSON: None, bool, int, float (non-finite as the strings "nan", "inf", "-inf"), str;
 /// bytes as {"bytes_hex": ...}; lists and tuples as arrays; an empty dict as {}; an opaque object
-/// as {"object": "module.name"}; a tensor as {"tensor": "[shape]"}.
+/// as {"object": "module.name", "repr": value_repr(v)}; a tensor as {"tensor": "[shape]"}.
 inline nlohmann::ordered_json value_json(const Value& v) {
   using K = value_kind;
   switch (v.kind()) {
@@ -2363,7 +2509,7 @@ inline nlohmann::ordered_json value_json(const Value& v) {
       return a;
     }
     case K::dict: return nlohmann::ordered_json::object();
-    case K::object: return nlohmann::ordered_json{{"object", v.as_object().qualified()}};
+    case K::object: return nlohmann::ordered_json{{"object", v.as_object().qualified()}, {"repr", value_repr(v)}};
     case K::tensor: return nlohmann::ordered_json{{"tensor", to_string(v.as_tensor().shape())}};
   }
   return nullptr;
@@ -9069,12 +9215,16 @@ class Writer {
 // statedict: a safe unpickler (protocols 0-5 opcodes; what torch.save and DCP metadata use).
 // SPDX-License-Identifier: MIT
 //
-// `pickle::load(bytes, options)` turns a pickle into a Value tree and never executes anything.
-// Every GLOBAL is looked up in a registry modelled on torch.load(weights_only=True)
-// (`pickle::Registry::weights_only()`); a global that is not there is a security_error naming
-// `module.name`, unless `options.keep_unknown_objects` is set, in which case unknown objects are
-// kept as opaque `Object` nodes (class, args, state, items) - still never called. Modules that
-// only ever mean code execution (os, posix, nt, sys, subprocess, ...) are refused even then.
+// `pickle::load(bytes, options)` turns a pickle into a Value tree and never executes anything:
+// no module is imported, no pickled callable is called. Every GLOBAL is looked up in a registry
+// (`pickle::Registry::weights_only()`): the globals torch.load(weights_only=True) accepts, which
+// statedict interprets as data, and rules that read well-known objects beyond that list as data
+// (numpy arrays, dtypes and scalars; protocol 0/1 objects made by copyreg._reconstructor). Any
+// other global is an object: REDUCE / NEWOBJ / BUILD of it make an `Object` node (class name,
+// arguments, state, items), never a call. `options.keep_unknown_objects = false` refuses such
+// globals instead (a security_error naming `module.name`), as torch.load(weights_only=True) does,
+// and then the rules beyond torch's list are refused too. Modules that only ever mean code
+// execution (os, posix, nt, sys, subprocess, ...) are refused either way.
 //
 // How globals become Values (docs/torch-files.md has the full table):
 //   collections.OrderedDict()            -> Dict (a BUILD setting attributes such as `_metadata`
@@ -9085,12 +9235,17 @@ class Writer {
 //   torch.Size(tuple)                    -> tuple of ints
 //   builtins.set / frozenset             -> Object builtins.set / frozenset with `items`
 //   builtins.bytearray, BYTEARRAY8       -> Object builtins.bytearray, args [Bytes]
-//   ints beyond int64 (LONG1/LONG4)      -> Object builtins.int, args [Bytes: minimal
+//   ints beyond int64 (LONG1/LONG4/text) -> Object builtins.int, args [Bytes: minimal
 //                                           little-endian two's complement]
 //   dicts with keys other than int/str   -> Object builtins.dict (collections.OrderedDict when it
 //                                           was one), items = (key, value) tuples
+//   numpy ndarray (_reconstruct + BUILD,  -> a tensor (io/detail/pickle_numpy.hpp: which dtypes,
+//   _frombuffer), numpy scalars             in place or copied); other numpy objects stay Objects
+//   copyreg._reconstructor(cls, object,  -> Object cls, how = newobj (what protocol 2 writes as
+//   None)                                   NEWOBJ), its BUILD state kept
 //   any other allowed global, referenced -> Object, how = global (torch.float32, torch.Tensor)
 //   any other allowed global, called     -> Object, how = reduce / newobj (torch.device('cpu'))
+//   any other global                     -> the same Object forms (data, never called)
 // The torch layer (io/torch_file.hpp) adds the tensor rebuild functions and storages.
 //
 // Hostile input: every length is checked against the bytes left before anything is allocated,
@@ -9116,6 +9271,172 @@ class Writer {
 #include <utility>
 #include <vector>
 
+// ---- statedict/io/detail/pickle_text.hpp ----
+// statedict: the text operands of pickle protocols 0 and 1 (io/pickle_read.hpp is the public
+// header): decimal integers of any size (INT, LONG), quoted byte strings (STRING) and
+// raw-unicode-escape text (UNICODE), decoded as Python's unpickler decodes them.
+// SPDX-License-Identifier: MIT
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace statedict::inline v0::pickle::detail {
+
+/// A decimal integer (optional '+' or '-', then digits) as little-endian two's complement bytes,
+/// one sign byte more than needed at most (normalise_long trims them). False for anything that is
+/// not such a number. The caller bounds the text's length first: the work is quadratic in it.
+inline bool decimal_to_long(std::string_view s, std::vector<std::uint8_t>& out) {
+  out.clear();
+  bool negative = false;
+  if (!s.empty() && (s[0] == '+' || s[0] == '-')) {
+    negative = s[0] == '-';
+    s.remove_prefix(1);
+  }
+  if (s.empty()) return false;
+  std::vector<std::uint8_t> mag;  // magnitude, little-endian base 256
+  for (const char ch : s) {
+    if (ch < '0' || ch > '9') return false;
+    unsigned carry = static_cast<unsigned>(ch - '0');
+    for (std::uint8_t& b : mag) {
+      const unsigned v = b * 10U + carry;
+      b = static_cast<std::uint8_t>(v & 0xFFU);
+      carry = v >> 8;
+    }
+    while (carry) {
+      mag.push_back(static_cast<std::uint8_t>(carry & 0xFFU));
+      carry >>= 8;
+    }
+  }
+  mag.push_back(0);  // room for the sign bit
+  if (negative) {    // two's complement: invert, add one
+    unsigned carry = 1;
+    for (std::uint8_t& b : mag) {
+      const unsigned v = (~static_cast<unsigned>(b) & 0xFFU) + carry;
+      b = static_cast<std::uint8_t>(v & 0xFFU);
+      carry = v >> 8;
+    }
+  }
+  out = std::move(mag);
+  return true;
+}
+
+inline int hex_digit(char c) noexcept {
+  if (c >= '0' && c <= '9') return c - '0';
+  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+  if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+  return -1;
+}
+
+/// The escapes of a Python bytes literal (codecs.escape_decode, what STRING's operand holds
+/// between its quotes): \\ \' \" \a \b \f \n \r \t \v, \<newline> (nothing), up to three octal
+/// digits (the low 8 bits of their value), \xhh; a backslash before anything else stays, as the
+/// character after it. False for a trailing backslash or \x without two hex digits.
+inline bool escape_decode(std::string_view s, std::string& out) {
+  out.clear();
+  out.reserve(s.size());
+  for (std::size_t i = 0; i < s.size();) {
+    const char c = s[i++];
+    if (c != '\\') {
+      out += c;
+      continue;
+    }
+    if (i == s.size()) return false;
+    const char e = s[i++];
+    switch (e) {
+      case '\n': break;
+      case '\\': out += '\\'; break;
+      case '\'': out += '\''; break;
+      case '"': out += '"'; break;
+      case 'a': out += '\a'; break;
+      case 'b': out += '\b'; break;
+      case 'f': out += '\f'; break;
+      case 'n': out += '\n'; break;
+      case 'r': out += '\r'; break;
+      case 't': out += '\t'; break;
+      case 'v': out += '\v'; break;
+      case 'x': {
+        if (s.size() - i < 2) return false;
+        const int hi = hex_digit(s[i]), lo = hex_digit(s[i + 1]);
+        if (hi < 0 || lo < 0) return false;
+        out += static_cast<char>(hi * 16 + lo);
+        i += 2;
+        break;
+      }
+      default:
+        if (e >= '0' && e <= '7') {
+          unsigned v = static_cast<unsigned>(e - '0');
+          for (int k = 0; k < 2 && i < s.size() && s[i] >= '0' && s[i] <= '7'; ++k) v = v * 8 + static_cast<unsigned>(s[i++] - '0');
+          out += static_cast<char>(v & 0xFFU);
+        } else {
+          out += '\\';
+          --i;  // the character after the backslash is an ordinary one
+        }
+    }
+  }
+  return true;
+}
+
+/// Appends code point `cp` (at most 0x10FFFF) as UTF-8; surrogates are encoded as three bytes,
+/// as Python's "surrogatepass" does (the unpickler's str accepts them).
+inline void append_utf8(std::string& out, std::uint32_t cp) {
+  if (cp < 0x80) {
+    out += static_cast<char>(cp);
+  } else if (cp < 0x800) {
+    out += static_cast<char>(0xC0 | (cp >> 6));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else if (cp < 0x10000) {
+    out += static_cast<char>(0xE0 | (cp >> 12));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else {
+    out += static_cast<char>(0xF0 | (cp >> 18));
+    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  }
+}
+
+/// The raw-unicode-escape codec (UNICODE's operand) into UTF-8: every byte is the code point of
+/// its value, except \uXXXX and \UXXXXXXXX after an odd number of backslashes. False for such an
+/// escape without its hex digits, or beyond U+10FFFF.
+inline bool raw_unicode_escape_decode(std::string_view s, std::string& out) {
+  out.clear();
+  out.reserve(s.size());
+  for (std::size_t i = 0; i < s.size();) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    if (c != '\\') {
+      append_utf8(out, c);
+      ++i;
+      continue;
+    }
+    std::size_t run = 0;  // backslashes in a row, all written
+    while (i < s.size() && s[i] == '\\') {
+      out += '\\';
+      ++run;
+      ++i;
+    }
+    if (run % 2 == 0 || i == s.size() || (s[i] != 'u' && s[i] != 'U')) continue;
+    out.pop_back();  // that backslash starts the escape
+    const std::size_t digits = s[i] == 'u' ? 4 : 8;
+    ++i;
+    if (s.size() - i < digits) return false;
+    std::uint32_t cp = 0;
+    for (std::size_t k = 0; k < digits; ++k) {
+      const int d = hex_digit(s[i + k]);
+      if (d < 0) return false;
+      cp = cp * 16 + static_cast<std::uint32_t>(d);
+    }
+    if (cp > 0x10FFFF) return false;
+    append_utf8(out, cp);
+    i += digits;
+  }
+  return true;
+}
+
+}  // namespace statedict::inline v0::pickle::detail
 
 namespace statedict::inline v0 {
 
@@ -9142,6 +9463,7 @@ inline constexpr error_id pk_recursive          {467, error_kind::format,      "
 inline constexpr error_id pk_no_persistent_load {468, error_kind::format,      "pickle.no_persistent_load"};
 inline constexpr error_id pk_bad_call           {469, error_kind::format,      "pickle.bad_call"};
 inline constexpr error_id pk_bad_text           {470, error_kind::format,      "pickle.bad_text"};
+inline constexpr error_id pk_bad_numpy          {471, error_kind::format,      "pickle.bad_numpy"};
 // clang-format on
 }  // namespace errors
 
@@ -9182,6 +9504,7 @@ struct Result {
 
 class Reader;
 class Args;
+struct Build;
 
 /// What a registered callable gets: its arguments as Values, and the reader (to call other
 /// registered globals, as `_rebuild_from_type_v2` does).
@@ -9197,17 +9520,25 @@ using call_fn = std::function<Value(Call&)>;
 /// (`Args`), without converting them to Values first; nullopt hands the call to `call_fn`. It
 /// must give what call_fn gives for every call it answers.
 using fast_fn = std::function<std::optional<Value>(const Args&)>;
+/// Turns an object made by REDUCE / NEWOBJ of a registered global into a Value when BUILD gives
+/// it its state (numpy's ndarray); nullopt keeps the object, with the state as its state.
+using build_fn = std::function<std::optional<Value>(const Build&)>;
 
 /// How one allowed global is treated.
 struct Rule {
   enum class kind : std::uint8_t {
-    object,        ///< referenced: Object(how=global); called: Object(how=reduce/newobj) with its args
-    ordered_dict,  ///< called with (): an empty dict that SETITEMS and BUILD may fill later
-    function,      ///< called: `fn` computes the Value
+    object,         ///< referenced: Object(how=global); called: Object(how=reduce/newobj) with its args
+    ordered_dict,   ///< called with (): an empty dict that SETITEMS and BUILD may fill later
+    function,       ///< called: `fn` computes the Value
+    reconstructor,  ///< copyreg._reconstructor(cls, object, None): an Object of cls, how = newobj
   };
   kind k = kind::object;
-  call_fn fn;    ///< for function: REDUCE and NEWOBJ
-  fast_fn fast;  ///< for function, optional: tried first
+  call_fn fn;      ///< for function: REDUCE and NEWOBJ
+  fast_fn fast;    ///< for function, optional: tried first
+  build_fn build;  ///< for object, optional: BUILD of an object this global made
+  /// Not on torch.load(weights_only=True)'s list: refused with the unknown globals when
+  /// options::keep_unknown_objects is false.
+  bool beyond_weights_only = false;
 };
 
 /// The allow-list: qualified global name ("torch._utils._rebuild_tensor_v2") -> Rule.
@@ -9219,7 +9550,7 @@ class Registry {
   }
   Registry& allow(std::string qualified) { return add(std::move(qualified), Rule{}); }
   Registry& function(std::string qualified, call_fn fn, fast_fn fast = {}) {
-    return add(std::move(qualified), Rule{Rule::kind::function, std::move(fn), std::move(fast)});
+    return add(std::move(qualified), Rule{Rule::kind::function, std::move(fn), std::move(fast), {}, false});
   }
   [[nodiscard]] const Rule* find(const std::string& qualified) const {
     auto it = rules_.find(qualified);
@@ -9228,7 +9559,8 @@ class Registry {
   [[nodiscard]] std::size_t size() const noexcept { return rules_.size(); }
 
   /// Globals torch.load(weights_only=True) accepts (PyTorch 1.13 and 2.x), with the generic
-  /// conversions listed at the top of this file. Tensor rebuild functions are allowed here but only
+  /// conversions listed at the top of this file, and the data rules beyond that list (numpy,
+  /// copyreg; Rule::beyond_weights_only). Tensor rebuild functions are allowed here but only
   /// interpreted once io/torch_file.hpp registers them; without that they become Objects.
   static Registry weights_only();
 
@@ -9238,9 +9570,15 @@ class Registry {
 
 struct options {
   pickle::limits limits{};
-  /// Keep objects of globals outside the registry as Object nodes instead of failing. They are
-  /// never executed; blocked modules (os, posix, sys, subprocess, ...) are refused regardless.
-  bool keep_unknown_objects = false;
+  /// Objects of globals outside torch's weights_only list are data: Object nodes (class, args,
+  /// state, items), never called. False refuses them (and the numpy and copyreg rules) as
+  /// torch.load(weights_only=True) does. Blocked modules (os, posix, sys, subprocess, ...) are
+  /// refused either way.
+  bool keep_unknown_objects = true;
+  /// Keeps the bytes being read alive (what the caller's span points into): given, numpy arrays
+  /// whose bytes lie whole in the pickle become tensors viewing them in place; without it they are
+  /// copied.
+  keep_alive input_owner;
   /// The allow-list; nullptr means Registry::weights_only().
   const Registry* registry = nullptr;
   /// Resolves BINPERSID / PERSID ids (torch storages). Without it, a persistent id is an error.
@@ -9266,6 +9604,9 @@ inline std::string_view py3_module(std::string_view m) noexcept {
 
 /// Modules refused even with keep_unknown_objects (they only appear in pickles to run code).
 inline bool blocked_global(std::string_view module, std::string_view name) noexcept {
+  if (module == "types")  // code and function objects; the rest of `types` is data (SimpleNamespace)
+    for (auto n : {"CodeType", "FunctionType", "LambdaType", "MethodType", "BuiltinFunctionType", "ModuleType"})
+      if (name == n) return true;
   constexpr std::string_view modules[] = {"os", "posix", "nt", "sys", "subprocess", "shutil", "socket", "pty",
                                           "runpy", "importlib", "ctypes", "code", "codeop", "pickle", "_pickle",
                                           "marshal", "webbrowser", "multiprocessing", "asyncio", "signal",
@@ -9277,7 +9618,7 @@ inline bool blocked_global(std::string_view module, std::string_view name) noexc
   if (module == "builtins") {
     constexpr std::string_view names[] = {"eval", "exec", "compile", "__import__", "open", "breakpoint",
                                           "input", "execfile", "globals", "locals", "vars", "setattr",
-                                          "delattr", "memoryview", "help", "exit", "quit"};
+                                          "delattr", "memoryview", "help", "exit", "quit", "apply"};
     for (auto n : names)
       if (name == n) return true;
   }
@@ -9356,7 +9697,7 @@ inline std::string opcode_name(unsigned char op) {
 }  // namespace pickle
 }  // namespace statedict::inline v0
 
-// The reader itself (the opcode machine), which needs the types above.
+// The reader itself (the opcode machine), which needs the types above, and the numpy rules.
 // ---- statedict/io/detail/pickle_reader.hpp ----
 // statedict: the unpickler's machine: a flat node table built opcode by opcode, then turned into
 // Values (io/pickle_read.hpp is the public header, and says what becomes what).
@@ -9468,17 +9809,17 @@ class Reader {
   // The object graph built while parsing. Containers are mutable until the end (pickle fills
   // them after memoizing them); scalars and strings are small inline nodes (strings are views of
   // the input); results of registered functions are finished Values.
-  enum class nk : std::uint8_t { none, boolean, integer, floating, str, bytes, leaf, list, tuple, dict, object, global, handle };
+  enum class nk : std::uint8_t { none, boolean, integer, floating, str, bytes, leaf, list, tuple, dict, object, global, handle, bytearray };
   static constexpr std::uint32_t npos = 0xFFFFFFFFU;
 
   struct Node {
     nk kind = nk::none;
     std::uint8_t refs = 0;       ///< stack references, saturating at 2 (see counted); in padding
-    std::uint32_t index = npos;  ///< str/bytes: length; leaf/list/tuple/dict/object/global: side-table index
+    std::uint32_t index = npos;  ///< str/bytes/bytearray: length; leaf/list/tuple/dict/object/global: side-table index
     union {
       std::int64_t i;  ///< boolean, integer; handle: the handle (as uint64)
       double d;
-      std::uint64_t off;  ///< str/bytes: offset in the input
+      std::uint64_t off;  ///< str/bytes/bytearray: offset in the input, or size_ + offset in text_pool_
     } u{};
   };
   struct DictData {
@@ -9679,7 +10020,20 @@ class Reader {
     return s;
   }
   std::string_view view(std::uint64_t off, std::uint64_t len) const {
+    if (off >= size_) [[unlikely]]  // decoded text (protocol 0 escapes)
+      return std::string_view(text_pool_).substr(static_cast<std::size_t>(off - size_), static_cast<std::size_t>(len));
     return {reinterpret_cast<const char*>(in_ + off), static_cast<std::size_t>(len)};
+  }
+  /// A str or bytes node of `text`, which is not a slice of the input (decoded escapes).
+  std::uint32_t add_decoded(nk k, std::string_view text) {
+    if (text.size() > 0xFFFFFFF0U || text_pool_.size() > std::numeric_limits<std::uint64_t>::max() - size_ - text.size())
+      fail(errors::pk_string_limit, "decoded text beyond 2^32 bytes");
+    Node n;
+    n.kind = k;
+    n.u.off = size_ + text_pool_.size();
+    n.index = static_cast<std::uint32_t>(text.size());
+    text_pool_.append(text);
+    return add_node(n);
   }
 
   // ------------------------------------------------------------------------------------------
@@ -9802,26 +10156,25 @@ class Reader {
     need(len, "LONG");
     std::vector<std::uint8_t> b(in_ + pos_, in_ + pos_ + len);
     pos_ += len;
+    return long_node(std::move(b));
+  }
+  /// An int from its little-endian two's complement bytes: a scalar, or beyond int64 a
+  /// builtins.int Object of its minimal bytes.
+  std::uint32_t long_node(std::vector<std::uint8_t> b) {
     std::int64_t v = 0;
     if (detail::normalise_long(b, v)) return add_scalar(nk::integer, v);
+    if (b.size() > opts_.limits.max_long_bytes)
+      fail(errors::pk_long_limit, "integer of " + std::to_string(b.size()) + " bytes exceeds limits.max_long_bytes (" +
+                                      std::to_string(opts_.limits.max_long_bytes) + ")");
     Object o{"builtins", "int", object_build::reduce, {}, {}, {}};
     o.args.emplace_back(Bytes{std::move(b)});
     return add_leaf(Value(std::move(o)));
   }
 
-  std::uint32_t parse_int_text(std::string_view s, bool is_long) {
-    if (is_long && !s.empty() && s.back() == 'L') s.remove_suffix(1);
-    if (!is_long && s == "00") return add_scalar(nk::boolean, 0);
-    if (!is_long && s == "01") return add_scalar(nk::boolean, 1);
-    std::int64_t v = 0;
-    const char* b = s.data();
-    if (!s.empty() && s[0] == '+') ++b;
-    auto [p, ec] = std::from_chars(b, s.data() + s.size(), v);
-    if (ec == std::errc::result_out_of_range)
-      fail(errors::pk_unsupported_opcode, "text integer " + quote(s) + " beyond int64 (use a binary protocol)");
-    if (ec != std::errc() || p != s.data() + s.size() || s.empty()) fail(errors::pk_bad_text, "bad integer " + quote(s));
-    return add_scalar(nk::integer, v);
-  }
+  // Text operands of protocols 0 and 1 (defined in pickle_opcodes.hpp).
+  std::uint32_t parse_int_text(std::string_view s, bool is_long);
+  std::uint32_t read_quoted_string();
+  std::uint32_t read_raw_unicode();
 
   /// The global named by module and name, after the Python 2 -> 3 renames and the security checks.
   std::uint32_t resolve_global(std::string_view module_in, std::string_view name) {
@@ -9834,11 +10187,11 @@ class Reader {
     q.reserve(module.size() + name.size() + 1);
     q.append(module).append(".").append(name);
     const Rule* r = registry_->find(q);
-    if (!r && !opts_.keep_unknown_objects)
+    if ((!r || r->beyond_weights_only) && !opts_.keep_unknown_objects)
       fail(errors::pk_forbidden_global,
-           "global " + quote(q) + " is not on the allow-list (the globals torch.load(weights_only=True) accepts); "
-           "statedict never runs pickled code. If the file is trusted, keep such objects as opaque nodes "
-           "(keep_unknown_objects)");
+           "global " + quote(q) + " is not on the allow-list (the globals torch.load(weights_only=True) accepts), "
+           "which this read asked for; statedict never runs pickled code either way, and by default reads such "
+           "objects as data (keep_unknown_objects)");
     globals_.push_back({std::string(module), std::string(name), r, {}});
     Node n;
     n.kind = nk::global;
@@ -9878,6 +10231,15 @@ class Reader {
         }
       }
       return d;
+    }
+    if (r && r->k == Rule::kind::reconstructor) {
+      // copyreg._reconstructor(cls, builtins.object, None): what protocols 0 and 1 write for an
+      // object protocol 2 writes as NEWOBJ(cls, ()); its BUILD follows. Other forms stay objects.
+      const auto a = seq(nodes_[args].index);
+      if (a.size() == 3 && nodes_[a[0]].kind == nk::global && nodes_[a[1]].kind == nk::global &&
+          global_name(nodes_[a[1]].index) == "builtins.object" && nodes_[a[2]].kind == nk::none)
+        return add_object(nodes_[a[0]].index, object_build::newobj, npos);
+      return add_object(g, how, args);
     }
     if (r && r->k == Rule::kind::function) {
       Global& gl = globals_[g];
@@ -9936,6 +10298,7 @@ class Reader {
       case nk::object: return "object";
       case nk::global: return "global";
       case nk::handle: return "value";  // what it stands for: errors read as when it is one
+      case nk::bytearray: return "bytearray";
     }
     return "?";
   }
@@ -9980,6 +10343,14 @@ class Reader {
       const auto& g = globals_[objects_[t.index].global];
       if (g.module == "builtins" && (g.name == "set" || g.name == "frozenset"))
         fail(errors::pk_bad_operand, "BUILD on a " + g.name + " (allowed on OrderedDict and kept objects)");
+      if (g.rule && g.rule->build && objects_[t.index].state.empty() && objects_[t.index].items.empty())
+        if (std::optional<Value> v = built(target, state)) {
+          // The object becomes that value wherever it is referenced (the memo holds this node).
+          const std::uint32_t leaf = add_leaf(std::move(*v));
+          nodes_[target].kind = nk::leaf;
+          nodes_[target].index = nodes_[leaf].index;
+          return;
+        }
       objects_[t.index].state.push_back(state);
     } else {
       fail(errors::pk_bad_operand, "BUILD on a " + kind_name(t.kind) + " (allowed on OrderedDict and kept objects)");
@@ -10014,6 +10385,9 @@ class Reader {
   }
 
   Value to_value_leaf(std::uint32_t n) { return to_value(n, 0, nullptr); }
+
+  /// Rule::build of the object at `target` with `state` (defined after Args).
+  std::optional<Value> built(std::uint32_t target, std::uint32_t state);
 
   /// `f` over the items of tuple node `tuple` (defined after Args).
   std::optional<Value> try_fast(const fast_fn& f, std::uint32_t tuple);
@@ -10061,9 +10435,20 @@ class Reader {
       case nk::floating: return Value(node.u.d);
       case nk::str: return Value(std::string(view(node.u.off, node.index)));
       case nk::bytes: {
+        const std::string_view v = view(node.u.off, node.index);
         Bytes b;
-        b.data.assign(in_ + node.u.off, in_ + node.u.off + node.index);
+        b.data.assign(reinterpret_cast<const std::uint8_t*>(v.data()), reinterpret_cast<const std::uint8_t*>(v.data()) + v.size());
         return Value(std::move(b));
+      }
+      case nk::bytearray: {
+        // Counted as the leaf it used to be: two values, one level of container at `depth`.
+        if (depth >= opts_.limits.max_depth) depth_exceeded();
+        count_node();
+        const std::string_view v = view(node.u.off, node.index);
+        Object o{"builtins", "bytearray", object_build::reduce, {}, {}, {}};
+        o.args.emplace_back(Bytes{std::vector<std::uint8_t>(reinterpret_cast<const std::uint8_t*>(v.data()),
+                                                            reinterpret_cast<const std::uint8_t*>(v.data()) + v.size())});
+        return Value(std::move(o));
       }
       case nk::leaf: {
         const LeafShape& ls = leaf_shape_[node.index];
@@ -10299,14 +10684,16 @@ class Reader {
   std::vector<unsigned char> visiting_;
   std::uint64_t produced_ = 0;
   std::vector<Attributes> attributes_;
+  std::string text_pool_;  ///< decoded protocol-0 text; nodes address it past the input (view())
 };
 
 }  // namespace statedict::inline v0::pickle
 
 // Args and the opcode loop, which need the whole Reader.
 // ---- statedict/io/detail/pickle_opcodes.hpp ----
-// statedict: the unpickler's opcode loop (Reader::run) and the arguments view registered functions
-// read (Args); io/pickle_read.hpp is the public header.
+// statedict: the unpickler's opcode loop (Reader::run), its text operands (protocols 0 and 1),
+// and the arguments view registered functions read (Args, Build); io/pickle_read.hpp is the
+// public header.
 // SPDX-License-Identifier: MIT
 
 
@@ -10339,7 +10726,7 @@ namespace statedict::inline v0::pickle {
 /// as what it is not (check kind_of first) is a pickle.bad_call error, never a wild read.
 class Args {
  public:
-  enum class kind : std::uint8_t { none, boolean, integer, floating, str, bytes, value, list, tuple, dict, object, global, handle };
+  enum class kind : std::uint8_t { none, boolean, integer, floating, str, bytes, value, list, tuple, dict, object, global, handle, bytearray };
 
   [[nodiscard]] std::size_t size() const noexcept { return items_.size(); }
   [[nodiscard]] kind kind_of(std::size_t i) const { return static_cast<kind>(node(i).kind); }
@@ -10379,10 +10766,35 @@ class Args {
     const Reader::Node& n = node(i);
     return n.kind == Reader::nk::dict && r_.dicts_[n.index].kv.empty() && r_.dicts_[n.index].state.empty();
   }
+  /// The items of a tuple or list argument, as Args (valid as long as this one); nullopt for
+  /// anything else.
+  [[nodiscard]] std::optional<Args> items(std::size_t i) const {
+    const Reader::Node& n = node(i);
+    if (n.kind != Reader::nk::tuple && n.kind != Reader::nk::list) return std::nullopt;
+    return Args(r_, r_.seq(n.index));
+  }
+  /// The bytes of a str, bytes or bytearray argument, and whether they lie in the pickle's input
+  /// (else in the reader's own memory, valid only during this call).
+  struct raw_bytes {
+    std::string_view data;
+    bool in_input;
+  };
+  [[nodiscard]] std::optional<raw_bytes> raw(std::size_t i) const {
+    const Reader::Node& n = node(i);
+    if (n.kind != Reader::nk::str && n.kind != Reader::nk::bytes && n.kind != Reader::nk::bytearray) return std::nullopt;
+    return raw_bytes{r_.view(n.u.off, n.index), n.u.off < r_.size_};
+  }
+  /// Argument `i` converted to a Value (a copy; counted against limits.max_nodes).
+  [[nodiscard]] Value convert(std::size_t i) const {
+    (void)node(i);
+    return r_.to_value_leaf(items_[i]);
+  }
+  /// The reader (its options, its fail()).
+  [[nodiscard]] Reader& reader() const noexcept { return r_; }
 
  private:
   friend class Reader;
-  Args(const Reader& r, std::span<const std::uint32_t> items) : r_(r), items_(items) {}
+  Args(Reader& r, std::span<const std::uint32_t> items) : r_(r), items_(items) {}
   [[nodiscard]] const Reader::Node& node(std::size_t i) const {
     if (i >= items_.size()) [[unlikely]] no_such_argument(i);
     return r_.nodes_[items_[i]];
@@ -10401,19 +10813,108 @@ class Args {
                                      ", but it is a " + Reader::kind_name(node(i).kind));
   }
 
-  const Reader& r_;
+  Reader& r_;
   std::span<const std::uint32_t> items_;
 
   static_assert(static_cast<int>(kind::value) == static_cast<int>(Reader::nk::leaf) &&
                 static_cast<int>(kind::global) == static_cast<int>(Reader::nk::global) &&
-                static_cast<int>(kind::handle) == static_cast<int>(Reader::nk::handle));
+                static_cast<int>(kind::handle) == static_cast<int>(Reader::nk::handle) &&
+                static_cast<int>(kind::bytearray) == static_cast<int>(Reader::nk::bytearray));
 };
+
+/// What a Rule::build function gets: the arguments the object was made with (REDUCE / NEWOBJ)
+/// and its BUILD state (one item), as the reader holds them.
+struct Build {
+  const Object& callable;  ///< module and name of the global that made the object
+  const Args& args;
+  const Args& state;
+};
+
+inline std::optional<Value> Reader::built(std::uint32_t target, std::uint32_t state) {
+  const ObjData& od = objects_[nodes_[target].index];
+  Global& gl = globals_[od.global];
+  if (!gl.callee) gl.callee = std::make_unique<const Object>(Object{gl.module, gl.name, object_build::global, {}, {}, {}});
+  const Object& callee = *gl.callee;
+  const std::span<const std::uint32_t> args = od.args == npos ? std::span<const std::uint32_t>() : seq(nodes_[od.args].index);
+  const std::uint32_t one[1] = {state};
+  const Args a(*this, args), st(*this, std::span<const std::uint32_t>(one));
+  try {
+    return gl.rule->build(Build{callee, a, st});
+  } catch (error& e) {
+    if (e.context().rfind("pickle offset", 0) != 0) e.add_context("pickle offset " + std::to_string(op_pos_));
+    throw;
+  }
+}
 
 inline std::optional<Value> Reader::try_fast(const fast_fn& f, std::uint32_t tuple) {
   return f(Args(*this, seq(nodes_[tuple].index)));
 }
 inline std::optional<std::uint64_t> Reader::try_handle(std::uint32_t tuple) {
   return opts_.persistent_handle(Args(*this, seq(nodes_[tuple].index)));
+}
+
+// Text operands of protocols 0 and 1.
+
+inline std::uint32_t Reader::parse_int_text(std::string_view s, bool is_long) {
+  if (is_long && !s.empty() && s.back() == 'L') s.remove_suffix(1);
+  if (!is_long && s == "00") return add_scalar(nk::boolean, 0);
+  if (!is_long && s == "01") return add_scalar(nk::boolean, 1);
+  std::int64_t v = 0;
+  const char* b = s.data();
+  if (!s.empty() && s[0] == '+') ++b;
+  auto [p, ec] = std::from_chars(b, s.data() + s.size(), v);
+  if (ec == std::errc::result_out_of_range) {
+    // Beyond int64 (torch's legacy magic number at protocols 0 and 1): 2.5 digits per byte.
+    if (s.size() / 3 > opts_.limits.max_long_bytes)
+      fail(errors::pk_long_limit, "text integer of " + std::to_string(s.size()) + " digits exceeds limits.max_long_bytes (" +
+                                      std::to_string(opts_.limits.max_long_bytes) + " bytes)");
+    std::vector<std::uint8_t> bytes;
+    if (!detail::decimal_to_long(s, bytes)) fail(errors::pk_bad_text, "bad integer " + quote(s));
+    return long_node(std::move(bytes));
+  }
+  if (ec != std::errc() || p != s.data() + s.size() || s.empty()) fail(errors::pk_bad_text, "bad integer " + quote(s));
+  return add_scalar(nk::integer, v);
+}
+
+/// STRING: a quoted Python 2 str literal; str when its bytes are UTF-8, else bytes (as BINSTRING).
+inline std::uint32_t Reader::read_quoted_string() {
+  const std::uint64_t at = pos_;
+  const std::string_view s = line();
+  if (s.size() < 2 || (s.front() != '\'' && s.front() != '"') || s.back() != s.front())
+    fail(errors::pk_bad_text, "STRING operand is not quoted");
+  const std::string_view body = s.substr(1, s.size() - 2);
+  if (body.size() > opts_.limits.max_string_bytes || body.size() > 0xFFFFFFF0U)
+    fail(errors::pk_string_limit, "STRING of " + std::to_string(body.size()) + " bytes exceeds limits.max_string_bytes");
+  if (body.find('\\') == std::string_view::npos) {  // no escape: the bytes are in the input
+    Node n;
+    n.kind = detail::valid_utf8(body) ? nk::str : nk::bytes;
+    n.u.off = at + 1;
+    n.index = static_cast<std::uint32_t>(body.size());
+    return add_node(n);
+  }
+  std::string out;
+  if (!detail::escape_decode(body, out)) fail(errors::pk_bad_text, "STRING operand with a bad escape");
+  return add_decoded(detail::valid_utf8(out) ? nk::str : nk::bytes, out);
+}
+
+/// UNICODE: a str in raw-unicode-escape.
+inline std::uint32_t Reader::read_raw_unicode() {
+  const std::uint64_t at = pos_;
+  const std::string_view s = line();
+  if (s.size() > opts_.limits.max_string_bytes || s.size() > 0xFFFFFFF0U)
+    fail(errors::pk_string_limit, "UNICODE of " + std::to_string(s.size()) + " bytes exceeds limits.max_string_bytes");
+  if (std::all_of(s.begin(), s.end(), [](char c) { return c != '\\' && static_cast<unsigned char>(c) < 0x80; })) {
+    Node n;  // ASCII without escapes: the text is the input's
+    n.kind = nk::str;
+    n.u.off = at;
+    n.index = static_cast<std::uint32_t>(s.size());
+    return add_node(n);
+  }
+  std::string out;
+  if (!detail::raw_unicode_escape_decode(s, out)) fail(errors::pk_bad_text, "UNICODE operand with a bad \\u escape");
+  if (out.size() > opts_.limits.max_string_bytes)
+    fail(errors::pk_string_limit, "UNICODE of " + std::to_string(out.size()) + " bytes exceeds limits.max_string_bytes");
+  return add_decoded(nk::str, out);
 }
 
 inline Result Reader::run() {
@@ -10511,16 +11012,14 @@ inline Result Reader::run() {
         push(read_py2_string(static_cast<std::uint64_t>(n)));
         break;
       }
-      case 0x96: {  // BYTEARRAY8
+      case 0x96: {  // BYTEARRAY8: its bytes stay in the input (numpy's _frombuffer views them)
         const std::uint32_t b = read_string(le<8>(), true, "BYTEARRAY8");
-        Object o{"builtins", "bytearray", object_build::reduce, {}, {}, {}};
-        o.args.push_back(to_value_leaf(b));
-        push(add_leaf(Value(std::move(o))));
+        nodes_[b].kind = nk::bytearray;
+        push(b);
         break;
       }
-      case 'S':
-      case 'V':
-        fail(errors::pk_unsupported_opcode, detail::opcode_name(op) + " (protocol 0 quoted strings) is not supported");
+      case 'S': push(read_quoted_string()); break;  // STRING
+      case 'V': push(read_raw_unicode()); break;    // UNICODE
       case 0x97:
       case 0x98:
         fail(errors::pk_unsupported_opcode, detail::opcode_name(op) + " (protocol 5 out-of-band buffers) is not supported");
@@ -10706,6 +11205,243 @@ inline Result Reader::run() {
 }
 
 }  // namespace statedict::inline v0::pickle
+// ---- statedict/io/detail/pickle_numpy.hpp ----
+// statedict: numpy arrays, scalars and dtypes in pickles, read as data (io/pickle_read.hpp is the
+// public header). Nothing of numpy is imported or called: the rules below read what numpy's
+// `__reduce__` wrote and make tensors of it.
+// SPDX-License-Identifier: MIT
+//
+// What numpy writes, and what it becomes:
+//   ndarray, protocols 2-5:  _reconstruct(numpy.ndarray, (0,), b'b') then BUILD of the state
+//                            (version, shape, dtype, is_fortran, data) -> a tensor of the shape,
+//                            row-major or (is_fortran) column-major strides
+//   ndarray, protocol 5:     _frombuffer(buffer, dtype, shape, order) with the buffer in band
+//                            (BYTEARRAY8; BINBYTES when read-only) -> the same
+//   scalar (np.float32(1.5)): scalar(dtype, bytes of one element) -> a 0-d tensor
+//   dtype:                   numpy.dtype('f4', False, True) then BUILD (3, '<', None, None, None,
+//                            -1, -1, 0) -> stays an Object; the rules above read it
+// `_reconstruct`, `_frombuffer` and `scalar` are found in numpy.core (numpy 1) and numpy._core
+// (numpy 2). Element types: b1 i1 i2 i4 i8 u1 u2 u4 u8 f2 f4 f8 c8 c16 (BOOL ... C128). Others
+// (objects, strings, records, datetimes, long double) and ndarray subclasses (np.matrix, masked
+// arrays) stay Objects, their calls and states kept as data. The data is protocol 2's
+// `_codecs.encode(str, 'latin1')` (Bytes, already copied), a bytes or bytearray in the pickle, or
+// (Python 2) a str: an array whose bytes lie whole in the input, little-endian, is a view of them
+// when options::input_owner keeps the input alive; otherwise, and for big-endian arrays (swapped
+// to little-endian), the bytes are copied. A data length other than the shape's, or a malformed
+// state, is pickle.bad_numpy: numpy itself would refuse it.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+
+
+namespace statedict::inline v0::pickle::detail {
+
+/// Dimensions of a numpy array (numpy 2's NPY_MAXDIMS).
+inline constexpr std::size_t numpy_max_dims = 64;
+
+/// An element type as numpy pickled it.
+struct numpy_dtype {
+  statedict::dtype type;
+  bool big_endian;
+};
+
+/// The element type a pickled numpy.dtype names: Object numpy.dtype (how reduce, args (code,
+/// align, copy), state (version 3 or 4, byte order, subarray, names, fields, ...)). nullopt for
+/// anything that is not such a dtype of a type statedict has.
+inline std::optional<numpy_dtype> numpy_dtype_of(const Value& v) {
+  if (!v.is_object()) return std::nullopt;
+  const Object& o = v.as_object();
+  if (o.module != "numpy" || o.name != "dtype" || o.how != object_build::reduce || o.args.empty() || !o.args[0].is_string() ||
+      !o.items.empty() || o.state.size() > 1)
+    return std::nullopt;
+  struct code {
+    std::string_view text;
+    statedict::dtype type;
+  };
+  static constexpr code codes[] = {{"b1", dtype::BOOL}, {"i1", dtype::I8},  {"i2", dtype::I16}, {"i4", dtype::I32},
+                                   {"i8", dtype::I64},  {"u1", dtype::U8},  {"u2", dtype::U16}, {"u4", dtype::U32},
+                                   {"u8", dtype::U64},  {"f2", dtype::F16}, {"f4", dtype::F32}, {"f8", dtype::F64},
+                                   {"c8", dtype::C64},  {"c16", dtype::C128}};
+  std::optional<statedict::dtype> t;
+  for (const code& c : codes)
+    if (o.args[0].as_string() == c.text) t = c.type;
+  if (!t) return std::nullopt;
+  bool big = false;
+  if (!o.state.empty()) {
+    const Value& s = o.state[0];
+    if (!s.is_tuple() || s.as_list().size() < 5) return std::nullopt;
+    const List& st = s.as_list();
+    if (!st[0].is_int() || (st[0].as_int() != 3 && st[0].as_int() != 4) || !st[1].is_string()) return std::nullopt;
+    for (std::size_t i = 2; i < 5; ++i)  // subarray, names, fields: a record or sub-array type
+      if (!st[i].is_none()) return std::nullopt;
+    const std::string& order = st[1].as_string();
+    if (order == ">") big = true;
+    else if (order != "<" && order != "|" && order != "=") return std::nullopt;
+  }
+  return numpy_dtype{*t, big && itemsize(*t) > 1};
+}
+
+/// The tensor of a numpy array of `shape` (row-major, or column-major when `fortran`) whose
+/// elements are `data`; a view of `data` when `in_input` and the reader keeps its input alive,
+/// else a copy (swapped to little-endian when the dtype is big-endian).
+inline TensorView numpy_tensor(Reader& r, numpy_dtype t, const shape_t& shape, bool fortran, std::string_view data, bool in_input,
+                               std::string_view what) {
+  std::uint64_t n = 1;
+  for (const dim_t d : shape) {
+    if (d < 0) r.fail(errors::pk_bad_numpy, std::string(what) + " of shape " + to_string(shape) + ": a negative dimension");
+    n = checked_mul(n, static_cast<std::uint64_t>(d), "numpy array size");
+  }
+  const std::size_t item = itemsize(t.type);
+  const std::uint64_t nbytes = checked_mul(n, item, "numpy array size");
+  if (nbytes != data.size())
+    r.fail(errors::pk_bad_numpy, std::string(what) + " of shape " + to_string(shape) + " and dtype " + std::string(name(t.type)) +
+                                     " needs " + std::to_string(nbytes) + " bytes; its data has " + std::to_string(data.size()));
+  // Strides of the dimensions in memory order; an empty array has no element to address (its
+  // dimensions' product may exceed int64 where one of them is 0), so its strides are all 1.
+  shape_t strides(shape.size(), 1);
+  if (n != 0) {  // every product below divides n, which fits
+    if (fortran) {
+      for (std::size_t i = 1; i < shape.size(); ++i) strides[i] = strides[i - 1] * shape[i - 1];
+    } else {
+      for (std::size_t i = shape.size(); i-- > 1;) strides[i - 1] = strides[i] * shape[i];
+    }
+  }
+  const keep_alive& owner = r.opts().input_owner;
+  if (in_input && owner && !t.big_endian && !data.empty())
+    return TensorView(t.type, shape, std::move(strides), reinterpret_cast<const std::byte*>(data.data()), owner);
+  auto copy = std::make_shared<std::vector<std::byte>>(std::max<std::size_t>(data.size(), 1));
+  if (!data.empty()) std::memcpy(copy->data(), data.data(), data.size());
+  if (t.big_endian) {
+    const std::size_t part = info(t.type).is_complex ? item / 2 : item;  // complex: per component
+    for (std::size_t at = 0; at < data.size(); at += part) std::reverse(copy->data() + at, copy->data() + at + part);
+  }
+  const std::byte* p = copy->data();
+  return TensorView(t.type, shape, std::move(strides), p, std::move(copy));
+}
+
+/// The bytes of a data argument held as a Value: Bytes (protocol 2's _codecs.encode, bytes()) or
+/// a bytearray Object; nullopt for anything else.
+inline std::optional<std::string_view> value_bytes(const Value& v) {
+  const Value* b = &v;
+  if (v.is_object() && v.as_object().qualified() == "builtins.bytearray" && v.as_object().args.size() == 1) b = &v.as_object().args[0];
+  if (!b->is_bytes()) return std::nullopt;
+  const auto& d = b->as_bytes().data;
+  return std::string_view(reinterpret_cast<const char*>(d.data()), d.size());
+}
+
+/// Argument `i` of `a` as data bytes: in the pickle (str, bytes, bytearray) or a Value (as
+/// value_bytes). A str is Python 2's: its bytes are the data (what numpy reads after encoding
+/// the text as latin-1 when that text came from a Python 2 str).
+inline std::optional<Args::raw_bytes> data_arg(const Args& a, std::size_t i) {
+  if (i >= a.size()) return std::nullopt;
+  if (a.kind_of(i) == Args::kind::value)
+    if (const auto b = value_bytes(a.value(i))) return Args::raw_bytes{*b, false};
+  return a.raw(i);
+}
+
+/// BUILD of `_reconstruct(numpy.ndarray, (0,), b'b')` with the array's state.
+inline std::optional<Value> ndarray_build(const Build& b) {
+  using k = Args::kind;
+  Reader& r = b.state.reader();
+  if (b.args.size() == 0 || b.args.kind_of(0) != k::global) return std::nullopt;
+  if (const auto [m, n] = b.args.global(0); m != "numpy" || n != "ndarray") return std::nullopt;  // a subclass
+  const std::optional<Args> st = b.state.items(0);
+  if (!st || (st->size() != 5 && st->size() != 4))
+    r.fail(errors::pk_bad_numpy, "numpy.ndarray state is not (version, shape, dtype, is_fortran, data)");
+  const std::size_t at = st->size() == 5 ? 1 : 0;  // the 4-item form has no version
+  if (at == 1 && st->kind_of(0) != k::integer) r.fail(errors::pk_bad_numpy, "numpy.ndarray state version is not an int");
+  shape_t shape;
+  if (!st->ints(at, numpy_max_dims, shape))
+    r.fail(errors::pk_bad_numpy, "numpy.ndarray shape is not a tuple of at most " + std::to_string(numpy_max_dims) + " ints");
+  const std::optional<numpy_dtype> t = numpy_dtype_of(st->convert(at + 1));
+  if (!t) return std::nullopt;  // objects, strings, records...: the array stays an object
+  if (st->kind_of(at + 2) != k::boolean && st->kind_of(at + 2) != k::integer)
+    r.fail(errors::pk_bad_numpy, "numpy.ndarray is_fortran is not a bool");
+  const bool fortran = st->integer(at + 2) != 0;
+  const std::optional<Args::raw_bytes> data = data_arg(*st, at + 3);
+  if (!data) r.fail(errors::pk_bad_numpy, "numpy.ndarray data of a " + std::string(name(t->type)) + " array is not bytes");
+  std::string latin1;
+  std::string_view bytes = data->data;
+  if (st->kind_of(at + 3) == k::str) {  // a Python 2 str decoded as UTF-8: numpy encodes it as latin-1
+    std::vector<std::uint8_t> out;
+    if (!detail::utf8_to_latin1(bytes, out)) r.fail(errors::pk_bad_numpy, "numpy.ndarray data is a str beyond latin-1");
+    latin1.assign(out.begin(), out.end());
+    bytes = latin1;
+  }
+  return Value(numpy_tensor(r, *t, shape, fortran, bytes, data->in_input && st->kind_of(at + 3) != k::str, "numpy array"));
+}
+
+/// `_frombuffer(buffer, dtype, shape, order)` read from the reader's nodes (the buffer in place).
+inline std::optional<Value> frombuffer_fast(const Args& a) {
+  using k = Args::kind;
+  if (a.size() != 4 || (a.kind_of(3) != k::str)) return std::nullopt;
+  const std::optional<Args::raw_bytes> data = data_arg(a, 0);
+  const std::optional<numpy_dtype> t = numpy_dtype_of(a.convert(1));
+  shape_t shape;
+  if (!data || a.kind_of(0) == k::str || !t || !a.ints(2, numpy_max_dims, shape) || (a.str(3) != "C" && a.str(3) != "F"))
+    return std::nullopt;
+  return Value(numpy_tensor(a.reader(), *t, shape, a.str(3) == "F", data->data, data->in_input, "numpy array"));
+}
+
+/// The same from Values; a call it cannot read (another dtype) stays an Object.
+inline Value frombuffer_call(Call& c) {
+  const List& a = c.args;
+  const std::optional<std::string_view> data = a.size() == 4 ? value_bytes(a[0]) : std::nullopt;
+  const std::optional<numpy_dtype> t = a.size() == 4 ? numpy_dtype_of(a[1]) : std::nullopt;
+  if (!data || !t) return Value(Object{c.callable.module, c.callable.name, object_build::reduce, a, {}, {}});
+  if (!a[2].is_sequence() || a[2].as_list().size() > numpy_max_dims || !a[3].is_string() ||
+      (a[3].as_string() != "C" && a[3].as_string() != "F"))
+    c.reader.fail(errors::pk_bad_numpy, c.callable.qualified() + " expects (buffer, dtype, shape tuple, 'C' or 'F')");
+  shape_t shape;
+  for (const Value& d : a[2].as_list()) {
+    if (!d.is_int()) c.reader.fail(errors::pk_bad_numpy, c.callable.qualified() + " shape holds a " + std::string(to_string(d.kind())));
+    shape.push_back(d.as_int());
+  }
+  return Value(numpy_tensor(c.reader, *t, shape, a[3].as_string() == "F", *data, false, "numpy array"));
+}
+
+/// `scalar(dtype, bytes of one element)` from the reader's nodes.
+inline std::optional<Value> scalar_fast(const Args& a) {
+  if (a.size() != 2 || a.kind_of(1) == Args::kind::str) return std::nullopt;
+  const std::optional<Args::raw_bytes> data = data_arg(a, 1);
+  const std::optional<numpy_dtype> t = numpy_dtype_of(a.convert(0));
+  if (!data || !t) return std::nullopt;
+  return Value(numpy_tensor(a.reader(), *t, {}, false, data->data, data->in_input, "numpy scalar"));
+}
+
+inline Value scalar_call(Call& c) {
+  const List& a = c.args;
+  const std::optional<numpy_dtype> t = a.size() == 2 ? numpy_dtype_of(a[0]) : std::nullopt;
+  const std::optional<std::string_view> data = a.size() == 2 ? value_bytes(a[1]) : std::nullopt;
+  if (!t || !data) return Value(Object{c.callable.module, c.callable.name, object_build::reduce, a, {}, {}});  // an object scalar
+  return Value(numpy_tensor(c.reader, *t, {}, false, *data, false, "numpy scalar"));
+}
+
+/// The data rules beyond torch's weights_only list: numpy (both module paths) and copyreg.
+inline void add_data_rules(Registry& r) {
+  for (const char* core : {"numpy.core", "numpy._core"}) {
+    Rule rec;
+    rec.build = ndarray_build;
+    rec.beyond_weights_only = true;
+    r.add(std::string(core) + ".multiarray._reconstruct", rec);
+    Rule fb{Rule::kind::function, frombuffer_call, frombuffer_fast, {}, true};
+    r.add(std::string(core) + ".numeric._frombuffer", fb);
+    Rule sc{Rule::kind::function, scalar_call, scalar_fast, {}, true};
+    r.add(std::string(core) + ".multiarray.scalar", sc);
+  }
+  r.add("copyreg._reconstructor", Rule{Rule::kind::reconstructor, {}, {}, {}, true});
+}
+
+}  // namespace statedict::inline v0::pickle::detail
 
 namespace statedict::inline v0 {
 namespace pickle {
@@ -10722,7 +11458,7 @@ inline const List& one_sequence_arg(Call& c, std::size_t max_args = 1) {
 
 inline Registry Registry::weights_only() {
   Registry r;
-  r.add("collections.OrderedDict", Rule{Rule::kind::ordered_dict, {}, {}});
+  r.add("collections.OrderedDict", Rule{Rule::kind::ordered_dict, {}, {}, {}, false});
   r.allow("collections.Counter");
   // bytes in protocol 2: _codecs.encode(latin-1 str, 'latin1'); empty bytes: builtins.bytes().
   r.function("_codecs.encode", [](Call& c) -> Value {
@@ -10800,6 +11536,7 @@ inline Registry Registry::weights_only() {
                         "_rebuild_meta_tensor_no_storage", "_rebuild_wrapper_subclass",
                         "_rebuild_device_tensor_from_numpy", "_rebuild_device_tensor_from_cpu_tensor"})
     r.allow(std::string("torch._utils.") + f);
+  detail::add_data_rules(r);
   return r;
 }
 
@@ -10827,11 +11564,25 @@ inline Result load(std::span<const std::byte> bytes, const options& opts = {}) {
 // keys) in their protocol-2 form. Tensors have no generic encoding: a `custom` hook writes them
 // (io/torch_file.hpp writes `_rebuild_tensor_v2` with a persistent storage id, as torch.save does).
 // Dicts that carry attributes (state_dict()._metadata) are written as OrderedDict + BUILD.
+//
+// Objects as data: an object whose class torch.load(weights_only=True) does not accept (an
+// argparse.Namespace, a config class, a pickled nn.Module, an enum member) is written as its
+// data, never as a call of its class nor a reference to it, so that loading the output runs no
+// code whatever the input held (`write_options::objects`):
+//   an instance with a dict of str keys as its only state, and no arguments or items
+//                                    -> that dict (`vars(obj)`: Namespace(lr=0.1) -> {'lr': 0.1})
+//   any other instance               -> a dict of what it has of 'args' (tuple), 'state' (its
+//                                       state; a tuple of them when several), 'items' (list)
+//   a reference to the class itself  -> the str 'module.name'
+// `write_options::keep_classes` names classes written as themselves instead (for a user who
+// trusts the input); Writer::converted counts what was written as data, by class.
 
+#include <algorithm>
 #include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <span>
 #include <string>
 #include <string_view>
@@ -10855,7 +11606,33 @@ namespace pickle {
 struct write_options {
   /// Deepest nesting written (the writer recurses).
   std::size_t max_depth = 1000;
+  enum class objects_policy : std::uint8_t {
+    as_data,     ///< objects of classes outside weights_only's list written as their data
+    as_written,  ///< every object as it is (a writer's own structures: DCP metadata classes)
+  };
+  objects_policy objects = objects_policy::as_data;
+  /// Classes ("argparse.Namespace") written as themselves under as_data.
+  std::vector<std::string> keep_classes;
 };
+
+/// Whether objects of class `qualified` ("module.name") are written as themselves: classes and
+/// functions torch.load(weights_only=True) accepts (Registry::weights_only() without the rules
+/// beyond it), or one of `keep`.
+inline bool writable_as_itself(std::string_view qualified, const std::vector<std::string>& keep) {
+  static const Registry allowed = Registry::weights_only();
+  const std::string q(qualified);
+  if (const Rule* r = allowed.find(q); r && !r->beyond_weights_only) return true;
+  return std::find(keep.begin(), keep.end(), q) != keep.end();
+}
+
+/// Whether an instance whose parts are these is written as its state alone (a dict of str keys,
+/// its attributes), rather than as a dict of its parts.
+inline bool data_is_state(const Object& o) {
+  if (!o.args.empty() || !o.items.empty() || o.state.size() != 1 || !o.state[0].is_dict()) return false;
+  for (const auto& kv : o.state[0].as_dict().items())
+    if (!kv.first.is_string()) return false;
+  return true;
+}
 
 /// Protocol-2 pickler into a byte vector.
 class Writer {
@@ -10869,6 +11646,8 @@ class Writer {
   custom_fn custom;
   /// Attributes to attach (as OrderedDict + BUILD) to the dict at each path.
   const std::vector<Attributes>* attributes = nullptr;
+  /// Objects written as their data, by class (write_options::objects).
+  std::map<std::string, std::uint64_t> converted;
 
   /// PROTO 2, the value, STOP.
   void dump(const Value& v) {
@@ -11162,6 +11941,10 @@ class Writer {
       write_states(o, depth);
       return;
     }
+    if (opts_.objects == write_options::objects_policy::as_data && !writable_as_itself(q, opts_.keep_classes)) {
+      as_data(o, depth);
+      return;
+    }
     if (o.how == object_build::global) {
       if (!o.args.empty() || !o.items.empty() || !o.state.empty())
         throw_error(errors::pk_unwritable, "at " + quote(dotted(path)),
@@ -11182,6 +11965,44 @@ class Writer {
       if (!it.is_tuple() || it.as_list().size() != 2) pairs = false;
     write_items(o, depth, pairs);
     write_states(o, depth);
+  }
+
+  /// An object as its data (see the top of this file); its children are written as they are, so
+  /// that hooks see the tree's own tensors.
+  void as_data(const Object& o, std::size_t depth) {
+    ++converted[o.qualified()];
+    Path none_path;
+    if (o.how == object_build::global) {
+      str(o.qualified());
+      return;
+    }
+    if (data_is_state(o)) {
+      value(o.state[0], depth + 1, none_path, false);
+      return;
+    }
+    op('}');
+    memoize();
+    if (o.args.empty() && o.state.empty() && o.items.empty()) return;
+    mark();
+    if (!o.args.empty()) {
+      str("args");
+      args_tuple(o.args, depth + 1);
+    }
+    if (!o.state.empty()) {
+      str("state");
+      if (o.state.size() == 1) {
+        value(o.state[0], depth + 2, none_path, false);
+      } else {
+        args_tuple(o.state, depth + 1);
+      }
+    }
+    if (!o.items.empty()) {
+      str("items");
+      op(']');
+      memoize();
+      batches(o.items.size(), [&](std::size_t i) { value(o.items[i], depth + 2, none_path, false); }, 'a', 'e', true);
+    }
+    op('u');
   }
 
   void write_items(const Object& o, std::size_t depth, bool pairs, bool exact = false) {
@@ -11212,13 +12033,22 @@ class Writer {
   std::uint32_t next_memo_ = 0;
 };
 
-/// Pickles a Value without tensors (protocol 2).
-inline std::vector<std::byte> dumps(const Value& v, const std::vector<Attributes>* attributes = nullptr) {
+/// Pickles a Value without tensors (protocol 2), its objects as `opts` says.
+inline std::vector<std::byte> dumps(const Value& v, const std::vector<Attributes>* attributes, const write_options& opts) {
   std::vector<std::byte> out;
-  Writer w(out);
+  Writer w(out, opts);
   w.attributes = attributes;
   w.dump(v);
   return out;
+}
+
+/// Pickles a Value without tensors (protocol 2) exactly as it is, objects included: for a writer's
+/// own structures (DCP's Metadata classes). Trees read from input go through Writer's default
+/// write_options, which writes objects as their data.
+inline std::vector<std::byte> dumps(const Value& v, const std::vector<Attributes>* attributes = nullptr) {
+  write_options o;
+  o.objects = write_options::objects_policy::as_written;
+  return dumps(v, attributes, o);
 }
 
 }  // namespace pickle
@@ -11285,6 +12115,7 @@ inline constexpr error_id pt_legacy_tar        {508, error_kind::unsupported, "t
 inline constexpr error_id pt_rank_limit        {509, error_kind::limit,       "torch.rank_limit"};
 inline constexpr error_id pt_big_endian        {510, error_kind::unsupported, "torch.big_endian"};
 inline constexpr error_id pt_bad_version       {511, error_kind::format,      "torch.bad_version"};
+inline constexpr error_id pt_protocol_0        {512, error_kind::format,      "torch.pickle_protocol_0"};
 inline constexpr error_id pt_unwritable        {520, error_kind::usage,       "torch.unwritable"};
 inline constexpr error_id pt_crc_incomplete    {521, error_kind::usage,       "torch.crc_incomplete"};
 inline constexpr error_id pt_bad_name          {522, error_kind::usage,       "torch.bad_archive_name"};
@@ -11303,9 +12134,12 @@ struct limits {
 
 struct load_options {
   torch::limits limits{};
-  /// Keep objects of globals outside the weights_only allow-list as opaque Objects (DCP metadata,
-  /// DeepSpeed config objects, ShardedTensor files). Never executed either way.
-  bool keep_unknown_objects = false;
+  /// Objects of globals outside torch.load(weights_only=True)'s allow-list (argparse.Namespace
+  /// args, numpy RNG states, config classes, whole pickled modules) are read as data: Object
+  /// nodes of their class name, arguments and state, numpy arrays as tensors (pickle::options).
+  /// Never imported or called either way. False refuses them as weights_only=True does
+  /// (pickle.forbidden_global).
+  bool keep_unknown_objects = true;
   /// Keep `nn.Parameter` and tensor-subclass wrappers as Objects around their tensor
   /// (`torch._utils._rebuild_parameter(tensor, requires_grad, hooks)`), so they are written back
   /// as Parameters. Default: a Parameter is its tensor.
@@ -11360,14 +12194,34 @@ struct File {
 /// What a file looks like from its first bytes.
 enum class file_kind : std::uint8_t { zip, legacy, legacy_tar, unknown };
 
+/// Whether `head` starts with the pickle torch's legacy format begins with: the magic number
+/// 0x1950a86a20f9469cfc6c alone, as torch.save pickles it at any protocol. Protocols 0 and 1: the
+/// text LONG `L119547037146038801333356L\n`; 2 and 3: PROTO, LONG1 of its 10 bytes; 4 and 5:
+/// PROTO, FRAME, LONG1; then STOP.
+inline bool legacy_magic(std::span<const std::byte> head) {
+  static constexpr std::string_view text = "L119547037146038801333356L\n.";
+  static constexpr unsigned char binary[] = {0x8a, 0x0a, 0x6c, 0xfc, 0x9c, 0x46, 0xf9, 0x20, 0x6a, 0xa8, 0x50, 0x19, '.'};
+  const auto u = [&](std::size_t i) { return i < head.size() ? std::to_integer<unsigned>(head[i]) : 256U; };
+  const auto at = [&](std::size_t i, const auto& what, std::size_t n) {
+    if (head.size() < i + n) return false;
+    for (std::size_t k = 0; k < n; ++k)
+      if (u(i + k) != static_cast<unsigned char>(what[k])) return false;
+    return true;
+  };
+  if (at(0, text, text.size())) return true;
+  if (u(0) != 0x80 || u(1) < 2 || u(1) > 5) return false;
+  std::size_t i = 2;
+  if (u(1) >= 4 && u(2) == 0x95) i = 11;  // FRAME and its 8-byte length
+  return at(i, binary, sizeof binary);
+}
+
 /// What a file is, from its first bytes (`head`, at least 4 of them when the file has them; the
-/// tar check needs 262) and its size.
+/// legacy magic needs 28, the tar check 262) and its size.
 inline file_kind kind_of(std::span<const std::byte> head, std::uint64_t size) {
   if (size < 4 || head.size() < 4) return file_kind::unknown;
   const auto u = [&](std::size_t i) { return std::to_integer<unsigned>(head[i]); };
   if (u(0) == 'P' && u(1) == 'K' && u(2) == 3 && u(3) == 4) return file_kind::zip;
-  // Legacy: PROTO 2, then LONG1 of the 10-byte magic number 0x1950a86a20f9469cfc6c.
-  if (u(0) == 0x80 && u(1) == 0x02 && u(2) == 0x8a && u(3) == 0x0a) return file_kind::legacy;
+  if (legacy_magic(head)) return file_kind::legacy;
   if (size >= 512 && head.size() >= 262 && std::memcmp(head.data() + 257, "ustar", 5) == 0) return file_kind::legacy_tar;
   return file_kind::unknown;
 }
@@ -11449,8 +12303,11 @@ inline statedict::dtype storage_dtype(std::string_view module, std::string_view 
     return statedict::dtype::U8;
   }
   if (auto t = dtype_from_storage_name(name)) return *t;
-  if (name.rfind('Q', 0) == 0)
-    throw_error(errors::pt_unsupported_tensor, "quantized storage " + quote(qualified()) + " is not supported");
+  // Quantized storages hold the integer representation (_rebuild_qtensor reads them); the 4- and
+  // 2-bit ones pack their values into bytes.
+  if (name == "QInt8Storage") return statedict::dtype::I8;
+  if (name == "QUInt8Storage" || name == "QUInt4x2Storage" || name == "QUInt2x4Storage") return statedict::dtype::U8;
+  if (name == "QInt32Storage") return statedict::dtype::I32;
   throw_error(errors::pt_bad_storage, "unknown storage class " + quote(qualified()));
 }
 inline statedict::dtype storage_dtype(const Object& cls, bool& untyped) {
@@ -11682,17 +12539,14 @@ inline pickle::Registry torch_registry(const read_context& ctx) {
     }
     return keep_call(c);
   });
-  // Tensor kinds statedict does not represent: a clear error, or the call kept as an Object.
+  // Quantized and sparse tensors: the call is kept as an Object with its arguments, whose tensors
+  // (the integer representation in a quantized storage, per-channel scales and zero points,
+  // sparse indices and values) are tensors of the file; written back, it is the same call, which
+  // torch.load(weights_only=True) accepts. Meta and subclass tensors the same way.
   for (const char* f : {"_rebuild_qtensor", "_rebuild_sparse_tensor", "_rebuild_sparse_csr_tensor",
                         "_rebuild_meta_tensor_no_storage", "_rebuild_wrapper_subclass",
-                        "_rebuild_device_tensor_from_numpy", "_rebuild_device_tensor_from_cpu_tensor"}) {
-    r.function(std::string("torch._utils.") + f, [&ctx, keep_call](pickle::Call& c) -> Value {
-      if (ctx.opts->keep_unknown_objects || ctx.dry_run) return keep_call(c);
-      throw_error(errors::pt_unsupported_tensor, quote(c.callable.qualified()) +
-                                                     " (quantized, sparse, meta or subclass tensors) is not supported; "
-                                                     "keep_unknown_objects keeps it as an object");
-    });
-  }
+                        "_rebuild_device_tensor_from_numpy", "_rebuild_device_tensor_from_cpu_tensor"})
+    r.function(std::string("torch._utils.") + f, keep_call);
   return r;
 }
 
@@ -11706,6 +12560,15 @@ inline void check_same_storage(std::string_view key, statedict::dtype first_dtyp
     throw_error(errors::pt_bad_storage, "storage " + quote(key) + " is described twice with different types or sizes (" +
                                             std::to_string(first_numel) + " " + std::string(name(first_dtype)) +
                                             " elements, then " + std::to_string(numel) + " " + std::string(name(t)) + ")");
+}
+
+/// A persistent id that is a str: torch.save at pickle_protocol=0 writes str(tuple) (PERSID takes
+/// text), which torch.load cannot read back either.
+inline void refuse_text_pid(const Value& pid) {
+  if (pid.is_string())
+    throw_error(errors::pt_protocol_0, "a text persistent id " + quote(pid.as_string().substr(0, 80)) +
+                                           ": the file was saved with pickle_protocol=0, which writes storage ids as text that "
+                                           "torch.load cannot read either (saved_id must be a tuple)");
 }
 
 inline bool is_storage_tag(const Value& v) {
@@ -11788,6 +12651,11 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
     const std::string prefix = f.archive_name + "/";
     const zip::Entry* pkl = ar.find(prefix + "data.pkl");
     if (!pkl) throw_error(errors::pt_missing_record, where(*src), "no record " + quote(prefix + "data.pkl") + ": not a torch.save file");
+    // torch.jit.save writes data.pkl too, with constants.pkl and code/ beside it: a module
+    // (TorchScript), whose classes are its code.
+    if (ar.find(prefix + "constants.pkl"))
+      throw_error(errors::pt_not_torch, where(*src), "a TorchScript archive (torch.jit.save: " + quote(prefix + "constants.pkl") +
+                                                         " and code), not a torch.save file");
     if (overlap) ar.locate(*pkl);
     if (const zip::Entry* ver = ar.find(prefix + "version"); ver || (ver = ar.find(prefix + ".data/version"))) {
       if (overlap) ar.locate(*ver);
@@ -11844,6 +12712,7 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
     po.limits = opts.limits.pickle;
     po.keep_unknown_objects = opts.keep_unknown_objects;
     po.registry = &reg;
+    po.input_owner = pickle_bytes.owner;  // numpy arrays in the pickle are views of it
     by_key.reserve(ar.entries().size());
     seen.reserve(ar.entries().size());
     f.storages.reserve(ar.entries().size());
@@ -11934,6 +12803,7 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
       return storage_value(classes[cls].module, classes[cls].name, std::move(bytes), f.storages[at].key, std::string(location));
     };
     po.persistent_load = [&](const Value& pid) -> Value {
+      refuse_text_pid(pid);
       if (!pid.is_tuple() || pid.as_list().size() != 5 || !is_storage_tag(pid.at(0)))
         throw_error(errors::pt_bad_storage, "persistent id is not ('storage', type, key, location, numel)");
       const List& p = pid.as_list();
@@ -12021,8 +12891,9 @@ inline File read_legacy(std::shared_ptr<const ByteSource> src, const load_option
   const Region all = read_region(*src, 0, src->size());  // a pread source is read once here
   const std::span<const std::byte> bytes = all.span();
   std::uint64_t pos = 0;
-  pickle::options plain;
+  pickle::options plain;  // magic number, version, sys_info, key list: plain data, no objects
   plain.limits = opts.limits.pickle;
+  plain.keep_unknown_objects = false;
   auto next = [&](const char* what) {
     try {
       pickle::Result r = pickle::load(bytes.subspan(static_cast<std::size_t>(pos)), plain);
@@ -12064,7 +12935,9 @@ inline File read_legacy(std::shared_ptr<const ByteSource> src, const load_option
   po.limits = opts.limits.pickle;
   po.keep_unknown_objects = opts.keep_unknown_objects;
   po.registry = &reg;
+  po.input_owner = all.owner;  // numpy arrays in the pickle are views of the file's bytes
   auto parse_pid = [&](const Value& pid, std::string& root, std::optional<std::tuple<std::string, std::int64_t, std::int64_t>>& view) {
+    refuse_text_pid(pid);
     if (!pid.is_tuple() || pid.as_list().size() != 6 || !is_storage_tag(pid.at(0)))
       throw_error(errors::pt_bad_storage, "legacy persistent id is not ('storage', type, key, location, numel, view)");
     const List& p = pid.as_list();
@@ -12174,7 +13047,7 @@ inline File read_any(std::shared_ptr<const ByteSource> src, const load_options& 
       throw_error(errors::pt_legacy_tar, where(*src), "the tar-based format of PyTorch < 0.4 is not supported");
     case file_kind::unknown: break;
   }
-  throw_error(errors::pt_not_torch, where(*src), "neither a zip archive nor a legacy torch.save pickle");
+  throw_error(errors::pt_not_torch, where(*src), "neither a zip archive nor a legacy torch.save file (its magic number pickled at protocol 0-5)");
 }
 
 }  // namespace detail
@@ -12251,8 +13124,17 @@ inline ShardedCheckpoint describe(const File& file) {
   const std::uint64_t size = file.source->size();
   for (auto& [name, v] : flat.tensors) {
     const auto addr = reinterpret_cast<std::uintptr_t>(v.data()), base = reinterpret_cast<std::uintptr_t>(file.view_base);
-    if (addr < base || addr - base > size)
-      throw_error(errors::pt_bad_tensor, detail::where(*file.source), "tensor " + quote(name) + " does not point into the file");
+    std::uint32_t source = 0;
+    std::uint64_t offset = addr - base;
+    if (addr < base || addr - base > size) [[unlikely]] {
+      // Not in the file's bytes: a numpy array copied out of the pickle (or viewing a copy of
+      // it), held in memory by its view: a source of its own.
+      if (!v.owner())
+        throw_error(errors::pt_bad_tensor, detail::where(*file.source), "tensor " + quote(name) + " does not point into the file");
+      source = static_cast<std::uint32_t>(ck.sources.size());
+      offset = 0;
+      ck.sources.push_back(std::make_shared<MemorySource>(file.source->name() + ": " + name, v.data(), v.extent_bytes(), v.owner()));
+    }
     // Built in place: 10,000 tensors are 10,000 TensorInfo and Chunk moves otherwise.
     TensorInfo& ti = ck.tensors.emplace_back();
     ti.name = std::move(name);  // `flat` is ours: its names move into the description
@@ -12262,8 +13144,8 @@ inline ShardedCheckpoint describe(const File& file) {
     Box& region = std::get<Box>(c.region);  // a Chunk starts as a Box
     region.offsets = shape_t(v.rank(), 0);
     region.sizes = v.shape();
-    c.at.source = 0;
-    c.at.byte_offset = addr - base;
+    c.at.source = source;
+    c.at.byte_offset = offset;
     if (!v.is_contiguous()) c.at.strides = v.strides();
     c.at.stored = v.dtype();
   }
@@ -12371,6 +13253,9 @@ struct PlannedStorage {
   std::string key;                                ///< "0", "1", ...
   statedict::dtype dtype = statedict::dtype::U8;  ///< element type of its tensors
   bool untyped = false;                           ///< written as torch.UntypedStorage (+ _rebuild_tensor_v3)
+  /// The class its persistent id names when the tree held the storage itself as one of another
+  /// class of the same elements (a quantized storage: torch.QInt8Storage); empty: the dtype's.
+  std::string storage_class;
   std::uint64_t nbytes = 0;
   std::size_t record = 0;                         ///< index into SavePlan::records / layout.entries
   /// Bytes to copy (nbytes of them), or nullptr for a storage the caller fills (PlannedWriter).
@@ -12599,7 +13484,9 @@ inline SavePlan plan_save(const Value& tree, const save_options& opts) {
     const PlannedStorage& s = plan.storages[si];
     w.mark();
     w.str("storage");
-    w.global("torch", s.untyped ? std::string("UntypedStorage") : std::string(info(s.dtype).storage_name));
+    w.global("torch", !s.storage_class.empty() ? s.storage_class
+                      : s.untyped             ? std::string("UntypedStorage")
+                                              : std::string(info(s.dtype).storage_name));
     w.str(s.key);
     w.str("cpu");
     w.integer(static_cast<std::int64_t>(s.untyped ? s.nbytes : s.nbytes / itemsize(s.dtype)));
@@ -12644,8 +13531,13 @@ inline SavePlan plan_save(const Value& tree, const save_options& opts) {
       return true;
     }
     if (v.is_object() && detail::is_storage_object(v.as_object())) {
-      const TensorView& bytes = v.as_object().args[0].as_tensor();
+      const Object& o = v.as_object();
+      const TensorView& bytes = o.args[0].as_tensor();
       const std::size_t si = storage_of(bytes);
+      // A quantized storage (its bytes are the integer representation) keeps its class, which
+      // _rebuild_qtensor reads the quantized dtype from.
+      if (o.module == "torch" && o.name.size() > 1 && o.name[0] == 'Q' && !plan.storages[si].untyped)
+        plan.storages[si].storage_class = o.name;
       persistent_id(si);
       return true;
     }
@@ -17057,6 +17949,10 @@ struct save_options {
   /// (after checking that every file exists with its planned size), the final step.
   std::optional<PartSpec> part;
   bool index_only = false;
+  /// Classes written as themselves ("argparse.Namespace"). Every other object whose class
+  /// torch.load(weights_only=True) does not accept is written as its data (formats/objects.hpp),
+  /// so that loading the output runs no code; name a class here only for input you trust.
+  std::vector<std::string> keep_classes;
   /// Format settings by type (`settings.set<dcp::save_settings>()`).
   formats::settings settings;
 };
@@ -22412,6 +23308,189 @@ class format final : public formats::Format {
 
 }  // namespace hf
 }  // namespace statedict::inline v0
+// ---- statedict/formats/objects.hpp ----
+// statedict: objects as data in outputs. A checkpoint read from a file that pickled objects
+// (argparse.Namespace args, config classes, enums, whole nn.Modules) holds them as object nodes
+// of its skeleton; before it is written, each object whose class torch.load(weights_only=True)
+// would not accept becomes its data, so that no output of statedict can run code when loaded.
+// SPDX-License-Identifier: MIT
+//
+// The rule is io/pickle_write.hpp's (the pickler applies it to every tree it writes; this header
+// applies it to skeletons, which safetensors, Hugging Face and DCP outputs store):
+//   {"object": {module, name, how: reduce|newobj, args: [], state: [{"dict": [[str, NODE]...]}], items: []}}
+//        -> {"dict": [[str, NODE]...], "class": "module.name"}       (the attributes: vars(obj))
+//   {"object": {module, name, how: reduce|newobj, args, state, items}} otherwise
+//        -> {"dict": [["args", {"tuple": args}], ["state", STATE], ["items", {"list": items}]],
+//            "class": "module.name"}   (only the parts it has; STATE is the state, or a tuple of them)
+//   {"object": {module, name, how: global, ...}} -> "module.name"
+// "class" is a member readers ignore (docs/flatten.md): unflatten gives the plain dict, and the
+// skeleton still says where it came from. Tensor nodes keep their names. Classes in
+// `keep_classes`, and those torch's weights_only list has (torch.device, storages, the rebuild
+// functions of sparse and quantized tensors), stay objects.
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+
+namespace statedict::inline v0::formats {
+
+/// What objects_as_data did with one class.
+struct ObjectNote {
+  std::string cls;                ///< "argparse.Namespace"
+  std::uint64_t instances = 0;    ///< objects written as data
+  std::uint64_t references = 0;   ///< references to the class itself, written as its name
+  bool all_attributes = true;     ///< every instance became the dict of its attributes
+  /// One line saying what was done ("argparse.Namespace: 1 object written as the dict of its
+  /// attributes").
+  [[nodiscard]] std::string describe() const {
+    std::string s = cls + ": ";
+    if (instances) {
+      s += std::to_string(instances) + (instances == 1 ? " object" : " objects") + " written as " +
+           (all_attributes ? "the dict of its attributes" : "a dict of its args, state and items");
+    }
+    if (references) {
+      s += std::string(instances ? "; " : "") + std::to_string(references) + (references == 1 ? " reference" : " references") +
+           " to the class written as its name";
+    }
+    return s;
+  }
+};
+
+namespace detail {
+
+/// A skeleton string (JSON string or {"str_bytes": base64}) as its bytes; false if it is neither.
+inline bool skeleton_text(const nlohmann::json& j, std::string& out) {
+  if (j.is_string()) {
+    out = j.get<std::string>();
+    return true;
+  }
+  if (j.is_object() && j.size() == 1 && j.contains("str_bytes") && j["str_bytes"].is_string()) {
+    std::vector<std::uint8_t> raw;
+    if (!statedict::detail::base64_decode(j["str_bytes"].get<std::string>(), raw)) return false;
+    out.assign(raw.begin(), raw.end());
+    return true;
+  }
+  return false;
+}
+
+/// A str node of `s`: a JSON string, or {"str_bytes"} when it is not UTF-8.
+inline nlohmann::json skeleton_str(const std::string& s) {
+  if (statedict::detail::first_invalid_utf8(s, statedict::detail::utf8_surrogates::allowed) == std::string::npos) return s;
+  return nlohmann::json{{"str_bytes", statedict::detail::base64_encode(s)}};
+}
+
+/// Whether a skeleton dict node's keys are all strings (attribute names).
+inline bool str_keyed(const nlohmann::json& node) {
+  if (!node.is_object() || node.size() < 1 || !node.contains("dict") || !node["dict"].is_array()) return false;
+  for (const auto& kv : node["dict"]) {
+    if (!kv.is_array() || kv.size() != 2) return false;
+    std::string ignored;
+    if (!skeleton_text(kv[0], ignored)) return false;
+  }
+  return true;
+}
+
+/// The data node of the object node body `o` (module, name, how, args, state, items), or
+/// nothing when `o` is not a well-formed object body or may stay an object.
+inline bool object_data(nlohmann::json& node, const std::vector<std::string>& keep, std::map<std::string, ObjectNote>& notes) {
+  nlohmann::json& o = node["object"];
+  std::string module, name;
+  if (!o.is_object() || !o.contains("module") || !o.contains("name") || !o.contains("how") || !skeleton_text(o["module"], module) ||
+      !skeleton_text(o["name"], name) || !o["how"].is_string())
+    return false;
+  for (const char* part : {"args", "state", "items"})
+    if (!o.contains(part) || !o[part].is_array()) return false;
+  const std::string q = module + "." + name;
+  if (pickle::writable_as_itself(q, keep)) return false;
+  ObjectNote& note = notes[q];
+  note.cls = q;
+  if (o["how"] == "global") {
+    ++note.references;
+    node = skeleton_str(q);
+    return true;
+  }
+  ++note.instances;
+  nlohmann::json args = std::move(o["args"]), state = std::move(o["state"]), items = std::move(o["items"]);
+  nlohmann::json out(nlohmann::json::value_t::object);
+  if (args.empty() && items.empty() && state.size() == 1 && str_keyed(state[0])) {
+    out["dict"] = std::move(state[0]["dict"]);
+  } else {
+    note.all_attributes = false;
+    nlohmann::json pairs = nlohmann::json::array();
+    if (!args.empty()) pairs.push_back(nlohmann::json::array({"args", nlohmann::json{{"tuple", std::move(args)}}}));
+    if (!state.empty())
+      pairs.push_back(nlohmann::json::array({"state", state.size() == 1 ? std::move(state[0]) : nlohmann::json{{"tuple", std::move(state)}}}));
+    if (!items.empty()) pairs.push_back(nlohmann::json::array({"items", nlohmann::json{{"list", std::move(items)}}}));
+    out["dict"] = std::move(pairs);
+  }
+  out["class"] = skeleton_str(q);
+  node = std::move(out);
+  return true;
+}
+
+/// Whether a skeleton has an object node anywhere (from its compact form when it has one).
+inline bool holds_objects(const Skeleton& s) {
+  if (s.is_null()) return false;
+  if (const auto* tape = s.tape()) {
+    for (const auto& n : tape->nodes)
+      if (n.kind == statedict::detail::snode::object) return true;
+    return false;
+  }
+  return true;  // a document: walked to tell
+}
+
+}  // namespace detail
+
+/// Rewrites the object nodes of `skeleton` as their data (see the top of this file) and says, per
+/// class, what it did. Iterative: a skeleton of any depth.
+inline std::vector<ObjectNote> objects_as_data(nlohmann::json& skeleton, const std::vector<std::string>& keep_classes) {
+  std::map<std::string, ObjectNote> notes;
+  std::vector<nlohmann::json*> work;
+  if (skeleton.is_object() && skeleton.contains("root")) work.push_back(&skeleton["root"]);
+  while (!work.empty()) {
+    nlohmann::json& n = *work.back();
+    work.pop_back();
+    if (!n.is_object()) continue;
+    if (n.size() == 1 && n.contains("object")) (void)detail::object_data(n, keep_classes, notes);
+    if (!n.is_object()) continue;  // a class reference became its name
+    const auto children = [&](const char* key) {
+      if (const auto it = n.find(key); it != n.end() && it->is_array())
+        for (auto c = it->rbegin(); c != it->rend(); ++c) work.push_back(&*c);
+    };
+    if (const auto it = n.find("dict"); it != n.end() && it->is_array()) {
+      for (auto kv = it->rbegin(); kv != it->rend(); ++kv)
+        if (kv->is_array() && kv->size() == 2) work.push_back(&(*kv)[1]);
+    } else if (n.contains("list")) {
+      children("list");
+    } else if (n.contains("tuple")) {
+      children("tuple");
+    } else if (const auto ob = n.find("object"); ob != n.end() && ob->is_object()) {
+      nlohmann::json& body = *ob;
+      for (const char* part : {"items", "state", "args"})
+        if (const auto p = body.find(part); p != body.end() && p->is_array())
+          for (auto c = p->rbegin(); c != p->rend(); ++c) work.push_back(&*c);
+    }
+  }
+  std::vector<ObjectNote> out;
+  out.reserve(notes.size());
+  for (auto& [k, v] : notes) out.push_back(std::move(v));
+  return out;
+}
+
+/// The same for a checkpoint's skeleton; a skeleton without objects is left as it is (its
+/// compact form kept).
+inline std::vector<ObjectNote> objects_as_data(ShardedCheckpoint& ck, const std::vector<std::string>& keep_classes) {
+  if (!detail::holds_objects(ck.skeleton)) return {};
+  return objects_as_data(ck.skeleton.mutable_json(), keep_classes);
+}
+
+}  // namespace statedict::inline v0::formats
 // ---- statedict/formats/safetensors.hpp ----
 // statedict: safetensors files as a format plug-in: detection, description, and the writers (a
 // described checkpoint, or a list of tensors and byte ranges), all through the planner and the
@@ -23209,6 +24288,7 @@ namespace formats {
 inline void write_torch(const ShardedCheckpoint& ck, const std::filesystem::path& path, const save_options& opt = {}) {
   torch::save_options so;
   so.archive_name = torch::archive_name_for(path.filename());
+  so.pickle.keep_classes = opt.keep_classes;  // every other object is pickled as its data
   torch::SavePlan sp = torch::plan_save(ck, so);
   const Destination dst = sp.destination(path.filename().string());
   torch::detail::write_planned(std::move(sp), ck, dst, path, opt.exec, opt.plan);
@@ -23233,7 +24313,7 @@ class format final : public formats::Format {
       case file_kind::legacy_tar: return formats::Detection::match("torch.save: legacy (pre-1.6) format");
       case file_kind::unknown: break;
     }
-    return formats::Detection::miss("neither a zip archive (PK\\x03\\x04) nor a pickle (\\x80\\x02)");
+    return formats::Detection::miss("neither a zip archive (PK\\x03\\x04) nor the legacy magic number pickled at protocol 0-5");
   }
   [[nodiscard]] ShardedCheckpoint describe(const formats::Input& in, const formats::open_options& opt) const override {
     load_options o = opt.settings.get<load_options>();
@@ -23389,9 +24469,14 @@ inline std::shared_ptr<const Format> choose_output(const std::filesystem::path& 
   return f;
 }
 
-/// Writes `ck` at `out` in the chosen format (choose_output); returns the files written.
+/// Writes `ck` at `out` in the chosen format (choose_output), its objects as data (objects_as_data,
+/// sparing opt.keep_classes); returns the files written.
 inline std::vector<std::string> save(const ShardedCheckpoint& ck, const std::filesystem::path& out, const save_options& opt = {}) {
-  return choose_output(out, opt)->save(ck, out, opt);
+  const auto f = choose_output(out, opt);
+  if (!detail::holds_objects(ck.skeleton)) return f->save(ck, out, opt);
+  ShardedCheckpoint data = ck;
+  (void)objects_as_data(data, opt.keep_classes);
+  return f->save(data, out, opt);
 }
 
 }  // namespace statedict::inline v0::formats
