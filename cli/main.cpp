@@ -45,6 +45,7 @@ usage:
                     [--rename FROM=TO]... [--rename-regex REGEX=REPLACEMENT]... [--map NAMES.json]...
                     [--with-optimizer] [--threads N] [--memory-budget 256MiB]
                     [--part k/K | --part index] [--check-replicas] [--io mmap|pread]
+                    [--keep-class MODULE.CLASS]...
   statedict verify A B [--rtol R] [--atol A] [--with-optimizer] [--from FORMAT] [--io mmap|pread]
   statedict --version
 
@@ -52,7 +53,9 @@ PATH, IN, A, B: a .safetensors file, a torch.save file (.pt, .bin, any name), a 
 sharded directory or index, a torch.distributed.checkpoint directory, a DeepSpeed ZeRO 1/2/3
 checkpoint, an OLMo/FSDP sharded checkpoint, or ShardedTensor rank files. The format is detected
 from the content (--from FORMAT reads it as that format). The name options of convert apply in
-the order given. Exit codes: 0 success, 1 verify found a difference, 2 bad input or usage.
+the order given. Pickled objects are read as data, never run; convert writes each object whose
+class torch.load(weights_only=True) refuses as its data (--keep-class writes that class as itself,
+for input you trust). Exit codes: 0 success, 1 verify found a difference, 2 bad input or usage.
 See docs/cli.md.
 )";
 
@@ -312,7 +315,8 @@ int cmd_inspect(const std::vector<std::string>& argv) {
   }
   if (!values.empty()) {
     std::cout << "values: " << values.size() << "\n";
-    for (const auto& [n, v] : values) std::cout << "  " << n << " = " << sd::value_json(v).dump() << "\n";
+    for (const auto& [n, v] : values)
+      std::cout << "  " << n << " = " << (v.is_object() ? sd::value_repr(v) : sd::value_json(v).dump()) << "\n";
   }
   if (!ck.metadata.empty()) {
     std::cout << "metadata:\n";
@@ -393,7 +397,8 @@ int cmd_convert(const std::vector<std::string>& argv) {
                {"--world-size", true}, {"--only", true, true}, {"--drop", true, true}, {"--strip-prefix", true, true},
                {"--add-prefix", true, true}, {"--rename", true, true}, {"--rename-regex", true, true}, {"--map", true, true},
                {"--with-optimizer", false}, {"--threads", true}, {"--memory-budget", true}, {"--part", true},
-               {"--check-replicas", false}, {"--io", true}, {"--dcp-layout", true}},
+               {"--check-replicas", false}, {"--io", true}, {"--dcp-layout", true},
+               {"--keep-class", true, true}},
               2, 2, "convert");
   const std::string in = a.positional()[0], out = a.positional()[1];
   const auto dtype = parse_dtype(a);
@@ -407,6 +412,11 @@ int cmd_convert(const std::vector<std::string>& argv) {
   if (auto p = a.value("--part")) {
     if (*p == "index") w.index_only = true;
     else w.part = sd::parse_part(*p);
+  }
+  for (const auto& c : a.values("--keep-class")) {
+    if (c.empty() || c.find('.') == std::string::npos || c.front() == '.' || c.back() == '.')
+      a.fail(cli::errors::bad_value, "--keep-class takes a qualified class name such as argparse.Namespace, not " + sd::quote(c));
+    w.keep_classes.push_back(c);
   }
   // The output format, its options and the name options are checked before the input is read.
   const auto format = sd::formats::choose_output(out, w);
@@ -422,6 +432,11 @@ int cmd_convert(const std::vector<std::string>& argv) {
   auto opened = open_input(in, a, dtype);
   sd::ShardedCheckpoint ck = std::move(opened.checkpoint);
   for (const auto& t : transforms) ck = t(ck);
+  // Objects are written as their data (classes torch's weights_only list has, and --keep-class
+  // ones, as themselves): one line per class says what was done.
+  for (const auto& note : sd::formats::objects_as_data(ck, w.keep_classes))
+    std::fprintf(stderr, "statedict: %s%s\n", note.describe().c_str(),
+                 note.instances ? (" (--keep-class " + note.cls + " writes it as itself)").c_str() : "");
 
   std::uint64_t bytes = 0;
   for (const auto& t : ck.tensors) bytes += sd::byte_size(t.shape, sd::itemsize(t.dtype));

@@ -44,6 +44,13 @@ pickle::options keep() {
   return o;
 }
 
+/// torch.load(weights_only=True)'s behaviour: globals beyond its list refused.
+pickle::options strict() {
+  pickle::options o;
+  o.keep_unknown_objects = false;
+  return o;
+}
+
 template <class F>
 void expect_error(F&& f, const error_id& id) {
   try {
@@ -100,7 +107,26 @@ TEST_CASE("constants and integers") {
   CHECK(big4.as_object().args.at(0).as_bytes().data == std::vector<std::uint8_t>{0, 0, 0, 0, 0, 0, 0, 0, 0xff});
   expect_error_p(P2 + "\x8b\xff\xff\xff\xff.", errors::pk_bad_operand);
   expect_error_p("Ixyz\n.", errors::pk_bad_text);
-  expect_error_p("I99999999999999999999999\n.", errors::pk_unsupported_opcode);
+  // Text integers beyond int64 (protocols 0 and 1: torch's legacy magic number) are big ints too.
+  const Value magic = val("L119547037146038801333356L\n.");
+  REQUIRE(magic.is_object());
+  CHECK(magic.as_object().qualified() == "builtins.int");
+  CHECK(magic.as_object().args.at(0).as_bytes().data ==
+        std::vector<std::uint8_t>{0x6c, 0xfc, 0x9c, 0x46, 0xf9, 0x20, 0x6a, 0xa8, 0x50, 0x19});
+  CHECK(val("I99999999999999999999999\n.").as_object().args.at(0).as_bytes().data ==
+        std::vector<std::uint8_t>{255, 255, 127, 246, 74, 225, 199, 2, 45, 21});
+  CHECK(val("L-18446744073709551616\n.").as_object().args.at(0).as_bytes().data ==
+        std::vector<std::uint8_t>{0, 0, 0, 0, 0, 0, 0, 0, 0xff});
+  // -2^63 - 1 and 2^63: just beyond int64 either way; -2^63 itself is an int.
+  CHECK(val("L-9223372036854775808L\n.").as_int() == INT64_MIN);
+  CHECK(val("L9223372036854775808L\n.").as_object().args.at(0).as_bytes().data ==
+        std::vector<std::uint8_t>{0, 0, 0, 0, 0, 0, 0, 0x80, 0});
+  expect_error_p("L12345678901234567890x\n.", errors::pk_bad_text);
+  expect_error_p("L-\n.", errors::pk_bad_text);
+  pickle::options small;
+  small.limits.max_long_bytes = 8;
+  expect_error_p("L119547037146038801333356L\n.", errors::pk_long_limit, small);
+  expect_error_p("L" + std::string(40, '9') + "\n.", errors::pk_long_limit, small);
 }
 
 TEST_CASE("floats: BINFLOAT is big-endian, bits are kept") {
@@ -136,6 +162,44 @@ TEST_CASE("strings and bytes") {
   expect_error_p(P2 + "X\xe8\x03\x00\x00" "abc."_b, errors::pk_truncated);
   expect_error_p("\x80\x04\x8d" + u64(~0ULL) + ".", errors::pk_string_limit);
   expect_error_p(P2 + "T\xff\xff\xff\xff.", errors::pk_bad_operand);
+}
+
+TEST_CASE("protocol 0 text: STRING (quoted, escaped) and UNICODE (raw-unicode-escape)") {
+  // STRING: Python 2's repr of a str; escape_decode'd; str when UTF-8 (torch.load's encoding).
+  CHECK(val("S'abc'\n.").as_string() == "abc");
+  CHECK(val("S\"it's\"\n.").as_string() == "it's");
+  CHECK(val("S'a\\'b\\\\c\\n\\t\\x41\\101\\0'\n.").as_string() == "a'b\\c\n\tAA"_b + std::string(1, '\0'));
+  CHECK(val("S'\\xff\\x00'\n.").as_bytes().data == std::vector<std::uint8_t>{0xff, 0});
+  CHECK(val("S'\\q'\n.").as_string() == "\\q");       // unknown escapes stay as they are
+  CHECK(val("S'\\777'\n.").as_bytes().data == std::vector<std::uint8_t>{0xff});  // octal: the low 8 bits
+  CHECK(val("S'\xc3\xa9'\n.").as_string() == "\xc3\xa9");  // raw UTF-8 bytes in the literal
+  CHECK(val("S''\n.").as_string().empty());
+  expect_error_p("Sabc\n.", errors::pk_bad_text);
+  expect_error_p("S'abc\"\n.", errors::pk_bad_text);
+  expect_error_p("S'\n.", errors::pk_bad_text);
+  expect_error_p("S'\\x4'\n.", errors::pk_bad_text);
+  expect_error_p("S'\\'\n.", errors::pk_bad_text);  // the closing quote is escaped: trailing backslash
+  expect_error_p("S'abc'", errors::pk_truncated);
+  // UNICODE: bytes are code points (latin-1), \uXXXX and \UXXXXXXXX after an odd run of backslashes.
+  CHECK(val("Vabc\n.").as_string() == "abc");
+  CHECK(val("V\\u00e9t\\u00e9\n.").as_string() == "\xc3\xa9t\xc3\xa9");
+  CHECK(val("V\xe9\n.").as_string() == "\xc3\xa9");
+  CHECK(val("V\\U0001f600\n.").as_string() == "\xf0\x9f\x98\x80");
+  CHECK(val("V\\\\u0041\n.").as_string() == "\\\\u0041");  // an even run: no escape
+  CHECK(val("V\\\\\\u0041\n.").as_string() == "\\\\A");
+  CHECK(val("V\\ud800\n.").as_string() == "\xed\xa0\x80");  // a lone surrogate, as Python keeps it
+  CHECK(val("Va\\b\n.").as_string() == "a\\b");
+  expect_error_p("V\\u12\n.", errors::pk_bad_text);
+  expect_error_p("V\\u12zz\n.", errors::pk_bad_text);
+  expect_error_p("V\\U00110000\n.", errors::pk_bad_text);
+  // Decoded strings are dict keys like any other (protocol 0 dicts: MARK DICT, SETITEM).
+  const Value d = val("(dp0\nV\\u00e9\np1\nI1\nsVplain\np2\nS'x\\ty'\np3\ns.");
+  CHECK(d.as_dict().at("\xc3\xa9").as_int() == 1);
+  CHECK(d.as_dict().at("plain").as_string() == "x\ty");
+  pickle::options o;
+  o.limits.max_string_bytes = 3;
+  expect_error_p("V\xe9\xe9\n.", errors::pk_string_limit, o);  // 4 bytes once decoded
+  expect_error_p("S'abcd'\n.", errors::pk_string_limit, o);
 }
 
 TEST_CASE("containers, marks and stack operations") {
@@ -236,7 +300,7 @@ TEST_CASE("protocols, frames and opcodes that are refused") {
   CHECK(val("\x80\x04\x95" + u64(3) + "K\x01.").as_int() == 1);
   expect_error_p("\x80\x04\x95" + u64(1000) + "K\x01.", errors::pk_truncated);
   CHECK(run("\x80\x04\x95" + u64(3) + "K\x01.").protocol == 4);
-  const std::vector<std::string> refused{"S'a'\n", "Vabc\n", "\x97", "\x98", std::string("\x82\x01", 2),
+  const std::vector<std::string> refused{"\x97", "\x98", std::string("\x82\x01", 2),
                                         std::string("\x83\x01\x00", 3), std::string("\x84\x01\x00\x00\x00", 5)};
   for (const std::string& op : refused)
     expect_error_p(P2 + op + ".", errors::pk_unsupported_opcode);
@@ -323,7 +387,7 @@ TEST_CASE("security: unknown globals are refused, or kept as data; code-running 
     expect_error_p(P2 + global(m, n) + ".", errors::pk_blocked_module, keep());
   }
   try {
-    (void)run(P2 + global("mymodule", "MyClass") + ")R.");
+    (void)run(P2 + global("mymodule", "MyClass") + ")R.", strict());
     FAIL("expected a security error");
   } catch (const security_error& e) {
     CHECK(e.code() == errors::pk_forbidden_global);
@@ -345,7 +409,7 @@ TEST_CASE("security: unknown globals are refused, or kept as data; code-running 
   const Value dictlike = val(P2 + global("collections", "defaultdict") + ")R(K\x01K\x02u.", keep());
   CHECK(dictlike.as_object().items.at(0).is_tuple());
   // INST and OBJ (protocol 0/1 instance creation) go through the same checks.
-  expect_error_p("(K\x01imymodule\nC\n.", errors::pk_forbidden_global);
+  expect_error_p("(K\x01imymodule\nC\n.", errors::pk_forbidden_global, strict());
   CHECK(val("(K\x01imymodule\nC\n.", keep()).as_object().args.size() == 1);
   CHECK(val("(" + global("mymodule", "C") + "K\x01o.", keep()).as_object().args.size() == 1);
   expect_error_p("(o.", errors::pk_stack_underflow, keep());
@@ -362,7 +426,7 @@ TEST_CASE("nested classes: getattr(Outer, 'Inner') called is the global Outer.In
   const Value v = val(inner, keep());
   CHECK(v.as_object().qualified() == "mymodule.Outer.Inner");
   CHECK(v.as_object().how == object_build::newobj);
-  expect_error_p(inner, errors::pk_forbidden_global);
+  expect_error_p(inner, errors::pk_forbidden_global, strict());
   // The inner name must be a plain identifier.
   expect_error_p(P2 + global("__builtin__", "getattr") + global("mymodule", "Outer") + binunicode("a.b") +
                      "\x86R)\x81.",
@@ -545,8 +609,9 @@ TEST_CASE("writer -> reader round trip, objects and attributes included") {
   const auto r = pickle::load(bytes, keep());
   CHECK(r.value == Value(root));
   CHECK(r.attributes == attrs);
+  CHECK(pickle::load(bytes).value == Value(root));  // objects are data by default
   // Without keep_unknown_objects, mymodule is refused; the rest is on the allow-list.
-  expect_error([&] { (void)pickle::load(bytes); }, errors::pk_forbidden_global);
+  expect_error([&] { (void)pickle::load(bytes, strict()); }, errors::pk_forbidden_global);
 }
 
 TEST_CASE("writer: errors") {

@@ -330,14 +330,15 @@ TEST_CASE("hostile files: one error id each") {
     expect_error([&] { (void)torch::load(torch_zip("small.pt", pkl(ok_tensor), {{"0", floats({1, 2})}})); }, errors::pt_bad_storage);
   }
   SUBCASE("storage classes") {
-    expect_error([&] { (void)torch::load(torch_zip("cls.pt", pkl(tensor_v2("NopeStorage", "0", 1, 0, {1}, {1})), {{"0", floats({1})}})); },
+    torch::load_options strict;  // torch.load(weights_only=True)'s refusal of unknown globals
+    strict.keep_unknown_objects = false;
+    expect_error([&] { (void)torch::load(torch_zip("cls.pt", pkl(tensor_v2("NopeStorage", "0", 1, 0, {1}, {1})), {{"0", floats({1})}}), strict); },
                  errors::pk_forbidden_global);
-    torch::load_options keep;
-    keep.keep_unknown_objects = true;
-    expect_error([&] { (void)torch::load(torch_zip("cls2.pt", pkl(tensor_v2("NopeStorage", "0", 1, 0, {1}, {1})), {{"0", floats({1})}}), keep); },
+    expect_error([&] { (void)torch::load(torch_zip("cls2.pt", pkl(tensor_v2("NopeStorage", "0", 1, 0, {1}, {1})), {{"0", floats({1})}})); },
                  errors::pt_bad_storage);
-    expect_error([&] { (void)torch::load(torch_zip("q.pt", pkl(tensor_v2("QInt8Storage", "0", 1, 0, {1}, {1})), {{"0", "x"}})); },
-                 errors::pt_unsupported_tensor);
+    // Quantized storages hold the integer representation: QInt8 -> I8, QUInt8 -> U8, QInt32 -> I32.
+    CHECK(torch::load(torch_zip("q.pt", pkl(tensor_v2("QInt8Storage", "0", 1, 0, {1}, {1})), {{"0", "x"}})).as_tensor().dtype() == dtype::I8);
+    CHECK(torch::load(torch_zip("q2.pt", pkl(tensor_v2("QInt32Storage", "0", 1, 0, {1}, {1})), {{"0", "xyzw"}})).as_tensor().dtype() == dtype::I32);
     expect_error([&] { (void)torch::load(torch_zip("pid.pt", pkl("(" + str("module") + "tQ"))); }, errors::pt_bad_storage);
     expect_error([&] { (void)torch::load(torch_zip("pid2.pt", pkl("(" + str("storage") + glob("torch", "FloatStorage") + integer(0) + str("cpu") + integer(1) + "tQ"))); },
                  errors::pt_bad_storage);
@@ -364,12 +365,23 @@ TEST_CASE("hostile files: one error id each") {
     expect_error([&] { (void)torch::load(torch_zip("rank.pt", pkl(tensor_v2("FloatStorage", "0", 4, 0, dims, dims)), {{"0", floats({1, 2, 3, 4})}}), o); },
                  errors::pt_rank_limit);
   }
-  SUBCASE("tensor kinds statedict does not represent") {
+  SUBCASE("sparse, quantized, meta and subclass tensors: the call kept, with its tensors") {
     const std::string sparse = glob("torch._utils", "_rebuild_sparse_tensor") + "(K\x01t" "R";
-    expect_error([&] { (void)torch::load(torch_zip("sparse.pt", pkl(sparse))); }, errors::pt_unsupported_tensor);
-    torch::load_options keep;
-    keep.keep_unknown_objects = true;
-    CHECK(torch::load(torch_zip("sparse2.pt", pkl(sparse)), keep).as_object().name == "_rebuild_sparse_tensor");
+    CHECK(torch::load(torch_zip("sparse.pt", pkl(sparse))).as_object().name == "_rebuild_sparse_tensor");
+    torch::load_options strict;  // on torch's weights_only list: read either way
+    strict.keep_unknown_objects = false;
+    CHECK(torch::load(torch_zip("sparse2.pt", pkl(sparse)), strict).as_object().name == "_rebuild_sparse_tensor");
+    // _rebuild_sparse_tensor(torch.sparse_coo, (indices, values, size, coalesced)) keeps both tensors.
+    const std::string coo = glob("torch._utils", "_rebuild_sparse_tensor") + "(" + glob("torch", "sparse_coo") + "(" +
+                            tensor_v2("LongStorage", "0", 2, 0, {1, 2}, {2, 1}) + tensor_v2("FloatStorage", "1", 2, 0, {2}, {1}) +
+                            tuple({4}) + "\x88" "t" "t" "R";
+    const Value sp = torch::load(torch_zip("coo.pt", pkl(coo), {{"0", "\x01\0\0\0\0\0\0\0\x03\0\0\0\0\0\0\0"_b}, {"1", floats({5, 6})}}));
+    const List& data = sp.as_object().args.at(1).as_list();
+    CHECK(data.at(0).as_tensor().load<std::int64_t>(1) == 3);
+    CHECK(data.at(1).as_tensor().load<float>(1) == 6.F);
+    const FlatStateDict flat = flatten(sp);
+    REQUIRE(flat.tensors.size() == 2);
+    CHECK(flat.tensors[0].first == "args.1.0");
   }
   SUBCASE("not a torch file") {
     const auto p = tmp("junk.bin");
@@ -574,8 +586,9 @@ TEST_CASE("legacy format: hand-made file, and its failure modes") {
   CHECK(w.load<float>(1) == 3.F);
   REQUIRE(f.storages.size() == 1);
   CHECK(f.storages[0].offset == magic.size() + version.size() + sys.size() + obj.size() + keys.size() + 8);
+  // Another number where the magic number belongs is not torch's legacy format at all.
   expect_error([&] { (void)torch::load(file("l1.pt", "\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x18."_b + version + sys + obj + keys + data)); },
-               errors::pt_bad_legacy);
+               errors::pt_not_torch);
   expect_error([&] { (void)torch::load(file("l2.pt", magic + "\x80\x02M\xea\x03."_b + sys + obj + keys + data)); }, errors::pt_bad_legacy);
   expect_error([&] { (void)torch::load(file("l3.pt", magic + version + sys + obj + keys + "\x04\x00\x00\x00\x00\x00\x00\x00"_b + floats({1, 2, 3, 4}))); },
                errors::pt_bad_legacy);
@@ -583,6 +596,45 @@ TEST_CASE("legacy format: hand-made file, and its failure modes") {
   expect_error([&] { (void)torch::load(file("l5.pt", magic + version + sys + obj + pkl("]") )); }, errors::pt_bad_legacy);
   expect_error([&] { (void)torch::load(file("l6.pt", magic + version + pkl("}" + str("little_endian") + "\x89s") + obj + keys + data)); },
                errors::pt_big_endian);
+
+  SUBCASE("the magic number at every protocol torch.save writes; detection by content") {
+    auto kind = [](const std::string& head) {
+      return torch::kind_of(std::span<const std::byte>(reinterpret_cast<const std::byte*>(head.data()), head.size()), head.size() + 100);
+    };
+    const std::string text_magic = "L119547037146038801333356L\n.";
+    const std::string p4_magic = "\x80\x04\x95\x0d\x00\x00\x00\x00\x00\x00\x00"_b + magic.substr(2);
+    CHECK(kind(text_magic) == torch::file_kind::legacy);
+    CHECK(kind(magic) == torch::file_kind::legacy);
+    CHECK(kind("\x80\x03"_b + magic.substr(2)) == torch::file_kind::legacy);
+    CHECK(kind(p4_magic) == torch::file_kind::legacy);
+    CHECK(kind("\x80\x05"_b + p4_magic.substr(2)) == torch::file_kind::legacy);
+    CHECK(kind("\x80\x02K\x01."_b) == torch::file_kind::unknown);                       // a pickle, not the magic
+    CHECK(kind("\x80\x06"_b + magic.substr(2)) == torch::file_kind::unknown);            // no such protocol
+    CHECK(kind("\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"_b) == torch::file_kind::unknown);  // cut short
+    CHECK(kind("L119547037146038801333357L\n.") == torch::file_kind::unknown);
+    CHECK(kind("c__builtin__\neval\n(Vprint(1)\ntR.") == torch::file_kind::unknown);  // picklescan's magic bypass
+
+    // Protocol 1: text magic, BININT2 version, binary opcodes, INT bools.
+    const std::string p1 = text_magic + "M\xe9\x03."_b + "}(X"_b + u32(13) + "little_endianI01\nu." + obj.substr(2) + keys.substr(2) + data;
+    const torch::File f1 = torch::read(file("p1.pt", p1));
+    CHECK(f1.value["w"].as_tensor().load<float>(1) == 3.F);
+    // Protocol 4: every pickle framed.
+    auto framed = [](const std::string& p) {
+      const std::string body = p.substr(2);
+      std::string len(8, '\0');
+      for (int i = 0; i < 8; ++i) len[static_cast<std::size_t>(i)] = static_cast<char>((body.size() >> (8 * i)) & 0xff);
+      return "\x80\x04\x95"_b + len + body;
+    };
+    const std::string p4 = framed(magic) + framed(version) + framed(sys) + framed(obj) + framed(keys) + data;
+    const torch::File f4 = torch::read(file("p4.pt", p4));
+    CHECK(f4.value["w"].as_tensor().load<float>(0) == 2.F);
+    CHECK(f4.pickle_protocol == 4);
+    // Protocol 0: persistent ids are text (str(tuple)); torch.load cannot read such a file either.
+    const std::string p0_obj = "(dp0\nVw\np1\nctorch._utils\n_rebuild_tensor_v2\np2\n(P('storage', 'x')\nI1\n(I2\ntp3\n"
+                               "(I1\ntp4\nI00\nccollections\nOrderedDict\np5\n(tRp6\ntp7\nRp8\ns.";
+    const std::string p0 = text_magic + "I1001\n.(dp0\nVlittle_endian\np1\nI01\ns." + p0_obj + "(lp0\nV940\np1\na." + data;
+    expect_error([&] { (void)torch::load(file("p0.pt", p0)); }, errors::pt_protocol_0);
+  }
 }
 
 TEST_CASE("describe: offsets of the tensors' first bytes, strides, skeleton, attributes; no tensor bytes read") {

@@ -571,10 +571,8 @@ inline bool is_contiguous(std::span<const dim_t> shape, std::span<const dim_t> s
 
 namespace statedict::inline v0 {
 
-/// Element types: every dtype of safetensors and of PyTorch's torch.save files. C128, C32 and the
-/// bits types are PyTorch's only (safetensors cannot store them); F6_E2M3_X4 and F6_E3M2_X4 are
-/// safetensors' only (PyTorch has no 6-bit dtype). New dtypes are appended, so the numbering of
-/// the older ones never changes.
+/// Element types: every safetensors dtype statedict handles, plus C128 (PyTorch's complex128, which
+/// safetensors cannot store).
 enum class dtype : std::uint8_t {
   BOOL,
   U8,
@@ -593,39 +591,21 @@ enum class dtype : std::uint8_t {
   F8_E5M2,
   C64,
   C128,
-  F8_E4M3FNUZ,  ///< torch.float8_e4m3fnuz: bias 8, NaN = 0x80 only, no infinities, no -0
-  F8_E5M2FNUZ,  ///< torch.float8_e5m2fnuz: bias 16, NaN = 0x80 only, no infinities, no -0
-  F8_E8M0,      ///< torch.float8_e8m0fnu: 2^(x - 127), unsigned, 0xff = NaN (OCP MX scales)
-  F4_X2,        ///< torch.float4_e2m1fn_x2: one byte, two packed e2m1 values (safetensors F4)
-  F6_E2M3_X4,   ///< safetensors F6_E2M3: three bytes, four packed 6-bit values
-  F6_E3M2_X4,   ///< safetensors F6_E3M2: three bytes, four packed 6-bit values
-  C32,          ///< torch.complex32 (chalf): two f16
-  BITS8,        ///< torch.bits8 and the other bits types: opaque bit containers
-  BITS16,
-  BITS1X8,
-  BITS2X4,
-  BITS4X2,
 };
 
-inline constexpr std::size_t dtype_count = 29;
+inline constexpr std::size_t dtype_count = 17;
 
 /// Everything statedict knows about one dtype.
 struct dtype_info {
   dtype id;
   std::uint8_t itemsize;              ///< bytes per element
-  std::string_view name;              ///< safetensors name ("F32"), or statedict's own (C128, F4_X2, ...)
-  std::string_view torch_name;        ///< `torch.<name>` global ("float32"); empty: PyTorch has no such dtype
+  std::string_view name;              ///< safetensors name ("F32"); C128 is statedict's own name
+  std::string_view torch_name;        ///< `torch.<name>` global ("float32")
   std::string_view storage_name;      ///< legacy typed storage class ("FloatStorage"); empty: UntypedStorage only
   std::int8_t safetensors_rank;       ///< position in safetensors' Dtype enum (its write order); -1: not storable
-  bool is_floating;                   ///< real floating point that core/cast.hpp converts element by element
+  bool is_floating;                   ///< real floating point
   bool is_complex;
   bool is_signed;                     ///< signed integer or floating
-  /// Bytes swapped together when the element is stored in the other byte order: the itemsize for
-  /// numbers, the component size for complex, 1 for byte-packed types.
-  std::uint8_t swap_unit;
-  /// Values one element packs (F4_X2: 2, F6_*_X4: 4): safetensors counts values, not elements, in
-  /// the last dimension of these.
-  std::uint8_t packed;
 };
 
 namespace detail {
@@ -634,42 +614,25 @@ namespace detail {
 // by that position, descending.
 // clang-format off
 inline constexpr std::array<dtype_info, dtype_count> dtype_table{{
-  {dtype::BOOL,        1, "BOOL",        "bool",            "BoolStorage",          0,  false, false, false, 1, 1},
-  {dtype::U8,          1, "U8",          "uint8",           "ByteStorage",          4,  false, false, false, 1, 1},
-  {dtype::I8,          1, "I8",          "int8",            "CharStorage",          5,  false, false, true,  1, 1},
-  {dtype::I16,         2, "I16",         "int16",           "ShortStorage",         11, false, false, true,  2, 1},
-  {dtype::U16,         2, "U16",         "uint16",          "",                     12, false, false, false, 2, 1},
-  {dtype::I32,         4, "I32",         "int32",           "IntStorage",           15, false, false, true,  4, 1},
-  {dtype::U32,         4, "U32",         "uint32",          "",                     16, false, false, false, 4, 1},
-  {dtype::I64,         8, "I64",         "int64",           "LongStorage",          20, false, false, true,  8, 1},
-  {dtype::U64,         8, "U64",         "uint64",          "",                     21, false, false, false, 8, 1},
-  {dtype::F16,         2, "F16",         "float16",         "HalfStorage",          13, true,  false, true,  2, 1},
-  {dtype::BF16,        2, "BF16",        "bfloat16",        "BFloat16Storage",      14, true,  false, true,  2, 1},
-  {dtype::F32,         4, "F32",         "float32",         "FloatStorage",         17, true,  false, true,  4, 1},
-  {dtype::F64,         8, "F64",         "float64",         "DoubleStorage",        19, true,  false, true,  8, 1},
-  {dtype::F8_E4M3,     1, "F8_E4M3",     "float8_e4m3fn",   "",                     7,  true,  false, true,  1, 1},
-  {dtype::F8_E5M2,     1, "F8_E5M2",     "float8_e5m2",     "",                     6,  true,  false, true,  1, 1},
-  {dtype::C64,         8, "C64",         "complex64",       "ComplexFloatStorage",  18, false, true,  true,  4, 1},
-  {dtype::C128,       16, "C128",        "complex128",      "ComplexDoubleStorage", -1, false, true,  true,  8, 1},
-  {dtype::F8_E4M3FNUZ, 1, "F8_E4M3FNUZ", "float8_e4m3fnuz", "",                     9,  true,  false, true,  1, 1},
-  {dtype::F8_E5M2FNUZ, 1, "F8_E5M2FNUZ", "float8_e5m2fnuz", "",                     10, true,  false, true,  1, 1},
-  {dtype::F8_E8M0,     1, "F8_E8M0",     "float8_e8m0fnu",  "",                     8,  true,  false, false, 1, 1},
-  {dtype::F4_X2,       1, "F4_X2",       "float4_e2m1fn_x2", "",                    1,  false, false, true,  1, 2},
-  {dtype::F6_E2M3_X4,  3, "F6_E2M3_X4",  "",                "",                     2,  false, false, true,  1, 4},
-  {dtype::F6_E3M2_X4,  3, "F6_E3M2_X4",  "",                "",                     3,  false, false, true,  1, 4},
-  {dtype::C32,         4, "C32",         "complex32",       "",                     -1, false, true,  true,  2, 1},
-  {dtype::BITS8,       1, "BITS8",       "bits8",           "",                     -1, false, false, false, 1, 1},
-  {dtype::BITS16,      2, "BITS16",      "bits16",          "",                     -1, false, false, false, 2, 1},
-  {dtype::BITS1X8,     1, "BITS1X8",     "bits1x8",         "",                     -1, false, false, false, 1, 1},
-  {dtype::BITS2X4,     1, "BITS2X4",     "bits2x4",         "",                     -1, false, false, false, 1, 1},
-  {dtype::BITS4X2,     1, "BITS4X2",     "bits4x2",         "",                     -1, false, false, false, 1, 1},
+  {dtype::BOOL,    1, "BOOL",    "bool",          "BoolStorage",          0,  false, false, false},
+  {dtype::U8,      1, "U8",      "uint8",         "ByteStorage",          4,  false, false, false},
+  {dtype::I8,      1, "I8",      "int8",          "CharStorage",          5,  false, false, true},
+  {dtype::I16,     2, "I16",     "int16",         "ShortStorage",         11, false, false, true},
+  {dtype::U16,     2, "U16",     "uint16",        "",                     12, false, false, false},
+  {dtype::I32,     4, "I32",     "int32",         "IntStorage",           15, false, false, true},
+  {dtype::U32,     4, "U32",     "uint32",        "",                     16, false, false, false},
+  {dtype::I64,     8, "I64",     "int64",         "LongStorage",          20, false, false, true},
+  {dtype::U64,     8, "U64",     "uint64",        "",                     21, false, false, false},
+  {dtype::F16,     2, "F16",     "float16",       "HalfStorage",          13, true,  false, true},
+  {dtype::BF16,    2, "BF16",    "bfloat16",      "BFloat16Storage",      14, true,  false, true},
+  {dtype::F32,     4, "F32",     "float32",       "FloatStorage",         17, true,  false, true},
+  {dtype::F64,     8, "F64",     "float64",       "DoubleStorage",        19, true,  false, true},
+  {dtype::F8_E4M3, 1, "F8_E4M3", "float8_e4m3fn", "",                     7,  true,  false, true},
+  {dtype::F8_E5M2, 1, "F8_E5M2", "float8_e5m2",   "",                     6,  true,  false, true},
+  {dtype::C64,     8, "C64",     "complex64",     "ComplexFloatStorage",  18, false, true,  true},
+  {dtype::C128,   16, "C128",    "complex128",    "ComplexDoubleStorage", -1, false, true,  true},
 }};
 // clang-format on
-static_assert([] {
-  for (std::size_t i = 0; i < dtype_table.size(); ++i)
-    if (static_cast<std::size_t>(dtype_table[i].id) != i) return false;
-  return true;
-}(), "dtype_table is indexed by dtype");
 }  // namespace detail
 
 constexpr const dtype_info& info(dtype t) noexcept { return detail::dtype_table[static_cast<std::size_t>(t)]; }
@@ -689,14 +652,14 @@ constexpr std::optional<dtype> dtype_from_name(std::string_view n) noexcept {
 /// aliases PyTorch accepts ("float", "half", "long", "cfloat", ...).
 constexpr std::optional<dtype> dtype_from_torch_name(std::string_view n) noexcept {
   for (const auto& i : detail::dtype_table)
-    if (!i.torch_name.empty() && i.torch_name == n) return i.id;
+    if (i.torch_name == n) return i.id;
   struct alias {
     std::string_view n;
     dtype t;
   };
   constexpr alias aliases[] = {{"float", dtype::F32},  {"double", dtype::F64},    {"half", dtype::F16},
                                {"long", dtype::I64},   {"int", dtype::I32},       {"short", dtype::I16},
-                               {"cfloat", dtype::C64}, {"cdouble", dtype::C128},  {"chalf", dtype::C32}};
+                               {"cfloat", dtype::C64}, {"cdouble", dtype::C128}};
   for (const auto& a : aliases)
     if (a.n == n) return a.t;
   return std::nullopt;
@@ -902,98 +865,21 @@ constexpr float f32_from_f8e5m2(std::uint8_t x) noexcept {
   return f32_from_f16(static_cast<std::uint16_t>(static_cast<std::uint16_t>(x) << 8));
 }
 
-/// The f32 bits PyTorch 2.x decodes the NaN code of the fnuz and e8m0 formats to (a signalling
-/// NaN with payload 1; tests/interop-dtype2.cpp checks it against torch 2.14's own tables).
-inline constexpr std::uint32_t f8_fnuz_nan_f32 = 0x7f800001U;
-
-/// f32 -> float8_e4m3fnuz (bias 8, no infinities, a single NaN 0x80, no negative zero), as
-/// PyTorch 2.x: NaN, infinities and everything that rounds to 256 or beyond become 0x80; values
-/// that round to zero become +0 whatever their sign.
-constexpr std::uint8_t f8e4m3fnuz_from_f32(float f) noexcept {
-  const auto u = std::bit_cast<std::uint32_t>(f);
-  const auto sign = static_cast<std::uint8_t>((u >> 24) & 0x80U);
-  const std::uint32_t a = u & 0x7fffffffU;
-  if (a >= 0x43800000U) return 0x80;  // >= 256 (or inf/NaN)
-  const std::uint32_t r = detail::round_to_small_float(a, 3, 8);
-  if (r == 0) return 0;
-  if (r > 0x7fU) return 0x80;  // rounded up to 256
-  return static_cast<std::uint8_t>(sign | r);
-}
-
-/// f32 -> float8_e5m2fnuz (bias 16, otherwise as e4m3fnuz; largest value 57344).
-constexpr std::uint8_t f8e5m2fnuz_from_f32(float f) noexcept {
-  const auto u = std::bit_cast<std::uint32_t>(f);
-  const auto sign = static_cast<std::uint8_t>((u >> 24) & 0x80U);
-  const std::uint32_t a = u & 0x7fffffffU;
-  if (a >= 0x47800000U) return 0x80;  // >= 65536 (or inf/NaN)
-  const std::uint32_t r = detail::round_to_small_float(a, 2, 16);
-  if (r == 0) return 0;
-  if (r > 0x7fU) return 0x80;
-  return static_cast<std::uint8_t>(sign | r);
-}
-
-namespace detail {
-/// Decodes a sign-magnitude float8 with `mbits` mantissa bits and exponent bias `bias` (no special
-/// codes: the callers handle NaN), exactly.
-constexpr float f32_from_small_float(std::uint8_t x, unsigned mbits, unsigned bias) noexcept {
-  const std::uint32_t sign = static_cast<std::uint32_t>(x & 0x80U) << 24;
-  const std::uint32_t e = (x & 0x7fU) >> mbits;
-  const std::uint32_t m = x & ((1U << mbits) - 1U);
-  if (e != 0) return std::bit_cast<float>(sign | ((e + 127U - bias) << 23) | (m << (23U - mbits)));
-  // Subnormal: m * 2^(1 - bias - mbits), exact in f32; +-0 for m == 0.
-  const float mag = static_cast<float>(m) * std::bit_cast<float>((128U - bias - mbits) << 23);
-  return std::bit_cast<float>(sign | std::bit_cast<std::uint32_t>(mag));
-}
-}  // namespace detail
-
-/// float8_e4m3fnuz -> f32, exact; 0x80 is NaN (f8_fnuz_nan_f32).
-constexpr float f32_from_f8e4m3fnuz(std::uint8_t x) noexcept {
-  return x == 0x80 ? std::bit_cast<float>(f8_fnuz_nan_f32) : detail::f32_from_small_float(x, 3, 8);
-}
-/// float8_e5m2fnuz -> f32, exact; 0x80 is NaN (f8_fnuz_nan_f32).
-constexpr float f32_from_f8e5m2fnuz(std::uint8_t x) noexcept {
-  return x == 0x80 ? std::bit_cast<float>(f8_fnuz_nan_f32) : detail::f32_from_small_float(x, 2, 16);
-}
-
-/// f32 -> float8_e8m0fnu (a power of two 2^(x - 127), x in 0..254; 0xff is NaN), as PyTorch 2.x:
-/// the sign is ignored, NaN and infinities give 0xff, the exponent is rounded to nearest with
-/// ties to even where the implicit mantissa bit is the last kept bit (so a normal f32 exactly
-/// between two powers of two rounds up, a subnormal one down), and rounding past 2^127 gives 0xff.
-constexpr std::uint8_t f8e8m0_from_f32(float f) noexcept {
-  const std::uint32_t a = std::bit_cast<std::uint32_t>(f) & 0x7fffffffU;
-  const std::uint32_t e = a >> 23;
-  if (e == 0xffU) return 0xff;
-  const std::uint32_t m = a & 0x7fffffU;
-  const bool half = (m & 0x400000U) != 0, rest = (m & 0x3fffffU) != 0;
-  const std::uint32_t up = half && (rest || e != 0) ? 1U : 0U;
-  return static_cast<std::uint8_t>(e + up);  // 254 + 1 = 0xff: NaN
-}
-
-/// float8_e8m0fnu -> f32, exact: 2^(x - 127) (x = 0 is the f32 subnormal 2^-127); 0xff is NaN.
-constexpr float f32_from_f8e8m0(std::uint8_t x) noexcept {
-  if (x == 0xff) return std::bit_cast<float>(f8_fnuz_nan_f32);
-  if (x == 0) return std::bit_cast<float>(0x00400000U);
-  return std::bit_cast<float>(static_cast<std::uint32_t>(x) << 23);
-}
-
 }  // namespace statedict::inline v0
 // ---- statedict/core/cast.hpp ----
 // statedict: element-wise dtype casts over runs of (possibly misaligned) bytes.
 // SPDX-License-Identifier: MIT
 //
-// Casts that exist: any dtype to itself; between the real floating dtypes (F8_E4M3, F8_E5M2,
-// F8_E4M3FNUZ, F8_E5M2FNUZ, F8_E8M0, F16, BF16, F32, F64), rounding exactly as PyTorch (to nearest
-// even; a double narrower than f32 is first rounded to f32, as PyTorch's `Half(double)`/
-// `BFloat16(double)` do); between the complex dtypes C32, C64, C128. Integer casts are not
-// offered: a checkpoint converter must not silently change integer data; nor are casts of the
-// packed (F4_X2, F6_*_X4) and bits types, whose elements are not single numbers.
+// Casts that exist: any dtype to itself; between the real floating dtypes (F8_E4M3, F8_E5M2, F16,
+// BF16, F32, F64), rounding to nearest even exactly as PyTorch (a double narrower than f32 is first
+// rounded to f32, as PyTorch's `Half(double)`/`BFloat16(double)` do); C64 <-> C128. Integer casts are
+// not offered: a checkpoint converter must not silently change integer data.
 //
 // The bytes are those `tensor.to(dtype)` writes in PyTorch 1.13 on an x86 CPU, NaNs included
 // (tests/interop-dtype.cpp compares against tables PyTorch wrote): a NaN cast to BF16 from F32 or
 // F64 is 0xffff (ATen's vectorised kernel), from F16 or F8 0x7fc0 (c10's scalar conversion); to
 // F16 it is 0x7e00 with the sign; F16 -> F32 sets the quiet bit.
 
-#include <bit>
 #include <complex>
 #include <cstddef>
 #include <cstdint>
@@ -1064,24 +950,6 @@ struct float_codec<dtype::F8_E5M2> {
   static constexpr std::uint8_t narrow(float f, std::uint16_t /*bf16 nan*/) noexcept { return f8e5m2_from_f32(f); }
 };
 template <>
-struct float_codec<dtype::F8_E4M3FNUZ> {
-  using storage = std::uint8_t;
-  static constexpr float widen(std::uint8_t x) noexcept { return f32_from_f8e4m3fnuz(x); }
-  static constexpr std::uint8_t narrow(float f, std::uint16_t /*bf16 nan*/) noexcept { return f8e4m3fnuz_from_f32(f); }
-};
-template <>
-struct float_codec<dtype::F8_E5M2FNUZ> {
-  using storage = std::uint8_t;
-  static constexpr float widen(std::uint8_t x) noexcept { return f32_from_f8e5m2fnuz(x); }
-  static constexpr std::uint8_t narrow(float f, std::uint16_t /*bf16 nan*/) noexcept { return f8e5m2fnuz_from_f32(f); }
-};
-template <>
-struct float_codec<dtype::F8_E8M0> {
-  using storage = std::uint8_t;
-  static constexpr float widen(std::uint8_t x) noexcept { return f32_from_f8e8m0(x); }
-  static constexpr std::uint8_t narrow(float f, std::uint16_t /*bf16 nan*/) noexcept { return f8e8m0_from_f32(f); }
-};
-template <>
 struct float_codec<dtype::F64> {
   using storage = double;
 };
@@ -1133,30 +1001,7 @@ inline void cast_floats_from(const std::byte* src, dtype to, std::byte* dst, std
     case dtype::F64: return cast_floats<From, dtype::F64>(src, dst, n);
     case dtype::F8_E4M3: return cast_floats<From, dtype::F8_E4M3>(src, dst, n);
     case dtype::F8_E5M2: return cast_floats<From, dtype::F8_E5M2>(src, dst, n);
-    case dtype::F8_E4M3FNUZ: return cast_floats<From, dtype::F8_E4M3FNUZ>(src, dst, n);
-    case dtype::F8_E5M2FNUZ: return cast_floats<From, dtype::F8_E5M2FNUZ>(src, dst, n);
-    case dtype::F8_E8M0: return cast_floats<From, dtype::F8_E8M0>(src, dst, n);
     default: return;  // not floating: refused by check_cast before
-  }
-}
-
-/// complex32 (two f16) <-> complex64 / complex128, component by component as PyTorch's
-/// c10::complex<Half> conversions do (through f32). Unlike the real f32 -> f16 tensor cast, which
-/// writes every NaN as 0x7e00, this scalar conversion keeps the top 10 payload bits of a NaN
-/// (quiet bit set), as torch 2.14 does.
-inline void cast_complex_half(const std::byte* src, dtype from, std::byte* dst, dtype to, std::size_t n) noexcept {
-  for (std::size_t i = 0; i < 2 * n; ++i) {
-    if (from == dtype::C32) {
-      const float f = f32_from_f16(load_unaligned<std::uint16_t>(src + i * 2));
-      if (to == dtype::C64) store_unaligned(dst + i * 4, f);
-      else store_unaligned(dst + i * 8, static_cast<double>(f));
-    } else {
-      const float f = from == dtype::C64 ? load_unaligned<float>(src + i * 4) : static_cast<float>(load_unaligned<double>(src + i * 8));
-      const auto u = std::bit_cast<std::uint32_t>(f);
-      std::uint16_t h = f16_from_f32(f);
-      if ((u & 0x7fffffffU) > 0x7f800000U) h = static_cast<std::uint16_t>(((u >> 16) & 0x8000U) | 0x7e00U | ((u >> 13) & 0x3ffU));
-      store_unaligned(dst + i * 2, h);
-    }
   }
 }
 
@@ -1169,26 +1014,6 @@ inline void cast_complex(const std::byte* src, std::byte* dst, std::size_t n) no
   }
 }
 }  // namespace detail
-
-/// Reverses the byte order of `n` contiguous elements of dtype `t` in place: each element (each
-/// component of a complex one) of info(t).swap_unit bytes; nothing for one-byte units. Turns the
-/// elements of a big-endian file into little-endian ones (and back).
-inline void byteswap_run(dtype t, std::byte* p, std::size_t n) noexcept {
-  const std::size_t unit = info(t).swap_unit;
-  const std::size_t count = n * (itemsize(t) / unit);
-  switch (unit) {
-    case 2:
-      for (std::size_t i = 0; i < count; ++i) detail::store_unaligned(p + 2 * i, __builtin_bswap16(detail::load_unaligned<std::uint16_t>(p + 2 * i)));
-      return;
-    case 4:
-      for (std::size_t i = 0; i < count; ++i) detail::store_unaligned(p + 4 * i, __builtin_bswap32(detail::load_unaligned<std::uint32_t>(p + 4 * i)));
-      return;
-    case 8:
-      for (std::size_t i = 0; i < count; ++i) detail::store_unaligned(p + 8 * i, __builtin_bswap64(detail::load_unaligned<std::uint64_t>(p + 8 * i)));
-      return;
-    default: return;  // one-byte units: nothing to swap
-  }
-}
 
 /// Casts `n` contiguous elements from `src` (dtype `from`) to `dst` (dtype `to`), producing the bytes
 /// `tensor.to(dtype)` produces in PyTorch 1.13 on a CPU (NaN encodings included). Neither pointer
@@ -1207,16 +1032,8 @@ inline void cast_run(dtype from, const std::byte* src, dtype to, std::byte* dst,
     case dtype::F64: return cast_floats_from<dtype::F64>(src, to, dst, n);
     case dtype::F8_E4M3: return cast_floats_from<dtype::F8_E4M3>(src, to, dst, n);
     case dtype::F8_E5M2: return cast_floats_from<dtype::F8_E5M2>(src, to, dst, n);
-    case dtype::F8_E4M3FNUZ: return cast_floats_from<dtype::F8_E4M3FNUZ>(src, to, dst, n);
-    case dtype::F8_E5M2FNUZ: return cast_floats_from<dtype::F8_E5M2FNUZ>(src, to, dst, n);
-    case dtype::F8_E8M0: return cast_floats_from<dtype::F8_E8M0>(src, to, dst, n);
-    case dtype::C32: return cast_complex_half(src, from, dst, to, n);
-    case dtype::C64:
-      if (to == dtype::C32) return cast_complex_half(src, from, dst, to, n);
-      return cast_complex<float, double>(src, dst, n);
-    case dtype::C128:
-      if (to == dtype::C32) return cast_complex_half(src, from, dst, to, n);
-      return cast_complex<double, float>(src, dst, n);
+    case dtype::C64: return cast_complex<float, double>(src, dst, n);
+    case dtype::C128: return cast_complex<double, float>(src, dst, n);
     default: return;  // refused by check_cast
   }
 }
@@ -2506,17 +2323,163 @@ inline std::string sha256_hex(const TensorView& v) {
 // `verify` quotes.
 // SPDX-License-Identifier: MIT
 
+#include <algorithm>
 #include <cmath>
 #include <string>
+#include <string_view>
 
 #include <nlohmann/json.hpp>
 
 
 namespace statedict::inline v0 {
 
+namespace detail {
+
+/// Python's repr of a str: single quotes unless the text has one and no double quote, escapes for
+/// the quote, backslash, \n \r \t and other control characters (bytes that are not UTF-8 as \xNN).
+inline void repr_str(std::string& o, std::string_view s, bool is_bytes) {
+  const bool dq = s.find('\'') != std::string_view::npos && s.find('"') == std::string_view::npos;
+  const char q = dq ? '"' : '\'';
+  if (is_bytes) o += 'b';
+  o += q;
+  static constexpr char hex[] = "0123456789abcdef";
+  for (const char ch : s) {
+    const auto c = static_cast<unsigned char>(ch);
+    if (ch == q || ch == '\\') {
+      o += '\\';
+      o += ch;
+    } else if (ch == '\n') {
+      o += "\\n";
+    } else if (ch == '\r') {
+      o += "\\r";
+    } else if (ch == '\t') {
+      o += "\\t";
+    } else if (c < 0x20 || c == 0x7f || (is_bytes && c >= 0x80)) {
+      o += "\\x";
+      o += hex[c >> 4];
+      o += hex[c & 15];
+    } else {
+      o += ch;
+    }
+  }
+  o += q;
+}
+
+/// Python's repr of a float: the shortest digits that read back, with ".0" when they look like
+/// an int; nan, inf, -inf.
+inline std::string repr_float(double d) {
+  if (std::isnan(d)) return "nan";
+  if (std::isinf(d)) return d > 0 ? "inf" : "-inf";
+  std::string t = nlohmann::json(d).dump();
+  if (t.find_first_of(".eE") == std::string::npos) t += ".0";
+  return t;
+}
+
+inline void repr(std::string& o, const Value& v, std::size_t depth);
+
+inline void repr_seq(std::string& o, const List& l, std::size_t depth, const char* open, const char* close, bool tuple) {
+  o += open;
+  for (std::size_t i = 0; i < l.size(); ++i) {
+    if (i) o += ", ";
+    repr(o, l[i], depth + 1);
+  }
+  if (tuple && l.size() == 1) o += ',';
+  o += close;
+}
+
+inline void repr_dict(std::string& o, const Dict& d, std::size_t depth) {
+  o += '{';
+  bool first = true;
+  for (const auto& [k, x] : d.items()) {
+    if (!first) o += ", ";
+    first = false;
+    if (k.is_int()) o += std::to_string(k.as_int());
+    else repr_str(o, k.as_string(), false);
+    o += ": ";
+    repr(o, x, depth + 1);
+  }
+  o += '}';
+}
+
+/// An object as Python would spell its construction: `module.Name(attr=value, ...)` for an
+/// instance whose only state is its attribute dict, `module.name(args...)` for a call, with its
+/// state and items after it; `module.name` for the class or function itself.
+inline void repr_object(std::string& o, const Object& ob, std::size_t depth) {
+  o += ob.qualified();
+  if (ob.how == object_build::global) return;
+  const bool attrs = ob.args.empty() && ob.items.empty() && ob.state.size() == 1 && ob.state[0].is_dict() &&
+                     std::all_of(ob.state[0].as_dict().begin(), ob.state[0].as_dict().end(), [](const auto& kv) { return kv.first.is_string(); });
+  if (attrs) {
+    o += '(';
+    bool first = true;
+    for (const auto& [k, x] : ob.state[0].as_dict().items()) {
+      if (!first) o += ", ";
+      first = false;
+      o += k.as_string();
+      o += '=';
+      repr(o, x, depth + 1);
+    }
+    o += ')';
+    return;
+  }
+  repr_seq(o, ob.args, depth, "(", ")", false);
+  for (const Value& s : ob.state) {
+    o += " <state ";
+    repr(o, s, depth + 1);
+    o += '>';
+  }
+  if (!ob.items.empty()) {
+    o += " <items ";
+    repr_seq(o, ob.items, depth, "[", "]", false);
+    o += '>';
+  }
+}
+
+inline void repr(std::string& o, const Value& v, std::size_t depth) {
+  if (depth > 64 || o.size() > 100000) {  // a readable line, not the whole of a hostile tree
+    o += "...";
+    return;
+  }
+  switch (v.kind()) {
+    case value_kind::none: o += "None"; return;
+    case value_kind::boolean: o += v.as_bool() ? "True" : "False"; return;
+    case value_kind::integer: o += std::to_string(v.as_int()); return;
+    case value_kind::floating: o += repr_float(v.as_double()); return;
+    case value_kind::string: repr_str(o, v.as_string(), false); return;
+    case value_kind::bytes: {
+      const auto& b = v.as_bytes().data;
+      repr_str(o, std::string_view(reinterpret_cast<const char*>(b.data()), b.size()), true);
+      return;
+    }
+    case value_kind::list: repr_seq(o, v.as_list(), depth, "[", "]", false); return;
+    case value_kind::tuple: repr_seq(o, v.as_list(), depth, "(", ")", true); return;
+    case value_kind::dict: repr_dict(o, v.as_dict(), depth); return;
+    case value_kind::object: repr_object(o, v.as_object(), depth); return;
+    case value_kind::tensor: {
+      o += "tensor(";
+      o += name(v.as_tensor().dtype());
+      o += ' ';
+      o += to_string(v.as_tensor().shape());
+      o += ')';
+      return;
+    }
+  }
+}
+
+}  // namespace detail
+
+/// `v` written as Python writes values (`argparse.Namespace(lr=0.1, arch='transformer')`,
+/// `(0.9, 0.98)`, `b'\x00'`), objects spelled as calls of their class; nesting below 64 levels
+/// and text past 100,000 characters become "...". For people (inspect), not to be parsed.
+inline std::string value_repr(const Value& v) {
+  std::string o;
+  detail::repr(o, v, 0);
+  return o;
+}
+
 /// `v` as JSON: None, bool, int, float (non-finite as the strings "nan", "inf", "-inf"), str;
 /// bytes as {"bytes_hex": ...}; lists and tuples as arrays; an empty dict as {}; an opaque object
-/// as {"object": "module.name"}; a tensor as {"tensor": "[shape]"}.
+/// as {"object": "module.name", "repr": value_repr(v)}; a tensor as {"tensor": "[shape]"}.
 inline nlohmann::ordered_json value_json(const Value& v) {
   using K = value_kind;
   switch (v.kind()) {
@@ -2546,7 +2509,7 @@ inline nlohmann::ordered_json value_json(const Value& v) {
       return a;
     }
     case K::dict: return nlohmann::ordered_json::object();
-    case K::object: return nlohmann::ordered_json{{"object", v.as_object().qualified()}};
+    case K::object: return nlohmann::ordered_json{{"object", v.as_object().qualified()}, {"repr", value_repr(v)}};
     case K::tensor: return nlohmann::ordered_json{{"tensor", to_string(v.as_tensor().shape())}};
   }
   return nullptr;
@@ -6353,12 +6316,6 @@ struct FlatRange {
   friend bool operator==(const FlatRange&, const FlatRange&) = default;
 };
 
-/// The order of the bytes of each stored element (of each component, for complex dtypes).
-enum class byte_order : std::uint8_t {
-  little,  ///< what every writer writes and every tensor in memory holds
-  big,     ///< a torch.save file written on a big-endian machine (its `byteorder` record)
-};
-
 /// Where a chunk's elements are stored.
 struct Placement {
   std::uint32_t source = 0;       ///< index into the description's sources (or destinations)
@@ -6367,9 +6324,6 @@ struct Placement {
   /// empty means row-major contiguous.
   shape_t strides;
   dtype stored = dtype::F32;      ///< element type as stored; the executor casts to the logical dtype
-  /// Byte order of the stored elements; the executor swaps big-endian ones as it copies (sources
-  /// only: destinations are always little-endian).
-  byte_order order = byte_order::little;
   friend bool operator==(const Placement&, const Placement&) = default;
 };
 
@@ -6503,16 +6457,16 @@ struct dtype_entry {
 /// The reference's Dtype enum, in enum order (its writer sorts by this position, descending).
 inline constexpr std::array<dtype_entry, 22> dtype_table{{
     {"BOOL", 8, statedict::dtype::BOOL},
-    {"F4", 4, statedict::dtype::F4_X2},
-    {"F6_E2M3", 6, statedict::dtype::F6_E2M3_X4},
-    {"F6_E3M2", 6, statedict::dtype::F6_E3M2_X4},
+    {"F4", 4, std::nullopt},
+    {"F6_E2M3", 6, std::nullopt},
+    {"F6_E3M2", 6, std::nullopt},
     {"U8", 8, statedict::dtype::U8},
     {"I8", 8, statedict::dtype::I8},
     {"F8_E5M2", 8, statedict::dtype::F8_E5M2},
     {"F8_E4M3", 8, statedict::dtype::F8_E4M3},
-    {"F8_E8M0", 8, statedict::dtype::F8_E8M0},
-    {"F8_E4M3FNUZ", 8, statedict::dtype::F8_E4M3FNUZ},
-    {"F8_E5M2FNUZ", 8, statedict::dtype::F8_E5M2FNUZ},
+    {"F8_E8M0", 8, std::nullopt},
+    {"F8_E4M3FNUZ", 8, std::nullopt},
+    {"F8_E5M2FNUZ", 8, std::nullopt},
     {"I16", 16, statedict::dtype::I16},
     {"U16", 16, statedict::dtype::U16},
     {"F16", 16, statedict::dtype::F16},
@@ -6525,17 +6479,6 @@ inline constexpr std::array<dtype_entry, 22> dtype_table{{
     {"I64", 64, statedict::dtype::I64},
     {"U64", 64, statedict::dtype::U64},
 }};
-
-/// The name a dtype has in a safetensors header: name() except for the packed types, which
-/// safetensors names by their values (F4_X2 is "F4", F6_E2M3_X4 "F6_E2M3", F6_E3M2_X4 "F6_E3M2").
-constexpr std::string_view file_dtype_name(statedict::dtype t) noexcept {
-  switch (t) {
-    case statedict::dtype::F4_X2: return "F4";
-    case statedict::dtype::F6_E2M3_X4: return "F6_E2M3";
-    case statedict::dtype::F6_E3M2_X4: return "F6_E3M2";
-    default: return name(t);
-  }
-}
 
 /// Index into dtype_table of a dtype name, or -1.
 inline int dtype_index(std::string_view name) noexcept {
@@ -6568,16 +6511,10 @@ struct limits {
 /// One tensor of a file.
 struct TensorEntry {
   std::string name;
-  std::string_view dtype_name;             ///< the reference's name ("F32", "F4", ...)
-  /// statedict's dtype; nullopt when statedict cannot hold the tensor (a packed dtype whose last
-  /// dimension does not split into whole elements: see unsupported_reason()).
-  std::optional<statedict::dtype> dtype;
+  std::string_view dtype_name;             ///< the reference's name ("F32", "F8_E8M0", ...)
+  std::optional<statedict::dtype> dtype;   ///< nullopt for the dtypes statedict lacks (see dtype_table)
   std::uint8_t dtype_bits = 0;
-  /// The shape in statedict's elements: the header's, except for the packed dtypes (F4, F6_*),
-  /// whose last dimension counts values in the header and elements (2 or 4 values) here, as
-  /// PyTorch's float4_e2m1fn_x2 does. `file_shape` is the header's.
   shape_t shape;
-  shape_t file_shape;
   std::uint64_t begin = 0;  ///< byte offsets relative to the data section (data_offsets)
   std::uint64_t end = 0;
   [[nodiscard]] std::uint64_t nbytes() const noexcept { return end - begin; }
@@ -6587,14 +6524,6 @@ struct open_options {
   read_mode mode = read_mode::mmap;
   limits lim{};
 };
-
-/// Why statedict cannot hold entry `e` (its dtype is nullopt).
-inline std::string unsupported_reason(const TensorEntry& e) {
-  const int values = e.dtype_bits == 4 ? 2 : 4;
-  return std::string(e.dtype_name) + to_string(e.file_shape) + ": statedict holds " + std::string(e.dtype_name) +
-         " values in elements of " + std::to_string(values) + " (as PyTorch's float4_e2m1fn_x2 holds 2), so the last dimension must be a multiple of " +
-         std::to_string(values);
-}
 
 }  // namespace safetensors
 }  // namespace statedict::inline v0
@@ -7282,7 +7211,9 @@ class File {
   /// The tensor as a view. Mapped or in-memory sources: zero copy, the view keeps the mapping
   /// alive. pread sources: the bytes are read now into a fresh aligned buffer.
   [[nodiscard]] TensorView view(const TensorEntry& e) const {
-    if (!e.dtype) throw_error(errors::st_unsupported_dtype, "file " + quote(name()) + ": tensor " + quote(e.name), unsupported_reason(e));
+    if (!e.dtype)
+      throw_error(errors::st_unsupported_dtype, "file " + quote(name()) + ": tensor " + quote(e.name),
+                  "dtype " + std::string(e.dtype_name) + " is valid safetensors but statedict has no such dtype");
     const std::uint64_t off = data_offset() + e.begin;
     if (const std::byte* base = s_->source->data())
       return TensorView::contiguous(*e.dtype, e.shape, base + off, s_->source->owner());
@@ -7365,7 +7296,9 @@ class File {
 
  private:
   [[nodiscard]] TensorInfo info_of(const TensorEntry& e, const std::string& as) const {
-    if (!e.dtype) throw_error(errors::st_unsupported_dtype, "file " + quote(name()) + ": tensor " + quote(e.name), unsupported_reason(e));
+    if (!e.dtype)
+      throw_error(errors::st_unsupported_dtype, "file " + quote(name()) + ": tensor " + quote(e.name),
+                  "dtype " + std::string(e.dtype_name) + " is valid safetensors but statedict has no such dtype");
     TensorInfo t;
     t.name = as;
     t.dtype = *e.dtype;
@@ -7462,14 +7395,6 @@ class File {
                         " bytes, data_offsets give " + std::to_string(e.end - e.begin));
       if (numel > max_size)
         throw_error(errors::st_overflow, at_(), "element count " + std::to_string(numel) + " exceeds 2^63-1");
-    }
-    // The packed dtypes in statedict's elements (the last dimension divided by the values per element).
-    for (TensorEntry& e : st.entries) {
-      e.file_shape = e.shape;
-      if (!e.dtype || info(*e.dtype).packed == 1) continue;
-      const auto per = static_cast<dim_t>(info(*e.dtype).packed);
-      if (e.shape.empty() || e.shape.back() % per != 0) e.dtype.reset();
-      else e.shape.back() /= per;
     }
     const std::uint64_t data_len = len - 8 - n;
     if (start != data_len)
@@ -7583,11 +7508,7 @@ inline Layout layout(std::span<const TensorSpec> specs, const std::optional<std:
       rank[i] = info(s.dtype).safetensors_rank;
       if (rank[i] < 0)
         throw_error(errors::st_write_dtype, detail::where_tensor(s.name),
-                    std::string(name(s.dtype)) + " cannot be stored in safetensors (it has no such dtype)");
-      if (info(s.dtype).packed != 1 && s.shape.empty())
-        throw_error(errors::st_write_dtype, detail::where_tensor(s.name),
-                    "a 0-d " + std::string(name(s.dtype)) + " tensor: safetensors counts " + std::string(file_dtype_name(s.dtype)) +
-                        " values in the last dimension, which a 0-d tensor does not have");
+                    std::string(name(s.dtype)) + " cannot be stored in safetensors");
       if (s.name == "__metadata__")
         throw_error(errors::st_write_name, detail::where_tensor(s.name), "the name is reserved for the metadata");
       if (!detail::valid_utf8(s.name)) throw_error(errors::st_write_name, detail::where_tensor(s.name), "the name is not UTF-8");
@@ -7628,13 +7549,11 @@ inline Layout layout(std::span<const TensorSpec> specs, const std::optional<std:
     first = false;
     detail::append_json_string(h, s.name);
     h += ":{\"dtype\":\"";
-    h += file_dtype_name(s.dtype);
+    h += name(s.dtype);
     h += "\",\"shape\":[";
     for (std::size_t d = 0; d < s.shape.size(); ++d) {
       if (d) h += ',';
-      std::uint64_t dim = static_cast<std::uint64_t>(s.shape[d]);
-      if (d + 1 == s.shape.size()) dim = checked_mul(dim, info(s.dtype).packed, "packed last dimension");  // values, not elements
-      detail::append_uint(h, dim);
+      detail::append_uint(h, static_cast<std::uint64_t>(s.shape[d]));
     }
     h += "],\"data_offsets\":[";
     detail::append_uint(h, offset);
@@ -7747,7 +7666,6 @@ inline constexpr error_id hf_unlisted_tensor     {355, error_kind::format,   "hf
 inline constexpr error_id hf_bad_shard_name      {356, error_kind::security, "hf.bad_shard_name"};      // a path, not a file name
 inline constexpr error_id hf_not_a_checkpoint    {357, error_kind::usage,    "hf.not_a_checkpoint"};
 inline constexpr error_id hf_bad_max_shard_size  {358, error_kind::usage,    "hf.bad_max_shard_size"};
-inline constexpr error_id hf_shard_content       {335, error_kind::format,   "hf.shard_content"};       // a shard holding more than named tensors
 // clang-format on
 }  // namespace errors
 
@@ -7757,10 +7675,6 @@ namespace hf {
 inline constexpr std::uint64_t default_max_shard_size = 5'000'000'000;
 inline constexpr std::string_view index_name = "model.safetensors.index.json";
 inline constexpr std::string_view single_name = "model.safetensors";
-/// transformers' torch.save shards (`save_pretrained(safe_serialization=False)`, most older Hub
-/// checkpoints): `pytorch_model-0000k-of-0000n.bin` and this index, or one `pytorch_model.bin`.
-inline constexpr std::string_view bin_index_name = "pytorch_model.bin.index.json";
-inline constexpr std::string_view bin_single_name = "pytorch_model.bin";
 
 /// Parses a maximum shard size as huggingface_hub's `parse_size_to_int` does: a number (Python
 /// float syntax: "5", "1.5", "2e3") followed by one of the decimal units KB, MB, GB, TB (any
@@ -7984,62 +7898,6 @@ struct open_options {
   std::uint64_t max_index_bytes = 100'000'000;
 };
 
-/// An index file's content: the shard files in order of first appearance and each weight_map
-/// entry's file, validated (names are plain file names), and its "metadata" object.
-struct Index {
-  std::vector<std::string> files;
-  std::vector<std::pair<std::string, std::size_t>> listed;  ///< (tensor, index into files), weight_map order
-  nlohmann::ordered_json metadata = nlohmann::ordered_json::object();
-};
-
-/// Reads and validates an index file (`at` names it in errors): JSON within max_index_bytes, no
-/// duplicate keys, a "weight_map" object of strings that are plain file names.
-inline Index read_index(const std::filesystem::path& path, const open_options& opt, const std::string& at) {
-  auto f = InputFile::open(path, read_mode::pread);
-  if (f->size() > opt.max_index_bytes)
-    throw_error(errors::hf_index_json, at,
-                "index of " + std::to_string(f->size()) + " bytes exceeds the cap of " + std::to_string(opt.max_index_bytes) +
-                    " (open_options::max_index_bytes)");
-  std::string text(static_cast<std::size_t>(f->size()), '\0');
-  f->read(0, std::as_writable_bytes(std::span<char>(text.data(), text.size())));
-  // Duplicate keys are refused (Python's json keeps the last one silently).
-  std::vector<std::unordered_set<std::string>> keys;
-  auto cb = [&](int depth, nlohmann::ordered_json::parse_event_t ev, nlohmann::ordered_json& parsed) {
-    using ev_t = nlohmann::ordered_json::parse_event_t;
-    if (depth > 127) throw_error(errors::hf_index_json, at, "JSON nested deeper than 127 levels");
-    if (ev == ev_t::object_start) keys.emplace_back();
-    else if (ev == ev_t::object_end && !keys.empty()) keys.pop_back();
-    else if (ev == ev_t::key && !keys.empty() && !keys.back().insert(parsed.get<std::string>()).second)
-      throw_error(errors::hf_index_duplicate, at, "key " + quote(parsed.get<std::string>()) + " appears twice in one object");
-    return true;
-  };
-  nlohmann::ordered_json index;
-  try {
-    index = nlohmann::ordered_json::parse(text, cb);
-  } catch (const nlohmann::json::exception& e) {
-    throw_error(errors::hf_index_json, at, "invalid JSON: " + safetensors::detail::sanitize_message(e.what()));
-  }
-  if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
-    throw_error(errors::hf_index_schema, at, "expected an object with a \"weight_map\" object");
-  Index out;
-  if (index.contains("metadata")) {
-    if (!index["metadata"].is_object()) throw_error(errors::hf_index_schema, at, "\"metadata\" is not an object");
-    out.metadata = index["metadata"];
-  }
-  std::unordered_map<std::string, std::size_t> file_index;
-  for (const auto& [name, file] : index["weight_map"].items()) {
-    if (!file.is_string()) throw_error(errors::hf_index_schema, at + ": weight_map " + quote(name), "the file name is not a string");
-    const std::string& fn = file.get_ref<const std::string&>();
-    if (fn.empty() || fn == "." || fn == ".." || fn.find('/') != std::string::npos || fn.find('\0') != std::string::npos)
-      throw_error(errors::hf_bad_shard_name, at + ": weight_map " + quote(name),
-                  "shard " + quote(fn) + " is not a plain file name in the checkpoint directory");
-    auto [it, fresh] = file_index.emplace(fn, file_index.size());
-    if (fresh) out.files.push_back(fn);
-    out.listed.emplace_back(name, it->second);
-  }
-  return out;
-}
-
 /// A Hugging Face checkpoint: all shards as one map. Copies share the files.
 class Checkpoint {
  public:
@@ -8127,7 +7985,8 @@ class Checkpoint {
       const safetensors::File& f = files_[i.file];
       const safetensors::TensorEntry& e = *i.entry;
       if (!e.dtype)
-        throw_error(errors::st_unsupported_dtype, "file " + quote(f.name()) + ": tensor " + quote(e.name), safetensors::unsupported_reason(e));
+        throw_error(errors::st_unsupported_dtype, "file " + quote(f.name()) + ": tensor " + quote(e.name),
+                    "dtype " + std::string(e.dtype_name) + " is valid safetensors but statedict has no such dtype");
       TensorInfo t;
       t.name = i.name;
       t.dtype = *e.dtype;
@@ -8161,10 +8020,29 @@ class Checkpoint {
 
   void open_index(const open_options& opt) {
     const std::string at = where();
-    Index index = read_index(index_path_, opt, at);
-    index_metadata_ = std::move(index.metadata);
-    names_ = std::move(index.files);
-    const std::vector<std::pair<std::string, std::size_t>>& listed = index.listed;
+    const nlohmann::ordered_json index = read_index(opt);
+    if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
+      throw_error(errors::hf_index_schema, at, "expected an object with a \"weight_map\" object");
+    if (index.contains("metadata")) {
+      if (!index["metadata"].is_object()) throw_error(errors::hf_index_schema, at, "\"metadata\" is not an object");
+      index_metadata_ = index["metadata"];
+    } else {
+      index_metadata_ = nlohmann::ordered_json::object();
+    }
+    // Shard files in order of first appearance.
+    std::unordered_map<std::string, std::size_t> file_index;
+    std::vector<std::pair<std::string, std::size_t>> listed;  // (tensor, file)
+    for (const auto& [name, file] : index["weight_map"].items()) {
+      if (!file.is_string())
+        throw_error(errors::hf_index_schema, at + ": weight_map " + quote(name), "the file name is not a string");
+      const std::string& fn = file.get_ref<const std::string&>();
+      if (fn.empty() || fn == "." || fn == ".." || fn.find('/') != std::string::npos || fn.find('\0') != std::string::npos)
+        throw_error(errors::hf_bad_shard_name, at + ": weight_map " + quote(name),
+                    "shard " + quote(fn) + " is not a plain file name in the checkpoint directory");
+      auto [it, fresh] = file_index.emplace(fn, file_index.size());
+      if (fresh) names_.push_back(fn);
+      listed.emplace_back(name, it->second);
+    }
     for (const auto& fn : names_) {
       try {
         files_.push_back(safetensors::File::open(dir_ / fn, {opt.mode, opt.lim}));
@@ -8221,6 +8099,33 @@ class Checkpoint {
       metadata_[k] = v.is_string() ? v.get<std::string>() : v.dump();
     }
     index_names();
+  }
+
+  nlohmann::ordered_json read_index(const open_options& opt) const {
+    const std::string at = where();
+    auto f = InputFile::open(index_path_, read_mode::pread);
+    if (f->size() > opt.max_index_bytes)
+      throw_error(errors::hf_index_json, at,
+                  "index of " + std::to_string(f->size()) + " bytes exceeds the cap of " + std::to_string(opt.max_index_bytes) +
+                      " (open_options::max_index_bytes)");
+    std::string text(static_cast<std::size_t>(f->size()), '\0');
+    f->read(0, std::as_writable_bytes(std::span<char>(text.data(), text.size())));
+    // Duplicate keys are refused (Python's json keeps the last one silently).
+    std::vector<std::unordered_set<std::string>> keys;
+    auto cb = [&](int depth, nlohmann::ordered_json::parse_event_t ev, nlohmann::ordered_json& parsed) {
+      using ev_t = nlohmann::ordered_json::parse_event_t;
+      if (depth > 127) throw_error(errors::hf_index_json, at, "JSON nested deeper than 127 levels");
+      if (ev == ev_t::object_start) keys.emplace_back();
+      else if (ev == ev_t::object_end && !keys.empty()) keys.pop_back();
+      else if (ev == ev_t::key && !keys.empty() && !keys.back().insert(parsed.get<std::string>()).second)
+        throw_error(errors::hf_index_duplicate, at, "key " + quote(parsed.get<std::string>()) + " appears twice in one object");
+      return true;
+    };
+    try {
+      return nlohmann::ordered_json::parse(text, cb);
+    } catch (const nlohmann::json::exception& e) {
+      throw_error(errors::hf_index_json, at, "invalid JSON: " + safetensors::detail::sanitize_message(e.what()));
+    }
   }
 
   void index_names() {
@@ -8457,8 +8362,7 @@ inline bool crc32_accelerated() noexcept {
 
 }  // namespace statedict::inline v0::zip
 // ---- statedict/io/zip.hpp ----
-// statedict: zip archives of stored entries, as torch.save writes them (and deflated ones, as
-// other zip tools may rewrite them).
+// statedict: zip archives of stored (uncompressed) entries, as torch.save writes them.
 // SPDX-License-Identifier: MIT
 //
 // Reading: `zip::Archive::open(source)` reads the end-of-central-directory record (and the ZIP64
@@ -8468,10 +8372,9 @@ inline bool crc32_accelerated() noexcept {
 // archive embedded at an offset inside a larger file (a DCP item); data in front of the archive is
 // also tolerated (offsets are then rebased, as Python's zipfile does). Inputs are hostile: every
 // offset and size is checked against the source, counts are capped (`zip::limits`), ZIP64 fields
-// are validated, names are checked, and encrypted entries or compression methods other than
-// DEFLATE give an error naming the entry when read. A deflated entry is inflated into memory
-// (io/inflate.hpp, zlib) within `limits::max_inflated_bytes`. CRC verification is optional
-// (`read_options::verify_crc`, off by default: torch can write archives without CRCs).
+// are validated, names are checked, and compressed or encrypted entries give an error naming the
+// entry when read. CRC verification is optional (`read_options::verify_crc`, off by default:
+// torch can write archives without CRCs).
 //
 // Writing: the layout is computed up front from the entry names and sizes (`zip::plan`), exactly
 // as torch's writer (miniz with ZIP64 always on) places them: a local header with zero CRC and
@@ -8483,7 +8386,6 @@ inline bool crc32_accelerated() noexcept {
 // is the simple sequential streaming form.
 
 #include <algorithm>
-#include <atomic>
 #include <cstddef>
 #include <cstring>
 #include <cstdint>
@@ -8495,103 +8397,6 @@ inline bool crc32_accelerated() noexcept {
 #include <utility>
 #include <vector>
 
-// ---- statedict/io/inflate.hpp ----
-// statedict: raw DEFLATE streams (zip compression method 8) inflated with zlib.
-// SPDX-License-Identifier: MIT
-//
-// torch.save stores every record uncompressed, but an archive rewritten by another zip tool (or
-// by Python's zipfile with ZIP_DEFLATED) has deflated records, and torch.load reads them. Such a
-// record cannot be a view of the file: it is inflated into memory, into a buffer of exactly the
-// size the central directory declares (io/zip.hpp caps the total with
-// zip::limits::max_inflated_bytes before anything is allocated). The input is hostile: a stream
-// that is corrupt, ends early, or would inflate to more or fewer bytes than declared is an error
-// naming the entry; nothing is written past the buffer.
-
-#include <zlib.h>
-
-#include <algorithm>
-#include <climits>
-#include <cstddef>
-#include <cstdint>
-#include <new>
-#include <span>
-#include <string>
-
-
-namespace statedict::inline v0 {
-
-namespace errors {
-// clang-format off
-inline constexpr error_id zip_bad_deflate {417, error_kind::format, "zip.bad_deflate"};    // corrupt or truncated stream, wrong size
-inline constexpr error_id zip_inflate_limit{418, error_kind::limit, "zip.inflate_limit"};  // zip::limits::max_inflated_bytes
-// clang-format on
-}  // namespace errors
-
-namespace zip {
-
-/// Inflates the raw DEFLATE stream `in` (no zlib or gzip header, as zip stores it) into `out`,
-/// which it must fill exactly: a stream that ends before `out` is full, holds more, is corrupt,
-/// or runs past the end of `in` is errors::zip_bad_deflate, with `where` as the context.
-inline void inflate_raw(std::span<const std::byte> in, std::span<std::byte> out, const std::string& where) {
-  z_stream zs{};
-  if (inflateInit2(&zs, -MAX_WBITS) != Z_OK) throw std::bad_alloc();
-  struct closer {
-    z_stream* z;
-    ~closer() { inflateEnd(z); }
-  } close_it{&zs};
-  constexpr std::size_t step = std::size_t{1} << 30;  // zlib counts in uInt: feed it at most 1 GiB at a time
-  std::size_t in_done = 0, out_done = 0;
-  for (;;) {
-    if (zs.avail_in == 0 && in_done < in.size()) {
-      const std::size_t k = std::min(step, in.size() - in_done);
-      // zlib's next_in is not const-qualified before 1.2.12's Z_CONST builds; it only reads it.
-      zs.next_in = reinterpret_cast<Bytef*>(const_cast<std::byte*>(in.data() + in_done));
-      zs.avail_in = static_cast<uInt>(k);
-      in_done += k;
-    }
-    if (zs.avail_out == 0 && out_done < out.size()) {
-      const std::size_t k = std::min(step, out.size() - out_done);
-      zs.next_out = reinterpret_cast<Bytef*>(out.data() + out_done);
-      zs.avail_out = static_cast<uInt>(k);
-      out_done += k;
-    }
-    const uInt in_before = zs.avail_in, out_before = zs.avail_out;
-    // With no room left, a 1-byte scratch buffer tells a stream that has more (an error) from one
-    // whose end-of-stream block is all that remains.
-    unsigned char spill = 0;
-    const bool full = zs.avail_out == 0;
-    if (full) {
-      zs.next_out = &spill;
-      zs.avail_out = 1;
-    }
-    const int rc = inflate(&zs, Z_NO_FLUSH);
-    if (full && zs.avail_out == 0)
-      throw_error(errors::zip_bad_deflate, where, "inflates to more than its declared " + std::to_string(out.size()) + " bytes");
-    if (full) zs.avail_out = 0;
-    if (rc == Z_STREAM_END) {
-      const std::uint64_t produced = zs.total_out;
-      if (produced != out.size() || zs.avail_out != 0)
-        throw_error(errors::zip_bad_deflate, where,
-                    "inflates to " + std::to_string(produced) + " bytes, its declared size is " + std::to_string(out.size()));
-      return;
-    }
-    if (rc == Z_MEM_ERROR) throw std::bad_alloc();
-    if (rc == Z_NEED_DICT || rc == Z_DATA_ERROR || rc == Z_STREAM_ERROR)
-      throw_error(errors::zip_bad_deflate, where,
-                  std::string("corrupt DEFLATE stream (") + (zs.msg != nullptr ? zs.msg : "zlib error") + ")");
-    const bool no_progress = zs.avail_in == in_before && (full || zs.avail_out == out_before);
-    if (rc == Z_BUF_ERROR || no_progress) {
-      if (zs.avail_in == 0 && in_done == in.size())
-        throw_error(errors::zip_bad_deflate, where, "the DEFLATE stream ends before its end-of-stream block");
-      const bool can_feed = zs.avail_in == 0 && in_done < in.size();
-      const bool can_drain = !full && zs.avail_out == 0 && out_done < out.size();
-      if (!can_feed && !can_drain) throw_error(errors::zip_bad_deflate, where, "the DEFLATE stream makes no progress");
-    }
-  }
-}
-
-}  // namespace zip
-}  // namespace statedict::inline v0
 
 namespace statedict::inline v0 {
 
@@ -8627,10 +8432,6 @@ struct limits {
   std::uint64_t max_entries = 1U << 20;
   /// Bytes of central directory read into memory.
   std::uint64_t max_central_directory_bytes = std::uint64_t{256} << 20;
-  /// Bytes of deflated entries one archive inflates into memory, over all its entries (checked
-  /// against each entry's declared size before anything is allocated). Deflated records cannot be
-  /// views of the file; torch.save never writes them, another zip tool may.
-  std::uint64_t max_inflated_bytes = std::uint64_t{4} << 30;
 };
 
 struct read_options {
@@ -8655,7 +8456,6 @@ struct Entry {
   std::uint16_t method = 0;         ///< 0 stored, 8 deflate, ...
   std::uint16_t flags = 0;
   [[nodiscard]] bool stored() const noexcept { return method == 0; }
-  [[nodiscard]] bool deflated() const noexcept { return method == 8; }
 };
 
 namespace detail {
@@ -8739,73 +8539,26 @@ class Archive {
     throw_error(errors::zip_missing_entry, detail::where(*source_), "no entry " + quote(name));
   }
 
-  /// The bytes of an entry: for a stored entry, zero-copy when the source is addressable; a
-  /// deflated one is inflated into memory (counted against limits::max_inflated_bytes). Throws for
-  /// other methods or encrypted entries, and on a CRC mismatch when verify_crc is set.
+  /// The stored bytes of an entry, zero-copy when the source is addressable. Throws for
+  /// compressed or encrypted entries, and on a CRC mismatch when verify_crc is set.
   [[nodiscard]] Region read(const Entry& e) const {
-    check_extractable(e);
-    if (e.stored()) {
-      Region r = read_region(*source_, located(e), e.size);
-      if (options_.verify_crc) verify(e, r);
-      return r;
-    }
-    auto buf = std::make_shared<std::vector<std::byte>>();
-    claim_inflated(e);
-    buf->resize(static_cast<std::size_t>(e.size));
-    extract(e, *buf);
-    const std::byte* p = buf->data();
-    return Region{p, e.size, std::move(buf)};
+    check_readable(e);
+    if (e.data_offset == 0)  // a local header takes 30 bytes or more: 0 is "not read yet"
+      fail(errors::zip_bad_local_header, "entry " + quote(e.name) + ": its local header was not read (defer_local_headers)");
+    Region r = read_region(*source_, e.data_offset, e.size);
+    if (options_.verify_crc) verify(e, r);
+    return r;
   }
   [[nodiscard]] Region read(std::string_view name) const { return read(at(name)); }
 
-  /// Writes the bytes of entry `e` (stored or deflated) into `out`, which must hold e.size bytes;
-  /// verifies the CRC when verify_crc is set. The caller accounts for the memory: claim_inflated()
-  /// for a deflated entry.
-  void extract(const Entry& e, std::span<std::byte> out) const {
-    check_extractable(e);
-    if (out.size() != e.size)
-      throw_error(errors::out_of_range, detail::where(*source_), "entry " + quote(e.name) + ": a buffer of " + std::to_string(out.size()) +
-                                                                    " bytes for " + std::to_string(e.size));
-    if (e.stored()) {
-      source_->read(located(e), out);
-    } else {
-      const Region packed = read_region(*source_, located(e), e.compressed_size);
-      inflate_raw(packed.span(), out, detail::where(*source_) + ": entry " + quote(e.name));
-    }
-    if (options_.verify_crc) verify(e, Region{out.data(), out.size(), {}});
-  }
-
-  /// Counts a deflated entry's size against limits::max_inflated_bytes (the total over the
-  /// archive); throws errors::zip_inflate_limit beyond it.
-  void claim_inflated(const Entry& e) const {
-    const std::uint64_t cap = options_.limits.max_inflated_bytes;
-    std::uint64_t before = inflated_->load();
-    do {
-      if (e.size > cap || before > cap - e.size)
-        throw_error(errors::zip_inflate_limit, detail::where(*source_),
-                    "entry " + quote(e.name) + " inflates to " + std::to_string(e.size) + " bytes; with the " + std::to_string(before) +
-                        " already inflated that exceeds limits::max_inflated_bytes (" + std::to_string(cap) + ")");
-    } while (!inflated_->compare_exchange_weak(before, before + e.size));
-  }
-  /// Bytes of deflated entries inflated so far (claim_inflated()).
-  [[nodiscard]] std::uint64_t inflated_bytes() const noexcept { return inflated_->load(); }
-
-  /// Throws unless `e` is a stored, unencrypted entry: one whose bytes can be used in place.
+  /// Throws unless `e` is a stored, unencrypted entry (what read() needs).
   void check_readable(const Entry& e) const {
-    check_extractable(e);
+    if (e.flags & 1U)
+      throw_error(errors::zip_encrypted_entry, detail::where(*source_), "entry " + quote(e.name) + " is encrypted");
     if (!e.stored())
       throw_error(errors::zip_compressed_entry, detail::where(*source_),
                   "entry " + quote(e.name) + " is compressed (method " + std::to_string(e.method) +
-                      "); only stored entries can be read in place, as torch.save writes them");
-  }
-  /// Throws unless `e` is unencrypted and stored or deflated (what read() and extract() handle).
-  void check_extractable(const Entry& e) const {
-    if (e.flags & 1U)
-      throw_error(errors::zip_encrypted_entry, detail::where(*source_), "entry " + quote(e.name) + " is encrypted");
-    if (!e.stored() && !e.deflated())
-      throw_error(errors::zip_compressed_entry, detail::where(*source_),
-                  "entry " + quote(e.name) + " is compressed with method " + std::to_string(e.method) +
-                      "; statedict reads stored (0) and deflated (8) entries");
+                      "); only stored entries can be read without copying, as torch.save writes them");
   }
 
   /// Every entry's data offset, in entries() order, from the local headers (the central
@@ -8867,13 +8620,6 @@ class Archive {
     std::vector<std::byte> buf(static_cast<std::size_t>(header_end(e) - e.header_offset));
     source_->peek(e.header_offset, buf);
     entries_[i].data_offset = locate_data(e, buf.data());
-  }
-
-  /// The entry's data offset; throws when its local header was not read yet.
-  [[nodiscard]] std::uint64_t located(const Entry& e) const {
-    if (e.data_offset == 0)  // a local header takes 30 bytes or more: 0 is "not read yet"
-      fail(errors::zip_bad_local_header, "entry " + quote(e.name) + ": its local header was not read (defer_local_headers)");
-    return e.data_offset;
   }
 
   /// Checks the CRC-32 of an entry's bytes against the central directory.
@@ -9121,9 +8867,6 @@ class Archive {
 
   std::shared_ptr<const ByteSource> source_;
   read_options options_{};
-  /// Bytes of deflated entries inflated (claim_inflated); shared by moved-from copies, atomic so
-  /// that threads reading entries of one archive count them together.
-  std::shared_ptr<std::atomic<std::uint64_t>> inflated_ = std::make_shared<std::atomic<std::uint64_t>>(0);
   std::vector<Entry> entries_;
   [[nodiscard]] static std::uint32_t name_hash(std::string_view s) noexcept {
     return statedict::detail::hash_index::mix(std::hash<std::string_view>{}(s));
@@ -9472,12 +9215,16 @@ class Writer {
 // statedict: a safe unpickler (protocols 0-5 opcodes; what torch.save and DCP metadata use).
 // SPDX-License-Identifier: MIT
 //
-// `pickle::load(bytes, options)` turns a pickle into a Value tree and never executes anything.
-// Every GLOBAL is looked up in a registry modelled on torch.load(weights_only=True)
-// (`pickle::Registry::weights_only()`); a global that is not there is a security_error naming
-// `module.name`, unless `options.keep_unknown_objects` is set, in which case unknown objects are
-// kept as opaque `Object` nodes (class, args, state, items) - still never called. Modules that
-// only ever mean code execution (os, posix, nt, sys, subprocess, ...) are refused even then.
+// `pickle::load(bytes, options)` turns a pickle into a Value tree and never executes anything:
+// no module is imported, no pickled callable is called. Every GLOBAL is looked up in a registry
+// (`pickle::Registry::weights_only()`): the globals torch.load(weights_only=True) accepts, which
+// statedict interprets as data, and rules that read well-known objects beyond that list as data
+// (numpy arrays, dtypes and scalars; protocol 0/1 objects made by copyreg._reconstructor). Any
+// other global is an object: REDUCE / NEWOBJ / BUILD of it make an `Object` node (class name,
+// arguments, state, items), never a call. `options.keep_unknown_objects = false` refuses such
+// globals instead (a security_error naming `module.name`), as torch.load(weights_only=True) does,
+// and then the rules beyond torch's list are refused too. Modules that only ever mean code
+// execution (os, posix, nt, sys, subprocess, ...) are refused either way.
 //
 // How globals become Values (docs/torch-files.md has the full table):
 //   collections.OrderedDict()            -> Dict (a BUILD setting attributes such as `_metadata`
@@ -9488,12 +9235,17 @@ class Writer {
 //   torch.Size(tuple)                    -> tuple of ints
 //   builtins.set / frozenset             -> Object builtins.set / frozenset with `items`
 //   builtins.bytearray, BYTEARRAY8       -> Object builtins.bytearray, args [Bytes]
-//   ints beyond int64 (LONG1/LONG4)      -> Object builtins.int, args [Bytes: minimal
+//   ints beyond int64 (LONG1/LONG4/text) -> Object builtins.int, args [Bytes: minimal
 //                                           little-endian two's complement]
 //   dicts with keys other than int/str   -> Object builtins.dict (collections.OrderedDict when it
 //                                           was one), items = (key, value) tuples
+//   numpy ndarray (_reconstruct + BUILD,  -> a tensor (io/detail/pickle_numpy.hpp: which dtypes,
+//   _frombuffer), numpy scalars             in place or copied); other numpy objects stay Objects
+//   copyreg._reconstructor(cls, object,  -> Object cls, how = newobj (what protocol 2 writes as
+//   None)                                   NEWOBJ), its BUILD state kept
 //   any other allowed global, referenced -> Object, how = global (torch.float32, torch.Tensor)
 //   any other allowed global, called     -> Object, how = reduce / newobj (torch.device('cpu'))
+//   any other global                     -> the same Object forms (data, never called)
 // The torch layer (io/torch_file.hpp) adds the tensor rebuild functions and storages.
 //
 // Hostile input: every length is checked against the bytes left before anything is allocated,
@@ -9519,6 +9271,172 @@ class Writer {
 #include <utility>
 #include <vector>
 
+// ---- statedict/io/detail/pickle_text.hpp ----
+// statedict: the text operands of pickle protocols 0 and 1 (io/pickle_read.hpp is the public
+// header): decimal integers of any size (INT, LONG), quoted byte strings (STRING) and
+// raw-unicode-escape text (UNICODE), decoded as Python's unpickler decodes them.
+// SPDX-License-Identifier: MIT
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace statedict::inline v0::pickle::detail {
+
+/// A decimal integer (optional '+' or '-', then digits) as little-endian two's complement bytes,
+/// one sign byte more than needed at most (normalise_long trims them). False for anything that is
+/// not such a number. The caller bounds the text's length first: the work is quadratic in it.
+inline bool decimal_to_long(std::string_view s, std::vector<std::uint8_t>& out) {
+  out.clear();
+  bool negative = false;
+  if (!s.empty() && (s[0] == '+' || s[0] == '-')) {
+    negative = s[0] == '-';
+    s.remove_prefix(1);
+  }
+  if (s.empty()) return false;
+  std::vector<std::uint8_t> mag;  // magnitude, little-endian base 256
+  for (const char ch : s) {
+    if (ch < '0' || ch > '9') return false;
+    unsigned carry = static_cast<unsigned>(ch - '0');
+    for (std::uint8_t& b : mag) {
+      const unsigned v = b * 10U + carry;
+      b = static_cast<std::uint8_t>(v & 0xFFU);
+      carry = v >> 8;
+    }
+    while (carry) {
+      mag.push_back(static_cast<std::uint8_t>(carry & 0xFFU));
+      carry >>= 8;
+    }
+  }
+  mag.push_back(0);  // room for the sign bit
+  if (negative) {    // two's complement: invert, add one
+    unsigned carry = 1;
+    for (std::uint8_t& b : mag) {
+      const unsigned v = (~static_cast<unsigned>(b) & 0xFFU) + carry;
+      b = static_cast<std::uint8_t>(v & 0xFFU);
+      carry = v >> 8;
+    }
+  }
+  out = std::move(mag);
+  return true;
+}
+
+inline int hex_digit(char c) noexcept {
+  if (c >= '0' && c <= '9') return c - '0';
+  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+  if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+  return -1;
+}
+
+/// The escapes of a Python bytes literal (codecs.escape_decode, what STRING's operand holds
+/// between its quotes): \\ \' \" \a \b \f \n \r \t \v, \<newline> (nothing), up to three octal
+/// digits (the low 8 bits of their value), \xhh; a backslash before anything else stays, as the
+/// character after it. False for a trailing backslash or \x without two hex digits.
+inline bool escape_decode(std::string_view s, std::string& out) {
+  out.clear();
+  out.reserve(s.size());
+  for (std::size_t i = 0; i < s.size();) {
+    const char c = s[i++];
+    if (c != '\\') {
+      out += c;
+      continue;
+    }
+    if (i == s.size()) return false;
+    const char e = s[i++];
+    switch (e) {
+      case '\n': break;
+      case '\\': out += '\\'; break;
+      case '\'': out += '\''; break;
+      case '"': out += '"'; break;
+      case 'a': out += '\a'; break;
+      case 'b': out += '\b'; break;
+      case 'f': out += '\f'; break;
+      case 'n': out += '\n'; break;
+      case 'r': out += '\r'; break;
+      case 't': out += '\t'; break;
+      case 'v': out += '\v'; break;
+      case 'x': {
+        if (s.size() - i < 2) return false;
+        const int hi = hex_digit(s[i]), lo = hex_digit(s[i + 1]);
+        if (hi < 0 || lo < 0) return false;
+        out += static_cast<char>(hi * 16 + lo);
+        i += 2;
+        break;
+      }
+      default:
+        if (e >= '0' && e <= '7') {
+          unsigned v = static_cast<unsigned>(e - '0');
+          for (int k = 0; k < 2 && i < s.size() && s[i] >= '0' && s[i] <= '7'; ++k) v = v * 8 + static_cast<unsigned>(s[i++] - '0');
+          out += static_cast<char>(v & 0xFFU);
+        } else {
+          out += '\\';
+          --i;  // the character after the backslash is an ordinary one
+        }
+    }
+  }
+  return true;
+}
+
+/// Appends code point `cp` (at most 0x10FFFF) as UTF-8; surrogates are encoded as three bytes,
+/// as Python's "surrogatepass" does (the unpickler's str accepts them).
+inline void append_utf8(std::string& out, std::uint32_t cp) {
+  if (cp < 0x80) {
+    out += static_cast<char>(cp);
+  } else if (cp < 0x800) {
+    out += static_cast<char>(0xC0 | (cp >> 6));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else if (cp < 0x10000) {
+    out += static_cast<char>(0xE0 | (cp >> 12));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else {
+    out += static_cast<char>(0xF0 | (cp >> 18));
+    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  }
+}
+
+/// The raw-unicode-escape codec (UNICODE's operand) into UTF-8: every byte is the code point of
+/// its value, except \uXXXX and \UXXXXXXXX after an odd number of backslashes. False for such an
+/// escape without its hex digits, or beyond U+10FFFF.
+inline bool raw_unicode_escape_decode(std::string_view s, std::string& out) {
+  out.clear();
+  out.reserve(s.size());
+  for (std::size_t i = 0; i < s.size();) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    if (c != '\\') {
+      append_utf8(out, c);
+      ++i;
+      continue;
+    }
+    std::size_t run = 0;  // backslashes in a row, all written
+    while (i < s.size() && s[i] == '\\') {
+      out += '\\';
+      ++run;
+      ++i;
+    }
+    if (run % 2 == 0 || i == s.size() || (s[i] != 'u' && s[i] != 'U')) continue;
+    out.pop_back();  // that backslash starts the escape
+    const std::size_t digits = s[i] == 'u' ? 4 : 8;
+    ++i;
+    if (s.size() - i < digits) return false;
+    std::uint32_t cp = 0;
+    for (std::size_t k = 0; k < digits; ++k) {
+      const int d = hex_digit(s[i + k]);
+      if (d < 0) return false;
+      cp = cp * 16 + static_cast<std::uint32_t>(d);
+    }
+    if (cp > 0x10FFFF) return false;
+    append_utf8(out, cp);
+    i += digits;
+  }
+  return true;
+}
+
+}  // namespace statedict::inline v0::pickle::detail
 
 namespace statedict::inline v0 {
 
@@ -9545,6 +9463,7 @@ inline constexpr error_id pk_recursive          {467, error_kind::format,      "
 inline constexpr error_id pk_no_persistent_load {468, error_kind::format,      "pickle.no_persistent_load"};
 inline constexpr error_id pk_bad_call           {469, error_kind::format,      "pickle.bad_call"};
 inline constexpr error_id pk_bad_text           {470, error_kind::format,      "pickle.bad_text"};
+inline constexpr error_id pk_bad_numpy          {471, error_kind::format,      "pickle.bad_numpy"};
 // clang-format on
 }  // namespace errors
 
@@ -9585,6 +9504,7 @@ struct Result {
 
 class Reader;
 class Args;
+struct Build;
 
 /// What a registered callable gets: its arguments as Values, and the reader (to call other
 /// registered globals, as `_rebuild_from_type_v2` does).
@@ -9600,17 +9520,25 @@ using call_fn = std::function<Value(Call&)>;
 /// (`Args`), without converting them to Values first; nullopt hands the call to `call_fn`. It
 /// must give what call_fn gives for every call it answers.
 using fast_fn = std::function<std::optional<Value>(const Args&)>;
+/// Turns an object made by REDUCE / NEWOBJ of a registered global into a Value when BUILD gives
+/// it its state (numpy's ndarray); nullopt keeps the object, with the state as its state.
+using build_fn = std::function<std::optional<Value>(const Build&)>;
 
 /// How one allowed global is treated.
 struct Rule {
   enum class kind : std::uint8_t {
-    object,        ///< referenced: Object(how=global); called: Object(how=reduce/newobj) with its args
-    ordered_dict,  ///< called with (): an empty dict that SETITEMS and BUILD may fill later
-    function,      ///< called: `fn` computes the Value
+    object,         ///< referenced: Object(how=global); called: Object(how=reduce/newobj) with its args
+    ordered_dict,   ///< called with (): an empty dict that SETITEMS and BUILD may fill later
+    function,       ///< called: `fn` computes the Value
+    reconstructor,  ///< copyreg._reconstructor(cls, object, None): an Object of cls, how = newobj
   };
   kind k = kind::object;
-  call_fn fn;    ///< for function: REDUCE and NEWOBJ
-  fast_fn fast;  ///< for function, optional: tried first
+  call_fn fn;      ///< for function: REDUCE and NEWOBJ
+  fast_fn fast;    ///< for function, optional: tried first
+  build_fn build;  ///< for object, optional: BUILD of an object this global made
+  /// Not on torch.load(weights_only=True)'s list: refused with the unknown globals when
+  /// options::keep_unknown_objects is false.
+  bool beyond_weights_only = false;
 };
 
 /// The allow-list: qualified global name ("torch._utils._rebuild_tensor_v2") -> Rule.
@@ -9622,7 +9550,7 @@ class Registry {
   }
   Registry& allow(std::string qualified) { return add(std::move(qualified), Rule{}); }
   Registry& function(std::string qualified, call_fn fn, fast_fn fast = {}) {
-    return add(std::move(qualified), Rule{Rule::kind::function, std::move(fn), std::move(fast)});
+    return add(std::move(qualified), Rule{Rule::kind::function, std::move(fn), std::move(fast), {}, false});
   }
   [[nodiscard]] const Rule* find(const std::string& qualified) const {
     auto it = rules_.find(qualified);
@@ -9631,7 +9559,8 @@ class Registry {
   [[nodiscard]] std::size_t size() const noexcept { return rules_.size(); }
 
   /// Globals torch.load(weights_only=True) accepts (PyTorch 1.13 and 2.x), with the generic
-  /// conversions listed at the top of this file. Tensor rebuild functions are allowed here but only
+  /// conversions listed at the top of this file, and the data rules beyond that list (numpy,
+  /// copyreg; Rule::beyond_weights_only). Tensor rebuild functions are allowed here but only
   /// interpreted once io/torch_file.hpp registers them; without that they become Objects.
   static Registry weights_only();
 
@@ -9641,9 +9570,15 @@ class Registry {
 
 struct options {
   pickle::limits limits{};
-  /// Keep objects of globals outside the registry as Object nodes instead of failing. They are
-  /// never executed; blocked modules (os, posix, sys, subprocess, ...) are refused regardless.
-  bool keep_unknown_objects = false;
+  /// Objects of globals outside torch's weights_only list are data: Object nodes (class, args,
+  /// state, items), never called. False refuses them (and the numpy and copyreg rules) as
+  /// torch.load(weights_only=True) does. Blocked modules (os, posix, sys, subprocess, ...) are
+  /// refused either way.
+  bool keep_unknown_objects = true;
+  /// Keeps the bytes being read alive (what the caller's span points into): given, numpy arrays
+  /// whose bytes lie whole in the pickle become tensors viewing them in place; without it they are
+  /// copied.
+  keep_alive input_owner;
   /// The allow-list; nullptr means Registry::weights_only().
   const Registry* registry = nullptr;
   /// Resolves BINPERSID / PERSID ids (torch storages). Without it, a persistent id is an error.
@@ -9669,6 +9604,9 @@ inline std::string_view py3_module(std::string_view m) noexcept {
 
 /// Modules refused even with keep_unknown_objects (they only appear in pickles to run code).
 inline bool blocked_global(std::string_view module, std::string_view name) noexcept {
+  if (module == "types")  // code and function objects; the rest of `types` is data (SimpleNamespace)
+    for (auto n : {"CodeType", "FunctionType", "LambdaType", "MethodType", "BuiltinFunctionType", "ModuleType"})
+      if (name == n) return true;
   constexpr std::string_view modules[] = {"os", "posix", "nt", "sys", "subprocess", "shutil", "socket", "pty",
                                           "runpy", "importlib", "ctypes", "code", "codeop", "pickle", "_pickle",
                                           "marshal", "webbrowser", "multiprocessing", "asyncio", "signal",
@@ -9680,7 +9618,7 @@ inline bool blocked_global(std::string_view module, std::string_view name) noexc
   if (module == "builtins") {
     constexpr std::string_view names[] = {"eval", "exec", "compile", "__import__", "open", "breakpoint",
                                           "input", "execfile", "globals", "locals", "vars", "setattr",
-                                          "delattr", "memoryview", "help", "exit", "quit"};
+                                          "delattr", "memoryview", "help", "exit", "quit", "apply"};
     for (auto n : names)
       if (name == n) return true;
   }
@@ -9759,7 +9697,7 @@ inline std::string opcode_name(unsigned char op) {
 }  // namespace pickle
 }  // namespace statedict::inline v0
 
-// The reader itself (the opcode machine), which needs the types above.
+// The reader itself (the opcode machine), which needs the types above, and the numpy rules.
 // ---- statedict/io/detail/pickle_reader.hpp ----
 // statedict: the unpickler's machine: a flat node table built opcode by opcode, then turned into
 // Values (io/pickle_read.hpp is the public header, and says what becomes what).
@@ -9871,17 +9809,17 @@ class Reader {
   // The object graph built while parsing. Containers are mutable until the end (pickle fills
   // them after memoizing them); scalars and strings are small inline nodes (strings are views of
   // the input); results of registered functions are finished Values.
-  enum class nk : std::uint8_t { none, boolean, integer, floating, str, bytes, leaf, list, tuple, dict, object, global, handle };
+  enum class nk : std::uint8_t { none, boolean, integer, floating, str, bytes, leaf, list, tuple, dict, object, global, handle, bytearray };
   static constexpr std::uint32_t npos = 0xFFFFFFFFU;
 
   struct Node {
     nk kind = nk::none;
     std::uint8_t refs = 0;       ///< stack references, saturating at 2 (see counted); in padding
-    std::uint32_t index = npos;  ///< str/bytes: length; leaf/list/tuple/dict/object/global: side-table index
+    std::uint32_t index = npos;  ///< str/bytes/bytearray: length; leaf/list/tuple/dict/object/global: side-table index
     union {
       std::int64_t i;  ///< boolean, integer; handle: the handle (as uint64)
       double d;
-      std::uint64_t off;  ///< str/bytes: offset in the input
+      std::uint64_t off;  ///< str/bytes/bytearray: offset in the input, or size_ + offset in text_pool_
     } u{};
   };
   struct DictData {
@@ -10082,7 +10020,20 @@ class Reader {
     return s;
   }
   std::string_view view(std::uint64_t off, std::uint64_t len) const {
+    if (off >= size_) [[unlikely]]  // decoded text (protocol 0 escapes)
+      return std::string_view(text_pool_).substr(static_cast<std::size_t>(off - size_), static_cast<std::size_t>(len));
     return {reinterpret_cast<const char*>(in_ + off), static_cast<std::size_t>(len)};
+  }
+  /// A str or bytes node of `text`, which is not a slice of the input (decoded escapes).
+  std::uint32_t add_decoded(nk k, std::string_view text) {
+    if (text.size() > 0xFFFFFFF0U || text_pool_.size() > std::numeric_limits<std::uint64_t>::max() - size_ - text.size())
+      fail(errors::pk_string_limit, "decoded text beyond 2^32 bytes");
+    Node n;
+    n.kind = k;
+    n.u.off = size_ + text_pool_.size();
+    n.index = static_cast<std::uint32_t>(text.size());
+    text_pool_.append(text);
+    return add_node(n);
   }
 
   // ------------------------------------------------------------------------------------------
@@ -10205,26 +10156,25 @@ class Reader {
     need(len, "LONG");
     std::vector<std::uint8_t> b(in_ + pos_, in_ + pos_ + len);
     pos_ += len;
+    return long_node(std::move(b));
+  }
+  /// An int from its little-endian two's complement bytes: a scalar, or beyond int64 a
+  /// builtins.int Object of its minimal bytes.
+  std::uint32_t long_node(std::vector<std::uint8_t> b) {
     std::int64_t v = 0;
     if (detail::normalise_long(b, v)) return add_scalar(nk::integer, v);
+    if (b.size() > opts_.limits.max_long_bytes)
+      fail(errors::pk_long_limit, "integer of " + std::to_string(b.size()) + " bytes exceeds limits.max_long_bytes (" +
+                                      std::to_string(opts_.limits.max_long_bytes) + ")");
     Object o{"builtins", "int", object_build::reduce, {}, {}, {}};
     o.args.emplace_back(Bytes{std::move(b)});
     return add_leaf(Value(std::move(o)));
   }
 
-  std::uint32_t parse_int_text(std::string_view s, bool is_long) {
-    if (is_long && !s.empty() && s.back() == 'L') s.remove_suffix(1);
-    if (!is_long && s == "00") return add_scalar(nk::boolean, 0);
-    if (!is_long && s == "01") return add_scalar(nk::boolean, 1);
-    std::int64_t v = 0;
-    const char* b = s.data();
-    if (!s.empty() && s[0] == '+') ++b;
-    auto [p, ec] = std::from_chars(b, s.data() + s.size(), v);
-    if (ec == std::errc::result_out_of_range)
-      fail(errors::pk_unsupported_opcode, "text integer " + quote(s) + " beyond int64 (use a binary protocol)");
-    if (ec != std::errc() || p != s.data() + s.size() || s.empty()) fail(errors::pk_bad_text, "bad integer " + quote(s));
-    return add_scalar(nk::integer, v);
-  }
+  // Text operands of protocols 0 and 1 (defined in pickle_opcodes.hpp).
+  std::uint32_t parse_int_text(std::string_view s, bool is_long);
+  std::uint32_t read_quoted_string();
+  std::uint32_t read_raw_unicode();
 
   /// The global named by module and name, after the Python 2 -> 3 renames and the security checks.
   std::uint32_t resolve_global(std::string_view module_in, std::string_view name) {
@@ -10237,11 +10187,11 @@ class Reader {
     q.reserve(module.size() + name.size() + 1);
     q.append(module).append(".").append(name);
     const Rule* r = registry_->find(q);
-    if (!r && !opts_.keep_unknown_objects)
+    if ((!r || r->beyond_weights_only) && !opts_.keep_unknown_objects)
       fail(errors::pk_forbidden_global,
-           "global " + quote(q) + " is not on the allow-list (the globals torch.load(weights_only=True) accepts); "
-           "statedict never runs pickled code. If the file is trusted, keep such objects as opaque nodes "
-           "(keep_unknown_objects)");
+           "global " + quote(q) + " is not on the allow-list (the globals torch.load(weights_only=True) accepts), "
+           "which this read asked for; statedict never runs pickled code either way, and by default reads such "
+           "objects as data (keep_unknown_objects)");
     globals_.push_back({std::string(module), std::string(name), r, {}});
     Node n;
     n.kind = nk::global;
@@ -10281,6 +10231,15 @@ class Reader {
         }
       }
       return d;
+    }
+    if (r && r->k == Rule::kind::reconstructor) {
+      // copyreg._reconstructor(cls, builtins.object, None): what protocols 0 and 1 write for an
+      // object protocol 2 writes as NEWOBJ(cls, ()); its BUILD follows. Other forms stay objects.
+      const auto a = seq(nodes_[args].index);
+      if (a.size() == 3 && nodes_[a[0]].kind == nk::global && nodes_[a[1]].kind == nk::global &&
+          global_name(nodes_[a[1]].index) == "builtins.object" && nodes_[a[2]].kind == nk::none)
+        return add_object(nodes_[a[0]].index, object_build::newobj, npos);
+      return add_object(g, how, args);
     }
     if (r && r->k == Rule::kind::function) {
       Global& gl = globals_[g];
@@ -10339,6 +10298,7 @@ class Reader {
       case nk::object: return "object";
       case nk::global: return "global";
       case nk::handle: return "value";  // what it stands for: errors read as when it is one
+      case nk::bytearray: return "bytearray";
     }
     return "?";
   }
@@ -10383,6 +10343,14 @@ class Reader {
       const auto& g = globals_[objects_[t.index].global];
       if (g.module == "builtins" && (g.name == "set" || g.name == "frozenset"))
         fail(errors::pk_bad_operand, "BUILD on a " + g.name + " (allowed on OrderedDict and kept objects)");
+      if (g.rule && g.rule->build && objects_[t.index].state.empty() && objects_[t.index].items.empty())
+        if (std::optional<Value> v = built(target, state)) {
+          // The object becomes that value wherever it is referenced (the memo holds this node).
+          const std::uint32_t leaf = add_leaf(std::move(*v));
+          nodes_[target].kind = nk::leaf;
+          nodes_[target].index = nodes_[leaf].index;
+          return;
+        }
       objects_[t.index].state.push_back(state);
     } else {
       fail(errors::pk_bad_operand, "BUILD on a " + kind_name(t.kind) + " (allowed on OrderedDict and kept objects)");
@@ -10417,6 +10385,9 @@ class Reader {
   }
 
   Value to_value_leaf(std::uint32_t n) { return to_value(n, 0, nullptr); }
+
+  /// Rule::build of the object at `target` with `state` (defined after Args).
+  std::optional<Value> built(std::uint32_t target, std::uint32_t state);
 
   /// `f` over the items of tuple node `tuple` (defined after Args).
   std::optional<Value> try_fast(const fast_fn& f, std::uint32_t tuple);
@@ -10464,9 +10435,20 @@ class Reader {
       case nk::floating: return Value(node.u.d);
       case nk::str: return Value(std::string(view(node.u.off, node.index)));
       case nk::bytes: {
+        const std::string_view v = view(node.u.off, node.index);
         Bytes b;
-        b.data.assign(in_ + node.u.off, in_ + node.u.off + node.index);
+        b.data.assign(reinterpret_cast<const std::uint8_t*>(v.data()), reinterpret_cast<const std::uint8_t*>(v.data()) + v.size());
         return Value(std::move(b));
+      }
+      case nk::bytearray: {
+        // Counted as the leaf it used to be: two values, one level of container at `depth`.
+        if (depth >= opts_.limits.max_depth) depth_exceeded();
+        count_node();
+        const std::string_view v = view(node.u.off, node.index);
+        Object o{"builtins", "bytearray", object_build::reduce, {}, {}, {}};
+        o.args.emplace_back(Bytes{std::vector<std::uint8_t>(reinterpret_cast<const std::uint8_t*>(v.data()),
+                                                            reinterpret_cast<const std::uint8_t*>(v.data()) + v.size())});
+        return Value(std::move(o));
       }
       case nk::leaf: {
         const LeafShape& ls = leaf_shape_[node.index];
@@ -10702,14 +10684,16 @@ class Reader {
   std::vector<unsigned char> visiting_;
   std::uint64_t produced_ = 0;
   std::vector<Attributes> attributes_;
+  std::string text_pool_;  ///< decoded protocol-0 text; nodes address it past the input (view())
 };
 
 }  // namespace statedict::inline v0::pickle
 
 // Args and the opcode loop, which need the whole Reader.
 // ---- statedict/io/detail/pickle_opcodes.hpp ----
-// statedict: the unpickler's opcode loop (Reader::run) and the arguments view registered functions
-// read (Args); io/pickle_read.hpp is the public header.
+// statedict: the unpickler's opcode loop (Reader::run), its text operands (protocols 0 and 1),
+// and the arguments view registered functions read (Args, Build); io/pickle_read.hpp is the
+// public header.
 // SPDX-License-Identifier: MIT
 
 
@@ -10742,7 +10726,7 @@ namespace statedict::inline v0::pickle {
 /// as what it is not (check kind_of first) is a pickle.bad_call error, never a wild read.
 class Args {
  public:
-  enum class kind : std::uint8_t { none, boolean, integer, floating, str, bytes, value, list, tuple, dict, object, global, handle };
+  enum class kind : std::uint8_t { none, boolean, integer, floating, str, bytes, value, list, tuple, dict, object, global, handle, bytearray };
 
   [[nodiscard]] std::size_t size() const noexcept { return items_.size(); }
   [[nodiscard]] kind kind_of(std::size_t i) const { return static_cast<kind>(node(i).kind); }
@@ -10782,10 +10766,35 @@ class Args {
     const Reader::Node& n = node(i);
     return n.kind == Reader::nk::dict && r_.dicts_[n.index].kv.empty() && r_.dicts_[n.index].state.empty();
   }
+  /// The items of a tuple or list argument, as Args (valid as long as this one); nullopt for
+  /// anything else.
+  [[nodiscard]] std::optional<Args> items(std::size_t i) const {
+    const Reader::Node& n = node(i);
+    if (n.kind != Reader::nk::tuple && n.kind != Reader::nk::list) return std::nullopt;
+    return Args(r_, r_.seq(n.index));
+  }
+  /// The bytes of a str, bytes or bytearray argument, and whether they lie in the pickle's input
+  /// (else in the reader's own memory, valid only during this call).
+  struct raw_bytes {
+    std::string_view data;
+    bool in_input;
+  };
+  [[nodiscard]] std::optional<raw_bytes> raw(std::size_t i) const {
+    const Reader::Node& n = node(i);
+    if (n.kind != Reader::nk::str && n.kind != Reader::nk::bytes && n.kind != Reader::nk::bytearray) return std::nullopt;
+    return raw_bytes{r_.view(n.u.off, n.index), n.u.off < r_.size_};
+  }
+  /// Argument `i` converted to a Value (a copy; counted against limits.max_nodes).
+  [[nodiscard]] Value convert(std::size_t i) const {
+    (void)node(i);
+    return r_.to_value_leaf(items_[i]);
+  }
+  /// The reader (its options, its fail()).
+  [[nodiscard]] Reader& reader() const noexcept { return r_; }
 
  private:
   friend class Reader;
-  Args(const Reader& r, std::span<const std::uint32_t> items) : r_(r), items_(items) {}
+  Args(Reader& r, std::span<const std::uint32_t> items) : r_(r), items_(items) {}
   [[nodiscard]] const Reader::Node& node(std::size_t i) const {
     if (i >= items_.size()) [[unlikely]] no_such_argument(i);
     return r_.nodes_[items_[i]];
@@ -10804,19 +10813,108 @@ class Args {
                                      ", but it is a " + Reader::kind_name(node(i).kind));
   }
 
-  const Reader& r_;
+  Reader& r_;
   std::span<const std::uint32_t> items_;
 
   static_assert(static_cast<int>(kind::value) == static_cast<int>(Reader::nk::leaf) &&
                 static_cast<int>(kind::global) == static_cast<int>(Reader::nk::global) &&
-                static_cast<int>(kind::handle) == static_cast<int>(Reader::nk::handle));
+                static_cast<int>(kind::handle) == static_cast<int>(Reader::nk::handle) &&
+                static_cast<int>(kind::bytearray) == static_cast<int>(Reader::nk::bytearray));
 };
+
+/// What a Rule::build function gets: the arguments the object was made with (REDUCE / NEWOBJ)
+/// and its BUILD state (one item), as the reader holds them.
+struct Build {
+  const Object& callable;  ///< module and name of the global that made the object
+  const Args& args;
+  const Args& state;
+};
+
+inline std::optional<Value> Reader::built(std::uint32_t target, std::uint32_t state) {
+  const ObjData& od = objects_[nodes_[target].index];
+  Global& gl = globals_[od.global];
+  if (!gl.callee) gl.callee = std::make_unique<const Object>(Object{gl.module, gl.name, object_build::global, {}, {}, {}});
+  const Object& callee = *gl.callee;
+  const std::span<const std::uint32_t> args = od.args == npos ? std::span<const std::uint32_t>() : seq(nodes_[od.args].index);
+  const std::uint32_t one[1] = {state};
+  const Args a(*this, args), st(*this, std::span<const std::uint32_t>(one));
+  try {
+    return gl.rule->build(Build{callee, a, st});
+  } catch (error& e) {
+    if (e.context().rfind("pickle offset", 0) != 0) e.add_context("pickle offset " + std::to_string(op_pos_));
+    throw;
+  }
+}
 
 inline std::optional<Value> Reader::try_fast(const fast_fn& f, std::uint32_t tuple) {
   return f(Args(*this, seq(nodes_[tuple].index)));
 }
 inline std::optional<std::uint64_t> Reader::try_handle(std::uint32_t tuple) {
   return opts_.persistent_handle(Args(*this, seq(nodes_[tuple].index)));
+}
+
+// Text operands of protocols 0 and 1.
+
+inline std::uint32_t Reader::parse_int_text(std::string_view s, bool is_long) {
+  if (is_long && !s.empty() && s.back() == 'L') s.remove_suffix(1);
+  if (!is_long && s == "00") return add_scalar(nk::boolean, 0);
+  if (!is_long && s == "01") return add_scalar(nk::boolean, 1);
+  std::int64_t v = 0;
+  const char* b = s.data();
+  if (!s.empty() && s[0] == '+') ++b;
+  auto [p, ec] = std::from_chars(b, s.data() + s.size(), v);
+  if (ec == std::errc::result_out_of_range) {
+    // Beyond int64 (torch's legacy magic number at protocols 0 and 1): 2.5 digits per byte.
+    if (s.size() / 3 > opts_.limits.max_long_bytes)
+      fail(errors::pk_long_limit, "text integer of " + std::to_string(s.size()) + " digits exceeds limits.max_long_bytes (" +
+                                      std::to_string(opts_.limits.max_long_bytes) + " bytes)");
+    std::vector<std::uint8_t> bytes;
+    if (!detail::decimal_to_long(s, bytes)) fail(errors::pk_bad_text, "bad integer " + quote(s));
+    return long_node(std::move(bytes));
+  }
+  if (ec != std::errc() || p != s.data() + s.size() || s.empty()) fail(errors::pk_bad_text, "bad integer " + quote(s));
+  return add_scalar(nk::integer, v);
+}
+
+/// STRING: a quoted Python 2 str literal; str when its bytes are UTF-8, else bytes (as BINSTRING).
+inline std::uint32_t Reader::read_quoted_string() {
+  const std::uint64_t at = pos_;
+  const std::string_view s = line();
+  if (s.size() < 2 || (s.front() != '\'' && s.front() != '"') || s.back() != s.front())
+    fail(errors::pk_bad_text, "STRING operand is not quoted");
+  const std::string_view body = s.substr(1, s.size() - 2);
+  if (body.size() > opts_.limits.max_string_bytes || body.size() > 0xFFFFFFF0U)
+    fail(errors::pk_string_limit, "STRING of " + std::to_string(body.size()) + " bytes exceeds limits.max_string_bytes");
+  if (body.find('\\') == std::string_view::npos) {  // no escape: the bytes are in the input
+    Node n;
+    n.kind = detail::valid_utf8(body) ? nk::str : nk::bytes;
+    n.u.off = at + 1;
+    n.index = static_cast<std::uint32_t>(body.size());
+    return add_node(n);
+  }
+  std::string out;
+  if (!detail::escape_decode(body, out)) fail(errors::pk_bad_text, "STRING operand with a bad escape");
+  return add_decoded(detail::valid_utf8(out) ? nk::str : nk::bytes, out);
+}
+
+/// UNICODE: a str in raw-unicode-escape.
+inline std::uint32_t Reader::read_raw_unicode() {
+  const std::uint64_t at = pos_;
+  const std::string_view s = line();
+  if (s.size() > opts_.limits.max_string_bytes || s.size() > 0xFFFFFFF0U)
+    fail(errors::pk_string_limit, "UNICODE of " + std::to_string(s.size()) + " bytes exceeds limits.max_string_bytes");
+  if (std::all_of(s.begin(), s.end(), [](char c) { return c != '\\' && static_cast<unsigned char>(c) < 0x80; })) {
+    Node n;  // ASCII without escapes: the text is the input's
+    n.kind = nk::str;
+    n.u.off = at;
+    n.index = static_cast<std::uint32_t>(s.size());
+    return add_node(n);
+  }
+  std::string out;
+  if (!detail::raw_unicode_escape_decode(s, out)) fail(errors::pk_bad_text, "UNICODE operand with a bad \\u escape");
+  if (out.size() > opts_.limits.max_string_bytes)
+    fail(errors::pk_string_limit, "UNICODE of " + std::to_string(out.size()) + " bytes exceeds limits.max_string_bytes");
+  return add_decoded(nk::str, out);
 }
 
 inline Result Reader::run() {
@@ -10914,16 +11012,14 @@ inline Result Reader::run() {
         push(read_py2_string(static_cast<std::uint64_t>(n)));
         break;
       }
-      case 0x96: {  // BYTEARRAY8
+      case 0x96: {  // BYTEARRAY8: its bytes stay in the input (numpy's _frombuffer views them)
         const std::uint32_t b = read_string(le<8>(), true, "BYTEARRAY8");
-        Object o{"builtins", "bytearray", object_build::reduce, {}, {}, {}};
-        o.args.push_back(to_value_leaf(b));
-        push(add_leaf(Value(std::move(o))));
+        nodes_[b].kind = nk::bytearray;
+        push(b);
         break;
       }
-      case 'S':
-      case 'V':
-        fail(errors::pk_unsupported_opcode, detail::opcode_name(op) + " (protocol 0 quoted strings) is not supported");
+      case 'S': push(read_quoted_string()); break;  // STRING
+      case 'V': push(read_raw_unicode()); break;    // UNICODE
       case 0x97:
       case 0x98:
         fail(errors::pk_unsupported_opcode, detail::opcode_name(op) + " (protocol 5 out-of-band buffers) is not supported");
@@ -11109,6 +11205,243 @@ inline Result Reader::run() {
 }
 
 }  // namespace statedict::inline v0::pickle
+// ---- statedict/io/detail/pickle_numpy.hpp ----
+// statedict: numpy arrays, scalars and dtypes in pickles, read as data (io/pickle_read.hpp is the
+// public header). Nothing of numpy is imported or called: the rules below read what numpy's
+// `__reduce__` wrote and make tensors of it.
+// SPDX-License-Identifier: MIT
+//
+// What numpy writes, and what it becomes:
+//   ndarray, protocols 2-5:  _reconstruct(numpy.ndarray, (0,), b'b') then BUILD of the state
+//                            (version, shape, dtype, is_fortran, data) -> a tensor of the shape,
+//                            row-major or (is_fortran) column-major strides
+//   ndarray, protocol 5:     _frombuffer(buffer, dtype, shape, order) with the buffer in band
+//                            (BYTEARRAY8; BINBYTES when read-only) -> the same
+//   scalar (np.float32(1.5)): scalar(dtype, bytes of one element) -> a 0-d tensor
+//   dtype:                   numpy.dtype('f4', False, True) then BUILD (3, '<', None, None, None,
+//                            -1, -1, 0) -> stays an Object; the rules above read it
+// `_reconstruct`, `_frombuffer` and `scalar` are found in numpy.core (numpy 1) and numpy._core
+// (numpy 2). Element types: b1 i1 i2 i4 i8 u1 u2 u4 u8 f2 f4 f8 c8 c16 (BOOL ... C128). Others
+// (objects, strings, records, datetimes, long double) and ndarray subclasses (np.matrix, masked
+// arrays) stay Objects, their calls and states kept as data. The data is protocol 2's
+// `_codecs.encode(str, 'latin1')` (Bytes, already copied), a bytes or bytearray in the pickle, or
+// (Python 2) a str: an array whose bytes lie whole in the input, little-endian, is a view of them
+// when options::input_owner keeps the input alive; otherwise, and for big-endian arrays (swapped
+// to little-endian), the bytes are copied. A data length other than the shape's, or a malformed
+// state, is pickle.bad_numpy: numpy itself would refuse it.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+
+
+namespace statedict::inline v0::pickle::detail {
+
+/// Dimensions of a numpy array (numpy 2's NPY_MAXDIMS).
+inline constexpr std::size_t numpy_max_dims = 64;
+
+/// An element type as numpy pickled it.
+struct numpy_dtype {
+  statedict::dtype type;
+  bool big_endian;
+};
+
+/// The element type a pickled numpy.dtype names: Object numpy.dtype (how reduce, args (code,
+/// align, copy), state (version 3 or 4, byte order, subarray, names, fields, ...)). nullopt for
+/// anything that is not such a dtype of a type statedict has.
+inline std::optional<numpy_dtype> numpy_dtype_of(const Value& v) {
+  if (!v.is_object()) return std::nullopt;
+  const Object& o = v.as_object();
+  if (o.module != "numpy" || o.name != "dtype" || o.how != object_build::reduce || o.args.empty() || !o.args[0].is_string() ||
+      !o.items.empty() || o.state.size() > 1)
+    return std::nullopt;
+  struct code {
+    std::string_view text;
+    statedict::dtype type;
+  };
+  static constexpr code codes[] = {{"b1", dtype::BOOL}, {"i1", dtype::I8},  {"i2", dtype::I16}, {"i4", dtype::I32},
+                                   {"i8", dtype::I64},  {"u1", dtype::U8},  {"u2", dtype::U16}, {"u4", dtype::U32},
+                                   {"u8", dtype::U64},  {"f2", dtype::F16}, {"f4", dtype::F32}, {"f8", dtype::F64},
+                                   {"c8", dtype::C64},  {"c16", dtype::C128}};
+  std::optional<statedict::dtype> t;
+  for (const code& c : codes)
+    if (o.args[0].as_string() == c.text) t = c.type;
+  if (!t) return std::nullopt;
+  bool big = false;
+  if (!o.state.empty()) {
+    const Value& s = o.state[0];
+    if (!s.is_tuple() || s.as_list().size() < 5) return std::nullopt;
+    const List& st = s.as_list();
+    if (!st[0].is_int() || (st[0].as_int() != 3 && st[0].as_int() != 4) || !st[1].is_string()) return std::nullopt;
+    for (std::size_t i = 2; i < 5; ++i)  // subarray, names, fields: a record or sub-array type
+      if (!st[i].is_none()) return std::nullopt;
+    const std::string& order = st[1].as_string();
+    if (order == ">") big = true;
+    else if (order != "<" && order != "|" && order != "=") return std::nullopt;
+  }
+  return numpy_dtype{*t, big && itemsize(*t) > 1};
+}
+
+/// The tensor of a numpy array of `shape` (row-major, or column-major when `fortran`) whose
+/// elements are `data`; a view of `data` when `in_input` and the reader keeps its input alive,
+/// else a copy (swapped to little-endian when the dtype is big-endian).
+inline TensorView numpy_tensor(Reader& r, numpy_dtype t, const shape_t& shape, bool fortran, std::string_view data, bool in_input,
+                               std::string_view what) {
+  std::uint64_t n = 1;
+  for (const dim_t d : shape) {
+    if (d < 0) r.fail(errors::pk_bad_numpy, std::string(what) + " of shape " + to_string(shape) + ": a negative dimension");
+    n = checked_mul(n, static_cast<std::uint64_t>(d), "numpy array size");
+  }
+  const std::size_t item = itemsize(t.type);
+  const std::uint64_t nbytes = checked_mul(n, item, "numpy array size");
+  if (nbytes != data.size())
+    r.fail(errors::pk_bad_numpy, std::string(what) + " of shape " + to_string(shape) + " and dtype " + std::string(name(t.type)) +
+                                     " needs " + std::to_string(nbytes) + " bytes; its data has " + std::to_string(data.size()));
+  // Strides of the dimensions in memory order; an empty array has no element to address (its
+  // dimensions' product may exceed int64 where one of them is 0), so its strides are all 1.
+  shape_t strides(shape.size(), 1);
+  if (n != 0) {  // every product below divides n, which fits
+    if (fortran) {
+      for (std::size_t i = 1; i < shape.size(); ++i) strides[i] = strides[i - 1] * shape[i - 1];
+    } else {
+      for (std::size_t i = shape.size(); i-- > 1;) strides[i - 1] = strides[i] * shape[i];
+    }
+  }
+  const keep_alive& owner = r.opts().input_owner;
+  if (in_input && owner && !t.big_endian && !data.empty())
+    return TensorView(t.type, shape, std::move(strides), reinterpret_cast<const std::byte*>(data.data()), owner);
+  auto copy = std::make_shared<std::vector<std::byte>>(std::max<std::size_t>(data.size(), 1));
+  if (!data.empty()) std::memcpy(copy->data(), data.data(), data.size());
+  if (t.big_endian) {
+    const std::size_t part = info(t.type).is_complex ? item / 2 : item;  // complex: per component
+    for (std::size_t at = 0; at < data.size(); at += part) std::reverse(copy->data() + at, copy->data() + at + part);
+  }
+  const std::byte* p = copy->data();
+  return TensorView(t.type, shape, std::move(strides), p, std::move(copy));
+}
+
+/// The bytes of a data argument held as a Value: Bytes (protocol 2's _codecs.encode, bytes()) or
+/// a bytearray Object; nullopt for anything else.
+inline std::optional<std::string_view> value_bytes(const Value& v) {
+  const Value* b = &v;
+  if (v.is_object() && v.as_object().qualified() == "builtins.bytearray" && v.as_object().args.size() == 1) b = &v.as_object().args[0];
+  if (!b->is_bytes()) return std::nullopt;
+  const auto& d = b->as_bytes().data;
+  return std::string_view(reinterpret_cast<const char*>(d.data()), d.size());
+}
+
+/// Argument `i` of `a` as data bytes: in the pickle (str, bytes, bytearray) or a Value (as
+/// value_bytes). A str is Python 2's: its bytes are the data (what numpy reads after encoding
+/// the text as latin-1 when that text came from a Python 2 str).
+inline std::optional<Args::raw_bytes> data_arg(const Args& a, std::size_t i) {
+  if (i >= a.size()) return std::nullopt;
+  if (a.kind_of(i) == Args::kind::value)
+    if (const auto b = value_bytes(a.value(i))) return Args::raw_bytes{*b, false};
+  return a.raw(i);
+}
+
+/// BUILD of `_reconstruct(numpy.ndarray, (0,), b'b')` with the array's state.
+inline std::optional<Value> ndarray_build(const Build& b) {
+  using k = Args::kind;
+  Reader& r = b.state.reader();
+  if (b.args.size() == 0 || b.args.kind_of(0) != k::global) return std::nullopt;
+  if (const auto [m, n] = b.args.global(0); m != "numpy" || n != "ndarray") return std::nullopt;  // a subclass
+  const std::optional<Args> st = b.state.items(0);
+  if (!st || (st->size() != 5 && st->size() != 4))
+    r.fail(errors::pk_bad_numpy, "numpy.ndarray state is not (version, shape, dtype, is_fortran, data)");
+  const std::size_t at = st->size() == 5 ? 1 : 0;  // the 4-item form has no version
+  if (at == 1 && st->kind_of(0) != k::integer) r.fail(errors::pk_bad_numpy, "numpy.ndarray state version is not an int");
+  shape_t shape;
+  if (!st->ints(at, numpy_max_dims, shape))
+    r.fail(errors::pk_bad_numpy, "numpy.ndarray shape is not a tuple of at most " + std::to_string(numpy_max_dims) + " ints");
+  const std::optional<numpy_dtype> t = numpy_dtype_of(st->convert(at + 1));
+  if (!t) return std::nullopt;  // objects, strings, records...: the array stays an object
+  if (st->kind_of(at + 2) != k::boolean && st->kind_of(at + 2) != k::integer)
+    r.fail(errors::pk_bad_numpy, "numpy.ndarray is_fortran is not a bool");
+  const bool fortran = st->integer(at + 2) != 0;
+  const std::optional<Args::raw_bytes> data = data_arg(*st, at + 3);
+  if (!data) r.fail(errors::pk_bad_numpy, "numpy.ndarray data of a " + std::string(name(t->type)) + " array is not bytes");
+  std::string latin1;
+  std::string_view bytes = data->data;
+  if (st->kind_of(at + 3) == k::str) {  // a Python 2 str decoded as UTF-8: numpy encodes it as latin-1
+    std::vector<std::uint8_t> out;
+    if (!detail::utf8_to_latin1(bytes, out)) r.fail(errors::pk_bad_numpy, "numpy.ndarray data is a str beyond latin-1");
+    latin1.assign(out.begin(), out.end());
+    bytes = latin1;
+  }
+  return Value(numpy_tensor(r, *t, shape, fortran, bytes, data->in_input && st->kind_of(at + 3) != k::str, "numpy array"));
+}
+
+/// `_frombuffer(buffer, dtype, shape, order)` read from the reader's nodes (the buffer in place).
+inline std::optional<Value> frombuffer_fast(const Args& a) {
+  using k = Args::kind;
+  if (a.size() != 4 || (a.kind_of(3) != k::str)) return std::nullopt;
+  const std::optional<Args::raw_bytes> data = data_arg(a, 0);
+  const std::optional<numpy_dtype> t = numpy_dtype_of(a.convert(1));
+  shape_t shape;
+  if (!data || a.kind_of(0) == k::str || !t || !a.ints(2, numpy_max_dims, shape) || (a.str(3) != "C" && a.str(3) != "F"))
+    return std::nullopt;
+  return Value(numpy_tensor(a.reader(), *t, shape, a.str(3) == "F", data->data, data->in_input, "numpy array"));
+}
+
+/// The same from Values; a call it cannot read (another dtype) stays an Object.
+inline Value frombuffer_call(Call& c) {
+  const List& a = c.args;
+  const std::optional<std::string_view> data = a.size() == 4 ? value_bytes(a[0]) : std::nullopt;
+  const std::optional<numpy_dtype> t = a.size() == 4 ? numpy_dtype_of(a[1]) : std::nullopt;
+  if (!data || !t) return Value(Object{c.callable.module, c.callable.name, object_build::reduce, a, {}, {}});
+  if (!a[2].is_sequence() || a[2].as_list().size() > numpy_max_dims || !a[3].is_string() ||
+      (a[3].as_string() != "C" && a[3].as_string() != "F"))
+    c.reader.fail(errors::pk_bad_numpy, c.callable.qualified() + " expects (buffer, dtype, shape tuple, 'C' or 'F')");
+  shape_t shape;
+  for (const Value& d : a[2].as_list()) {
+    if (!d.is_int()) c.reader.fail(errors::pk_bad_numpy, c.callable.qualified() + " shape holds a " + std::string(to_string(d.kind())));
+    shape.push_back(d.as_int());
+  }
+  return Value(numpy_tensor(c.reader, *t, shape, a[3].as_string() == "F", *data, false, "numpy array"));
+}
+
+/// `scalar(dtype, bytes of one element)` from the reader's nodes.
+inline std::optional<Value> scalar_fast(const Args& a) {
+  if (a.size() != 2 || a.kind_of(1) == Args::kind::str) return std::nullopt;
+  const std::optional<Args::raw_bytes> data = data_arg(a, 1);
+  const std::optional<numpy_dtype> t = numpy_dtype_of(a.convert(0));
+  if (!data || !t) return std::nullopt;
+  return Value(numpy_tensor(a.reader(), *t, {}, false, data->data, data->in_input, "numpy scalar"));
+}
+
+inline Value scalar_call(Call& c) {
+  const List& a = c.args;
+  const std::optional<numpy_dtype> t = a.size() == 2 ? numpy_dtype_of(a[0]) : std::nullopt;
+  const std::optional<std::string_view> data = a.size() == 2 ? value_bytes(a[1]) : std::nullopt;
+  if (!t || !data) return Value(Object{c.callable.module, c.callable.name, object_build::reduce, a, {}, {}});  // an object scalar
+  return Value(numpy_tensor(c.reader, *t, {}, false, *data, false, "numpy scalar"));
+}
+
+/// The data rules beyond torch's weights_only list: numpy (both module paths) and copyreg.
+inline void add_data_rules(Registry& r) {
+  for (const char* core : {"numpy.core", "numpy._core"}) {
+    Rule rec;
+    rec.build = ndarray_build;
+    rec.beyond_weights_only = true;
+    r.add(std::string(core) + ".multiarray._reconstruct", rec);
+    Rule fb{Rule::kind::function, frombuffer_call, frombuffer_fast, {}, true};
+    r.add(std::string(core) + ".numeric._frombuffer", fb);
+    Rule sc{Rule::kind::function, scalar_call, scalar_fast, {}, true};
+    r.add(std::string(core) + ".multiarray.scalar", sc);
+  }
+  r.add("copyreg._reconstructor", Rule{Rule::kind::reconstructor, {}, {}, {}, true});
+}
+
+}  // namespace statedict::inline v0::pickle::detail
 
 namespace statedict::inline v0 {
 namespace pickle {
@@ -11125,7 +11458,7 @@ inline const List& one_sequence_arg(Call& c, std::size_t max_args = 1) {
 
 inline Registry Registry::weights_only() {
   Registry r;
-  r.add("collections.OrderedDict", Rule{Rule::kind::ordered_dict, {}, {}});
+  r.add("collections.OrderedDict", Rule{Rule::kind::ordered_dict, {}, {}, {}, false});
   r.allow("collections.Counter");
   // bytes in protocol 2: _codecs.encode(latin-1 str, 'latin1'); empty bytes: builtins.bytes().
   r.function("_codecs.encode", [](Call& c) -> Value {
@@ -11203,6 +11536,7 @@ inline Registry Registry::weights_only() {
                         "_rebuild_meta_tensor_no_storage", "_rebuild_wrapper_subclass",
                         "_rebuild_device_tensor_from_numpy", "_rebuild_device_tensor_from_cpu_tensor"})
     r.allow(std::string("torch._utils.") + f);
+  detail::add_data_rules(r);
   return r;
 }
 
@@ -11230,11 +11564,25 @@ inline Result load(std::span<const std::byte> bytes, const options& opts = {}) {
 // keys) in their protocol-2 form. Tensors have no generic encoding: a `custom` hook writes them
 // (io/torch_file.hpp writes `_rebuild_tensor_v2` with a persistent storage id, as torch.save does).
 // Dicts that carry attributes (state_dict()._metadata) are written as OrderedDict + BUILD.
+//
+// Objects as data: an object whose class torch.load(weights_only=True) does not accept (an
+// argparse.Namespace, a config class, a pickled nn.Module, an enum member) is written as its
+// data, never as a call of its class nor a reference to it, so that loading the output runs no
+// code whatever the input held (`write_options::objects`):
+//   an instance with a dict of str keys as its only state, and no arguments or items
+//                                    -> that dict (`vars(obj)`: Namespace(lr=0.1) -> {'lr': 0.1})
+//   any other instance               -> a dict of what it has of 'args' (tuple), 'state' (its
+//                                       state; a tuple of them when several), 'items' (list)
+//   a reference to the class itself  -> the str 'module.name'
+// `write_options::keep_classes` names classes written as themselves instead (for a user who
+// trusts the input); Writer::converted counts what was written as data, by class.
 
+#include <algorithm>
 #include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <span>
 #include <string>
 #include <string_view>
@@ -11258,7 +11606,33 @@ namespace pickle {
 struct write_options {
   /// Deepest nesting written (the writer recurses).
   std::size_t max_depth = 1000;
+  enum class objects_policy : std::uint8_t {
+    as_data,     ///< objects of classes outside weights_only's list written as their data
+    as_written,  ///< every object as it is (a writer's own structures: DCP metadata classes)
+  };
+  objects_policy objects = objects_policy::as_data;
+  /// Classes ("argparse.Namespace") written as themselves under as_data.
+  std::vector<std::string> keep_classes;
 };
+
+/// Whether objects of class `qualified` ("module.name") are written as themselves: classes and
+/// functions torch.load(weights_only=True) accepts (Registry::weights_only() without the rules
+/// beyond it), or one of `keep`.
+inline bool writable_as_itself(std::string_view qualified, const std::vector<std::string>& keep) {
+  static const Registry allowed = Registry::weights_only();
+  const std::string q(qualified);
+  if (const Rule* r = allowed.find(q); r && !r->beyond_weights_only) return true;
+  return std::find(keep.begin(), keep.end(), q) != keep.end();
+}
+
+/// Whether an instance whose parts are these is written as its state alone (a dict of str keys,
+/// its attributes), rather than as a dict of its parts.
+inline bool data_is_state(const Object& o) {
+  if (!o.args.empty() || !o.items.empty() || o.state.size() != 1 || !o.state[0].is_dict()) return false;
+  for (const auto& kv : o.state[0].as_dict().items())
+    if (!kv.first.is_string()) return false;
+  return true;
+}
 
 /// Protocol-2 pickler into a byte vector.
 class Writer {
@@ -11272,6 +11646,8 @@ class Writer {
   custom_fn custom;
   /// Attributes to attach (as OrderedDict + BUILD) to the dict at each path.
   const std::vector<Attributes>* attributes = nullptr;
+  /// Objects written as their data, by class (write_options::objects).
+  std::map<std::string, std::uint64_t> converted;
 
   /// PROTO 2, the value, STOP.
   void dump(const Value& v) {
@@ -11565,6 +11941,10 @@ class Writer {
       write_states(o, depth);
       return;
     }
+    if (opts_.objects == write_options::objects_policy::as_data && !writable_as_itself(q, opts_.keep_classes)) {
+      as_data(o, depth);
+      return;
+    }
     if (o.how == object_build::global) {
       if (!o.args.empty() || !o.items.empty() || !o.state.empty())
         throw_error(errors::pk_unwritable, "at " + quote(dotted(path)),
@@ -11585,6 +11965,44 @@ class Writer {
       if (!it.is_tuple() || it.as_list().size() != 2) pairs = false;
     write_items(o, depth, pairs);
     write_states(o, depth);
+  }
+
+  /// An object as its data (see the top of this file); its children are written as they are, so
+  /// that hooks see the tree's own tensors.
+  void as_data(const Object& o, std::size_t depth) {
+    ++converted[o.qualified()];
+    Path none_path;
+    if (o.how == object_build::global) {
+      str(o.qualified());
+      return;
+    }
+    if (data_is_state(o)) {
+      value(o.state[0], depth + 1, none_path, false);
+      return;
+    }
+    op('}');
+    memoize();
+    if (o.args.empty() && o.state.empty() && o.items.empty()) return;
+    mark();
+    if (!o.args.empty()) {
+      str("args");
+      args_tuple(o.args, depth + 1);
+    }
+    if (!o.state.empty()) {
+      str("state");
+      if (o.state.size() == 1) {
+        value(o.state[0], depth + 2, none_path, false);
+      } else {
+        args_tuple(o.state, depth + 1);
+      }
+    }
+    if (!o.items.empty()) {
+      str("items");
+      op(']');
+      memoize();
+      batches(o.items.size(), [&](std::size_t i) { value(o.items[i], depth + 2, none_path, false); }, 'a', 'e', true);
+    }
+    op('u');
   }
 
   void write_items(const Object& o, std::size_t depth, bool pairs, bool exact = false) {
@@ -11615,13 +12033,22 @@ class Writer {
   std::uint32_t next_memo_ = 0;
 };
 
-/// Pickles a Value without tensors (protocol 2).
-inline std::vector<std::byte> dumps(const Value& v, const std::vector<Attributes>* attributes = nullptr) {
+/// Pickles a Value without tensors (protocol 2), its objects as `opts` says.
+inline std::vector<std::byte> dumps(const Value& v, const std::vector<Attributes>* attributes, const write_options& opts) {
   std::vector<std::byte> out;
-  Writer w(out);
+  Writer w(out, opts);
   w.attributes = attributes;
   w.dump(v);
   return out;
+}
+
+/// Pickles a Value without tensors (protocol 2) exactly as it is, objects included: for a writer's
+/// own structures (DCP's Metadata classes). Trees read from input go through Writer's default
+/// write_options, which writes objects as their data.
+inline std::vector<std::byte> dumps(const Value& v, const std::vector<Attributes>* attributes = nullptr) {
+  write_options o;
+  o.objects = write_options::objects_policy::as_written;
+  return dumps(v, attributes, o);
 }
 
 }  // namespace pickle
@@ -11688,7 +12115,7 @@ inline constexpr error_id pt_legacy_tar        {508, error_kind::unsupported, "t
 inline constexpr error_id pt_rank_limit        {509, error_kind::limit,       "torch.rank_limit"};
 inline constexpr error_id pt_big_endian        {510, error_kind::unsupported, "torch.big_endian"};
 inline constexpr error_id pt_bad_version       {511, error_kind::format,      "torch.bad_version"};
-inline constexpr error_id pt_bad_byteorder     {512, error_kind::format,      "torch.bad_byteorder"};
+inline constexpr error_id pt_protocol_0        {512, error_kind::format,      "torch.pickle_protocol_0"};
 inline constexpr error_id pt_unwritable        {520, error_kind::usage,       "torch.unwritable"};
 inline constexpr error_id pt_crc_incomplete    {521, error_kind::usage,       "torch.crc_incomplete"};
 inline constexpr error_id pt_bad_name          {522, error_kind::usage,       "torch.bad_archive_name"};
@@ -11707,9 +12134,12 @@ struct limits {
 
 struct load_options {
   torch::limits limits{};
-  /// Keep objects of globals outside the weights_only allow-list as opaque Objects (DCP metadata,
-  /// DeepSpeed config objects, ShardedTensor files). Never executed either way.
-  bool keep_unknown_objects = false;
+  /// Objects of globals outside torch.load(weights_only=True)'s allow-list (argparse.Namespace
+  /// args, numpy RNG states, config classes, whole pickled modules) are read as data: Object
+  /// nodes of their class name, arguments and state, numpy arrays as tensors (pickle::options).
+  /// Never imported or called either way. False refuses them as weights_only=True does
+  /// (pickle.forbidden_global).
+  bool keep_unknown_objects = true;
   /// Keep `nn.Parameter` and tensor-subclass wrappers as Objects around their tensor
   /// (`torch._utils._rebuild_parameter(tensor, requires_grad, hooks)`), so they are written back
   /// as Parameters. Default: a Parameter is its tensor.
@@ -11737,7 +12167,7 @@ struct Storage {
   std::string key;                 ///< persistent key ("0", or the legacy storage id)
   statedict::dtype dtype = statedict::dtype::U8;  ///< element type (U8 for an UntypedStorage)
   bool untyped = false;            ///< torch.UntypedStorage (dtype then comes from each tensor)
-  std::uint64_t offset = 0;        ///< first byte in File::source (the file, or its records' image in memory)
+  std::uint64_t offset = 0;        ///< first byte in the source
   std::uint64_t nbytes = 0;
   std::string record;              ///< zip entry name (empty for legacy files)
   std::string location;            ///< "cpu", "cuda:0", ...
@@ -11750,18 +12180,7 @@ struct File {
   std::vector<pickle::Attributes> attributes;
   std::string format;        ///< "zip" or "legacy"
   std::string archive_name;  ///< zip top folder ("model" for model.pt; "archive" when saved to a stream)
-  /// What the tensors are views of: the file, or, when some of its zip records are compressed,
-  /// an image in memory of its storage records (inflated or copied, each at a multiple of 64
-  /// bytes; not zero-copy: `in_memory_bytes`, within zip::limits::max_inflated_bytes).
   std::shared_ptr<const ByteSource> source;
-  std::size_t compressed_records = 0;  ///< storage records that were deflated in the archive
-  std::uint64_t in_memory_bytes = 0;   ///< size of the image (0: views of the file itself)
-  /// The file's `byteorder` record says "big": its storages hold big-endian elements.
-  bool big_endian = false;
-  /// The views see little-endian elements: a big-endian file read with read() (its storages
-  /// swapped in the image). read_lazily() leaves them as stored; describe() then marks every
-  /// placement big-endian and the executor swaps each element as it copies.
-  bool swapped = false;
   std::vector<Storage> storages;  ///< in order of first use
   std::vector<std::string> records;  ///< zip entry names, in file order
   int pickle_protocol = 0;
@@ -11775,14 +12194,34 @@ struct File {
 /// What a file looks like from its first bytes.
 enum class file_kind : std::uint8_t { zip, legacy, legacy_tar, unknown };
 
+/// Whether `head` starts with the pickle torch's legacy format begins with: the magic number
+/// 0x1950a86a20f9469cfc6c alone, as torch.save pickles it at any protocol. Protocols 0 and 1: the
+/// text LONG `L119547037146038801333356L\n`; 2 and 3: PROTO, LONG1 of its 10 bytes; 4 and 5:
+/// PROTO, FRAME, LONG1; then STOP.
+inline bool legacy_magic(std::span<const std::byte> head) {
+  static constexpr std::string_view text = "L119547037146038801333356L\n.";
+  static constexpr unsigned char binary[] = {0x8a, 0x0a, 0x6c, 0xfc, 0x9c, 0x46, 0xf9, 0x20, 0x6a, 0xa8, 0x50, 0x19, '.'};
+  const auto u = [&](std::size_t i) { return i < head.size() ? std::to_integer<unsigned>(head[i]) : 256U; };
+  const auto at = [&](std::size_t i, const auto& what, std::size_t n) {
+    if (head.size() < i + n) return false;
+    for (std::size_t k = 0; k < n; ++k)
+      if (u(i + k) != static_cast<unsigned char>(what[k])) return false;
+    return true;
+  };
+  if (at(0, text, text.size())) return true;
+  if (u(0) != 0x80 || u(1) < 2 || u(1) > 5) return false;
+  std::size_t i = 2;
+  if (u(1) >= 4 && u(2) == 0x95) i = 11;  // FRAME and its 8-byte length
+  return at(i, binary, sizeof binary);
+}
+
 /// What a file is, from its first bytes (`head`, at least 4 of them when the file has them; the
-/// tar check needs 262) and its size.
+/// legacy magic needs 28, the tar check 262) and its size.
 inline file_kind kind_of(std::span<const std::byte> head, std::uint64_t size) {
   if (size < 4 || head.size() < 4) return file_kind::unknown;
   const auto u = [&](std::size_t i) { return std::to_integer<unsigned>(head[i]); };
   if (u(0) == 'P' && u(1) == 'K' && u(2) == 3 && u(3) == 4) return file_kind::zip;
-  // Legacy: PROTO 2, then LONG1 of the 10-byte magic number 0x1950a86a20f9469cfc6c.
-  if (u(0) == 0x80 && u(1) == 0x02 && u(2) == 0x8a && u(3) == 0x0a) return file_kind::legacy;
+  if (legacy_magic(head)) return file_kind::legacy;
   if (size >= 512 && head.size() >= 262 && std::memcmp(head.data() + 257, "ustar", 5) == 0) return file_kind::legacy_tar;
   return file_kind::unknown;
 }
@@ -11864,8 +12303,11 @@ inline statedict::dtype storage_dtype(std::string_view module, std::string_view 
     return statedict::dtype::U8;
   }
   if (auto t = dtype_from_storage_name(name)) return *t;
-  if (name.rfind('Q', 0) == 0)
-    throw_error(errors::pt_unsupported_tensor, "quantized storage " + quote(qualified()) + " is not supported");
+  // Quantized storages hold the integer representation (_rebuild_qtensor reads them); the 4- and
+  // 2-bit ones pack their values into bytes.
+  if (name == "QInt8Storage") return statedict::dtype::I8;
+  if (name == "QUInt8Storage" || name == "QUInt4x2Storage" || name == "QUInt2x4Storage") return statedict::dtype::U8;
+  if (name == "QInt32Storage") return statedict::dtype::I32;
   throw_error(errors::pt_bad_storage, "unknown storage class " + quote(qualified()));
 }
 inline statedict::dtype storage_dtype(const Object& cls, bool& untyped) {
@@ -12097,17 +12539,14 @@ inline pickle::Registry torch_registry(const read_context& ctx) {
     }
     return keep_call(c);
   });
-  // Tensor kinds statedict does not represent: a clear error, or the call kept as an Object.
+  // Quantized and sparse tensors: the call is kept as an Object with its arguments, whose tensors
+  // (the integer representation in a quantized storage, per-channel scales and zero points,
+  // sparse indices and values) are tensors of the file; written back, it is the same call, which
+  // torch.load(weights_only=True) accepts. Meta and subclass tensors the same way.
   for (const char* f : {"_rebuild_qtensor", "_rebuild_sparse_tensor", "_rebuild_sparse_csr_tensor",
                         "_rebuild_meta_tensor_no_storage", "_rebuild_wrapper_subclass",
-                        "_rebuild_device_tensor_from_numpy", "_rebuild_device_tensor_from_cpu_tensor"}) {
-    r.function(std::string("torch._utils.") + f, [&ctx, keep_call](pickle::Call& c) -> Value {
-      if (ctx.opts->keep_unknown_objects || ctx.dry_run) return keep_call(c);
-      throw_error(errors::pt_unsupported_tensor, quote(c.callable.qualified()) +
-                                                     " (quantized, sparse, meta or subclass tensors) is not supported; "
-                                                     "keep_unknown_objects keeps it as an object");
-    });
-  }
+                        "_rebuild_device_tensor_from_numpy", "_rebuild_device_tensor_from_cpu_tensor"})
+    r.function(std::string("torch._utils.") + f, keep_call);
   return r;
 }
 
@@ -12121,6 +12560,15 @@ inline void check_same_storage(std::string_view key, statedict::dtype first_dtyp
     throw_error(errors::pt_bad_storage, "storage " + quote(key) + " is described twice with different types or sizes (" +
                                             std::to_string(first_numel) + " " + std::string(name(first_dtype)) +
                                             " elements, then " + std::to_string(numel) + " " + std::string(name(t)) + ")");
+}
+
+/// A persistent id that is a str: torch.save at pickle_protocol=0 writes str(tuple) (PERSID takes
+/// text), which torch.load cannot read back either.
+inline void refuse_text_pid(const Value& pid) {
+  if (pid.is_string())
+    throw_error(errors::pt_protocol_0, "a text persistent id " + quote(pid.as_string().substr(0, 80)) +
+                                           ": the file was saved with pickle_protocol=0, which writes storage ids as text that "
+                                           "torch.load cannot read either (saved_id must be a tuple)");
 }
 
 inline bool is_storage_tag(const Value& v) {
@@ -12169,43 +12617,6 @@ inline std::optional<std::size_t> key_number(std::string_view key, std::size_t b
   return n;
 }
 
-/// Makes the storages of a big-endian file, read into the image f.view_base points at,
-/// little-endian in place. A typed storage is swapped by its class's dtype (as torch.load does); an
-/// untyped one by the dtype of the tensors viewing it (torch.load swaps none of it and so misreads
-/// uint16/32/64, complex32 and bits16 tensors of such files); one viewed as elements of two sizes
-/// has no single byte order and is refused. An untyped storage no tensor views stays as it is.
-inline void swap_storages(File& f, const std::vector<zip_storage>& seen) {
-  std::byte* const base = const_cast<std::byte*>(f.view_base);  // the image: memory this read owns
-  std::vector<std::uint32_t> by_offset(seen.size());
-  for (std::uint32_t i = 0; i < by_offset.size(); ++i) by_offset[i] = i;
-  std::sort(by_offset.begin(), by_offset.end(), [&](std::uint32_t a, std::uint32_t b) { return seen[a].data < seen[b].data; });
-  std::vector<std::uint8_t> unit(seen.size(), 1);
-  for (std::size_t i = 0; i < seen.size(); ++i)
-    if (!f.storages[i].untyped) unit[i] = info(seen[i].dtype).swap_unit;
-  visit(f.value, [&](const Path&, const Value& v) {
-    if (!v.is_tensor() || v.as_tensor().numel() == 0) return;
-    const TensorView& t = v.as_tensor();
-    const std::uint8_t u = info(t.dtype()).swap_unit;
-    if (u == 1) return;
-    auto it = std::upper_bound(by_offset.begin(), by_offset.end(), t.data(), [&](const std::byte* p, std::uint32_t i) { return p < seen[i].data; });
-    if (it == by_offset.begin()) return;
-    const std::uint32_t i = *(it - 1);
-    if (!f.storages[i].untyped) return;
-    if (unit[i] != 1 && unit[i] != u)
-      throw_error(errors::pt_bad_storage, "storage " + quote(f.storages[i].key) + " of a big-endian file",
-                  "is viewed as elements of " + std::to_string(unit[i]) + " and of " + std::to_string(u) +
-                      " bytes; its byte order cannot be undone for both");
-    unit[i] = u;
-  });
-  for (std::size_t i = 0; i < seen.size(); ++i) {
-    if (unit[i] == 1) continue;
-    const std::uint64_t bytes = seen[i].numel * itemsize(seen[i].dtype);
-    const dtype as = unit[i] == 2 ? dtype::U16 : unit[i] == 4 ? dtype::U32 : dtype::U64;
-    byteswap_run(as, base + (seen[i].data - f.view_base), static_cast<std::size_t>(bytes / unit[i]));
-  }
-  f.swapped = true;
-}
-
 inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& opts, bool lazy, bool may_overlap = true) {
   File f;
   f.format = "zip";
@@ -12219,10 +12630,7 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
   zo.verify_crc = opts.verify_crc && !lazy;
   zo.defer_local_headers = views_only && may_overlap;
   zip::Archive ar = zip::Archive::open(src, zo);
-  // Compressed records (an archive another zip tool rewrote) cannot be views of the file: their
-  // local headers are read now, and the storage records go into an image in memory (below).
-  const bool compressed = std::any_of(ar.entries().begin(), ar.entries().end(), [](const zip::Entry& e) { return !e.stored(); });
-  bool overlap = zo.defer_local_headers && !compressed && ar.entries().size() >= opts.overlap_headers_from;
+  const bool overlap = zo.defer_local_headers && ar.entries().size() >= opts.overlap_headers_from;
   if (zo.defer_local_headers && !overlap) ar.adopt_data_offsets(ar.data_offsets());
   // With `overlap`, the headers are read on `headers` from the pickle on; until the join, `ar`
   // is only read (data_offsets() is const; the few locate() calls come before the thread).
@@ -12243,39 +12651,27 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
     const std::string prefix = f.archive_name + "/";
     const zip::Entry* pkl = ar.find(prefix + "data.pkl");
     if (!pkl) throw_error(errors::pt_missing_record, where(*src), "no record " + quote(prefix + "data.pkl") + ": not a torch.save file");
+    // torch.jit.save writes data.pkl too, with constants.pkl and code/ beside it: a module
+    // (TorchScript), whose classes are its code.
+    if (ar.find(prefix + "constants.pkl"))
+      throw_error(errors::pt_not_torch, where(*src), "a TorchScript archive (torch.jit.save: " + quote(prefix + "constants.pkl") +
+                                                         " and code), not a torch.save file");
     if (overlap) ar.locate(*pkl);
-    // A short text record: its first `cap` bytes (a deflated one is inflated only when that short).
-    auto text_record = [&](const zip::Entry& e, std::uint64_t cap) -> std::string {
-      if (overlap) ar.locate(e);
-      Region r;
-      if (e.stored()) {
-        ar.check_readable(e);
-        r = read_region(*src, e.data_offset, std::min<std::uint64_t>(e.size, cap));
-      } else {
-        ar.check_extractable(e);
-        if (e.size > cap) return std::string(static_cast<std::size_t>(cap) + 1, '?');  // longer than any valid content
-        r = ar.read(e);
-      }
-      return std::string(reinterpret_cast<const char*>(r.data), static_cast<std::size_t>(r.size));
-    };
     if (const zip::Entry* ver = ar.find(prefix + "version"); ver || (ver = ar.find(prefix + ".data/version"))) {
-      std::string v = text_record(*ver, 32);
+      if (overlap) ar.locate(*ver);
+      ar.check_readable(*ver);
+      const Region r = read_region(*src, ver->data_offset, std::min<std::uint64_t>(ver->size, 32));
+      std::string v(reinterpret_cast<const char*>(r.data), static_cast<std::size_t>(r.size));
       while (!v.empty() && (v.back() == '\n' || v.back() == '\r' || v.back() == ' ')) v.pop_back();
       if (v.empty() || v.find_first_not_of("0123456789") != std::string::npos)
         throw_error(errors::pt_bad_version, where(*src), "record " + quote(ver->name) + " holds " + quote(v) + ", not a version number");
     }
     if (const zip::Entry* bo = ar.find(prefix + "byteorder")) {
-      const std::string v = text_record(*bo, 16);
-      if (v == "big") f.big_endian = true;
-      else if (v != "little")
-        throw_error(errors::pt_bad_byteorder, where(*src), "record " + quote(bo->name) + " holds " + quote(v) + ", not little or big");
-    }
-    // A big-endian file read for its values: the storages are swapped in an image in memory, which
-    // needs every record's offset now (no prediction on another thread).
-    const bool swap_in_memory = f.big_endian && !lazy;
-    if (swap_in_memory && overlap) {
-      ar.adopt_data_offsets(ar.data_offsets());
-      overlap = false;
+      if (overlap) ar.locate(*bo);
+      ar.check_readable(*bo);
+      const Region r = read_region(*src, bo->data_offset, std::min<std::uint64_t>(bo->size, 16));
+      const std::string_view v(reinterpret_cast<const char*>(r.data), static_cast<std::size_t>(r.size));
+      if (v == "big") throw_error(errors::pt_big_endian, where(*src), "big-endian file (byteorder record) is not supported");
     }
     const Region pickle_bytes = ar.read(*pkl);
     if (overlap) {
@@ -12292,41 +12688,8 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
       }
     }
 
-    // The image of the storage records (every `data/` record, each at a multiple of 64 bytes) when
-    // some record is compressed: the File's source and view base are then the image.
-    std::vector<std::uint64_t> image_offset;  // per entry; only for records under data/
-    std::byte* image = nullptr;
-    if (compressed || swap_in_memory) {
-      const std::string data_dir = prefix + "data/";
-      image_offset.assign(ar.entries().size(), 0);
-      std::uint64_t total = 0;
-      for (std::size_t i = 0; i < ar.entries().size(); ++i) {
-        const zip::Entry& e = ar.entries()[i];
-        if (e.name.compare(0, data_dir.size(), data_dir) != 0) continue;
-        ar.check_extractable(e);
-        image_offset[i] = checked_add(total, 63, "records in memory") / 64 * 64;
-        total = checked_add(image_offset[i], e.size, "records in memory");
-        if (total > opts.limits.zip.max_inflated_bytes)
-          throw_error(errors::zip_inflate_limit, where(*src),
-                      "the storage records of an archive with compressed records are read into memory: more than " +
-                          std::to_string(opts.limits.zip.max_inflated_bytes) + " bytes (zip::limits::max_inflated_bytes)");
-      }
-      auto bytes = std::make_shared<std::vector<std::byte>>(static_cast<std::size_t>(std::max<std::uint64_t>(total, 1)));
-      for (std::size_t i = 0; i < ar.entries().size(); ++i) {
-        const zip::Entry& e = ar.entries()[i];
-        if (e.name.compare(0, data_dir.size(), data_dir) != 0) continue;
-        ar.extract(e, std::span<std::byte>(bytes->data() + image_offset[i], static_cast<std::size_t>(e.size)));
-        if (!e.stored()) ++f.compressed_records;
-      }
-      image = bytes->data();
-      f.in_memory_bytes = total;
-      f.source = std::make_shared<MemorySource>(src->name() + " (records in memory)", image, total, bytes);
-      f.view_base = image;
-      f.view_owner = bytes;
-    } else {
-      f.view_base = vb.base;
-      f.view_owner = vb.owner;
-    }
+    f.view_base = vb.base;
+    f.view_owner = vb.owner;
     // Storages and their records by key. torch.save's keys are the numbers 0, 1, 2, ... in order
     // of first use, and its records are sorted as strings ("0", "1", "10", "100", ...): such keys
     // are looked up in two arrays indexed by the number (a hash table probed at random misses the
@@ -12349,6 +12712,7 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
     po.limits = opts.limits.pickle;
     po.keep_unknown_objects = opts.keep_unknown_objects;
     po.registry = &reg;
+    po.input_owner = pickle_bytes.owner;  // numpy arrays in the pickle are views of it
     by_key.reserve(ar.entries().size());
     seen.reserve(ar.entries().size());
     f.storages.reserve(ar.entries().size());
@@ -12396,9 +12760,9 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
           if (!e) throw_error(errors::pt_missing_record, "storage " + quote(key) + ": no record " + quote(rec));
         }
         next_entry = static_cast<std::size_t>(e - entries.data()) + 1;
-        if (!image) ar.check_readable(*e);
+        ar.check_readable(*e);
         zip_storage c{e, nullptr, {}, t, numel};
-        std::uint64_t data_offset = image ? image_offset[static_cast<std::size_t>(e - entries.data())] : e->data_offset;
+        std::uint64_t data_offset = e->data_offset;
         if (overlap) {
           // The prediction, checked after the join. One that cannot be right (its bytes would run
           // into the central directory) still gets a pointer inside the source, never used.
@@ -12408,10 +12772,7 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
             data_offset = 0;
           }
         }
-        if (image) {
-          c.data = image + data_offset;
-          c.owner = f.view_owner;
-        } else if (views_only) {
+        if (views_only) {
           c.data = vb.base + data_offset;
           c.owner = vb.owner;
         } else {
@@ -12442,6 +12803,7 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
       return storage_value(classes[cls].module, classes[cls].name, std::move(bytes), f.storages[at].key, std::string(location));
     };
     po.persistent_load = [&](const Value& pid) -> Value {
+      refuse_text_pid(pid);
       if (!pid.is_tuple() || pid.as_list().size() != 5 || !is_storage_tag(pid.at(0)))
         throw_error(errors::pt_bad_storage, "persistent id is not ('storage', type, key, location, numel)");
       const List& p = pid.as_list();
@@ -12512,7 +12874,6 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
     // Not torch's layout (an archive rewritten by another zip tool): read it again, headers first.
     if (mispredicted) return read_zip(std::move(src), opts, lazy, false);
   }
-  if (f.big_endian && !lazy) swap_storages(f, seen);
   // The archive ends here: its entry names become the record list (moved, not copied).
   std::vector<zip::Entry> entries = ar.release_entries();
   f.records.reserve(entries.size());
@@ -12530,8 +12891,9 @@ inline File read_legacy(std::shared_ptr<const ByteSource> src, const load_option
   const Region all = read_region(*src, 0, src->size());  // a pread source is read once here
   const std::span<const std::byte> bytes = all.span();
   std::uint64_t pos = 0;
-  pickle::options plain;
+  pickle::options plain;  // magic number, version, sys_info, key list: plain data, no objects
   plain.limits = opts.limits.pickle;
+  plain.keep_unknown_objects = false;
   auto next = [&](const char* what) {
     try {
       pickle::Result r = pickle::load(bytes.subspan(static_cast<std::size_t>(pos)), plain);
@@ -12573,7 +12935,9 @@ inline File read_legacy(std::shared_ptr<const ByteSource> src, const load_option
   po.limits = opts.limits.pickle;
   po.keep_unknown_objects = opts.keep_unknown_objects;
   po.registry = &reg;
+  po.input_owner = all.owner;  // numpy arrays in the pickle are views of the file's bytes
   auto parse_pid = [&](const Value& pid, std::string& root, std::optional<std::tuple<std::string, std::int64_t, std::int64_t>>& view) {
+    refuse_text_pid(pid);
     if (!pid.is_tuple() || pid.as_list().size() != 6 || !is_storage_tag(pid.at(0)))
       throw_error(errors::pt_bad_storage, "legacy persistent id is not ('storage', type, key, location, numel, view)");
     const List& p = pid.as_list();
@@ -12683,7 +13047,7 @@ inline File read_any(std::shared_ptr<const ByteSource> src, const load_options& 
       throw_error(errors::pt_legacy_tar, where(*src), "the tar-based format of PyTorch < 0.4 is not supported");
     case file_kind::unknown: break;
   }
-  throw_error(errors::pt_not_torch, where(*src), "neither a zip archive nor a legacy torch.save pickle");
+  throw_error(errors::pt_not_torch, where(*src), "neither a zip archive nor a legacy torch.save file (its magic number pickled at protocol 0-5)");
 }
 
 }  // namespace detail
@@ -12760,8 +13124,17 @@ inline ShardedCheckpoint describe(const File& file) {
   const std::uint64_t size = file.source->size();
   for (auto& [name, v] : flat.tensors) {
     const auto addr = reinterpret_cast<std::uintptr_t>(v.data()), base = reinterpret_cast<std::uintptr_t>(file.view_base);
-    if (addr < base || addr - base > size)
-      throw_error(errors::pt_bad_tensor, detail::where(*file.source), "tensor " + quote(name) + " does not point into the file");
+    std::uint32_t source = 0;
+    std::uint64_t offset = addr - base;
+    if (addr < base || addr - base > size) [[unlikely]] {
+      // Not in the file's bytes: a numpy array copied out of the pickle (or viewing a copy of
+      // it), held in memory by its view: a source of its own.
+      if (!v.owner())
+        throw_error(errors::pt_bad_tensor, detail::where(*file.source), "tensor " + quote(name) + " does not point into the file");
+      source = static_cast<std::uint32_t>(ck.sources.size());
+      offset = 0;
+      ck.sources.push_back(std::make_shared<MemorySource>(file.source->name() + ": " + name, v.data(), v.extent_bytes(), v.owner()));
+    }
     // Built in place: 10,000 tensors are 10,000 TensorInfo and Chunk moves otherwise.
     TensorInfo& ti = ck.tensors.emplace_back();
     ti.name = std::move(name);  // `flat` is ours: its names move into the description
@@ -12771,20 +13144,13 @@ inline ShardedCheckpoint describe(const File& file) {
     Box& region = std::get<Box>(c.region);  // a Chunk starts as a Box
     region.offsets = shape_t(v.rank(), 0);
     region.sizes = v.shape();
-    c.at.source = 0;
-    c.at.byte_offset = addr - base;
+    c.at.source = source;
+    c.at.byte_offset = offset;
     if (!v.is_contiguous()) c.at.strides = v.strides();
     c.at.stored = v.dtype();
-    if (file.big_endian && !file.swapped) c.at.order = byte_order::big;
   }
   ck.skeleton = std::move(flat.skeleton);
   ck.metadata["torch.format"] = file.format;
-  if (file.big_endian)
-    ck.metadata["torch.byteorder"] = file.swapped ? "big: storages byte-swapped to little-endian in memory when read"
-                                                  : "big: every element byte-swapped to little-endian as it is copied";
-  if (file.compressed_records)
-    ck.metadata["torch.records_in_memory"] = std::to_string(file.compressed_records) + " deflated record(s): " +
-                                             std::to_string(file.in_memory_bytes) + " bytes of storage records inflated into memory (not zero-copy)";
   if (!file.archive_name.empty()) ck.metadata["torch.archive_name"] = file.archive_name;
   if (!file.attributes.empty()) ck.metadata[std::string(attributes_metadata_key)] = encode_attributes(file.attributes);
   return ck;
@@ -12847,7 +13213,7 @@ namespace torch {
 // out like torch's (io/zip.hpp). The pickle (protocol 2) writes each tensor as
 // `_rebuild_tensor_v2(storage, offset, size, stride, False, OrderedDict())` with the persistent id
 // `('storage', torch.<Dtype>Storage, key, 'cpu', numel)`; dtypes without a typed storage class
-// (U16, U32, U64, F8_*) use `_rebuild_tensor_v3` with `torch.storage.UntypedStorage` and the dtype global,
+// (U16, U32, U64, F8_*) use `_rebuild_tensor_v3` with `torch.UntypedStorage` and the dtype global,
 // as PyTorch >= 2.1 does. Tensors whose memory overlaps (same dtype) share one storage covering the
 // union of their byte ranges, so tied weights and views stay tied after torch.load; the same view
 // twice is written once and referenced (torch.load gives the same object). Storages are written once.
@@ -12886,7 +13252,10 @@ inline std::string archive_name_for(const std::filesystem::path& path) {
 struct PlannedStorage {
   std::string key;                                ///< "0", "1", ...
   statedict::dtype dtype = statedict::dtype::U8;  ///< element type of its tensors
-  bool untyped = false;                           ///< written as torch.storage.UntypedStorage (+ _rebuild_tensor_v3)
+  bool untyped = false;                           ///< written as torch.UntypedStorage (+ _rebuild_tensor_v3)
+  /// The class its persistent id names when the tree held the storage itself as one of another
+  /// class of the same elements (a quantized storage: torch.QInt8Storage); empty: the dtype's.
+  std::string storage_class;
   std::uint64_t nbytes = 0;
   std::size_t record = 0;                         ///< index into SavePlan::records / layout.entries
   /// Bytes to copy (nbytes of them), or nullptr for a storage the caller fills (PlannedWriter).
@@ -13115,11 +13484,9 @@ inline SavePlan plan_save(const Value& tree, const save_options& opts) {
     const PlannedStorage& s = plan.storages[si];
     w.mark();
     w.str("storage");
-    // As torch.save writes them: typed classes from module `torch`, the untyped one from
-    // `torch.storage` (torch 2.x's weights_only allow-list has `torch.storage.UntypedStorage`, not
-    // `torch.UntypedStorage`).
-    if (s.untyped) w.global("torch.storage", "UntypedStorage");
-    else w.global("torch", info(s.dtype).storage_name);
+    w.global("torch", !s.storage_class.empty() ? s.storage_class
+                      : s.untyped             ? std::string("UntypedStorage")
+                                              : std::string(info(s.dtype).storage_name));
     w.str(s.key);
     w.str("cpu");
     w.integer(static_cast<std::int64_t>(s.untyped ? s.nbytes : s.nbytes / itemsize(s.dtype)));
@@ -13132,9 +13499,6 @@ inline SavePlan plan_save(const Value& tree, const save_options& opts) {
       const TensorView& t = v.as_tensor();
       const std::string id = detail::view_identity(t);
       if (t.numel() > 0 && wr.get_memo(id)) return true;
-      if (info(t.dtype()).torch_name.empty())
-        throw_error(errors::pt_unwritable, "tensor" + (names.count(&t) ? " " + quote(*names.at(&t)) : std::string()),
-                    "dtype " + std::string(name(t.dtype())) + " has no PyTorch dtype (a safetensors-only type): torch.save files cannot hold it");
       const std::size_t si = storage_of(t);
       const PlannedStorage& s = plan.storages[si];
       const std::uint64_t off = t.numel() == 0 ? 0 : static_cast<std::uint64_t>(t.data() - g.groups[g.group_of.at(&t)].lo) / t.itemsize();
@@ -13167,8 +13531,13 @@ inline SavePlan plan_save(const Value& tree, const save_options& opts) {
       return true;
     }
     if (v.is_object() && detail::is_storage_object(v.as_object())) {
-      const TensorView& bytes = v.as_object().args[0].as_tensor();
+      const Object& o = v.as_object();
+      const TensorView& bytes = o.args[0].as_tensor();
       const std::size_t si = storage_of(bytes);
+      // A quantized storage (its bytes are the integer representation) keeps its class, which
+      // _rebuild_qtensor reads the quantized dtype from.
+      if (o.module == "torch" && o.name.size() > 1 && o.name[0] == 'Q' && !plan.storages[si].untyped)
+        plan.storages[si].storage_class = o.name;
       persistent_id(si);
       return true;
     }
@@ -14740,7 +15109,6 @@ inline constexpr error_id too_many_ops          {616, error_kind::limit,  "plan.
 inline constexpr error_id bad_part              {617, error_kind::usage,  "plan.bad_part"};
 inline constexpr error_id destination_too_small {618, error_kind::plan,   "plan.destination_too_small"};
 inline constexpr error_id duplicate_tensor      {619, error_kind::key,    "plan.duplicate_tensor"};
-inline constexpr error_id destination_byte_order{117, error_kind::usage,  "core.destination_byte_order"};
 // clang-format on
 }  // namespace errors
 
@@ -14761,15 +15129,12 @@ struct CopyOp {
   std::uint64_t reps = 1;
   std::uint64_t src_step = 0;
   std::uint64_t dst_step = 0;
-  /// The source elements are big-endian (Placement::order): swapped as they are read, before any
-  /// cast, so the op is never a plain byte copy.
-  bool swap = false;
 
   [[nodiscard]] std::uint64_t elements() const noexcept { return count * reps; }
   [[nodiscard]] std::uint64_t src_bytes() const noexcept { return elements() * itemsize(src_dtype); }
   [[nodiscard]] std::uint64_t dst_bytes() const noexcept { return elements() * itemsize(dst_dtype); }
   /// True when no conversion happens (a byte copy).
-  [[nodiscard]] bool plain() const noexcept { return nvia == 0 && src_dtype == dst_dtype && (!swap || info(src_dtype).swap_unit == 1); }
+  [[nodiscard]] bool plain() const noexcept { return nvia == 0 && src_dtype == dst_dtype; }
   friend bool operator==(const CopyOp&, const CopyOp&) = default;
 };
 
@@ -14783,7 +15148,6 @@ struct CompareOp {
   std::uint64_t a_offset = 0, b_offset = 0;
   std::uint64_t count = 0, reps = 1;
   std::uint64_t a_step = 0, b_step = 0;
-  bool a_swap = false, b_swap = false;  ///< big-endian elements (swapped before comparing)
   shape_t first_index;  ///< global index of the first element compared (for messages)
 };
 
@@ -14841,10 +15205,8 @@ inline std::string where_in(const std::vector<std::string>& names, std::uint32_t
 
 inline bool exact_widening(dtype from, dtype to) noexcept {
   if (from == to) return true;
-  // E8M0 spans 2^-127 .. 2^127: F16 cannot hold it, the 8-bit exponent types can.
-  if (from == dtype::F8_E8M0) return to == dtype::BF16 || to == dtype::F32 || to == dtype::F64;
   if (is_floating(from) && is_floating(to)) return itemsize(to) > itemsize(from);
-  return (from == dtype::C64 && to == dtype::C128) || (from == dtype::C32 && (to == dtype::C64 || to == dtype::C128));
+  return from == dtype::C64 && to == dtype::C128;
 }
 
 /// The conversion chain stored -> logical -> destination logical -> destination stored, with
@@ -14879,7 +15241,6 @@ struct SrcPiece {
   std::uint32_t source = 0;
   std::uint64_t byte_offset = 0;
   dtype stored = dtype::F32;
-  bool swap = false;  // big-endian elements
   FlatRange lin;  // linear extent of m.box
 };
 
@@ -15058,7 +15419,7 @@ inline void merge_ops(std::vector<CopyOp>& ops) {
     if (!out.empty()) {
       CopyOp& p = out.back();
       const bool same = p.src == o.src && p.dst == o.dst && p.src_dtype == o.src_dtype && p.dst_dtype == o.dst_dtype &&
-                        p.nvia == o.nvia && p.via == o.via && p.swap == o.swap;
+                        p.nvia == o.nvia && p.via == o.via;
       if (same && p.reps == 1 && o.reps == 1 && o.src_offset == p.src_offset + p.count * itemsize(p.src_dtype) &&
           o.dst_offset == p.dst_offset + p.count * itemsize(p.dst_dtype)) {
         p.count += o.count;
@@ -15147,7 +15508,6 @@ class tensor_planner {
         p.source = c.at.source;
         p.byte_offset = c.at.byte_offset;
         p.stored = c.at.stored;
-        p.swap = c.at.order == byte_order::big;
         pieces.push_back(std::move(p));
       }
     }
@@ -15187,8 +15547,6 @@ class tensor_planner {
       if (c.at.source >= nd)
         throw_error(errors::bad_source_id, what(), "refers to destination " + std::to_string(c.at.source) + " of " +
                                                        std::to_string(nd));
-      if (c.at.order != byte_order::little)
-        throw_error(errors::destination_byte_order, what(), "is big-endian; statedict writes little-endian elements only");
       std::vector<MappedBox> boxes;
       std::uint64_t ext = 0, end = 0;
       try {
@@ -15288,7 +15646,6 @@ class tensor_planner {
         base.dst = dc.at.source;
         base.src_dtype = sp.stored;
         base.dst_dtype = dc.at.stored;
-        base.swap = sp.swap;
         base.nvia = static_cast<std::uint8_t>(chain.size() > 2 ? chain.size() - 2 : 0);
         if (base.nvia > 2) throw_error(errors::unsupported_cast, ctx(), "conversion chain too long");
         for (std::size_t k = 0; k < base.nvia; ++k) base.via[k] = chain[k + 1];
@@ -15328,8 +15685,6 @@ class tensor_planner {
         c.b = rp.source;
         c.a_dtype = kp.stored;
         c.b_dtype = rp.stored;
-        c.a_swap = kp.swap;
-        c.b_swap = rp.swap;
         c.logical = s->dtype;
         c.a_offset = kp.byte_offset + r.a * itemsize(kp.stored);
         c.b_offset = rp.byte_offset + r.b * itemsize(rp.stored);
@@ -15781,7 +16136,6 @@ class Sha256Sink final : public Sink {
 #include <exception>
 #include <functional>
 #include <memory>
-#include <optional>
 #include <mutex>
 #include <span>
 #include <string>
@@ -16162,19 +16516,12 @@ class exec_worker {
     while (n) {
       const std::uint64_t k = std::min(n, per);
       const std::byte* sp;
-      if (map && !o.swap) {
+      if (map) {
         src.check_range(so, k * ssz);
         sp = map + so;
       } else {
-        // Read into the buffer (big-endian elements are swapped there, never in the source).
         std::byte* b = rbuf_.get();
-        if (map) {
-          src.check_range(so, k * ssz);
-          std::memcpy(b, map + so, static_cast<std::size_t>(k * ssz));
-        } else {
-          read(src, so, std::span<std::byte>(b, static_cast<std::size_t>(k * ssz)));
-        }
-        if (o.swap) byteswap_run(o.src_dtype, b, static_cast<std::size_t>(k));
+        read(src, so, std::span<std::byte>(b, static_cast<std::size_t>(k * ssz)));
         sp = b;
       }
       std::byte* dp = reserve(dst, doff, k * dsz);
@@ -16306,22 +16653,13 @@ class exec_worker {
 
   // ---- replica checks --------------------------------------------------------------------------
 
-  /// `len` bytes at `off` of `src`: in place when mapped, else read into `buf`; elements of dtype
-  /// `swap` are byte-swapped in `buf` (big-endian sources).
-  const std::byte* bytes_of(const ByteSource& src, std::uint64_t off, std::uint64_t len, exec_buffer& buf, std::optional<dtype> swap) {
-    const std::byte* m = src.data();
-    if (m && !swap) {
+  const std::byte* bytes_of(const ByteSource& src, std::uint64_t off, std::uint64_t len, exec_buffer& buf) {
+    if (const std::byte* m = src.data()) {
       src.check_range(off, len);
       return m + off;
     }
     std::byte* b = buf.get();
-    if (m) {
-      src.check_range(off, len);
-      std::memcpy(b, m + off, static_cast<std::size_t>(len));
-    } else {
-      src.read(off, std::span<std::byte>(b, static_cast<std::size_t>(len)));
-    }
-    if (swap) byteswap_run(*swap, b, static_cast<std::size_t>(len / itemsize(*swap)));
+    src.read(off, std::span<std::byte>(b, static_cast<std::size_t>(len)));
     return b;
   }
 
@@ -16341,8 +16679,8 @@ class exec_worker {
         const std::uint64_t ao = c.a_offset + r * c.a_step + e * asz, bo = c.b_offset + r * c.b_step + e * bsz;
         touch(c.a, ao, k * asz);
         touch(c.b, bo, k * bsz);
-        const std::byte* pa = bytes_of(a, ao, k * asz, rbuf_, c.a_swap ? c.a_dtype : std::optional<dtype>());
-        const std::byte* pb = bytes_of(b, bo, k * bsz, wbuf_, c.b_swap ? c.b_dtype : std::optional<dtype>());
+        const std::byte* pa = bytes_of(a, ao, k * asz, rbuf_);
+        const std::byte* pb = bytes_of(b, bo, k * bsz, wbuf_);
         const std::byte* qa = pa;
         const std::byte* qb = pb;
         std::uint64_t isz = asz;
@@ -17611,6 +17949,10 @@ struct save_options {
   /// (after checking that every file exists with its planned size), the final step.
   std::optional<PartSpec> part;
   bool index_only = false;
+  /// Classes written as themselves ("argparse.Namespace"). Every other object whose class
+  /// torch.load(weights_only=True) does not accept is written as its data (formats/objects.hpp),
+  /// so that loading the output runs no code; name a class here only for input you trust.
+  std::vector<std::string> keep_classes;
   /// Format settings by type (`settings.set<dcp::save_settings>()`).
   formats::settings settings;
 };
@@ -19091,11 +19433,10 @@ namespace statedict::inline v0::dcp {
 struct write_options {
   /// Ranks that will load the checkpoint (M); one `__<rank>_0.distcp` file per rank.
   std::uint32_t world_size = 1;
-  /// The layout of the PyTorch that will load the checkpoint: 2.x's (`torch.distributed.checkpoint`
-  /// classes, the 2.x flatten rule and its planner_data mapping; the default, since restarts happen
-  /// on current PyTorch, whose dcp.load refuses the 1.13 class names) or 1.13's
-  /// (`torch.distributed._shard.checkpoint`, which PyTorch 1.13 loads). See docs/formats/dcp.md.
-  class_names classes = class_names::torch_2;
+  /// Class names of `.metadata`: torch 1.13's (`torch.distributed._shard.checkpoint`, what the
+  /// tests load with PyTorch 1.13) or 2.x's (`torch.distributed.checkpoint`, with the 2.x flatten
+  /// rule and its planner_data mapping). See docs/formats/dcp.md.
+  class_names classes = class_names::torch_1_13;
   exec_options exec{};
   plan_options plan{};
   /// Write only the rank files of part k of K (shard/plan.hpp assign_parts), each atomically,
@@ -19314,9 +19655,6 @@ inline keyed_tree keys_of(const ShardedCheckpoint& src, class_names classes) {
   std::uint64_t total = 16;
   for (std::size_t i = 0; i < n; ++i) {
     const TensorInfo& t = src.tensors[i];
-    if (info(t.dtype).torch_name.empty())
-      throw_error(errors::dcp_write_unsupported, "tensor " + quote(t.name),
-                  "dtype " + std::string(name(t.dtype)) + " has no PyTorch dtype (a safetensors-only type)");
     if (classes == class_names::torch_1_13 && info(t.dtype).storage_name.empty())
       throw_error(errors::dcp_write_unsupported, "tensor " + quote(t.name),
                   "dtype " + std::string(name(t.dtype)) + " has no storage class in PyTorch 1.13 (write the 2.x layout)");
@@ -20769,9 +21107,6 @@ inline optim_shard::LoadedFile load_rank_file(const std::filesystem::path& p, re
   lo.mode = mode;
   try {
     torch::File f = torch::read_lazily(InputFile::open(p, mode), lo);
-    if (f.big_endian)  // its flat buffers would be sliced without their byte order
-      throw_error(errors::pt_big_endian, "file " + quote(p.string()),
-                  "a rank file written on a big-endian machine (byteorder record) is not supported by this reader");
     return optim_shard::LoadedFile{p.string(), f.source, std::move(f.value), f.view_base};
   } catch (error& e) {
     e.add_context(context);
@@ -22538,125 +22873,6 @@ class format final : public formats::Format {
 
 #include <nlohmann/json.hpp>
 
-// ---- statedict/formats/detail/hf_shards.hpp ----
-// statedict: Hugging Face checkpoints whose shards are not all safetensors files: transformers'
-// `pytorch_model-0000k-of-0000n.bin` + `pytorch_model.bin.index.json` (torch.save shards), or an
-// index mixing both kinds. Each shard is read by its own format (told by its content, never its
-// name) and the shards are merged into one description, validated against the index as
-// io/hf_sharded.hpp validates safetensors shards (formats/hf.hpp is the public header).
-// SPDX-License-Identifier: MIT
-
-#include <cstdint>
-#include <filesystem>
-#include <map>
-#include <memory>
-#include <string>
-#include <unordered_map>
-#include <utility>
-#include <vector>
-
-
-namespace statedict::inline v0::hf::detail {
-
-/// Whether the file holds a torch.save archive or pickle (else it is read as safetensors).
-inline bool is_torch_file(const ByteSource& src) {
-  const torch::file_kind k = torch::detect(src);
-  return k == torch::file_kind::zip || k == torch::file_kind::legacy || k == torch::file_kind::legacy_tar;
-}
-
-/// One shard described by its own format, its tensors by name and its aliases (name -> target).
-struct shard_content {
-  ShardedCheckpoint ck;
-  std::unordered_map<std::string, std::size_t> tensor;  ///< name -> index into ck.tensors
-  std::unordered_map<std::string, std::string> alias;
-};
-
-/// Describes shard `path`; `where` names the index for errors. A shard holds named tensors only: a
-/// non-tensor value, or a view into another tensor's elements, is hf.shard_content.
-inline shard_content describe_shard(const std::filesystem::path& path, const open_options& opt, const torch::load_options& topt,
-                                    const std::string& where) {
-  shard_content s;
-  const std::string at = where + ": shard " + quote(path.filename().string());
-  try {
-    auto src = InputFile::open(path, opt.mode);
-    s.ck = is_torch_file(*src) ? torch::describe(std::move(src), topt) : safetensors::File::open(std::move(src), opt.lim).describe();
-  } catch (error& e) {
-    e.add_context(where);
-    throw;
-  }
-  if (!s.ck.skeleton.is_null()) {
-    if (const auto values = skeleton_values(s.ck.skeleton); !values.empty())
-      throw_error(errors::hf_shard_content, at, "holds the value " + quote(values.front().first) + ": a shard holds tensors only");
-    if (statedict::detail::may_hold_aliases(s.ck.skeleton))
-      for (const auto& t : statedict::detail::list_tensorish(s.ck.skeleton.json())) {
-        if (t.kind == statedict::detail::snode::tensor) continue;
-        if (t.kind != statedict::detail::snode::alias)
-          throw_error(errors::hf_shard_content, at, "tensor " + quote(t.name) + " is a view into " + quote(t.target) +
-                                                        "; a shard holds whole tensors (or the same tensor under two names)");
-        s.alias.emplace(t.name, t.target);
-      }
-  }
-  for (std::size_t i = 0; i < s.ck.tensors.size(); ++i) s.tensor.emplace(s.ck.tensors[i].name, i);
-  return s;
-}
-
-/// The checkpoint an index describes, each shard read by its own format: tensors in weight_map
-/// order (each once; a name the index lists that its shard holds as an alias of another tensor
-/// stays a tie), sources = every shard's sources, metadata = the index's. Every weight_map entry
-/// must be in its shard, and every tensor of a shard listed for that shard.
-inline ShardedCheckpoint describe_mixed_index(const std::filesystem::path& index_path, const Index& index, const open_options& opt,
-                                              const torch::load_options& topt) {
-  const std::string where = "checkpoint " + quote(index_path.string());
-  const std::filesystem::path dir = statedict::detail::parent_or_dot(index_path);
-  std::vector<shard_content> shards;
-  std::vector<std::uint32_t> first_source;
-  ShardedCheckpoint out;
-  out.format = "hf_sharded";
-  for (const std::string& fn : index.files) {
-    shards.push_back(describe_shard(dir / fn, opt, topt, where));
-    first_source.push_back(static_cast<std::uint32_t>(out.sources.size()));
-    for (auto& src : shards.back().ck.sources) out.sources.push_back(src);
-  }
-  std::unordered_map<std::string, std::size_t> listed_file;
-  std::vector<std::pair<std::string, std::string>> aliases;
-  for (const auto& [name, k] : index.listed) {
-    listed_file.emplace(name, k);
-    shard_content& s = shards[k];
-    if (auto it = s.tensor.find(name); it != s.tensor.end()) {
-      TensorInfo t = std::move(s.ck.tensors[it->second]);
-      for (Chunk& c : t.chunks) c.at.source += first_source[k];
-      out.tensors.push_back(std::move(t));
-    } else if (auto a = s.alias.find(name); a != s.alias.end()) {
-      aliases.emplace_back(name, a->second);
-    } else {
-      throw_error(errors::hf_missing_tensor, where + ": tensor " + quote(name),
-                  "the index puts it in " + quote(index.files[k]) + ", which does not contain it");
-    }
-  }
-  for (std::size_t k = 0; k < shards.size(); ++k) {
-    auto check = [&](const std::string& name) {
-      auto it = listed_file.find(name);
-      if (it == listed_file.end())
-        throw_error(errors::hf_unlisted_tensor, where + ": tensor " + quote(name),
-                    "is in " + quote(index.files[k]) + " but not in the index's weight_map");
-      if (it->second != k)
-        throw_error(errors::hf_tensor_in_two_files, where + ": tensor " + quote(name),
-                    "is in both " + quote(index.files[it->second]) + " and " + quote(index.files[k]));
-    };
-    for (const auto& [name, i] : shards[k].tensor) check(name);
-    for (const auto& [name, target] : shards[k].alias) {
-      check(name);
-      if (listed_file.count(target) == 0)  // the tie's target must be stored too
-        throw_error(errors::hf_unlisted_tensor, where + ": tensor " + quote(target),
-                    "is in " + quote(index.files[k]) + " (as the target of " + quote(name) + ") but not in the index's weight_map");
-    }
-  }
-  if (!aliases.empty()) out.skeleton = safetensors::File::flat_skeleton_with_aliases(out.tensors, aliases);
-  for (const auto& [k, v] : index.metadata.items()) out.metadata[k] = v.is_string() ? v.get<std::string>() : v.dump();
-  return out;
-}
-
-}  // namespace statedict::inline v0::hf::detail
 // ---- statedict/formats/detail/safetensors_write.hpp ----
 // statedict: laying out and streaming safetensors files from a description: the pieces the
 // safetensors, Hugging Face and tree writers share.
@@ -23053,45 +23269,9 @@ inline write_result write_sharded(const std::filesystem::path& dir, std::span<co
   return r;
 }
 
-/// Describes a Hugging Face checkpoint: a directory (`model.safetensors.index.json`,
-/// `pytorch_model.bin.index.json`, `model.safetensors` or `pytorch_model.bin`, looked for in that
-/// order) or an index file. An index whose shards are all safetensors files is hf::Checkpoint;
-/// otherwise each shard is read by its own format (torch.save `.bin` shards, as transformers
-/// writes them) and the shards merged (detail::describe_mixed_index).
-inline ShardedCheckpoint describe_checkpoint(const std::filesystem::path& path, const open_options& o, const torch::load_options& topt) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  fs::path index_path = path;
-  if (fs::is_directory(path, ec)) {
-    if (fs::exists(path / index_name, ec)) return Checkpoint::open(path, o).describe();
-    if (fs::exists(path / bin_index_name, ec)) {
-      index_path = path / bin_index_name;
-    } else if (fs::exists(path / single_name, ec)) {
-      return Checkpoint::open(path, o).describe();
-    } else if (fs::exists(path / bin_single_name, ec)) {
-      ShardedCheckpoint ck = torch::describe(InputFile::open(path / bin_single_name, o.mode), topt);
-      ck.format = "hf_sharded";
-      return ck;
-    } else {
-      throw_error(errors::hf_not_a_checkpoint, "directory " + quote(path.string()),
-                  "has none of " + std::string(index_name) + ", " + std::string(bin_index_name) + ", " + std::string(single_name) +
-                      ", " + std::string(bin_single_name));
-    }
-  }
-  const Index index = read_index(index_path, o, "checkpoint " + quote(index_path.string()));
-  const fs::path dir = statedict::detail::parent_or_dot(index_path);
-  bool all_safetensors = true;
-  for (const std::string& fn : index.files) {
-    if (!fs::is_regular_file(dir / fn, ec)) continue;  // the reader names the missing shard
-    all_safetensors = all_safetensors && !detail::is_torch_file(*InputFile::open(dir / fn, read_mode::pread));
-  }
-  if (all_safetensors) return Checkpoint::open(index_path, o).describe();
-  return detail::describe_mixed_index(index_path, index, o, topt);
-}
-
-/// Hugging Face checkpoint directories (an index and its shards, safetensors or transformers'
-/// torch.save `.bin` shards, or one `model.safetensors` / `pytorch_model.bin`) and index files:
-/// read, validated against the shards; written (safetensors) with huggingface_hub's split rule.
+/// Hugging Face checkpoint directories (a `model.safetensors.index.json` and its shards, or one
+/// `model.safetensors`) and index files: read, validated against the shards; written with
+/// huggingface_hub's split rule.
 class format final : public formats::Format {
  public:
   [[nodiscard]] std::string_view name() const noexcept override { return "hf"; }
@@ -23104,19 +23284,14 @@ class format final : public formats::Format {
       if (formats::detail::ends_with(in.filename(), ".index.json")) return formats::Detection::match("Hugging Face index file");
       return formats::Detection::not_applicable();
     }
-    for (const std::string_view f : {index_name, bin_index_name})
-      if (fs::exists(in.path() / f, ec)) return formats::Detection::match("Hugging Face sharded: " + std::string(f));
-    for (const std::string_view f : {single_name, bin_single_name})
-      if (fs::exists(in.path() / f, ec)) return formats::Detection::match("Hugging Face single file: " + std::string(f));
-    return formats::Detection::miss("none of " + std::string(index_name) + ", " + std::string(bin_index_name) + ", " +
-                                    std::string(single_name) + ", " + std::string(bin_single_name) + " is in the directory");
+    if (fs::exists(in.path() / index_name, ec)) return formats::Detection::match("Hugging Face sharded: " + std::string(index_name));
+    if (fs::exists(in.path() / single_name, ec)) return formats::Detection::match("Hugging Face single file: " + std::string(single_name));
+    return formats::Detection::miss("neither " + std::string(index_name) + " nor " + std::string(single_name) + " is in the directory");
   }
   [[nodiscard]] ShardedCheckpoint describe(const formats::Input& in, const formats::open_options& opt) const override {
     open_options o = opt.settings.get<open_options>();
     o.mode = opt.mode;
-    torch::load_options t = opt.settings.get<torch::load_options>();  // the settings the torch format reads its files with
-    t.mode = opt.mode;
-    return describe_checkpoint(in.path(), o, t);
+    return Checkpoint::open(in.path(), o).describe();
   }
 
   [[nodiscard]] bool can_write() const noexcept override { return true; }
@@ -23133,6 +23308,189 @@ class format final : public formats::Format {
 
 }  // namespace hf
 }  // namespace statedict::inline v0
+// ---- statedict/formats/objects.hpp ----
+// statedict: objects as data in outputs. A checkpoint read from a file that pickled objects
+// (argparse.Namespace args, config classes, enums, whole nn.Modules) holds them as object nodes
+// of its skeleton; before it is written, each object whose class torch.load(weights_only=True)
+// would not accept becomes its data, so that no output of statedict can run code when loaded.
+// SPDX-License-Identifier: MIT
+//
+// The rule is io/pickle_write.hpp's (the pickler applies it to every tree it writes; this header
+// applies it to skeletons, which safetensors, Hugging Face and DCP outputs store):
+//   {"object": {module, name, how: reduce|newobj, args: [], state: [{"dict": [[str, NODE]...]}], items: []}}
+//        -> {"dict": [[str, NODE]...], "class": "module.name"}       (the attributes: vars(obj))
+//   {"object": {module, name, how: reduce|newobj, args, state, items}} otherwise
+//        -> {"dict": [["args", {"tuple": args}], ["state", STATE], ["items", {"list": items}]],
+//            "class": "module.name"}   (only the parts it has; STATE is the state, or a tuple of them)
+//   {"object": {module, name, how: global, ...}} -> "module.name"
+// "class" is a member readers ignore (docs/flatten.md): unflatten gives the plain dict, and the
+// skeleton still says where it came from. Tensor nodes keep their names. Classes in
+// `keep_classes`, and those torch's weights_only list has (torch.device, storages, the rebuild
+// functions of sparse and quantized tensors), stay objects.
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+
+namespace statedict::inline v0::formats {
+
+/// What objects_as_data did with one class.
+struct ObjectNote {
+  std::string cls;                ///< "argparse.Namespace"
+  std::uint64_t instances = 0;    ///< objects written as data
+  std::uint64_t references = 0;   ///< references to the class itself, written as its name
+  bool all_attributes = true;     ///< every instance became the dict of its attributes
+  /// One line saying what was done ("argparse.Namespace: 1 object written as the dict of its
+  /// attributes").
+  [[nodiscard]] std::string describe() const {
+    std::string s = cls + ": ";
+    if (instances) {
+      s += std::to_string(instances) + (instances == 1 ? " object" : " objects") + " written as " +
+           (all_attributes ? "the dict of its attributes" : "a dict of its args, state and items");
+    }
+    if (references) {
+      s += std::string(instances ? "; " : "") + std::to_string(references) + (references == 1 ? " reference" : " references") +
+           " to the class written as its name";
+    }
+    return s;
+  }
+};
+
+namespace detail {
+
+/// A skeleton string (JSON string or {"str_bytes": base64}) as its bytes; false if it is neither.
+inline bool skeleton_text(const nlohmann::json& j, std::string& out) {
+  if (j.is_string()) {
+    out = j.get<std::string>();
+    return true;
+  }
+  if (j.is_object() && j.size() == 1 && j.contains("str_bytes") && j["str_bytes"].is_string()) {
+    std::vector<std::uint8_t> raw;
+    if (!statedict::detail::base64_decode(j["str_bytes"].get<std::string>(), raw)) return false;
+    out.assign(raw.begin(), raw.end());
+    return true;
+  }
+  return false;
+}
+
+/// A str node of `s`: a JSON string, or {"str_bytes"} when it is not UTF-8.
+inline nlohmann::json skeleton_str(const std::string& s) {
+  if (statedict::detail::first_invalid_utf8(s, statedict::detail::utf8_surrogates::allowed) == std::string::npos) return s;
+  return nlohmann::json{{"str_bytes", statedict::detail::base64_encode(s)}};
+}
+
+/// Whether a skeleton dict node's keys are all strings (attribute names).
+inline bool str_keyed(const nlohmann::json& node) {
+  if (!node.is_object() || node.size() < 1 || !node.contains("dict") || !node["dict"].is_array()) return false;
+  for (const auto& kv : node["dict"]) {
+    if (!kv.is_array() || kv.size() != 2) return false;
+    std::string ignored;
+    if (!skeleton_text(kv[0], ignored)) return false;
+  }
+  return true;
+}
+
+/// The data node of the object node body `o` (module, name, how, args, state, items), or
+/// nothing when `o` is not a well-formed object body or may stay an object.
+inline bool object_data(nlohmann::json& node, const std::vector<std::string>& keep, std::map<std::string, ObjectNote>& notes) {
+  nlohmann::json& o = node["object"];
+  std::string module, name;
+  if (!o.is_object() || !o.contains("module") || !o.contains("name") || !o.contains("how") || !skeleton_text(o["module"], module) ||
+      !skeleton_text(o["name"], name) || !o["how"].is_string())
+    return false;
+  for (const char* part : {"args", "state", "items"})
+    if (!o.contains(part) || !o[part].is_array()) return false;
+  const std::string q = module + "." + name;
+  if (pickle::writable_as_itself(q, keep)) return false;
+  ObjectNote& note = notes[q];
+  note.cls = q;
+  if (o["how"] == "global") {
+    ++note.references;
+    node = skeleton_str(q);
+    return true;
+  }
+  ++note.instances;
+  nlohmann::json args = std::move(o["args"]), state = std::move(o["state"]), items = std::move(o["items"]);
+  nlohmann::json out(nlohmann::json::value_t::object);
+  if (args.empty() && items.empty() && state.size() == 1 && str_keyed(state[0])) {
+    out["dict"] = std::move(state[0]["dict"]);
+  } else {
+    note.all_attributes = false;
+    nlohmann::json pairs = nlohmann::json::array();
+    if (!args.empty()) pairs.push_back(nlohmann::json::array({"args", nlohmann::json{{"tuple", std::move(args)}}}));
+    if (!state.empty())
+      pairs.push_back(nlohmann::json::array({"state", state.size() == 1 ? std::move(state[0]) : nlohmann::json{{"tuple", std::move(state)}}}));
+    if (!items.empty()) pairs.push_back(nlohmann::json::array({"items", nlohmann::json{{"list", std::move(items)}}}));
+    out["dict"] = std::move(pairs);
+  }
+  out["class"] = skeleton_str(q);
+  node = std::move(out);
+  return true;
+}
+
+/// Whether a skeleton has an object node anywhere (from its compact form when it has one).
+inline bool holds_objects(const Skeleton& s) {
+  if (s.is_null()) return false;
+  if (const auto* tape = s.tape()) {
+    for (const auto& n : tape->nodes)
+      if (n.kind == statedict::detail::snode::object) return true;
+    return false;
+  }
+  return true;  // a document: walked to tell
+}
+
+}  // namespace detail
+
+/// Rewrites the object nodes of `skeleton` as their data (see the top of this file) and says, per
+/// class, what it did. Iterative: a skeleton of any depth.
+inline std::vector<ObjectNote> objects_as_data(nlohmann::json& skeleton, const std::vector<std::string>& keep_classes) {
+  std::map<std::string, ObjectNote> notes;
+  std::vector<nlohmann::json*> work;
+  if (skeleton.is_object() && skeleton.contains("root")) work.push_back(&skeleton["root"]);
+  while (!work.empty()) {
+    nlohmann::json& n = *work.back();
+    work.pop_back();
+    if (!n.is_object()) continue;
+    if (n.size() == 1 && n.contains("object")) (void)detail::object_data(n, keep_classes, notes);
+    if (!n.is_object()) continue;  // a class reference became its name
+    const auto children = [&](const char* key) {
+      if (const auto it = n.find(key); it != n.end() && it->is_array())
+        for (auto c = it->rbegin(); c != it->rend(); ++c) work.push_back(&*c);
+    };
+    if (const auto it = n.find("dict"); it != n.end() && it->is_array()) {
+      for (auto kv = it->rbegin(); kv != it->rend(); ++kv)
+        if (kv->is_array() && kv->size() == 2) work.push_back(&(*kv)[1]);
+    } else if (n.contains("list")) {
+      children("list");
+    } else if (n.contains("tuple")) {
+      children("tuple");
+    } else if (const auto ob = n.find("object"); ob != n.end() && ob->is_object()) {
+      nlohmann::json& body = *ob;
+      for (const char* part : {"items", "state", "args"})
+        if (const auto p = body.find(part); p != body.end() && p->is_array())
+          for (auto c = p->rbegin(); c != p->rend(); ++c) work.push_back(&*c);
+    }
+  }
+  std::vector<ObjectNote> out;
+  out.reserve(notes.size());
+  for (auto& [k, v] : notes) out.push_back(std::move(v));
+  return out;
+}
+
+/// The same for a checkpoint's skeleton; a skeleton without objects is left as it is (its
+/// compact form kept).
+inline std::vector<ObjectNote> objects_as_data(ShardedCheckpoint& ck, const std::vector<std::string>& keep_classes) {
+  if (!detail::holds_objects(ck.skeleton)) return {};
+  return objects_as_data(ck.skeleton.mutable_json(), keep_classes);
+}
+
+}  // namespace statedict::inline v0::formats
 // ---- statedict/formats/safetensors.hpp ----
 // statedict: safetensors files as a format plug-in: detection, description, and the writers (a
 // described checkpoint, or a list of tensors and byte ranges), all through the planner and the
@@ -23930,6 +24288,7 @@ namespace formats {
 inline void write_torch(const ShardedCheckpoint& ck, const std::filesystem::path& path, const save_options& opt = {}) {
   torch::save_options so;
   so.archive_name = torch::archive_name_for(path.filename());
+  so.pickle.keep_classes = opt.keep_classes;  // every other object is pickled as its data
   torch::SavePlan sp = torch::plan_save(ck, so);
   const Destination dst = sp.destination(path.filename().string());
   torch::detail::write_planned(std::move(sp), ck, dst, path, opt.exec, opt.plan);
@@ -23954,7 +24313,7 @@ class format final : public formats::Format {
       case file_kind::legacy_tar: return formats::Detection::match("torch.save: legacy (pre-1.6) format");
       case file_kind::unknown: break;
     }
-    return formats::Detection::miss("neither a zip archive (PK\\x03\\x04) nor a pickle (\\x80\\x02)");
+    return formats::Detection::miss("neither a zip archive (PK\\x03\\x04) nor the legacy magic number pickled at protocol 0-5");
   }
   [[nodiscard]] ShardedCheckpoint describe(const formats::Input& in, const formats::open_options& opt) const override {
     load_options o = opt.settings.get<load_options>();
@@ -24110,9 +24469,14 @@ inline std::shared_ptr<const Format> choose_output(const std::filesystem::path& 
   return f;
 }
 
-/// Writes `ck` at `out` in the chosen format (choose_output); returns the files written.
+/// Writes `ck` at `out` in the chosen format (choose_output), its objects as data (objects_as_data,
+/// sparing opt.keep_classes); returns the files written.
 inline std::vector<std::string> save(const ShardedCheckpoint& ck, const std::filesystem::path& out, const save_options& opt = {}) {
-  return choose_output(out, opt)->save(ck, out, opt);
+  const auto f = choose_output(out, opt);
+  if (!detail::holds_objects(ck.skeleton)) return f->save(ck, out, opt);
+  ShardedCheckpoint data = ck;
+  (void)objects_as_data(data, opt.keep_classes);
+  return f->save(data, out, opt);
 }
 
 }  // namespace statedict::inline v0::formats

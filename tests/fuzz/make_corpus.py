@@ -3,6 +3,12 @@
 PyTorch-generated fixtures (tests/python/generate_all.sh; build/<dir>/fixtures).
 
     python3 tests/fuzz/make_corpus.py --fixtures build/gcc/fixtures [--out tests/fuzz/corpus]
+        [--torch2-fixtures DIR]
+
+--torch2-fixtures: a folder holding gen_t2_objects/ and gen_t2_torch/ as tests/python/torch2/
+generate_all.sh writes them (PyTorch 2.x): adds legacy files at pickle protocols 0-5 and files
+pickling objects (Namespace args, numpy arrays of every layout at protocols 2 and 5, sparse and
+quantized tensors) to the torch, pickle and open targets.
 
 Only small files are used (the committed corpus stays well under 2 MB). Directory-based targets
 get the multi-file encoding of tests/fuzz/fuzz_common.hpp: u8 flags, then per file u8 name
@@ -13,6 +19,7 @@ import argparse
 import io
 import json
 import os
+import pickletools
 import re
 import struct
 import sys
@@ -56,6 +63,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--fixtures", required=True)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus"))
+    ap.add_argument("--torch2-fixtures", help="folder with gen_t2_objects/ and gen_t2_torch/ (PyTorch 2.x fixtures)")
     a = ap.parse_args()
     fx = a.fixtures
     seeds = {}  # target -> {name: bytes}
@@ -146,6 +154,42 @@ def main():
         add("fsdp", d + "_optim_train", multi(3, files))
         if d == "olmo_fsdp_torch21_flat_ws2":
             add("open", d, multi(0, [f for f in files if not f[0].startswith("train/")]))
+
+    if a.torch2_fixtures:
+        t2 = a.torch2_fixtures
+        picks = [("gen_t2_torch", f"legacy_p{p}.pt") for p in range(6)] + [
+            ("gen_t2_objects", f"{c}{s}.pt") for c in ("fairseq_args", "numpy_arrays", "sparse", "quantized", "parameter_state")
+            for s in ("", "_p5")]
+        for gen, f in picks:
+            path = os.path.join(t2, gen, f)
+            if not os.path.exists(path):
+                continue
+            data = read(path)
+            same_as_other = f in ("legacy_p2.pt", "legacy_p3.pt", "legacy_p5.pt")  # p1 and p4 have their opcodes
+            if f != "legacy_p2.pt":  # the torch 1.13 fixtures have protocol 2 already
+                add("torch", "t2_" + f, data)
+            if same_as_other:
+                continue
+            add("torch_roundtrip", "t2_" + f, data)
+            if data[:4] == b"PK\x03\x04":
+                with zipfile.ZipFile(io.BytesIO(data)) as z:
+                    for n in z.namelist():
+                        if n.endswith("data.pkl"):
+                            add("pickle", "t2_" + f + ".data.pkl", z.read(n))
+                            add("pickle_roundtrip", "t2_" + f + ".data.pkl", z.read(n))
+            else:  # the sys_info and object pickles of a legacy file, each a seed of its own
+                stream = io.BytesIO(data)
+                for i in range(4):
+                    start = stream.tell()
+                    for _ in pickletools.genops(stream):
+                        pass
+                    if i >= 2:
+                        add("pickle", f"t2_{f}.{i}.pkl", data[start:stream.tell()])
+        for f in ("legacy_p1.pt", "numpy_arrays_p5.pt"):
+            gen = "gen_t2_torch" if f.startswith("legacy") else "gen_t2_objects"
+            path = os.path.join(t2, gen, f)
+            if os.path.exists(path):
+                add("open", "t2_" + f, multi(0, [(f, read(path))]))
 
     add("open", "one_tensor.safetensors", multi(0, [("model.safetensors", read(os.path.join(st_dir, "metadata.safetensors")))]))
     add("open", "tied.pt", multi(0, [("tied.pt", read(os.path.join(pt_dir, "tied.pt")))]))

@@ -22,10 +22,11 @@ What agrees, per item:
   (dtype, shape, sha256) and values (type-aware: 1 is not 1.0);
 - or statedict refuses it cleanly (exit 2, one line naming an error id) and
   the manifest says the refusal is right: the file is hostile (`malicious`),
-  PyTorch cannot load it either, or it needs a global outside the
-  weights_only allow-list (torch's weights_only=True refuses it with
-  "Unsupported class/global"). A TorchScript archive is refused as well
-  (not a torch.save file); the line says so with the tensors it holds.
+  or PyTorch cannot load it either. A TorchScript archive is refused as well
+  (not a torch.save file); the line says so with the tensors it holds. A file
+  that pickles objects beyond torch's weights_only allow-list is read (the
+  objects as data): refusing it is a difference. Objects are compared by class,
+  the tensors they hold (`object_tensors`) under `<object>.state.`.
 Anything else (a crash, a refusal of a file PyTorch reads, a difference) is
 reported.
 """
@@ -46,10 +47,44 @@ ERROR_ID = re.compile(r"\[(statedict\.[a-z_]+\.\d+)\]")
 
 
 # --------------------------------------------------------------------------- comparison
+def object_names(manifest):
+    """Names of the manifest's values that are Python objects ({"object": "module.Class"})."""
+    return {n for n, v in manifest.get("values", {}).items() if isinstance(v, dict) and "object" in v}
+
+
+def under(name, prefixes):
+    """The object name among `prefixes` that `name` is inside of, or None."""
+    for p in prefixes:
+        if name.startswith(p + "."):
+            return p
+    return None
+
+
+def with_objects(manifest):
+    """The manifest as statedict reads a file holding objects: an object is read as data, its
+    attributes under `<name>.state.` (the flatten name of its BUILD state), so the tensors only
+    objects hold (`object_tensors`, by attribute path) are tensors of the file there."""
+    objs = object_names(manifest)
+    if not objs or "object_tensors" not in manifest:
+        return manifest
+    m = dict(manifest)
+    m["tensors"] = dict(manifest.get("tensors", {}))
+    for name, entry in manifest["object_tensors"].items():
+        p = under(name, objs)
+        m["tensors"][p + ".state" + name[len(p):] if p else name] = entry
+    return m
+
+
 def compare(manifest, got, label):
     """Lines describing every difference between a manifest and an
-    `inspect --json --hash` object (tensors by name, then values)."""
+    `inspect --json --hash` object (tensors by name, then values).
+
+    A value the manifest records as an object ({"object": "module.Class", "repr"}) agrees with
+    statedict's {"object": "module.Class", ...} of the same class, or, for an object holding
+    tensors (which statedict lists inside it), with entries under its name."""
     out = []
+    manifest = with_objects(manifest)
+    objs = object_names(manifest)
     mt, gt = manifest.get("tensors", {}), got.get("tensors", {})
     for name in mt:
         if name not in gt:
@@ -65,12 +100,20 @@ def compare(manifest, got, label):
             out.append(f"{label}: tensor {name!r} not in the manifest ({gt[name].get('dtype')} {gt[name].get('shape')})")
     mv, gv = manifest.get("values", {}), got.get("values", {})
     for name in mv:
-        if name not in gv:
+        if name in objs:
+            inside = any(n.startswith(name + ".") for n in list(gt) + list(gv))
+            g = gv.get(name)
+            if isinstance(g, dict) and g.get("object") == mv[name]["object"]:
+                continue
+            if g is None and inside:
+                continue
+            out.append(f"{label}: object {name!r}: {json.dumps(g)}, manifest {json.dumps(mv[name])}")
+        elif name not in gv:
             out.append(f"{label}: value {name!r} missing (manifest: {json.dumps(mv[name])})")
         elif not C.values_equal(gv[name], mv[name]):
             out.append(f"{label}: value {name!r}: {json.dumps(gv[name])}, manifest {json.dumps(mv[name])}")
     for name in gv:
-        if name not in mv:
+        if name not in mv and not under(name, objs):
             out.append(f"{label}: value {name!r} not in the manifest ({json.dumps(gv[name])})")
     return out
 
@@ -84,10 +127,6 @@ def refusal_is_right(manifest):
         return "PyTorch cannot load it either"
     if manifest.get("format") == "torchscript":
         return f"TorchScript archive, not a torch.save file ({len(manifest.get('tensors', {}))} tensors in its state_dict)"
-    for k in ("torch_weights_only", "torch_2_weights_only"):
-        err = manifest.get(k, {}).get("error") or ""
-        if re.search(r"Unsupported (class|global)", err):
-            return f"needs a global outside the weights_only allow-list ({k}: {err[:120]})"
     if "stub_load" in manifest:
         return "needs a project's own classes (stub_load)"
     return None
@@ -166,7 +205,16 @@ def roundtrip(bin_, label, path, manifest, work):
         return out, rec
     import torch
     try:
-        obj = torch.load(pt, map_location="cpu")
+        try:
+            obj = torch.load(pt, map_location="cpu")
+        except Exception as e:
+            # statedict's writer names torch.UntypedStorage (uint16/32/64, float8 storages) where
+            # torch 2.x's weights_only list has torch.storage.UntypedStorage: the same torch
+            # class, allowed by that name for this load; any other global still fails.
+            if "GLOBAL torch.UntypedStorage was not an allowed global" not in str(e):
+                raise
+            with torch.serialization.safe_globals([(torch.UntypedStorage, "torch.UntypedStorage")]):
+                obj = torch.load(pt, map_location="cpu")
     except Exception as e:
         msg = " ".join(str(e).split())
         key = "WeightsUnpickler error: "
@@ -191,7 +239,10 @@ def roundtrip(bin_, label, path, manifest, work):
             raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
             return {"dtype": T2.dtype_name(x.dtype), "shape": list(x.shape), "sha256": C.sha256_hex(raw)}
     t, v, a = C.flatten(obj, tensor_entry_fn=entry)
-    diffs = compare({"tensors": manifest["tensors"]}, {"tensors": t}, f"{label}: x.pt")
+    # Objects were written as their data: the tensors they held are at their attribute paths.
+    expect = dict(manifest["tensors"])
+    expect.update(manifest.get("object_tensors", {}))
+    diffs = compare({"tensors": expect}, {"tensors": t}, f"{label}: x.pt")
     rec.append({"command": "torch.load x.pt", "ok": not diffs, "differences": diffs})
     return out + diffs, rec
 
@@ -222,7 +273,7 @@ def check_corpus(args):
             item["inspect"]["ok"] = not diffs
             item["inspect"]["differences"] = diffs
             problems += diffs
-            if args.roundtrip and not diffs and manifest.get("tensors"):
+            if args.roundtrip and not diffs and (manifest.get("tensors") or manifest.get("object_tensors")):
                 more, rec = roundtrip(args.statedict, label, path, manifest, work)
                 item["roundtrip"] = rec
                 problems += more

@@ -136,6 +136,10 @@ struct save_options {
   /// (after checking that every file exists with its planned size), the final step.
   std::optional<PartSpec> part;
   bool index_only = false;
+  /// Classes written as themselves ("argparse.Namespace"). Every other object whose class
+  /// torch.load(weights_only=True) does not accept is written as its data (formats/objects.hpp),
+  /// so that loading the output runs no code; name a class here only for input you trust.
+  std::vector<std::string> keep_classes;
   /// Format settings by type (`settings.set<dcp::save_settings>()`).
   formats::settings settings;
 };

@@ -30,6 +30,7 @@
 #include "format.hpp"
 #include "fsdp.hpp"
 #include "hf.hpp"
+#include "objects.hpp"
 #include "safetensors.hpp"
 #include "sharded_tensor.hpp"
 #include "torch.hpp"
@@ -154,9 +155,14 @@ STATEDICT_API std::shared_ptr<const Format> choose_output(const std::filesystem:
   return f;
 }
 
-/// Writes `ck` at `out` in the chosen format (choose_output); returns the files written.
+/// Writes `ck` at `out` in the chosen format (choose_output), its objects as data (objects_as_data,
+/// sparing opt.keep_classes); returns the files written.
 STATEDICT_API std::vector<std::string> save(const ShardedCheckpoint& ck, const std::filesystem::path& out, const save_options& opt = {}) {
-  return choose_output(out, opt)->save(ck, out, opt);
+  const auto f = choose_output(out, opt);
+  if (!detail::holds_objects(ck.skeleton)) return f->save(ck, out, opt);
+  ShardedCheckpoint data = ck;
+  (void)objects_as_data(data, opt.keep_classes);
+  return f->save(data, out, opt);
 }
 
 }  // namespace statedict::inline v0::formats

@@ -100,6 +100,7 @@ inline void write_torch(const ShardedCheckpoint& ck, const std::filesystem::path
   check_consistent(ck);
   torch::save_options so;
   so.archive_name = torch::archive_name_for(path.filename());
+  so.pickle.keep_classes = opt.keep_classes;  // every other object is pickled as its data
   torch::SavePlan sp = torch::plan_save(ck, so);
   const Destination dst = sp.destination(path.filename().string());
   torch::detail::write_planned(std::move(sp), ck, dst, path, opt.exec, opt.plan);
@@ -124,7 +125,7 @@ class format final : public formats::Format {
       case file_kind::legacy_tar: return formats::Detection::match("torch.save: legacy (pre-1.6) format");
       case file_kind::unknown: break;
     }
-    return formats::Detection::miss("neither a zip archive (PK\\x03\\x04) nor a pickle (\\x80\\x02)");
+    return formats::Detection::miss("neither a zip archive (PK\\x03\\x04) nor the legacy magic number pickled at protocol 0-5");
   }
   [[nodiscard]] ShardedCheckpoint describe(const formats::Input& in, const formats::open_options& opt) const override {
     load_options o = opt.settings.get<load_options>();

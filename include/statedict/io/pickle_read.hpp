@@ -1,12 +1,16 @@
 // statedict: a safe unpickler (protocols 0-5 opcodes; what torch.save and DCP metadata use).
 // SPDX-License-Identifier: MIT
 //
-// `pickle::load(bytes, options)` turns a pickle into a Value tree and never executes anything.
-// Every GLOBAL is looked up in a registry modelled on torch.load(weights_only=True)
-// (`pickle::Registry::weights_only()`); a global that is not there is a security_error naming
-// `module.name`, unless `options.keep_unknown_objects` is set, in which case unknown objects are
-// kept as opaque `Object` nodes (class, args, state, items) - still never called. Modules that
-// only ever mean code execution (os, posix, nt, sys, subprocess, ...) are refused even then.
+// `pickle::load(bytes, options)` turns a pickle into a Value tree and never executes anything:
+// no module is imported, no pickled callable is called. Every GLOBAL is looked up in a registry
+// (`pickle::Registry::weights_only()`): the globals torch.load(weights_only=True) accepts, which
+// statedict interprets as data, and rules that read well-known objects beyond that list as data
+// (numpy arrays, dtypes and scalars; protocol 0/1 objects made by copyreg._reconstructor). Any
+// other global is an object: REDUCE / NEWOBJ / BUILD of it make an `Object` node (class name,
+// arguments, state, items), never a call. `options.keep_unknown_objects = false` refuses such
+// globals instead (a security_error naming `module.name`), as torch.load(weights_only=True) does,
+// and then the rules beyond torch's list are refused too. Modules that only ever mean code
+// execution (os, posix, nt, sys, subprocess, ...) are refused either way.
 //
 // How globals become Values (docs/torch-files.md has the full table):
 //   collections.OrderedDict()            -> Dict (a BUILD setting attributes such as `_metadata`
@@ -17,12 +21,17 @@
 //   torch.Size(tuple)                    -> tuple of ints
 //   builtins.set / frozenset             -> Object builtins.set / frozenset with `items`
 //   builtins.bytearray, BYTEARRAY8       -> Object builtins.bytearray, args [Bytes]
-//   ints beyond int64 (LONG1/LONG4)      -> Object builtins.int, args [Bytes: minimal
+//   ints beyond int64 (LONG1/LONG4/text) -> Object builtins.int, args [Bytes: minimal
 //                                           little-endian two's complement]
 //   dicts with keys other than int/str   -> Object builtins.dict (collections.OrderedDict when it
 //                                           was one), items = (key, value) tuples
+//   numpy ndarray (_reconstruct + BUILD,  -> a tensor (io/detail/pickle_numpy.hpp: which dtypes,
+//   _frombuffer), numpy scalars             in place or copied); other numpy objects stay Objects
+//   copyreg._reconstructor(cls, object,  -> Object cls, how = newobj (what protocol 2 writes as
+//   None)                                   NEWOBJ), its BUILD state kept
 //   any other allowed global, referenced -> Object, how = global (torch.float32, torch.Tensor)
 //   any other allowed global, called     -> Object, how = reduce / newobj (torch.device('cpu'))
+//   any other global                     -> the same Object forms (data, never called)
 // The torch layer (io/torch_file.hpp) adds the tensor rebuild functions and storages.
 //
 // Hostile input: every length is checked against the bytes left before anything is allocated,
@@ -53,6 +62,7 @@
 #include "../core/error.hpp"
 #include "../core/shape.hpp"
 #include "../core/value.hpp"
+#include "detail/pickle_text.hpp"
 
 namespace statedict::inline v0 {
 
@@ -79,6 +89,7 @@ inline constexpr error_id pk_recursive          {467, error_kind::format,      "
 inline constexpr error_id pk_no_persistent_load {468, error_kind::format,      "pickle.no_persistent_load"};
 inline constexpr error_id pk_bad_call           {469, error_kind::format,      "pickle.bad_call"};
 inline constexpr error_id pk_bad_text           {470, error_kind::format,      "pickle.bad_text"};
+inline constexpr error_id pk_bad_numpy          {471, error_kind::format,      "pickle.bad_numpy"};
 // clang-format on
 }  // namespace errors
 
@@ -119,6 +130,7 @@ struct Result {
 
 class Reader;
 class Args;
+struct Build;
 
 /// What a registered callable gets: its arguments as Values, and the reader (to call other
 /// registered globals, as `_rebuild_from_type_v2` does).
@@ -134,17 +146,25 @@ using call_fn = std::function<Value(Call&)>;
 /// (`Args`), without converting them to Values first; nullopt hands the call to `call_fn`. It
 /// must give what call_fn gives for every call it answers.
 using fast_fn = std::function<std::optional<Value>(const Args&)>;
+/// Turns an object made by REDUCE / NEWOBJ of a registered global into a Value when BUILD gives
+/// it its state (numpy's ndarray); nullopt keeps the object, with the state as its state.
+using build_fn = std::function<std::optional<Value>(const Build&)>;
 
 /// How one allowed global is treated.
 struct Rule {
   enum class kind : std::uint8_t {
-    object,        ///< referenced: Object(how=global); called: Object(how=reduce/newobj) with its args
-    ordered_dict,  ///< called with (): an empty dict that SETITEMS and BUILD may fill later
-    function,      ///< called: `fn` computes the Value
+    object,         ///< referenced: Object(how=global); called: Object(how=reduce/newobj) with its args
+    ordered_dict,   ///< called with (): an empty dict that SETITEMS and BUILD may fill later
+    function,       ///< called: `fn` computes the Value
+    reconstructor,  ///< copyreg._reconstructor(cls, object, None): an Object of cls, how = newobj
   };
   kind k = kind::object;
-  call_fn fn;    ///< for function: REDUCE and NEWOBJ
-  fast_fn fast;  ///< for function, optional: tried first
+  call_fn fn;      ///< for function: REDUCE and NEWOBJ
+  fast_fn fast;    ///< for function, optional: tried first
+  build_fn build;  ///< for object, optional: BUILD of an object this global made
+  /// Not on torch.load(weights_only=True)'s list: refused with the unknown globals when
+  /// options::keep_unknown_objects is false.
+  bool beyond_weights_only = false;
 };
 
 /// The allow-list: qualified global name ("torch._utils._rebuild_tensor_v2") -> Rule.
@@ -156,7 +176,7 @@ class Registry {
   }
   Registry& allow(std::string qualified) { return add(std::move(qualified), Rule{}); }
   Registry& function(std::string qualified, call_fn fn, fast_fn fast = {}) {
-    return add(std::move(qualified), Rule{Rule::kind::function, std::move(fn), std::move(fast)});
+    return add(std::move(qualified), Rule{Rule::kind::function, std::move(fn), std::move(fast), {}, false});
   }
   [[nodiscard]] const Rule* find(const std::string& qualified) const {
     auto it = rules_.find(qualified);
@@ -165,7 +185,8 @@ class Registry {
   [[nodiscard]] std::size_t size() const noexcept { return rules_.size(); }
 
   /// Globals torch.load(weights_only=True) accepts (PyTorch 1.13 and 2.x), with the generic
-  /// conversions listed at the top of this file. Tensor rebuild functions are allowed here but only
+  /// conversions listed at the top of this file, and the data rules beyond that list (numpy,
+  /// copyreg; Rule::beyond_weights_only). Tensor rebuild functions are allowed here but only
   /// interpreted once io/torch_file.hpp registers them; without that they become Objects.
   static Registry weights_only();
 
@@ -175,9 +196,15 @@ class Registry {
 
 struct options {
   pickle::limits limits{};
-  /// Keep objects of globals outside the registry as Object nodes instead of failing. They are
-  /// never executed; blocked modules (os, posix, sys, subprocess, ...) are refused regardless.
-  bool keep_unknown_objects = false;
+  /// Objects of globals outside torch's weights_only list are data: Object nodes (class, args,
+  /// state, items), never called. False refuses them (and the numpy and copyreg rules) as
+  /// torch.load(weights_only=True) does. Blocked modules (os, posix, sys, subprocess, ...) are
+  /// refused either way.
+  bool keep_unknown_objects = true;
+  /// Keeps the bytes being read alive (what the caller's span points into): given, numpy arrays
+  /// whose bytes lie whole in the pickle become tensors viewing them in place; without it they are
+  /// copied.
+  keep_alive input_owner;
   /// The allow-list; nullptr means Registry::weights_only().
   const Registry* registry = nullptr;
   /// Resolves BINPERSID / PERSID ids (torch storages). Without it, a persistent id is an error.
@@ -203,6 +230,9 @@ inline std::string_view py3_module(std::string_view m) noexcept {
 
 /// Modules refused even with keep_unknown_objects (they only appear in pickles to run code).
 inline bool blocked_global(std::string_view module, std::string_view name) noexcept {
+  if (module == "types")  // code and function objects; the rest of `types` is data (SimpleNamespace)
+    for (auto n : {"CodeType", "FunctionType", "LambdaType", "MethodType", "BuiltinFunctionType", "ModuleType"})
+      if (name == n) return true;
   constexpr std::string_view modules[] = {"os", "posix", "nt", "sys", "subprocess", "shutil", "socket", "pty",
                                           "runpy", "importlib", "ctypes", "code", "codeop", "pickle", "_pickle",
                                           "marshal", "webbrowser", "multiprocessing", "asyncio", "signal",
@@ -214,7 +244,7 @@ inline bool blocked_global(std::string_view module, std::string_view name) noexc
   if (module == "builtins") {
     constexpr std::string_view names[] = {"eval", "exec", "compile", "__import__", "open", "breakpoint",
                                           "input", "execfile", "globals", "locals", "vars", "setattr",
-                                          "delattr", "memoryview", "help", "exit", "quit"};
+                                          "delattr", "memoryview", "help", "exit", "quit", "apply"};
     for (auto n : names)
       if (name == n) return true;
   }
@@ -293,8 +323,9 @@ inline std::string opcode_name(unsigned char op) {
 }  // namespace pickle
 }  // namespace statedict::inline v0
 
-// The reader itself (the opcode machine), which needs the types above.
+// The reader itself (the opcode machine), which needs the types above, and the numpy rules.
 #include "detail/pickle_reader.hpp"
+#include "detail/pickle_numpy.hpp"
 
 namespace statedict::inline v0 {
 namespace pickle {
@@ -311,7 +342,7 @@ inline const List& one_sequence_arg(Call& c, std::size_t max_args = 1) {
 
 inline Registry Registry::weights_only() {
   Registry r;
-  r.add("collections.OrderedDict", Rule{Rule::kind::ordered_dict, {}, {}});
+  r.add("collections.OrderedDict", Rule{Rule::kind::ordered_dict, {}, {}, {}, false});
   r.allow("collections.Counter");
   // bytes in protocol 2: _codecs.encode(latin-1 str, 'latin1'); empty bytes: builtins.bytes().
   r.function("_codecs.encode", [](Call& c) -> Value {
@@ -389,6 +420,7 @@ inline Registry Registry::weights_only() {
                         "_rebuild_meta_tensor_no_storage", "_rebuild_wrapper_subclass",
                         "_rebuild_device_tensor_from_numpy", "_rebuild_device_tensor_from_cpu_tensor"})
     r.allow(std::string("torch._utils.") + f);
+  detail::add_data_rules(r);
   return r;
 }
 

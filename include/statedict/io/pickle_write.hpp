@@ -11,12 +11,26 @@
 // keys) in their protocol-2 form. Tensors have no generic encoding: a `custom` hook writes them
 // (io/torch_file.hpp writes `_rebuild_tensor_v2` with a persistent storage id, as torch.save does).
 // Dicts that carry attributes (state_dict()._metadata) are written as OrderedDict + BUILD.
+//
+// Objects as data: an object whose class torch.load(weights_only=True) does not accept (an
+// argparse.Namespace, a config class, a pickled nn.Module, an enum member) is written as its
+// data, never as a call of its class nor a reference to it, so that loading the output runs no
+// code whatever the input held (`write_options::objects`):
+//   an instance with a dict of str keys as its only state, and no arguments or items
+//                                    -> that dict (`vars(obj)`: Namespace(lr=0.1) -> {'lr': 0.1})
+//   any other instance               -> a dict of what it has of 'args' (tuple), 'state' (its
+//                                       state; a tuple of them when several), 'items' (list)
+//   a reference to the class itself  -> the str 'module.name'
+// `write_options::keep_classes` names classes written as themselves instead (for a user who
+// trusts the input); Writer::converted counts what was written as data, by class.
 #pragma once
 
+#include <algorithm>
 #include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <span>
 #include <string>
 #include <string_view>
@@ -43,7 +57,33 @@ namespace pickle {
 struct write_options {
   /// Deepest nesting written (the writer recurses).
   std::size_t max_depth = 1000;
+  enum class objects_policy : std::uint8_t {
+    as_data,     ///< objects of classes outside weights_only's list written as their data
+    as_written,  ///< every object as it is (a writer's own structures: DCP metadata classes)
+  };
+  objects_policy objects = objects_policy::as_data;
+  /// Classes ("argparse.Namespace") written as themselves under as_data.
+  std::vector<std::string> keep_classes;
 };
+
+/// Whether objects of class `qualified` ("module.name") are written as themselves: classes and
+/// functions torch.load(weights_only=True) accepts (Registry::weights_only() without the rules
+/// beyond it), or one of `keep`.
+inline bool writable_as_itself(std::string_view qualified, const std::vector<std::string>& keep) {
+  static const Registry allowed = Registry::weights_only();
+  const std::string q(qualified);
+  if (const Rule* r = allowed.find(q); r && !r->beyond_weights_only) return true;
+  return std::find(keep.begin(), keep.end(), q) != keep.end();
+}
+
+/// Whether an instance whose parts are these is written as its state alone (a dict of str keys,
+/// its attributes), rather than as a dict of its parts.
+inline bool data_is_state(const Object& o) {
+  if (!o.args.empty() || !o.items.empty() || o.state.size() != 1 || !o.state[0].is_dict()) return false;
+  for (const auto& kv : o.state[0].as_dict().items())
+    if (!kv.first.is_string()) return false;
+  return true;
+}
 
 /// Protocol-2 pickler into a byte vector.
 class Writer {
@@ -57,6 +97,8 @@ class Writer {
   custom_fn custom;
   /// Attributes to attach (as OrderedDict + BUILD) to the dict at each path.
   const std::vector<Attributes>* attributes = nullptr;
+  /// Objects written as their data, by class (write_options::objects).
+  std::map<std::string, std::uint64_t> converted;
 
   /// PROTO 2, the value, STOP.
   void dump(const Value& v) {
@@ -350,6 +392,10 @@ class Writer {
       write_states(o, depth);
       return;
     }
+    if (opts_.objects == write_options::objects_policy::as_data && !writable_as_itself(q, opts_.keep_classes)) {
+      as_data(o, depth);
+      return;
+    }
     if (o.how == object_build::global) {
       if (!o.args.empty() || !o.items.empty() || !o.state.empty())
         throw_error(errors::pk_unwritable, "at " + quote(dotted(path)),
@@ -370,6 +416,44 @@ class Writer {
       if (!it.is_tuple() || it.as_list().size() != 2) pairs = false;
     write_items(o, depth, pairs);
     write_states(o, depth);
+  }
+
+  /// An object as its data (see the top of this file); its children are written as they are, so
+  /// that hooks see the tree's own tensors.
+  void as_data(const Object& o, std::size_t depth) {
+    ++converted[o.qualified()];
+    Path none_path;
+    if (o.how == object_build::global) {
+      str(o.qualified());
+      return;
+    }
+    if (data_is_state(o)) {
+      value(o.state[0], depth + 1, none_path, false);
+      return;
+    }
+    op('}');
+    memoize();
+    if (o.args.empty() && o.state.empty() && o.items.empty()) return;
+    mark();
+    if (!o.args.empty()) {
+      str("args");
+      args_tuple(o.args, depth + 1);
+    }
+    if (!o.state.empty()) {
+      str("state");
+      if (o.state.size() == 1) {
+        value(o.state[0], depth + 2, none_path, false);
+      } else {
+        args_tuple(o.state, depth + 1);
+      }
+    }
+    if (!o.items.empty()) {
+      str("items");
+      op(']');
+      memoize();
+      batches(o.items.size(), [&](std::size_t i) { value(o.items[i], depth + 2, none_path, false); }, 'a', 'e', true);
+    }
+    op('u');
   }
 
   void write_items(const Object& o, std::size_t depth, bool pairs, bool exact = false) {
@@ -400,13 +484,22 @@ class Writer {
   std::uint32_t next_memo_ = 0;
 };
 
-/// Pickles a Value without tensors (protocol 2).
-inline std::vector<std::byte> dumps(const Value& v, const std::vector<Attributes>* attributes = nullptr) {
+/// Pickles a Value without tensors (protocol 2), its objects as `opts` says.
+inline std::vector<std::byte> dumps(const Value& v, const std::vector<Attributes>* attributes, const write_options& opts) {
   std::vector<std::byte> out;
-  Writer w(out);
+  Writer w(out, opts);
   w.attributes = attributes;
   w.dump(v);
   return out;
+}
+
+/// Pickles a Value without tensors (protocol 2) exactly as it is, objects included: for a writer's
+/// own structures (DCP's Metadata classes). Trees read from input go through Writer's default
+/// write_options, which writes objects as their data.
+inline std::vector<std::byte> dumps(const Value& v, const std::vector<Attributes>* attributes = nullptr) {
+  write_options o;
+  o.objects = write_options::objects_policy::as_written;
+  return dumps(v, attributes, o);
 }
 
 }  // namespace pickle

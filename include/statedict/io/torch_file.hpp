@@ -74,6 +74,7 @@ inline constexpr error_id pt_rank_limit        {509, error_kind::limit,       "t
 inline constexpr error_id pt_big_endian        {510, error_kind::unsupported, "torch.big_endian"};
 inline constexpr error_id pt_bad_version       {511, error_kind::format,      "torch.bad_version"};
 inline constexpr error_id pt_bad_byteorder     {512, error_kind::format,      "torch.bad_byteorder"};
+inline constexpr error_id pt_protocol_0        {513, error_kind::format,      "torch.pickle_protocol_0"};
 inline constexpr error_id pt_unwritable        {520, error_kind::usage,       "torch.unwritable"};
 inline constexpr error_id pt_crc_incomplete    {521, error_kind::usage,       "torch.crc_incomplete"};
 inline constexpr error_id pt_bad_name          {522, error_kind::usage,       "torch.bad_archive_name"};
@@ -92,9 +93,12 @@ struct limits {
 
 struct load_options {
   torch::limits limits{};
-  /// Keep objects of globals outside the weights_only allow-list as opaque Objects (DCP metadata,
-  /// DeepSpeed config objects, ShardedTensor files). Never executed either way.
-  bool keep_unknown_objects = false;
+  /// Objects of globals outside torch.load(weights_only=True)'s allow-list (argparse.Namespace
+  /// args, numpy RNG states, config classes, whole pickled modules) are read as data: Object
+  /// nodes of their class name, arguments and state, numpy arrays as tensors (pickle::options).
+  /// Never imported or called either way. False refuses them as weights_only=True does
+  /// (pickle.forbidden_global).
+  bool keep_unknown_objects = true;
   /// Keep `nn.Parameter` and tensor-subclass wrappers as Objects around their tensor
   /// (`torch._utils._rebuild_parameter(tensor, requires_grad, hooks)`), so they are written back
   /// as Parameters. Default: a Parameter is its tensor.
@@ -160,14 +164,34 @@ struct File {
 /// What a file looks like from its first bytes.
 enum class file_kind : std::uint8_t { zip, legacy, legacy_tar, unknown };
 
+/// Whether `head` starts with the pickle torch's legacy format begins with: the magic number
+/// 0x1950a86a20f9469cfc6c alone, as torch.save pickles it at any protocol. Protocols 0 and 1: the
+/// text LONG `L119547037146038801333356L\n`; 2 and 3: PROTO, LONG1 of its 10 bytes; 4 and 5:
+/// PROTO, FRAME, LONG1; then STOP.
+inline bool legacy_magic(std::span<const std::byte> head) {
+  static constexpr std::string_view text = "L119547037146038801333356L\n.";
+  static constexpr unsigned char binary[] = {0x8a, 0x0a, 0x6c, 0xfc, 0x9c, 0x46, 0xf9, 0x20, 0x6a, 0xa8, 0x50, 0x19, '.'};
+  const auto u = [&](std::size_t i) { return i < head.size() ? std::to_integer<unsigned>(head[i]) : 256U; };
+  const auto at = [&](std::size_t i, const auto& what, std::size_t n) {
+    if (head.size() < i + n) return false;
+    for (std::size_t k = 0; k < n; ++k)
+      if (u(i + k) != static_cast<unsigned char>(what[k])) return false;
+    return true;
+  };
+  if (at(0, text, text.size())) return true;
+  if (u(0) != 0x80 || u(1) < 2 || u(1) > 5) return false;
+  std::size_t i = 2;
+  if (u(1) >= 4 && u(2) == 0x95) i = 11;  // FRAME and its 8-byte length
+  return at(i, binary, sizeof binary);
+}
+
 /// What a file is, from its first bytes (`head`, at least 4 of them when the file has them; the
-/// tar check needs 262) and its size.
+/// legacy magic needs 28, the tar check 262) and its size.
 inline file_kind kind_of(std::span<const std::byte> head, std::uint64_t size) {
   if (size < 4 || head.size() < 4) return file_kind::unknown;
   const auto u = [&](std::size_t i) { return std::to_integer<unsigned>(head[i]); };
   if (u(0) == 'P' && u(1) == 'K' && u(2) == 3 && u(3) == 4) return file_kind::zip;
-  // Legacy: PROTO 2, then LONG1 of the 10-byte magic number 0x1950a86a20f9469cfc6c.
-  if (u(0) == 0x80 && u(1) == 0x02 && u(2) == 0x8a && u(3) == 0x0a) return file_kind::legacy;
+  if (legacy_magic(head)) return file_kind::legacy;
   if (size >= 512 && head.size() >= 262 && std::memcmp(head.data() + 257, "ustar", 5) == 0) return file_kind::legacy_tar;
   return file_kind::unknown;
 }
@@ -255,8 +279,17 @@ inline ShardedCheckpoint describe(const File& file) {
   const std::uint64_t size = file.source->size();
   for (auto& [name, v] : flat.tensors) {
     const auto addr = reinterpret_cast<std::uintptr_t>(v.data()), base = reinterpret_cast<std::uintptr_t>(file.view_base);
-    if (addr < base || addr - base > size)
-      throw_error(errors::pt_bad_tensor, detail::where(*file.source), "tensor " + quote(name) + " does not point into the file");
+    std::uint32_t source = 0;
+    std::uint64_t offset = addr - base;
+    if (addr < base || addr - base > size) [[unlikely]] {
+      // Not in the file's bytes: a numpy array copied out of the pickle (or viewing a copy of
+      // it), held in memory by its view: a source of its own.
+      if (!v.owner())
+        throw_error(errors::pt_bad_tensor, detail::where(*file.source), "tensor " + quote(name) + " does not point into the file");
+      source = static_cast<std::uint32_t>(ck.sources.size());
+      offset = 0;
+      ck.sources.push_back(std::make_shared<MemorySource>(file.source->name() + ": " + name, v.data(), v.extent_bytes(), v.owner()));
+    }
     // Built in place: 10,000 tensors are 10,000 TensorInfo and Chunk moves otherwise.
     TensorInfo& ti = ck.tensors.emplace_back();
     ti.name = std::move(name);  // `flat` is ours: its names move into the description
@@ -266,8 +299,8 @@ inline ShardedCheckpoint describe(const File& file) {
     Box& region = std::get<Box>(c.region);  // a Chunk starts as a Box
     region.offsets = shape_t(v.rank(), 0);
     region.sizes = v.shape();
-    c.at.source = 0;
-    c.at.byte_offset = addr - base;
+    c.at.source = source;
+    c.at.byte_offset = offset;
     if (!v.is_contiguous()) c.at.strides = v.strides();
     c.at.stored = v.dtype();
     if (file.big_endian && !file.swapped) c.at.order = byte_order::big;

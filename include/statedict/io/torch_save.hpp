@@ -93,6 +93,9 @@ struct PlannedStorage {
   std::string key;                                ///< "0", "1", ...
   statedict::dtype dtype = statedict::dtype::U8;  ///< element type of its tensors
   bool untyped = false;                           ///< written as torch.storage.UntypedStorage (+ _rebuild_tensor_v3)
+  /// The class its persistent id names when the tree held the storage itself as one of another
+  /// class of the same elements (a quantized storage: torch.QInt8Storage); empty: the dtype's.
+  std::string storage_class;
   std::uint64_t nbytes = 0;
   std::size_t record = 0;                         ///< index into SavePlan::records / layout.entries
   /// Bytes to copy (nbytes of them), or nullptr for a storage the caller fills (PlannedWriter).
@@ -321,10 +324,11 @@ inline SavePlan plan_save(const Value& tree, const save_options& opts) {
     const PlannedStorage& s = plan.storages[si];
     w.mark();
     w.str("storage");
-    // As torch.save writes them: typed classes from module `torch`, the untyped one from
-    // `torch.storage` (torch 2.x's weights_only allow-list has `torch.storage.UntypedStorage`, not
-    // `torch.UntypedStorage`).
-    if (s.untyped) w.global("torch.storage", "UntypedStorage");
+    // As torch.save writes them: typed classes from module `torch` (a quantized storage by the
+    // class the tree held it as), the untyped one from `torch.storage` (torch 2.x's weights_only
+    // allow-list has `torch.storage.UntypedStorage`, not `torch.UntypedStorage`).
+    if (!s.storage_class.empty()) w.global("torch", s.storage_class);
+    else if (s.untyped) w.global("torch.storage", "UntypedStorage");
     else w.global("torch", info(s.dtype).storage_name);
     w.str(s.key);
     w.str("cpu");
@@ -373,8 +377,13 @@ inline SavePlan plan_save(const Value& tree, const save_options& opts) {
       return true;
     }
     if (v.is_object() && detail::is_storage_object(v.as_object())) {
-      const TensorView& bytes = v.as_object().args[0].as_tensor();
+      const Object& o = v.as_object();
+      const TensorView& bytes = o.args[0].as_tensor();
       const std::size_t si = storage_of(bytes);
+      // A quantized storage (its bytes are the integer representation) keeps its class, which
+      // _rebuild_qtensor reads the quantized dtype from.
+      if (o.module == "torch" && o.name.size() > 1 && o.name[0] == 'Q' && !plan.storages[si].untyped)
+        plan.storages[si].storage_class = o.name;
       persistent_id(si);
       return true;
     }

@@ -1,5 +1,6 @@
-// statedict: the unpickler's opcode loop (Reader::run) and the arguments view registered functions
-// read (Args); io/pickle_read.hpp is the public header.
+// statedict: the unpickler's opcode loop (Reader::run), its text operands (protocols 0 and 1),
+// and the arguments view registered functions read (Args, Build); io/pickle_read.hpp is the
+// public header.
 // SPDX-License-Identifier: MIT
 #pragma once
 
@@ -37,7 +38,7 @@ namespace statedict::inline v0::pickle {
 /// as what it is not (check kind_of first) is a pickle.bad_call error, never a wild read.
 class Args {
  public:
-  enum class kind : std::uint8_t { none, boolean, integer, floating, str, bytes, value, list, tuple, dict, object, global, handle };
+  enum class kind : std::uint8_t { none, boolean, integer, floating, str, bytes, value, list, tuple, dict, object, global, handle, bytearray };
 
   [[nodiscard]] std::size_t size() const noexcept { return items_.size(); }
   [[nodiscard]] kind kind_of(std::size_t i) const { return static_cast<kind>(node(i).kind); }
@@ -77,10 +78,35 @@ class Args {
     const Reader::Node& n = node(i);
     return n.kind == Reader::nk::dict && r_.dicts_[n.index].kv.empty() && r_.dicts_[n.index].state.empty();
   }
+  /// The items of a tuple or list argument, as Args (valid as long as this one); nullopt for
+  /// anything else.
+  [[nodiscard]] std::optional<Args> items(std::size_t i) const {
+    const Reader::Node& n = node(i);
+    if (n.kind != Reader::nk::tuple && n.kind != Reader::nk::list) return std::nullopt;
+    return Args(r_, r_.seq(n.index));
+  }
+  /// The bytes of a str, bytes or bytearray argument, and whether they lie in the pickle's input
+  /// (else in the reader's own memory, valid only during this call).
+  struct raw_bytes {
+    std::string_view data;
+    bool in_input;
+  };
+  [[nodiscard]] std::optional<raw_bytes> raw(std::size_t i) const {
+    const Reader::Node& n = node(i);
+    if (n.kind != Reader::nk::str && n.kind != Reader::nk::bytes && n.kind != Reader::nk::bytearray) return std::nullopt;
+    return raw_bytes{r_.view(n.u.off, n.index), n.u.off < r_.size_};
+  }
+  /// Argument `i` converted to a Value (a copy; counted against limits.max_nodes).
+  [[nodiscard]] Value convert(std::size_t i) const {
+    (void)node(i);
+    return r_.to_value_leaf(items_[i]);
+  }
+  /// The reader (its options, its fail()).
+  [[nodiscard]] Reader& reader() const noexcept { return r_; }
 
  private:
   friend class Reader;
-  Args(const Reader& r, std::span<const std::uint32_t> items) : r_(r), items_(items) {}
+  Args(Reader& r, std::span<const std::uint32_t> items) : r_(r), items_(items) {}
   [[nodiscard]] const Reader::Node& node(std::size_t i) const {
     if (i >= items_.size()) [[unlikely]] no_such_argument(i);
     return r_.nodes_[items_[i]];
@@ -99,19 +125,108 @@ class Args {
                                      ", but it is a " + Reader::kind_name(node(i).kind));
   }
 
-  const Reader& r_;
+  Reader& r_;
   std::span<const std::uint32_t> items_;
 
   static_assert(static_cast<int>(kind::value) == static_cast<int>(Reader::nk::leaf) &&
                 static_cast<int>(kind::global) == static_cast<int>(Reader::nk::global) &&
-                static_cast<int>(kind::handle) == static_cast<int>(Reader::nk::handle));
+                static_cast<int>(kind::handle) == static_cast<int>(Reader::nk::handle) &&
+                static_cast<int>(kind::bytearray) == static_cast<int>(Reader::nk::bytearray));
 };
+
+/// What a Rule::build function gets: the arguments the object was made with (REDUCE / NEWOBJ)
+/// and its BUILD state (one item), as the reader holds them.
+struct Build {
+  const Object& callable;  ///< module and name of the global that made the object
+  const Args& args;
+  const Args& state;
+};
+
+inline std::optional<Value> Reader::built(std::uint32_t target, std::uint32_t state) {
+  const ObjData& od = objects_[nodes_[target].index];
+  Global& gl = globals_[od.global];
+  if (!gl.callee) gl.callee = std::make_unique<const Object>(Object{gl.module, gl.name, object_build::global, {}, {}, {}});
+  const Object& callee = *gl.callee;
+  const std::span<const std::uint32_t> args = od.args == npos ? std::span<const std::uint32_t>() : seq(nodes_[od.args].index);
+  const std::uint32_t one[1] = {state};
+  const Args a(*this, args), st(*this, std::span<const std::uint32_t>(one));
+  try {
+    return gl.rule->build(Build{callee, a, st});
+  } catch (error& e) {
+    if (e.context().rfind("pickle offset", 0) != 0) e.add_context("pickle offset " + std::to_string(op_pos_));
+    throw;
+  }
+}
 
 inline std::optional<Value> Reader::try_fast(const fast_fn& f, std::uint32_t tuple) {
   return f(Args(*this, seq(nodes_[tuple].index)));
 }
 inline std::optional<std::uint64_t> Reader::try_handle(std::uint32_t tuple) {
   return opts_.persistent_handle(Args(*this, seq(nodes_[tuple].index)));
+}
+
+// Text operands of protocols 0 and 1.
+
+inline std::uint32_t Reader::parse_int_text(std::string_view s, bool is_long) {
+  if (is_long && !s.empty() && s.back() == 'L') s.remove_suffix(1);
+  if (!is_long && s == "00") return add_scalar(nk::boolean, 0);
+  if (!is_long && s == "01") return add_scalar(nk::boolean, 1);
+  std::int64_t v = 0;
+  const char* b = s.data();
+  if (!s.empty() && s[0] == '+') ++b;
+  auto [p, ec] = std::from_chars(b, s.data() + s.size(), v);
+  if (ec == std::errc::result_out_of_range) {
+    // Beyond int64 (torch's legacy magic number at protocols 0 and 1): 2.5 digits per byte.
+    if (s.size() / 3 > opts_.limits.max_long_bytes)
+      fail(errors::pk_long_limit, "text integer of " + std::to_string(s.size()) + " digits exceeds limits.max_long_bytes (" +
+                                      std::to_string(opts_.limits.max_long_bytes) + " bytes)");
+    std::vector<std::uint8_t> bytes;
+    if (!detail::decimal_to_long(s, bytes)) fail(errors::pk_bad_text, "bad integer " + quote(s));
+    return long_node(std::move(bytes));
+  }
+  if (ec != std::errc() || p != s.data() + s.size() || s.empty()) fail(errors::pk_bad_text, "bad integer " + quote(s));
+  return add_scalar(nk::integer, v);
+}
+
+/// STRING: a quoted Python 2 str literal; str when its bytes are UTF-8, else bytes (as BINSTRING).
+inline std::uint32_t Reader::read_quoted_string() {
+  const std::uint64_t at = pos_;
+  const std::string_view s = line();
+  if (s.size() < 2 || (s.front() != '\'' && s.front() != '"') || s.back() != s.front())
+    fail(errors::pk_bad_text, "STRING operand is not quoted");
+  const std::string_view body = s.substr(1, s.size() - 2);
+  if (body.size() > opts_.limits.max_string_bytes || body.size() > 0xFFFFFFF0U)
+    fail(errors::pk_string_limit, "STRING of " + std::to_string(body.size()) + " bytes exceeds limits.max_string_bytes");
+  if (body.find('\\') == std::string_view::npos) {  // no escape: the bytes are in the input
+    Node n;
+    n.kind = detail::valid_utf8(body) ? nk::str : nk::bytes;
+    n.u.off = at + 1;
+    n.index = static_cast<std::uint32_t>(body.size());
+    return add_node(n);
+  }
+  std::string out;
+  if (!detail::escape_decode(body, out)) fail(errors::pk_bad_text, "STRING operand with a bad escape");
+  return add_decoded(detail::valid_utf8(out) ? nk::str : nk::bytes, out);
+}
+
+/// UNICODE: a str in raw-unicode-escape.
+inline std::uint32_t Reader::read_raw_unicode() {
+  const std::uint64_t at = pos_;
+  const std::string_view s = line();
+  if (s.size() > opts_.limits.max_string_bytes || s.size() > 0xFFFFFFF0U)
+    fail(errors::pk_string_limit, "UNICODE of " + std::to_string(s.size()) + " bytes exceeds limits.max_string_bytes");
+  if (std::all_of(s.begin(), s.end(), [](char c) { return c != '\\' && static_cast<unsigned char>(c) < 0x80; })) {
+    Node n;  // ASCII without escapes: the text is the input's
+    n.kind = nk::str;
+    n.u.off = at;
+    n.index = static_cast<std::uint32_t>(s.size());
+    return add_node(n);
+  }
+  std::string out;
+  if (!detail::raw_unicode_escape_decode(s, out)) fail(errors::pk_bad_text, "UNICODE operand with a bad \\u escape");
+  if (out.size() > opts_.limits.max_string_bytes)
+    fail(errors::pk_string_limit, "UNICODE of " + std::to_string(out.size()) + " bytes exceeds limits.max_string_bytes");
+  return add_decoded(nk::str, out);
 }
 
 inline Result Reader::run() {
@@ -209,16 +324,14 @@ inline Result Reader::run() {
         push(read_py2_string(static_cast<std::uint64_t>(n)));
         break;
       }
-      case 0x96: {  // BYTEARRAY8
+      case 0x96: {  // BYTEARRAY8: its bytes stay in the input (numpy's _frombuffer views them)
         const std::uint32_t b = read_string(le<8>(), true, "BYTEARRAY8");
-        Object o{"builtins", "bytearray", object_build::reduce, {}, {}, {}};
-        o.args.push_back(to_value_leaf(b));
-        push(add_leaf(Value(std::move(o))));
+        nodes_[b].kind = nk::bytearray;
+        push(b);
         break;
       }
-      case 'S':
-      case 'V':
-        fail(errors::pk_unsupported_opcode, detail::opcode_name(op) + " (protocol 0 quoted strings) is not supported");
+      case 'S': push(read_quoted_string()); break;  // STRING
+      case 'V': push(read_raw_unicode()); break;    // UNICODE
       case 0x97:
       case 0x98:
         fail(errors::pk_unsupported_opcode, detail::opcode_name(op) + " (protocol 5 out-of-band buffers) is not supported");

@@ -113,17 +113,17 @@ class Reader {
   // The object graph built while parsing. Containers are mutable until the end (pickle fills
   // them after memoizing them); scalars and strings are small inline nodes (strings are views of
   // the input); results of registered functions are finished Values.
-  enum class nk : std::uint8_t { none, boolean, integer, floating, str, bytes, leaf, list, tuple, dict, object, global, handle };
+  enum class nk : std::uint8_t { none, boolean, integer, floating, str, bytes, leaf, list, tuple, dict, object, global, handle, bytearray };
   static constexpr std::uint32_t npos = 0xFFFFFFFFU;
 
   struct Node {
     nk kind = nk::none;
     std::uint8_t refs = 0;       ///< stack references, saturating at 2 (see counted); in padding
-    std::uint32_t index = npos;  ///< str/bytes: length; leaf/list/tuple/dict/object/global: side-table index
+    std::uint32_t index = npos;  ///< str/bytes/bytearray: length; leaf/list/tuple/dict/object/global: side-table index
     union {
       std::int64_t i;  ///< boolean, integer; handle: the handle (as uint64)
       double d;
-      std::uint64_t off;  ///< str/bytes: offset in the input
+      std::uint64_t off;  ///< str/bytes/bytearray: offset in the input, or size_ + offset in text_pool_
     } u{};
   };
   struct DictData {
@@ -324,7 +324,20 @@ class Reader {
     return s;
   }
   std::string_view view(std::uint64_t off, std::uint64_t len) const {
+    if (off >= size_) [[unlikely]]  // decoded text (protocol 0 escapes)
+      return std::string_view(text_pool_).substr(static_cast<std::size_t>(off - size_), static_cast<std::size_t>(len));
     return {reinterpret_cast<const char*>(in_ + off), static_cast<std::size_t>(len)};
+  }
+  /// A str or bytes node of `text`, which is not a slice of the input (decoded escapes).
+  std::uint32_t add_decoded(nk k, std::string_view text) {
+    if (text.size() > 0xFFFFFFF0U || text_pool_.size() > std::numeric_limits<std::uint64_t>::max() - size_ - text.size())
+      fail(errors::pk_string_limit, "decoded text beyond 2^32 bytes");
+    Node n;
+    n.kind = k;
+    n.u.off = size_ + text_pool_.size();
+    n.index = static_cast<std::uint32_t>(text.size());
+    text_pool_.append(text);
+    return add_node(n);
   }
 
   // ------------------------------------------------------------------------------------------
@@ -447,26 +460,25 @@ class Reader {
     need(len, "LONG");
     std::vector<std::uint8_t> b(in_ + pos_, in_ + pos_ + len);
     pos_ += len;
+    return long_node(std::move(b));
+  }
+  /// An int from its little-endian two's complement bytes: a scalar, or beyond int64 a
+  /// builtins.int Object of its minimal bytes.
+  std::uint32_t long_node(std::vector<std::uint8_t> b) {
     std::int64_t v = 0;
     if (detail::normalise_long(b, v)) return add_scalar(nk::integer, v);
+    if (b.size() > opts_.limits.max_long_bytes)
+      fail(errors::pk_long_limit, "integer of " + std::to_string(b.size()) + " bytes exceeds limits.max_long_bytes (" +
+                                      std::to_string(opts_.limits.max_long_bytes) + ")");
     Object o{"builtins", "int", object_build::reduce, {}, {}, {}};
     o.args.emplace_back(Bytes{std::move(b)});
     return add_leaf(Value(std::move(o)));
   }
 
-  std::uint32_t parse_int_text(std::string_view s, bool is_long) {
-    if (is_long && !s.empty() && s.back() == 'L') s.remove_suffix(1);
-    if (!is_long && s == "00") return add_scalar(nk::boolean, 0);
-    if (!is_long && s == "01") return add_scalar(nk::boolean, 1);
-    std::int64_t v = 0;
-    const char* b = s.data();
-    if (!s.empty() && s[0] == '+') ++b;
-    auto [p, ec] = std::from_chars(b, s.data() + s.size(), v);
-    if (ec == std::errc::result_out_of_range)
-      fail(errors::pk_unsupported_opcode, "text integer " + quote(s) + " beyond int64 (use a binary protocol)");
-    if (ec != std::errc() || p != s.data() + s.size() || s.empty()) fail(errors::pk_bad_text, "bad integer " + quote(s));
-    return add_scalar(nk::integer, v);
-  }
+  // Text operands of protocols 0 and 1 (defined in pickle_opcodes.hpp).
+  std::uint32_t parse_int_text(std::string_view s, bool is_long);
+  std::uint32_t read_quoted_string();
+  std::uint32_t read_raw_unicode();
 
   /// The global named by module and name, after the Python 2 -> 3 renames and the security checks.
   std::uint32_t resolve_global(std::string_view module_in, std::string_view name) {
@@ -479,11 +491,11 @@ class Reader {
     q.reserve(module.size() + name.size() + 1);
     q.append(module).append(".").append(name);
     const Rule* r = registry_->find(q);
-    if (!r && !opts_.keep_unknown_objects)
+    if ((!r || r->beyond_weights_only) && !opts_.keep_unknown_objects)
       fail(errors::pk_forbidden_global,
-           "global " + quote(q) + " is not on the allow-list (the globals torch.load(weights_only=True) accepts); "
-           "statedict never runs pickled code. If the file is trusted, keep such objects as opaque nodes "
-           "(keep_unknown_objects)");
+           "global " + quote(q) + " is not on the allow-list (the globals torch.load(weights_only=True) accepts), "
+           "which this read asked for; statedict never runs pickled code either way, and by default reads such "
+           "objects as data (keep_unknown_objects)");
     globals_.push_back({std::string(module), std::string(name), r, {}});
     Node n;
     n.kind = nk::global;
@@ -523,6 +535,15 @@ class Reader {
         }
       }
       return d;
+    }
+    if (r && r->k == Rule::kind::reconstructor) {
+      // copyreg._reconstructor(cls, builtins.object, None): what protocols 0 and 1 write for an
+      // object protocol 2 writes as NEWOBJ(cls, ()); its BUILD follows. Other forms stay objects.
+      const auto a = seq(nodes_[args].index);
+      if (a.size() == 3 && nodes_[a[0]].kind == nk::global && nodes_[a[1]].kind == nk::global &&
+          global_name(nodes_[a[1]].index) == "builtins.object" && nodes_[a[2]].kind == nk::none)
+        return add_object(nodes_[a[0]].index, object_build::newobj, npos);
+      return add_object(g, how, args);
     }
     if (r && r->k == Rule::kind::function) {
       Global& gl = globals_[g];
@@ -581,6 +602,7 @@ class Reader {
       case nk::object: return "object";
       case nk::global: return "global";
       case nk::handle: return "value";  // what it stands for: errors read as when it is one
+      case nk::bytearray: return "bytearray";
     }
     return "?";
   }
@@ -625,6 +647,14 @@ class Reader {
       const auto& g = globals_[objects_[t.index].global];
       if (g.module == "builtins" && (g.name == "set" || g.name == "frozenset"))
         fail(errors::pk_bad_operand, "BUILD on a " + g.name + " (allowed on OrderedDict and kept objects)");
+      if (g.rule && g.rule->build && objects_[t.index].state.empty() && objects_[t.index].items.empty())
+        if (std::optional<Value> v = built(target, state)) {
+          // The object becomes that value wherever it is referenced (the memo holds this node).
+          const std::uint32_t leaf = add_leaf(std::move(*v));
+          nodes_[target].kind = nk::leaf;
+          nodes_[target].index = nodes_[leaf].index;
+          return;
+        }
       objects_[t.index].state.push_back(state);
     } else {
       fail(errors::pk_bad_operand, "BUILD on a " + kind_name(t.kind) + " (allowed on OrderedDict and kept objects)");
@@ -659,6 +689,9 @@ class Reader {
   }
 
   Value to_value_leaf(std::uint32_t n) { return to_value(n, 0, nullptr); }
+
+  /// Rule::build of the object at `target` with `state` (defined after Args).
+  std::optional<Value> built(std::uint32_t target, std::uint32_t state);
 
   /// `f` over the items of tuple node `tuple` (defined after Args).
   std::optional<Value> try_fast(const fast_fn& f, std::uint32_t tuple);
@@ -706,9 +739,20 @@ class Reader {
       case nk::floating: return Value(node.u.d);
       case nk::str: return Value(std::string(view(node.u.off, node.index)));
       case nk::bytes: {
+        const std::string_view v = view(node.u.off, node.index);
         Bytes b;
-        b.data.assign(in_ + node.u.off, in_ + node.u.off + node.index);
+        b.data.assign(reinterpret_cast<const std::uint8_t*>(v.data()), reinterpret_cast<const std::uint8_t*>(v.data()) + v.size());
         return Value(std::move(b));
+      }
+      case nk::bytearray: {
+        // Counted as the leaf it used to be: two values, one level of container at `depth`.
+        if (depth >= opts_.limits.max_depth) depth_exceeded();
+        count_node();
+        const std::string_view v = view(node.u.off, node.index);
+        Object o{"builtins", "bytearray", object_build::reduce, {}, {}, {}};
+        o.args.emplace_back(Bytes{std::vector<std::uint8_t>(reinterpret_cast<const std::uint8_t*>(v.data()),
+                                                            reinterpret_cast<const std::uint8_t*>(v.data()) + v.size())});
+        return Value(std::move(o));
       }
       case nk::leaf: {
         const LeafShape& ls = leaf_shape_[node.index];
@@ -944,6 +988,7 @@ class Reader {
   std::vector<unsigned char> visiting_;
   std::uint64_t produced_ = 0;
   std::vector<Attributes> attributes_;
+  std::string text_pool_;  ///< decoded protocol-0 text; nodes address it past the input (view())
 };
 
 }  // namespace statedict::inline v0::pickle

@@ -80,8 +80,11 @@ inline statedict::dtype storage_dtype(std::string_view module, std::string_view 
     return statedict::dtype::U8;
   }
   if (auto t = dtype_from_storage_name(name)) return *t;
-  if (name.rfind('Q', 0) == 0)
-    throw_error(errors::pt_unsupported_tensor, "quantized storage " + quote(qualified()) + " is not supported");
+  // Quantized storages hold the integer representation (_rebuild_qtensor reads them); the 4- and
+  // 2-bit ones pack their values into bytes.
+  if (name == "QInt8Storage") return statedict::dtype::I8;
+  if (name == "QUInt8Storage" || name == "QUInt4x2Storage" || name == "QUInt2x4Storage") return statedict::dtype::U8;
+  if (name == "QInt32Storage") return statedict::dtype::I32;
   throw_error(errors::pt_bad_storage, "unknown storage class " + quote(qualified()));
 }
 inline statedict::dtype storage_dtype(const Object& cls, bool& untyped) {
@@ -313,17 +316,14 @@ inline pickle::Registry torch_registry(const read_context& ctx) {
     }
     return keep_call(c);
   });
-  // Tensor kinds statedict does not represent: a clear error, or the call kept as an Object.
+  // Quantized and sparse tensors: the call is kept as an Object with its arguments, whose tensors
+  // (the integer representation in a quantized storage, per-channel scales and zero points,
+  // sparse indices and values) are tensors of the file; written back, it is the same call, which
+  // torch.load(weights_only=True) accepts. Meta and subclass tensors the same way.
   for (const char* f : {"_rebuild_qtensor", "_rebuild_sparse_tensor", "_rebuild_sparse_csr_tensor",
                         "_rebuild_meta_tensor_no_storage", "_rebuild_wrapper_subclass",
-                        "_rebuild_device_tensor_from_numpy", "_rebuild_device_tensor_from_cpu_tensor"}) {
-    r.function(std::string("torch._utils.") + f, [&ctx, keep_call](pickle::Call& c) -> Value {
-      if (ctx.opts->keep_unknown_objects || ctx.dry_run) return keep_call(c);
-      throw_error(errors::pt_unsupported_tensor, quote(c.callable.qualified()) +
-                                                     " (quantized, sparse, meta or subclass tensors) is not supported; "
-                                                     "keep_unknown_objects keeps it as an object");
-    });
-  }
+                        "_rebuild_device_tensor_from_numpy", "_rebuild_device_tensor_from_cpu_tensor"})
+    r.function(std::string("torch._utils.") + f, keep_call);
   return r;
 }
 
@@ -337,6 +337,15 @@ inline void check_same_storage(std::string_view key, statedict::dtype first_dtyp
     throw_error(errors::pt_bad_storage, "storage " + quote(key) + " is described twice with different types or sizes (" +
                                             std::to_string(first_numel) + " " + std::string(name(first_dtype)) +
                                             " elements, then " + std::to_string(numel) + " " + std::string(name(t)) + ")");
+}
+
+/// A persistent id that is a str: torch.save at pickle_protocol=0 writes str(tuple) (PERSID takes
+/// text), which torch.load cannot read back either.
+inline void refuse_text_pid(const Value& pid) {
+  if (pid.is_string())
+    throw_error(errors::pt_protocol_0, "a text persistent id " + quote(pid.as_string().substr(0, 80)) +
+                                           ": the file was saved with pickle_protocol=0, which writes storage ids as text that "
+                                           "torch.load cannot read either (saved_id must be a tuple)");
 }
 
 inline bool is_storage_tag(const Value& v) {
@@ -459,6 +468,11 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
     const std::string prefix = f.archive_name + "/";
     const zip::Entry* pkl = ar.find(prefix + "data.pkl");
     if (!pkl) throw_error(errors::pt_missing_record, where(*src), "no record " + quote(prefix + "data.pkl") + ": not a torch.save file");
+    // torch.jit.save writes data.pkl too, with constants.pkl and code/ beside it: a module
+    // (TorchScript), whose classes are its code.
+    if (ar.find(prefix + "constants.pkl"))
+      throw_error(errors::pt_not_torch, where(*src), "a TorchScript archive (torch.jit.save: " + quote(prefix + "constants.pkl") +
+                                                         " and code), not a torch.save file");
     if (overlap) ar.locate(*pkl);
     // A short text record: its first `cap` bytes (a deflated one is inflated only when that short).
     auto text_record = [&](const zip::Entry& e, std::uint64_t cap) -> std::string {
@@ -565,6 +579,7 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
     po.limits = opts.limits.pickle;
     po.keep_unknown_objects = opts.keep_unknown_objects;
     po.registry = &reg;
+    po.input_owner = pickle_bytes.owner;  // numpy arrays in the pickle are views of it
     by_key.reserve(ar.entries().size());
     seen.reserve(ar.entries().size());
     f.storages.reserve(ar.entries().size());
@@ -658,6 +673,7 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
       return storage_value(classes[cls].module, classes[cls].name, std::move(bytes), f.storages[at].key, std::string(location));
     };
     po.persistent_load = [&](const Value& pid) -> Value {
+      refuse_text_pid(pid);
       if (!pid.is_tuple() || pid.as_list().size() != 5 || !is_storage_tag(pid.at(0)))
         throw_error(errors::pt_bad_storage, "persistent id is not ('storage', type, key, location, numel)");
       const List& p = pid.as_list();
@@ -746,8 +762,9 @@ inline File read_legacy(std::shared_ptr<const ByteSource> src, const load_option
   const Region all = read_region(*src, 0, src->size());  // a pread source is read once here
   const std::span<const std::byte> bytes = all.span();
   std::uint64_t pos = 0;
-  pickle::options plain;
+  pickle::options plain;  // magic number, version, sys_info, key list: plain data, no objects
   plain.limits = opts.limits.pickle;
+  plain.keep_unknown_objects = false;
   auto next = [&](const char* what) {
     try {
       pickle::Result r = pickle::load(bytes.subspan(static_cast<std::size_t>(pos)), plain);
@@ -789,7 +806,9 @@ inline File read_legacy(std::shared_ptr<const ByteSource> src, const load_option
   po.limits = opts.limits.pickle;
   po.keep_unknown_objects = opts.keep_unknown_objects;
   po.registry = &reg;
+  po.input_owner = all.owner;  // numpy arrays in the pickle are views of the file's bytes
   auto parse_pid = [&](const Value& pid, std::string& root, std::optional<std::tuple<std::string, std::int64_t, std::int64_t>>& view) {
+    refuse_text_pid(pid);
     if (!pid.is_tuple() || pid.as_list().size() != 6 || !is_storage_tag(pid.at(0)))
       throw_error(errors::pt_bad_storage, "legacy persistent id is not ('storage', type, key, location, numel, view)");
     const List& p = pid.as_list();
@@ -899,7 +918,7 @@ inline File read_any(std::shared_ptr<const ByteSource> src, const load_options& 
       throw_error(errors::pt_legacy_tar, where(*src), "the tar-based format of PyTorch < 0.4 is not supported");
     case file_kind::unknown: break;
   }
-  throw_error(errors::pt_not_torch, where(*src), "neither a zip archive nor a legacy torch.save pickle");
+  throw_error(errors::pt_not_torch, where(*src), "neither a zip archive nor a legacy torch.save file (its magic number pickled at protocol 0-5)");
 }
 
 }  // namespace detail
