@@ -27,6 +27,7 @@
 #include "format.hpp"
 #include "fsdp.hpp"
 #include "hf.hpp"
+#include "olmo_safetensors.hpp"
 #include "safetensors.hpp"
 #include "sharded_tensor.hpp"
 #include "torch.hpp"
@@ -43,6 +44,7 @@ inline std::vector<std::shared_ptr<const Format>> builtin_formats() {
       std::make_shared<fsdp::format>(),
       std::make_shared<sharded_tensor::format>(),
       std::make_shared<hf::format>(),
+      std::make_shared<olmo_safetensors::format>(),
       std::make_shared<safetensors::format>(),
       std::make_shared<torch::format>(),
   };
