@@ -22,6 +22,7 @@
 
 #include "../core/error.hpp"
 #include "../shard/checkpoint.hpp"
+#include "colossalai.hpp"
 #include "dcp.hpp"
 #include "deepspeed.hpp"
 #include "format.hpp"
@@ -43,6 +44,7 @@ inline std::vector<std::shared_ptr<const Format>> builtin_formats() {
       std::make_shared<deepspeed::format>(),
       std::make_shared<fsdp::format>(),
       std::make_shared<sharded_tensor::format>(),
+      std::make_shared<colossalai::format>(),
       std::make_shared<hf::format>(),
       std::make_shared<olmo_safetensors::format>(),
       std::make_shared<safetensors::format>(),
