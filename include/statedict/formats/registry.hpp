@@ -25,6 +25,7 @@
 #include "colossalai.hpp"
 #include "dcp.hpp"
 #include "deepspeed.hpp"
+#include "fairscale.hpp"
 #include "format.hpp"
 #include "fsdp.hpp"
 #include "hf.hpp"
@@ -45,6 +46,7 @@ inline std::vector<std::shared_ptr<const Format>> builtin_formats() {
       std::make_shared<fsdp::format>(),
       std::make_shared<sharded_tensor::format>(),
       std::make_shared<colossalai::format>(),
+      std::make_shared<fairscale::format>(),
       std::make_shared<hf::format>(),
       std::make_shared<olmo_safetensors::format>(),
       std::make_shared<safetensors::format>(),
