@@ -36,7 +36,7 @@ constexpr const char* usage_text = R"(statedict: read, convert and verify ML che
 
 usage:
   statedict inspect PATH [--json] [--hash] [--with-optimizer] [--from FORMAT] [--io mmap|pread]
-  statedict convert IN OUT [--to safetensors|hf|torch|dcp] [--from FORMAT] [--dtype F32|BF16|F16]
+  statedict convert IN OUT [--to safetensors|hf|torch|dcp|olmo|colossalai] [--from FORMAT] [--dtype F32|BF16|F16]
                     [--max-shard-size 5GB] [--world-size M] [--only NAME_PREFIX]...
                     [--with-optimizer] [--threads N] [--memory-budget 256MiB]
                     [--part k/K | --part index] [--check-replicas] [--io mmap|pread]
@@ -45,7 +45,8 @@ usage:
 
 PATH, IN, A, B: a .safetensors file, a torch.save file (.pt, .bin, any name), a Hugging Face
 sharded directory or index, a torch.distributed.checkpoint directory, a DeepSpeed ZeRO 1/2/3
-checkpoint, an OLMo/FSDP sharded checkpoint, or ShardedTensor rank files. The format is detected
+checkpoint, an OLMo/FSDP sharded checkpoint, ShardedTensor rank files, an OLMo mapped safetensors
+file, a ColossalAI checkpoint, or fairscale FSDP rank files (fairseq, metaseq). The format is detected
 from the content. Exit codes: 0 success, 1 verify found a difference, 2 bad input or usage.
 See docs/cli.md.
 )";

@@ -147,6 +147,23 @@ def main():
         if d == "olmo_fsdp_torch21_flat_ws2":
             add("open", d, multi(0, [f for f in files if not f[0].startswith("train/")]))
 
+    od = os.path.join(fx, "gen_olmo_st")
+    if os.path.isdir(od):
+        for f in ("olmo_model.safetensors", "olmo_nested.safetensors", "olmo_optim.safetensors"):
+            add("olmo", f, read(os.path.join(od, f)))
+        add("open", "olmo_nested", multi(0, [("olmo_nested.safetensors", read(os.path.join(od, "olmo_nested.safetensors")))]))
+    cd = os.path.join(fx, "gen_colossalai")
+    for d, flags in (("colossalai_dist_tp2_dp2_st_sharded", 4 | 8), ("colossalai_dist_tp2_bin_sharded", 2),
+                     ("colossalai_hybrid_tp2_async", 1)):
+        p = os.path.join(cd, d)
+        if os.path.isdir(p):
+            add("colossalai", f"{d}_{flags}", multi(flags, tree(p, skip=[r"lr_scheduler$"])))
+    fd = os.path.join(fx, "gen_fairscale")
+    for d, flags in (("metaseq_fsdp_ws2_fp16", 1), ("fairseq_fsdp_v037_ws2", 1)):
+        p = os.path.join(fd, d)
+        if os.path.isdir(p):
+            add("fairscale", f"{d}_{flags}", multi(flags, tree(p)))
+
     add("open", "one_tensor.safetensors", multi(0, [("model.safetensors", read(os.path.join(st_dir, "metadata.safetensors")))]))
     add("open", "tied.pt", multi(0, [("tied.pt", read(os.path.join(pt_dir, "tied.pt")))]))
     add("open", "legacy_views.pt", multi(0, [("legacy_views.pt", read(os.path.join(pt_dir, "legacy_views.pt")))]))
