@@ -314,5 +314,23 @@ TEST_CASE("colossalai interop: ColossalAI to ColossalAI keeps the split dims; se
                                               return (out / "m.json").string();
                                             }()});
   CHECK_MESSAGE(r.code == 0, r.describe());
+  // Written by two processes (--part 0/2, 1/2, then --part index): the same files as in one go.
+  so.settings.set<colossalai::save_settings>().partition_dims.erase("pos_embed.weight");
+  for (std::uint32_t k = 0; k < 2; ++k) {
+    formats::save_options part = so;
+    part.part = PartSpec{k, 2};
+    (void)formats::save(src, out / "parts", part);
+  }
+  formats::save_options index = so;
+  index.index_only = true;
+  (void)formats::save(src, out / "parts", index);
+  std::size_t files = 0;
+  for (const auto& e : fs::directory_iterator(out / "stated")) {
+    ++files;
+    const fs::path twin = out / "parts" / e.path().filename();
+    REQUIRE(fs::exists(twin));
+    CHECK(cli_test::read_file(twin) == cli_test::read_file(e.path()));
+  }
+  CHECK(files == 4);
   cli_test::drop_scratch("colo-dims");
 }

@@ -114,6 +114,28 @@ inline name_census census(const safetensors::File& f, const limits& lim) {
   return c;
 }
 
+/// Whether any string of the safetensors header of `src` begins like urlsafe base64 of a pickle
+/// ("gA", the PROTO opcode): a scan of the header bytes, no JSON parsed. False rules the file out;
+/// true (or a header that does not fit the file: the reader explains) means it is worth decoding.
+inline bool may_hold_keys(const ByteSource& src, const safetensors::limits& lim) {
+  if (src.size() < 8) return false;
+  std::byte len[8];
+  src.read(0, len);
+  std::uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | std::to_integer<std::uint64_t>(len[static_cast<std::size_t>(i)]);
+  if (n > src.size() - 8 || n > lim.max_header_bytes) return true;
+  std::string_view text;
+  std::vector<char> copy;
+  if (const std::byte* d = src.data()) {
+    text = std::string_view(reinterpret_cast<const char*>(d) + 8, static_cast<std::size_t>(n));
+  } else {
+    copy.resize(static_cast<std::size_t>(n));
+    src.read(8, std::as_writable_bytes(std::span<char>(copy.data(), copy.size())));
+    text = std::string_view(copy.data(), copy.size());
+  }
+  return text.find("\"gA") != std::string_view::npos;
+}
+
 /// Places `leaf` at `keys` in `root`, creating dicts; refuses what OLMo would overwrite or corrupt.
 inline void place(Value& root, const Path& keys, Value leaf, const std::string& where) {
   Value* cur = &root;
@@ -346,6 +368,8 @@ class format final : public formats::Format {
     std::string found;
     if (!safetensors::detail::looks_like_file(in.head(), in.file()->size(), found)) return formats::Detection::not_applicable();
     const limits& lim = opt.settings.get<options>().limits;
+    if (!detail::may_hold_keys(*in.file(), lim.safetensors))
+      return formats::Detection::miss("no tensor name begins like urlsafe base64 of a pickle");
     std::optional<safetensors::File> f;
     try {
       f = safetensors::File::open(in.file(), lim.safetensors);
