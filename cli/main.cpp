@@ -39,7 +39,7 @@ constexpr const char* usage_text = R"(statedict: read, convert and verify ML che
 
 usage:
   statedict inspect PATH [--json] [--hash] [--with-optimizer] [--from FORMAT] [--io mmap|pread]
-  statedict convert IN OUT [--to safetensors|hf|torch|dcp] [--from FORMAT] [--dtype F32|BF16|F16]
+  statedict convert IN OUT [--to safetensors|hf|torch|dcp|olmo|colossalai] [--from FORMAT] [--dtype F32|BF16|F16]
                     [--cast-integer-buffers] [--max-shard-size 5GB] [--world-size M] [--dcp-layout 2|1.13]
                     [--only NAME_PREFIX]... [--drop REGEX]... [--strip-prefix P]... [--add-prefix P]...
                     [--rename FROM=TO]... [--rename-regex REGEX=REPLACEMENT]... [--map NAMES.json]...
@@ -51,7 +51,8 @@ usage:
 
 PATH, IN, A, B: a .safetensors file, a torch.save file (.pt, .bin, any name), a Hugging Face
 sharded directory or index, a torch.distributed.checkpoint directory, a DeepSpeed ZeRO 1/2/3
-checkpoint, an OLMo/FSDP sharded checkpoint, or ShardedTensor rank files. The format is detected
+checkpoint, an OLMo/FSDP sharded checkpoint, ShardedTensor rank files, an OLMo mapped safetensors
+file, a ColossalAI checkpoint, or fairscale FSDP rank files (fairseq, metaseq). The format is detected
 from the content (--from FORMAT reads it as that format). The name options of convert apply in
 the order given. Pickled objects are read as data, never run; convert writes each object whose
 class torch.load(weights_only=True) refuses as its data (--keep-class writes that class as itself,

@@ -8,9 +8,13 @@
 // SPDX-License-Identifier: MIT
 #define STATEDICT_FUZZ_ALL 1
 
+#include <statedict/exec/digest.hpp>
+#include <statedict/formats/colossalai.hpp>
 #include <statedict/formats/dcp.hpp>
 #include <statedict/formats/deepspeed.hpp>
+#include <statedict/formats/fairscale.hpp>
 #include <statedict/formats/fsdp.hpp>
+#include <statedict/formats/olmo_safetensors.hpp>
 #include <statedict/formats/registry.hpp>
 #include <statedict/formats/sharded_tensor.hpp>
 #include <statedict/io/hf_sharded.hpp>
@@ -21,6 +25,7 @@
 #include <statedict/io/torch_file.hpp>
 #include <statedict/io/zip.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -76,6 +81,15 @@ namespace fuzz_sharded_tensor {
 namespace fuzz_open {
 #include "fuzz_open.cpp"
 }
+namespace fuzz_olmo {
+#include "fuzz_olmo.cpp"
+}
+namespace fuzz_colossalai {
+#include "fuzz_colossalai.cpp"
+}
+namespace fuzz_fairscale {
+#include "fuzz_fairscale.cpp"
+}
 // clang-format on
 
 namespace {
@@ -103,6 +117,9 @@ constexpr target targets[] = {
     {"fsdp", fuzz_fsdp::test_one_input},
     {"sharded-tensor", fuzz_sharded_tensor::test_one_input},
     {"open", fuzz_open::test_one_input},
+    {"olmo", fuzz_olmo::test_one_input},
+    {"colossalai", fuzz_colossalai::test_one_input},
+    {"fairscale", fuzz_fairscale::test_one_input},
 };
 
 entry chosen = nullptr;

@@ -37,6 +37,21 @@ void lower_limits(formats::open_options& o) {
   sh.pickle = fuzz::pickle_limits();
   sh.max_shards = 1 << 12;
   sh.max_pickle_bytes = 1 << 20;
+  auto& ol = o.settings.set<statedict::olmo_safetensors::options>().limits;
+  ol.pickle = fuzz::pickle_limits();
+  ol.safetensors = st.lim;
+  ol.max_value_bytes = 1 << 20;
+  auto& co = o.settings.set<statedict::colossalai::options>().limits;
+  co.torch = fuzz::torch_limits();
+  co.safetensors = st.lim;
+  co.max_json_bytes = 1 << 20;
+  co.max_files = 64;
+  co.max_entries = 1 << 12;
+  co.max_value_bytes = 1 << 16;
+  auto& fa = o.settings.set<statedict::fairscale::options>().limits;
+  fa.torch = fuzz::torch_limits();
+  fa.max_ranks = 64;
+  fa.max_entries = 1 << 12;
 }
 }  // namespace
 

@@ -155,6 +155,22 @@ def main():
         if d == "olmo_fsdp_torch21_flat_ws2":
             add("open", d, multi(0, [f for f in files if not f[0].startswith("train/")]))
 
+    od = os.path.join(fx, "gen_olmo_st")
+    if os.path.isdir(od):
+        for f in ("olmo_model.safetensors", "olmo_nested.safetensors", "olmo_optim.safetensors"):
+            add("olmo", f, read(os.path.join(od, f)))
+        add("open", "olmo_nested", multi(0, [("olmo_nested.safetensors", read(os.path.join(od, "olmo_nested.safetensors")))]))
+    cd = os.path.join(fx, "gen_colossalai")
+    for d, flags in (("colossalai_dist_tp2_dp2_st_sharded", 4 | 8), ("colossalai_dist_tp2_bin_sharded", 2),
+                     ("colossalai_hybrid_tp2_async", 1)):
+        p = os.path.join(cd, d)
+        if os.path.isdir(p):
+            add("colossalai", f"{d}_{flags}", multi(flags, tree(p, skip=[r"lr_scheduler$"])))
+    fd = os.path.join(fx, "gen_fairscale")
+    for d, flags in (("metaseq_fsdp_ws2_fp16", 1), ("fairseq_fsdp_v037_ws2", 1)):
+        p = os.path.join(fd, d)
+        if os.path.isdir(p):
+            add("fairscale", f"{d}_{flags}", multi(flags, tree(p)))
     if a.torch2_fixtures:
         t2 = a.torch2_fixtures
         picks = [("gen_t2_torch", f"legacy_p{p}.pt") for p in range(6)] + [

@@ -25,12 +25,15 @@
 
 #include "../core/error.hpp"
 #include "../shard/checkpoint.hpp"
+#include "colossalai.hpp"
 #include "dcp.hpp"
 #include "deepspeed.hpp"
+#include "fairscale.hpp"
 #include "format.hpp"
 #include "fsdp.hpp"
 #include "hf.hpp"
 #include "objects.hpp"
+#include "olmo_safetensors.hpp"
 #include "safetensors.hpp"
 #include "sharded_tensor.hpp"
 #include "torch.hpp"
@@ -46,7 +49,10 @@ inline std::vector<std::shared_ptr<const Format>> builtin_formats() {
       std::make_shared<deepspeed::format>(),
       std::make_shared<fsdp::format>(),
       std::make_shared<sharded_tensor::format>(),
+      std::make_shared<colossalai::format>(),
+      std::make_shared<fairscale::format>(),
       std::make_shared<hf::format>(),
+      std::make_shared<olmo_safetensors::format>(),
       std::make_shared<safetensors::format>(),
       std::make_shared<torch::format>(),
   };
