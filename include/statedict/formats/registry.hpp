@@ -27,6 +27,7 @@
 #include "format.hpp"
 #include "fsdp.hpp"
 #include "hf.hpp"
+#include "megatron.hpp"
 #include "safetensors.hpp"
 #include "sharded_tensor.hpp"
 #include "torch.hpp"
@@ -38,6 +39,7 @@ namespace statedict::inline v0::formats {
 /// safetensors before torch.save).
 inline std::vector<std::shared_ptr<const Format>> builtin_formats() {
   return {
+      std::make_shared<megatron::format>(),
       std::make_shared<dcp::format>(),
       std::make_shared<deepspeed::format>(),
       std::make_shared<fsdp::format>(),
