@@ -36,18 +36,20 @@ constexpr const char* usage_text = R"(statedict: read, convert and verify ML che
 
 usage:
   statedict inspect PATH [--json] [--hash] [--with-optimizer] [--from FORMAT] [--io mmap|pread]
-  statedict convert IN OUT [--to safetensors|hf|torch|dcp] [--from FORMAT] [--dtype F32|BF16|F16]
+  statedict convert IN OUT [--to safetensors|hf|torch|dcp|megatron] [--from FORMAT] [--dtype F32|BF16|F16]
                     [--max-shard-size 5GB] [--world-size M] [--only NAME_PREFIX]...
                     [--with-optimizer] [--threads N] [--memory-budget 256MiB]
                     [--part k/K | --part index] [--check-replicas] [--io mmap|pread]
+                    [--tp N] [--pp M] [--vpp V]
   statedict verify A B [--rtol R] [--atol A] [--with-optimizer] [--from FORMAT] [--io mmap|pread]
   statedict --version
+Megatron-LM (all commands): [--megatron-rule PATTERN=KIND]... [--true-vocab-size N]
 
 PATH, IN, A, B: a .safetensors file, a torch.save file (.pt, .bin, any name), a Hugging Face
 sharded directory or index, a torch.distributed.checkpoint directory, a DeepSpeed ZeRO 1/2/3
-checkpoint, an OLMo/FSDP sharded checkpoint, or ShardedTensor rank files. The format is detected
-from the content. Exit codes: 0 success, 1 verify found a difference, 2 bad input or usage.
-See docs/cli.md.
+checkpoint, an OLMo/FSDP sharded checkpoint, ShardedTensor rank files, or a Megatron-LM
+checkpoint (legacy mp_rank_* files or torch_dist). The format is detected from the content.
+Exit codes: 0 success, 1 verify found a difference, 2 bad input or usage. See docs/cli.md.
 )";
 
 /// "256MiB", "1GB", "4096": binary (KiB, MiB, GiB, TiB) and decimal (KB, MB, GB, TB) units.
@@ -124,14 +126,48 @@ sd::exec_options exec_options_from(const cli::Args& a) {
   return e;
 }
 
-sd::formats::Opened open_input(const std::string& path, const cli::Args& a, std::optional<sd::dtype> dtype = std::nullopt) {
+/// The Megatron-LM options every command takes (docs/formats/megatron.md).
+const std::vector<cli::OptionSpec> megatron_options{{"--megatron-rule", true, true}, {"--true-vocab-size", true}};
+
+std::vector<sd::megatron::rule> megatron_rules(const cli::Args& a) {
+  std::vector<sd::megatron::rule> r;
+  for (const auto& v : a.values("--megatron-rule")) r.push_back(sd::megatron::parse_rule(v));
+  return r;
+}
+
+std::optional<std::uint64_t> true_vocab_size(const cli::Args& a) {
+  const auto v = a.value("--true-vocab-size");
+  return v ? std::optional<std::uint64_t>(parse_count(*v, "--true-vocab-size", 1, std::uint64_t{1} << 40)) : std::nullopt;
+}
+
+/// Opens an input. --megatron-rule applies to a Megatron-LM input, --true-vocab-size cuts its
+/// vocabulary; both are refused for any other input, unless the output is Megatron-LM
+/// (`megatron_output`: there --true-vocab-size re-pads the vocabulary instead).
+sd::formats::Opened open_input(const std::string& path, const cli::Args& a, std::optional<sd::dtype> dtype = std::nullopt,
+                               bool megatron_output = false) {
   sd::formats::open_options o;
   o.mode = parse_io(a);
   o.with_optimizer = a.flag("--with-optimizer");
   o.check_replicas = a.flag("--check-replicas");
   o.dtype = dtype;
   if (auto f = a.value("--from")) o.format = *f;
-  return sd::formats::open(path, o);
+  const bool megatron = a.flag("--megatron-rule") || (!megatron_output && a.flag("--true-vocab-size"));
+  if (megatron) {
+    auto& m = o.settings.set<sd::megatron::options>();
+    m.rules = megatron_rules(a);
+    if (!megatron_output) m.true_vocab_size = true_vocab_size(a);
+  }
+  auto opened = sd::formats::open(path, o);
+  if (megatron && !megatron_output && opened.format->name() != "megatron")
+    a.fail(cli::errors::bad_option, "--megatron-rule and --true-vocab-size apply to Megatron-LM checkpoints; " + sd::quote(path) + " is " +
+                                        std::string(opened.format->title()));
+  return opened;
+}
+
+/// Options for a Command's spec plus the Megatron-LM ones.
+std::vector<cli::OptionSpec> with_megatron(std::vector<cli::OptionSpec> spec) {
+  spec.insert(spec.end(), megatron_options.begin(), megatron_options.end());
+  return spec;
 }
 
 std::string shape_str(const sd::shape_t& s) { return sd::to_string(s); }
@@ -206,8 +242,8 @@ std::string json_string(const std::string& s) {
 
 int cmd_inspect(const std::vector<std::string>& argv) {
   cli::Args a(argv,
-              {{"--json", false}, {"--hash", false}, {"--with-optimizer", false}, {"--from", true}, {"--io", true},
-               {"--threads", true}, {"--memory-budget", true}},
+              with_megatron({{"--json", false}, {"--hash", false}, {"--with-optimizer", false}, {"--from", true}, {"--io", true},
+                             {"--threads", true}, {"--memory-budget", true}}),
               1, 1, "inspect");
   heap_for_many_small_objects();
   auto opened = open_input(a.positional()[0], a);
@@ -312,9 +348,9 @@ int cmd_inspect(const std::vector<std::string>& argv) {
 
 int cmd_convert(const std::vector<std::string>& argv) {
   cli::Args a(argv,
-              {{"--to", true}, {"--from", true}, {"--dtype", true}, {"--max-shard-size", true}, {"--world-size", true},
-               {"--only", true, true}, {"--with-optimizer", false}, {"--threads", true}, {"--memory-budget", true}, {"--part", true},
-               {"--check-replicas", false}, {"--io", true}},
+              with_megatron({{"--to", true}, {"--from", true}, {"--dtype", true}, {"--max-shard-size", true}, {"--world-size", true},
+                             {"--only", true, true}, {"--with-optimizer", false}, {"--threads", true}, {"--memory-budget", true},
+                             {"--part", true}, {"--check-replicas", false}, {"--io", true}, {"--tp", true}, {"--pp", true}, {"--vpp", true}}),
               2, 2, "convert");
   const std::string in = a.positional()[0], out = a.positional()[1];
   const auto dtype = parse_dtype(a);
@@ -329,11 +365,30 @@ int cmd_convert(const std::vector<std::string>& argv) {
     if (*p == "index") w.index_only = true;
     else w.part = sd::parse_part(*p);
   }
+  // Megatron-LM output: --tp / --pp / --vpp ask for it; --true-vocab-size then re-pads (not cuts).
+  const bool sizes = a.flag("--tp") || a.flag("--pp") || a.flag("--vpp");
+  if (sizes) {
+    auto& m = w.settings.set<sd::megatron::write_options>();
+    auto size = [&](const char* opt) -> std::optional<std::uint64_t> {
+      const auto v = a.value(opt);
+      return v ? std::optional<std::uint64_t>(parse_count(*v, opt, 1, 1U << 16)) : std::nullopt;
+    };
+    m.tp = size("--tp");
+    m.pp = size("--pp");
+    m.vpp = size("--vpp");
+  }
   // The output format and its options are checked before the input is read.
   const auto format = sd::formats::choose_output(out, w);
+  const bool to_megatron = format->name() == "megatron";
+  if (sizes && !to_megatron) a.fail(cli::errors::bad_option, "--tp, --pp and --vpp apply to Megatron-LM output (--to megatron)");
+  if (to_megatron) {
+    auto& m = w.settings.set<sd::megatron::write_options>();
+    m.rules = megatron_rules(a);
+    m.true_vocab_size = true_vocab_size(a);
+  }
 
   const auto t0 = std::chrono::steady_clock::now();
-  auto opened = open_input(in, a, dtype);
+  auto opened = open_input(in, a, dtype, to_megatron);
   const sd::ShardedCheckpoint ck = sd::formats::select(opened.checkpoint, a.values("--only"));
 
   std::uint64_t bytes = 0;
@@ -348,6 +403,11 @@ int cmd_convert(const std::vector<std::string>& argv) {
   std::string what = std::string(format->title()) + " checkpoint";
   if (w.index_only) what = "the index of a " + what;
   if (w.world_size) what += " for " + std::to_string(*w.world_size) + " rank" + (*w.world_size == 1 ? "" : "s");
+  if (to_megatron) {
+    const auto& m = w.settings.get<sd::megatron::write_options>();
+    what += " for TP " + std::to_string(m.tp.value_or(1)) + " x PP " + std::to_string(m.pp.value_or(1));
+    if (m.vpp) what += " x virtual PP " + std::to_string(*m.vpp);
+  }
   if (files.size() > 1) what += " (" + std::to_string(files.size()) + " files)";
   if (w.part) what += " (part " + std::to_string(w.part->index) + "/" + std::to_string(w.part->count) + ")";
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -358,8 +418,8 @@ int cmd_convert(const std::vector<std::string>& argv) {
 
 int cmd_verify(const std::vector<std::string>& argv) {
   cli::Args a(argv,
-              {{"--rtol", true}, {"--atol", true}, {"--with-optimizer", false}, {"--from", true}, {"--io", true},
-               {"--threads", true}, {"--memory-budget", true}},
+              with_megatron({{"--rtol", true}, {"--atol", true}, {"--with-optimizer", false}, {"--from", true}, {"--io", true},
+                             {"--threads", true}, {"--memory-budget", true}}),
               2, 2, "verify");
   sd::compare_options vo;
   auto num = [&](const char* opt) -> double {

@@ -256,7 +256,7 @@ inline ShardedCheckpoint describe_legacy(const detection& d, const options& opt)
   ck.metadata["megatron.tensor_model_parallel_size"] = std::to_string(f.tp);
   ck.metadata["megatron.pipeline_model_parallel_size"] = std::to_string(f.pp);
   if (f.virtual_pp) ck.metadata["megatron.virtual_pipeline_model_parallel_size"] = std::to_string(f.vpp);
-  ck.metadata["megatron.checkpoint_version"] = f.checkpoint_version == 0 ? "0" : std::to_string(f.checkpoint_version).substr(0, 3);
+  ck.metadata["megatron.checkpoint_version"] = version_text(f.checkpoint_version);
   if (f.padded_vocab_size) ck.metadata["megatron.padded_vocab_size"] = std::to_string(*f.padded_vocab_size);
   if (opt.true_vocab_size) ck.metadata["megatron.true_vocab_size"] = std::to_string(*opt.true_vocab_size);
   return ck;

@@ -217,7 +217,7 @@ inline double checkpoint_version(const rank_file& rf) {
     throw_error(errors::mg_bad_rank_file, rf.where, "checkpoint_version is " + po::kind_of(*v) + ", expected a float");
   const double d = v->as_number();
   if (d != 0 && d != 1.0 && d != 2.0 && d != 3.0)
-    throw_error(errors::mg_unsupported, rf.where, "checkpoint_version " + std::to_string(d) + " is not one of 0, 1.0, 2.0, 3.0");
+    throw_error(errors::mg_unsupported, rf.where, "checkpoint_version " + version_text(d) + " is not one of 0, 1.0, 2.0, 3.0");
   return d;
 }
 

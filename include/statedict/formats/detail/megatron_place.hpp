@@ -166,6 +166,12 @@ inline void qkv_pieces(const assembly& a, const TensorView& v, std::uint64_t r, 
                        std::vector<std::pair<Box, TensorView>>& out) {
   const std::uint64_t tp = f.tp, hn = f.kv_channels;
   const std::string who = "tensor " + quote(a.name);
+  const std::string version = f.checkpoint_version == 0 ? "0" : "1.0";
+  if (f.checkpoint_version < 2.0 && f.checkpoint_version != 0 && f.checkpoint_version != 1.0)
+    throw_error(errors::mg_qkv_order, who, "checkpoint_version " + version_text(f.checkpoint_version) + " has no known QKV row order");
+  if (f.checkpoint_version < 2.0 && f.groups != f.heads)
+    throw_error(errors::mg_qkv_order, who, "checkpoint_version " + version + " predates grouped-query attention, but args give " +
+                                                std::to_string(f.groups) + " query groups for " + std::to_string(f.heads) + " heads");
   if (f.heads % tp != 0 || f.groups % tp != 0)
     throw_error(errors::mg_shape, who, "TP " + std::to_string(tp) + " does not divide " + std::to_string(f.heads) + " heads in " +
                                             std::to_string(f.groups) + " query groups (each rank holds whole groups)");
@@ -180,12 +186,6 @@ inline void qkv_pieces(const assembly& a, const TensorView& v, std::uint64_t r, 
     out.emplace_back(box_at(v, 0, base), v);
     return;
   }
-  const std::string version = f.checkpoint_version == 0 ? "0" : "1.0";
-  if (f.checkpoint_version != 0 && f.checkpoint_version != 1.0)
-    throw_error(errors::mg_qkv_order, who, "checkpoint_version " + std::to_string(f.checkpoint_version) + " has no known QKV row order");
-  if (f.groups != f.heads)
-    throw_error(errors::mg_qkv_order, who, "checkpoint_version " + version + " predates grouped-query attention, but args give " +
-                                                std::to_string(f.groups) + " query groups for " + std::to_string(f.heads) + " heads");
   if (rows != 3 * np * hn)
     throw_error(errors::mg_shape, who, "a TP rank holds " + std::to_string(rows) + " QKV rows, args give 3 x " + std::to_string(np) + " x " +
                                             std::to_string(hn));

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdio>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -182,6 +183,13 @@ inline std::optional<split> rule_for(std::string_view name, const std::vector<ru
 }
 
 namespace detail {
+
+/// A checkpoint_version as Megatron writes it ("0", "1.0", "3.0"; others with up to 6 digits).
+inline std::string version_text(double v) {
+  char b[32];
+  std::snprintf(b, sizeof b, v == static_cast<double>(static_cast<std::int64_t>(v)) && v < 1e15 && v > -1e15 ? "%.1f" : "%.6g", v);
+  return v == 0 ? std::string("0") : std::string(b);
+}
 
 // =============================================================================================
 // Names

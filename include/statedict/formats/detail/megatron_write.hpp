@@ -92,7 +92,8 @@ inline write_input prepare(const ShardedCheckpoint& ck, const write_options& o, 
   const Value* cv = in.root.as_dict().find("checkpoint_version");
   in.f = read_facts(*args, cv && (cv->is_double() || cv->is_int()) ? cv->as_number() : 3.0, limits{}, "the checkpoint's args");
   if (in.f.num_layers % stages != 0)
-    throw_error(errors::mg_write_split, "args.num_layers " + std::to_string(in.f.num_layers), "is not a multiple of PP x virtual PP = " + std::to_string(stages));
+    throw_error(errors::mg_write_split, "the checkpoint's args", "num_layers " + std::to_string(in.f.num_layers) + " is not a multiple of PP x virtual PP = " +
+                                                                   std::to_string(stages));
   in.work.format = ck.format;
   in.work.sources = ck.sources;
   in.work.tensors = ck.tensors;
