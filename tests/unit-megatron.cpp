@@ -318,6 +318,9 @@ TEST_CASE("megatron: refusals name the file, the tensor and what was expected") 
     CHECK(error_of([&] { (void)mg::describe(root); }) == 951);
     write_text(root / "latest_checkpointed_iteration.txt", "8");
     CHECK(error_of([&] { (void)mg::describe(root); }) == 950);
+    fs::rename(root / "iter_0000007", root / "iter_0000008");  // the files say 7
+    CHECK(message_of([&] { (void)mg::describe(root); }).find("records iteration 7, latest_checkpointed_iteration.txt names 8") != std::string::npos);
+    fs::rename(root / "iter_0000008", root / "iter_0000007");
     write_text(root / "latest_checkpointed_iteration.txt", " 7\n");
     CHECK(error_of([&] { (void)mg::describe(root); }) == 0);
   }

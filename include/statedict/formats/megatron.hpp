@@ -68,6 +68,8 @@ struct detection {
   std::string rule;
   bool torch_dist = false;
   std::filesystem::path iteration_dir;
+  /// The iteration latest_checkpointed_iteration.txt names (none: `release`, or no tracker).
+  std::optional<std::uint64_t> iteration;
 };
 
 /// Looks at `dir`: a tracker file (latest_checkpointed_iteration.txt) naming an iteration folder,
@@ -94,17 +96,12 @@ inline detection detect(const std::filesystem::path& dir, const limits& lim = {}
     return d;
   }
   d.iteration_dir = it.dir;
-  try {
-    if (auto b = detail::sharded_backend(it.dir, lim)) {
-      d.found = *b == "torch_dist";
-      d.damaged = !d.found;
-      d.torch_dist = true;
-      d.rule = "megatron: metadata.json with sharded_backend " + quote(*b) + (d.found ? " (Megatron-core distributed checkpoint)" : "");
-      return d;
-    }
-  } catch (const error& e) {
-    d.damaged = true;
-    d.rule = e.detail();
+  d.iteration = it.iteration;
+  if (auto b = detail::sharded_backend(it.dir, lim)) {
+    d.found = *b == "torch_dist";
+    d.damaged = !d.found;
+    d.torch_dist = true;
+    d.rule = "megatron: metadata.json with sharded_backend " + quote(*b) + (d.found ? " (Megatron-core distributed checkpoint)" : "");
     return d;
   }
   std::size_t ranks = 0;
@@ -143,13 +140,17 @@ inline std::vector<rank_file> load_legacy(const detection& d, const options& opt
   files.reserve(dirs.size());
   for (const rank_dir& rd : dirs) {
     const auto p = rd.path / "model_optim_rng.pt";
-    files.push_back(rank_file{rd, formats::detail::load_rank_file(p, opt.mode, lim.torch, context), "file " + quote(p.string()), {}});
+    files.push_back(rank_file{rd, formats::detail::load_rank_file(p, opt.mode, lim.torch, context), "file " + quote(p.string()),
+                              static_cast<std::uint32_t>(files.size()), {}});
   }
   f = read_facts(args_of(files[0]), checkpoint_version(files[0]), lim, files[0].where);
   if (args_reader(args_of(files[0]), files[0].where).count("expert_model_parallel_size", lim.max_ranks, "max_ranks").value_or(1) > 1)
     throw_error(errors::mg_unsupported, files[0].where, "args.expert_model_parallel_size > 1: expert parallelism is not supported");
   check_rank_set(dirs, f, d.iteration_dir);
   const auto it0 = file_iteration(files[0]);
+  if (d.iteration && it0 && static_cast<std::uint64_t>(*it0) != *d.iteration)
+    throw_error(errors::mg_bad_tracker, files[0].where, "records iteration " + std::to_string(*it0) + ", latest_checkpointed_iteration.txt names " +
+                                                            std::to_string(*d.iteration));
   for (const rank_file& rf : files) {
     const facts g = read_facts(args_of(rf), checkpoint_version(rf), lim, rf.where);
     if (g.tp != f.tp || g.pp != f.pp || g.vpp != f.vpp || g.num_layers != f.num_layers || g.heads != f.heads || g.groups != f.groups ||
@@ -184,7 +185,7 @@ inline optim_read read_optimizers(const std::vector<rank_file>& files, const fac
     if (!std::filesystem::is_regular_file(p, ec))
       throw_error(errors::mg_distrib_optim, "directory " + quote(rf.dir.path.string()), "has no distrib_optim.pt (args.use_distributed_optimizer is set)");
     o.files.push_back(formats::detail::load_rank_file(p, opt.mode, opt.limits.torch, "Megatron checkpoint " + quote(rf.dir.path.string())));
-    read_distrib(o, rf, o.files.back(), f, m.tensors, f.tp);
+    read_distrib(o, rf, o.files.back(), static_cast<std::uint32_t>(files.size() + o.files.size() - 1), f, m.tensors, f.tp);
   }
   if (with != 0 && with != files.size())
     throw_error(errors::mg_optimizer, files[0].where, "only " + std::to_string(with) + " of " + std::to_string(files.size()) + " rank files hold optimizer state");
@@ -227,7 +228,11 @@ inline ShardedCheckpoint describe_legacy(const detection& d, const options& opt)
   optim_shard::SourceTable table;
   for (const rank_file& rf : files) table.add(rf.file.source, rf.file.base);
   for (const auto& df : o.files) table.add(df.source, df.base);
-  place_context c{&f, opt.true_vocab_size, opt.limits.max_chunks, 0, opt.limits.max_compare_bytes, &table};
+  place_context c{&f, opt.true_vocab_size, opt.limits.max_chunks, 0, opt.limits.max_compare_bytes, &table, {}};
+  for (const auto& s : table.sources()) c.bases.emplace_back(nullptr, s->size());
+  for (std::size_t i = 0; i < files.size(); ++i) c.bases[i].first = files[i].file.base ? files[i].file.base : files[i].file.source->data();
+  for (std::size_t i = 0; i < o.files.size(); ++i)
+    c.bases[files.size() + i].first = o.files[i].base ? o.files[i].base : o.files[i].source->data();
   ShardedCheckpoint ck;
   optim_shard::SkeletonBuilder skel;
   const std::vector<std::string> order = canonical_order(m);
@@ -310,6 +315,7 @@ inline ShardedCheckpoint describe_dist(const detection& d, const options& opt) {
   }
   dist_read r;
   std::map<std::string, std::vector<TensorInfo>> optim;  // state key -> per-layer tensors (model names)
+  std::uint64_t count = 0;                               // optimizer tensors read
   for (const dcp::Entry& e : md.entries) {
     if (!e.tensor) continue;
     if (e.fqn.rfind("optimizer.", 0) == 0) {
@@ -318,11 +324,15 @@ inline ShardedCheckpoint describe_dist(const detection& d, const options& opt) {
       if (!ok)
         throw_error(errors::mg_unsupported, "file " + quote(mdfile) + ": key " + quote(e.fqn),
                     "is distributed-optimizer state in a flattened or per-bucket form: not supported (only optimizer.state.<moment>.<model key>)");
-      for (TensorInfo& t : per_layer(dist_tensor(e, md, files, lim, mdfile), ok->first, r)) optim[ok->second].push_back(std::move(t));
-      continue;
+      for (TensorInfo& t : per_layer(dist_tensor(e, md, files, lim, mdfile), ok->first, r, lim)) {
+        optim[ok->second].push_back(std::move(t));
+        ++count;
+      }
+    } else {
+      for (TensorInfo& t : per_layer(dist_tensor(e, md, files, lim, mdfile), e.fqn, r, lim)) r.model.push_back(std::move(t));
     }
-    for (TensorInfo& t : per_layer(dist_tensor(e, md, files, lim, mdfile), e.fqn, r)) r.model.push_back(std::move(t));
-    if (r.model.size() > lim.max_tensors) throw_error(errors::mg_limit, "file " + quote(mdfile), "more tensors than limits::max_tensors");
+    if (r.model.size() + count > lim.max_tensors)
+      throw_error(errors::mg_limit, "file " + quote(mdfile), "more tensors than limits::max_tensors");
   }
   if (f && r.stacked && r.layers != f->num_layers)
     throw_error(errors::mg_torch_dist, "file " + quote(mdfile), "stacks " + std::to_string(r.layers) + " layers, args.num_layers is " + std::to_string(f->num_layers));

@@ -44,16 +44,14 @@ namespace statedict::inline v0::megatron::detail {
 
 inline constexpr std::string_view mcore_metadata_module = "megatron.core.dist_checkpointing.strategies.torch";
 
-/// metadata.json's sharded_backend, or nullopt when the folder has no readable metadata.json.
+/// metadata.json's sharded_backend (Megatron-core's checkpoint config), or nullopt when the folder
+/// has no metadata.json of that form (other tools write files of that name too).
 inline std::optional<std::string> sharded_backend(const std::filesystem::path& dir, const limits& lim) {
   bool big = false;
   const auto text = small_file(dir / "metadata.json", lim.max_small_file_bytes, big);
-  if (big) throw_error(errors::mg_limit, "file " + quote((dir / "metadata.json").string()), "larger than limits::max_small_file_bytes");
   if (!text) return std::nullopt;
   const nlohmann::json j = nlohmann::json::parse(*text, nullptr, false);
-  if (j.is_discarded() || !j.is_object() || !j.contains("sharded_backend") || !j["sharded_backend"].is_string())
-    throw_error(errors::mg_torch_dist, "file " + quote((dir / "metadata.json").string()),
-                "is not a JSON object with a string sharded_backend (Megatron-core's checkpoint config)");
+  if (j.is_discarded() || !j.is_object() || !j.contains("sharded_backend") || !j["sharded_backend"].is_string()) return std::nullopt;
   return j["sharded_backend"].get<std::string>();
 }
 
@@ -197,13 +195,15 @@ struct dist_read {
 };
 
 /// Per-layer tensors of one key: unstacked when stacked, as is otherwise.
-inline std::vector<TensorInfo> per_layer(TensorInfo t, const std::string& key, dist_read& r) {
+inline std::vector<TensorInfo> per_layer(TensorInfo t, const std::string& key, dist_read& r, const limits& lim) {
   if (!stacked_key(key)) {
     t.name = key;
     return {std::move(t)};
   }
   r.stacked = true;
   const auto layers = static_cast<std::uint64_t>(t.shape.empty() ? 0 : t.shape[0]);
+  if (layers > lim.max_layers)
+    throw_error(errors::mg_limit, "key " + quote(key), "stacks " + std::to_string(layers) + " layers, more than limits::max_layers");
   if (r.layers != 0 && layers != r.layers)
     throw_error(errors::mg_torch_dist, "key " + quote(key), "stacks " + std::to_string(layers) + " layers, another key " + std::to_string(r.layers));
   r.layers = layers;

@@ -200,6 +200,7 @@ struct rank_file {
   rank_dir dir;
   optim_shard::LoadedFile file;
   std::string where;                          ///< "file '<path>'"
+  std::uint32_t source = 0;                   ///< its index among the description's sources
   std::vector<std::vector<param_ref>> chunks;  ///< per model chunk (virtual PP), in file order
 };
 
@@ -313,12 +314,12 @@ inline void read_chunk(rank_file& rf, const Value& chunk, std::uint64_t v, const
       if (a.copies.empty()) a.copies.assign(1, std::vector<piece>(f.tp));
       if (a.copies[0][rf.dir.tp].view)
         throw_error(errors::mg_duplicate, "tensor " + quote(name), "two copies for the head on TP rank " + std::to_string(rf.dir.tp));
-      a.copies[0][rf.dir.tp] = piece{&leaf.as_tensor(), rf.where};
+      a.copies[0][rf.dir.tp] = piece{&leaf.as_tensor(), rf.where, rf.source};
     } else {
       if (a.ranks[rf.dir.tp].view)
         throw_error(errors::mg_duplicate, "tensor " + quote(name), "held twice by TP rank " + std::to_string(rf.dir.tp) + ": in " +
                                                                         a.ranks[rf.dir.tp].where + " and in " + cw + " (" + quote(key) + ")");
-      a.ranks[rf.dir.tp] = piece{&leaf.as_tensor(), cw};
+      a.ranks[rf.dir.tp] = piece{&leaf.as_tensor(), cw, rf.source};
     }
     params.push_back(param_ref{name, head, &leaf.as_tensor()});
   };

@@ -113,7 +113,7 @@ inline void merge_groups(optim_read& o, const List& saved, const std::vector<std
 /// Adds TP rank `tp`'s value of state `key` of parameter `p` (its rule: `how`). A tensor value
 /// must outlive the description (a view inside a loaded file, or in optim_read::views).
 inline void add_state(optim_read& o, const param_ref& p, const std::optional<split>& how, const std::string& key, const Value& v,
-                      std::uint64_t tp, std::uint64_t tps, const std::string& where) {
+                      std::uint64_t tp, std::uint64_t tps, const std::string& where, std::uint32_t source) {
   auto& keys = o.keys[p.name];
   if (std::find(keys.begin(), keys.end(), key) == keys.end()) keys.push_back(key);
   if (!v.is_tensor()) {
@@ -140,10 +140,10 @@ inline void add_state(optim_read& o, const param_ref& p, const std::optional<spl
   }
   if (p.head) {
     if (a.copies.empty()) a.copies.assign(1, std::vector<piece>(tps));
-    a.copies[0][tp] = piece{&t, where};
+    a.copies[0][tp] = piece{&t, where, source};
   } else {
     if (a.ranks[tp].view) throw_error(errors::mg_duplicate, "optimizer state " + quote(tn), "given twice for TP rank " + std::to_string(tp));
-    a.ranks[tp] = piece{&t, where};
+    a.ranks[tp] = piece{&t, where, source};
   }
 }
 
@@ -181,12 +181,13 @@ inline void read_plain(optim_read& o, const rank_file& rf, const Value& opt, con
       if (const Value* st = state.find(Key(id))) {
         const Dict& sd = a.dict(*st, "state[" + std::to_string(id) + "]");
         for (const char* k : {"exp_avg", "exp_avg_sq"})
-          if (const Value* v = sd.find(k)) add_state(o, p, how, k, *v, rf.dir.tp, tps, rf.where);
-        if (masters) add_state(o, p, how, "fp32_param", (*masters)[j], rf.dir.tp, tps, rf.where);
+          if (const Value* v = sd.find(k)) add_state(o, p, how, k, *v, rf.dir.tp, tps, rf.where, rf.source);
+        if (masters) add_state(o, p, how, "fp32_param", (*masters)[j], rf.dir.tp, tps, rf.where, rf.source);
         for (const auto& [k, v] : sd)
-          if (k.is_string() && k.as_string() != "exp_avg" && k.as_string() != "exp_avg_sq") add_state(o, p, how, k.as_string(), v, rf.dir.tp, tps, rf.where);
+          if (k.is_string() && k.as_string() != "exp_avg" && k.as_string() != "exp_avg_sq")
+            add_state(o, p, how, k.as_string(), v, rf.dir.tp, tps, rf.where, rf.source);
       } else if (masters) {
-        add_state(o, p, how, "fp32_param", (*masters)[j], rf.dir.tp, tps, rf.where);
+        add_state(o, p, how, "fp32_param", (*masters)[j], rf.dir.tp, tps, rf.where, rf.source);
       }
     }
   }
@@ -248,7 +249,7 @@ inline const Dict& buffer_entry(const Value& v, const std::string& where, std::u
 }
 
 /// The distributed optimizer's state of one rank file (its distrib_optim.pt).
-inline void read_distrib(optim_read& o, const rank_file& rf, const optim_shard::LoadedFile& dist, const facts& f,
+inline void read_distrib(optim_read& o, const rank_file& rf, const optim_shard::LoadedFile& dist, std::uint32_t source, const facts& f,
                          const std::map<std::string, assembly>& model, std::uint64_t tps) {
   using optim_shard::Access;
   const std::string where = "file " + quote(dist.name);
@@ -285,7 +286,7 @@ inline void read_distrib(optim_read& o, const rank_file& rf, const optim_shard::
       for (const buffer_slot& s : slots) {
         const param_ref& p = params[s.param];
         const Value& sl = o.views.emplace_back(flat.narrow(0, static_cast<dim_t>(s.offset), static_cast<dim_t>(p.view->numel())).reshape(p.view->shape()));
-        add_state(o, p, model.at(p.name).how, key, sl, rf.dir.tp, tps, where);
+        add_state(o, p, model.at(p.name).how, key, sl, rf.dir.tp, tps, where, source);
       }
     }
   }

@@ -32,6 +32,7 @@ namespace statedict::inline v0::megatron::detail {
 struct piece {
   const TensorView* view = nullptr;
   std::string where;
+  std::uint32_t source = 0;  ///< the description's source holding the view's bytes
 };
 
 /// A logical tensor being assembled: its pieces by TP rank, and extra full sets of pieces that must
@@ -53,7 +54,25 @@ struct place_context {
   std::uint64_t chunks = 0;         ///< chunks made so far
   std::uint64_t compare_budget = 0;  ///< bytes left for comparing tensors without a rule
   optim_shard::SourceTable* table = nullptr;
+  /// Per source: the address standing for its byte 0 in the views, and its size.
+  std::vector<std::pair<const std::byte*, std::uint64_t>> bases;
 };
+
+/// Where the elements of `v` (a view into source `source`) are stored.
+inline Placement locate(const TensorView& v, std::uint32_t source, const place_context& c, const std::string& name) {
+  Placement at;
+  at.source = source;
+  at.stored = v.dtype();
+  if (!v.is_contiguous()) at.strides = v.strides();
+  if (v.numel() == 0) return at;
+  if (source >= c.bases.size()) throw_error(errors::mg_bad_rank_file, "tensor " + quote(name), "refers to source " + std::to_string(source) + " of " + std::to_string(c.bases.size()));
+  const auto p = reinterpret_cast<std::uintptr_t>(v.data()), b = reinterpret_cast<std::uintptr_t>(c.bases[source].first);
+  const std::uint64_t size = c.bases[source].second;
+  if (p < b || p - b > size || v.extent_bytes() > size - (p - b))
+    throw_error(errors::mg_bad_rank_file, "tensor " + quote(name), "a piece's bytes lie outside the file that holds it");
+  at.byte_offset = p - b;
+  return at;
+}
 
 inline std::string ranks_text(const std::vector<std::size_t>& r) {
   std::string s;
@@ -251,7 +270,7 @@ inline void place_set(const assembly& a, split how, const std::vector<piece>& ra
       if (how == split::vocab && c.true_vocab_size && !clip_rows(p, *c.true_vocab_size)) continue;
       if (++c.chunks > c.max_chunks)
         throw_error(errors::mg_limit, "tensor " + quote(a.name), "more chunks than limits::max_chunks (" + std::to_string(c.max_chunks) + ")");
-      t.chunks.push_back(Chunk{std::move(p.first), c.table->locate(p.second, a.name)});
+      t.chunks.push_back(Chunk{std::move(p.first), locate(p.second, ranks[r].source, c, a.name)});
     }
   }
 }

@@ -117,7 +117,9 @@ inline std::uint64_t repad_rows(std::uint64_t rows, const write_options& o, std:
     throw_error(errors::mg_vocab, "tensor " + quote(name), "the true vocabulary size " + std::to_string(*o.true_vocab_size) + " exceeds its " +
                                                                std::to_string(rows) + " rows");
   std::uint64_t div = o.make_vocab_size_divisible_by.value_or(divisor && divisor->is_int() && divisor->as_int() > 0 ? static_cast<std::uint64_t>(divisor->as_int()) : 128);
-  div = checked_mul(div, tp, "vocabulary multiple");
+  if (div > (std::uint64_t{1} << 20))
+    throw_error(errors::mg_write_input, "make_vocab_size_divisible_by " + std::to_string(div), "is larger than 2^20: a re-padded vocabulary would be mostly padding");
+  div *= tp;
   return checked_mul((*o.true_vocab_size + div - 1) / div, div, "vocabulary rows");
 }
 
