@@ -22412,6 +22412,2541 @@ class format final : public formats::Format {
 
 }  // namespace hf
 }  // namespace statedict::inline v0
+// ---- statedict/formats/megatron.hpp ----
+// statedict: Megatron-LM checkpoints: the legacy per-rank layout (tensor- and pipeline-parallel
+// rank files) and Megatron-core's torch_dist, read as one merged model; the legacy layout written
+// for any TP / PP size.
+// SPDX-License-Identifier: MIT
+//
+//   megatron::detect(dir)            -> detection (legacy or torch_dist, the rule that matched)
+//   megatron::describe(dir, options) -> ShardedCheckpoint: the full model, each tensor's chunks
+//                                       pointing into the rank files (placements encode the TP
+//                                       split; PP stages renumbered to global layers); with
+//                                       `with_optimizer` the optimizer state keyed by name
+//   megatron::write(ck, dir, write_options{tp, pp})
+//                                    -> the legacy layout for that TP / PP, through the planner
+//
+// The TP split of each tensor comes from a rule table of name patterns (megatron::default_rules(),
+// overridable: options::rules); a tensor no rule names must be equal on every TP rank (compared),
+// otherwise describe() fails naming it. Facts and sources: tests/python/layouts/megatron.md;
+// the user page: docs/formats/megatron.md.
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+// ---- statedict/formats/detail/megatron_dist.hpp ----
+// statedict: Megatron-core `torch_dist` checkpoints (formats/megatron.hpp is the public header): a
+// torch.distributed.checkpoint directory of global tensors, read with the DCP reader's parser
+// (its `.metadata` may pickle Megatron's MCoreMetadata subclass, read as data), stacked layers
+// unstacked into per-layer tensors by placements, SwiGLU's per-layer `_w` / `_v` keys joined.
+// SPDX-License-Identifier: MIT
+//
+//   iter_XXXXXXX/metadata.json   {"sharded_backend": "torch_dist", ...}
+//               /.metadata       DCP Metadata (core_v0.15.0: megatron...strategies.torch.MCoreMetadata)
+//               /__<rank>_<i>.distcp
+//               /common.pt       the non-sharded state (up to core_v0.18; core_v0.19: the DCP
+//                                byte item common_state/shard_0_1 holding [that dict])
+//
+// Keys: `decoder.layers.<name>` with a leading layer axis (the default), or
+// `decoder.layers.<i>.<name>` (singleton_local_shards); optimizer moments
+// `optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.<model key>` sharded like the model key.
+// Sources: dist_checkpointing/serialization.py, strategies/torch.py (MCoreMetadata, ShardedObject
+// keys), transformer/transformer_block.py (sharded_pp_offset), transformer/mlp.py
+// (apply_swiglu_sharded_factory); tests/python/layouts/megatron.md section 3.
+
+#include <algorithm>
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+// ---- statedict/formats/detail/megatron_legacy.hpp ----
+// statedict: Megatron-LM's legacy per-rank layout (`--ckpt-format torch`), discovered and read
+// into per-tensor assemblies of TP pieces (formats/megatron.hpp is the public header).
+// SPDX-License-Identifier: MIT
+//
+//   latest_checkpointed_iteration.txt   "<iteration>" or "release"
+//   iter_<iteration:07d>/ or release/
+//     mp_rank_<tp:02d>[_<pp:03d>]/model_optim_rng.pt   (+ distrib_optim.pt with the distributed optimizer)
+//
+// Sources: checkpointing.py get_checkpoint_name, read_metadata, find_checkpoint_rank_0,
+// generate_state_dict; legacy/model/gpt_model.py and language_model.py state_dict_for_save_checkpoint;
+// transformer.py ParallelTransformer (layer offsets per pipeline stage and virtual chunk);
+// tests/python/layouts/megatron.md sections 1, 2, 2.1, 2.2.
+
+#include <algorithm>
+#include <cstdint>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+// ---- statedict/formats/detail/megatron_place.hpp ----
+// statedict: Megatron-LM tensor parallelism as placements (formats/megatron.hpp is the public
+// header): one logical tensor from the pieces its TP ranks hold, each piece a view into its rank
+// file, turned into chunks (a box of the full tensor and where its elements are stored) by the
+// tensor's split rule. No element is copied: the QKV row orders of checkpoint_version 0 and 1.0
+// become one chunk per head and Q/K/V block (1.0's with a row stride of 3), a SwiGLU rank's
+// [W_r; V_r] two chunks, the vocabulary cut by clipping boxes.
+// SPDX-License-Identifier: MIT
+//
+// Sources: tools/checkpoint/loader_megatron.py (concatenation per rule), checkpointing.py
+// fix_query_key_value_ordering / _transpose_first_dim (QKV orders), transformer.py
+// ParallelAttention (groups per rank); tests/python/layouts/megatron.md sections 2.3 - 2.5.
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+// ---- statedict/formats/detail/megatron_rules.hpp ----
+// statedict: Megatron-LM checkpoints, the shared pieces (formats/megatron.hpp is the public header):
+// error ids, caps, the tensor-parallel partition rules as data (name pattern -> split), the legacy
+// key spellings normalised to today's, and the model facts read from the pickled `args`.
+// SPDX-License-Identifier: MIT
+//
+// Sources (tests/python/layouts/megatron.md has each fact with its place in Megatron-LM):
+//   partition rules   tools/checkpoint/loader_megatron.py and saver_megatron.py (core_v0.8.0)
+//   old spellings     megatron/legacy/model/language_model.py load_state_dict (transformer ->
+//                     encoder, .attention. -> .self_attention.), transformer.py
+//                     ParallelTransformer.load_state_dict (layernorm -> norm)
+//   args              megatron/training/checkpointing.py load_args_from_checkpoint,
+//                     check_checkpoint_args (model_parallel_size before checkpoint_version 3.0)
+
+#include <cstdint>
+#include <cstdio>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+
+namespace statedict::inline v0 {
+
+namespace errors {
+// clang-format off
+inline constexpr error_id mg_not_found        {950, error_kind::format,      "megatron.not_found"};
+inline constexpr error_id mg_bad_tracker      {951, error_kind::format,      "megatron.bad_tracker"};
+inline constexpr error_id mg_rank_dirs        {952, error_kind::format,      "megatron.rank_dirs"};
+inline constexpr error_id mg_bad_args         {953, error_kind::format,      "megatron.bad_args"};
+inline constexpr error_id mg_bad_rank_file    {954, error_kind::format,      "megatron.bad_rank_file"};
+inline constexpr error_id mg_unsupported      {955, error_kind::unsupported, "megatron.unsupported"};
+inline constexpr error_id mg_shape            {956, error_kind::shape,       "megatron.shape"};
+inline constexpr error_id mg_unknown_differs  {957, error_kind::format,      "megatron.unknown_param_differs"};
+inline constexpr error_id mg_duplicate        {958, error_kind::key,         "megatron.duplicate"};
+inline constexpr error_id mg_missing          {959, error_kind::key,         "megatron.missing"};
+inline constexpr error_id mg_qkv_order        {960, error_kind::unsupported, "megatron.qkv_order"};
+inline constexpr error_id mg_vocab            {961, error_kind::usage,       "megatron.vocab_size"};
+inline constexpr error_id mg_limit            {962, error_kind::limit,       "megatron.limit"};
+inline constexpr error_id mg_bad_rule         {963, error_kind::usage,       "megatron.bad_rule"};
+inline constexpr error_id mg_optimizer        {964, error_kind::format,      "megatron.optimizer"};
+inline constexpr error_id mg_distrib_optim    {965, error_kind::format,      "megatron.distrib_optim"};
+inline constexpr error_id mg_groups_differ    {966, error_kind::format,      "megatron.param_groups_differ"};
+inline constexpr error_id mg_state_differs    {967, error_kind::format,      "megatron.state_differs"};
+inline constexpr error_id mg_torch_dist       {968, error_kind::format,      "megatron.torch_dist"};
+inline constexpr error_id mg_write_option     {970, error_kind::usage,       "megatron.write_option"};
+inline constexpr error_id mg_write_input      {971, error_kind::usage,       "megatron.write_input"};
+inline constexpr error_id mg_write_split      {972, error_kind::usage,       "megatron.write_split"};
+// clang-format on
+}  // namespace errors
+
+namespace megatron {
+
+/// Caps on hostile input; each error names the field to raise.
+struct limits {
+  /// Model-parallel rank folders (TP x PP) and the TP, PP and virtual-PP sizes args may claim.
+  std::uint64_t max_ranks = std::uint64_t{1} << 16;
+  /// Layers args may claim (num_layers), and model chunks of one rank file.
+  std::uint64_t max_layers = std::uint64_t{1} << 20;
+  /// Attention heads and query groups args may claim.
+  std::uint64_t max_heads = std::uint64_t{1} << 20;
+  /// Tensors over all rank files (parameters and optimizer state).
+  std::uint64_t max_tensors = std::uint64_t{1} << 24;
+  /// Chunks of the description (QKV rows converted from checkpoint_version 0 / 1.0 take one chunk
+  /// per head and per Q/K/V row block on each rank).
+  std::uint64_t max_chunks = std::uint64_t{1} << 26;
+  /// Bytes of latest_checkpointed_iteration.txt and of metadata.json.
+  std::uint64_t max_small_file_bytes = std::uint64_t{1} << 20;
+  /// Bytes of a parameter whose TP rule is unknown compared across TP ranks while describing.
+  std::uint64_t max_compare_bytes = std::uint64_t{1} << 34;
+  /// The torch.save reader (rank files, distrib_optim.pt, common.pt).
+  torch::limits torch{};
+  /// The DCP reader (torch_dist).
+  dcp::limits dcp{};
+};
+
+// =============================================================================================
+// Partition rules as data
+
+/// How a parameter is split over the tensor-parallel ranks (TP rank r of tp).
+enum class split : std::uint8_t {
+  replicated,  ///< every rank holds all of it: TP rank 0's is read, the others are replicas
+  column,      ///< rank r holds rows [r*n, (r+1)*n) (dim 0): column-parallel weights, their biases
+  row,         ///< rank r holds columns [r*n, (r+1)*n) (dim 1): row-parallel weights
+  vocab,       ///< like column, over the padded vocabulary (embeddings, output layer)
+  qkv,         ///< like column, whole query groups per rank; checkpoint_version 0 / 1.0 row orders converted
+  fc1,         ///< glu when args.swiglu, else column (dense_h_to_4h / linear_fc1)
+  glu,         ///< rank r holds [W_r; V_r]: the full tensor is [W_0..W_{tp-1}; V_0..V_{tp-1}]
+};
+
+inline constexpr std::string_view split_names[] = {"replicated", "column", "row", "vocab", "qkv", "fc1", "glu"};
+
+constexpr std::string_view to_string(split s) noexcept { return split_names[static_cast<std::size_t>(s)]; }
+
+inline std::optional<split> parse_split(std::string_view s) {
+  for (std::size_t i = 0; i < std::size(split_names); ++i)
+    if (split_names[i] == s) return static_cast<split>(i);
+  return std::nullopt;
+}
+
+/// A rule: parameters whose canonical name matches `pattern` (`*` matches any run of characters,
+/// dots included; everything else matches itself) are split by `how`.
+struct rule {
+  std::string pattern;
+  split how = split::replicated;
+  friend bool operator==(const rule&, const rule&) = default;
+};
+
+/// The rules of Megatron's tools/checkpoint loader and saver for the legacy GPT model, over the
+/// canonical names (today's spelling, global layer numbers). The first matching rule wins.
+inline std::vector<rule> default_rules() {
+  return {
+      {"*word_embeddings.weight", split::vocab},
+      {"*output_layer.weight", split::vocab},
+      {"*position_embeddings.weight", split::replicated},
+      {"*.query_key_value.weight", split::qkv},
+      {"*.query_key_value.bias", split::qkv},
+      {"*.self_attention.dense.weight", split::row},
+      {"*.self_attention.dense.bias", split::replicated},
+      {"*.mlp.dense_h_to_4h.weight", split::fc1},
+      {"*.mlp.dense_h_to_4h.bias", split::fc1},
+      {"*.mlp.dense_4h_to_h.weight", split::row},
+      {"*.mlp.dense_4h_to_h.bias", split::replicated},
+      {"*norm.weight", split::replicated},
+      {"*norm.bias", split::replicated},
+  };
+}
+
+/// Glob match: `*` is any run of characters (dots included). Linear in name length per star
+/// (the classic greedy matcher with one backtrack point), so hostile names cost nothing.
+inline bool matches(std::string_view pattern, std::string_view name) {
+  std::size_t p = 0, n = 0, star = std::string_view::npos, mark = 0;
+  while (n < name.size()) {
+    if (p < pattern.size() && pattern[p] == '*') {
+      star = p++;
+      mark = n;
+    } else if (p < pattern.size() && pattern[p] == name[n]) {
+      ++p;
+      ++n;
+    } else if (star != std::string_view::npos) {
+      p = star + 1;
+      n = ++mark;
+    } else {
+      return false;
+    }
+  }
+  while (p < pattern.size() && pattern[p] == '*') ++p;
+  return p == pattern.size();
+}
+
+/// "PATTERN=KIND" (the CLI's --megatron-rule) as a rule; throws errors::mg_bad_rule.
+inline rule parse_rule(std::string_view text) {
+  const auto eq = text.rfind('=');
+  if (eq == std::string_view::npos || eq == 0)
+    throw_error(errors::mg_bad_rule, "rule " + quote(text), "expected PATTERN=KIND, e.g. '*.my_proj.weight=row'");
+  const auto how = parse_split(text.substr(eq + 1));
+  if (!how) {
+    std::string kinds;
+    for (auto k : split_names) kinds += (kinds.empty() ? "" : ", ") + std::string(k);
+    throw_error(errors::mg_bad_rule, "rule " + quote(text), "unknown kind " + quote(text.substr(eq + 1)) + " (one of: " + kinds + ")");
+  }
+  return rule{std::string(text.substr(0, eq)), *how};
+}
+
+/// The rule for `name`: the first of `first` that matches, then the first default rule (unless
+/// `defaults` is false); nullopt when none does.
+inline std::optional<split> rule_for(std::string_view name, const std::vector<rule>& first, bool defaults) {
+  for (const rule& r : first)
+    if (matches(r.pattern, name)) return r.how;
+  if (defaults) {
+    static const std::vector<rule> builtin = default_rules();
+    for (const rule& r : builtin)
+      if (matches(r.pattern, name)) return r.how;
+  }
+  return std::nullopt;
+}
+
+namespace detail {
+
+/// A checkpoint_version as Megatron writes it ("0", "1.0", "3.0"; others with up to 6 digits).
+inline std::string version_text(double v) {
+  char b[32];
+  std::snprintf(b, sizeof b, v == static_cast<double>(static_cast<std::int64_t>(v)) && v < 1e15 && v > -1e15 ? "%.1f" : "%.6g", v);
+  return v == 0 ? std::string("0") : std::string(b);
+}
+
+// =============================================================================================
+// Names
+
+inline void replace_all(std::string& s, std::string_view from, std::string_view to) {
+  for (std::size_t at = s.find(from); at != std::string::npos; at = s.find(from, at + to.size())) s.replace(at, from.size(), to);
+}
+
+/// A key below `language_model` (dotted through nested dicts) in today's spelling, or nullopt for
+/// a key the GPT model does not have. `transformer` is the encoder's old name; embedding keys once
+/// sat without the `embedding` level; encoder keys once said `.attention.` and `layernorm`
+/// (TE's fused `layernorm_qkv` / `layernorm_mlp` keep it).
+inline std::string normalise_lm_key(std::string key) {
+  if (key.rfind("transformer.", 0) == 0) key = "encoder." + key.substr(12);
+  const std::string first = key.substr(0, key.find('.'));
+  if (first != "embedding" && first.find("_embeddings") != std::string::npos) key = "embedding." + key;
+  if (key.rfind("encoder.", 0) == 0) {
+    std::string rest = "." + key.substr(8);
+    replace_all(rest, ".attention.", ".self_attention.");
+    if (rest.find("layernorm_qkv") == std::string::npos && rest.find("layernorm_mlp") == std::string::npos)
+      replace_all(rest, "layernorm", "norm");
+    key = "encoder" + rest;
+  }
+  return key;
+}
+
+/// `layers.<N>.<rest>` -> (N, rest); nullopt when the key is not a layer key.
+inline std::optional<std::pair<std::uint64_t, std::string>> layer_of(std::string_view key, std::string_view prefix) {
+  if (key.substr(0, prefix.size()) != prefix) return std::nullopt;
+  const std::string_view tail = key.substr(prefix.size());
+  const auto dot = tail.find('.');
+  if (dot == std::string_view::npos || dot == 0 || dot > 9) return std::nullopt;
+  std::uint64_t n = 0;
+  for (std::size_t i = 0; i < dot; ++i) {
+    if (tail[i] < '0' || tail[i] > '9') return std::nullopt;
+    n = n * 10 + static_cast<std::uint64_t>(tail[i] - '0');
+  }
+  if (dot > 1 && tail[0] == '0') return std::nullopt;
+  return std::make_pair(n, std::string(tail.substr(dot + 1)));
+}
+
+// =============================================================================================
+// Facts from args
+
+/// The model and parallel sizes a checkpoint's `args` (argparse.Namespace) records.
+struct facts {
+  std::uint64_t tp = 1, pp = 1, vpp = 1;
+  bool virtual_pp = false;  ///< args.virtual_pipeline_model_parallel_size is set
+  std::uint64_t num_layers = 0, hidden = 0, heads = 0, groups = 0, kv_channels = 0;
+  bool swiglu = false, untied = false;
+  double checkpoint_version = 0;
+  std::optional<std::uint64_t> padded_vocab_size;
+  std::optional<statedict::dtype> params_dtype;
+  bool distributed_optimizer = false;
+  std::uint64_t dp = 1;
+  std::optional<std::uint64_t> bucket_size;  ///< the DDP bucket size of distrib_optim.pt's buffers
+};
+
+namespace po = statedict::detail::pyobj;
+
+/// Reads `args`: an argparse.Namespace (NEWOBJ + BUILD of its __dict__). `where` names the file.
+class args_reader {
+ public:
+  args_reader(const Value& args, std::string where) : where_(std::move(where)) {
+    if (!po::is_class(args, {"argparse.Namespace"}))
+      throw_error(errors::mg_bad_args, where_, "'args' is " + po::kind_of(args) + ", expected an argparse.Namespace");
+    auto a = po::attributes(args.as_object());
+    if (!a) throw_error(errors::mg_bad_args, where_, "'args' has no attribute dict (BUILD state)");
+    attrs_ = std::move(*a);
+  }
+  [[nodiscard]] const Value* get(std::string_view k) const {
+    const Value* v = attrs_.find(Key(std::string(k)));
+    return v && !v->is_none() ? v : nullptr;
+  }
+  /// A positive int at most `max`; nullopt when absent or None.
+  [[nodiscard]] std::optional<std::uint64_t> count(std::string_view k, std::uint64_t max, std::string_view cap) const {
+    const Value* v = get(k);
+    if (!v) return std::nullopt;
+    if (!v->is_int() || v->as_int() <= 0)
+      throw_error(errors::mg_bad_args, where_, "args." + std::string(k) + " is " + po::kind_of(*v) +
+                                                   (v->is_int() ? " " + std::to_string(v->as_int()) : "") + ", expected a positive int");
+    if (static_cast<std::uint64_t>(v->as_int()) > max)
+      throw_error(errors::mg_limit, where_, "args." + std::string(k) + " = " + std::to_string(v->as_int()) + " exceeds limits::" + std::string(cap));
+    return static_cast<std::uint64_t>(v->as_int());
+  }
+  [[nodiscard]] std::uint64_t required(std::string_view k, std::uint64_t max, std::string_view cap) const {
+    auto c = count(k, max, cap);
+    if (!c) throw_error(errors::mg_bad_args, where_, "args has no " + std::string(k));
+    return *c;
+  }
+  [[nodiscard]] bool flag(std::string_view k) const {
+    const Value* v = get(k);
+    if (!v) return false;
+    if (!v->is_bool()) throw_error(errors::mg_bad_args, where_, "args." + std::string(k) + " is " + po::kind_of(*v) + ", expected a bool");
+    return v->as_bool();
+  }
+  [[nodiscard]] const std::string& where() const noexcept { return where_; }
+
+ private:
+  std::string where_;
+  Dict attrs_;
+};
+
+/// The facts of `args` for a file of `checkpoint_version`, checked against `lim`.
+inline facts read_facts(const Value& args, double checkpoint_version, const limits& lim, const std::string& where) {
+  const args_reader a(args, where);
+  facts f;
+  f.checkpoint_version = checkpoint_version;
+  // Before checkpoint_version 3.0 the TP size was args.model_parallel_size.
+  std::optional<std::uint64_t> tp = checkpoint_version >= 3.0 ? a.count("tensor_model_parallel_size", lim.max_ranks, "max_ranks")
+                                                               : a.count("model_parallel_size", lim.max_ranks, "max_ranks");
+  if (!tp && checkpoint_version < 3.0) tp = a.count("tensor_model_parallel_size", lim.max_ranks, "max_ranks");
+  f.tp = tp.value_or(1);
+  f.pp = a.count("pipeline_model_parallel_size", lim.max_ranks, "max_ranks").value_or(1);
+  if (auto v = a.count("virtual_pipeline_model_parallel_size", lim.max_layers, "max_layers")) {
+    f.vpp = *v;
+    f.virtual_pp = true;
+  }
+  if (checked_mul(f.tp, f.pp, "TP x PP") > lim.max_ranks)
+    throw_error(errors::mg_limit, where, "TP " + std::to_string(f.tp) + " x PP " + std::to_string(f.pp) + " ranks exceed limits::max_ranks");
+  f.num_layers = a.required("num_layers", lim.max_layers, "max_layers");
+  f.heads = a.required("num_attention_heads", lim.max_heads, "max_heads");
+  f.hidden = a.count("hidden_size", std::uint64_t{1} << 40, "max_layers").value_or(0);
+  f.groups = a.flag("group_query_attention") ? a.required("num_query_groups", lim.max_heads, "max_heads") : f.heads;
+  if (auto kv = a.count("kv_channels", std::uint64_t{1} << 32, "max_heads")) {
+    f.kv_channels = *kv;
+  } else {
+    if (f.hidden == 0 || f.hidden % f.heads != 0)
+      throw_error(errors::mg_bad_args, where, "args.kv_channels is None and hidden_size " + std::to_string(f.hidden) +
+                                                  " is not a multiple of num_attention_heads " + std::to_string(f.heads));
+    f.kv_channels = f.hidden / f.heads;
+  }
+  if (f.heads % f.groups != 0)
+    throw_error(errors::mg_bad_args, where, "num_attention_heads " + std::to_string(f.heads) + " is not a multiple of num_query_groups " +
+                                                std::to_string(f.groups));
+  f.swiglu = a.flag("swiglu");
+  f.untied = a.flag("untie_embeddings_and_output_weights");
+  f.padded_vocab_size = a.count("padded_vocab_size", max_size, "max_tensors");
+  if (const Value* d = a.get("params_dtype")) {
+    if (!d->is_object() || d->as_object().how != object_build::global || d->as_object().module != "torch")
+      throw_error(errors::mg_bad_args, where, "args.params_dtype is " + po::kind_of(*d) + ", expected a torch dtype");
+    f.params_dtype = dtype_from_torch_name(d->as_object().name);
+  }
+  f.distributed_optimizer = a.flag("use_distributed_optimizer");
+  if (auto dp = a.count("data_parallel_size", lim.max_ranks << 16, "max_ranks")) {
+    f.dp = *dp;
+  } else if (auto ws = a.count("world_size", lim.max_ranks << 16, "max_ranks")) {
+    f.dp = std::max<std::uint64_t>(1, *ws / (f.tp * f.pp));
+  }
+  if (a.flag("overlap_grad_reduce"))
+    f.bucket_size = a.count("ddp_bucket_size", max_size, "max_tensors").value_or(std::max<std::uint64_t>(40000000, 1000000 * f.dp));
+  return f;
+}
+
+}  // namespace detail
+}  // namespace megatron
+}  // namespace statedict::inline v0
+
+namespace statedict::inline v0::megatron::detail {
+
+/// One TP rank's copy of a tensor: a view into its file, and the file (for messages).
+struct piece {
+  const TensorView* view = nullptr;
+  std::string where;
+  std::uint32_t source = 0;  ///< the description's source holding the view's bytes
+};
+
+/// A logical tensor being assembled: its pieces by TP rank, and extra full sets of pieces that must
+/// hold the same values (the last stage's copy of tied word embeddings).
+struct assembly {
+  std::string name;
+  std::optional<split> how;  ///< nullopt: no rule matched
+  std::vector<piece> ranks;  ///< index: TP rank
+  std::vector<std::vector<piece>> copies;
+  /// Compare the TP pieces while describing (constant optimizer state such as `step`).
+  bool compare = false;
+};
+
+/// What placing needs besides the pieces.
+struct place_context {
+  const facts* f = nullptr;
+  std::optional<std::uint64_t> true_vocab_size;  ///< cut vocab-split tensors to this many rows
+  std::uint64_t max_chunks = 0;
+  std::uint64_t chunks = 0;         ///< chunks made so far
+  std::uint64_t compare_budget = 0;  ///< bytes left for comparing tensors without a rule
+  optim_shard::SourceTable* table = nullptr;
+  /// Per source: the address standing for its byte 0 in the views, and its size.
+  std::vector<std::pair<const std::byte*, std::uint64_t>> bases;
+};
+
+/// Where the elements of `v` (a view into source `source`) are stored.
+inline Placement locate(const TensorView& v, std::uint32_t source, const place_context& c, const std::string& name) {
+  Placement at;
+  at.source = source;
+  at.stored = v.dtype();
+  if (!v.is_contiguous()) at.strides = v.strides();
+  if (v.numel() == 0) return at;
+  if (source >= c.bases.size()) throw_error(errors::mg_bad_rank_file, "tensor " + quote(name), "refers to source " + std::to_string(source) + " of " + std::to_string(c.bases.size()));
+  const auto p = reinterpret_cast<std::uintptr_t>(v.data()), b = reinterpret_cast<std::uintptr_t>(c.bases[source].first);
+  const std::uint64_t size = c.bases[source].second;
+  if (p < b || p - b > size || v.extent_bytes() > size - (p - b))
+    throw_error(errors::mg_bad_rank_file, "tensor " + quote(name), "a piece's bytes lie outside the file that holds it");
+  at.byte_offset = p - b;
+  return at;
+}
+
+inline std::string ranks_text(const std::vector<std::size_t>& r) {
+  std::string s;
+  for (std::size_t i : r) s += (s.empty() ? "" : ", ") + std::to_string(i);
+  return s;
+}
+
+/// The checks every rule shares: a piece from every TP rank, one dtype and one shape.
+inline void check_pieces(const assembly& a, const std::vector<piece>& ranks, std::string_view what) {
+  std::vector<std::size_t> missing;
+  for (std::size_t r = 0; r < ranks.size(); ++r)
+    if (!ranks[r].view) missing.push_back(r);
+  if (!missing.empty())
+    throw_error(errors::mg_missing, "tensor " + quote(a.name),
+                std::string(what) + " missing on TP rank(s) " + ranks_text(missing) + " of " + std::to_string(ranks.size()));
+  const TensorView& v0 = *ranks[0].view;
+  for (std::size_t r = 1; r < ranks.size(); ++r) {
+    const TensorView& v = *ranks[r].view;
+    if (v.dtype() != v0.dtype() || v.shape() != v0.shape()) {
+      const std::string detail = std::string(what) + " is " + std::string(name(v0.dtype())) + " " + to_string(v0.shape()) + " on TP rank 0 (" +
+                                 ranks[0].where + ") but " + std::string(name(v.dtype())) + " " + to_string(v.shape()) + " on TP rank " +
+                                 std::to_string(r) + " (" + ranks[r].where + ")";
+      if (!a.how)
+        throw_error(errors::mg_unknown_differs, "tensor " + quote(a.name),
+                    detail + ", and no partition rule names it: add one (megatron::options::rules, --megatron-rule PATTERN=KIND)");
+      throw_error(errors::mg_shape, "tensor " + quote(a.name), detail + "; every TP rank of a " + std::string(to_string(*a.how)) +
+                                                                     " tensor holds a piece of the same shape");
+    }
+  }
+}
+
+/// True when two views hold the same elements, read through their sources in blocks.
+inline bool same_elements(const TensorView& a, const TensorView& b, place_context& c, const std::string& what) {
+  const std::uint64_t n = a.nbytes();
+  if (n > c.compare_budget)
+    throw_error(errors::mg_limit, "tensor " + quote(what),
+                "comparing its TP copies needs " + std::to_string(n) + " more bytes than limits::max_compare_bytes allows");
+  c.compare_budget -= n;
+  if (!a.is_contiguous() || !b.is_contiguous()) {
+    const Tensor x = c.table->materialize(a, what), y = c.table->materialize(b, what);
+    return equal_bytes(x.view(), y.view());
+  }
+  constexpr std::uint64_t block = std::uint64_t{4} << 20;
+  for (std::uint64_t at = 0; at < n; at += block) {
+    const std::uint64_t k = std::min(block, n - at);
+    if (c.table->read_bytes(a, at, k, what) != c.table->read_bytes(b, at, k, what)) return false;
+  }
+  return true;
+}
+
+/// A tensor no rule names (then replicated) or constant state: the same on every TP rank,
+/// compared now.
+inline void check_same(const assembly& a, place_context& c) {
+  for (std::size_t r = 1; r < a.ranks.size(); ++r) {
+    if (same_elements(*a.ranks[0].view, *a.ranks[r].view, c, a.name)) continue;
+    const std::string both = "differs between TP rank 0 (" + a.ranks[0].where + ") and TP rank " + std::to_string(r) + " (" + a.ranks[r].where + ")";
+    if (a.how)
+      throw_error(errors::mg_state_differs, "tensor " + quote(a.name), both + "; constant state is the same on every rank");
+    throw_error(errors::mg_unknown_differs, "tensor " + quote(a.name),
+                both + ", and no partition rule names it, so it cannot be merged: add a rule (megatron::options::rules, "
+                       "--megatron-rule PATTERN=KIND)");
+  }
+}
+
+/// The rule actually applied (fc1 resolved by args.swiglu; no rule: replicated once checked).
+inline split effective(const assembly& a, const facts& f) {
+  if (!a.how) return split::replicated;
+  if (*a.how == split::fc1) return f.swiglu ? split::glu : split::column;
+  return *a.how;
+}
+
+/// The full tensor's shape from one piece's.
+inline shape_t full_shape(const assembly& a, split how, const shape_t& s, std::uint64_t tp) {
+  shape_t out = s;
+  auto need = [&](std::size_t rank) {
+    if (s.size() < rank)
+      throw_error(errors::mg_shape, "tensor " + quote(a.name),
+                  "a " + std::string(to_string(how)) + " tensor needs " + std::to_string(rank) + " dimension(s), the pieces have shape " + to_string(s));
+  };
+  switch (how) {
+    case split::replicated: return out;
+    case split::row:
+      need(2);
+      out[1] = static_cast<dim_t>(checked_mul(static_cast<std::uint64_t>(s[1]), tp, "tensor size"));
+      break;
+    case split::glu:
+      need(1);
+      if (s[0] % 2 != 0)
+        throw_error(errors::mg_shape, "tensor " + quote(a.name), "a glu piece holds [W_r; V_r], but it has an odd row count " + std::to_string(s[0]));
+      [[fallthrough]];
+    default:
+      need(1);
+      out[0] = static_cast<dim_t>(checked_mul(static_cast<std::uint64_t>(s[0]), tp, "tensor size"));
+  }
+  (void)numel(out);
+  return out;
+}
+
+/// The box of the full tensor that starts at `offset` along `dim` with the extent of `v`.
+inline Box box_at(const TensorView& v, std::size_t dim, std::uint64_t offset) {
+  Box b{shape_t(v.rank(), 0), v.shape()};
+  b.offsets[dim] = static_cast<dim_t>(offset);
+  return b;
+}
+
+/// QKV rows of one rank in the >= 2.0 order ([groups, heads/groups + 2, head dim]): as stored
+/// for checkpoint_version >= 2.0; from [3, np, hn] (0) or [np, hn, 3] (1.0) one piece per head and
+/// Q/K/V block (np = heads / tp, hn = kv_channels).
+inline void qkv_pieces(const assembly& a, const TensorView& v, std::uint64_t r, const facts& f,
+                       std::vector<std::pair<Box, TensorView>>& out) {
+  const std::uint64_t tp = f.tp, hn = f.kv_channels;
+  const std::string who = "tensor " + quote(a.name);
+  const std::string version = f.checkpoint_version == 0 ? "0" : "1.0";
+  if (f.checkpoint_version < 2.0 && f.checkpoint_version != 0 && f.checkpoint_version != 1.0)
+    throw_error(errors::mg_qkv_order, who, "checkpoint_version " + version_text(f.checkpoint_version) + " has no known QKV row order");
+  if (f.checkpoint_version < 2.0 && f.groups != f.heads)
+    throw_error(errors::mg_qkv_order, who, "checkpoint_version " + version + " predates grouped-query attention, but args give " +
+                                                std::to_string(f.groups) + " query groups for " + std::to_string(f.heads) + " heads");
+  if (f.heads % tp != 0 || f.groups % tp != 0)
+    throw_error(errors::mg_shape, who, "TP " + std::to_string(tp) + " does not divide " + std::to_string(f.heads) + " heads in " +
+                                            std::to_string(f.groups) + " query groups (each rank holds whole groups)");
+  const std::uint64_t np = f.heads / tp, ng = f.groups / tp;
+  const auto rows = static_cast<std::uint64_t>(v.shape()[0]);
+  const std::uint64_t base = r * rows;
+  if (f.checkpoint_version >= 2.0) {
+    const std::uint64_t want = (np + 2 * ng) * hn;
+    if (rows != want)
+      throw_error(errors::mg_shape, who, "a TP rank holds " + std::to_string(rows) + " QKV rows, args give (" + std::to_string(np) +
+                                              " + 2 x " + std::to_string(ng) + ") x " + std::to_string(hn) + " = " + std::to_string(want));
+    out.emplace_back(box_at(v, 0, base), v);
+    return;
+  }
+  if (rows != 3 * np * hn)
+    throw_error(errors::mg_shape, who, "a TP rank holds " + std::to_string(rows) + " QKV rows, args give 3 x " + std::to_string(np) + " x " +
+                                            std::to_string(hn));
+  if (!v.is_contiguous())
+    throw_error(errors::mg_qkv_order, who, "the checkpoint_version " + version + " QKV rows are stored with strides " + to_string(v.strides()) +
+                                                ", which cannot be reordered by placements; only contiguous pieces can");
+  shape_t split_shape{static_cast<dim_t>(f.checkpoint_version == 0 ? 3 : np), static_cast<dim_t>(f.checkpoint_version == 0 ? np : hn),
+                      static_cast<dim_t>(f.checkpoint_version == 0 ? hn : 3)};
+  for (std::size_t d = 1; d < v.rank(); ++d) split_shape.push_back(v.shape()[d]);
+  const TensorView v4 = v.reshape(split_shape);
+  for (std::uint64_t i = 0; i < np; ++i)
+    for (std::uint64_t j = 0; j < 3; ++j) {
+      // version 0: [3, np, hn]; 1.0: [np, hn, 3] (rows of one head and block at a stride of 3)
+      const TensorView block = f.checkpoint_version == 0 ? v4.select(0, static_cast<dim_t>(j)).select(0, static_cast<dim_t>(i))
+                                                         : v4.select(0, static_cast<dim_t>(i)).select(1, static_cast<dim_t>(j));
+      out.emplace_back(box_at(block, 0, base + (i * 3 + j) * hn), block);
+    }
+}
+
+/// The (box, view) pieces of TP rank r's view `v` under `how`.
+inline void rank_pieces(const assembly& a, split how, const TensorView& v, std::uint64_t r, const facts& f,
+                        std::vector<std::pair<Box, TensorView>>& out) {
+  switch (how) {
+    case split::replicated: out.emplace_back(box_at(v, 0, 0), v); return;
+    case split::column:
+    case split::vocab: out.emplace_back(box_at(v, 0, r * static_cast<std::uint64_t>(v.shape()[0])), v); return;
+    case split::row: out.emplace_back(box_at(v, 1, r * static_cast<std::uint64_t>(v.shape()[1])), v); return;
+    case split::qkv: qkv_pieces(a, v, r, f, out); return;
+    case split::glu: {
+      // [W_r; V_r] -> W_r at rows r*h of [W; V], V_r at rows tp*h + r*h (h = half the rank's rows).
+      const dim_t h = v.shape()[0] / 2;
+      const auto hu = static_cast<std::uint64_t>(h);
+      const TensorView w = v.narrow(0, 0, h), g = v.narrow(0, h, h);
+      out.emplace_back(box_at(w, 0, r * hu), w);
+      out.emplace_back(box_at(g, 0, checked_add(checked_mul(f.tp, hu, "rows"), r * hu, "rows")), g);
+      return;
+    }
+    case split::fc1: break;  // resolved by effective()
+  }
+  throw_error(errors::mg_bad_rule, "tensor " + quote(a.name), "rule fc1 reached placement unresolved");
+}
+
+/// Clips a piece to the first `rows` rows of the full tensor; false when nothing is left.
+inline bool clip_rows(std::pair<Box, TensorView>& p, std::uint64_t rows) {
+  const auto off = static_cast<std::uint64_t>(p.first.offsets[0]);
+  if (off >= rows) return false;
+  const auto n = static_cast<std::uint64_t>(p.first.sizes[0]);
+  if (off + n > rows) {
+    p.second = p.second.narrow(0, 0, static_cast<dim_t>(rows - off));
+    p.first.sizes[0] = static_cast<dim_t>(rows - off);
+  }
+  return true;
+}
+
+/// Places one set of TP pieces (all ranks) as chunks of `t`.
+inline void place_set(const assembly& a, split how, const std::vector<piece>& ranks, TensorInfo& t, place_context& c) {
+  const facts& f = *c.f;
+  std::vector<std::pair<Box, TensorView>> ps;
+  for (std::uint64_t r = 0; r < ranks.size(); ++r) {
+    ps.clear();
+    rank_pieces(a, how, *ranks[r].view, r, f, ps);
+    for (auto& p : ps) {
+      if (how == split::vocab && c.true_vocab_size && !clip_rows(p, *c.true_vocab_size)) continue;
+      if (++c.chunks > c.max_chunks)
+        throw_error(errors::mg_limit, "tensor " + quote(a.name), "more chunks than limits::max_chunks (" + std::to_string(c.max_chunks) + ")");
+      t.chunks.push_back(Chunk{std::move(p.first), locate(p.second, ranks[r].source, c, a.name)});
+    }
+  }
+}
+
+/// The logical tensor of `a` (name, dtype, full shape, chunks); see the top of this file.
+inline TensorInfo place(const assembly& a, place_context& c) {
+  const facts& f = *c.f;
+  check_pieces(a, a.ranks, "it is");
+  if ((!a.how || a.compare) && a.ranks.size() > 1) check_same(a, c);
+  const split how = effective(a, f);
+  const TensorView& v0 = *a.ranks[0].view;
+  TensorInfo t;
+  t.name = a.name;
+  t.dtype = v0.dtype();
+  t.shape = full_shape(a, how, v0.shape(), a.ranks.size());
+  if (how == split::vocab && f.padded_vocab_size && static_cast<std::uint64_t>(t.shape[0]) != *f.padded_vocab_size)
+    throw_error(errors::mg_shape, "tensor " + quote(a.name),
+                std::to_string(a.ranks.size()) + " TP pieces of " + std::to_string(v0.shape()[0]) + " rows make " + std::to_string(t.shape[0]) +
+                    " vocabulary rows, args.padded_vocab_size is " + std::to_string(*f.padded_vocab_size));
+  if (how == split::vocab && c.true_vocab_size) {
+    if (*c.true_vocab_size > static_cast<std::uint64_t>(t.shape[0]))
+      throw_error(errors::mg_vocab, "tensor " + quote(a.name),
+                  "the true vocabulary size " + std::to_string(*c.true_vocab_size) + " exceeds the " + std::to_string(t.shape[0]) + " rows stored");
+    t.shape[0] = static_cast<dim_t>(*c.true_vocab_size);
+  }
+  place_set(a, how, a.ranks, t, c);
+  for (const auto& copy : a.copies) {
+    check_pieces(a, copy, "its copy");
+    if (copy[0].view->dtype() != v0.dtype() || copy[0].view->shape() != v0.shape())
+      throw_error(errors::mg_shape, "tensor " + quote(a.name),
+                  "its copy in " + copy[0].where + " is " + std::string(name(copy[0].view->dtype())) + " " + to_string(copy[0].view->shape()) +
+                      ", the tensor is " + std::string(name(v0.dtype())) + " " + to_string(v0.shape()) + " per rank");
+    place_set(a, how, copy, t, c);  // same boxes: replicas, compared by the planner on request
+  }
+  return t;
+}
+
+}  // namespace statedict::inline v0::megatron::detail
+
+namespace statedict::inline v0::megatron::detail {
+
+/// True when `v` holds a tensor or a DCP tensor placeholder.
+inline bool holds_tensor(const Value& v) {
+  bool found = false;
+  visit(v, [&](const Path&, const Value& x) {
+    if (found) return visit_control::skip;
+    found = x.is_tensor() || statedict::detail::torch_refs::is_ref(x);
+    return found ? visit_control::skip : visit_control::descend;
+  });
+  return found;
+}
+
+// =============================================================================================
+// Discovery
+
+/// Reads a small text file whole (at most `max` bytes); nullopt when it cannot be read.
+inline std::optional<std::string> small_file(const std::filesystem::path& p, std::uint64_t max, bool& too_large) {
+  std::error_code ec;
+  too_large = false;
+  if (!std::filesystem::is_regular_file(p, ec)) return std::nullopt;
+  const auto size = std::filesystem::file_size(p, ec);
+  if (ec) return std::nullopt;
+  if (size > max) {
+    too_large = true;
+    return std::nullopt;
+  }
+  std::ifstream f(p, std::ios::binary);
+  std::string s(static_cast<std::size_t>(size), '\0');
+  if (!f.read(s.data(), static_cast<std::streamsize>(size))) return std::nullopt;
+  return s;
+}
+
+/// Where the iteration folder of a checkpoint is.
+struct iteration_dir {
+  std::filesystem::path dir;
+  std::optional<std::uint64_t> iteration;  ///< from the tracker file
+  bool release = false;
+  bool tracker = false;  ///< a tracker file named it
+};
+
+/// `root` with latest_checkpointed_iteration.txt: the folder it names (throws errors::mg_bad_tracker
+/// for text that is neither a positive integer nor "release"); without: `root` itself.
+inline iteration_dir find_iteration(const std::filesystem::path& root, const limits& lim) {
+  iteration_dir out;
+  const auto tracker = root / "latest_checkpointed_iteration.txt";
+  bool big = false;
+  const auto text = small_file(tracker, lim.max_small_file_bytes, big);
+  const std::string where = "file " + quote(tracker.string());
+  if (big) throw_error(errors::mg_limit, where, "larger than limits::max_small_file_bytes");
+  if (!text) {
+    out.dir = root;
+    out.release = root.filename() == "release";
+    return out;
+  }
+  out.tracker = true;
+  const std::string t = formats::detail::strip(*text);
+  if (t == "release") {
+    out.release = true;
+    out.dir = root / "release";
+    return out;
+  }
+  std::uint64_t it = 0;
+  bool ok = !t.empty() && t.size() <= 18;
+  for (char ch : t) ok = ok && ch >= '0' && ch <= '9';
+  if (ok)
+    for (char ch : t) it = it * 10 + static_cast<std::uint64_t>(ch - '0');
+  if (!ok || it == 0)
+    throw_error(errors::mg_bad_tracker, where, "holds " + quote(t) + ", expected a positive iteration number or 'release'");
+  std::string name = std::to_string(it);
+  if (name.size() < 7) name.insert(0, 7 - name.size(), '0');
+  out.iteration = it;
+  out.dir = root / ("iter_" + name);
+  return out;
+}
+
+/// One `mp_rank_*` folder.
+struct rank_dir {
+  std::uint64_t tp = 0, pp = 0;
+  bool pp_named = false;  ///< mp_rank_TT_PPP (PP > 1), not mp_rank_TT
+  std::filesystem::path path;
+};
+
+/// `mp_rank_<tp>[_<pp>[_<ep>]]` (tp at least 2 digits, the others at least 3): (tp, pp, parts).
+inline std::optional<std::vector<std::uint64_t>> parse_rank_dir(std::string_view name) {
+  if (name.substr(0, 8) != "mp_rank_") return std::nullopt;
+  std::vector<std::uint64_t> parts;
+  std::string_view rest = name.substr(8);
+  while (true) {
+    const auto us = rest.find('_');
+    const std::string_view d = rest.substr(0, us);
+    const std::size_t min = parts.empty() ? 2 : 3;
+    if (d.size() < min || d.size() > 9 || d.find_first_not_of("0123456789") != std::string_view::npos) return std::nullopt;
+    std::uint64_t n = 0;
+    for (char ch : d) n = n * 10 + static_cast<std::uint64_t>(ch - '0');
+    parts.push_back(n);
+    if (us == std::string_view::npos) break;
+    rest = rest.substr(us + 1);
+    if (parts.size() == 3) return std::nullopt;
+  }
+  return parts;
+}
+
+/// The rank folders of an iteration folder, by (pp, tp); throws for folders that cannot be a
+/// Megatron rank (no model_optim_rng.pt, expert parallelism, two spellings).
+inline std::vector<rank_dir> rank_dirs(const std::filesystem::path& dir, const limits& lim) {
+  std::vector<rank_dir> out;
+  std::error_code ec;
+  const std::string where = "directory " + quote(dir.string());
+  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string n = it->path().filename().string();
+    const auto parts = parse_rank_dir(n);
+    if (!parts) continue;
+    std::error_code ec2;
+    if (!it->is_directory(ec2)) continue;
+    if (parts->size() == 3)
+      throw_error(errors::mg_unsupported, where, quote(n) + " is an expert-parallel rank folder: expert parallelism is not supported");
+    if (!std::filesystem::is_regular_file(it->path() / "model_optim_rng.pt", ec2))
+      throw_error(errors::mg_rank_dirs, where, quote(n) + " has no model_optim_rng.pt");
+    if (out.size() >= lim.max_ranks) throw_error(errors::mg_limit, where, "more rank folders than limits::max_ranks");
+    out.push_back(rank_dir{(*parts)[0], parts->size() > 1 ? (*parts)[1] : 0, parts->size() > 1, it->path()});
+  }
+  std::sort(out.begin(), out.end(), [](const rank_dir& a, const rank_dir& b) { return std::tie(a.pp, a.tp) < std::tie(b.pp, b.tp); });
+  for (std::size_t i = 1; i < out.size(); ++i) {
+    if (out[i].pp_named != out[0].pp_named)
+      throw_error(errors::mg_rank_dirs, where, "holds both mp_rank_TT and mp_rank_TT_PPP folders (" + quote(out[0].path.filename().string()) +
+                                                   ", " + quote(out[i].path.filename().string()) + "); one checkpoint uses one spelling");
+    if (out[i].pp == out[i - 1].pp && out[i].tp == out[i - 1].tp)
+      throw_error(errors::mg_rank_dirs, where, "two folders for TP rank " + std::to_string(out[i].tp) + ", PP rank " + std::to_string(out[i].pp));
+  }
+  return out;
+}
+
+/// Checks that the folders are exactly TP x PP, spelled as Megatron spells them for PP `pp`.
+inline void check_rank_set(const std::vector<rank_dir>& ranks, const facts& f, const std::filesystem::path& dir) {
+  const std::string where = "directory " + quote(dir.string());
+  if (ranks.size() != f.tp * f.pp)
+    throw_error(errors::mg_rank_dirs, where, std::to_string(ranks.size()) + " rank folders, args say TP " + std::to_string(f.tp) + " x PP " +
+                                                 std::to_string(f.pp) + " = " + std::to_string(f.tp * f.pp));
+  for (std::size_t i = 0; i < ranks.size(); ++i) {
+    const rank_dir& r = ranks[i];
+    if (r.tp != i % f.tp || r.pp != i / f.tp)
+      throw_error(errors::mg_rank_dirs, where, "has " + quote(r.path.filename().string()) + " where TP rank " + std::to_string(i % f.tp) +
+                                                   ", PP rank " + std::to_string(i / f.tp) + " was expected (TP " + std::to_string(f.tp) +
+                                                   " x PP " + std::to_string(f.pp) + ")");
+    if (r.pp_named != (f.pp > 1))
+      throw_error(errors::mg_rank_dirs, where, quote(r.path.filename().string()) + ": with PP " + std::to_string(f.pp) + " Megatron names rank folders " +
+                                                   (f.pp > 1 ? "mp_rank_TT_PPP" : "mp_rank_TT"));
+  }
+}
+
+// =============================================================================================
+// Rank files
+
+/// A parameter of a rank file, in named_parameters() order (the order the optimizer numbers them).
+struct param_ref {
+  std::string name;       ///< canonical (global layer number)
+  bool head = false;      ///< the last stage's copy of tied word embeddings (word_embeddings_for_head)
+  const TensorView* view = nullptr;
+};
+
+/// One rank file, loaded (tensors are views into it, never read while describing).
+struct rank_file {
+  rank_dir dir;
+  optim_shard::LoadedFile file;
+  std::string where;                          ///< "file '<path>'"
+  std::uint32_t source = 0;                   ///< its index among the description's sources
+  std::vector<std::vector<param_ref>> chunks;  ///< per model chunk (virtual PP), in file order
+};
+
+/// The top-level dict of a rank file; `what` values checked.
+inline const Dict& top_dict(const rank_file& rf) {
+  if (!rf.file.tree.is_dict()) throw_error(errors::mg_bad_rank_file, rf.where, "holds a " + po::kind_of(rf.file.tree) + ", expected a dict");
+  return rf.file.tree.as_dict();
+}
+
+/// checkpoint_version of a rank file (absent: 0).
+inline double checkpoint_version(const rank_file& rf) {
+  const Value* v = top_dict(rf).find("checkpoint_version");
+  if (!v || v->is_none()) return 0;
+  if (!v->is_double() && !v->is_int())
+    throw_error(errors::mg_bad_rank_file, rf.where, "checkpoint_version is " + po::kind_of(*v) + ", expected a float");
+  const double d = v->as_number();
+  if (d != 0 && d != 1.0 && d != 2.0 && d != 3.0)
+    throw_error(errors::mg_unsupported, rf.where, "checkpoint_version " + version_text(d) + " is not one of 0, 1.0, 2.0, 3.0");
+  return d;
+}
+
+/// The iteration a rank file records (`iteration`, or the oldest files' `total_iters`).
+inline std::optional<std::int64_t> file_iteration(const rank_file& rf) {
+  const Dict& d = top_dict(rf);
+  const Value* v = d.find("iteration");
+  if (!v) v = d.find("total_iters");
+  if (!v || v->is_none()) return std::nullopt;
+  if (!v->is_int()) throw_error(errors::mg_bad_rank_file, rf.where, "iteration is " + po::kind_of(*v) + ", expected an int");
+  return v->as_int();
+}
+
+/// The args of a rank file.
+inline const Value& args_of(const rank_file& rf) {
+  const Value* a = top_dict(rf).find("args");
+  if (!a) throw_error(errors::mg_bad_args, rf.where, "has no 'args' (Megatron stores the run's argparse.Namespace in every rank file)");
+  return *a;
+}
+
+/// The model chunks of a rank file: `model`, or `model0` .. `model<n-1>` with virtual PP.
+inline std::vector<const Value*> model_chunks(const rank_file& rf, const limits& lim) {
+  const Dict& d = top_dict(rf);
+  if (const Value* m = d.find("model")) return {m};
+  std::vector<const Value*> out;
+  while (const Value* m = d.find("model" + std::to_string(out.size()))) {
+    if (out.size() >= lim.max_layers) throw_error(errors::mg_limit, rf.where, "more model chunks than limits::max_layers");
+    out.push_back(m);
+  }
+  if (out.empty()) throw_error(errors::mg_bad_rank_file, rf.where, "has neither 'model' nor 'model0'");
+  return out;
+}
+
+/// Leaves of `v` (nested string-keyed dicts) as (dotted key, leaf), in order.
+inline void leaves(const Value& v, const std::string& prefix, std::vector<std::pair<std::string, const Value*>>& out, const std::string& where,
+                   std::size_t depth = 0) {
+  if (!v.is_dict()) {
+    out.emplace_back(prefix, &v);
+    return;
+  }
+  if (depth > 64) throw_error(errors::mg_bad_rank_file, where, "model dict nested deeper than 64 levels at " + quote(prefix));
+  for (const auto& [k, c] : v.as_dict()) {
+    if (!k.is_string()) throw_error(errors::mg_bad_rank_file, where, "model key " + k.str() + " under " + quote(prefix) + " is not a str");
+    leaves(c, prefix.empty() ? k.as_string() : prefix + "." + k.as_string(), out, where, depth + 1);
+  }
+}
+
+/// What reading the model of every rank file produced.
+struct model_read {
+  std::map<std::string, assembly> tensors;  ///< by canonical name
+  std::vector<std::string> order;           ///< names in order of first appearance
+  std::set<std::uint64_t> layers;           ///< global layers seen
+};
+
+/// First global layer of model chunk v on pipeline stage p (ParallelTransformer's offsets).
+inline std::uint64_t layer_offset(const facts& f, std::uint64_t p, std::uint64_t v) {
+  const std::uint64_t per_chunk = f.num_layers / (f.pp * f.vpp);
+  return v * (f.num_layers / f.vpp) + p * per_chunk;
+}
+
+/// Reads model chunk `v` of rank file `rf` into `m` and records its parameters in rf.chunks.
+inline void read_chunk(rank_file& rf, const Value& chunk, std::uint64_t v, const std::string& cw, const facts& f, const std::vector<rule>& rules,
+                       bool defaults, model_read& m, const limits& lim) {
+  if (!chunk.is_dict()) throw_error(errors::mg_bad_rank_file, cw, "is a " + po::kind_of(chunk) + ", expected a dict");
+  const Dict& cd = chunk.as_dict();
+  for (const auto& [k, x] : cd) {
+    const std::string ks = k.str();
+    if (ks == "language_model" || ks == "word_embeddings_for_head") continue;
+    if (ks.rfind("decoder.", 0) == 0 || ks.rfind("embedding.", 0) == 0)
+      throw_error(errors::mg_unsupported, cw, "holds Megatron-core keys (" + quote(ks) + "): a megatron.core GPTModel saved in the legacy format is not supported");
+    throw_error(errors::mg_unsupported, cw, "has key " + quote(ks) + ": only the GPT model (language_model, word_embeddings_for_head) is supported");
+  }
+  const Value* lm = cd.find("language_model");
+  if (!lm) throw_error(errors::mg_bad_rank_file, cw, "has no 'language_model'");
+  std::vector<std::pair<std::string, const Value*>> ls;
+  leaves(*lm, "", ls, cw);
+  const std::uint64_t per_chunk = f.num_layers / (f.pp * f.vpp), offset = layer_offset(f, rf.dir.pp, v);
+  std::vector<param_ref> params;
+  auto add = [&](std::string name, const Value& leaf, const std::string& key, bool head) {
+    if (!leaf.is_tensor())
+      throw_error(errors::mg_bad_rank_file, cw, "key " + quote(key) + " is a " + po::kind_of(leaf) + ", expected a tensor");
+    auto [it, fresh] = m.tensors.try_emplace(name);
+    assembly& a = it->second;
+    if (fresh) {
+      if (m.tensors.size() > lim.max_tensors) throw_error(errors::mg_limit, cw, "more tensors than limits::max_tensors");
+      a.name = name;
+      a.how = rule_for(name, rules, defaults);
+      a.ranks.assign(f.tp, piece{});
+      m.order.push_back(name);
+    }
+    if (head) {
+      // One set of copies per source stage; the last stage of this TP rank adds its piece.
+      if (a.copies.empty()) a.copies.assign(1, std::vector<piece>(f.tp));
+      if (a.copies[0][rf.dir.tp].view)
+        throw_error(errors::mg_duplicate, "tensor " + quote(name), "two copies for the head on TP rank " + std::to_string(rf.dir.tp));
+      a.copies[0][rf.dir.tp] = piece{&leaf.as_tensor(), rf.where, rf.source};
+    } else {
+      if (a.ranks[rf.dir.tp].view)
+        throw_error(errors::mg_duplicate, "tensor " + quote(name), "held twice by TP rank " + std::to_string(rf.dir.tp) + ": in " +
+                                                                        a.ranks[rf.dir.tp].where + " and in " + cw + " (" + quote(key) + ")");
+      a.ranks[rf.dir.tp] = piece{&leaf.as_tensor(), cw, rf.source};
+    }
+    params.push_back(param_ref{name, head, &leaf.as_tensor()});
+  };
+  for (const auto& [key, leaf] : ls) {
+    if (key.size() >= 12 && key.compare(key.size() - 12, 12, "_extra_state") == 0) continue;  // TE/linear extra state (None)
+    std::string n = normalise_lm_key(key);
+    const std::string first = n.substr(0, n.find('.'));
+    if (first == "pooler" || first == "decoder")
+      throw_error(errors::mg_unsupported, cw, "has " + quote(key) + ": BERT / T5 models (pooler, decoder) are not supported");
+    if (auto layer = layer_of(n, "encoder.layers.")) {
+      if (layer->first >= per_chunk)
+        throw_error(errors::mg_bad_rank_file, cw, "key " + quote(key) + " names local layer " + std::to_string(layer->first) + ", but a chunk holds " +
+                                                      std::to_string(per_chunk) + " layers (num_layers " + std::to_string(f.num_layers) + ", PP " +
+                                                      std::to_string(f.pp) + ", virtual PP " + std::to_string(f.vpp) + ")");
+      const std::uint64_t g = offset + layer->first;
+      m.layers.insert(g);
+      n = "encoder.layers." + std::to_string(g) + "." + layer->second;
+    }
+    add("language_model." + n, *leaf, key, false);
+  }
+  if (const Value* head = cd.find("word_embeddings_for_head")) {
+    if (f.untied)
+      throw_error(errors::mg_bad_rank_file, cw, "has word_embeddings_for_head, but args.untie_embeddings_and_output_weights is set");
+    std::vector<std::pair<std::string, const Value*>> hs;
+    leaves(*head, "", hs, cw);
+    for (const auto& [key, leaf] : hs) add("language_model.embedding.word_embeddings." + key, *leaf, "word_embeddings_for_head." + key, true);
+  }
+  rf.chunks.push_back(std::move(params));
+}
+
+/// Reads the model of every rank file; checks that every layer is there and every tensor is held
+/// by one stage (TP pieces) plus, for tied embeddings with PP, the head copy.
+inline model_read read_models(std::vector<rank_file>& files, const facts& f, const std::vector<rule>& rules, bool defaults, const limits& lim) {
+  model_read m;
+  if (f.num_layers % (f.pp * f.vpp) != 0)
+    throw_error(errors::mg_bad_args, files[0].where, "num_layers " + std::to_string(f.num_layers) + " is not a multiple of PP " + std::to_string(f.pp) +
+                                                         " x virtual PP " + std::to_string(f.vpp));
+  for (rank_file& rf : files) {
+    const auto chunks = model_chunks(rf, lim);
+    if (chunks.size() != f.vpp)
+      throw_error(errors::mg_bad_rank_file, rf.where, std::to_string(chunks.size()) + " model chunk(s), args give virtual PP " + std::to_string(f.vpp));
+    for (std::uint64_t v = 0; v < chunks.size(); ++v)
+      read_chunk(rf, *chunks[v], v, rf.where + ": " + (chunks.size() == 1 ? std::string("model") : "model" + std::to_string(v)), f, rules, defaults,
+                 m, lim);
+  }
+  for (std::uint64_t l = 0; l < f.num_layers; ++l)
+    if (!m.layers.count(l))
+      throw_error(errors::mg_missing, "Megatron checkpoint " + quote(files[0].dir.path.parent_path().string()),
+                  "no rank file holds layer " + std::to_string(l) + " of " + std::to_string(f.num_layers));
+  return m;
+}
+
+/// Canonical order: embeddings (word first), layers by global number (file order inside one),
+/// the final norm, the rest (output layer) - Megatron's loader order.
+inline std::vector<std::string> canonical_order(const model_read& m) {
+  auto rank = [](const std::string& k) -> std::pair<int, std::uint64_t> {
+    if (k.rfind("language_model.embedding.", 0) == 0) return {0, k.find("word_") != std::string::npos ? 0U : 1U};
+    if (auto l = layer_of(k, "language_model.encoder.layers.")) return {1, l->first};
+    if (k.rfind("language_model.encoder.", 0) == 0) return {2, 0};
+    return {3, 0};
+  };
+  std::vector<std::string> out = m.order;
+  std::stable_sort(out.begin(), out.end(), [&](const std::string& a, const std::string& b) { return rank(a) < rank(b); });
+  return out;
+}
+
+/// Where a canonical name sits in the tree: language_model / embedding / <sub> / <leaf>, or
+/// language_model / encoder|output_layer|... / <rest> (Megatron's nesting of one model chunk).
+inline std::vector<std::string> tree_path(const std::string& name) {
+  std::string rest = name.substr(std::string("language_model.").size());
+  std::vector<std::string> p{"language_model"};
+  const auto dot = rest.find('.');
+  p.push_back(rest.substr(0, dot));
+  rest = dot == std::string::npos ? std::string() : rest.substr(dot + 1);
+  if (p.back() == "embedding") {
+    const auto d2 = rest.find('.');
+    if (d2 != std::string::npos) {
+      p.push_back(rest.substr(0, d2));
+      rest = rest.substr(d2 + 1);
+    }
+  }
+  if (!rest.empty()) p.push_back(rest);
+  return p;
+}
+
+}  // namespace statedict::inline v0::megatron::detail
+
+namespace statedict::inline v0::megatron::detail {
+
+inline constexpr std::string_view mcore_metadata_module = "megatron.core.dist_checkpointing.strategies.torch";
+
+/// metadata.json's sharded_backend (Megatron-core's checkpoint config), or nullopt when the folder
+/// has no metadata.json of that form (other tools write files of that name too).
+inline std::optional<std::string> sharded_backend(const std::filesystem::path& dir, const limits& lim) {
+  bool big = false;
+  const auto text = small_file(dir / "metadata.json", lim.max_small_file_bytes, big);
+  if (!text) return std::nullopt;
+  const nlohmann::json j = nlohmann::json::parse(*text, nullptr, false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("sharded_backend") || !j["sharded_backend"].is_string()) return std::nullopt;
+  return j["sharded_backend"].get<std::string>();
+}
+
+/// `.metadata` parsed with the DCP reader; Megatron's MCoreMetadata is read as the Metadata it
+/// extends (its extra field, mcore_data, is not used).
+inline dcp::Metadata dist_metadata(const std::filesystem::path& dir, const limits& lim, std::string& cls) {
+  Value v = dcp::detail::load_metadata_value(dir, lim.dcp);
+  cls = v.is_object() ? v.as_object().qualified() : std::string(to_string(v.kind()));
+  if (v.is_object() && v.as_object().module == mcore_metadata_module && v.as_object().name == "MCoreMetadata") {
+    v.as_object().module = dcp::detail::mod_2;
+    v.as_object().name = "Metadata";
+  }
+  return dcp::parse_metadata(v, lim.dcp, (dir / ".metadata").string());
+}
+
+/// The common state dict a `common_state` byte item holds: `[dict]`, as torch.save wrote it, or
+/// (torch 2.x DCP writing a BytesIO value) a pickled io.BytesIO whose bytes are that torch.save
+/// archive, read here as a torch.save file of its own (kept in `keep` while describing).
+inline Value common_item(const Value& item, const limits& lim, const std::string& where, std::optional<optim_shard::LoadedFile>& keep) {
+  const Value* v = &item;
+  if (po::is_class(item, {"_io.BytesIO"})) {
+    const Object& o = item.as_object();
+    if (o.state.size() != 1 || !o.state[0].is_tuple() || o.state[0].as_list().empty() || !o.state[0].as_list()[0].is_bytes())
+      throw_error(errors::mg_torch_dist, where, "holds an io.BytesIO without its bytes (expected the state (bytes, position, dict))");
+    const auto& b = o.state[0].as_list()[0].as_bytes().data;
+    auto src = MemorySource::copy_of(where, std::as_bytes(std::span<const std::uint8_t>(b.data(), b.size())));
+    torch::load_options lo;
+    lo.limits = lim.torch;
+    lo.keep_unknown_objects = true;
+    try {
+      torch::File f = torch::read(src, lo);
+      keep = optim_shard::LoadedFile{where, f.source, std::move(f.value), f.view_base};
+    } catch (error& e) {
+      e.add_context(where);
+      throw;
+    }
+    v = &keep->tree;
+  }
+  if (!v->is_sequence() || v->as_list().size() != 1 || !v->as_list()[0].is_dict())
+    throw_error(errors::mg_torch_dist, where, "holds " + po::kind_of(*v) + ", expected [the common state dict]");
+  return v->as_list()[0];
+}
+
+/// One global tensor of the DCP checkpoint with its chunks located in the data files (as
+/// dcp::describe locates them; distinct boxes must tile the tensor).
+inline TensorInfo dist_tensor(const dcp::Entry& e, const dcp::Metadata& md, dcp::detail::Files& files, const limits& lim,
+                              const std::string& mdfile) {
+  namespace tr = statedict::detail::torch_refs;
+  const dcp::TensorMeta& tm = *e.tensor;
+  const std::string where = "file " + quote(mdfile) + ": key " + quote(e.fqn);
+  TensorInfo ti{e.fqn, tm.dtype, tm.size, {}};
+  std::vector<Box> boxes;
+  for (const dcp::ChunkMeta& c : tm.chunks) {
+    Box b{c.offsets, c.sizes};
+    if (std::find(boxes.begin(), boxes.end(), b) != boxes.end()) continue;
+    const dcp::StorageInfo& si = *md.find(dcp::StorageIndex{e.fqn, c.offsets});
+    const std::string iw = where + ": chunk at " + to_string(c.offsets) + " in " + quote(si.relative_path);
+    const std::uint32_t fi = files.open(si.relative_path, iw);
+    const tr::Tree t = dcp::detail::load_item(files.item(fi, si, iw), lim.dcp, iw);
+    if (!tr::is_ref(t.value)) throw_error(errors::dcp_item_not_tensor, iw, "tensor item holds " + po::kind_of(t.value) + ", not a tensor");
+    const tr::TensorRef& r = t.tensors[tr::ref_index(t.value)];
+    if (r.dtype != tm.dtype)
+      throw_error(errors::dcp_item_dtype, iw, "stored tensor is " + std::string(name(r.dtype)) + ", .metadata says " + std::string(name(tm.dtype)));
+    if (r.sizes != c.sizes) throw_error(errors::dcp_item_shape, iw, "stored tensor has size " + to_string(r.sizes) + ", .metadata says " + to_string(c.sizes));
+    boxes.push_back(b);
+    if (is_empty(b) && !b.sizes.empty()) continue;
+    Placement at{fi, checked_add(si.offset, r.byte_offset(), "item offset"), {}, r.dtype};
+    if (!is_contiguous(r.sizes, r.strides)) at.strides = r.strides;
+    ti.chunks.push_back(Chunk{std::move(b), std::move(at)});
+  }
+  if (numel(tm.size) > 0)
+    if (auto issue = cover(full_box(tm.size), boxes, false))
+      throw_error(issue->what == CoverIssue::kind::hole ? errors::dcp_incomplete_tensor : errors::dcp_overlapping_chunks, where,
+                  "element " + to_string(issue->index) + " of the tensor of size " + to_string(tm.size) +
+                      (issue->what == CoverIssue::kind::hole ? " is in no chunk" : " is in two chunks"));
+  return ti;
+}
+
+/// True for `decoder.layers.<name>` whose next component is not a layer number: stacked layers.
+inline bool stacked_key(std::string_view k) {
+  constexpr std::string_view p = "decoder.layers.";
+  return k.substr(0, p.size()) == p && k.size() > p.size() && (k[p.size()] < '0' || k[p.size()] > '9');
+}
+
+/// The per-layer tensors of a stacked one: layer l is the slice at l of the leading axis, each
+/// chunk's part of it placed at the chunk's offset plus l's stride (no copy).
+inline std::vector<TensorInfo> unstack(const TensorInfo& t, std::string_view prefix, std::string_view rest) {
+  if (t.shape.empty()) throw_error(errors::mg_torch_dist, "key " + quote(t.name), "stacked layer key without a layer axis");
+  std::vector<TensorInfo> out;
+  const shape_t inner(t.shape.begin() + 1, t.shape.end());
+  for (dim_t l = 0; l < t.shape[0]; ++l) out.push_back(TensorInfo{std::string(prefix) + std::to_string(l) + "." + std::string(rest), t.dtype, inner, {}});
+  for (const Chunk& c : t.chunks) {
+    const Box& b = std::get<Box>(c.region);
+    const shape_t own = b.sizes;
+    const std::vector<std::uint64_t> st = storage_strides(c, "key " + quote(t.name));
+    for (dim_t k = 0; k < b.sizes[0]; ++k) {
+      Chunk x;
+      x.region = Box{shape_t(b.offsets.begin() + 1, b.offsets.end()), shape_t(own.begin() + 1, own.end())};
+      x.at = c.at;
+      x.at.byte_offset = checked_add(c.at.byte_offset, checked_mul(checked_mul(static_cast<std::uint64_t>(k), st[0], "offset"), itemsize(c.at.stored), "offset"),
+                                     "offset");
+      if (!c.at.strides.empty()) x.at.strides = shape_t(c.at.strides.begin() + 1, c.at.strides.end());
+      out[static_cast<std::size_t>(b.offsets[0] + k)].chunks.push_back(std::move(x));
+    }
+  }
+  return out;
+}
+
+/// `<base>_w` and `<base>_v` (SwiGLU's linear_fc1 halves with singleton_local_shards) as one
+/// tensor `<base>` = [W; V] along dim 0.
+inline TensorInfo join_glu(const TensorInfo& w, const TensorInfo& v, std::string base) {
+  if (w.dtype != v.dtype || w.shape != v.shape || w.shape.empty())
+    throw_error(errors::mg_torch_dist, "key " + quote(w.name), "is " + std::string(name(w.dtype)) + " " + to_string(w.shape) + ", its partner " + quote(v.name) +
+                                                                    " is " + std::string(name(v.dtype)) + " " + to_string(v.shape));
+  TensorInfo out{std::move(base), w.dtype, w.shape, w.chunks};
+  out.shape[0] = static_cast<dim_t>(checked_mul(static_cast<std::uint64_t>(w.shape[0]), 2, "rows"));
+  for (Chunk c : v.chunks) {
+    std::get<Box>(c.region).offsets[0] += w.shape[0];
+    out.chunks.push_back(std::move(c));
+  }
+  return out;
+}
+
+/// The model key an optimizer key is about and its state key, or nullopt for another optimizer
+/// key (the distributed optimizer's flattened or per-bucket forms).
+inline std::optional<std::pair<std::string, std::string>> optimizer_key(std::string_view k) {
+  for (std::string_view s : {"exp_avg_sq", "exp_avg", "fp32_param"}) {
+    const std::string p = "optimizer.state." + std::string(s) + ".";
+    if (k.substr(0, p.size()) == p) return std::make_pair(std::string(k.substr(p.size())), std::string(s));
+  }
+  return std::nullopt;
+}
+
+/// Tensors of the torch_dist checkpoint by output name: model keys unstacked and joined, then,
+/// with `optimizer`, `optimizer.state.<name>.<key>` for each model tensor.
+struct dist_read {
+  std::vector<TensorInfo> model;
+  std::vector<TensorInfo> optimizer;
+  bool stacked = false, per_layer_glu = false;
+  std::uint64_t layers = 0;
+};
+
+/// Per-layer tensors of one key: unstacked when stacked, as is otherwise.
+inline std::vector<TensorInfo> per_layer(TensorInfo t, const std::string& key, dist_read& r, const limits& lim) {
+  if (!stacked_key(key)) {
+    t.name = key;
+    return {std::move(t)};
+  }
+  r.stacked = true;
+  const auto layers = static_cast<std::uint64_t>(t.shape.empty() ? 0 : t.shape[0]);
+  if (layers > lim.max_layers)
+    throw_error(errors::mg_limit, "key " + quote(key), "stacks " + std::to_string(layers) + " layers, more than limits::max_layers");
+  if (r.layers != 0 && layers != r.layers)
+    throw_error(errors::mg_torch_dist, "key " + quote(key), "stacks " + std::to_string(layers) + " layers, another key " + std::to_string(r.layers));
+  r.layers = layers;
+  return unstack(t, "decoder.layers.", key.substr(std::string("decoder.layers.").size()));
+}
+
+/// Joins `_w` / `_v` pairs in place (the `_w` position keeps the joined tensor).
+inline void join_pairs(std::vector<TensorInfo>& ts, dist_read& r) {
+  std::map<std::string, std::size_t> at;
+  for (std::size_t i = 0; i < ts.size(); ++i) at.emplace(ts[i].name, i);
+  std::vector<bool> drop(ts.size(), false);
+  for (std::size_t i = 0; i < ts.size(); ++i) {
+    const std::string& n = ts[i].name;
+    const bool w = formats::detail::ends_with(n, ".weight_w") || formats::detail::ends_with(n, ".bias_w");
+    const bool v = formats::detail::ends_with(n, ".weight_v") || formats::detail::ends_with(n, ".bias_v");
+    if (!w && !v) continue;
+    const std::string base = n.substr(0, n.size() - 2);
+    const auto partner = at.find(base + (w ? "_v" : "_w"));
+    if (partner == at.end()) throw_error(errors::mg_torch_dist, "key " + quote(n), "has no partner " + quote(base + (w ? "_v" : "_w")));
+    if (!w) continue;
+    r.per_layer_glu = true;
+    ts[i] = join_glu(ts[i], ts[partner->second], base);
+    drop[partner->second] = true;
+  }
+  std::vector<TensorInfo> kept;
+  for (std::size_t i = 0; i < ts.size(); ++i)
+    if (!drop[i]) kept.push_back(std::move(ts[i]));
+  ts = std::move(kept);
+}
+
+/// Model order: embeddings, layers by number (metadata order inside one), the rest.
+inline void order_model(std::vector<TensorInfo>& ts) {
+  auto rank = [](const std::string& k) -> std::pair<int, std::uint64_t> {
+    if (k.rfind("embedding.", 0) == 0) return {0, 0};
+    if (auto l = layer_of(k, "decoder.layers.")) return {1, l->first};
+    return {2, 0};
+  };
+  std::stable_sort(ts.begin(), ts.end(), [&](const TensorInfo& a, const TensorInfo& b) { return rank(a.name) < rank(b.name); });
+}
+
+}  // namespace statedict::inline v0::megatron::detail
+// ---- statedict/formats/detail/megatron_optim.hpp ----
+// statedict: the optimizer state of Megatron-LM legacy checkpoints keyed by parameter name, each
+// moment sharded like its parameter (formats/megatron.hpp is the public header).
+// SPDX-License-Identifier: MIT
+//
+// Three forms (tests/python/layouts/megatron.md sections 2.7 and 2.8):
+//   - FP32Optimizer: `optimizer` is the torch optimizer's state dict;
+//   - Float16OptimizerWithFloat16Params: {'optimizer': torch state dict, 'fp32_from_fp16_params':
+//     [[fp32 master per param] per group], 'grad_scaler': ...};
+//   - DistributedOptimizer: {'optimizer': {'param_groups': [...]}} and, beside the rank file,
+//     distrib_optim.pt: per model chunk one flat fp32 buffer of each of param / exp_avg /
+//     exp_avg_sq, holding the chunk's parameters in reverse order, 64-aligned, in buckets, with
+//     no names (param_and_grad_buffer.py _ParamAndGradBuffer; get_parameter_state_dp_zero).
+// Which state belongs to which parameter follows from Megatron's rule for param groups
+// (megatron/core/optimizer/__init__.py _get_param_groups): walking named_parameters() of every
+// model chunk, a parameter goes to the group of (wd_mult, lr_mult, is_expert_parallel,
+// is_decoupled_lr), wd_mult 0 for biases and 1-d parameters; groups in order of first appearance;
+// torch numbers parameters group by group. Every count, shape and wd_mult is checked against it.
+
+#include <algorithm>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <numeric>
+#include <optional>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+
+namespace statedict::inline v0::megatron::detail {
+
+/// A param group of the merged state: its hyperparameters (first rank's) and its parameters.
+struct merged_group {
+  double wd_mult = 1.0;
+  Dict hyper;
+  std::vector<std::string> params;  ///< canonical names, model order (set at the end)
+  std::set<std::string> members;
+};
+
+/// Optimizer state being assembled over all rank files.
+struct optim_read {
+  /// `optimizer.state.<param>.<key>` -> TP pieces (sharded like the parameter).
+  std::map<std::string, assembly> tensors;
+  /// param -> its state keys, in order of first appearance.
+  std::map<std::string, std::vector<std::string>> keys;
+  /// `<param>.<key>` -> a non-tensor state value (apex's int step), equal on every TP rank.
+  std::map<std::string, Value> values;
+  std::vector<merged_group> groups;
+  std::deque<Value> views;  ///< tensors made here (slices of distrib_optim.pt buffers)
+  std::deque<optim_shard::LoadedFile> files;  ///< the distrib_optim.pt files the views point into
+};
+
+/// wd_mult of a parameter by Megatron's rule.
+inline double wd_mult_of(const param_ref& p) { return (formats::detail::ends_with(p.name, ".bias") || p.view->rank() == 1) ? 0.0 : 1.0; }
+
+/// The params of a rank file in named_parameters() order, grouped by the rule: (wd_mult, indices).
+inline std::vector<std::pair<double, std::vector<std::size_t>>> rule_groups(const std::vector<param_ref>& params) {
+  std::vector<std::pair<double, std::vector<std::size_t>>> g;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const double wd = wd_mult_of(params[i]);
+    auto it = std::find_if(g.begin(), g.end(), [&](const auto& x) { return x.first == wd; });
+    if (it == g.end()) {
+      g.emplace_back(wd, std::vector<std::size_t>{});
+      it = std::prev(g.end());
+    }
+    it->second.push_back(i);
+  }
+  return g;
+}
+
+/// Records one rank's saved param groups against the rule; merges their hyperparameters.
+inline void merge_groups(optim_read& o, const List& saved, const std::vector<std::pair<double, std::vector<std::size_t>>>& rule,
+                         const std::vector<param_ref>& params, const rank_file& rf) {
+  if (saved.size() != rule.size())
+    throw_error(errors::mg_optimizer, rf.where, std::to_string(saved.size()) + " param groups, Megatron's grouping of this rank's " +
+                                                    std::to_string(params.size()) + " parameters gives " + std::to_string(rule.size()));
+  for (std::size_t g = 0; g < saved.size(); ++g) {
+    if (!saved[g].is_dict()) throw_error(errors::mg_optimizer, rf.where, "param_groups[" + std::to_string(g) + "] is not a dict");
+    const Dict& gd = saved[g].as_dict();
+    if (const Value* wd = gd.find("wd_mult"); wd && (!(wd->is_double() || wd->is_int()) || wd->as_number() != rule[g].first))
+      throw_error(errors::mg_optimizer, rf.where, "param_groups[" + std::to_string(g) + "].wd_mult is " + optim_shard::detail::value_text(*wd) +
+                                                      ", Megatron's grouping puts its parameters under wd_mult " + std::to_string(rule[g].first));
+    Dict hyper;
+    for (const auto& [k, v] : gd)
+      if (!(k.is_string() && k.as_string() == "params")) hyper.set(k, v);
+    auto it = std::find_if(o.groups.begin(), o.groups.end(), [&](const merged_group& m) { return m.wd_mult == rule[g].first; });
+    if (it == o.groups.end()) {
+      o.groups.push_back(merged_group{rule[g].first, std::move(hyper), {}, {}});
+      it = std::prev(o.groups.end());
+    } else if (!(it->hyper == hyper)) {
+      for (const auto& [k, v] : it->hyper) {
+        const Value* x = hyper.find(k);
+        if (!x || !(*x == v))
+          throw_error(errors::mg_groups_differ, rf.where, "param group of wd_mult " + std::to_string(rule[g].first) + ": " + k.str() + " is " +
+                                                              (x ? optim_shard::detail::value_text(*x) : "missing") + ", an earlier rank has " +
+                                                              optim_shard::detail::value_text(v));
+      }
+      throw_error(errors::mg_groups_differ, rf.where, "param group of wd_mult " + std::to_string(rule[g].first) + " has keys an earlier rank's lacks");
+    }
+    for (std::size_t i : rule[g].second)
+      if (!params[i].head) it->members.insert(params[i].name);
+  }
+}
+
+/// Adds TP rank `tp`'s value of state `key` of parameter `p` (its rule: `how`). A tensor value
+/// must outlive the description (a view inside a loaded file, or in optim_read::views).
+inline void add_state(optim_read& o, const param_ref& p, const std::optional<split>& how, const std::string& key, const Value& v,
+                      std::uint64_t tp, std::uint64_t tps, const std::string& where, std::uint32_t source) {
+  auto& keys = o.keys[p.name];
+  if (std::find(keys.begin(), keys.end(), key) == keys.end()) keys.push_back(key);
+  if (!v.is_tensor()) {
+    const std::string vn = p.name + "." + key;
+    auto [it, fresh] = o.values.try_emplace(vn, v);
+    if (!fresh && !(it->second == v))
+      throw_error(errors::mg_state_differs, "optimizer state " + quote(vn),
+                  "is " + optim_shard::detail::value_text(v) + " in " + where + ", another TP rank has " + optim_shard::detail::value_text(it->second));
+    return;
+  }
+  const TensorView& t = v.as_tensor();
+  const bool scalar = t.rank() == 0;
+  if (!scalar && t.shape() != p.view->shape())
+    throw_error(errors::mg_optimizer, where, "state " + quote(key) + " of " + quote(p.name) + " has shape " + to_string(t.shape()) + ", the parameter " +
+                                                 to_string(p.view->shape()));
+  const std::string tn = "optimizer.state." + p.name + "." + key;
+  auto [it, fresh] = o.tensors.try_emplace(tn);
+  assembly& a = it->second;
+  if (fresh) {
+    a.name = tn;
+    a.how = scalar ? std::optional<split>(split::replicated) : how;
+    a.compare = scalar;  // constant state (step): equal on every TP rank
+    a.ranks.assign(tps, piece{});
+  }
+  if (p.head) {
+    if (a.copies.empty()) a.copies.assign(1, std::vector<piece>(tps));
+    a.copies[0][tp] = piece{&t, where, source};
+  } else {
+    if (a.ranks[tp].view) throw_error(errors::mg_duplicate, "optimizer state " + quote(tn), "given twice for TP rank " + std::to_string(tp));
+    a.ranks[tp] = piece{&t, where, source};
+  }
+}
+
+/// The plain (FP32 / Float16) optimizer of one rank file.
+inline void read_plain(optim_read& o, const rank_file& rf, const Value& opt, const std::vector<param_ref>& params,
+                       const std::map<std::string, assembly>& model, std::uint64_t tps) {
+  using optim_shard::Access;
+  const Access a{errors::mg_optimizer, rf.where};
+  const Dict& od = a.dict(opt, "optimizer");
+  const Dict* inner = &od;
+  const List* fp32 = nullptr;
+  if (!od.contains("param_groups")) {
+    inner = &a.dict(a.at(od, "optimizer", "optimizer"), "optimizer.optimizer");
+    if (const Value* f = Access::opt(od, "fp32_from_fp16_params")) fp32 = &a.list(*f, "optimizer.fp32_from_fp16_params");
+  }
+  const List& saved = a.list(a.at(*inner, "param_groups", "the optimizer"), "param_groups");
+  const Dict& state = a.dict(a.at(*inner, "state", "the optimizer"), "state");
+  const auto rule = rule_groups(params);
+  merge_groups(o, saved, rule, params, rf);
+  if (fp32 && fp32->size() != rule.size())
+    a.fail("fp32_from_fp16_params has " + std::to_string(fp32->size()) + " groups, the param groups " + std::to_string(rule.size()));
+  std::set<std::int64_t> used;
+  for (std::size_t g = 0; g < rule.size(); ++g) {
+    const List& ids = a.list(a.at(saved[g].as_dict(), "params", "param group"), "params");
+    if (ids.size() != rule[g].second.size())
+      a.fail("param_groups[" + std::to_string(g) + "] lists " + std::to_string(ids.size()) + " params, Megatron's grouping gives " +
+             std::to_string(rule[g].second.size()));
+    const List* masters = fp32 ? &a.list((*fp32)[g], "fp32_from_fp16_params group") : nullptr;
+    if (masters && masters->size() != ids.size()) a.fail("fp32_from_fp16_params[" + std::to_string(g) + "] has the wrong length");
+    for (std::size_t j = 0; j < ids.size(); ++j) {
+      const param_ref& p = params[rule[g].second[j]];
+      const auto& how = model.at(p.name).how;
+      const std::int64_t id = a.integer(ids[j], "a param id");
+      if (!used.insert(id).second) a.fail("param id " + std::to_string(id) + " is listed twice");
+      if (const Value* st = state.find(Key(id))) {
+        const Dict& sd = a.dict(*st, "state[" + std::to_string(id) + "]");
+        for (const char* k : {"exp_avg", "exp_avg_sq"})
+          if (const Value* v = sd.find(k)) add_state(o, p, how, k, *v, rf.dir.tp, tps, rf.where, rf.source);
+        if (masters) add_state(o, p, how, "fp32_param", (*masters)[j], rf.dir.tp, tps, rf.where, rf.source);
+        for (const auto& [k, v] : sd)
+          if (k.is_string() && k.as_string() != "exp_avg" && k.as_string() != "exp_avg_sq")
+            add_state(o, p, how, k.as_string(), v, rf.dir.tp, tps, rf.where, rf.source);
+      } else if (masters) {
+        add_state(o, p, how, "fp32_param", (*masters)[j], rf.dir.tp, tps, rf.where, rf.source);
+      }
+    }
+  }
+  for (const auto& [k, v] : state)
+    if (!k.is_int() || !used.count(k.as_int())) a.fail("state key " + k.str() + " is not a param id of param_groups");
+}
+
+// ---------------------------------------------------------------------------------------------
+// distrib_optim.pt
+
+/// One parameter's place in a distrib_optim.pt buffer.
+struct buffer_slot {
+  std::size_t param = 0;    ///< index into the chunk's params
+  std::uint64_t offset = 0;  ///< in the saved (bucket-concatenated) buffer
+};
+
+inline std::uint64_t round_up(std::uint64_t x, std::uint64_t d) { return checked_mul((x + d - 1) / d, d, "buffer offset"); }
+
+/// The grad-buffer layout (param_and_grad_buffer.py): params in reverse order, each start padded
+/// to 64 elements; a shared embedding closes the current bucket and gets one of its own; a bucket
+/// also closes at `bucket_size` elements; bucket ends padded to lcm(dp, 128). Returns the slots in
+/// the saved buffer (the buckets' unpadded ranges concatenated) and its length.
+inline std::pair<std::vector<buffer_slot>, std::uint64_t> buffer_layout(const std::vector<std::uint64_t>& numels, const std::vector<bool>& shared,
+                                                                        std::uint64_t dp, std::optional<std::uint64_t> bucket_size) {
+  const std::uint64_t lcm = std::lcm(dp, std::uint64_t{128});
+  std::vector<buffer_slot> slots;
+  std::uint64_t idx = 0, start = 0, saved = 0;
+  bool any = false;
+  auto close = [&](std::uint64_t end) {
+    saved = checked_add(saved, end - start, "buffer size");
+    idx = round_up(end, lcm);
+    start = idx;
+    any = false;
+  };
+  for (std::size_t k = numels.size(); k-- > 0;) {
+    idx = round_up(idx, 64);
+    if (shared[k] && any) close(idx);
+    slots.push_back(buffer_slot{k, saved + (idx - start)});
+    idx = checked_add(idx, numels[k], "buffer size");
+    any = true;
+    if (shared[k] || (bucket_size && idx - start >= *bucket_size)) close(idx);
+  }
+  if (any) saved = checked_add(saved, idx - start, "buffer size");
+  return {std::move(slots), saved};
+}
+
+/// The one (dtype pair) entry of buffer `v`'s dict in distrib_optim.pt.
+inline const Dict& buffer_entry(const Value& v, const std::string& where, std::uint64_t idx) {
+  const std::string w = "buffer " + std::to_string(idx);
+  const List* items = nullptr;
+  if (po::is_class(v, {"builtins.dict", "collections.OrderedDict"}) && v.as_object().args.empty()) items = &v.as_object().items;
+  if (!items) throw_error(errors::mg_distrib_optim, where, w + " is " + po::kind_of(v) + ", expected a dict keyed by (param dtype, grad dtype)");
+  if (items->size() != 1)
+    throw_error(errors::mg_unsupported, where, w + " holds " + std::to_string(items->size()) + " dtype buffers; one (all parameters of one dtype) is supported");
+  const Value& kv = (*items)[0];
+  if (!kv.is_tuple() || kv.as_list().size() != 2 || !kv.as_list()[1].is_dict())
+    throw_error(errors::mg_distrib_optim, where, w + ": expected a (dtypes, dict) item");
+  return kv.as_list()[1].as_dict();
+}
+
+/// The distributed optimizer's state of one rank file (its distrib_optim.pt).
+inline void read_distrib(optim_read& o, const rank_file& rf, const optim_shard::LoadedFile& dist, std::uint32_t source, const facts& f,
+                         const std::map<std::string, assembly>& model, std::uint64_t tps) {
+  using optim_shard::Access;
+  const std::string where = "file " + quote(dist.name);
+  const Access a{errors::mg_distrib_optim, where};
+  const Dict& d = a.dict(dist.tree, "distrib_optim.pt");
+  const Value* coalesced = d.find("buckets_coalesced");
+  if (!coalesced || !coalesced->is_bool() || !coalesced->as_bool())
+    throw_error(errors::mg_unsupported, where, "has no buckets_coalesced: True (the per-bucket layout before Megatron-core 0.7 is not supported)");
+  const bool tied_pp = !f.untied && f.pp > 1;
+  for (std::uint64_t v = 0; v < rf.chunks.size(); ++v) {
+    const auto& params = rf.chunks[v];
+    const Dict& e = buffer_entry(a.at(d, Key(static_cast<std::int64_t>(v)), "distrib_optim.pt"), where, v);
+    const bool pre = rf.dir.pp == 0 && v == 0, post = rf.dir.pp + 1 == f.pp && v + 1 == rf.chunks.size();
+    std::vector<std::uint64_t> numels;
+    std::vector<bool> shared;
+    for (const param_ref& p : params) {
+      numels.push_back(p.view->numel());
+      shared.push_back(tied_pp && formats::detail::ends_with(p.name, "word_embeddings.weight") && (p.head || (pre && !post)));
+    }
+    const auto [slots, total] = buffer_layout(numels, shared, f.dp, rf.dir.pp == 0 && v == 0 ? f.bucket_size : std::nullopt);
+    const std::int64_t stored = a.integer(a.at(e, "numel_unpadded", "buffer"), "numel_unpadded");
+    if (stored < 0 || static_cast<std::uint64_t>(stored) != total)
+      a.fail("buffer " + std::to_string(v) + ": numel_unpadded " + std::to_string(stored) + ", the layout rebuilt from the model chunk's " +
+             std::to_string(params.size()) + " parameters gives " + std::to_string(total));
+    for (const auto& [file_key, key] : {std::pair<const char*, const char*>{"exp_avg", "exp_avg"}, {"exp_avg_sq", "exp_avg_sq"}, {"param", "fp32_param"}}) {
+      const Value* bv = e.find(file_key);
+      if (!bv) {
+        if (std::string_view(file_key) == "param") a.fail("buffer " + std::to_string(v) + " has no 'param'");
+        continue;
+      }
+      const TensorView& flat = a.tensor(*bv, file_key);
+      if (flat.rank() != 1 || flat.numel() != total)
+        a.fail("buffer " + std::to_string(v) + " " + file_key + " has shape " + to_string(flat.shape()) + ", expected [" + std::to_string(total) + "]");
+      for (const buffer_slot& s : slots) {
+        const param_ref& p = params[s.param];
+        const Value& sl = o.views.emplace_back(flat.narrow(0, static_cast<dim_t>(s.offset), static_cast<dim_t>(p.view->numel())).reshape(p.view->shape()));
+        add_state(o, p, model.at(p.name).how, key, sl, rf.dir.tp, tps, where, source);
+      }
+    }
+  }
+}
+
+}  // namespace statedict::inline v0::megatron::detail
+// ---- statedict/formats/detail/megatron_write.hpp ----
+// statedict: writing Megatron-LM's legacy per-rank layout for a chosen TP / PP (/ virtual PP)
+// size from a full model with Megatron's canonical names (formats/megatron.hpp is the public
+// header). Every rank file is a torch.save file planned up front; each of its tensors is a piece
+// of a full tensor, so the whole checkpoint is one Destination (every element's place in every
+// rank file) that make_plan + execute fill from the source, streaming in bounded memory; the
+// tracker file is written last and the folder appears atomically. What is written and why:
+// megatron_write_parts.hpp.
+// SPDX-License-Identifier: MIT
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+// ---- statedict/formats/detail/megatron_write_parts.hpp ----
+// statedict: the pieces of the Megatron-LM legacy writer (megatron_write.hpp): its options, the
+// vocabulary re-pad as placements, and the TP split of one tensor into rank pieces.
+// SPDX-License-Identifier: MIT
+//
+// What is written (tools/checkpoint/saver_megatron.py, core_v0.8.0; megatron.md section 2):
+// checkpoint_version 3.0, today's spelling, `_extra_state: None` after each parallel linear,
+// position embeddings on the first stage, the final norm and output layer on the last,
+// `word_embeddings_for_head` on the last stage for tied embeddings with PP > 1; `args` with the new
+// parallel sizes and padded_vocab_size; iteration, opt_param_scheduler / lr_scheduler and the other
+// run-wide values carried as they are. No optimizer and no RNG state (per rank, not re-shardable
+// here): load with --no-load-optim --no-load-rng (or --finetune), as after Megatron's own saver.
+
+#include <algorithm>
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+
+namespace statedict::inline v0::megatron {
+
+/// How write() lays the checkpoint out.
+struct write_options {
+  /// Tensor- and pipeline-parallel sizes (unset: 1); virtual pipeline chunks per stage (unset: none).
+  std::optional<std::uint64_t> tp, pp, vpp;
+  /// Re-pad the vocabulary: to the multiple of make_vocab_size_divisible_by x TP at or above this
+  /// true size (rows cut, or added as copies of the last stored row as Megatron's saver does);
+  /// unset: the rows as they are (TP must divide them).
+  std::optional<std::uint64_t> true_vocab_size;
+  /// unset: args.make_vocab_size_divisible_by, else 128 (Megatron's default).
+  std::optional<std::uint64_t> make_vocab_size_divisible_by;
+  /// Partition rules tried before the built-in ones.
+  std::vector<rule> rules;
+  bool default_rules = true;
+  exec_options exec{};
+  plan_options plan{};
+};
+
+/// Throws errors::mg_write_option for sizes out of range.
+inline void check(const write_options& o) {
+  for (const auto& [v, what] : {std::pair{o.tp, "--tp"}, std::pair{o.pp, "--pp"}, std::pair{o.vpp, "--vpp"}})
+    if (v && (*v == 0 || *v > (1U << 16))) throw_error(errors::mg_write_option, what, std::to_string(*v) + " is not from 1 to 65536");
+  if (o.true_vocab_size && *o.true_vocab_size == 0) throw_error(errors::mg_write_option, "--true-vocab-size", "must be at least 1");
+  if (o.make_vocab_size_divisible_by && *o.make_vocab_size_divisible_by == 0)
+    throw_error(errors::mg_write_option, "make_vocab_size_divisible_by", "must be at least 1");
+}
+
+namespace detail {
+
+/// The source's tree (tensors as placeholders, never read) for its non-tensor values.
+inline Value source_tree(const ShardedCheckpoint& ck, std::shared_ptr<torch::detail::reservation>& space) {
+  std::uint64_t total = 16;
+  std::vector<std::uint64_t> at;
+  for (const TensorInfo& t : ck.tensors) {
+    at.push_back(total);
+    total = checked_add(total, checked_add(byte_size(t.shape, itemsize(t.dtype)), 79, "reservation") / 64 * 64, "reservation");
+  }
+  space = std::make_shared<torch::detail::reservation>(total);
+  NamedTensors named;
+  for (std::size_t i = 0; i < ck.tensors.size(); ++i)
+    named.emplace_back(ck.tensors[i].name, TensorView::contiguous(ck.tensors[i].dtype, ck.tensors[i].shape, space->base() + at[i], space));
+  return unflatten(named, ck.skeleton);
+}
+
+/// One tensor to write: its rule and where it goes.
+struct out_tensor {
+  std::size_t index = 0;  ///< in the (working) source
+  split how = split::replicated;
+  enum class where : std::uint8_t { first, layer, last } place = where::layer;
+  std::uint64_t layer = 0;
+  std::string key;  ///< key under its container (encoder: "layers.<local>.<rest>" after localising)
+  std::string group;  ///< embedding sub-dict / "encoder" / "output_layer"
+};
+
+/// A rank file being planned: its tree with placeholder pieces, and which piece is which.
+struct rank_plan {
+  std::string name;  ///< relative path
+  Value tree;
+  struct slot {
+    std::size_t tensor;  ///< out_tensor index
+    const std::byte* data;
+    std::uint64_t r;  ///< TP rank
+  };
+  std::vector<slot> slots;
+  torch::SavePlan plan;
+};
+
+/// Rows of the vocabulary after re-padding, and the working copy of the source it needs.
+inline std::uint64_t repad_rows(std::uint64_t rows, const write_options& o, std::uint64_t tp, const Value* divisor, const std::string& name) {
+  if (!o.true_vocab_size) {
+    if (rows % tp != 0)
+      throw_error(errors::mg_write_split, "tensor " + quote(name), std::to_string(rows) + " vocabulary rows do not split over TP " + std::to_string(tp) +
+                                                                       ": give the true vocabulary size (--true-vocab-size) to re-pad");
+    return rows;
+  }
+  if (*o.true_vocab_size > rows)
+    throw_error(errors::mg_vocab, "tensor " + quote(name), "the true vocabulary size " + std::to_string(*o.true_vocab_size) + " exceeds its " +
+                                                               std::to_string(rows) + " rows");
+  std::uint64_t div = o.make_vocab_size_divisible_by.value_or(divisor && divisor->is_int() && divisor->as_int() > 0 ? static_cast<std::uint64_t>(divisor->as_int()) : 128);
+  if (div > (std::uint64_t{1} << 20))
+    throw_error(errors::mg_write_input, "make_vocab_size_divisible_by " + std::to_string(div), "is larger than 2^20: a re-padded vocabulary would be mostly padding");
+  div *= tp;
+  return checked_mul((*o.true_vocab_size + div - 1) / div, div, "vocabulary rows");
+}
+
+/// `t` with `rows` rows: chunks cut, or the last row repeated into the new rows (a stride-0 chunk
+/// over the stored last row: nothing is copied while describing).
+inline void resize_rows(TensorInfo& t, std::uint64_t rows) {
+  const auto old = static_cast<std::uint64_t>(t.shape[0]);
+  if (rows == old) return;
+  std::vector<Chunk> out;
+  for (Chunk& c : t.chunks) {
+    if (!std::holds_alternative<Box>(c.region))
+      throw_error(errors::mg_write_input, "tensor " + quote(t.name), "is described by flat ranges; a vocabulary re-pad needs boxes");
+    Box& b = std::get<Box>(c.region);
+    const auto off = static_cast<std::uint64_t>(b.offsets[0]), n = static_cast<std::uint64_t>(b.sizes[0]);
+    if (rows > old && off <= old - 1 && old - 1 < off + n) {
+      const std::vector<std::uint64_t> st = storage_strides(c, "tensor " + quote(t.name));
+      Chunk g = c;
+      Box& gb = std::get<Box>(g.region);
+      gb.offsets[0] = static_cast<dim_t>(old);
+      gb.sizes[0] = static_cast<dim_t>(rows - old);
+      g.at.byte_offset = checked_add(c.at.byte_offset, checked_mul(checked_mul(old - 1 - off, st[0], "offset"), itemsize(c.at.stored), "offset"), "offset");
+      g.at.strides.clear();
+      for (std::uint64_t s : st) g.at.strides.push_back(static_cast<dim_t>(s));
+      g.at.strides[0] = 0;
+      out.push_back(std::move(g));
+    }
+    if (off >= rows) continue;
+    b.sizes[0] = static_cast<dim_t>(std::min(n, rows - off));
+    out.push_back(std::move(c));
+  }
+  t.shape[0] = static_cast<dim_t>(rows);
+  t.chunks = std::move(out);
+}
+
+/// The piece shape of TP rank r and its boxes in the full tensor (pairs of: box, first row of the
+/// piece it fills).
+inline std::pair<shape_t, std::vector<std::pair<Box, std::uint64_t>>> split_piece(const TensorInfo& t, split how, std::uint64_t r, std::uint64_t tp,
+                                                                                  const facts& f) {
+  const std::string who = "tensor " + quote(t.name);
+  auto part = [&](std::size_t dim) {
+    if (t.shape.size() <= dim)
+      throw_error(errors::mg_write_split, who, "a " + std::string(to_string(how)) + " tensor needs " + std::to_string(dim + 1) + " dimension(s), it has shape " + to_string(t.shape));
+    const auto n = static_cast<std::uint64_t>(t.shape[dim]);
+    if (n % tp != 0) throw_error(errors::mg_write_split, who, "dimension " + std::to_string(dim) + " of " + to_string(t.shape) + " does not split over TP " + std::to_string(tp));
+    return n / tp;
+  };
+  shape_t piece = t.shape;
+  Box box = full_box(t.shape);
+  switch (how) {
+    case split::replicated: return {piece, {{box, 0}}};
+    case split::row: {
+      const std::uint64_t n = part(1);
+      piece[1] = box.sizes[1] = static_cast<dim_t>(n);
+      box.offsets[1] = static_cast<dim_t>(r * n);
+      return {piece, {{box, 0}}};
+    }
+    case split::qkv:
+      if (f.groups % tp != 0 || f.heads % tp != 0 || static_cast<std::uint64_t>(t.shape.empty() ? 0 : t.shape[0]) != (f.heads + 2 * f.groups) * f.kv_channels)
+        throw_error(errors::mg_write_split, who, "QKV of " + to_string(t.shape) + " does not split into whole query groups (" + std::to_string(f.heads) + " heads, " +
+                                                      std::to_string(f.groups) + " groups of " + std::to_string(f.kv_channels) + ") over TP " + std::to_string(tp));
+      [[fallthrough]];
+    case split::column:
+    case split::vocab: {
+      const std::uint64_t n = part(0);
+      piece[0] = box.sizes[0] = static_cast<dim_t>(n);
+      box.offsets[0] = static_cast<dim_t>(r * n);
+      return {piece, {{box, 0}}};
+    }
+    case split::glu: {
+      const std::uint64_t full = part(0) * tp;
+      if (full % (2 * tp) != 0) throw_error(errors::mg_write_split, who, "[W; V] of " + std::to_string(full) + " rows does not split into halves over TP " + std::to_string(tp));
+      const std::uint64_t h = full / 2 / tp;
+      piece[0] = static_cast<dim_t>(2 * h);
+      Box w = box, v = box;
+      w.sizes[0] = v.sizes[0] = static_cast<dim_t>(h);
+      w.offsets[0] = static_cast<dim_t>(r * h);
+      v.offsets[0] = static_cast<dim_t>(full / 2 + r * h);
+      return {piece, {{w, 0}, {v, h}}};
+    }
+    case split::fc1: break;
+  }
+  throw_error(errors::mg_bad_rule, who, "rule fc1 reached the writer unresolved");
+}
+
+}  // namespace detail
+}  // namespace statedict::inline v0::megatron
+
+namespace statedict::inline v0::megatron {
+
+namespace detail {
+
+/// The writer's view of its input: the tensors to write with their place, and the run's values.
+struct write_input {
+  ShardedCheckpoint work;  ///< the source, vocabulary tensors re-padded
+  std::vector<out_tensor> outs;
+  facts f;
+  Value root;  ///< the source tree (placeholder tensors)
+  std::shared_ptr<torch::detail::reservation> space;
+  std::uint64_t vocab_rows = 0;
+  bool output_layer = false;
+  std::optional<std::size_t> word_embeddings;  ///< out index
+};
+
+/// Where one canonical name goes (first stage, a layer, the last stage) and under which key.
+inline out_tensor classify(const TensorInfo& t, std::size_t i, const facts& f) {
+  const std::string who = "tensor " + quote(t.name);
+  if (t.name.rfind("optimizer.", 0) == 0)
+    throw_error(errors::mg_write_input, who, "optimizer state is not written to a Megatron-LM checkpoint (read the input without --with-optimizer)");
+  if (t.name.rfind("language_model.", 0) != 0)
+    throw_error(errors::mg_write_input, who, "is not a Megatron-LM GPT tensor (canonical names start with 'language_model.', as statedict reads Megatron checkpoints)");
+  const std::string rest = t.name.substr(15);
+  out_tensor o;
+  o.index = i;
+  if (rest.rfind("embedding.", 0) == 0) {
+    const std::string e = rest.substr(10);
+    const auto dot = e.find('.');
+    if (dot == std::string::npos || dot == 0) throw_error(errors::mg_write_input, who, "an embedding tensor is named embedding.<table>.<leaf>");
+    o.place = out_tensor::where::first;
+    o.group = e.substr(0, dot);
+    o.key = e.substr(dot + 1);
+  } else if (auto l = layer_of(rest, "encoder.layers.")) {
+    if (l->first >= f.num_layers) throw_error(errors::mg_write_input, who, "layer " + std::to_string(l->first) + " is past args.num_layers " + std::to_string(f.num_layers));
+    o.place = out_tensor::where::layer;
+    o.layer = l->first;
+    o.group = "encoder";
+    o.key = l->second;
+  } else if (rest.rfind("encoder.", 0) == 0 || rest.rfind("output_layer.", 0) == 0) {
+    const auto dot = rest.find('.');
+    o.place = out_tensor::where::last;
+    o.group = rest.substr(0, dot);
+    o.key = rest.substr(dot + 1);
+  } else {
+    throw_error(errors::mg_write_input, who, "has no place in Megatron's GPT model (embedding, encoder, output_layer)");
+  }
+  return o;
+}
+
+/// Reads the input: its args, every tensor's place and rule, the vocabulary re-padded.
+inline write_input prepare(const ShardedCheckpoint& ck, const write_options& o, std::uint64_t tp, std::uint64_t stages) {
+  write_input in;
+  in.root = source_tree(ck, in.space);
+  const Value* args = in.root.is_dict() ? in.root.as_dict().find("args") : nullptr;
+  if (!args)
+    throw_error(errors::mg_write_input, "the checkpoint", "has no 'args' (argparse.Namespace): the writer needs Megatron's model arguments, as read from a Megatron checkpoint");
+  const Value* cv = in.root.as_dict().find("checkpoint_version");
+  in.f = read_facts(*args, cv && (cv->is_double() || cv->is_int()) ? cv->as_number() : 3.0, limits{}, "the checkpoint's args");
+  if (in.f.num_layers % stages != 0)
+    throw_error(errors::mg_write_split, "the checkpoint's args", "num_layers " + std::to_string(in.f.num_layers) + " is not a multiple of PP x virtual PP = " +
+                                                                   std::to_string(stages));
+  in.work.format = ck.format;
+  in.work.sources = ck.sources;
+  in.work.tensors = ck.tensors;
+  std::set<std::uint64_t> layers;
+  const args_reader ar(*args, "the checkpoint's args");
+  const Value* divisor = ar.get("make_vocab_size_divisible_by");
+  for (std::size_t i = 0; i < in.work.tensors.size(); ++i) {
+    TensorInfo& t = in.work.tensors[i];
+    out_tensor ot = classify(t, i, in.f);
+    const auto how = rule_for(t.name, o.rules, o.default_rules);
+    if (!how && tp > 1)
+      throw_error(errors::mg_write_split, "tensor " + quote(t.name), "no partition rule names it, so it cannot be split over TP " + std::to_string(tp) +
+                                                                          ": add one (write_options::rules, --megatron-rule PATTERN=KIND)");
+    ot.how = !how ? split::replicated : *how == split::fc1 ? (in.f.swiglu ? split::glu : split::column) : *how;
+    if (ot.how == split::vocab) {
+      if (t.shape.empty()) throw_error(errors::mg_write_split, "tensor " + quote(t.name), "a vocabulary tensor has rows");
+      const std::uint64_t rows = repad_rows(static_cast<std::uint64_t>(t.shape[0]), o, tp, divisor, t.name);
+      if (in.vocab_rows && rows != in.vocab_rows)
+        throw_error(errors::mg_write_input, "tensor " + quote(t.name), "has another vocabulary size than the other vocabulary tensors");
+      in.vocab_rows = rows;
+      resize_rows(t, rows);
+    }
+    if (ot.place == out_tensor::where::layer) layers.insert(ot.layer);
+    if (ot.group == "output_layer") in.output_layer = true;
+    if (ot.group == "word_embeddings" && ot.key == "weight") in.word_embeddings = in.outs.size();
+    in.outs.push_back(std::move(ot));
+  }
+  for (std::uint64_t l = 0; l < in.f.num_layers; ++l)
+    if (!layers.count(l)) throw_error(errors::mg_write_input, "the checkpoint", "has no tensor of layer " + std::to_string(l) + " of args.num_layers " + std::to_string(in.f.num_layers));
+  return in;
+}
+
+/// args with the new parallel sizes and vocabulary.
+inline Value new_args(const Value& args, std::uint64_t tp, std::uint64_t pp, std::optional<std::uint64_t> vpp, std::uint64_t vocab) {
+  Value a = args;
+  Object& o = a.as_object();
+  if (o.state.size() != 1 || !o.state[0].is_dict()) throw_error(errors::mg_write_input, "args", "is not an argparse.Namespace with a plain attribute dict");
+  Dict& d = o.state[0].as_dict();
+  d.set("tensor_model_parallel_size", static_cast<std::int64_t>(tp));
+  if (d.contains("model_parallel_size")) d.set("model_parallel_size", static_cast<std::int64_t>(tp));
+  d.set("pipeline_model_parallel_size", static_cast<std::int64_t>(pp));
+  d.set("virtual_pipeline_model_parallel_size", vpp ? Value(static_cast<std::int64_t>(*vpp)) : Value());
+  if (vocab) d.set("padded_vocab_size", static_cast<std::int64_t>(vocab));
+  return a;
+}
+
+/// The modules of a legacy layer that carry `_extra_state` (the parallel linears).
+inline bool parallel_linear(std::string_view module) {
+  for (std::string_view m : {"self_attention.query_key_value", "self_attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h"})
+    if (module == m) return true;
+  return false;
+}
+
+/// Builds the model chunk `v` of stage `p` for TP rank `r`, with placeholder pieces in `space`.
+struct piece_maker {
+  const write_input& in;
+  std::uint64_t tp;
+  std::shared_ptr<torch::detail::reservation> space;  ///< placeholders, never read
+  std::uint64_t capacity = 0;
+  std::uint64_t used = 0;
+  rank_plan* rp = nullptr;
+  std::uint64_t r = 0;
+
+  Value make(std::size_t out) {
+    const TensorInfo& t = in.work.tensors[in.outs[out].index];
+    const auto [shape, boxes] = split_piece(t, in.outs[out].how, r, tp, in.f);
+    const std::uint64_t size = checked_add(byte_size(shape, itemsize(t.dtype)), 127, "reservation") / 64 * 64;
+    if (size > capacity - used) throw_error(errors::mg_write_input, "tensor " + quote(t.name), "its rank pieces outgrow the space reserved for them");
+    const std::byte* at = space->base() + used;
+    used += size;
+    rp->slots.push_back(rank_plan::slot{out, at, r});
+    return Value(TensorView::contiguous(t.dtype, shape, at, space));
+  }
+};
+
+inline Value chunk_tree(const write_input& in, piece_maker& pm, std::uint64_t p, std::uint64_t v, std::uint64_t pp, std::uint64_t vpp) {
+  const std::uint64_t L = in.f.num_layers, n = L / (pp * vpp), first = v * (L / vpp) + p * n;
+  const bool pre = p == 0 && v == 0, post = p + 1 == pp && v + 1 == vpp;
+  Dict lm;
+  if (pre) {
+    Dict emb;
+    for (std::size_t i = 0; i < in.outs.size(); ++i)
+      if (in.outs[i].place == out_tensor::where::first) {
+        Value* sub = emb.find(in.outs[i].group);
+        if (!sub) sub = &emb.set(in.outs[i].group, Value(Dict{}));
+        sub->as_dict().set(in.outs[i].key, pm.make(i));
+      }
+    lm.set("embedding", Value(std::move(emb)));
+  }
+  Dict enc;
+  for (std::uint64_t l = first; l < first + n; ++l) {
+    std::vector<std::string> modules;
+    std::map<std::string, std::vector<std::size_t>> by_module;
+    for (std::size_t i = 0; i < in.outs.size(); ++i) {
+      if (in.outs[i].place != out_tensor::where::layer || in.outs[i].layer != l) continue;
+      const std::string m = in.outs[i].key.substr(0, in.outs[i].key.rfind('.') == std::string::npos ? 0 : in.outs[i].key.rfind('.'));
+      if (!by_module.count(m)) modules.push_back(m);
+      by_module[m].push_back(i);
+    }
+    const std::string prefix = "layers." + std::to_string(l - first) + ".";
+    for (const std::string& m : modules) {
+      for (std::size_t i : by_module[m]) enc.set(prefix + in.outs[i].key, pm.make(i));
+      if (parallel_linear(m)) enc.set(prefix + m + "._extra_state", Value());
+    }
+  }
+  Dict out_layer;
+  if (post)
+    for (std::size_t i = 0; i < in.outs.size(); ++i) {
+      if (in.outs[i].place != out_tensor::where::last) continue;
+      if (in.outs[i].group == "encoder") enc.set(in.outs[i].key, pm.make(i));
+      else out_layer.set(in.outs[i].key, pm.make(i));
+    }
+  lm.set("encoder", Value(std::move(enc)));
+  if (!out_layer.empty()) {
+    out_layer.set("_extra_state", Value());
+    lm.set("output_layer", Value(std::move(out_layer)));
+  }
+  Dict chunk;
+  chunk.set("language_model", Value(std::move(lm)));
+  if (post && !pre && !in.output_layer && !in.f.untied && in.word_embeddings) {
+    Dict head;
+    head.set("weight", pm.make(*in.word_embeddings));
+    chunk.set("word_embeddings_for_head", Value(std::move(head)));
+  }
+  return Value(std::move(chunk));
+}
+
+/// Writes the zip framing of a rank file around its storages (CRCs from the sink).
+inline void write_framing(const torch::SavePlan& plan, OutputFile& file, const FileSink& sink) {
+  WriteCoalescer f(file);
+  const auto& regs = sink.crc_regions();
+  const auto& L = plan.layout;
+  std::vector<std::uint32_t> crcs(plan.records.size(), 0);
+  for (std::size_t e = 0; e < plan.records.size(); ++e) {
+    const auto& rec = plan.records[e];
+    if (!rec.storage) {
+      crcs[e] = zip::crc32(rec.bytes);
+    } else if (plan.storages[*rec.storage].nbytes > 0) {
+      const std::uint64_t data = L.entries[e].data_offset;
+      const auto pos = std::lower_bound(regs.begin(), regs.end(), data, [](const FlatRange& a, std::uint64_t x) { return a.begin < x; });
+      crcs[e] = sink.crc32(static_cast<std::size_t>(pos - regs.begin()));
+    }
+    f.write(L.entries[e].header_offset, zip::local_header_bytes(L.entries[e], L.options));
+    if (!rec.storage) f.write(L.entries[e].data_offset, rec.bytes);
+    f.write(L.entries[e].descriptor_offset, zip::descriptor_bytes(L.entries[e], crcs[e]));
+  }
+  f.write(L.central_offset, zip::tail_bytes(L, crcs));
+  f.flush();
+}
+
+}  // namespace detail
+
+/// Writes `ck` (a full Megatron-LM GPT model with canonical names and its `args`, as describe()
+/// gives it) as a legacy checkpoint for TP x PP ranks into `dir` (replaced atomically): the
+/// tracker file and iter_<iteration>/mp_rank_*/model_optim_rng.pt. Returns the files written.
+inline std::vector<std::string> write(const ShardedCheckpoint& ck, const std::filesystem::path& dir, const write_options& o = {}) {
+  check(o);
+  const std::uint64_t tp = o.tp.value_or(1), pp = o.pp.value_or(1), vpp = o.vpp.value_or(1);
+  detail::write_input in = detail::prepare(ck, o, tp, pp * vpp);
+  const Dict& root = in.root.as_dict();
+  const Value args = detail::new_args(*root.find("args"), tp, pp, o.vpp, in.vocab_rows);
+  const Value* iv = root.find("iteration");
+  const bool release = !iv || !iv->is_int() || iv->as_int() <= 0;
+  std::string folder = release ? "release" : std::to_string(iv->as_int());
+  if (!release && folder.size() < 7) folder.insert(0, 7 - folder.size(), '0');
+  if (!release) folder = "iter_" + folder;
+
+  // Each tensor is held by one stage (the word embeddings by two: tied heads), on every TP rank a
+  // piece of at most its size.
+  std::uint64_t space = 64;
+  for (const TensorInfo& t : in.work.tensors)
+    space = checked_add(space, checked_mul(checked_add(byte_size(t.shape, itemsize(t.dtype)), 128, "size"), checked_mul(2, tp, "size"), "size"), "size");
+  std::vector<detail::rank_plan> plans;
+  detail::piece_maker pm{in, tp, std::make_shared<torch::detail::reservation>(space), space};
+  for (std::uint64_t p = 0; p < pp; ++p)
+    for (std::uint64_t r = 0; r < tp; ++r) {
+      detail::rank_plan rp;
+      char name[64];
+      std::snprintf(name, sizeof name, pp > 1 ? "mp_rank_%02llu_%03llu" : "mp_rank_%02llu", static_cast<unsigned long long>(r), static_cast<unsigned long long>(p));
+      rp.name = folder + "/" + name + "/model_optim_rng.pt";
+      pm.rp = &rp;
+      pm.r = r;
+      Dict top;
+      top.set("args", args);
+      top.set("checkpoint_version", Value(3.0));
+      if (!release) top.set("iteration", *iv);
+      for (std::uint64_t v = 0; v < vpp; ++v) top.set(o.vpp ? "model" + std::to_string(v) : std::string("model"), detail::chunk_tree(in, pm, p, v, pp, vpp));
+      for (const auto& [k, x] : root)
+        if (k.is_string() && !top.contains(k) && k.as_string() != "language_model" && k.as_string() != "optimizer" && !detail::holds_tensor(x))
+          top.set(k, x);
+      rp.tree = Value(std::move(top));
+      torch::save_options so;
+      so.archive_name = "model_optim_rng";
+      rp.plan = torch::plan_save(rp.tree, so);
+      plans.push_back(std::move(rp));
+    }
+  // Every piece's storage in its file, and the boxes of the full tensor it holds.
+  formats::detail::file_set files;
+  files.dst.tensors.resize(in.outs.size());
+  for (std::size_t i = 0; i < in.outs.size(); ++i) {
+    const TensorInfo& t = in.work.tensors[in.outs[i].index];
+    files.dst.tensors[i] = TensorInfo{t.name, t.dtype, t.shape, {}};
+  }
+  std::vector<std::vector<FlatRange>> crc(plans.size());
+  for (std::size_t k = 0; k < plans.size(); ++k) {
+    const torch::SavePlan& sp = plans[k].plan;
+    files.dst.names.push_back(plans[k].name);
+    files.dst.sizes.push_back(sp.file_size());
+    std::map<const std::byte*, std::size_t> storage_of;
+    for (std::size_t s = 0; s < sp.storages.size(); ++s) {
+      storage_of.emplace(sp.storages[s].source, s);
+      if (sp.storages[s].nbytes) crc[k].push_back(FlatRange{sp.storage_offset(s), sp.storage_offset(s) + sp.storages[s].nbytes});
+    }
+    std::sort(crc[k].begin(), crc[k].end(), [](const FlatRange& a, const FlatRange& b) { return a.begin < b.begin; });
+    for (const auto& slot : plans[k].slots) {
+      TensorInfo& d = files.dst.tensors[slot.tensor];
+      const auto [shape, boxes] = detail::split_piece(in.work.tensors[in.outs[slot.tensor].index], in.outs[slot.tensor].how, slot.r, tp, in.f);
+      if (numel(shape) == 0) continue;
+      const auto s = storage_of.find(slot.data);
+      if (s == storage_of.end()) throw_error(errors::mg_write_input, "tensor " + quote(d.name), "has no storage in the planned rank file " + quote(plans[k].name));
+      const std::uint64_t row = shape.size() > 1 ? numel(std::span<const dim_t>(shape).subspan(1)) : 1;
+      for (const auto& [box, first_row] : boxes)
+        d.chunks.push_back(Chunk{box, Placement{static_cast<std::uint32_t>(k),
+                                                checked_add(sp.storage_offset(s->second), checked_mul(first_row * row, itemsize(d.dtype), "offset"), "offset"), {}, d.dtype}});
+    }
+  }
+  files.prepare = [&](std::size_t k, OutputFile&, FileSink& sink) { sink.track_crc32(crc[k]); };
+  files.finish = [&](std::size_t k, OutputFile& f, FileSink& sink) { detail::write_framing(plans[k].plan, f, sink); };
+  files.index_name = "latest_checkpointed_iteration.txt";
+  files.index_bytes = [&] {
+    const std::string text = release ? std::string("release") : std::to_string(iv->as_int());
+    const auto* b = reinterpret_cast<const std::byte*>(text.data());
+    return std::vector<std::byte>(b, b + text.size());
+  };
+  files.what = "Megatron-LM checkpoint";
+  files.file_kind = "rank file";
+  formats::save_options so;
+  so.exec = o.exec;
+  so.plan = o.plan;
+  return formats::detail::write_file_set(in.work, files, dir, so);
+}
+
+}  // namespace statedict::inline v0::megatron
+
+namespace statedict::inline v0::megatron {
+
+/// How describe() reads a checkpoint.
+struct options {
+  /// Also the optimizer state: `optimizer.state.<param>.<key>` (exp_avg, exp_avg_sq, fp32_param,
+  /// step; sharded like the parameter) and `optimizer.param_groups`.
+  bool with_optimizer = false;
+  /// Cut the vocabulary-parallel tensors (word embeddings, output layer, their optimizer state) to
+  /// this many rows; unset: the padded rows as stored.
+  std::optional<std::uint64_t> true_vocab_size;
+  /// Partition rules tried before the built-in ones (default_rules()), first match wins.
+  std::vector<rule> rules;
+  /// Use default_rules() after `rules`.
+  bool default_rules = true;
+  read_mode mode = read_mode::mmap;
+  megatron::limits limits{};
+};
+
+/// What detect() found.
+struct detection {
+  bool found = false;
+  /// Not readable, but named like a Megatron checkpoint (a tracker file): describe() says why.
+  bool damaged = false;
+  std::string rule;
+  bool torch_dist = false;
+  std::filesystem::path iteration_dir;
+  /// The iteration latest_checkpointed_iteration.txt names (none: `release`, or no tracker).
+  std::optional<std::uint64_t> iteration;
+};
+
+/// Looks at `dir`: a tracker file (latest_checkpointed_iteration.txt) naming an iteration folder,
+/// or an iteration folder itself, holding metadata.json with sharded_backend torch_dist, or
+/// mp_rank_* folders with model_optim_rng.pt. Never throws.
+inline detection detect(const std::filesystem::path& dir, const limits& lim = {}) {
+  detection d;
+  std::error_code ec;
+  if (!std::filesystem::is_directory(dir, ec)) {
+    d.rule = "not a directory";
+    return d;
+  }
+  detail::iteration_dir it;
+  try {
+    it = detail::find_iteration(dir, lim);
+  } catch (const error& e) {
+    d.damaged = true;
+    d.rule = "latest_checkpointed_iteration.txt is unreadable: " + e.detail();
+    return d;
+  }
+  if (!std::filesystem::is_directory(it.dir, ec)) {
+    d.damaged = it.tracker;
+    d.rule = "latest_checkpointed_iteration.txt names " + quote(it.dir.filename().string()) + ", which is not a folder";
+    return d;
+  }
+  d.iteration_dir = it.dir;
+  d.iteration = it.iteration;
+  if (auto b = detail::sharded_backend(it.dir, lim)) {
+    d.found = *b == "torch_dist";
+    d.damaged = !d.found;
+    d.torch_dist = true;
+    d.rule = "megatron: metadata.json with sharded_backend " + quote(*b) + (d.found ? " (Megatron-core distributed checkpoint)" : "");
+    return d;
+  }
+  std::size_t ranks = 0;
+  for (std::filesystem::directory_iterator i(it.dir, ec), end; !ec && i != end && ranks < 2; i.increment(ec))
+    if (detail::parse_rank_dir(i->path().filename().string()) && std::filesystem::is_regular_file(i->path() / "model_optim_rng.pt", ec)) ++ranks;
+  if (ranks == 0) {
+    d.damaged = it.tracker;
+    d.rule = "looked for Megatron-LM mp_rank_*/model_optim_rng.pt folders or a torch_dist metadata.json in " + quote(it.dir.string()) + ": none";
+    return d;
+  }
+  d.found = true;
+  d.rule = std::string("megatron: mp_rank_* folders with model_optim_rng.pt") + (it.tracker ? " (latest_checkpointed_iteration.txt names " +
+                                                                                                      quote(it.dir.filename().string()) + ")"
+                                                                                                : "");
+  return d;
+}
+
+namespace detail {
+
+/// The keys of a rank file that are per-rank state, not carried: model chunks, optimizer, RNG.
+inline bool per_rank_key(const std::string& k) {
+  if (k == "model" || k == "optimizer" || k == "rng_state") return true;
+  if (k.rfind("model", 0) == 0 && k.size() > 5 && k.find_first_not_of("0123456789", 5) == std::string::npos) return true;
+  for (const char* r : {"random_rng_state", "np_rng_state", "torch_rng_state", "cuda_rng_state", "rng_tracker_states"})
+    if (k == r) return true;
+  return false;
+}
+
+/// The files of a legacy checkpoint, loaded; facts checked the same on every rank.
+inline std::vector<rank_file> load_legacy(const detection& d, const options& opt, facts& f) {
+  const limits& lim = opt.limits;
+  const std::vector<rank_dir> dirs = rank_dirs(d.iteration_dir, lim);
+  if (dirs.empty()) throw_error(errors::mg_rank_dirs, "directory " + quote(d.iteration_dir.string()), "has no mp_rank_* folder");
+  const std::string context = "Megatron checkpoint " + quote(d.iteration_dir.string());
+  std::vector<rank_file> files;
+  files.reserve(dirs.size());
+  for (const rank_dir& rd : dirs) {
+    const auto p = rd.path / "model_optim_rng.pt";
+    files.push_back(rank_file{rd, formats::detail::load_rank_file(p, opt.mode, lim.torch, context), "file " + quote(p.string()),
+                              static_cast<std::uint32_t>(files.size()), {}});
+  }
+  f = read_facts(args_of(files[0]), checkpoint_version(files[0]), lim, files[0].where);
+  if (args_reader(args_of(files[0]), files[0].where).count("expert_model_parallel_size", lim.max_ranks, "max_ranks").value_or(1) > 1)
+    throw_error(errors::mg_unsupported, files[0].where, "args.expert_model_parallel_size > 1: expert parallelism is not supported");
+  check_rank_set(dirs, f, d.iteration_dir);
+  const auto it0 = file_iteration(files[0]);
+  if (d.iteration && it0 && static_cast<std::uint64_t>(*it0) != *d.iteration)
+    throw_error(errors::mg_bad_tracker, files[0].where, "records iteration " + std::to_string(*it0) + ", latest_checkpointed_iteration.txt names " +
+                                                            std::to_string(*d.iteration));
+  for (const rank_file& rf : files) {
+    const facts g = read_facts(args_of(rf), checkpoint_version(rf), lim, rf.where);
+    if (g.tp != f.tp || g.pp != f.pp || g.vpp != f.vpp || g.num_layers != f.num_layers || g.heads != f.heads || g.groups != f.groups ||
+        g.kv_channels != f.kv_channels || g.swiglu != f.swiglu || g.untied != f.untied || g.checkpoint_version != f.checkpoint_version ||
+        g.distributed_optimizer != f.distributed_optimizer)
+      throw_error(errors::mg_bad_args, rf.where, "args or checkpoint_version differ from " + files[0].where + "'s (parallel sizes or model shape)");
+    if (file_iteration(rf) != it0) throw_error(errors::mg_bad_rank_file, rf.where, "records another iteration than " + files[0].where);
+  }
+  return files;
+}
+
+/// The optimizer state of every rank file (those that saved one).
+inline optim_read read_optimizers(const std::vector<rank_file>& files, const facts& f, const model_read& m, const options& opt) {
+  optim_read o;
+  std::size_t with = 0;
+  for (const rank_file& rf : files) {
+    const Value* opt_v = top_dict(rf).find("optimizer");
+    if (!opt_v || opt_v->is_none()) continue;
+    ++with;
+    std::vector<param_ref> params;
+    for (const auto& c : rf.chunks) params.insert(params.end(), c.begin(), c.end());
+    if (opt_v->is_sequence()) throw_error(errors::mg_unsupported, rf.where, "optimizer is a list (ChainedOptimizer): not supported");
+    if (!f.distributed_optimizer) {
+      read_plain(o, rf, *opt_v, params, m.tensors, f.tp);
+      continue;
+    }
+    const optim_shard::Access a{errors::mg_optimizer, rf.where};
+    const Dict& inner = a.dict(a.at(a.dict(*opt_v, "optimizer"), "optimizer", "optimizer"), "optimizer.optimizer");
+    merge_groups(o, a.list(a.at(inner, "param_groups", "optimizer.optimizer"), "param_groups"), rule_groups(params), params, rf);
+    const auto p = rf.dir.path / "distrib_optim.pt";
+    std::error_code ec;
+    if (!std::filesystem::is_regular_file(p, ec))
+      throw_error(errors::mg_distrib_optim, "directory " + quote(rf.dir.path.string()), "has no distrib_optim.pt (args.use_distributed_optimizer is set)");
+    o.files.push_back(formats::detail::load_rank_file(p, opt.mode, opt.limits.torch, "Megatron checkpoint " + quote(rf.dir.path.string())));
+    read_distrib(o, rf, o.files.back(), static_cast<std::uint32_t>(files.size() + o.files.size() - 1), f, m.tensors, f.tp);
+  }
+  if (with != 0 && with != files.size())
+    throw_error(errors::mg_optimizer, files[0].where, "only " + std::to_string(with) + " of " + std::to_string(files.size()) + " rank files hold optimizer state");
+  return o;
+}
+
+/// Adds the merged optimizer state to the description (after the model).
+inline void add_optimizer(ShardedCheckpoint& ck, optim_shard::SkeletonBuilder& skel, optim_read& o, const std::vector<std::string>& order,
+                          place_context& c) {
+  for (const std::string& name : order) {
+    const auto k = o.keys.find(name);
+    if (k == o.keys.end()) continue;
+    for (const std::string& key : k->second) {
+      const std::vector<std::string> path{"optimizer", "state", name, key};
+      if (auto it = o.tensors.find("optimizer.state." + name + "." + key); it != o.tensors.end()) {
+        TensorInfo t = place(it->second, c);
+        skel.tensor(path, t);
+        ck.tensors.push_back(std::move(t));
+      } else if (auto v = o.values.find(name + "." + key); v != o.values.end()) {
+        skel.value(path, v->second);
+      }
+    }
+  }
+  for (std::size_t g = 0; g < o.groups.size(); ++g) {
+    const std::string gs = std::to_string(g);
+    for (const auto& [k, v] : o.groups[g].hyper) skel.value(std::vector<std::string>{"optimizer", "param_groups", gs, k.str()}, v);
+    List names;
+    for (const std::string& n : order)
+      if (o.groups[g].members.count(n)) names.emplace_back(n);
+    skel.value(std::vector<std::string>{"optimizer", "param_groups", gs, "params"}, Value::list(std::move(names)));
+  }
+}
+
+inline ShardedCheckpoint describe_legacy(const detection& d, const options& opt) {
+  facts f;
+  std::vector<rank_file> files = load_legacy(d, opt, f);
+  model_read m = read_models(files, f, opt.rules, opt.default_rules, opt.limits);
+  optim_read o;
+  if (opt.with_optimizer) o = read_optimizers(files, f, m, opt);
+  optim_shard::SourceTable table;
+  for (const rank_file& rf : files) table.add(rf.file.source, rf.file.base);
+  for (const auto& df : o.files) table.add(df.source, df.base);
+  place_context c{&f, opt.true_vocab_size, opt.limits.max_chunks, 0, opt.limits.max_compare_bytes, &table, {}};
+  for (const auto& s : table.sources()) c.bases.emplace_back(nullptr, s->size());
+  for (std::size_t i = 0; i < files.size(); ++i) c.bases[i].first = files[i].file.base ? files[i].file.base : files[i].file.source->data();
+  for (std::size_t i = 0; i < o.files.size(); ++i)
+    c.bases[files.size() + i].first = o.files[i].base ? o.files[i].base : o.files[i].source->data();
+  ShardedCheckpoint ck;
+  optim_shard::SkeletonBuilder skel;
+  const std::vector<std::string> order = canonical_order(m);
+  bool model_done = false;
+  for (const auto& [key, v] : top_dict(files[0])) {
+    const std::string k = key.str();
+    if (!model_done && (k == "model" || k == "model0")) {
+      model_done = true;
+      for (const std::string& n : order) {
+        TensorInfo t = place(m.tensors.at(n), c);
+        skel.tensor(tree_path(n), t);
+        ck.tensors.push_back(std::move(t));
+      }
+    } else if (k == "optimizer") {
+      if (opt.with_optimizer) add_optimizer(ck, skel, o, order, c);
+    } else if (k == "checkpoint_version") {
+      skel.value(std::vector<std::string>{k}, Value(3.0));  // the QKV rows are described in the >= 2.0 order
+    } else if (!per_rank_key(k) && !holds_tensor(v)) {
+      skel.value(std::vector<std::string>{k}, v);
+    }
+  }
+  ck.format = "megatron";
+  ck.skeleton = skel.build();
+  ck.sources = table.take();
+  ck.metadata["megatron.layout"] = "legacy";
+  ck.metadata["megatron.tensor_model_parallel_size"] = std::to_string(f.tp);
+  ck.metadata["megatron.pipeline_model_parallel_size"] = std::to_string(f.pp);
+  if (f.virtual_pp) ck.metadata["megatron.virtual_pipeline_model_parallel_size"] = std::to_string(f.vpp);
+  ck.metadata["megatron.checkpoint_version"] = version_text(f.checkpoint_version);
+  if (f.padded_vocab_size) ck.metadata["megatron.padded_vocab_size"] = std::to_string(*f.padded_vocab_size);
+  if (opt.true_vocab_size) ck.metadata["megatron.true_vocab_size"] = std::to_string(*opt.true_vocab_size);
+  return ck;
+}
+
+/// Cuts the rows of a vocabulary tensor's chunks to `rows`.
+inline void clip_vocab(TensorInfo& t, std::uint64_t rows) {
+  if (t.shape.empty() || rows > static_cast<std::uint64_t>(t.shape[0]))
+    throw_error(errors::mg_vocab, "tensor " + quote(t.name), "the true vocabulary size " + std::to_string(rows) + " exceeds its " +
+                                                                 (t.shape.empty() ? std::string("0") : std::to_string(t.shape[0])) + " rows");
+  t.shape[0] = static_cast<dim_t>(rows);
+  std::vector<Chunk> kept;
+  for (Chunk& ch : t.chunks) {
+    Box& b = std::get<Box>(ch.region);
+    const auto off = static_cast<std::uint64_t>(b.offsets[0]);
+    if (off >= rows) continue;
+    b.sizes[0] = static_cast<dim_t>(std::min<std::uint64_t>(static_cast<std::uint64_t>(b.sizes[0]), rows - off));
+    kept.push_back(std::move(ch));  // the rows kept are the box's first ones: same strides
+  }
+  t.chunks = std::move(kept);
+}
+
+inline ShardedCheckpoint describe_dist(const detection& d, const options& opt) {
+  const limits& lim = opt.limits;
+  const std::filesystem::path& dir = d.iteration_dir;
+  std::string cls;
+  const dcp::Metadata md = dist_metadata(dir, lim, cls);
+  const std::string mdfile = (dir / ".metadata").string();
+  dcp::detail::Files files{dir, opt.mode, lim.dcp.max_files, {}, {}};
+  // The common state: common.pt, or the common_state byte item ([that dict]).
+  Value common;
+  std::optional<optim_shard::LoadedFile> common_file;
+  std::error_code ec;
+  const bool common_pt = std::filesystem::is_regular_file(dir / "common.pt", ec);
+  if (common_pt) {
+    common_file = formats::detail::load_rank_file(dir / "common.pt", opt.mode, lim.torch, "Megatron checkpoint " + quote(dir.string()));
+    common = common_file->tree;
+  } else {
+    for (const dcp::Entry& e : md.entries) {
+      if (e.tensor || e.fqn.rfind("common_state/", 0) != 0) continue;
+      const dcp::StorageInfo& si = *md.find(dcp::StorageIndex{e.fqn, std::nullopt});
+      const std::string iw = "file " + quote(mdfile) + ": key " + quote(e.fqn);
+      common = common_item(dcp::detail::load_item(files.item(files.open(si.relative_path, iw), si, iw), lim.dcp, iw).value, lim, iw, common_file);
+    }
+  }
+  if (!common.is_dict()) throw_error(errors::mg_torch_dist, "directory " + quote(dir.string()), "has neither common.pt nor a common_state item");
+  std::optional<facts> f;
+  if (const Value* a = common.as_dict().find("args")) {
+    const Value* cv = common.as_dict().find("checkpoint_version");
+    f = read_facts(*a, cv && (cv->is_double() || cv->is_int()) ? cv->as_number() : 3.0, lim, "common state of " + quote(dir.string()));
+  }
+  dist_read r;
+  std::map<std::string, std::vector<TensorInfo>> optim;  // state key -> per-layer tensors (model names)
+  std::uint64_t count = 0;                               // optimizer tensors read
+  for (const dcp::Entry& e : md.entries) {
+    if (!e.tensor) continue;
+    if (e.fqn.rfind("optimizer.", 0) == 0) {
+      if (!opt.with_optimizer) continue;
+      const auto ok = optimizer_key(e.fqn);
+      if (!ok)
+        throw_error(errors::mg_unsupported, "file " + quote(mdfile) + ": key " + quote(e.fqn),
+                    "is distributed-optimizer state in a flattened or per-bucket form: not supported (only optimizer.state.<moment>.<model key>)");
+      for (TensorInfo& t : per_layer(dist_tensor(e, md, files, lim, mdfile), ok->first, r, lim)) {
+        optim[ok->second].push_back(std::move(t));
+        ++count;
+      }
+    } else {
+      for (TensorInfo& t : per_layer(dist_tensor(e, md, files, lim, mdfile), e.fqn, r, lim)) r.model.push_back(std::move(t));
+    }
+    if (r.model.size() + count > lim.max_tensors)
+      throw_error(errors::mg_limit, "file " + quote(mdfile), "more tensors than limits::max_tensors");
+  }
+  if (f && r.stacked && r.layers != f->num_layers)
+    throw_error(errors::mg_torch_dist, "file " + quote(mdfile), "stacks " + std::to_string(r.layers) + " layers, args.num_layers is " + std::to_string(f->num_layers));
+  join_pairs(r.model, r);
+  order_model(r.model);
+  std::map<std::string, std::size_t> model_at;
+  for (std::size_t i = 0; i < r.model.size(); ++i) model_at.emplace(r.model[i].name, i);
+  const auto trim = [&](TensorInfo& t, const std::string& model_name) {
+    if (opt.true_vocab_size && rule_for(model_name, opt.rules, opt.default_rules) == split::vocab) clip_vocab(t, *opt.true_vocab_size);
+  };
+  ShardedCheckpoint ck;
+  optim_shard::SkeletonBuilder skel;
+  for (const auto& [k, v] : common.as_dict())
+    if (k.str() != "optimizer" && !holds_tensor(v)) skel.value(std::vector<std::string>{k.str()}, v);
+  for (TensorInfo& t : r.model) {
+    trim(t, t.name);
+    skel.tensor(std::vector<std::string>{t.name}, t);
+  }
+  std::vector<TensorInfo> states;
+  std::vector<std::pair<std::size_t, std::size_t>> rank;  // (model index, key index)
+  std::size_t key_index = 0;
+  for (const char* key : {"exp_avg", "exp_avg_sq", "fp32_param"}) {
+    auto it = optim.find(key);
+    if (it != optim.end()) {
+      join_pairs(it->second, r);
+      for (TensorInfo& t : it->second) {
+        const auto m = model_at.find(t.name);
+        if (m == model_at.end() || r.model[m->second].shape != t.shape)
+          throw_error(errors::mg_unsupported, "file " + quote(mdfile) + ": optimizer state " + quote(std::string(key) + " of " + t.name),
+                      "has no model tensor of its shape (a reformulated distributed-optimizer layout): not supported");
+        trim(t, t.name);
+        t.name = "optimizer.state." + t.name + "." + key;
+        rank.emplace_back(m->second, key_index);
+        states.push_back(std::move(t));
+      }
+    }
+    ++key_index;
+  }
+  std::vector<std::size_t> idx(states.size());
+  for (std::size_t i = 0; i < idx.size(); ++i) idx[i] = i;
+  std::stable_sort(idx.begin(), idx.end(), [&](std::size_t a, std::size_t b) { return rank[a] < rank[b]; });
+  ck.tensors = std::move(r.model);
+  for (std::size_t i : idx) {
+    TensorInfo& t = states[i];
+    const std::string rest = t.name.substr(16);  // after "optimizer.state."
+    const auto dot = rest.rfind('.');
+    skel.tensor(std::vector<std::string>{"optimizer", "state", rest.substr(0, dot), rest.substr(dot + 1)}, t);
+    ck.tensors.push_back(std::move(t));
+  }
+  if (opt.with_optimizer)
+    if (const Value* od = common.as_dict().find("optimizer"); od && od->is_dict())
+      if (const Value* in = od->as_dict().find("optimizer"); in && in->is_dict())
+        if (const Value* pg = in->as_dict().find("param_groups"); pg && !holds_tensor(*pg)) skel.value(std::vector<std::string>{"optimizer", "param_groups"}, *pg);
+  ck.format = "megatron_torch_dist";
+  ck.skeleton = skel.build();
+  ck.sources = std::move(files.sources);
+  ck.metadata["megatron.layout"] = "torch_dist";
+  ck.metadata["megatron.layers"] = r.stacked ? "stacked" : "per_layer";
+  ck.metadata["megatron.metadata_class"] = cls;
+  ck.metadata["megatron.common"] = common_pt ? "common.pt" : "common_state";
+  if (opt.true_vocab_size) ck.metadata["megatron.true_vocab_size"] = std::to_string(*opt.true_vocab_size);
+  return ck;
+}
+
+}  // namespace detail
+
+/// Describes the Megatron-LM checkpoint at `dir` (see the top of this file). Throws
+/// errors::mg_not_found with what was looked for when `dir` is not one.
+inline ShardedCheckpoint describe(const std::filesystem::path& dir, const options& opt = {}) {
+  const detection d = detect(dir, opt.limits);
+  if (!d.found) {
+    if (d.damaged && !d.torch_dist) (void)detail::find_iteration(dir, opt.limits);  // the tracker's own error, if that is it
+    if (d.torch_dist) throw_error(errors::mg_unsupported, "directory " + quote(d.iteration_dir.string()), d.rule + ": only torch_dist is supported");
+    throw_error(errors::mg_not_found, "directory " + quote(dir.string()), d.rule);
+  }
+  return d.torch_dist ? detail::describe_dist(d, opt) : detail::describe_legacy(d, opt);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The plug-in
+
+/// Megatron-LM: legacy per-rank checkpoints and Megatron-core torch_dist, read merged; the legacy
+/// layout written for `write_options::tp` x `pp` (settings `megatron::write_options`).
+class format final : public formats::Format {
+ public:
+  [[nodiscard]] std::string_view name() const noexcept override { return "megatron"; }
+  [[nodiscard]] std::string_view title() const noexcept override { return "Megatron-LM"; }
+
+  [[nodiscard]] formats::Detection detect(const formats::Input& in, const formats::open_options& opt) const override {
+    if (!in.is_directory()) return formats::Detection::not_applicable();
+    detection d = megatron::detect(in.path(), opt.settings.get<options>().limits);
+    if (d.found) return formats::Detection::match(std::move(d.rule));
+    return d.damaged ? formats::Detection::named_like(std::move(d.rule)) : formats::Detection::miss(std::move(d.rule));
+  }
+  [[nodiscard]] ShardedCheckpoint describe(const formats::Input& in, const formats::open_options& opt) const override {
+    options o = opt.settings.get<options>();
+    o.with_optimizer = opt.with_optimizer;
+    o.mode = opt.mode;
+    return megatron::describe(in.path(), o);
+  }
+
+  [[nodiscard]] bool can_write() const noexcept override { return true; }
+  [[nodiscard]] formats::output_claim claims_output(const std::filesystem::path&, const formats::save_options& opt) const override {
+    const write_options& w = opt.settings.get<write_options>();
+    return w.tp || w.pp ? formats::output_claim::by_options : formats::output_claim::none;
+  }
+  void check_output(const std::filesystem::path&, const formats::save_options& opt) const override {
+    formats::detail::refuse_option(opt.max_shard_size.has_value(), "--max-shard-size", "a Megatron-LM checkpoint", "its files are one per rank");
+    formats::detail::refuse_option(opt.world_size.has_value(), "--world-size", "a Megatron-LM checkpoint", "its ranks are --tp x --pp");
+    formats::detail::refuse_option(opt.part.has_value() || opt.index_only, "--part", "a Megatron-LM checkpoint", "it is written whole");
+    check(opt.settings.get<write_options>());
+  }
+  std::vector<std::string> save(const ShardedCheckpoint& ck, const std::filesystem::path& out, const formats::save_options& opt) const override {
+    write_options o = opt.settings.get<write_options>();
+    o.exec = opt.exec;
+    o.plan = opt.plan;
+    return write(ck, out, o);
+  }
+};
+
+}  // namespace statedict::inline v0::megatron
 // ---- statedict/formats/safetensors.hpp ----
 // statedict: safetensors files as a format plug-in: detection, description, and the writers (a
 // described checkpoint, or a list of tensors and byte ranges), all through the planner and the
@@ -23268,6 +25803,7 @@ namespace statedict::inline v0::formats {
 /// safetensors before torch.save).
 inline std::vector<std::shared_ptr<const Format>> builtin_formats() {
   return {
+      std::make_shared<megatron::format>(),
       std::make_shared<dcp::format>(),
       std::make_shared<deepspeed::format>(),
       std::make_shared<fsdp::format>(),
