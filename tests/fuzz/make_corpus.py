@@ -90,7 +90,7 @@ def megatron_seeds(mg):
     import tempfile
     here = os.path.dirname(os.path.abspath(__file__))
     with tempfile.TemporaryDirectory() as tmp:
-        for case, optim, flags in (("gpt2_tp2_pp1_v0_oldkeys", False, 20), ("qwen_tp2_pp2_vpp2_bf16_distopt", False, 18),
+        for case, optim, flags in (("gpt2_tp2_pp1_v0_oldkeys", False, 16), ("qwen_tp2_pp2_vpp2_bf16_distopt", False, 18),
                                    ("gpt2_tp2_pp2_fp16_2306", False, 6),
                                    ("gpt2_tp1_pp1_fp32", True, 1)):
             dst = os.path.join(tmp, case)
