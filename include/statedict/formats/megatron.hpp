@@ -437,7 +437,7 @@ class format final : public formats::Format {
   [[nodiscard]] bool can_write() const noexcept override { return true; }
   [[nodiscard]] formats::output_claim claims_output(const std::filesystem::path&, const formats::save_options& opt) const override {
     const write_options& w = opt.settings.get<write_options>();
-    return w.tp || w.pp ? formats::output_claim::by_options : formats::output_claim::none;
+    return w.tp || w.pp || w.vpp ? formats::output_claim::by_options : formats::output_claim::none;
   }
   void check_output(const std::filesystem::path&, const formats::save_options& opt) const override {
     formats::detail::refuse_option(opt.max_shard_size.has_value(), "--max-shard-size", "a Megatron-LM checkpoint", "its files are one per rank");
