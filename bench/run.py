@@ -59,6 +59,10 @@ def parse_args(argv):
     a("--zero-ranks", type=int, default=int(env_default("zero_ranks", 8)))
     a("--scale-gib", type=floats, default=floats(env_default("scale_gib", "0.5,1.5,3")),
       help="B6 sizes, GiB (default 0.5,1.5,3)")
+    a("--megatron-gib", type=float, default=float(env_default("megatron_gib", 3.0)),
+      help="B7 Megatron-LM checkpoint size, bf16 weights, GiB (default 3)")
+    a("--megatron-tp", type=int, default=int(env_default("megatron_tp", 4)))
+    a("--megatron-pp", type=int, default=int(env_default("megatron_pp", 2)))
     a("--data", default=env_default("data", os.path.join(HERE, "data")))
     a("--build-dir", default=env_default("build_dir", os.path.join(REPO, "build", "bench")))
     a("--no-build", action="store_true", default=bool(env_default("no_build", "")))
@@ -72,7 +76,7 @@ def parse_args(argv):
     a("--selftest", action="store_true", help="check the sampler and the cold-cache method, then exit")
     args = ap.parse_args(argv)
     if args.quick:
-        args.pt_gib, args.pt_tensors, args.zero_gib = 0.25, 1000, 0.3
+        args.pt_gib, args.pt_tensors, args.zero_gib, args.megatron_gib = 0.25, 1000, 0.3, 0.3
         args.scale_gib = [0.1, 0.2, 0.3]
         args.reps, args.cold_reps, args.scale_reps = 3, 2, 2
         args.peer_reps, args.peer_cold_reps = min(args.peer_reps, 3), min(args.peer_cold_reps, 2)
@@ -109,6 +113,10 @@ class Ctx:
 
     def zero(self, gib):
         name = f"zero-{gib:g}g-ws{self.args.zero_ranks}"
+        return os.path.join(self.data, name), os.path.join(self.data, name + ".reference.safetensors")
+
+    def megatron(self, gib):
+        name = f"megatron-{gib:g}g-tp{self.args.megatron_tp}pp{self.args.megatron_pp}"
         return os.path.join(self.data, name), os.path.join(self.data, name + ".reference.safetensors")
 
     def pt_dir(self):
@@ -164,6 +172,9 @@ def generate(ctx, selected):
     for g in sizes:
         jobs.append([PY, os.path.join(HERE, "gen", "gen_zero.py"), ctx.data, "--gib", f"{g:g}",
                      "--ranks", str(args.zero_ranks)])
+    if "B7" in selected:
+        jobs.append([PY, os.path.join(HERE, "gen", "gen_megatron.py"), ctx.data, "--gib", f"{args.megatron_gib:g}",
+                     "--tp", str(args.megatron_tp), "--pp", str(args.megatron_pp)])
     t0 = time.perf_counter()
     for j in jobs:
         ctx.log("gen: " + " ".join(os.path.relpath(x, REPO) if x.startswith(REPO) else x for x in j[1:]))

@@ -39,20 +39,22 @@ constexpr const char* usage_text = R"(statedict: read, convert and verify ML che
 
 usage:
   statedict inspect PATH [--json] [--hash] [--with-optimizer] [--from FORMAT] [--io mmap|pread]
-  statedict convert IN OUT [--to safetensors|hf|torch|dcp|olmo|colossalai] [--from FORMAT] [--dtype F32|BF16|F16]
+  statedict convert IN OUT [--to safetensors|hf|torch|dcp|olmo|colossalai|megatron] [--from FORMAT] [--dtype F32|BF16|F16]
                     [--cast-integer-buffers] [--max-shard-size 5GB] [--world-size M] [--dcp-layout 2|1.13]
                     [--only NAME_PREFIX]... [--drop REGEX]... [--strip-prefix P]... [--add-prefix P]...
                     [--rename FROM=TO]... [--rename-regex REGEX=REPLACEMENT]... [--map NAMES.json]...
                     [--with-optimizer] [--threads N] [--memory-budget 256MiB]
                     [--part k/K | --part index] [--check-replicas] [--io mmap|pread]
-                    [--keep-class MODULE.CLASS]...
+                    [--keep-class MODULE.CLASS]... [--tp N] [--pp M] [--vpp V]
   statedict verify A B [--rtol R] [--atol A] [--with-optimizer] [--from FORMAT] [--io mmap|pread]
   statedict --version
+Megatron-LM (all commands): [--megatron-rule PATTERN=KIND]... [--true-vocab-size N]
 
 PATH, IN, A, B: a .safetensors file, a torch.save file (.pt, .bin, any name), a Hugging Face
 sharded directory or index, a torch.distributed.checkpoint directory, a DeepSpeed ZeRO 1/2/3
 checkpoint, an OLMo/FSDP sharded checkpoint, ShardedTensor rank files, an OLMo mapped safetensors
-file, a ColossalAI checkpoint, or fairscale FSDP rank files (fairseq, metaseq). The format is detected
+file, a ColossalAI checkpoint, or fairscale FSDP rank files (fairseq, metaseq), or a
+Megatron-LM checkpoint (legacy mp_rank_* files or torch_dist). The format is detected
 from the content (--from FORMAT reads it as that format). The name options of convert apply in
 the order given. Pickled objects are read as data, never run; convert writes each object whose
 class torch.load(weights_only=True) refuses as its data (--keep-class writes that class as itself,
@@ -134,7 +136,25 @@ sd::exec_options exec_options_from(const cli::Args& a) {
   return e;
 }
 
-sd::formats::Opened open_input(const std::string& path, const cli::Args& a, std::optional<sd::dtype> dtype = std::nullopt) {
+/// The Megatron-LM options every command takes (docs/formats/megatron.md).
+const std::vector<cli::OptionSpec> megatron_options{{"--megatron-rule", true, true}, {"--true-vocab-size", true}};
+
+std::vector<sd::megatron::rule> megatron_rules(const cli::Args& a) {
+  std::vector<sd::megatron::rule> r;
+  for (const auto& v : a.values("--megatron-rule")) r.push_back(sd::megatron::parse_rule(v));
+  return r;
+}
+
+std::optional<std::uint64_t> true_vocab_size(const cli::Args& a) {
+  const auto v = a.value("--true-vocab-size");
+  return v ? std::optional<std::uint64_t>(parse_count(*v, "--true-vocab-size", 1, std::uint64_t{1} << 40)) : std::nullopt;
+}
+
+/// Opens an input. --megatron-rule applies to a Megatron-LM input, --true-vocab-size cuts its
+/// vocabulary; both are refused for any other input, unless the output is Megatron-LM
+/// (`megatron_output`: there --true-vocab-size re-pads the vocabulary instead).
+sd::formats::Opened open_input(const std::string& path, const cli::Args& a, std::optional<sd::dtype> dtype = std::nullopt,
+                               bool megatron_output = false) {
   sd::formats::open_options o;
   o.mode = parse_io(a);
   o.with_optimizer = a.flag("--with-optimizer");
@@ -142,7 +162,23 @@ sd::formats::Opened open_input(const std::string& path, const cli::Args& a, std:
   o.dtype = dtype;
   o.cast_integer_origin = a.flag("--cast-integer-buffers");
   if (auto f = a.value("--from")) o.format = *f;
-  return sd::formats::open(path, o);
+  const bool megatron = a.flag("--megatron-rule") || (!megatron_output && a.flag("--true-vocab-size"));
+  if (megatron) {
+    auto& m = o.settings.set<sd::megatron::options>();
+    m.rules = megatron_rules(a);
+    if (!megatron_output) m.true_vocab_size = true_vocab_size(a);
+  }
+  auto opened = sd::formats::open(path, o);
+  if (megatron && !megatron_output && opened.format->name() != "megatron")
+    a.fail(cli::errors::bad_option, "--megatron-rule and --true-vocab-size apply to Megatron-LM checkpoints; " + sd::quote(path) + " is " +
+                                        std::string(opened.format->title()));
+  return opened;
+}
+
+/// Options for a Command's spec plus the Megatron-LM ones.
+std::vector<cli::OptionSpec> with_megatron(std::vector<cli::OptionSpec> spec) {
+  spec.insert(spec.end(), megatron_options.begin(), megatron_options.end());
+  return spec;
 }
 
 std::string shape_str(const sd::shape_t& s) { return sd::to_string(s); }
@@ -217,8 +253,8 @@ std::string json_string(const std::string& s) {
 
 int cmd_inspect(const std::vector<std::string>& argv) {
   cli::Args a(argv,
-              {{"--json", false}, {"--hash", false}, {"--with-optimizer", false}, {"--from", true}, {"--io", true},
-               {"--threads", true}, {"--memory-budget", true}},
+              with_megatron({{"--json", false}, {"--hash", false}, {"--with-optimizer", false}, {"--from", true}, {"--io", true},
+                             {"--threads", true}, {"--memory-budget", true}}),
               1, 1, "inspect");
   heap_for_many_small_objects();
   auto opened = open_input(a.positional()[0], a);
@@ -394,12 +430,12 @@ std::vector<std::function<sd::ShardedCheckpoint(const sd::ShardedCheckpoint&)>> 
 
 int cmd_convert(const std::vector<std::string>& argv) {
   cli::Args a(argv,
-              {{"--to", true}, {"--from", true}, {"--dtype", true}, {"--cast-integer-buffers", false}, {"--max-shard-size", true},
+              with_megatron({{"--to", true}, {"--from", true}, {"--dtype", true}, {"--cast-integer-buffers", false}, {"--max-shard-size", true},
                {"--world-size", true}, {"--only", true, true}, {"--drop", true, true}, {"--strip-prefix", true, true},
                {"--add-prefix", true, true}, {"--rename", true, true}, {"--rename-regex", true, true}, {"--map", true, true},
                {"--with-optimizer", false}, {"--threads", true}, {"--memory-budget", true}, {"--part", true},
                {"--check-replicas", false}, {"--io", true}, {"--dcp-layout", true},
-               {"--keep-class", true, true}},
+               {"--keep-class", true, true}, {"--tp", true}, {"--pp", true}, {"--vpp", true}}),
               2, 2, "convert");
   const std::string in = a.positional()[0], out = a.positional()[1];
   const auto dtype = parse_dtype(a);
@@ -419,8 +455,27 @@ int cmd_convert(const std::vector<std::string>& argv) {
       a.fail(cli::errors::bad_value, "--keep-class takes a qualified class name such as argparse.Namespace, not " + sd::quote(c));
     w.keep_classes.push_back(c);
   }
+  // Megatron-LM output: --tp / --pp / --vpp ask for it; --true-vocab-size then re-pads (not cuts).
+  const bool sizes = a.flag("--tp") || a.flag("--pp") || a.flag("--vpp");
+  if (sizes) {
+    auto& m = w.settings.set<sd::megatron::write_options>();
+    auto size = [&](const char* opt) -> std::optional<std::uint64_t> {
+      const auto v = a.value(opt);
+      return v ? std::optional<std::uint64_t>(parse_count(*v, opt, 1, 1U << 16)) : std::nullopt;
+    };
+    m.tp = size("--tp");
+    m.pp = size("--pp");
+    m.vpp = size("--vpp");
+  }
   // The output format, its options and the name options are checked before the input is read.
   const auto format = sd::formats::choose_output(out, w);
+  const bool to_megatron = format->name() == "megatron";
+  if (sizes && !to_megatron) a.fail(cli::errors::bad_option, "--tp, --pp and --vpp apply to Megatron-LM output (--to megatron)");
+  if (to_megatron) {
+    auto& m = w.settings.set<sd::megatron::write_options>();
+    m.rules = megatron_rules(a);
+    m.true_vocab_size = true_vocab_size(a);
+  }
   if (auto l = a.value("--dcp-layout")) {
     if (format->name() != "dcp") a.fail(cli::errors::bad_value, "--dcp-layout applies to DCP output (--to dcp) only");
     if (*l == "2" || *l == "2.x") w.settings.set<sd::dcp::write_options>().classes = sd::dcp::class_names::torch_2;
@@ -430,7 +485,7 @@ int cmd_convert(const std::vector<std::string>& argv) {
   const auto transforms = name_transforms(a);
 
   const auto t0 = std::chrono::steady_clock::now();
-  auto opened = open_input(in, a, dtype);
+  auto opened = open_input(in, a, dtype, to_megatron);
   sd::ShardedCheckpoint ck = std::move(opened.checkpoint);
   for (const auto& t : transforms) ck = t(ck);
   // Objects are written as their data (classes torch's weights_only list has, and --keep-class
@@ -451,6 +506,11 @@ int cmd_convert(const std::vector<std::string>& argv) {
   std::string what = std::string(format->title()) + " checkpoint";
   if (w.index_only) what = "the index of a " + what;
   if (w.world_size) what += " for " + std::to_string(*w.world_size) + " rank" + (*w.world_size == 1 ? "" : "s");
+  if (to_megatron) {
+    const auto& m = w.settings.get<sd::megatron::write_options>();
+    what += " for TP " + std::to_string(m.tp.value_or(1)) + " x PP " + std::to_string(m.pp.value_or(1));
+    if (m.vpp) what += " x virtual PP " + std::to_string(*m.vpp);
+  }
   if (files.size() > 1) what += " (" + std::to_string(files.size()) + " files)";
   if (w.part) what += " (part " + std::to_string(w.part->index) + "/" + std::to_string(w.part->count) + ")";
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -461,8 +521,8 @@ int cmd_convert(const std::vector<std::string>& argv) {
 
 int cmd_verify(const std::vector<std::string>& argv) {
   cli::Args a(argv,
-              {{"--rtol", true}, {"--atol", true}, {"--with-optimizer", false}, {"--from", true}, {"--io", true},
-               {"--threads", true}, {"--memory-budget", true}},
+              with_megatron({{"--rtol", true}, {"--atol", true}, {"--with-optimizer", false}, {"--from", true}, {"--io", true},
+                             {"--threads", true}, {"--memory-budget", true}}),
               2, 2, "verify");
   sd::compare_options vo;
   auto num = [&](const char* opt) -> double {

@@ -22,6 +22,7 @@ TARGETS = {
     "B5": "flatten + unflatten <= 50 ms",
     "B6": "statedict time linear in size (R^2 >= 0.98) and peak anonymous RSS flat "
           "(max - min <= max(32 MiB, 25% of min))",
+    "B7": "statedict <= 1.5x cp and peak anonymous RSS <= 256 MiB",
 }
 
 
@@ -348,7 +349,31 @@ def b6(ctx, runner, b1_result=None):
                        f"peak anon RSS {f['anon_min_mib']:.0f}..{f['anon_max_mib']:.0f} MiB")
 
 
-ALL = ["B1", "B2", "B3", "B4", "B5", "B6", "B8", "B9"]
+# ------------------------------------------------------------------------------------------- B7
+def b7(ctx, runner):
+    root, ref = ctx.megatron(ctx.args.megatron_gib)
+    sd, w = ctx.statedict, ctx.work
+    out = {k: os.path.join(w, f"B7-{k}.safetensors") for k in ("statedict", "torch", "cp")}
+    peers = [
+        Peer("statedict", [sd, "convert", root, out["statedict"]], kind="statedict", inputs=[root],
+             output=out["statedict"], validate=st_equal(ref), binary=sd),
+        Peer("Megatron loader's merge (torch 1.13)", [PY, os.path.join(ctx.peers, "megatron_merge.py"), root, out["torch"]],
+             inputs=[root], output=out["torch"], validate=st_equal(ref)),
+        Peer("cp of the output bytes", cp_argv(ref, out["cp"]), kind="limit", inputs=[ref], output=out["cp"]),
+    ]
+    results = runner.run("B7", peers, ctx.args.reps, ctx.args.cold_reps, ctx.args.cold_method)
+    status, detail = _ratio_verdict(results, 1.5, anon_cap_mib=256)
+    f = _header_facts(ref)
+    return {
+        "title": "Megatron-LM merge, TP 4 x PP 2 -> safetensors",
+        "input": f"Megatron-LM legacy checkpoint, TP {ctx.args.megatron_tp} x PP {ctx.args.megatron_pp} = "
+                 f"{ctx.args.megatron_tp * ctx.args.megatron_pp} rank files, {cache.total_bytes([root]) / GiB:.2f} GiB on disk "
+                 f"(bf16); output: {f['tensors']} tensors, {f['bytes'] / GiB:.2f} GiB safetensors",
+        "results": results, "verdict": status, "detail": detail,
+    }
+
+
+ALL = ["B1", "B2", "B3", "B4", "B5", "B6", "B7", "B8", "B9"]
 TARGETS.update(cases_library.TARGETS)
 
 
@@ -362,7 +387,7 @@ def run_all(ctx, runner, selected):
         if cid == "B6":
             out[cid] = b6(ctx, runner, out.get("B1"))
         else:
-            out[cid] = {"B1": b1, "B2": b2, "B3": b3, "B4": b4, "B5": b5, "B8": cases_library.b8,
+            out[cid] = {"B1": b1, "B2": b2, "B3": b3, "B4": b4, "B5": b5, "B7": b7, "B8": cases_library.b8,
                         "B9": cases_library.b9}[cid](ctx, runner)
         out[cid]["target"] = TARGETS[cid]
         out[cid]["seconds"] = ctx.clock() - t0

@@ -1,5 +1,5 @@
 """bench/chart.png: one panel per case (median wall time per peer, min-max whiskers, peak anonymous
-RSS written on each bar) and two B6 panels (time and peak anonymous RSS against size)."""
+RSS written on each bar; B1-B4 and B7) and two B6 panels (time and peak anonymous RSS against size)."""
 import os
 import textwrap
 
@@ -109,7 +109,7 @@ def _b6(ax_t, ax_m, case):
 def draw(doc, path):
     cs = doc["cases"]
     fig, axes = plt.subplots(3, 3, figsize=(18, 15))
-    for cid, ax in (("B1", axes[0][0]), ("B2", axes[0][1]), ("B3", axes[0][2]), ("B4", axes[1][0])):
+    for cid, ax in (("B1", axes[0][0]), ("B2", axes[0][1]), ("B3", axes[0][2]), ("B4", axes[1][0]), ("B7", axes[2][2])):
         if cid in cs:
             _bars(ax, cs[cid], cid)
         else:
@@ -124,8 +124,7 @@ def draw(doc, path):
         axes[2][0].set_axis_off()
         axes[2][1].set_axis_off()
     m = doc["machine"]
-    for ax in (axes[1][2], axes[2][2]):
-        ax.set_axis_off()
+    axes[1][2].set_axis_off()
     lines = ["statedict vs its peers vs cp", m["date"], f"{m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM",
              f"kernel {m['kernel']}", m["virtualization"], m["filesystem"], m["python_peers"], "",
              "bars: median wall time, whiskers min-max;",

@@ -2323,163 +2323,17 @@ inline std::string sha256_hex(const TensorView& v) {
 // `verify` quotes.
 // SPDX-License-Identifier: MIT
 
-#include <algorithm>
 #include <cmath>
 #include <string>
-#include <string_view>
 
 #include <nlohmann/json.hpp>
 
 
 namespace statedict::inline v0 {
 
-namespace detail {
-
-/// Python's repr of a str: single quotes unless the text has one and no double quote, escapes for
-/// the quote, backslash, \n \r \t and other control characters (bytes that are not UTF-8 as \xNN).
-inline void repr_str(std::string& o, std::string_view s, bool is_bytes) {
-  const bool dq = s.find('\'') != std::string_view::npos && s.find('"') == std::string_view::npos;
-  const char q = dq ? '"' : '\'';
-  if (is_bytes) o += 'b';
-  o += q;
-  static constexpr char hex[] = "0123456789abcdef";
-  for (const char ch : s) {
-    const auto c = static_cast<unsigned char>(ch);
-    if (ch == q || ch == '\\') {
-      o += '\\';
-      o += ch;
-    } else if (ch == '\n') {
-      o += "\\n";
-    } else if (ch == '\r') {
-      o += "\\r";
-    } else if (ch == '\t') {
-      o += "\\t";
-    } else if (c < 0x20 || c == 0x7f || (is_bytes && c >= 0x80)) {
-      o += "\\x";
-      o += hex[c >> 4];
-      o += hex[c & 15];
-    } else {
-      o += ch;
-    }
-  }
-  o += q;
-}
-
-/// Python's repr of a float: the shortest digits that read back, with ".0" when they look like
-/// an int; nan, inf, -inf.
-inline std::string repr_float(double d) {
-  if (std::isnan(d)) return "nan";
-  if (std::isinf(d)) return d > 0 ? "inf" : "-inf";
-  std::string t = nlohmann::json(d).dump();
-  if (t.find_first_of(".eE") == std::string::npos) t += ".0";
-  return t;
-}
-
-inline void repr(std::string& o, const Value& v, std::size_t depth);
-
-inline void repr_seq(std::string& o, const List& l, std::size_t depth, const char* open, const char* close, bool tuple) {
-  o += open;
-  for (std::size_t i = 0; i < l.size(); ++i) {
-    if (i) o += ", ";
-    repr(o, l[i], depth + 1);
-  }
-  if (tuple && l.size() == 1) o += ',';
-  o += close;
-}
-
-inline void repr_dict(std::string& o, const Dict& d, std::size_t depth) {
-  o += '{';
-  bool first = true;
-  for (const auto& [k, x] : d.items()) {
-    if (!first) o += ", ";
-    first = false;
-    if (k.is_int()) o += std::to_string(k.as_int());
-    else repr_str(o, k.as_string(), false);
-    o += ": ";
-    repr(o, x, depth + 1);
-  }
-  o += '}';
-}
-
-/// An object as Python would spell its construction: `module.Name(attr=value, ...)` for an
-/// instance whose only state is its attribute dict, `module.name(args...)` for a call, with its
-/// state and items after it; `module.name` for the class or function itself.
-inline void repr_object(std::string& o, const Object& ob, std::size_t depth) {
-  o += ob.qualified();
-  if (ob.how == object_build::global) return;
-  const bool attrs = ob.args.empty() && ob.items.empty() && ob.state.size() == 1 && ob.state[0].is_dict() &&
-                     std::all_of(ob.state[0].as_dict().begin(), ob.state[0].as_dict().end(), [](const auto& kv) { return kv.first.is_string(); });
-  if (attrs) {
-    o += '(';
-    bool first = true;
-    for (const auto& [k, x] : ob.state[0].as_dict().items()) {
-      if (!first) o += ", ";
-      first = false;
-      o += k.as_string();
-      o += '=';
-      repr(o, x, depth + 1);
-    }
-    o += ')';
-    return;
-  }
-  repr_seq(o, ob.args, depth, "(", ")", false);
-  for (const Value& s : ob.state) {
-    o += " <state ";
-    repr(o, s, depth + 1);
-    o += '>';
-  }
-  if (!ob.items.empty()) {
-    o += " <items ";
-    repr_seq(o, ob.items, depth, "[", "]", false);
-    o += '>';
-  }
-}
-
-inline void repr(std::string& o, const Value& v, std::size_t depth) {
-  if (depth > 64 || o.size() > 100000) {  // a readable line, not the whole of a hostile tree
-    o += "...";
-    return;
-  }
-  switch (v.kind()) {
-    case value_kind::none: o += "None"; return;
-    case value_kind::boolean: o += v.as_bool() ? "True" : "False"; return;
-    case value_kind::integer: o += std::to_string(v.as_int()); return;
-    case value_kind::floating: o += repr_float(v.as_double()); return;
-    case value_kind::string: repr_str(o, v.as_string(), false); return;
-    case value_kind::bytes: {
-      const auto& b = v.as_bytes().data;
-      repr_str(o, std::string_view(reinterpret_cast<const char*>(b.data()), b.size()), true);
-      return;
-    }
-    case value_kind::list: repr_seq(o, v.as_list(), depth, "[", "]", false); return;
-    case value_kind::tuple: repr_seq(o, v.as_list(), depth, "(", ")", true); return;
-    case value_kind::dict: repr_dict(o, v.as_dict(), depth); return;
-    case value_kind::object: repr_object(o, v.as_object(), depth); return;
-    case value_kind::tensor: {
-      o += "tensor(";
-      o += name(v.as_tensor().dtype());
-      o += ' ';
-      o += to_string(v.as_tensor().shape());
-      o += ')';
-      return;
-    }
-  }
-}
-
-}  // namespace detail
-
-/// `v` written as Python writes values (`argparse.Namespace(lr=0.1, arch='transformer')`,
-/// `(0.9, 0.98)`, `b'\x00'`), objects spelled as calls of their class; nesting below 64 levels
-/// and text past 100,000 characters become "...". For people (inspect), not to be parsed.
-inline std::string value_repr(const Value& v) {
-  std::string o;
-  detail::repr(o, v, 0);
-  return o;
-}
-
 /// `v` as JSON: None, bool, int, float (non-finite as the strings "nan", "inf", "-inf"), str;
 /// bytes as {"bytes_hex": ...}; lists and tuples as arrays; an empty dict as {}; an opaque object
-/// as {"object": "module.name", "repr": value_repr(v)}; a tensor as {"tensor": "[shape]"}.
+/// as {"object": "module.name"}; a tensor as {"tensor": "[shape]"}.
 inline nlohmann::ordered_json value_json(const Value& v) {
   using K = value_kind;
   switch (v.kind()) {
@@ -2509,7 +2363,7 @@ inline nlohmann::ordered_json value_json(const Value& v) {
       return a;
     }
     case K::dict: return nlohmann::ordered_json::object();
-    case K::object: return nlohmann::ordered_json{{"object", v.as_object().qualified()}, {"repr", value_repr(v)}};
+    case K::object: return nlohmann::ordered_json{{"object", v.as_object().qualified()}};
     case K::tensor: return nlohmann::ordered_json{{"tensor", to_string(v.as_tensor().shape())}};
   }
   return nullptr;
@@ -9215,16 +9069,12 @@ class Writer {
 // statedict: a safe unpickler (protocols 0-5 opcodes; what torch.save and DCP metadata use).
 // SPDX-License-Identifier: MIT
 //
-// `pickle::load(bytes, options)` turns a pickle into a Value tree and never executes anything:
-// no module is imported, no pickled callable is called. Every GLOBAL is looked up in a registry
-// (`pickle::Registry::weights_only()`): the globals torch.load(weights_only=True) accepts, which
-// statedict interprets as data, and rules that read well-known objects beyond that list as data
-// (numpy arrays, dtypes and scalars; protocol 0/1 objects made by copyreg._reconstructor). Any
-// other global is an object: REDUCE / NEWOBJ / BUILD of it make an `Object` node (class name,
-// arguments, state, items), never a call. `options.keep_unknown_objects = false` refuses such
-// globals instead (a security_error naming `module.name`), as torch.load(weights_only=True) does,
-// and then the rules beyond torch's list are refused too. Modules that only ever mean code
-// execution (os, posix, nt, sys, subprocess, ...) are refused either way.
+// `pickle::load(bytes, options)` turns a pickle into a Value tree and never executes anything.
+// Every GLOBAL is looked up in a registry modelled on torch.load(weights_only=True)
+// (`pickle::Registry::weights_only()`); a global that is not there is a security_error naming
+// `module.name`, unless `options.keep_unknown_objects` is set, in which case unknown objects are
+// kept as opaque `Object` nodes (class, args, state, items) - still never called. Modules that
+// only ever mean code execution (os, posix, nt, sys, subprocess, ...) are refused even then.
 //
 // How globals become Values (docs/torch-files.md has the full table):
 //   collections.OrderedDict()            -> Dict (a BUILD setting attributes such as `_metadata`
@@ -9235,17 +9085,12 @@ class Writer {
 //   torch.Size(tuple)                    -> tuple of ints
 //   builtins.set / frozenset             -> Object builtins.set / frozenset with `items`
 //   builtins.bytearray, BYTEARRAY8       -> Object builtins.bytearray, args [Bytes]
-//   ints beyond int64 (LONG1/LONG4/text) -> Object builtins.int, args [Bytes: minimal
+//   ints beyond int64 (LONG1/LONG4)      -> Object builtins.int, args [Bytes: minimal
 //                                           little-endian two's complement]
 //   dicts with keys other than int/str   -> Object builtins.dict (collections.OrderedDict when it
 //                                           was one), items = (key, value) tuples
-//   numpy ndarray (_reconstruct + BUILD,  -> a tensor (io/detail/pickle_numpy.hpp: which dtypes,
-//   _frombuffer), numpy scalars             in place or copied); other numpy objects stay Objects
-//   copyreg._reconstructor(cls, object,  -> Object cls, how = newobj (what protocol 2 writes as
-//   None)                                   NEWOBJ), its BUILD state kept
 //   any other allowed global, referenced -> Object, how = global (torch.float32, torch.Tensor)
 //   any other allowed global, called     -> Object, how = reduce / newobj (torch.device('cpu'))
-//   any other global                     -> the same Object forms (data, never called)
 // The torch layer (io/torch_file.hpp) adds the tensor rebuild functions and storages.
 //
 // Hostile input: every length is checked against the bytes left before anything is allocated,
@@ -9271,172 +9116,6 @@ class Writer {
 #include <utility>
 #include <vector>
 
-// ---- statedict/io/detail/pickle_text.hpp ----
-// statedict: the text operands of pickle protocols 0 and 1 (io/pickle_read.hpp is the public
-// header): decimal integers of any size (INT, LONG), quoted byte strings (STRING) and
-// raw-unicode-escape text (UNICODE), decoded as Python's unpickler decodes them.
-// SPDX-License-Identifier: MIT
-
-#include <cstddef>
-#include <cstdint>
-#include <string>
-#include <string_view>
-#include <vector>
-
-namespace statedict::inline v0::pickle::detail {
-
-/// A decimal integer (optional '+' or '-', then digits) as little-endian two's complement bytes,
-/// one sign byte more than needed at most (normalise_long trims them). False for anything that is
-/// not such a number. The caller bounds the text's length first: the work is quadratic in it.
-inline bool decimal_to_long(std::string_view s, std::vector<std::uint8_t>& out) {
-  out.clear();
-  bool negative = false;
-  if (!s.empty() && (s[0] == '+' || s[0] == '-')) {
-    negative = s[0] == '-';
-    s.remove_prefix(1);
-  }
-  if (s.empty()) return false;
-  std::vector<std::uint8_t> mag;  // magnitude, little-endian base 256
-  for (const char ch : s) {
-    if (ch < '0' || ch > '9') return false;
-    unsigned carry = static_cast<unsigned>(ch - '0');
-    for (std::uint8_t& b : mag) {
-      const unsigned v = b * 10U + carry;
-      b = static_cast<std::uint8_t>(v & 0xFFU);
-      carry = v >> 8;
-    }
-    while (carry) {
-      mag.push_back(static_cast<std::uint8_t>(carry & 0xFFU));
-      carry >>= 8;
-    }
-  }
-  mag.push_back(0);  // room for the sign bit
-  if (negative) {    // two's complement: invert, add one
-    unsigned carry = 1;
-    for (std::uint8_t& b : mag) {
-      const unsigned v = (~static_cast<unsigned>(b) & 0xFFU) + carry;
-      b = static_cast<std::uint8_t>(v & 0xFFU);
-      carry = v >> 8;
-    }
-  }
-  out = std::move(mag);
-  return true;
-}
-
-inline int hex_digit(char c) noexcept {
-  if (c >= '0' && c <= '9') return c - '0';
-  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-  if (c >= 'A' && c <= 'F') return c - 'A' + 10;
-  return -1;
-}
-
-/// The escapes of a Python bytes literal (codecs.escape_decode, what STRING's operand holds
-/// between its quotes): \\ \' \" \a \b \f \n \r \t \v, \<newline> (nothing), up to three octal
-/// digits (the low 8 bits of their value), \xhh; a backslash before anything else stays, as the
-/// character after it. False for a trailing backslash or \x without two hex digits.
-inline bool escape_decode(std::string_view s, std::string& out) {
-  out.clear();
-  out.reserve(s.size());
-  for (std::size_t i = 0; i < s.size();) {
-    const char c = s[i++];
-    if (c != '\\') {
-      out += c;
-      continue;
-    }
-    if (i == s.size()) return false;
-    const char e = s[i++];
-    switch (e) {
-      case '\n': break;
-      case '\\': out += '\\'; break;
-      case '\'': out += '\''; break;
-      case '"': out += '"'; break;
-      case 'a': out += '\a'; break;
-      case 'b': out += '\b'; break;
-      case 'f': out += '\f'; break;
-      case 'n': out += '\n'; break;
-      case 'r': out += '\r'; break;
-      case 't': out += '\t'; break;
-      case 'v': out += '\v'; break;
-      case 'x': {
-        if (s.size() - i < 2) return false;
-        const int hi = hex_digit(s[i]), lo = hex_digit(s[i + 1]);
-        if (hi < 0 || lo < 0) return false;
-        out += static_cast<char>(hi * 16 + lo);
-        i += 2;
-        break;
-      }
-      default:
-        if (e >= '0' && e <= '7') {
-          unsigned v = static_cast<unsigned>(e - '0');
-          for (int k = 0; k < 2 && i < s.size() && s[i] >= '0' && s[i] <= '7'; ++k) v = v * 8 + static_cast<unsigned>(s[i++] - '0');
-          out += static_cast<char>(v & 0xFFU);
-        } else {
-          out += '\\';
-          --i;  // the character after the backslash is an ordinary one
-        }
-    }
-  }
-  return true;
-}
-
-/// Appends code point `cp` (at most 0x10FFFF) as UTF-8; surrogates are encoded as three bytes,
-/// as Python's "surrogatepass" does (the unpickler's str accepts them).
-inline void append_utf8(std::string& out, std::uint32_t cp) {
-  if (cp < 0x80) {
-    out += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    out += static_cast<char>(0xC0 | (cp >> 6));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    out += static_cast<char>(0xE0 | (cp >> 12));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else {
-    out += static_cast<char>(0xF0 | (cp >> 18));
-    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  }
-}
-
-/// The raw-unicode-escape codec (UNICODE's operand) into UTF-8: every byte is the code point of
-/// its value, except \uXXXX and \UXXXXXXXX after an odd number of backslashes. False for such an
-/// escape without its hex digits, or beyond U+10FFFF.
-inline bool raw_unicode_escape_decode(std::string_view s, std::string& out) {
-  out.clear();
-  out.reserve(s.size());
-  for (std::size_t i = 0; i < s.size();) {
-    const auto c = static_cast<unsigned char>(s[i]);
-    if (c != '\\') {
-      append_utf8(out, c);
-      ++i;
-      continue;
-    }
-    std::size_t run = 0;  // backslashes in a row, all written
-    while (i < s.size() && s[i] == '\\') {
-      out += '\\';
-      ++run;
-      ++i;
-    }
-    if (run % 2 == 0 || i == s.size() || (s[i] != 'u' && s[i] != 'U')) continue;
-    out.pop_back();  // that backslash starts the escape
-    const std::size_t digits = s[i] == 'u' ? 4 : 8;
-    ++i;
-    if (s.size() - i < digits) return false;
-    std::uint32_t cp = 0;
-    for (std::size_t k = 0; k < digits; ++k) {
-      const int d = hex_digit(s[i + k]);
-      if (d < 0) return false;
-      cp = cp * 16 + static_cast<std::uint32_t>(d);
-    }
-    if (cp > 0x10FFFF) return false;
-    append_utf8(out, cp);
-    i += digits;
-  }
-  return true;
-}
-
-}  // namespace statedict::inline v0::pickle::detail
 
 namespace statedict::inline v0 {
 
@@ -9463,7 +9142,6 @@ inline constexpr error_id pk_recursive          {467, error_kind::format,      "
 inline constexpr error_id pk_no_persistent_load {468, error_kind::format,      "pickle.no_persistent_load"};
 inline constexpr error_id pk_bad_call           {469, error_kind::format,      "pickle.bad_call"};
 inline constexpr error_id pk_bad_text           {470, error_kind::format,      "pickle.bad_text"};
-inline constexpr error_id pk_bad_numpy          {471, error_kind::format,      "pickle.bad_numpy"};
 // clang-format on
 }  // namespace errors
 
@@ -9504,7 +9182,6 @@ struct Result {
 
 class Reader;
 class Args;
-struct Build;
 
 /// What a registered callable gets: its arguments as Values, and the reader (to call other
 /// registered globals, as `_rebuild_from_type_v2` does).
@@ -9520,25 +9197,17 @@ using call_fn = std::function<Value(Call&)>;
 /// (`Args`), without converting them to Values first; nullopt hands the call to `call_fn`. It
 /// must give what call_fn gives for every call it answers.
 using fast_fn = std::function<std::optional<Value>(const Args&)>;
-/// Turns an object made by REDUCE / NEWOBJ of a registered global into a Value when BUILD gives
-/// it its state (numpy's ndarray); nullopt keeps the object, with the state as its state.
-using build_fn = std::function<std::optional<Value>(const Build&)>;
 
 /// How one allowed global is treated.
 struct Rule {
   enum class kind : std::uint8_t {
-    object,         ///< referenced: Object(how=global); called: Object(how=reduce/newobj) with its args
-    ordered_dict,   ///< called with (): an empty dict that SETITEMS and BUILD may fill later
-    function,       ///< called: `fn` computes the Value
-    reconstructor,  ///< copyreg._reconstructor(cls, object, None): an Object of cls, how = newobj
+    object,        ///< referenced: Object(how=global); called: Object(how=reduce/newobj) with its args
+    ordered_dict,  ///< called with (): an empty dict that SETITEMS and BUILD may fill later
+    function,      ///< called: `fn` computes the Value
   };
   kind k = kind::object;
-  call_fn fn;      ///< for function: REDUCE and NEWOBJ
-  fast_fn fast;    ///< for function, optional: tried first
-  build_fn build;  ///< for object, optional: BUILD of an object this global made
-  /// Not on torch.load(weights_only=True)'s list: refused with the unknown globals when
-  /// options::keep_unknown_objects is false.
-  bool beyond_weights_only = false;
+  call_fn fn;    ///< for function: REDUCE and NEWOBJ
+  fast_fn fast;  ///< for function, optional: tried first
 };
 
 /// The allow-list: qualified global name ("torch._utils._rebuild_tensor_v2") -> Rule.
@@ -9550,7 +9219,7 @@ class Registry {
   }
   Registry& allow(std::string qualified) { return add(std::move(qualified), Rule{}); }
   Registry& function(std::string qualified, call_fn fn, fast_fn fast = {}) {
-    return add(std::move(qualified), Rule{Rule::kind::function, std::move(fn), std::move(fast), {}, false});
+    return add(std::move(qualified), Rule{Rule::kind::function, std::move(fn), std::move(fast)});
   }
   [[nodiscard]] const Rule* find(const std::string& qualified) const {
     auto it = rules_.find(qualified);
@@ -9559,8 +9228,7 @@ class Registry {
   [[nodiscard]] std::size_t size() const noexcept { return rules_.size(); }
 
   /// Globals torch.load(weights_only=True) accepts (PyTorch 1.13 and 2.x), with the generic
-  /// conversions listed at the top of this file, and the data rules beyond that list (numpy,
-  /// copyreg; Rule::beyond_weights_only). Tensor rebuild functions are allowed here but only
+  /// conversions listed at the top of this file. Tensor rebuild functions are allowed here but only
   /// interpreted once io/torch_file.hpp registers them; without that they become Objects.
   static Registry weights_only();
 
@@ -9570,15 +9238,9 @@ class Registry {
 
 struct options {
   pickle::limits limits{};
-  /// Objects of globals outside torch's weights_only list are data: Object nodes (class, args,
-  /// state, items), never called. False refuses them (and the numpy and copyreg rules) as
-  /// torch.load(weights_only=True) does. Blocked modules (os, posix, sys, subprocess, ...) are
-  /// refused either way.
-  bool keep_unknown_objects = true;
-  /// Keeps the bytes being read alive (what the caller's span points into): given, numpy arrays
-  /// whose bytes lie whole in the pickle become tensors viewing them in place; without it they are
-  /// copied.
-  keep_alive input_owner;
+  /// Keep objects of globals outside the registry as Object nodes instead of failing. They are
+  /// never executed; blocked modules (os, posix, sys, subprocess, ...) are refused regardless.
+  bool keep_unknown_objects = false;
   /// The allow-list; nullptr means Registry::weights_only().
   const Registry* registry = nullptr;
   /// Resolves BINPERSID / PERSID ids (torch storages). Without it, a persistent id is an error.
@@ -9604,9 +9266,6 @@ inline std::string_view py3_module(std::string_view m) noexcept {
 
 /// Modules refused even with keep_unknown_objects (they only appear in pickles to run code).
 inline bool blocked_global(std::string_view module, std::string_view name) noexcept {
-  if (module == "types")  // code and function objects; the rest of `types` is data (SimpleNamespace)
-    for (auto n : {"CodeType", "FunctionType", "LambdaType", "MethodType", "BuiltinFunctionType", "ModuleType"})
-      if (name == n) return true;
   constexpr std::string_view modules[] = {"os", "posix", "nt", "sys", "subprocess", "shutil", "socket", "pty",
                                           "runpy", "importlib", "ctypes", "code", "codeop", "pickle", "_pickle",
                                           "marshal", "webbrowser", "multiprocessing", "asyncio", "signal",
@@ -9618,7 +9277,7 @@ inline bool blocked_global(std::string_view module, std::string_view name) noexc
   if (module == "builtins") {
     constexpr std::string_view names[] = {"eval", "exec", "compile", "__import__", "open", "breakpoint",
                                           "input", "execfile", "globals", "locals", "vars", "setattr",
-                                          "delattr", "memoryview", "help", "exit", "quit", "apply"};
+                                          "delattr", "memoryview", "help", "exit", "quit"};
     for (auto n : names)
       if (name == n) return true;
   }
@@ -9697,7 +9356,7 @@ inline std::string opcode_name(unsigned char op) {
 }  // namespace pickle
 }  // namespace statedict::inline v0
 
-// The reader itself (the opcode machine), which needs the types above, and the numpy rules.
+// The reader itself (the opcode machine), which needs the types above.
 // ---- statedict/io/detail/pickle_reader.hpp ----
 // statedict: the unpickler's machine: a flat node table built opcode by opcode, then turned into
 // Values (io/pickle_read.hpp is the public header, and says what becomes what).
@@ -9809,17 +9468,17 @@ class Reader {
   // The object graph built while parsing. Containers are mutable until the end (pickle fills
   // them after memoizing them); scalars and strings are small inline nodes (strings are views of
   // the input); results of registered functions are finished Values.
-  enum class nk : std::uint8_t { none, boolean, integer, floating, str, bytes, leaf, list, tuple, dict, object, global, handle, bytearray };
+  enum class nk : std::uint8_t { none, boolean, integer, floating, str, bytes, leaf, list, tuple, dict, object, global, handle };
   static constexpr std::uint32_t npos = 0xFFFFFFFFU;
 
   struct Node {
     nk kind = nk::none;
     std::uint8_t refs = 0;       ///< stack references, saturating at 2 (see counted); in padding
-    std::uint32_t index = npos;  ///< str/bytes/bytearray: length; leaf/list/tuple/dict/object/global: side-table index
+    std::uint32_t index = npos;  ///< str/bytes: length; leaf/list/tuple/dict/object/global: side-table index
     union {
       std::int64_t i;  ///< boolean, integer; handle: the handle (as uint64)
       double d;
-      std::uint64_t off;  ///< str/bytes/bytearray: offset in the input, or size_ + offset in text_pool_
+      std::uint64_t off;  ///< str/bytes: offset in the input
     } u{};
   };
   struct DictData {
@@ -10020,20 +9679,7 @@ class Reader {
     return s;
   }
   std::string_view view(std::uint64_t off, std::uint64_t len) const {
-    if (off >= size_) [[unlikely]]  // decoded text (protocol 0 escapes)
-      return std::string_view(text_pool_).substr(static_cast<std::size_t>(off - size_), static_cast<std::size_t>(len));
     return {reinterpret_cast<const char*>(in_ + off), static_cast<std::size_t>(len)};
-  }
-  /// A str or bytes node of `text`, which is not a slice of the input (decoded escapes).
-  std::uint32_t add_decoded(nk k, std::string_view text) {
-    if (text.size() > 0xFFFFFFF0U || text_pool_.size() > std::numeric_limits<std::uint64_t>::max() - size_ - text.size())
-      fail(errors::pk_string_limit, "decoded text beyond 2^32 bytes");
-    Node n;
-    n.kind = k;
-    n.u.off = size_ + text_pool_.size();
-    n.index = static_cast<std::uint32_t>(text.size());
-    text_pool_.append(text);
-    return add_node(n);
   }
 
   // ------------------------------------------------------------------------------------------
@@ -10156,25 +9802,26 @@ class Reader {
     need(len, "LONG");
     std::vector<std::uint8_t> b(in_ + pos_, in_ + pos_ + len);
     pos_ += len;
-    return long_node(std::move(b));
-  }
-  /// An int from its little-endian two's complement bytes: a scalar, or beyond int64 a
-  /// builtins.int Object of its minimal bytes.
-  std::uint32_t long_node(std::vector<std::uint8_t> b) {
     std::int64_t v = 0;
     if (detail::normalise_long(b, v)) return add_scalar(nk::integer, v);
-    if (b.size() > opts_.limits.max_long_bytes)
-      fail(errors::pk_long_limit, "integer of " + std::to_string(b.size()) + " bytes exceeds limits.max_long_bytes (" +
-                                      std::to_string(opts_.limits.max_long_bytes) + ")");
     Object o{"builtins", "int", object_build::reduce, {}, {}, {}};
     o.args.emplace_back(Bytes{std::move(b)});
     return add_leaf(Value(std::move(o)));
   }
 
-  // Text operands of protocols 0 and 1 (defined in pickle_opcodes.hpp).
-  std::uint32_t parse_int_text(std::string_view s, bool is_long);
-  std::uint32_t read_quoted_string();
-  std::uint32_t read_raw_unicode();
+  std::uint32_t parse_int_text(std::string_view s, bool is_long) {
+    if (is_long && !s.empty() && s.back() == 'L') s.remove_suffix(1);
+    if (!is_long && s == "00") return add_scalar(nk::boolean, 0);
+    if (!is_long && s == "01") return add_scalar(nk::boolean, 1);
+    std::int64_t v = 0;
+    const char* b = s.data();
+    if (!s.empty() && s[0] == '+') ++b;
+    auto [p, ec] = std::from_chars(b, s.data() + s.size(), v);
+    if (ec == std::errc::result_out_of_range)
+      fail(errors::pk_unsupported_opcode, "text integer " + quote(s) + " beyond int64 (use a binary protocol)");
+    if (ec != std::errc() || p != s.data() + s.size() || s.empty()) fail(errors::pk_bad_text, "bad integer " + quote(s));
+    return add_scalar(nk::integer, v);
+  }
 
   /// The global named by module and name, after the Python 2 -> 3 renames and the security checks.
   std::uint32_t resolve_global(std::string_view module_in, std::string_view name) {
@@ -10187,11 +9834,11 @@ class Reader {
     q.reserve(module.size() + name.size() + 1);
     q.append(module).append(".").append(name);
     const Rule* r = registry_->find(q);
-    if ((!r || r->beyond_weights_only) && !opts_.keep_unknown_objects)
+    if (!r && !opts_.keep_unknown_objects)
       fail(errors::pk_forbidden_global,
-           "global " + quote(q) + " is not on the allow-list (the globals torch.load(weights_only=True) accepts), "
-           "which this read asked for; statedict never runs pickled code either way, and by default reads such "
-           "objects as data (keep_unknown_objects)");
+           "global " + quote(q) + " is not on the allow-list (the globals torch.load(weights_only=True) accepts); "
+           "statedict never runs pickled code. If the file is trusted, keep such objects as opaque nodes "
+           "(keep_unknown_objects)");
     globals_.push_back({std::string(module), std::string(name), r, {}});
     Node n;
     n.kind = nk::global;
@@ -10231,15 +9878,6 @@ class Reader {
         }
       }
       return d;
-    }
-    if (r && r->k == Rule::kind::reconstructor) {
-      // copyreg._reconstructor(cls, builtins.object, None): what protocols 0 and 1 write for an
-      // object protocol 2 writes as NEWOBJ(cls, ()); its BUILD follows. Other forms stay objects.
-      const auto a = seq(nodes_[args].index);
-      if (a.size() == 3 && nodes_[a[0]].kind == nk::global && nodes_[a[1]].kind == nk::global &&
-          global_name(nodes_[a[1]].index) == "builtins.object" && nodes_[a[2]].kind == nk::none)
-        return add_object(nodes_[a[0]].index, object_build::newobj, npos);
-      return add_object(g, how, args);
     }
     if (r && r->k == Rule::kind::function) {
       Global& gl = globals_[g];
@@ -10298,7 +9936,6 @@ class Reader {
       case nk::object: return "object";
       case nk::global: return "global";
       case nk::handle: return "value";  // what it stands for: errors read as when it is one
-      case nk::bytearray: return "bytearray";
     }
     return "?";
   }
@@ -10343,14 +9980,6 @@ class Reader {
       const auto& g = globals_[objects_[t.index].global];
       if (g.module == "builtins" && (g.name == "set" || g.name == "frozenset"))
         fail(errors::pk_bad_operand, "BUILD on a " + g.name + " (allowed on OrderedDict and kept objects)");
-      if (g.rule && g.rule->build && objects_[t.index].state.empty() && objects_[t.index].items.empty())
-        if (std::optional<Value> v = built(target, state)) {
-          // The object becomes that value wherever it is referenced (the memo holds this node).
-          const std::uint32_t leaf = add_leaf(std::move(*v));
-          nodes_[target].kind = nk::leaf;
-          nodes_[target].index = nodes_[leaf].index;
-          return;
-        }
       objects_[t.index].state.push_back(state);
     } else {
       fail(errors::pk_bad_operand, "BUILD on a " + kind_name(t.kind) + " (allowed on OrderedDict and kept objects)");
@@ -10385,9 +10014,6 @@ class Reader {
   }
 
   Value to_value_leaf(std::uint32_t n) { return to_value(n, 0, nullptr); }
-
-  /// Rule::build of the object at `target` with `state` (defined after Args).
-  std::optional<Value> built(std::uint32_t target, std::uint32_t state);
 
   /// `f` over the items of tuple node `tuple` (defined after Args).
   std::optional<Value> try_fast(const fast_fn& f, std::uint32_t tuple);
@@ -10435,20 +10061,9 @@ class Reader {
       case nk::floating: return Value(node.u.d);
       case nk::str: return Value(std::string(view(node.u.off, node.index)));
       case nk::bytes: {
-        const std::string_view v = view(node.u.off, node.index);
         Bytes b;
-        b.data.assign(reinterpret_cast<const std::uint8_t*>(v.data()), reinterpret_cast<const std::uint8_t*>(v.data()) + v.size());
+        b.data.assign(in_ + node.u.off, in_ + node.u.off + node.index);
         return Value(std::move(b));
-      }
-      case nk::bytearray: {
-        // Counted as the leaf it used to be: two values, one level of container at `depth`.
-        if (depth >= opts_.limits.max_depth) depth_exceeded();
-        count_node();
-        const std::string_view v = view(node.u.off, node.index);
-        Object o{"builtins", "bytearray", object_build::reduce, {}, {}, {}};
-        o.args.emplace_back(Bytes{std::vector<std::uint8_t>(reinterpret_cast<const std::uint8_t*>(v.data()),
-                                                            reinterpret_cast<const std::uint8_t*>(v.data()) + v.size())});
-        return Value(std::move(o));
       }
       case nk::leaf: {
         const LeafShape& ls = leaf_shape_[node.index];
@@ -10684,16 +10299,14 @@ class Reader {
   std::vector<unsigned char> visiting_;
   std::uint64_t produced_ = 0;
   std::vector<Attributes> attributes_;
-  std::string text_pool_;  ///< decoded protocol-0 text; nodes address it past the input (view())
 };
 
 }  // namespace statedict::inline v0::pickle
 
 // Args and the opcode loop, which need the whole Reader.
 // ---- statedict/io/detail/pickle_opcodes.hpp ----
-// statedict: the unpickler's opcode loop (Reader::run), its text operands (protocols 0 and 1),
-// and the arguments view registered functions read (Args, Build); io/pickle_read.hpp is the
-// public header.
+// statedict: the unpickler's opcode loop (Reader::run) and the arguments view registered functions
+// read (Args); io/pickle_read.hpp is the public header.
 // SPDX-License-Identifier: MIT
 
 
@@ -10726,7 +10339,7 @@ namespace statedict::inline v0::pickle {
 /// as what it is not (check kind_of first) is a pickle.bad_call error, never a wild read.
 class Args {
  public:
-  enum class kind : std::uint8_t { none, boolean, integer, floating, str, bytes, value, list, tuple, dict, object, global, handle, bytearray };
+  enum class kind : std::uint8_t { none, boolean, integer, floating, str, bytes, value, list, tuple, dict, object, global, handle };
 
   [[nodiscard]] std::size_t size() const noexcept { return items_.size(); }
   [[nodiscard]] kind kind_of(std::size_t i) const { return static_cast<kind>(node(i).kind); }
@@ -10766,35 +10379,10 @@ class Args {
     const Reader::Node& n = node(i);
     return n.kind == Reader::nk::dict && r_.dicts_[n.index].kv.empty() && r_.dicts_[n.index].state.empty();
   }
-  /// The items of a tuple or list argument, as Args (valid as long as this one); nullopt for
-  /// anything else.
-  [[nodiscard]] std::optional<Args> items(std::size_t i) const {
-    const Reader::Node& n = node(i);
-    if (n.kind != Reader::nk::tuple && n.kind != Reader::nk::list) return std::nullopt;
-    return Args(r_, r_.seq(n.index));
-  }
-  /// The bytes of a str, bytes or bytearray argument, and whether they lie in the pickle's input
-  /// (else in the reader's own memory, valid only during this call).
-  struct raw_bytes {
-    std::string_view data;
-    bool in_input;
-  };
-  [[nodiscard]] std::optional<raw_bytes> raw(std::size_t i) const {
-    const Reader::Node& n = node(i);
-    if (n.kind != Reader::nk::str && n.kind != Reader::nk::bytes && n.kind != Reader::nk::bytearray) return std::nullopt;
-    return raw_bytes{r_.view(n.u.off, n.index), n.u.off < r_.size_};
-  }
-  /// Argument `i` converted to a Value (a copy; counted against limits.max_nodes).
-  [[nodiscard]] Value convert(std::size_t i) const {
-    (void)node(i);
-    return r_.to_value_leaf(items_[i]);
-  }
-  /// The reader (its options, its fail()).
-  [[nodiscard]] Reader& reader() const noexcept { return r_; }
 
  private:
   friend class Reader;
-  Args(Reader& r, std::span<const std::uint32_t> items) : r_(r), items_(items) {}
+  Args(const Reader& r, std::span<const std::uint32_t> items) : r_(r), items_(items) {}
   [[nodiscard]] const Reader::Node& node(std::size_t i) const {
     if (i >= items_.size()) [[unlikely]] no_such_argument(i);
     return r_.nodes_[items_[i]];
@@ -10813,108 +10401,19 @@ class Args {
                                      ", but it is a " + Reader::kind_name(node(i).kind));
   }
 
-  Reader& r_;
+  const Reader& r_;
   std::span<const std::uint32_t> items_;
 
   static_assert(static_cast<int>(kind::value) == static_cast<int>(Reader::nk::leaf) &&
                 static_cast<int>(kind::global) == static_cast<int>(Reader::nk::global) &&
-                static_cast<int>(kind::handle) == static_cast<int>(Reader::nk::handle) &&
-                static_cast<int>(kind::bytearray) == static_cast<int>(Reader::nk::bytearray));
+                static_cast<int>(kind::handle) == static_cast<int>(Reader::nk::handle));
 };
-
-/// What a Rule::build function gets: the arguments the object was made with (REDUCE / NEWOBJ)
-/// and its BUILD state (one item), as the reader holds them.
-struct Build {
-  const Object& callable;  ///< module and name of the global that made the object
-  const Args& args;
-  const Args& state;
-};
-
-inline std::optional<Value> Reader::built(std::uint32_t target, std::uint32_t state) {
-  const ObjData& od = objects_[nodes_[target].index];
-  Global& gl = globals_[od.global];
-  if (!gl.callee) gl.callee = std::make_unique<const Object>(Object{gl.module, gl.name, object_build::global, {}, {}, {}});
-  const Object& callee = *gl.callee;
-  const std::span<const std::uint32_t> args = od.args == npos ? std::span<const std::uint32_t>() : seq(nodes_[od.args].index);
-  const std::uint32_t one[1] = {state};
-  const Args a(*this, args), st(*this, std::span<const std::uint32_t>(one));
-  try {
-    return gl.rule->build(Build{callee, a, st});
-  } catch (error& e) {
-    if (e.context().rfind("pickle offset", 0) != 0) e.add_context("pickle offset " + std::to_string(op_pos_));
-    throw;
-  }
-}
 
 inline std::optional<Value> Reader::try_fast(const fast_fn& f, std::uint32_t tuple) {
   return f(Args(*this, seq(nodes_[tuple].index)));
 }
 inline std::optional<std::uint64_t> Reader::try_handle(std::uint32_t tuple) {
   return opts_.persistent_handle(Args(*this, seq(nodes_[tuple].index)));
-}
-
-// Text operands of protocols 0 and 1.
-
-inline std::uint32_t Reader::parse_int_text(std::string_view s, bool is_long) {
-  if (is_long && !s.empty() && s.back() == 'L') s.remove_suffix(1);
-  if (!is_long && s == "00") return add_scalar(nk::boolean, 0);
-  if (!is_long && s == "01") return add_scalar(nk::boolean, 1);
-  std::int64_t v = 0;
-  const char* b = s.data();
-  if (!s.empty() && s[0] == '+') ++b;
-  auto [p, ec] = std::from_chars(b, s.data() + s.size(), v);
-  if (ec == std::errc::result_out_of_range) {
-    // Beyond int64 (torch's legacy magic number at protocols 0 and 1): 2.5 digits per byte.
-    if (s.size() / 3 > opts_.limits.max_long_bytes)
-      fail(errors::pk_long_limit, "text integer of " + std::to_string(s.size()) + " digits exceeds limits.max_long_bytes (" +
-                                      std::to_string(opts_.limits.max_long_bytes) + " bytes)");
-    std::vector<std::uint8_t> bytes;
-    if (!detail::decimal_to_long(s, bytes)) fail(errors::pk_bad_text, "bad integer " + quote(s));
-    return long_node(std::move(bytes));
-  }
-  if (ec != std::errc() || p != s.data() + s.size() || s.empty()) fail(errors::pk_bad_text, "bad integer " + quote(s));
-  return add_scalar(nk::integer, v);
-}
-
-/// STRING: a quoted Python 2 str literal; str when its bytes are UTF-8, else bytes (as BINSTRING).
-inline std::uint32_t Reader::read_quoted_string() {
-  const std::uint64_t at = pos_;
-  const std::string_view s = line();
-  if (s.size() < 2 || (s.front() != '\'' && s.front() != '"') || s.back() != s.front())
-    fail(errors::pk_bad_text, "STRING operand is not quoted");
-  const std::string_view body = s.substr(1, s.size() - 2);
-  if (body.size() > opts_.limits.max_string_bytes || body.size() > 0xFFFFFFF0U)
-    fail(errors::pk_string_limit, "STRING of " + std::to_string(body.size()) + " bytes exceeds limits.max_string_bytes");
-  if (body.find('\\') == std::string_view::npos) {  // no escape: the bytes are in the input
-    Node n;
-    n.kind = detail::valid_utf8(body) ? nk::str : nk::bytes;
-    n.u.off = at + 1;
-    n.index = static_cast<std::uint32_t>(body.size());
-    return add_node(n);
-  }
-  std::string out;
-  if (!detail::escape_decode(body, out)) fail(errors::pk_bad_text, "STRING operand with a bad escape");
-  return add_decoded(detail::valid_utf8(out) ? nk::str : nk::bytes, out);
-}
-
-/// UNICODE: a str in raw-unicode-escape.
-inline std::uint32_t Reader::read_raw_unicode() {
-  const std::uint64_t at = pos_;
-  const std::string_view s = line();
-  if (s.size() > opts_.limits.max_string_bytes || s.size() > 0xFFFFFFF0U)
-    fail(errors::pk_string_limit, "UNICODE of " + std::to_string(s.size()) + " bytes exceeds limits.max_string_bytes");
-  if (std::all_of(s.begin(), s.end(), [](char c) { return c != '\\' && static_cast<unsigned char>(c) < 0x80; })) {
-    Node n;  // ASCII without escapes: the text is the input's
-    n.kind = nk::str;
-    n.u.off = at;
-    n.index = static_cast<std::uint32_t>(s.size());
-    return add_node(n);
-  }
-  std::string out;
-  if (!detail::raw_unicode_escape_decode(s, out)) fail(errors::pk_bad_text, "UNICODE operand with a bad \\u escape");
-  if (out.size() > opts_.limits.max_string_bytes)
-    fail(errors::pk_string_limit, "UNICODE of " + std::to_string(out.size()) + " bytes exceeds limits.max_string_bytes");
-  return add_decoded(nk::str, out);
 }
 
 inline Result Reader::run() {
@@ -11012,14 +10511,16 @@ inline Result Reader::run() {
         push(read_py2_string(static_cast<std::uint64_t>(n)));
         break;
       }
-      case 0x96: {  // BYTEARRAY8: its bytes stay in the input (numpy's _frombuffer views them)
+      case 0x96: {  // BYTEARRAY8
         const std::uint32_t b = read_string(le<8>(), true, "BYTEARRAY8");
-        nodes_[b].kind = nk::bytearray;
-        push(b);
+        Object o{"builtins", "bytearray", object_build::reduce, {}, {}, {}};
+        o.args.push_back(to_value_leaf(b));
+        push(add_leaf(Value(std::move(o))));
         break;
       }
-      case 'S': push(read_quoted_string()); break;  // STRING
-      case 'V': push(read_raw_unicode()); break;    // UNICODE
+      case 'S':
+      case 'V':
+        fail(errors::pk_unsupported_opcode, detail::opcode_name(op) + " (protocol 0 quoted strings) is not supported");
       case 0x97:
       case 0x98:
         fail(errors::pk_unsupported_opcode, detail::opcode_name(op) + " (protocol 5 out-of-band buffers) is not supported");
@@ -11205,243 +10706,6 @@ inline Result Reader::run() {
 }
 
 }  // namespace statedict::inline v0::pickle
-// ---- statedict/io/detail/pickle_numpy.hpp ----
-// statedict: numpy arrays, scalars and dtypes in pickles, read as data (io/pickle_read.hpp is the
-// public header). Nothing of numpy is imported or called: the rules below read what numpy's
-// `__reduce__` wrote and make tensors of it.
-// SPDX-License-Identifier: MIT
-//
-// What numpy writes, and what it becomes:
-//   ndarray, protocols 2-5:  _reconstruct(numpy.ndarray, (0,), b'b') then BUILD of the state
-//                            (version, shape, dtype, is_fortran, data) -> a tensor of the shape,
-//                            row-major or (is_fortran) column-major strides
-//   ndarray, protocol 5:     _frombuffer(buffer, dtype, shape, order) with the buffer in band
-//                            (BYTEARRAY8; BINBYTES when read-only) -> the same
-//   scalar (np.float32(1.5)): scalar(dtype, bytes of one element) -> a 0-d tensor
-//   dtype:                   numpy.dtype('f4', False, True) then BUILD (3, '<', None, None, None,
-//                            -1, -1, 0) -> stays an Object; the rules above read it
-// `_reconstruct`, `_frombuffer` and `scalar` are found in numpy.core (numpy 1) and numpy._core
-// (numpy 2). Element types: b1 i1 i2 i4 i8 u1 u2 u4 u8 f2 f4 f8 c8 c16 (BOOL ... C128). Others
-// (objects, strings, records, datetimes, long double) and ndarray subclasses (np.matrix, masked
-// arrays) stay Objects, their calls and states kept as data. The data is protocol 2's
-// `_codecs.encode(str, 'latin1')` (Bytes, already copied), a bytes or bytearray in the pickle, or
-// (Python 2) a str: an array whose bytes lie whole in the input, little-endian, is a view of them
-// when options::input_owner keeps the input alive; otherwise, and for big-endian arrays (swapped
-// to little-endian), the bytes are copied. A data length other than the shape's, or a malformed
-// state, is pickle.bad_numpy: numpy itself would refuse it.
-
-#include <algorithm>
-#include <cstddef>
-#include <cstdint>
-#include <cstring>
-#include <memory>
-#include <optional>
-#include <string>
-#include <string_view>
-#include <utility>
-#include <vector>
-
-
-
-namespace statedict::inline v0::pickle::detail {
-
-/// Dimensions of a numpy array (numpy 2's NPY_MAXDIMS).
-inline constexpr std::size_t numpy_max_dims = 64;
-
-/// An element type as numpy pickled it.
-struct numpy_dtype {
-  statedict::dtype type;
-  bool big_endian;
-};
-
-/// The element type a pickled numpy.dtype names: Object numpy.dtype (how reduce, args (code,
-/// align, copy), state (version 3 or 4, byte order, subarray, names, fields, ...)). nullopt for
-/// anything that is not such a dtype of a type statedict has.
-inline std::optional<numpy_dtype> numpy_dtype_of(const Value& v) {
-  if (!v.is_object()) return std::nullopt;
-  const Object& o = v.as_object();
-  if (o.module != "numpy" || o.name != "dtype" || o.how != object_build::reduce || o.args.empty() || !o.args[0].is_string() ||
-      !o.items.empty() || o.state.size() > 1)
-    return std::nullopt;
-  struct code {
-    std::string_view text;
-    statedict::dtype type;
-  };
-  static constexpr code codes[] = {{"b1", dtype::BOOL}, {"i1", dtype::I8},  {"i2", dtype::I16}, {"i4", dtype::I32},
-                                   {"i8", dtype::I64},  {"u1", dtype::U8},  {"u2", dtype::U16}, {"u4", dtype::U32},
-                                   {"u8", dtype::U64},  {"f2", dtype::F16}, {"f4", dtype::F32}, {"f8", dtype::F64},
-                                   {"c8", dtype::C64},  {"c16", dtype::C128}};
-  std::optional<statedict::dtype> t;
-  for (const code& c : codes)
-    if (o.args[0].as_string() == c.text) t = c.type;
-  if (!t) return std::nullopt;
-  bool big = false;
-  if (!o.state.empty()) {
-    const Value& s = o.state[0];
-    if (!s.is_tuple() || s.as_list().size() < 5) return std::nullopt;
-    const List& st = s.as_list();
-    if (!st[0].is_int() || (st[0].as_int() != 3 && st[0].as_int() != 4) || !st[1].is_string()) return std::nullopt;
-    for (std::size_t i = 2; i < 5; ++i)  // subarray, names, fields: a record or sub-array type
-      if (!st[i].is_none()) return std::nullopt;
-    const std::string& order = st[1].as_string();
-    if (order == ">") big = true;
-    else if (order != "<" && order != "|" && order != "=") return std::nullopt;
-  }
-  return numpy_dtype{*t, big && itemsize(*t) > 1};
-}
-
-/// The tensor of a numpy array of `shape` (row-major, or column-major when `fortran`) whose
-/// elements are `data`; a view of `data` when `in_input` and the reader keeps its input alive,
-/// else a copy (swapped to little-endian when the dtype is big-endian).
-inline TensorView numpy_tensor(Reader& r, numpy_dtype t, const shape_t& shape, bool fortran, std::string_view data, bool in_input,
-                               std::string_view what) {
-  std::uint64_t n = 1;
-  for (const dim_t d : shape) {
-    if (d < 0) r.fail(errors::pk_bad_numpy, std::string(what) + " of shape " + to_string(shape) + ": a negative dimension");
-    n = checked_mul(n, static_cast<std::uint64_t>(d), "numpy array size");
-  }
-  const std::size_t item = itemsize(t.type);
-  const std::uint64_t nbytes = checked_mul(n, item, "numpy array size");
-  if (nbytes != data.size())
-    r.fail(errors::pk_bad_numpy, std::string(what) + " of shape " + to_string(shape) + " and dtype " + std::string(name(t.type)) +
-                                     " needs " + std::to_string(nbytes) + " bytes; its data has " + std::to_string(data.size()));
-  // Strides of the dimensions in memory order; an empty array has no element to address (its
-  // dimensions' product may exceed int64 where one of them is 0), so its strides are all 1.
-  shape_t strides(shape.size(), 1);
-  if (n != 0) {  // every product below divides n, which fits
-    if (fortran) {
-      for (std::size_t i = 1; i < shape.size(); ++i) strides[i] = strides[i - 1] * shape[i - 1];
-    } else {
-      for (std::size_t i = shape.size(); i-- > 1;) strides[i - 1] = strides[i] * shape[i];
-    }
-  }
-  const keep_alive& owner = r.opts().input_owner;
-  if (in_input && owner && !t.big_endian && !data.empty())
-    return TensorView(t.type, shape, std::move(strides), reinterpret_cast<const std::byte*>(data.data()), owner);
-  auto copy = std::make_shared<std::vector<std::byte>>(std::max<std::size_t>(data.size(), 1));
-  if (!data.empty()) std::memcpy(copy->data(), data.data(), data.size());
-  if (t.big_endian) {
-    const std::size_t part = info(t.type).is_complex ? item / 2 : item;  // complex: per component
-    for (std::size_t at = 0; at < data.size(); at += part) std::reverse(copy->data() + at, copy->data() + at + part);
-  }
-  const std::byte* p = copy->data();
-  return TensorView(t.type, shape, std::move(strides), p, std::move(copy));
-}
-
-/// The bytes of a data argument held as a Value: Bytes (protocol 2's _codecs.encode, bytes()) or
-/// a bytearray Object; nullopt for anything else.
-inline std::optional<std::string_view> value_bytes(const Value& v) {
-  const Value* b = &v;
-  if (v.is_object() && v.as_object().qualified() == "builtins.bytearray" && v.as_object().args.size() == 1) b = &v.as_object().args[0];
-  if (!b->is_bytes()) return std::nullopt;
-  const auto& d = b->as_bytes().data;
-  return std::string_view(reinterpret_cast<const char*>(d.data()), d.size());
-}
-
-/// Argument `i` of `a` as data bytes: in the pickle (str, bytes, bytearray) or a Value (as
-/// value_bytes). A str is Python 2's: its bytes are the data (what numpy reads after encoding
-/// the text as latin-1 when that text came from a Python 2 str).
-inline std::optional<Args::raw_bytes> data_arg(const Args& a, std::size_t i) {
-  if (i >= a.size()) return std::nullopt;
-  if (a.kind_of(i) == Args::kind::value)
-    if (const auto b = value_bytes(a.value(i))) return Args::raw_bytes{*b, false};
-  return a.raw(i);
-}
-
-/// BUILD of `_reconstruct(numpy.ndarray, (0,), b'b')` with the array's state.
-inline std::optional<Value> ndarray_build(const Build& b) {
-  using k = Args::kind;
-  Reader& r = b.state.reader();
-  if (b.args.size() == 0 || b.args.kind_of(0) != k::global) return std::nullopt;
-  if (const auto [m, n] = b.args.global(0); m != "numpy" || n != "ndarray") return std::nullopt;  // a subclass
-  const std::optional<Args> st = b.state.items(0);
-  if (!st || (st->size() != 5 && st->size() != 4))
-    r.fail(errors::pk_bad_numpy, "numpy.ndarray state is not (version, shape, dtype, is_fortran, data)");
-  const std::size_t at = st->size() == 5 ? 1 : 0;  // the 4-item form has no version
-  if (at == 1 && st->kind_of(0) != k::integer) r.fail(errors::pk_bad_numpy, "numpy.ndarray state version is not an int");
-  shape_t shape;
-  if (!st->ints(at, numpy_max_dims, shape))
-    r.fail(errors::pk_bad_numpy, "numpy.ndarray shape is not a tuple of at most " + std::to_string(numpy_max_dims) + " ints");
-  const std::optional<numpy_dtype> t = numpy_dtype_of(st->convert(at + 1));
-  if (!t) return std::nullopt;  // objects, strings, records...: the array stays an object
-  if (st->kind_of(at + 2) != k::boolean && st->kind_of(at + 2) != k::integer)
-    r.fail(errors::pk_bad_numpy, "numpy.ndarray is_fortran is not a bool");
-  const bool fortran = st->integer(at + 2) != 0;
-  const std::optional<Args::raw_bytes> data = data_arg(*st, at + 3);
-  if (!data) r.fail(errors::pk_bad_numpy, "numpy.ndarray data of a " + std::string(name(t->type)) + " array is not bytes");
-  std::string latin1;
-  std::string_view bytes = data->data;
-  if (st->kind_of(at + 3) == k::str) {  // a Python 2 str decoded as UTF-8: numpy encodes it as latin-1
-    std::vector<std::uint8_t> out;
-    if (!detail::utf8_to_latin1(bytes, out)) r.fail(errors::pk_bad_numpy, "numpy.ndarray data is a str beyond latin-1");
-    latin1.assign(out.begin(), out.end());
-    bytes = latin1;
-  }
-  return Value(numpy_tensor(r, *t, shape, fortran, bytes, data->in_input && st->kind_of(at + 3) != k::str, "numpy array"));
-}
-
-/// `_frombuffer(buffer, dtype, shape, order)` read from the reader's nodes (the buffer in place).
-inline std::optional<Value> frombuffer_fast(const Args& a) {
-  using k = Args::kind;
-  if (a.size() != 4 || (a.kind_of(3) != k::str)) return std::nullopt;
-  const std::optional<Args::raw_bytes> data = data_arg(a, 0);
-  const std::optional<numpy_dtype> t = numpy_dtype_of(a.convert(1));
-  shape_t shape;
-  if (!data || a.kind_of(0) == k::str || !t || !a.ints(2, numpy_max_dims, shape) || (a.str(3) != "C" && a.str(3) != "F"))
-    return std::nullopt;
-  return Value(numpy_tensor(a.reader(), *t, shape, a.str(3) == "F", data->data, data->in_input, "numpy array"));
-}
-
-/// The same from Values; a call it cannot read (another dtype) stays an Object.
-inline Value frombuffer_call(Call& c) {
-  const List& a = c.args;
-  const std::optional<std::string_view> data = a.size() == 4 ? value_bytes(a[0]) : std::nullopt;
-  const std::optional<numpy_dtype> t = a.size() == 4 ? numpy_dtype_of(a[1]) : std::nullopt;
-  if (!data || !t) return Value(Object{c.callable.module, c.callable.name, object_build::reduce, a, {}, {}});
-  if (!a[2].is_sequence() || a[2].as_list().size() > numpy_max_dims || !a[3].is_string() ||
-      (a[3].as_string() != "C" && a[3].as_string() != "F"))
-    c.reader.fail(errors::pk_bad_numpy, c.callable.qualified() + " expects (buffer, dtype, shape tuple, 'C' or 'F')");
-  shape_t shape;
-  for (const Value& d : a[2].as_list()) {
-    if (!d.is_int()) c.reader.fail(errors::pk_bad_numpy, c.callable.qualified() + " shape holds a " + std::string(to_string(d.kind())));
-    shape.push_back(d.as_int());
-  }
-  return Value(numpy_tensor(c.reader, *t, shape, a[3].as_string() == "F", *data, false, "numpy array"));
-}
-
-/// `scalar(dtype, bytes of one element)` from the reader's nodes.
-inline std::optional<Value> scalar_fast(const Args& a) {
-  if (a.size() != 2 || a.kind_of(1) == Args::kind::str) return std::nullopt;
-  const std::optional<Args::raw_bytes> data = data_arg(a, 1);
-  const std::optional<numpy_dtype> t = numpy_dtype_of(a.convert(0));
-  if (!data || !t) return std::nullopt;
-  return Value(numpy_tensor(a.reader(), *t, {}, false, data->data, data->in_input, "numpy scalar"));
-}
-
-inline Value scalar_call(Call& c) {
-  const List& a = c.args;
-  const std::optional<numpy_dtype> t = a.size() == 2 ? numpy_dtype_of(a[0]) : std::nullopt;
-  const std::optional<std::string_view> data = a.size() == 2 ? value_bytes(a[1]) : std::nullopt;
-  if (!t || !data) return Value(Object{c.callable.module, c.callable.name, object_build::reduce, a, {}, {}});  // an object scalar
-  return Value(numpy_tensor(c.reader, *t, {}, false, *data, false, "numpy scalar"));
-}
-
-/// The data rules beyond torch's weights_only list: numpy (both module paths) and copyreg.
-inline void add_data_rules(Registry& r) {
-  for (const char* core : {"numpy.core", "numpy._core"}) {
-    Rule rec;
-    rec.build = ndarray_build;
-    rec.beyond_weights_only = true;
-    r.add(std::string(core) + ".multiarray._reconstruct", rec);
-    Rule fb{Rule::kind::function, frombuffer_call, frombuffer_fast, {}, true};
-    r.add(std::string(core) + ".numeric._frombuffer", fb);
-    Rule sc{Rule::kind::function, scalar_call, scalar_fast, {}, true};
-    r.add(std::string(core) + ".multiarray.scalar", sc);
-  }
-  r.add("copyreg._reconstructor", Rule{Rule::kind::reconstructor, {}, {}, {}, true});
-}
-
-}  // namespace statedict::inline v0::pickle::detail
 
 namespace statedict::inline v0 {
 namespace pickle {
@@ -11458,7 +10722,7 @@ inline const List& one_sequence_arg(Call& c, std::size_t max_args = 1) {
 
 inline Registry Registry::weights_only() {
   Registry r;
-  r.add("collections.OrderedDict", Rule{Rule::kind::ordered_dict, {}, {}, {}, false});
+  r.add("collections.OrderedDict", Rule{Rule::kind::ordered_dict, {}, {}});
   r.allow("collections.Counter");
   // bytes in protocol 2: _codecs.encode(latin-1 str, 'latin1'); empty bytes: builtins.bytes().
   r.function("_codecs.encode", [](Call& c) -> Value {
@@ -11536,7 +10800,6 @@ inline Registry Registry::weights_only() {
                         "_rebuild_meta_tensor_no_storage", "_rebuild_wrapper_subclass",
                         "_rebuild_device_tensor_from_numpy", "_rebuild_device_tensor_from_cpu_tensor"})
     r.allow(std::string("torch._utils.") + f);
-  detail::add_data_rules(r);
   return r;
 }
 
@@ -11564,25 +10827,11 @@ inline Result load(std::span<const std::byte> bytes, const options& opts = {}) {
 // keys) in their protocol-2 form. Tensors have no generic encoding: a `custom` hook writes them
 // (io/torch_file.hpp writes `_rebuild_tensor_v2` with a persistent storage id, as torch.save does).
 // Dicts that carry attributes (state_dict()._metadata) are written as OrderedDict + BUILD.
-//
-// Objects as data: an object whose class torch.load(weights_only=True) does not accept (an
-// argparse.Namespace, a config class, a pickled nn.Module, an enum member) is written as its
-// data, never as a call of its class nor a reference to it, so that loading the output runs no
-// code whatever the input held (`write_options::objects`):
-//   an instance with a dict of str keys as its only state, and no arguments or items
-//                                    -> that dict (`vars(obj)`: Namespace(lr=0.1) -> {'lr': 0.1})
-//   any other instance               -> a dict of what it has of 'args' (tuple), 'state' (its
-//                                       state; a tuple of them when several), 'items' (list)
-//   a reference to the class itself  -> the str 'module.name'
-// `write_options::keep_classes` names classes written as themselves instead (for a user who
-// trusts the input); Writer::converted counts what was written as data, by class.
 
-#include <algorithm>
 #include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
-#include <map>
 #include <span>
 #include <string>
 #include <string_view>
@@ -11606,33 +10855,7 @@ namespace pickle {
 struct write_options {
   /// Deepest nesting written (the writer recurses).
   std::size_t max_depth = 1000;
-  enum class objects_policy : std::uint8_t {
-    as_data,     ///< objects of classes outside weights_only's list written as their data
-    as_written,  ///< every object as it is (a writer's own structures: DCP metadata classes)
-  };
-  objects_policy objects = objects_policy::as_data;
-  /// Classes ("argparse.Namespace") written as themselves under as_data.
-  std::vector<std::string> keep_classes;
 };
-
-/// Whether objects of class `qualified` ("module.name") are written as themselves: classes and
-/// functions torch.load(weights_only=True) accepts (Registry::weights_only() without the rules
-/// beyond it), or one of `keep`.
-inline bool writable_as_itself(std::string_view qualified, const std::vector<std::string>& keep) {
-  static const Registry allowed = Registry::weights_only();
-  const std::string q(qualified);
-  if (const Rule* r = allowed.find(q); r && !r->beyond_weights_only) return true;
-  return std::find(keep.begin(), keep.end(), q) != keep.end();
-}
-
-/// Whether an instance whose parts are these is written as its state alone (a dict of str keys,
-/// its attributes), rather than as a dict of its parts.
-inline bool data_is_state(const Object& o) {
-  if (!o.args.empty() || !o.items.empty() || o.state.size() != 1 || !o.state[0].is_dict()) return false;
-  for (const auto& kv : o.state[0].as_dict().items())
-    if (!kv.first.is_string()) return false;
-  return true;
-}
 
 /// Protocol-2 pickler into a byte vector.
 class Writer {
@@ -11646,8 +10869,6 @@ class Writer {
   custom_fn custom;
   /// Attributes to attach (as OrderedDict + BUILD) to the dict at each path.
   const std::vector<Attributes>* attributes = nullptr;
-  /// Objects written as their data, by class (write_options::objects).
-  std::map<std::string, std::uint64_t> converted;
 
   /// PROTO 2, the value, STOP.
   void dump(const Value& v) {
@@ -11941,10 +11162,6 @@ class Writer {
       write_states(o, depth);
       return;
     }
-    if (opts_.objects == write_options::objects_policy::as_data && !writable_as_itself(q, opts_.keep_classes)) {
-      as_data(o, depth);
-      return;
-    }
     if (o.how == object_build::global) {
       if (!o.args.empty() || !o.items.empty() || !o.state.empty())
         throw_error(errors::pk_unwritable, "at " + quote(dotted(path)),
@@ -11965,44 +11182,6 @@ class Writer {
       if (!it.is_tuple() || it.as_list().size() != 2) pairs = false;
     write_items(o, depth, pairs);
     write_states(o, depth);
-  }
-
-  /// An object as its data (see the top of this file); its children are written as they are, so
-  /// that hooks see the tree's own tensors.
-  void as_data(const Object& o, std::size_t depth) {
-    ++converted[o.qualified()];
-    Path none_path;
-    if (o.how == object_build::global) {
-      str(o.qualified());
-      return;
-    }
-    if (data_is_state(o)) {
-      value(o.state[0], depth + 1, none_path, false);
-      return;
-    }
-    op('}');
-    memoize();
-    if (o.args.empty() && o.state.empty() && o.items.empty()) return;
-    mark();
-    if (!o.args.empty()) {
-      str("args");
-      args_tuple(o.args, depth + 1);
-    }
-    if (!o.state.empty()) {
-      str("state");
-      if (o.state.size() == 1) {
-        value(o.state[0], depth + 2, none_path, false);
-      } else {
-        args_tuple(o.state, depth + 1);
-      }
-    }
-    if (!o.items.empty()) {
-      str("items");
-      op(']');
-      memoize();
-      batches(o.items.size(), [&](std::size_t i) { value(o.items[i], depth + 2, none_path, false); }, 'a', 'e', true);
-    }
-    op('u');
   }
 
   void write_items(const Object& o, std::size_t depth, bool pairs, bool exact = false) {
@@ -12033,22 +11212,13 @@ class Writer {
   std::uint32_t next_memo_ = 0;
 };
 
-/// Pickles a Value without tensors (protocol 2), its objects as `opts` says.
-inline std::vector<std::byte> dumps(const Value& v, const std::vector<Attributes>* attributes, const write_options& opts) {
+/// Pickles a Value without tensors (protocol 2).
+inline std::vector<std::byte> dumps(const Value& v, const std::vector<Attributes>* attributes = nullptr) {
   std::vector<std::byte> out;
-  Writer w(out, opts);
+  Writer w(out);
   w.attributes = attributes;
   w.dump(v);
   return out;
-}
-
-/// Pickles a Value without tensors (protocol 2) exactly as it is, objects included: for a writer's
-/// own structures (DCP's Metadata classes). Trees read from input go through Writer's default
-/// write_options, which writes objects as their data.
-inline std::vector<std::byte> dumps(const Value& v, const std::vector<Attributes>* attributes = nullptr) {
-  write_options o;
-  o.objects = write_options::objects_policy::as_written;
-  return dumps(v, attributes, o);
 }
 
 }  // namespace pickle
@@ -12115,7 +11285,6 @@ inline constexpr error_id pt_legacy_tar        {508, error_kind::unsupported, "t
 inline constexpr error_id pt_rank_limit        {509, error_kind::limit,       "torch.rank_limit"};
 inline constexpr error_id pt_big_endian        {510, error_kind::unsupported, "torch.big_endian"};
 inline constexpr error_id pt_bad_version       {511, error_kind::format,      "torch.bad_version"};
-inline constexpr error_id pt_protocol_0        {512, error_kind::format,      "torch.pickle_protocol_0"};
 inline constexpr error_id pt_unwritable        {520, error_kind::usage,       "torch.unwritable"};
 inline constexpr error_id pt_crc_incomplete    {521, error_kind::usage,       "torch.crc_incomplete"};
 inline constexpr error_id pt_bad_name          {522, error_kind::usage,       "torch.bad_archive_name"};
@@ -12134,12 +11303,9 @@ struct limits {
 
 struct load_options {
   torch::limits limits{};
-  /// Objects of globals outside torch.load(weights_only=True)'s allow-list (argparse.Namespace
-  /// args, numpy RNG states, config classes, whole pickled modules) are read as data: Object
-  /// nodes of their class name, arguments and state, numpy arrays as tensors (pickle::options).
-  /// Never imported or called either way. False refuses them as weights_only=True does
-  /// (pickle.forbidden_global).
-  bool keep_unknown_objects = true;
+  /// Keep objects of globals outside the weights_only allow-list as opaque Objects (DCP metadata,
+  /// DeepSpeed config objects, ShardedTensor files). Never executed either way.
+  bool keep_unknown_objects = false;
   /// Keep `nn.Parameter` and tensor-subclass wrappers as Objects around their tensor
   /// (`torch._utils._rebuild_parameter(tensor, requires_grad, hooks)`), so they are written back
   /// as Parameters. Default: a Parameter is its tensor.
@@ -12194,34 +11360,14 @@ struct File {
 /// What a file looks like from its first bytes.
 enum class file_kind : std::uint8_t { zip, legacy, legacy_tar, unknown };
 
-/// Whether `head` starts with the pickle torch's legacy format begins with: the magic number
-/// 0x1950a86a20f9469cfc6c alone, as torch.save pickles it at any protocol. Protocols 0 and 1: the
-/// text LONG `L119547037146038801333356L\n`; 2 and 3: PROTO, LONG1 of its 10 bytes; 4 and 5:
-/// PROTO, FRAME, LONG1; then STOP.
-inline bool legacy_magic(std::span<const std::byte> head) {
-  static constexpr std::string_view text = "L119547037146038801333356L\n.";
-  static constexpr unsigned char binary[] = {0x8a, 0x0a, 0x6c, 0xfc, 0x9c, 0x46, 0xf9, 0x20, 0x6a, 0xa8, 0x50, 0x19, '.'};
-  const auto u = [&](std::size_t i) { return i < head.size() ? std::to_integer<unsigned>(head[i]) : 256U; };
-  const auto at = [&](std::size_t i, const auto& what, std::size_t n) {
-    if (head.size() < i + n) return false;
-    for (std::size_t k = 0; k < n; ++k)
-      if (u(i + k) != static_cast<unsigned char>(what[k])) return false;
-    return true;
-  };
-  if (at(0, text, text.size())) return true;
-  if (u(0) != 0x80 || u(1) < 2 || u(1) > 5) return false;
-  std::size_t i = 2;
-  if (u(1) >= 4 && u(2) == 0x95) i = 11;  // FRAME and its 8-byte length
-  return at(i, binary, sizeof binary);
-}
-
 /// What a file is, from its first bytes (`head`, at least 4 of them when the file has them; the
-/// legacy magic needs 28, the tar check 262) and its size.
+/// tar check needs 262) and its size.
 inline file_kind kind_of(std::span<const std::byte> head, std::uint64_t size) {
   if (size < 4 || head.size() < 4) return file_kind::unknown;
   const auto u = [&](std::size_t i) { return std::to_integer<unsigned>(head[i]); };
   if (u(0) == 'P' && u(1) == 'K' && u(2) == 3 && u(3) == 4) return file_kind::zip;
-  if (legacy_magic(head)) return file_kind::legacy;
+  // Legacy: PROTO 2, then LONG1 of the 10-byte magic number 0x1950a86a20f9469cfc6c.
+  if (u(0) == 0x80 && u(1) == 0x02 && u(2) == 0x8a && u(3) == 0x0a) return file_kind::legacy;
   if (size >= 512 && head.size() >= 262 && std::memcmp(head.data() + 257, "ustar", 5) == 0) return file_kind::legacy_tar;
   return file_kind::unknown;
 }
@@ -12303,11 +11449,8 @@ inline statedict::dtype storage_dtype(std::string_view module, std::string_view 
     return statedict::dtype::U8;
   }
   if (auto t = dtype_from_storage_name(name)) return *t;
-  // Quantized storages hold the integer representation (_rebuild_qtensor reads them); the 4- and
-  // 2-bit ones pack their values into bytes.
-  if (name == "QInt8Storage") return statedict::dtype::I8;
-  if (name == "QUInt8Storage" || name == "QUInt4x2Storage" || name == "QUInt2x4Storage") return statedict::dtype::U8;
-  if (name == "QInt32Storage") return statedict::dtype::I32;
+  if (name.rfind('Q', 0) == 0)
+    throw_error(errors::pt_unsupported_tensor, "quantized storage " + quote(qualified()) + " is not supported");
   throw_error(errors::pt_bad_storage, "unknown storage class " + quote(qualified()));
 }
 inline statedict::dtype storage_dtype(const Object& cls, bool& untyped) {
@@ -12539,14 +11682,17 @@ inline pickle::Registry torch_registry(const read_context& ctx) {
     }
     return keep_call(c);
   });
-  // Quantized and sparse tensors: the call is kept as an Object with its arguments, whose tensors
-  // (the integer representation in a quantized storage, per-channel scales and zero points,
-  // sparse indices and values) are tensors of the file; written back, it is the same call, which
-  // torch.load(weights_only=True) accepts. Meta and subclass tensors the same way.
+  // Tensor kinds statedict does not represent: a clear error, or the call kept as an Object.
   for (const char* f : {"_rebuild_qtensor", "_rebuild_sparse_tensor", "_rebuild_sparse_csr_tensor",
                         "_rebuild_meta_tensor_no_storage", "_rebuild_wrapper_subclass",
-                        "_rebuild_device_tensor_from_numpy", "_rebuild_device_tensor_from_cpu_tensor"})
-    r.function(std::string("torch._utils.") + f, keep_call);
+                        "_rebuild_device_tensor_from_numpy", "_rebuild_device_tensor_from_cpu_tensor"}) {
+    r.function(std::string("torch._utils.") + f, [&ctx, keep_call](pickle::Call& c) -> Value {
+      if (ctx.opts->keep_unknown_objects || ctx.dry_run) return keep_call(c);
+      throw_error(errors::pt_unsupported_tensor, quote(c.callable.qualified()) +
+                                                     " (quantized, sparse, meta or subclass tensors) is not supported; "
+                                                     "keep_unknown_objects keeps it as an object");
+    });
+  }
   return r;
 }
 
@@ -12560,15 +11706,6 @@ inline void check_same_storage(std::string_view key, statedict::dtype first_dtyp
     throw_error(errors::pt_bad_storage, "storage " + quote(key) + " is described twice with different types or sizes (" +
                                             std::to_string(first_numel) + " " + std::string(name(first_dtype)) +
                                             " elements, then " + std::to_string(numel) + " " + std::string(name(t)) + ")");
-}
-
-/// A persistent id that is a str: torch.save at pickle_protocol=0 writes str(tuple) (PERSID takes
-/// text), which torch.load cannot read back either.
-inline void refuse_text_pid(const Value& pid) {
-  if (pid.is_string())
-    throw_error(errors::pt_protocol_0, "a text persistent id " + quote(pid.as_string().substr(0, 80)) +
-                                           ": the file was saved with pickle_protocol=0, which writes storage ids as text that "
-                                           "torch.load cannot read either (saved_id must be a tuple)");
 }
 
 inline bool is_storage_tag(const Value& v) {
@@ -12651,11 +11788,6 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
     const std::string prefix = f.archive_name + "/";
     const zip::Entry* pkl = ar.find(prefix + "data.pkl");
     if (!pkl) throw_error(errors::pt_missing_record, where(*src), "no record " + quote(prefix + "data.pkl") + ": not a torch.save file");
-    // torch.jit.save writes data.pkl too, with constants.pkl and code/ beside it: a module
-    // (TorchScript), whose classes are its code.
-    if (ar.find(prefix + "constants.pkl"))
-      throw_error(errors::pt_not_torch, where(*src), "a TorchScript archive (torch.jit.save: " + quote(prefix + "constants.pkl") +
-                                                         " and code), not a torch.save file");
     if (overlap) ar.locate(*pkl);
     if (const zip::Entry* ver = ar.find(prefix + "version"); ver || (ver = ar.find(prefix + ".data/version"))) {
       if (overlap) ar.locate(*ver);
@@ -12712,7 +11844,6 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
     po.limits = opts.limits.pickle;
     po.keep_unknown_objects = opts.keep_unknown_objects;
     po.registry = &reg;
-    po.input_owner = pickle_bytes.owner;  // numpy arrays in the pickle are views of it
     by_key.reserve(ar.entries().size());
     seen.reserve(ar.entries().size());
     f.storages.reserve(ar.entries().size());
@@ -12803,7 +11934,6 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
       return storage_value(classes[cls].module, classes[cls].name, std::move(bytes), f.storages[at].key, std::string(location));
     };
     po.persistent_load = [&](const Value& pid) -> Value {
-      refuse_text_pid(pid);
       if (!pid.is_tuple() || pid.as_list().size() != 5 || !is_storage_tag(pid.at(0)))
         throw_error(errors::pt_bad_storage, "persistent id is not ('storage', type, key, location, numel)");
       const List& p = pid.as_list();
@@ -12891,9 +12021,8 @@ inline File read_legacy(std::shared_ptr<const ByteSource> src, const load_option
   const Region all = read_region(*src, 0, src->size());  // a pread source is read once here
   const std::span<const std::byte> bytes = all.span();
   std::uint64_t pos = 0;
-  pickle::options plain;  // magic number, version, sys_info, key list: plain data, no objects
+  pickle::options plain;
   plain.limits = opts.limits.pickle;
-  plain.keep_unknown_objects = false;
   auto next = [&](const char* what) {
     try {
       pickle::Result r = pickle::load(bytes.subspan(static_cast<std::size_t>(pos)), plain);
@@ -12935,9 +12064,7 @@ inline File read_legacy(std::shared_ptr<const ByteSource> src, const load_option
   po.limits = opts.limits.pickle;
   po.keep_unknown_objects = opts.keep_unknown_objects;
   po.registry = &reg;
-  po.input_owner = all.owner;  // numpy arrays in the pickle are views of the file's bytes
   auto parse_pid = [&](const Value& pid, std::string& root, std::optional<std::tuple<std::string, std::int64_t, std::int64_t>>& view) {
-    refuse_text_pid(pid);
     if (!pid.is_tuple() || pid.as_list().size() != 6 || !is_storage_tag(pid.at(0)))
       throw_error(errors::pt_bad_storage, "legacy persistent id is not ('storage', type, key, location, numel, view)");
     const List& p = pid.as_list();
@@ -13047,7 +12174,7 @@ inline File read_any(std::shared_ptr<const ByteSource> src, const load_options& 
       throw_error(errors::pt_legacy_tar, where(*src), "the tar-based format of PyTorch < 0.4 is not supported");
     case file_kind::unknown: break;
   }
-  throw_error(errors::pt_not_torch, where(*src), "neither a zip archive nor a legacy torch.save file (its magic number pickled at protocol 0-5)");
+  throw_error(errors::pt_not_torch, where(*src), "neither a zip archive nor a legacy torch.save pickle");
 }
 
 }  // namespace detail
@@ -13124,17 +12251,8 @@ inline ShardedCheckpoint describe(const File& file) {
   const std::uint64_t size = file.source->size();
   for (auto& [name, v] : flat.tensors) {
     const auto addr = reinterpret_cast<std::uintptr_t>(v.data()), base = reinterpret_cast<std::uintptr_t>(file.view_base);
-    std::uint32_t source = 0;
-    std::uint64_t offset = addr - base;
-    if (addr < base || addr - base > size) [[unlikely]] {
-      // Not in the file's bytes: a numpy array copied out of the pickle (or viewing a copy of
-      // it), held in memory by its view: a source of its own.
-      if (!v.owner())
-        throw_error(errors::pt_bad_tensor, detail::where(*file.source), "tensor " + quote(name) + " does not point into the file");
-      source = static_cast<std::uint32_t>(ck.sources.size());
-      offset = 0;
-      ck.sources.push_back(std::make_shared<MemorySource>(file.source->name() + ": " + name, v.data(), v.extent_bytes(), v.owner()));
-    }
+    if (addr < base || addr - base > size)
+      throw_error(errors::pt_bad_tensor, detail::where(*file.source), "tensor " + quote(name) + " does not point into the file");
     // Built in place: 10,000 tensors are 10,000 TensorInfo and Chunk moves otherwise.
     TensorInfo& ti = ck.tensors.emplace_back();
     ti.name = std::move(name);  // `flat` is ours: its names move into the description
@@ -13144,8 +12262,8 @@ inline ShardedCheckpoint describe(const File& file) {
     Box& region = std::get<Box>(c.region);  // a Chunk starts as a Box
     region.offsets = shape_t(v.rank(), 0);
     region.sizes = v.shape();
-    c.at.source = source;
-    c.at.byte_offset = offset;
+    c.at.source = 0;
+    c.at.byte_offset = addr - base;
     if (!v.is_contiguous()) c.at.strides = v.strides();
     c.at.stored = v.dtype();
   }
@@ -13253,9 +12371,6 @@ struct PlannedStorage {
   std::string key;                                ///< "0", "1", ...
   statedict::dtype dtype = statedict::dtype::U8;  ///< element type of its tensors
   bool untyped = false;                           ///< written as torch.UntypedStorage (+ _rebuild_tensor_v3)
-  /// The class its persistent id names when the tree held the storage itself as one of another
-  /// class of the same elements (a quantized storage: torch.QInt8Storage); empty: the dtype's.
-  std::string storage_class;
   std::uint64_t nbytes = 0;
   std::size_t record = 0;                         ///< index into SavePlan::records / layout.entries
   /// Bytes to copy (nbytes of them), or nullptr for a storage the caller fills (PlannedWriter).
@@ -13484,9 +12599,7 @@ inline SavePlan plan_save(const Value& tree, const save_options& opts) {
     const PlannedStorage& s = plan.storages[si];
     w.mark();
     w.str("storage");
-    w.global("torch", !s.storage_class.empty() ? s.storage_class
-                      : s.untyped             ? std::string("UntypedStorage")
-                                              : std::string(info(s.dtype).storage_name));
+    w.global("torch", s.untyped ? std::string("UntypedStorage") : std::string(info(s.dtype).storage_name));
     w.str(s.key);
     w.str("cpu");
     w.integer(static_cast<std::int64_t>(s.untyped ? s.nbytes : s.nbytes / itemsize(s.dtype)));
@@ -13531,13 +12644,8 @@ inline SavePlan plan_save(const Value& tree, const save_options& opts) {
       return true;
     }
     if (v.is_object() && detail::is_storage_object(v.as_object())) {
-      const Object& o = v.as_object();
-      const TensorView& bytes = o.args[0].as_tensor();
+      const TensorView& bytes = v.as_object().args[0].as_tensor();
       const std::size_t si = storage_of(bytes);
-      // A quantized storage (its bytes are the integer representation) keeps its class, which
-      // _rebuild_qtensor reads the quantized dtype from.
-      if (o.module == "torch" && o.name.size() > 1 && o.name[0] == 'Q' && !plan.storages[si].untyped)
-        plan.storages[si].storage_class = o.name;
       persistent_id(si);
       return true;
     }
@@ -17949,10 +17057,6 @@ struct save_options {
   /// (after checking that every file exists with its planned size), the final step.
   std::optional<PartSpec> part;
   bool index_only = false;
-  /// Classes written as themselves ("argparse.Namespace"). Every other object whose class
-  /// torch.load(weights_only=True) does not accept is written as its data (formats/objects.hpp),
-  /// so that loading the output runs no code; name a class here only for input you trust.
-  std::vector<std::string> keep_classes;
   /// Format settings by type (`settings.set<dcp::save_settings>()`).
   formats::settings settings;
 };
@@ -23308,189 +22412,2541 @@ class format final : public formats::Format {
 
 }  // namespace hf
 }  // namespace statedict::inline v0
-// ---- statedict/formats/objects.hpp ----
-// statedict: objects as data in outputs. A checkpoint read from a file that pickled objects
-// (argparse.Namespace args, config classes, enums, whole nn.Modules) holds them as object nodes
-// of its skeleton; before it is written, each object whose class torch.load(weights_only=True)
-// would not accept becomes its data, so that no output of statedict can run code when loaded.
+// ---- statedict/formats/megatron.hpp ----
+// statedict: Megatron-LM checkpoints: the legacy per-rank layout (tensor- and pipeline-parallel
+// rank files) and Megatron-core's torch_dist, read as one merged model; the legacy layout written
+// for any TP / PP size.
 // SPDX-License-Identifier: MIT
 //
-// The rule is io/pickle_write.hpp's (the pickler applies it to every tree it writes; this header
-// applies it to skeletons, which safetensors, Hugging Face and DCP outputs store):
-//   {"object": {module, name, how: reduce|newobj, args: [], state: [{"dict": [[str, NODE]...]}], items: []}}
-//        -> {"dict": [[str, NODE]...], "class": "module.name"}       (the attributes: vars(obj))
-//   {"object": {module, name, how: reduce|newobj, args, state, items}} otherwise
-//        -> {"dict": [["args", {"tuple": args}], ["state", STATE], ["items", {"list": items}]],
-//            "class": "module.name"}   (only the parts it has; STATE is the state, or a tuple of them)
-//   {"object": {module, name, how: global, ...}} -> "module.name"
-// "class" is a member readers ignore (docs/flatten.md): unflatten gives the plain dict, and the
-// skeleton still says where it came from. Tensor nodes keep their names. Classes in
-// `keep_classes`, and those torch's weights_only list has (torch.device, storages, the rebuild
-// functions of sparse and quantized tensors), stay objects.
+//   megatron::detect(dir)            -> detection (legacy or torch_dist, the rule that matched)
+//   megatron::describe(dir, options) -> ShardedCheckpoint: the full model, each tensor's chunks
+//                                       pointing into the rank files (placements encode the TP
+//                                       split; PP stages renumbered to global layers); with
+//                                       `with_optimizer` the optimizer state keyed by name
+//   megatron::write(ck, dir, write_options{tp, pp})
+//                                    -> the legacy layout for that TP / PP, through the planner
+//
+// The TP split of each tensor comes from a rule table of name patterns (megatron::default_rules(),
+// overridable: options::rules); a tensor no rule names must be equal on every TP rank (compared),
+// otherwise describe() fails naming it. Facts and sources: tests/python/layouts/megatron.md;
+// the user page: docs/formats/megatron.md.
 
 #include <cstdint>
+#include <filesystem>
 #include <map>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
 
+// ---- statedict/formats/detail/megatron_dist.hpp ----
+// statedict: Megatron-core `torch_dist` checkpoints (formats/megatron.hpp is the public header): a
+// torch.distributed.checkpoint directory of global tensors, read with the DCP reader's parser
+// (its `.metadata` may pickle Megatron's MCoreMetadata subclass, read as data), stacked layers
+// unstacked into per-layer tensors by placements, SwiGLU's per-layer `_w` / `_v` keys joined.
+// SPDX-License-Identifier: MIT
+//
+//   iter_XXXXXXX/metadata.json   {"sharded_backend": "torch_dist", ...}
+//               /.metadata       DCP Metadata (core_v0.15.0: megatron...strategies.torch.MCoreMetadata)
+//               /__<rank>_<i>.distcp
+//               /common.pt       the non-sharded state (up to core_v0.18; core_v0.19: the DCP
+//                                byte item common_state/shard_0_1 holding [that dict])
+//
+// Keys: `decoder.layers.<name>` with a leading layer axis (the default), or
+// `decoder.layers.<i>.<name>` (singleton_local_shards); optimizer moments
+// `optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.<model key>` sharded like the model key.
+// Sources: dist_checkpointing/serialization.py, strategies/torch.py (MCoreMetadata, ShardedObject
+// keys), transformer/transformer_block.py (sharded_pp_offset), transformer/mlp.py
+// (apply_swiglu_sharded_factory); tests/python/layouts/megatron.md section 3.
+
+#include <algorithm>
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
 #include <nlohmann/json.hpp>
 
+// ---- statedict/formats/detail/megatron_legacy.hpp ----
+// statedict: Megatron-LM's legacy per-rank layout (`--ckpt-format torch`), discovered and read
+// into per-tensor assemblies of TP pieces (formats/megatron.hpp is the public header).
+// SPDX-License-Identifier: MIT
+//
+//   latest_checkpointed_iteration.txt   "<iteration>" or "release"
+//   iter_<iteration:07d>/ or release/
+//     mp_rank_<tp:02d>[_<pp:03d>]/model_optim_rng.pt   (+ distrib_optim.pt with the distributed optimizer)
+//
+// Sources: checkpointing.py get_checkpoint_name, read_metadata, find_checkpoint_rank_0,
+// generate_state_dict; legacy/model/gpt_model.py and language_model.py state_dict_for_save_checkpoint;
+// transformer.py ParallelTransformer (layer offsets per pipeline stage and virtual chunk);
+// tests/python/layouts/megatron.md sections 1, 2, 2.1, 2.2.
 
-namespace statedict::inline v0::formats {
+#include <algorithm>
+#include <cstdint>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
 
-/// What objects_as_data did with one class.
-struct ObjectNote {
-  std::string cls;                ///< "argparse.Namespace"
-  std::uint64_t instances = 0;    ///< objects written as data
-  std::uint64_t references = 0;   ///< references to the class itself, written as its name
-  bool all_attributes = true;     ///< every instance became the dict of its attributes
-  /// One line saying what was done ("argparse.Namespace: 1 object written as the dict of its
-  /// attributes").
-  [[nodiscard]] std::string describe() const {
-    std::string s = cls + ": ";
-    if (instances) {
-      s += std::to_string(instances) + (instances == 1 ? " object" : " objects") + " written as " +
-           (all_attributes ? "the dict of its attributes" : "a dict of its args, state and items");
-    }
-    if (references) {
-      s += std::string(instances ? "; " : "") + std::to_string(references) + (references == 1 ? " reference" : " references") +
-           " to the class written as its name";
-    }
-    return s;
-  }
+// ---- statedict/formats/detail/megatron_place.hpp ----
+// statedict: Megatron-LM tensor parallelism as placements (formats/megatron.hpp is the public
+// header): one logical tensor from the pieces its TP ranks hold, each piece a view into its rank
+// file, turned into chunks (a box of the full tensor and where its elements are stored) by the
+// tensor's split rule. No element is copied: the QKV row orders of checkpoint_version 0 and 1.0
+// become one chunk per head and Q/K/V block (1.0's with a row stride of 3), a SwiGLU rank's
+// [W_r; V_r] two chunks, the vocabulary cut by clipping boxes.
+// SPDX-License-Identifier: MIT
+//
+// Sources: tools/checkpoint/loader_megatron.py (concatenation per rule), checkpointing.py
+// fix_query_key_value_ordering / _transpose_first_dim (QKV orders), transformer.py
+// ParallelAttention (groups per rank); tests/python/layouts/megatron.md sections 2.3 - 2.5.
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+// ---- statedict/formats/detail/megatron_rules.hpp ----
+// statedict: Megatron-LM checkpoints, the shared pieces (formats/megatron.hpp is the public header):
+// error ids, caps, the tensor-parallel partition rules as data (name pattern -> split), the legacy
+// key spellings normalised to today's, and the model facts read from the pickled `args`.
+// SPDX-License-Identifier: MIT
+//
+// Sources (tests/python/layouts/megatron.md has each fact with its place in Megatron-LM):
+//   partition rules   tools/checkpoint/loader_megatron.py and saver_megatron.py (core_v0.8.0)
+//   old spellings     megatron/legacy/model/language_model.py load_state_dict (transformer ->
+//                     encoder, .attention. -> .self_attention.), transformer.py
+//                     ParallelTransformer.load_state_dict (layernorm -> norm)
+//   args              megatron/training/checkpointing.py load_args_from_checkpoint,
+//                     check_checkpoint_args (model_parallel_size before checkpoint_version 3.0)
+
+#include <cstdint>
+#include <cstdio>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+
+namespace statedict::inline v0 {
+
+namespace errors {
+// clang-format off
+inline constexpr error_id mg_not_found        {950, error_kind::format,      "megatron.not_found"};
+inline constexpr error_id mg_bad_tracker      {951, error_kind::format,      "megatron.bad_tracker"};
+inline constexpr error_id mg_rank_dirs        {952, error_kind::format,      "megatron.rank_dirs"};
+inline constexpr error_id mg_bad_args         {953, error_kind::format,      "megatron.bad_args"};
+inline constexpr error_id mg_bad_rank_file    {954, error_kind::format,      "megatron.bad_rank_file"};
+inline constexpr error_id mg_unsupported      {955, error_kind::unsupported, "megatron.unsupported"};
+inline constexpr error_id mg_shape            {956, error_kind::shape,       "megatron.shape"};
+inline constexpr error_id mg_unknown_differs  {957, error_kind::format,      "megatron.unknown_param_differs"};
+inline constexpr error_id mg_duplicate        {958, error_kind::key,         "megatron.duplicate"};
+inline constexpr error_id mg_missing          {959, error_kind::key,         "megatron.missing"};
+inline constexpr error_id mg_qkv_order        {960, error_kind::unsupported, "megatron.qkv_order"};
+inline constexpr error_id mg_vocab            {961, error_kind::usage,       "megatron.vocab_size"};
+inline constexpr error_id mg_limit            {962, error_kind::limit,       "megatron.limit"};
+inline constexpr error_id mg_bad_rule         {963, error_kind::usage,       "megatron.bad_rule"};
+inline constexpr error_id mg_optimizer        {964, error_kind::format,      "megatron.optimizer"};
+inline constexpr error_id mg_distrib_optim    {965, error_kind::format,      "megatron.distrib_optim"};
+inline constexpr error_id mg_groups_differ    {966, error_kind::format,      "megatron.param_groups_differ"};
+inline constexpr error_id mg_state_differs    {967, error_kind::format,      "megatron.state_differs"};
+inline constexpr error_id mg_torch_dist       {968, error_kind::format,      "megatron.torch_dist"};
+inline constexpr error_id mg_write_option     {970, error_kind::usage,       "megatron.write_option"};
+inline constexpr error_id mg_write_input      {971, error_kind::usage,       "megatron.write_input"};
+inline constexpr error_id mg_write_split      {972, error_kind::usage,       "megatron.write_split"};
+// clang-format on
+}  // namespace errors
+
+namespace megatron {
+
+/// Caps on hostile input; each error names the field to raise.
+struct limits {
+  /// Model-parallel rank folders (TP x PP) and the TP, PP and virtual-PP sizes args may claim.
+  std::uint64_t max_ranks = std::uint64_t{1} << 16;
+  /// Layers args may claim (num_layers), and model chunks of one rank file.
+  std::uint64_t max_layers = std::uint64_t{1} << 20;
+  /// Attention heads and query groups args may claim.
+  std::uint64_t max_heads = std::uint64_t{1} << 20;
+  /// Tensors over all rank files (parameters and optimizer state).
+  std::uint64_t max_tensors = std::uint64_t{1} << 24;
+  /// Chunks of the description (QKV rows converted from checkpoint_version 0 / 1.0 take one chunk
+  /// per head and per Q/K/V row block on each rank).
+  std::uint64_t max_chunks = std::uint64_t{1} << 26;
+  /// Bytes of latest_checkpointed_iteration.txt and of metadata.json.
+  std::uint64_t max_small_file_bytes = std::uint64_t{1} << 20;
+  /// Bytes of a parameter whose TP rule is unknown compared across TP ranks while describing.
+  std::uint64_t max_compare_bytes = std::uint64_t{1} << 34;
+  /// The torch.save reader (rank files, distrib_optim.pt, common.pt).
+  torch::limits torch{};
+  /// The DCP reader (torch_dist).
+  dcp::limits dcp{};
 };
+
+// =============================================================================================
+// Partition rules as data
+
+/// How a parameter is split over the tensor-parallel ranks (TP rank r of tp).
+enum class split : std::uint8_t {
+  replicated,  ///< every rank holds all of it: TP rank 0's is read, the others are replicas
+  column,      ///< rank r holds rows [r*n, (r+1)*n) (dim 0): column-parallel weights, their biases
+  row,         ///< rank r holds columns [r*n, (r+1)*n) (dim 1): row-parallel weights
+  vocab,       ///< like column, over the padded vocabulary (embeddings, output layer)
+  qkv,         ///< like column, whole query groups per rank; checkpoint_version 0 / 1.0 row orders converted
+  fc1,         ///< glu when args.swiglu, else column (dense_h_to_4h / linear_fc1)
+  glu,         ///< rank r holds [W_r; V_r]: the full tensor is [W_0..W_{tp-1}; V_0..V_{tp-1}]
+};
+
+inline constexpr std::string_view split_names[] = {"replicated", "column", "row", "vocab", "qkv", "fc1", "glu"};
+
+constexpr std::string_view to_string(split s) noexcept { return split_names[static_cast<std::size_t>(s)]; }
+
+inline std::optional<split> parse_split(std::string_view s) {
+  for (std::size_t i = 0; i < std::size(split_names); ++i)
+    if (split_names[i] == s) return static_cast<split>(i);
+  return std::nullopt;
+}
+
+/// A rule: parameters whose canonical name matches `pattern` (`*` matches any run of characters,
+/// dots included; everything else matches itself) are split by `how`.
+struct rule {
+  std::string pattern;
+  split how = split::replicated;
+  friend bool operator==(const rule&, const rule&) = default;
+};
+
+/// The rules of Megatron's tools/checkpoint loader and saver for the legacy GPT model, over the
+/// canonical names (today's spelling, global layer numbers). The first matching rule wins.
+inline std::vector<rule> default_rules() {
+  return {
+      {"*word_embeddings.weight", split::vocab},
+      {"*output_layer.weight", split::vocab},
+      {"*position_embeddings.weight", split::replicated},
+      {"*.query_key_value.weight", split::qkv},
+      {"*.query_key_value.bias", split::qkv},
+      {"*.self_attention.dense.weight", split::row},
+      {"*.self_attention.dense.bias", split::replicated},
+      {"*.mlp.dense_h_to_4h.weight", split::fc1},
+      {"*.mlp.dense_h_to_4h.bias", split::fc1},
+      {"*.mlp.dense_4h_to_h.weight", split::row},
+      {"*.mlp.dense_4h_to_h.bias", split::replicated},
+      {"*norm.weight", split::replicated},
+      {"*norm.bias", split::replicated},
+  };
+}
+
+/// Glob match: `*` is any run of characters (dots included). Linear in name length per star
+/// (the classic greedy matcher with one backtrack point), so hostile names cost nothing.
+inline bool matches(std::string_view pattern, std::string_view name) {
+  std::size_t p = 0, n = 0, star = std::string_view::npos, mark = 0;
+  while (n < name.size()) {
+    if (p < pattern.size() && pattern[p] == '*') {
+      star = p++;
+      mark = n;
+    } else if (p < pattern.size() && pattern[p] == name[n]) {
+      ++p;
+      ++n;
+    } else if (star != std::string_view::npos) {
+      p = star + 1;
+      n = ++mark;
+    } else {
+      return false;
+    }
+  }
+  while (p < pattern.size() && pattern[p] == '*') ++p;
+  return p == pattern.size();
+}
+
+/// "PATTERN=KIND" (the CLI's --megatron-rule) as a rule; throws errors::mg_bad_rule.
+inline rule parse_rule(std::string_view text) {
+  const auto eq = text.rfind('=');
+  if (eq == std::string_view::npos || eq == 0)
+    throw_error(errors::mg_bad_rule, "rule " + quote(text), "expected PATTERN=KIND, e.g. '*.my_proj.weight=row'");
+  const auto how = parse_split(text.substr(eq + 1));
+  if (!how) {
+    std::string kinds;
+    for (auto k : split_names) kinds += (kinds.empty() ? "" : ", ") + std::string(k);
+    throw_error(errors::mg_bad_rule, "rule " + quote(text), "unknown kind " + quote(text.substr(eq + 1)) + " (one of: " + kinds + ")");
+  }
+  return rule{std::string(text.substr(0, eq)), *how};
+}
+
+/// The rule for `name`: the first of `first` that matches, then the first default rule (unless
+/// `defaults` is false); nullopt when none does.
+inline std::optional<split> rule_for(std::string_view name, const std::vector<rule>& first, bool defaults) {
+  for (const rule& r : first)
+    if (matches(r.pattern, name)) return r.how;
+  if (defaults) {
+    static const std::vector<rule> builtin = default_rules();
+    for (const rule& r : builtin)
+      if (matches(r.pattern, name)) return r.how;
+  }
+  return std::nullopt;
+}
 
 namespace detail {
 
-/// A skeleton string (JSON string or {"str_bytes": base64}) as its bytes; false if it is neither.
-inline bool skeleton_text(const nlohmann::json& j, std::string& out) {
-  if (j.is_string()) {
-    out = j.get<std::string>();
-    return true;
+/// A checkpoint_version as Megatron writes it ("0", "1.0", "3.0"; others with up to 6 digits).
+inline std::string version_text(double v) {
+  char b[32];
+  std::snprintf(b, sizeof b, v == static_cast<double>(static_cast<std::int64_t>(v)) && v < 1e15 && v > -1e15 ? "%.1f" : "%.6g", v);
+  return v == 0 ? std::string("0") : std::string(b);
+}
+
+// =============================================================================================
+// Names
+
+inline void replace_all(std::string& s, std::string_view from, std::string_view to) {
+  for (std::size_t at = s.find(from); at != std::string::npos; at = s.find(from, at + to.size())) s.replace(at, from.size(), to);
+}
+
+/// A key below `language_model` (dotted through nested dicts) in today's spelling, or nullopt for
+/// a key the GPT model does not have. `transformer` is the encoder's old name; embedding keys once
+/// sat without the `embedding` level; encoder keys once said `.attention.` and `layernorm`
+/// (TE's fused `layernorm_qkv` / `layernorm_mlp` keep it).
+inline std::string normalise_lm_key(std::string key) {
+  if (key.rfind("transformer.", 0) == 0) key = "encoder." + key.substr(12);
+  const std::string first = key.substr(0, key.find('.'));
+  if (first != "embedding" && first.find("_embeddings") != std::string::npos) key = "embedding." + key;
+  if (key.rfind("encoder.", 0) == 0) {
+    std::string rest = "." + key.substr(8);
+    replace_all(rest, ".attention.", ".self_attention.");
+    if (rest.find("layernorm_qkv") == std::string::npos && rest.find("layernorm_mlp") == std::string::npos)
+      replace_all(rest, "layernorm", "norm");
+    key = "encoder" + rest;
   }
-  if (j.is_object() && j.size() == 1 && j.contains("str_bytes") && j["str_bytes"].is_string()) {
-    std::vector<std::uint8_t> raw;
-    if (!statedict::detail::base64_decode(j["str_bytes"].get<std::string>(), raw)) return false;
-    out.assign(raw.begin(), raw.end());
-    return true;
+  return key;
+}
+
+/// `layers.<N>.<rest>` -> (N, rest); nullopt when the key is not a layer key.
+inline std::optional<std::pair<std::uint64_t, std::string>> layer_of(std::string_view key, std::string_view prefix) {
+  if (key.substr(0, prefix.size()) != prefix) return std::nullopt;
+  const std::string_view tail = key.substr(prefix.size());
+  const auto dot = tail.find('.');
+  if (dot == std::string_view::npos || dot == 0 || dot > 9) return std::nullopt;
+  std::uint64_t n = 0;
+  for (std::size_t i = 0; i < dot; ++i) {
+    if (tail[i] < '0' || tail[i] > '9') return std::nullopt;
+    n = n * 10 + static_cast<std::uint64_t>(tail[i] - '0');
   }
+  if (dot > 1 && tail[0] == '0') return std::nullopt;
+  return std::make_pair(n, std::string(tail.substr(dot + 1)));
+}
+
+// =============================================================================================
+// Facts from args
+
+/// The model and parallel sizes a checkpoint's `args` (argparse.Namespace) records.
+struct facts {
+  std::uint64_t tp = 1, pp = 1, vpp = 1;
+  bool virtual_pp = false;  ///< args.virtual_pipeline_model_parallel_size is set
+  std::uint64_t num_layers = 0, hidden = 0, heads = 0, groups = 0, kv_channels = 0;
+  bool swiglu = false, untied = false;
+  double checkpoint_version = 0;
+  std::optional<std::uint64_t> padded_vocab_size;
+  std::optional<statedict::dtype> params_dtype;
+  bool distributed_optimizer = false;
+  std::uint64_t dp = 1;
+  std::optional<std::uint64_t> bucket_size;  ///< the DDP bucket size of distrib_optim.pt's buffers
+};
+
+namespace po = statedict::detail::pyobj;
+
+/// Reads `args`: an argparse.Namespace (NEWOBJ + BUILD of its __dict__). `where` names the file.
+class args_reader {
+ public:
+  args_reader(const Value& args, std::string where) : where_(std::move(where)) {
+    if (!po::is_class(args, {"argparse.Namespace"}))
+      throw_error(errors::mg_bad_args, where_, "'args' is " + po::kind_of(args) + ", expected an argparse.Namespace");
+    auto a = po::attributes(args.as_object());
+    if (!a) throw_error(errors::mg_bad_args, where_, "'args' has no attribute dict (BUILD state)");
+    attrs_ = std::move(*a);
+  }
+  [[nodiscard]] const Value* get(std::string_view k) const {
+    const Value* v = attrs_.find(Key(std::string(k)));
+    return v && !v->is_none() ? v : nullptr;
+  }
+  /// A positive int at most `max`; nullopt when absent or None.
+  [[nodiscard]] std::optional<std::uint64_t> count(std::string_view k, std::uint64_t max, std::string_view cap) const {
+    const Value* v = get(k);
+    if (!v) return std::nullopt;
+    if (!v->is_int() || v->as_int() <= 0)
+      throw_error(errors::mg_bad_args, where_, "args." + std::string(k) + " is " + po::kind_of(*v) +
+                                                   (v->is_int() ? " " + std::to_string(v->as_int()) : "") + ", expected a positive int");
+    if (static_cast<std::uint64_t>(v->as_int()) > max)
+      throw_error(errors::mg_limit, where_, "args." + std::string(k) + " = " + std::to_string(v->as_int()) + " exceeds limits::" + std::string(cap));
+    return static_cast<std::uint64_t>(v->as_int());
+  }
+  [[nodiscard]] std::uint64_t required(std::string_view k, std::uint64_t max, std::string_view cap) const {
+    auto c = count(k, max, cap);
+    if (!c) throw_error(errors::mg_bad_args, where_, "args has no " + std::string(k));
+    return *c;
+  }
+  [[nodiscard]] bool flag(std::string_view k) const {
+    const Value* v = get(k);
+    if (!v) return false;
+    if (!v->is_bool()) throw_error(errors::mg_bad_args, where_, "args." + std::string(k) + " is " + po::kind_of(*v) + ", expected a bool");
+    return v->as_bool();
+  }
+  [[nodiscard]] const std::string& where() const noexcept { return where_; }
+
+ private:
+  std::string where_;
+  Dict attrs_;
+};
+
+/// The facts of `args` for a file of `checkpoint_version`, checked against `lim`.
+inline facts read_facts(const Value& args, double checkpoint_version, const limits& lim, const std::string& where) {
+  const args_reader a(args, where);
+  facts f;
+  f.checkpoint_version = checkpoint_version;
+  // Before checkpoint_version 3.0 the TP size was args.model_parallel_size.
+  std::optional<std::uint64_t> tp = checkpoint_version >= 3.0 ? a.count("tensor_model_parallel_size", lim.max_ranks, "max_ranks")
+                                                               : a.count("model_parallel_size", lim.max_ranks, "max_ranks");
+  if (!tp && checkpoint_version < 3.0) tp = a.count("tensor_model_parallel_size", lim.max_ranks, "max_ranks");
+  f.tp = tp.value_or(1);
+  f.pp = a.count("pipeline_model_parallel_size", lim.max_ranks, "max_ranks").value_or(1);
+  if (auto v = a.count("virtual_pipeline_model_parallel_size", lim.max_layers, "max_layers")) {
+    f.vpp = *v;
+    f.virtual_pp = true;
+  }
+  if (checked_mul(f.tp, f.pp, "TP x PP") > lim.max_ranks)
+    throw_error(errors::mg_limit, where, "TP " + std::to_string(f.tp) + " x PP " + std::to_string(f.pp) + " ranks exceed limits::max_ranks");
+  f.num_layers = a.required("num_layers", lim.max_layers, "max_layers");
+  f.heads = a.required("num_attention_heads", lim.max_heads, "max_heads");
+  f.hidden = a.count("hidden_size", std::uint64_t{1} << 40, "max_layers").value_or(0);
+  f.groups = a.flag("group_query_attention") ? a.required("num_query_groups", lim.max_heads, "max_heads") : f.heads;
+  if (auto kv = a.count("kv_channels", std::uint64_t{1} << 32, "max_heads")) {
+    f.kv_channels = *kv;
+  } else {
+    if (f.hidden == 0 || f.hidden % f.heads != 0)
+      throw_error(errors::mg_bad_args, where, "args.kv_channels is None and hidden_size " + std::to_string(f.hidden) +
+                                                  " is not a multiple of num_attention_heads " + std::to_string(f.heads));
+    f.kv_channels = f.hidden / f.heads;
+  }
+  if (f.heads % f.groups != 0)
+    throw_error(errors::mg_bad_args, where, "num_attention_heads " + std::to_string(f.heads) + " is not a multiple of num_query_groups " +
+                                                std::to_string(f.groups));
+  f.swiglu = a.flag("swiglu");
+  f.untied = a.flag("untie_embeddings_and_output_weights");
+  f.padded_vocab_size = a.count("padded_vocab_size", max_size, "max_tensors");
+  if (const Value* d = a.get("params_dtype")) {
+    if (!d->is_object() || d->as_object().how != object_build::global || d->as_object().module != "torch")
+      throw_error(errors::mg_bad_args, where, "args.params_dtype is " + po::kind_of(*d) + ", expected a torch dtype");
+    f.params_dtype = dtype_from_torch_name(d->as_object().name);
+  }
+  f.distributed_optimizer = a.flag("use_distributed_optimizer");
+  if (auto dp = a.count("data_parallel_size", lim.max_ranks << 16, "max_ranks")) {
+    f.dp = *dp;
+  } else if (auto ws = a.count("world_size", lim.max_ranks << 16, "max_ranks")) {
+    f.dp = std::max<std::uint64_t>(1, *ws / (f.tp * f.pp));
+  }
+  if (a.flag("overlap_grad_reduce"))
+    f.bucket_size = a.count("ddp_bucket_size", max_size, "max_tensors").value_or(std::max<std::uint64_t>(40000000, 1000000 * f.dp));
+  return f;
+}
+
+}  // namespace detail
+}  // namespace megatron
+}  // namespace statedict::inline v0
+
+namespace statedict::inline v0::megatron::detail {
+
+/// One TP rank's copy of a tensor: a view into its file, and the file (for messages).
+struct piece {
+  const TensorView* view = nullptr;
+  std::string where;
+  std::uint32_t source = 0;  ///< the description's source holding the view's bytes
+};
+
+/// A logical tensor being assembled: its pieces by TP rank, and extra full sets of pieces that must
+/// hold the same values (the last stage's copy of tied word embeddings).
+struct assembly {
+  std::string name;
+  std::optional<split> how;  ///< nullopt: no rule matched
+  std::vector<piece> ranks;  ///< index: TP rank
+  std::vector<std::vector<piece>> copies;
+  /// Compare the TP pieces while describing (constant optimizer state such as `step`).
+  bool compare = false;
+};
+
+/// What placing needs besides the pieces.
+struct place_context {
+  const facts* f = nullptr;
+  std::optional<std::uint64_t> true_vocab_size;  ///< cut vocab-split tensors to this many rows
+  std::uint64_t max_chunks = 0;
+  std::uint64_t chunks = 0;         ///< chunks made so far
+  std::uint64_t compare_budget = 0;  ///< bytes left for comparing tensors without a rule
+  optim_shard::SourceTable* table = nullptr;
+  /// Per source: the address standing for its byte 0 in the views, and its size.
+  std::vector<std::pair<const std::byte*, std::uint64_t>> bases;
+};
+
+/// Where the elements of `v` (a view into source `source`) are stored.
+inline Placement locate(const TensorView& v, std::uint32_t source, const place_context& c, const std::string& name) {
+  Placement at;
+  at.source = source;
+  at.stored = v.dtype();
+  if (!v.is_contiguous()) at.strides = v.strides();
+  if (v.numel() == 0) return at;
+  if (source >= c.bases.size()) throw_error(errors::mg_bad_rank_file, "tensor " + quote(name), "refers to source " + std::to_string(source) + " of " + std::to_string(c.bases.size()));
+  const auto p = reinterpret_cast<std::uintptr_t>(v.data()), b = reinterpret_cast<std::uintptr_t>(c.bases[source].first);
+  const std::uint64_t size = c.bases[source].second;
+  if (p < b || p - b > size || v.extent_bytes() > size - (p - b))
+    throw_error(errors::mg_bad_rank_file, "tensor " + quote(name), "a piece's bytes lie outside the file that holds it");
+  at.byte_offset = p - b;
+  return at;
+}
+
+inline std::string ranks_text(const std::vector<std::size_t>& r) {
+  std::string s;
+  for (std::size_t i : r) s += (s.empty() ? "" : ", ") + std::to_string(i);
+  return s;
+}
+
+/// The checks every rule shares: a piece from every TP rank, one dtype and one shape.
+inline void check_pieces(const assembly& a, const std::vector<piece>& ranks, std::string_view what) {
+  std::vector<std::size_t> missing;
+  for (std::size_t r = 0; r < ranks.size(); ++r)
+    if (!ranks[r].view) missing.push_back(r);
+  if (!missing.empty())
+    throw_error(errors::mg_missing, "tensor " + quote(a.name),
+                std::string(what) + " missing on TP rank(s) " + ranks_text(missing) + " of " + std::to_string(ranks.size()));
+  const TensorView& v0 = *ranks[0].view;
+  for (std::size_t r = 1; r < ranks.size(); ++r) {
+    const TensorView& v = *ranks[r].view;
+    if (v.dtype() != v0.dtype() || v.shape() != v0.shape()) {
+      const std::string detail = std::string(what) + " is " + std::string(name(v0.dtype())) + " " + to_string(v0.shape()) + " on TP rank 0 (" +
+                                 ranks[0].where + ") but " + std::string(name(v.dtype())) + " " + to_string(v.shape()) + " on TP rank " +
+                                 std::to_string(r) + " (" + ranks[r].where + ")";
+      if (!a.how)
+        throw_error(errors::mg_unknown_differs, "tensor " + quote(a.name),
+                    detail + ", and no partition rule names it: add one (megatron::options::rules, --megatron-rule PATTERN=KIND)");
+      throw_error(errors::mg_shape, "tensor " + quote(a.name), detail + "; every TP rank of a " + std::string(to_string(*a.how)) +
+                                                                     " tensor holds a piece of the same shape");
+    }
+  }
+}
+
+/// True when two views hold the same elements, read through their sources in blocks.
+inline bool same_elements(const TensorView& a, const TensorView& b, place_context& c, const std::string& what) {
+  const std::uint64_t n = a.nbytes();
+  if (n > c.compare_budget)
+    throw_error(errors::mg_limit, "tensor " + quote(what),
+                "comparing its TP copies needs " + std::to_string(n) + " more bytes than limits::max_compare_bytes allows");
+  c.compare_budget -= n;
+  if (!a.is_contiguous() || !b.is_contiguous()) {
+    const Tensor x = c.table->materialize(a, what), y = c.table->materialize(b, what);
+    return equal_bytes(x.view(), y.view());
+  }
+  constexpr std::uint64_t block = std::uint64_t{4} << 20;
+  for (std::uint64_t at = 0; at < n; at += block) {
+    const std::uint64_t k = std::min(block, n - at);
+    if (c.table->read_bytes(a, at, k, what) != c.table->read_bytes(b, at, k, what)) return false;
+  }
+  return true;
+}
+
+/// A tensor no rule names (then replicated) or constant state: the same on every TP rank,
+/// compared now.
+inline void check_same(const assembly& a, place_context& c) {
+  for (std::size_t r = 1; r < a.ranks.size(); ++r) {
+    if (same_elements(*a.ranks[0].view, *a.ranks[r].view, c, a.name)) continue;
+    const std::string both = "differs between TP rank 0 (" + a.ranks[0].where + ") and TP rank " + std::to_string(r) + " (" + a.ranks[r].where + ")";
+    if (a.how)
+      throw_error(errors::mg_state_differs, "tensor " + quote(a.name), both + "; constant state is the same on every rank");
+    throw_error(errors::mg_unknown_differs, "tensor " + quote(a.name),
+                both + ", and no partition rule names it, so it cannot be merged: add a rule (megatron::options::rules, "
+                       "--megatron-rule PATTERN=KIND)");
+  }
+}
+
+/// The rule actually applied (fc1 resolved by args.swiglu; no rule: replicated once checked).
+inline split effective(const assembly& a, const facts& f) {
+  if (!a.how) return split::replicated;
+  if (*a.how == split::fc1) return f.swiglu ? split::glu : split::column;
+  return *a.how;
+}
+
+/// The full tensor's shape from one piece's.
+inline shape_t full_shape(const assembly& a, split how, const shape_t& s, std::uint64_t tp) {
+  shape_t out = s;
+  auto need = [&](std::size_t rank) {
+    if (s.size() < rank)
+      throw_error(errors::mg_shape, "tensor " + quote(a.name),
+                  "a " + std::string(to_string(how)) + " tensor needs " + std::to_string(rank) + " dimension(s), the pieces have shape " + to_string(s));
+  };
+  switch (how) {
+    case split::replicated: return out;
+    case split::row:
+      need(2);
+      out[1] = static_cast<dim_t>(checked_mul(static_cast<std::uint64_t>(s[1]), tp, "tensor size"));
+      break;
+    case split::glu:
+      need(1);
+      if (s[0] % 2 != 0)
+        throw_error(errors::mg_shape, "tensor " + quote(a.name), "a glu piece holds [W_r; V_r], but it has an odd row count " + std::to_string(s[0]));
+      [[fallthrough]];
+    default:
+      need(1);
+      out[0] = static_cast<dim_t>(checked_mul(static_cast<std::uint64_t>(s[0]), tp, "tensor size"));
+  }
+  (void)numel(out);
+  return out;
+}
+
+/// The box of the full tensor that starts at `offset` along `dim` with the extent of `v`.
+inline Box box_at(const TensorView& v, std::size_t dim, std::uint64_t offset) {
+  Box b{shape_t(v.rank(), 0), v.shape()};
+  b.offsets[dim] = static_cast<dim_t>(offset);
+  return b;
+}
+
+/// QKV rows of one rank in the >= 2.0 order ([groups, heads/groups + 2, head dim]): as stored
+/// for checkpoint_version >= 2.0; from [3, np, hn] (0) or [np, hn, 3] (1.0) one piece per head and
+/// Q/K/V block (np = heads / tp, hn = kv_channels).
+inline void qkv_pieces(const assembly& a, const TensorView& v, std::uint64_t r, const facts& f,
+                       std::vector<std::pair<Box, TensorView>>& out) {
+  const std::uint64_t tp = f.tp, hn = f.kv_channels;
+  const std::string who = "tensor " + quote(a.name);
+  const std::string version = f.checkpoint_version == 0 ? "0" : "1.0";
+  if (f.checkpoint_version < 2.0 && f.checkpoint_version != 0 && f.checkpoint_version != 1.0)
+    throw_error(errors::mg_qkv_order, who, "checkpoint_version " + version_text(f.checkpoint_version) + " has no known QKV row order");
+  if (f.checkpoint_version < 2.0 && f.groups != f.heads)
+    throw_error(errors::mg_qkv_order, who, "checkpoint_version " + version + " predates grouped-query attention, but args give " +
+                                                std::to_string(f.groups) + " query groups for " + std::to_string(f.heads) + " heads");
+  if (f.heads % tp != 0 || f.groups % tp != 0)
+    throw_error(errors::mg_shape, who, "TP " + std::to_string(tp) + " does not divide " + std::to_string(f.heads) + " heads in " +
+                                            std::to_string(f.groups) + " query groups (each rank holds whole groups)");
+  const std::uint64_t np = f.heads / tp, ng = f.groups / tp;
+  const auto rows = static_cast<std::uint64_t>(v.shape()[0]);
+  const std::uint64_t base = r * rows;
+  if (f.checkpoint_version >= 2.0) {
+    const std::uint64_t want = (np + 2 * ng) * hn;
+    if (rows != want)
+      throw_error(errors::mg_shape, who, "a TP rank holds " + std::to_string(rows) + " QKV rows, args give (" + std::to_string(np) +
+                                              " + 2 x " + std::to_string(ng) + ") x " + std::to_string(hn) + " = " + std::to_string(want));
+    out.emplace_back(box_at(v, 0, base), v);
+    return;
+  }
+  if (rows != 3 * np * hn)
+    throw_error(errors::mg_shape, who, "a TP rank holds " + std::to_string(rows) + " QKV rows, args give 3 x " + std::to_string(np) + " x " +
+                                            std::to_string(hn));
+  if (!v.is_contiguous())
+    throw_error(errors::mg_qkv_order, who, "the checkpoint_version " + version + " QKV rows are stored with strides " + to_string(v.strides()) +
+                                                ", which cannot be reordered by placements; only contiguous pieces can");
+  shape_t split_shape{static_cast<dim_t>(f.checkpoint_version == 0 ? 3 : np), static_cast<dim_t>(f.checkpoint_version == 0 ? np : hn),
+                      static_cast<dim_t>(f.checkpoint_version == 0 ? hn : 3)};
+  for (std::size_t d = 1; d < v.rank(); ++d) split_shape.push_back(v.shape()[d]);
+  const TensorView v4 = v.reshape(split_shape);
+  for (std::uint64_t i = 0; i < np; ++i)
+    for (std::uint64_t j = 0; j < 3; ++j) {
+      // version 0: [3, np, hn]; 1.0: [np, hn, 3] (rows of one head and block at a stride of 3)
+      const TensorView block = f.checkpoint_version == 0 ? v4.select(0, static_cast<dim_t>(j)).select(0, static_cast<dim_t>(i))
+                                                         : v4.select(0, static_cast<dim_t>(i)).select(1, static_cast<dim_t>(j));
+      out.emplace_back(box_at(block, 0, base + (i * 3 + j) * hn), block);
+    }
+}
+
+/// The (box, view) pieces of TP rank r's view `v` under `how`.
+inline void rank_pieces(const assembly& a, split how, const TensorView& v, std::uint64_t r, const facts& f,
+                        std::vector<std::pair<Box, TensorView>>& out) {
+  switch (how) {
+    case split::replicated: out.emplace_back(box_at(v, 0, 0), v); return;
+    case split::column:
+    case split::vocab: out.emplace_back(box_at(v, 0, r * static_cast<std::uint64_t>(v.shape()[0])), v); return;
+    case split::row: out.emplace_back(box_at(v, 1, r * static_cast<std::uint64_t>(v.shape()[1])), v); return;
+    case split::qkv: qkv_pieces(a, v, r, f, out); return;
+    case split::glu: {
+      // [W_r; V_r] -> W_r at rows r*h of [W; V], V_r at rows tp*h + r*h (h = half the rank's rows).
+      const dim_t h = v.shape()[0] / 2;
+      const auto hu = static_cast<std::uint64_t>(h);
+      const TensorView w = v.narrow(0, 0, h), g = v.narrow(0, h, h);
+      out.emplace_back(box_at(w, 0, r * hu), w);
+      out.emplace_back(box_at(g, 0, checked_add(checked_mul(f.tp, hu, "rows"), r * hu, "rows")), g);
+      return;
+    }
+    case split::fc1: break;  // resolved by effective()
+  }
+  throw_error(errors::mg_bad_rule, "tensor " + quote(a.name), "rule fc1 reached placement unresolved");
+}
+
+/// Clips a piece to the first `rows` rows of the full tensor; false when nothing is left.
+inline bool clip_rows(std::pair<Box, TensorView>& p, std::uint64_t rows) {
+  const auto off = static_cast<std::uint64_t>(p.first.offsets[0]);
+  if (off >= rows) return false;
+  const auto n = static_cast<std::uint64_t>(p.first.sizes[0]);
+  if (off + n > rows) {
+    p.second = p.second.narrow(0, 0, static_cast<dim_t>(rows - off));
+    p.first.sizes[0] = static_cast<dim_t>(rows - off);
+  }
+  return true;
+}
+
+/// Places one set of TP pieces (all ranks) as chunks of `t`.
+inline void place_set(const assembly& a, split how, const std::vector<piece>& ranks, TensorInfo& t, place_context& c) {
+  const facts& f = *c.f;
+  std::vector<std::pair<Box, TensorView>> ps;
+  for (std::uint64_t r = 0; r < ranks.size(); ++r) {
+    ps.clear();
+    rank_pieces(a, how, *ranks[r].view, r, f, ps);
+    for (auto& p : ps) {
+      if (how == split::vocab && c.true_vocab_size && !clip_rows(p, *c.true_vocab_size)) continue;
+      if (++c.chunks > c.max_chunks)
+        throw_error(errors::mg_limit, "tensor " + quote(a.name), "more chunks than limits::max_chunks (" + std::to_string(c.max_chunks) + ")");
+      t.chunks.push_back(Chunk{std::move(p.first), locate(p.second, ranks[r].source, c, a.name)});
+    }
+  }
+}
+
+/// The logical tensor of `a` (name, dtype, full shape, chunks); see the top of this file.
+inline TensorInfo place(const assembly& a, place_context& c) {
+  const facts& f = *c.f;
+  check_pieces(a, a.ranks, "it is");
+  if ((!a.how || a.compare) && a.ranks.size() > 1) check_same(a, c);
+  const split how = effective(a, f);
+  const TensorView& v0 = *a.ranks[0].view;
+  TensorInfo t;
+  t.name = a.name;
+  t.dtype = v0.dtype();
+  t.shape = full_shape(a, how, v0.shape(), a.ranks.size());
+  if (how == split::vocab && f.padded_vocab_size && static_cast<std::uint64_t>(t.shape[0]) != *f.padded_vocab_size)
+    throw_error(errors::mg_shape, "tensor " + quote(a.name),
+                std::to_string(a.ranks.size()) + " TP pieces of " + std::to_string(v0.shape()[0]) + " rows make " + std::to_string(t.shape[0]) +
+                    " vocabulary rows, args.padded_vocab_size is " + std::to_string(*f.padded_vocab_size));
+  if (how == split::vocab && c.true_vocab_size) {
+    if (*c.true_vocab_size > static_cast<std::uint64_t>(t.shape[0]))
+      throw_error(errors::mg_vocab, "tensor " + quote(a.name),
+                  "the true vocabulary size " + std::to_string(*c.true_vocab_size) + " exceeds the " + std::to_string(t.shape[0]) + " rows stored");
+    t.shape[0] = static_cast<dim_t>(*c.true_vocab_size);
+  }
+  place_set(a, how, a.ranks, t, c);
+  for (const auto& copy : a.copies) {
+    check_pieces(a, copy, "its copy");
+    if (copy[0].view->dtype() != v0.dtype() || copy[0].view->shape() != v0.shape())
+      throw_error(errors::mg_shape, "tensor " + quote(a.name),
+                  "its copy in " + copy[0].where + " is " + std::string(name(copy[0].view->dtype())) + " " + to_string(copy[0].view->shape()) +
+                      ", the tensor is " + std::string(name(v0.dtype())) + " " + to_string(v0.shape()) + " per rank");
+    place_set(a, how, copy, t, c);  // same boxes: replicas, compared by the planner on request
+  }
+  return t;
+}
+
+}  // namespace statedict::inline v0::megatron::detail
+
+namespace statedict::inline v0::megatron::detail {
+
+/// True when `v` holds a tensor or a DCP tensor placeholder.
+inline bool holds_tensor(const Value& v) {
+  bool found = false;
+  visit(v, [&](const Path&, const Value& x) {
+    if (found) return visit_control::skip;
+    found = x.is_tensor() || statedict::detail::torch_refs::is_ref(x);
+    return found ? visit_control::skip : visit_control::descend;
+  });
+  return found;
+}
+
+// =============================================================================================
+// Discovery
+
+/// Reads a small text file whole (at most `max` bytes); nullopt when it cannot be read.
+inline std::optional<std::string> small_file(const std::filesystem::path& p, std::uint64_t max, bool& too_large) {
+  std::error_code ec;
+  too_large = false;
+  if (!std::filesystem::is_regular_file(p, ec)) return std::nullopt;
+  const auto size = std::filesystem::file_size(p, ec);
+  if (ec) return std::nullopt;
+  if (size > max) {
+    too_large = true;
+    return std::nullopt;
+  }
+  std::ifstream f(p, std::ios::binary);
+  std::string s(static_cast<std::size_t>(size), '\0');
+  if (!f.read(s.data(), static_cast<std::streamsize>(size))) return std::nullopt;
+  return s;
+}
+
+/// Where the iteration folder of a checkpoint is.
+struct iteration_dir {
+  std::filesystem::path dir;
+  std::optional<std::uint64_t> iteration;  ///< from the tracker file
+  bool release = false;
+  bool tracker = false;  ///< a tracker file named it
+};
+
+/// `root` with latest_checkpointed_iteration.txt: the folder it names (throws errors::mg_bad_tracker
+/// for text that is neither a positive integer nor "release"); without: `root` itself.
+inline iteration_dir find_iteration(const std::filesystem::path& root, const limits& lim) {
+  iteration_dir out;
+  const auto tracker = root / "latest_checkpointed_iteration.txt";
+  bool big = false;
+  const auto text = small_file(tracker, lim.max_small_file_bytes, big);
+  const std::string where = "file " + quote(tracker.string());
+  if (big) throw_error(errors::mg_limit, where, "larger than limits::max_small_file_bytes");
+  if (!text) {
+    out.dir = root;
+    out.release = root.filename() == "release";
+    return out;
+  }
+  out.tracker = true;
+  const std::string t = formats::detail::strip(*text);
+  if (t == "release") {
+    out.release = true;
+    out.dir = root / "release";
+    return out;
+  }
+  std::uint64_t it = 0;
+  bool ok = !t.empty() && t.size() <= 18;
+  for (char ch : t) ok = ok && ch >= '0' && ch <= '9';
+  if (ok)
+    for (char ch : t) it = it * 10 + static_cast<std::uint64_t>(ch - '0');
+  if (!ok || it == 0)
+    throw_error(errors::mg_bad_tracker, where, "holds " + quote(t) + ", expected a positive iteration number or 'release'");
+  std::string name = std::to_string(it);
+  if (name.size() < 7) name.insert(0, 7 - name.size(), '0');
+  out.iteration = it;
+  out.dir = root / ("iter_" + name);
+  return out;
+}
+
+/// One `mp_rank_*` folder.
+struct rank_dir {
+  std::uint64_t tp = 0, pp = 0;
+  bool pp_named = false;  ///< mp_rank_TT_PPP (PP > 1), not mp_rank_TT
+  std::filesystem::path path;
+};
+
+/// `mp_rank_<tp>[_<pp>[_<ep>]]` (tp at least 2 digits, the others at least 3): (tp, pp, parts).
+inline std::optional<std::vector<std::uint64_t>> parse_rank_dir(std::string_view name) {
+  if (name.substr(0, 8) != "mp_rank_") return std::nullopt;
+  std::vector<std::uint64_t> parts;
+  std::string_view rest = name.substr(8);
+  while (true) {
+    const auto us = rest.find('_');
+    const std::string_view d = rest.substr(0, us);
+    const std::size_t min = parts.empty() ? 2 : 3;
+    if (d.size() < min || d.size() > 9 || d.find_first_not_of("0123456789") != std::string_view::npos) return std::nullopt;
+    std::uint64_t n = 0;
+    for (char ch : d) n = n * 10 + static_cast<std::uint64_t>(ch - '0');
+    parts.push_back(n);
+    if (us == std::string_view::npos) break;
+    rest = rest.substr(us + 1);
+    if (parts.size() == 3) return std::nullopt;
+  }
+  return parts;
+}
+
+/// The rank folders of an iteration folder, by (pp, tp); throws for folders that cannot be a
+/// Megatron rank (no model_optim_rng.pt, expert parallelism, two spellings).
+inline std::vector<rank_dir> rank_dirs(const std::filesystem::path& dir, const limits& lim) {
+  std::vector<rank_dir> out;
+  std::error_code ec;
+  const std::string where = "directory " + quote(dir.string());
+  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string n = it->path().filename().string();
+    const auto parts = parse_rank_dir(n);
+    if (!parts) continue;
+    std::error_code ec2;
+    if (!it->is_directory(ec2)) continue;
+    if (parts->size() == 3)
+      throw_error(errors::mg_unsupported, where, quote(n) + " is an expert-parallel rank folder: expert parallelism is not supported");
+    if (!std::filesystem::is_regular_file(it->path() / "model_optim_rng.pt", ec2))
+      throw_error(errors::mg_rank_dirs, where, quote(n) + " has no model_optim_rng.pt");
+    if (out.size() >= lim.max_ranks) throw_error(errors::mg_limit, where, "more rank folders than limits::max_ranks");
+    out.push_back(rank_dir{(*parts)[0], parts->size() > 1 ? (*parts)[1] : 0, parts->size() > 1, it->path()});
+  }
+  std::sort(out.begin(), out.end(), [](const rank_dir& a, const rank_dir& b) { return std::tie(a.pp, a.tp) < std::tie(b.pp, b.tp); });
+  for (std::size_t i = 1; i < out.size(); ++i) {
+    if (out[i].pp_named != out[0].pp_named)
+      throw_error(errors::mg_rank_dirs, where, "holds both mp_rank_TT and mp_rank_TT_PPP folders (" + quote(out[0].path.filename().string()) +
+                                                   ", " + quote(out[i].path.filename().string()) + "); one checkpoint uses one spelling");
+    if (out[i].pp == out[i - 1].pp && out[i].tp == out[i - 1].tp)
+      throw_error(errors::mg_rank_dirs, where, "two folders for TP rank " + std::to_string(out[i].tp) + ", PP rank " + std::to_string(out[i].pp));
+  }
+  return out;
+}
+
+/// Checks that the folders are exactly TP x PP, spelled as Megatron spells them for PP `pp`.
+inline void check_rank_set(const std::vector<rank_dir>& ranks, const facts& f, const std::filesystem::path& dir) {
+  const std::string where = "directory " + quote(dir.string());
+  if (ranks.size() != f.tp * f.pp)
+    throw_error(errors::mg_rank_dirs, where, std::to_string(ranks.size()) + " rank folders, args say TP " + std::to_string(f.tp) + " x PP " +
+                                                 std::to_string(f.pp) + " = " + std::to_string(f.tp * f.pp));
+  for (std::size_t i = 0; i < ranks.size(); ++i) {
+    const rank_dir& r = ranks[i];
+    if (r.tp != i % f.tp || r.pp != i / f.tp)
+      throw_error(errors::mg_rank_dirs, where, "has " + quote(r.path.filename().string()) + " where TP rank " + std::to_string(i % f.tp) +
+                                                   ", PP rank " + std::to_string(i / f.tp) + " was expected (TP " + std::to_string(f.tp) +
+                                                   " x PP " + std::to_string(f.pp) + ")");
+    if (r.pp_named != (f.pp > 1))
+      throw_error(errors::mg_rank_dirs, where, quote(r.path.filename().string()) + ": with PP " + std::to_string(f.pp) + " Megatron names rank folders " +
+                                                   (f.pp > 1 ? "mp_rank_TT_PPP" : "mp_rank_TT"));
+  }
+}
+
+// =============================================================================================
+// Rank files
+
+/// A parameter of a rank file, in named_parameters() order (the order the optimizer numbers them).
+struct param_ref {
+  std::string name;       ///< canonical (global layer number)
+  bool head = false;      ///< the last stage's copy of tied word embeddings (word_embeddings_for_head)
+  const TensorView* view = nullptr;
+};
+
+/// One rank file, loaded (tensors are views into it, never read while describing).
+struct rank_file {
+  rank_dir dir;
+  optim_shard::LoadedFile file;
+  std::string where;                          ///< "file '<path>'"
+  std::uint32_t source = 0;                   ///< its index among the description's sources
+  std::vector<std::vector<param_ref>> chunks;  ///< per model chunk (virtual PP), in file order
+};
+
+/// The top-level dict of a rank file; `what` values checked.
+inline const Dict& top_dict(const rank_file& rf) {
+  if (!rf.file.tree.is_dict()) throw_error(errors::mg_bad_rank_file, rf.where, "holds a " + po::kind_of(rf.file.tree) + ", expected a dict");
+  return rf.file.tree.as_dict();
+}
+
+/// checkpoint_version of a rank file (absent: 0).
+inline double checkpoint_version(const rank_file& rf) {
+  const Value* v = top_dict(rf).find("checkpoint_version");
+  if (!v || v->is_none()) return 0;
+  if (!v->is_double() && !v->is_int())
+    throw_error(errors::mg_bad_rank_file, rf.where, "checkpoint_version is " + po::kind_of(*v) + ", expected a float");
+  const double d = v->as_number();
+  if (d != 0 && d != 1.0 && d != 2.0 && d != 3.0)
+    throw_error(errors::mg_unsupported, rf.where, "checkpoint_version " + version_text(d) + " is not one of 0, 1.0, 2.0, 3.0");
+  return d;
+}
+
+/// The iteration a rank file records (`iteration`, or the oldest files' `total_iters`).
+inline std::optional<std::int64_t> file_iteration(const rank_file& rf) {
+  const Dict& d = top_dict(rf);
+  const Value* v = d.find("iteration");
+  if (!v) v = d.find("total_iters");
+  if (!v || v->is_none()) return std::nullopt;
+  if (!v->is_int()) throw_error(errors::mg_bad_rank_file, rf.where, "iteration is " + po::kind_of(*v) + ", expected an int");
+  return v->as_int();
+}
+
+/// The args of a rank file.
+inline const Value& args_of(const rank_file& rf) {
+  const Value* a = top_dict(rf).find("args");
+  if (!a) throw_error(errors::mg_bad_args, rf.where, "has no 'args' (Megatron stores the run's argparse.Namespace in every rank file)");
+  return *a;
+}
+
+/// The model chunks of a rank file: `model`, or `model0` .. `model<n-1>` with virtual PP.
+inline std::vector<const Value*> model_chunks(const rank_file& rf, const limits& lim) {
+  const Dict& d = top_dict(rf);
+  if (const Value* m = d.find("model")) return {m};
+  std::vector<const Value*> out;
+  while (const Value* m = d.find("model" + std::to_string(out.size()))) {
+    if (out.size() >= lim.max_layers) throw_error(errors::mg_limit, rf.where, "more model chunks than limits::max_layers");
+    out.push_back(m);
+  }
+  if (out.empty()) throw_error(errors::mg_bad_rank_file, rf.where, "has neither 'model' nor 'model0'");
+  return out;
+}
+
+/// Leaves of `v` (nested string-keyed dicts) as (dotted key, leaf), in order.
+inline void leaves(const Value& v, const std::string& prefix, std::vector<std::pair<std::string, const Value*>>& out, const std::string& where,
+                   std::size_t depth = 0) {
+  if (!v.is_dict()) {
+    out.emplace_back(prefix, &v);
+    return;
+  }
+  if (depth > 64) throw_error(errors::mg_bad_rank_file, where, "model dict nested deeper than 64 levels at " + quote(prefix));
+  for (const auto& [k, c] : v.as_dict()) {
+    if (!k.is_string()) throw_error(errors::mg_bad_rank_file, where, "model key " + k.str() + " under " + quote(prefix) + " is not a str");
+    leaves(c, prefix.empty() ? k.as_string() : prefix + "." + k.as_string(), out, where, depth + 1);
+  }
+}
+
+/// What reading the model of every rank file produced.
+struct model_read {
+  std::map<std::string, assembly> tensors;  ///< by canonical name
+  std::vector<std::string> order;           ///< names in order of first appearance
+  std::set<std::uint64_t> layers;           ///< global layers seen
+};
+
+/// First global layer of model chunk v on pipeline stage p (ParallelTransformer's offsets).
+inline std::uint64_t layer_offset(const facts& f, std::uint64_t p, std::uint64_t v) {
+  const std::uint64_t per_chunk = f.num_layers / (f.pp * f.vpp);
+  return v * (f.num_layers / f.vpp) + p * per_chunk;
+}
+
+/// Reads model chunk `v` of rank file `rf` into `m` and records its parameters in rf.chunks.
+inline void read_chunk(rank_file& rf, const Value& chunk, std::uint64_t v, const std::string& cw, const facts& f, const std::vector<rule>& rules,
+                       bool defaults, model_read& m, const limits& lim) {
+  if (!chunk.is_dict()) throw_error(errors::mg_bad_rank_file, cw, "is a " + po::kind_of(chunk) + ", expected a dict");
+  const Dict& cd = chunk.as_dict();
+  for (const auto& [k, x] : cd) {
+    const std::string ks = k.str();
+    if (ks == "language_model" || ks == "word_embeddings_for_head") continue;
+    if (ks.rfind("decoder.", 0) == 0 || ks.rfind("embedding.", 0) == 0)
+      throw_error(errors::mg_unsupported, cw, "holds Megatron-core keys (" + quote(ks) + "): a megatron.core GPTModel saved in the legacy format is not supported");
+    throw_error(errors::mg_unsupported, cw, "has key " + quote(ks) + ": only the GPT model (language_model, word_embeddings_for_head) is supported");
+  }
+  const Value* lm = cd.find("language_model");
+  if (!lm) throw_error(errors::mg_bad_rank_file, cw, "has no 'language_model'");
+  std::vector<std::pair<std::string, const Value*>> ls;
+  leaves(*lm, "", ls, cw);
+  const std::uint64_t per_chunk = f.num_layers / (f.pp * f.vpp), offset = layer_offset(f, rf.dir.pp, v);
+  std::vector<param_ref> params;
+  auto add = [&](std::string name, const Value& leaf, const std::string& key, bool head) {
+    if (!leaf.is_tensor())
+      throw_error(errors::mg_bad_rank_file, cw, "key " + quote(key) + " is a " + po::kind_of(leaf) + ", expected a tensor");
+    auto [it, fresh] = m.tensors.try_emplace(name);
+    assembly& a = it->second;
+    if (fresh) {
+      if (m.tensors.size() > lim.max_tensors) throw_error(errors::mg_limit, cw, "more tensors than limits::max_tensors");
+      a.name = name;
+      a.how = rule_for(name, rules, defaults);
+      a.ranks.assign(f.tp, piece{});
+      m.order.push_back(name);
+    }
+    if (head) {
+      // One set of copies per source stage; the last stage of this TP rank adds its piece.
+      if (a.copies.empty()) a.copies.assign(1, std::vector<piece>(f.tp));
+      if (a.copies[0][rf.dir.tp].view)
+        throw_error(errors::mg_duplicate, "tensor " + quote(name), "two copies for the head on TP rank " + std::to_string(rf.dir.tp));
+      a.copies[0][rf.dir.tp] = piece{&leaf.as_tensor(), rf.where, rf.source};
+    } else {
+      if (a.ranks[rf.dir.tp].view)
+        throw_error(errors::mg_duplicate, "tensor " + quote(name), "held twice by TP rank " + std::to_string(rf.dir.tp) + ": in " +
+                                                                        a.ranks[rf.dir.tp].where + " and in " + cw + " (" + quote(key) + ")");
+      a.ranks[rf.dir.tp] = piece{&leaf.as_tensor(), cw, rf.source};
+    }
+    params.push_back(param_ref{name, head, &leaf.as_tensor()});
+  };
+  for (const auto& [key, leaf] : ls) {
+    if (key.size() >= 12 && key.compare(key.size() - 12, 12, "_extra_state") == 0) continue;  // TE/linear extra state (None)
+    std::string n = normalise_lm_key(key);
+    const std::string first = n.substr(0, n.find('.'));
+    if (first == "pooler" || first == "decoder")
+      throw_error(errors::mg_unsupported, cw, "has " + quote(key) + ": BERT / T5 models (pooler, decoder) are not supported");
+    if (auto layer = layer_of(n, "encoder.layers.")) {
+      if (layer->first >= per_chunk)
+        throw_error(errors::mg_bad_rank_file, cw, "key " + quote(key) + " names local layer " + std::to_string(layer->first) + ", but a chunk holds " +
+                                                      std::to_string(per_chunk) + " layers (num_layers " + std::to_string(f.num_layers) + ", PP " +
+                                                      std::to_string(f.pp) + ", virtual PP " + std::to_string(f.vpp) + ")");
+      const std::uint64_t g = offset + layer->first;
+      m.layers.insert(g);
+      n = "encoder.layers." + std::to_string(g) + "." + layer->second;
+    }
+    add("language_model." + n, *leaf, key, false);
+  }
+  if (const Value* head = cd.find("word_embeddings_for_head")) {
+    if (f.untied)
+      throw_error(errors::mg_bad_rank_file, cw, "has word_embeddings_for_head, but args.untie_embeddings_and_output_weights is set");
+    std::vector<std::pair<std::string, const Value*>> hs;
+    leaves(*head, "", hs, cw);
+    for (const auto& [key, leaf] : hs) add("language_model.embedding.word_embeddings." + key, *leaf, "word_embeddings_for_head." + key, true);
+  }
+  rf.chunks.push_back(std::move(params));
+}
+
+/// Reads the model of every rank file; checks that every layer is there and every tensor is held
+/// by one stage (TP pieces) plus, for tied embeddings with PP, the head copy.
+inline model_read read_models(std::vector<rank_file>& files, const facts& f, const std::vector<rule>& rules, bool defaults, const limits& lim) {
+  model_read m;
+  if (f.num_layers % (f.pp * f.vpp) != 0)
+    throw_error(errors::mg_bad_args, files[0].where, "num_layers " + std::to_string(f.num_layers) + " is not a multiple of PP " + std::to_string(f.pp) +
+                                                         " x virtual PP " + std::to_string(f.vpp));
+  for (rank_file& rf : files) {
+    const auto chunks = model_chunks(rf, lim);
+    if (chunks.size() != f.vpp)
+      throw_error(errors::mg_bad_rank_file, rf.where, std::to_string(chunks.size()) + " model chunk(s), args give virtual PP " + std::to_string(f.vpp));
+    for (std::uint64_t v = 0; v < chunks.size(); ++v)
+      read_chunk(rf, *chunks[v], v, rf.where + ": " + (chunks.size() == 1 ? std::string("model") : "model" + std::to_string(v)), f, rules, defaults,
+                 m, lim);
+  }
+  for (std::uint64_t l = 0; l < f.num_layers; ++l)
+    if (!m.layers.count(l))
+      throw_error(errors::mg_missing, "Megatron checkpoint " + quote(files[0].dir.path.parent_path().string()),
+                  "no rank file holds layer " + std::to_string(l) + " of " + std::to_string(f.num_layers));
+  return m;
+}
+
+/// Canonical order: embeddings (word first), layers by global number (file order inside one),
+/// the final norm, the rest (output layer) - Megatron's loader order.
+inline std::vector<std::string> canonical_order(const model_read& m) {
+  auto rank = [](const std::string& k) -> std::pair<int, std::uint64_t> {
+    if (k.rfind("language_model.embedding.", 0) == 0) return {0, k.find("word_") != std::string::npos ? 0U : 1U};
+    if (auto l = layer_of(k, "language_model.encoder.layers.")) return {1, l->first};
+    if (k.rfind("language_model.encoder.", 0) == 0) return {2, 0};
+    return {3, 0};
+  };
+  std::vector<std::string> out = m.order;
+  std::stable_sort(out.begin(), out.end(), [&](const std::string& a, const std::string& b) { return rank(a) < rank(b); });
+  return out;
+}
+
+/// Where a canonical name sits in the tree: language_model / embedding / <sub> / <leaf>, or
+/// language_model / encoder|output_layer|... / <rest> (Megatron's nesting of one model chunk).
+inline std::vector<std::string> tree_path(const std::string& name) {
+  std::string rest = name.substr(std::string("language_model.").size());
+  std::vector<std::string> p{"language_model"};
+  const auto dot = rest.find('.');
+  p.push_back(rest.substr(0, dot));
+  rest = dot == std::string::npos ? std::string() : rest.substr(dot + 1);
+  if (p.back() == "embedding") {
+    const auto d2 = rest.find('.');
+    if (d2 != std::string::npos) {
+      p.push_back(rest.substr(0, d2));
+      rest = rest.substr(d2 + 1);
+    }
+  }
+  if (!rest.empty()) p.push_back(rest);
+  return p;
+}
+
+}  // namespace statedict::inline v0::megatron::detail
+
+namespace statedict::inline v0::megatron::detail {
+
+inline constexpr std::string_view mcore_metadata_module = "megatron.core.dist_checkpointing.strategies.torch";
+
+/// metadata.json's sharded_backend (Megatron-core's checkpoint config), or nullopt when the folder
+/// has no metadata.json of that form (other tools write files of that name too).
+inline std::optional<std::string> sharded_backend(const std::filesystem::path& dir, const limits& lim) {
+  bool big = false;
+  const auto text = small_file(dir / "metadata.json", lim.max_small_file_bytes, big);
+  if (!text) return std::nullopt;
+  const nlohmann::json j = nlohmann::json::parse(*text, nullptr, false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("sharded_backend") || !j["sharded_backend"].is_string()) return std::nullopt;
+  return j["sharded_backend"].get<std::string>();
+}
+
+/// `.metadata` parsed with the DCP reader; Megatron's MCoreMetadata is read as the Metadata it
+/// extends (its extra field, mcore_data, is not used).
+inline dcp::Metadata dist_metadata(const std::filesystem::path& dir, const limits& lim, std::string& cls) {
+  Value v = dcp::detail::load_metadata_value(dir, lim.dcp);
+  cls = v.is_object() ? v.as_object().qualified() : std::string(to_string(v.kind()));
+  if (v.is_object() && v.as_object().module == mcore_metadata_module && v.as_object().name == "MCoreMetadata") {
+    v.as_object().module = dcp::detail::mod_2;
+    v.as_object().name = "Metadata";
+  }
+  return dcp::parse_metadata(v, lim.dcp, (dir / ".metadata").string());
+}
+
+/// The common state dict a `common_state` byte item holds: `[dict]`, as torch.save wrote it, or
+/// (torch 2.x DCP writing a BytesIO value) a pickled io.BytesIO whose bytes are that torch.save
+/// archive, read here as a torch.save file of its own (kept in `keep` while describing).
+inline Value common_item(const Value& item, const limits& lim, const std::string& where, std::optional<optim_shard::LoadedFile>& keep) {
+  const Value* v = &item;
+  if (po::is_class(item, {"_io.BytesIO"})) {
+    const Object& o = item.as_object();
+    if (o.state.size() != 1 || !o.state[0].is_tuple() || o.state[0].as_list().empty() || !o.state[0].as_list()[0].is_bytes())
+      throw_error(errors::mg_torch_dist, where, "holds an io.BytesIO without its bytes (expected the state (bytes, position, dict))");
+    const auto& b = o.state[0].as_list()[0].as_bytes().data;
+    auto src = MemorySource::copy_of(where, std::as_bytes(std::span<const std::uint8_t>(b.data(), b.size())));
+    torch::load_options lo;
+    lo.limits = lim.torch;
+    lo.keep_unknown_objects = true;
+    try {
+      torch::File f = torch::read(src, lo);
+      keep = optim_shard::LoadedFile{where, f.source, std::move(f.value), f.view_base};
+    } catch (error& e) {
+      e.add_context(where);
+      throw;
+    }
+    v = &keep->tree;
+  }
+  if (!v->is_sequence() || v->as_list().size() != 1 || !v->as_list()[0].is_dict())
+    throw_error(errors::mg_torch_dist, where, "holds " + po::kind_of(*v) + ", expected [the common state dict]");
+  return v->as_list()[0];
+}
+
+/// One global tensor of the DCP checkpoint with its chunks located in the data files (as
+/// dcp::describe locates them; distinct boxes must tile the tensor).
+inline TensorInfo dist_tensor(const dcp::Entry& e, const dcp::Metadata& md, dcp::detail::Files& files, const limits& lim,
+                              const std::string& mdfile) {
+  namespace tr = statedict::detail::torch_refs;
+  const dcp::TensorMeta& tm = *e.tensor;
+  const std::string where = "file " + quote(mdfile) + ": key " + quote(e.fqn);
+  TensorInfo ti{e.fqn, tm.dtype, tm.size, {}};
+  std::vector<Box> boxes;
+  for (const dcp::ChunkMeta& c : tm.chunks) {
+    Box b{c.offsets, c.sizes};
+    if (std::find(boxes.begin(), boxes.end(), b) != boxes.end()) continue;
+    const dcp::StorageInfo& si = *md.find(dcp::StorageIndex{e.fqn, c.offsets});
+    const std::string iw = where + ": chunk at " + to_string(c.offsets) + " in " + quote(si.relative_path);
+    const std::uint32_t fi = files.open(si.relative_path, iw);
+    const tr::Tree t = dcp::detail::load_item(files.item(fi, si, iw), lim.dcp, iw);
+    if (!tr::is_ref(t.value)) throw_error(errors::dcp_item_not_tensor, iw, "tensor item holds " + po::kind_of(t.value) + ", not a tensor");
+    const tr::TensorRef& r = t.tensors[tr::ref_index(t.value)];
+    if (r.dtype != tm.dtype)
+      throw_error(errors::dcp_item_dtype, iw, "stored tensor is " + std::string(name(r.dtype)) + ", .metadata says " + std::string(name(tm.dtype)));
+    if (r.sizes != c.sizes) throw_error(errors::dcp_item_shape, iw, "stored tensor has size " + to_string(r.sizes) + ", .metadata says " + to_string(c.sizes));
+    boxes.push_back(b);
+    if (is_empty(b) && !b.sizes.empty()) continue;
+    Placement at{fi, checked_add(si.offset, r.byte_offset(), "item offset"), {}, r.dtype};
+    if (!is_contiguous(r.sizes, r.strides)) at.strides = r.strides;
+    ti.chunks.push_back(Chunk{std::move(b), std::move(at)});
+  }
+  if (numel(tm.size) > 0)
+    if (auto issue = cover(full_box(tm.size), boxes, false))
+      throw_error(issue->what == CoverIssue::kind::hole ? errors::dcp_incomplete_tensor : errors::dcp_overlapping_chunks, where,
+                  "element " + to_string(issue->index) + " of the tensor of size " + to_string(tm.size) +
+                      (issue->what == CoverIssue::kind::hole ? " is in no chunk" : " is in two chunks"));
+  return ti;
+}
+
+/// True for `decoder.layers.<name>` whose next component is not a layer number: stacked layers.
+inline bool stacked_key(std::string_view k) {
+  constexpr std::string_view p = "decoder.layers.";
+  return k.substr(0, p.size()) == p && k.size() > p.size() && (k[p.size()] < '0' || k[p.size()] > '9');
+}
+
+/// The per-layer tensors of a stacked one: layer l is the slice at l of the leading axis, each
+/// chunk's part of it placed at the chunk's offset plus l's stride (no copy).
+inline std::vector<TensorInfo> unstack(const TensorInfo& t, std::string_view prefix, std::string_view rest) {
+  if (t.shape.empty()) throw_error(errors::mg_torch_dist, "key " + quote(t.name), "stacked layer key without a layer axis");
+  std::vector<TensorInfo> out;
+  const shape_t inner(t.shape.begin() + 1, t.shape.end());
+  for (dim_t l = 0; l < t.shape[0]; ++l) out.push_back(TensorInfo{std::string(prefix) + std::to_string(l) + "." + std::string(rest), t.dtype, inner, {}});
+  for (const Chunk& c : t.chunks) {
+    const Box& b = std::get<Box>(c.region);
+    const shape_t own = b.sizes;
+    const std::vector<std::uint64_t> st = storage_strides(c, "key " + quote(t.name));
+    for (dim_t k = 0; k < b.sizes[0]; ++k) {
+      Chunk x;
+      x.region = Box{shape_t(b.offsets.begin() + 1, b.offsets.end()), shape_t(own.begin() + 1, own.end())};
+      x.at = c.at;
+      x.at.byte_offset = checked_add(c.at.byte_offset, checked_mul(checked_mul(static_cast<std::uint64_t>(k), st[0], "offset"), itemsize(c.at.stored), "offset"),
+                                     "offset");
+      if (!c.at.strides.empty()) x.at.strides = shape_t(c.at.strides.begin() + 1, c.at.strides.end());
+      out[static_cast<std::size_t>(b.offsets[0] + k)].chunks.push_back(std::move(x));
+    }
+  }
+  return out;
+}
+
+/// `<base>_w` and `<base>_v` (SwiGLU's linear_fc1 halves with singleton_local_shards) as one
+/// tensor `<base>` = [W; V] along dim 0.
+inline TensorInfo join_glu(const TensorInfo& w, const TensorInfo& v, std::string base) {
+  if (w.dtype != v.dtype || w.shape != v.shape || w.shape.empty())
+    throw_error(errors::mg_torch_dist, "key " + quote(w.name), "is " + std::string(name(w.dtype)) + " " + to_string(w.shape) + ", its partner " + quote(v.name) +
+                                                                    " is " + std::string(name(v.dtype)) + " " + to_string(v.shape));
+  TensorInfo out{std::move(base), w.dtype, w.shape, w.chunks};
+  out.shape[0] = static_cast<dim_t>(checked_mul(static_cast<std::uint64_t>(w.shape[0]), 2, "rows"));
+  for (Chunk c : v.chunks) {
+    std::get<Box>(c.region).offsets[0] += w.shape[0];
+    out.chunks.push_back(std::move(c));
+  }
+  return out;
+}
+
+/// The model key an optimizer key is about and its state key, or nullopt for another optimizer
+/// key (the distributed optimizer's flattened or per-bucket forms).
+inline std::optional<std::pair<std::string, std::string>> optimizer_key(std::string_view k) {
+  for (std::string_view s : {"exp_avg_sq", "exp_avg", "fp32_param"}) {
+    const std::string p = "optimizer.state." + std::string(s) + ".";
+    if (k.substr(0, p.size()) == p) return std::make_pair(std::string(k.substr(p.size())), std::string(s));
+  }
+  return std::nullopt;
+}
+
+/// Tensors of the torch_dist checkpoint by output name: model keys unstacked and joined, then,
+/// with `optimizer`, `optimizer.state.<name>.<key>` for each model tensor.
+struct dist_read {
+  std::vector<TensorInfo> model;
+  std::vector<TensorInfo> optimizer;
+  bool stacked = false, per_layer_glu = false;
+  std::uint64_t layers = 0;
+};
+
+/// Per-layer tensors of one key: unstacked when stacked, as is otherwise.
+inline std::vector<TensorInfo> per_layer(TensorInfo t, const std::string& key, dist_read& r, const limits& lim) {
+  if (!stacked_key(key)) {
+    t.name = key;
+    return {std::move(t)};
+  }
+  r.stacked = true;
+  const auto layers = static_cast<std::uint64_t>(t.shape.empty() ? 0 : t.shape[0]);
+  if (layers > lim.max_layers)
+    throw_error(errors::mg_limit, "key " + quote(key), "stacks " + std::to_string(layers) + " layers, more than limits::max_layers");
+  if (r.layers != 0 && layers != r.layers)
+    throw_error(errors::mg_torch_dist, "key " + quote(key), "stacks " + std::to_string(layers) + " layers, another key " + std::to_string(r.layers));
+  r.layers = layers;
+  return unstack(t, "decoder.layers.", key.substr(std::string("decoder.layers.").size()));
+}
+
+/// Joins `_w` / `_v` pairs in place (the `_w` position keeps the joined tensor).
+inline void join_pairs(std::vector<TensorInfo>& ts, dist_read& r) {
+  std::map<std::string, std::size_t> at;
+  for (std::size_t i = 0; i < ts.size(); ++i) at.emplace(ts[i].name, i);
+  std::vector<bool> drop(ts.size(), false);
+  for (std::size_t i = 0; i < ts.size(); ++i) {
+    const std::string& n = ts[i].name;
+    const bool w = formats::detail::ends_with(n, ".weight_w") || formats::detail::ends_with(n, ".bias_w");
+    const bool v = formats::detail::ends_with(n, ".weight_v") || formats::detail::ends_with(n, ".bias_v");
+    if (!w && !v) continue;
+    const std::string base = n.substr(0, n.size() - 2);
+    const auto partner = at.find(base + (w ? "_v" : "_w"));
+    if (partner == at.end()) throw_error(errors::mg_torch_dist, "key " + quote(n), "has no partner " + quote(base + (w ? "_v" : "_w")));
+    if (!w) continue;
+    r.per_layer_glu = true;
+    ts[i] = join_glu(ts[i], ts[partner->second], base);
+    drop[partner->second] = true;
+  }
+  std::vector<TensorInfo> kept;
+  for (std::size_t i = 0; i < ts.size(); ++i)
+    if (!drop[i]) kept.push_back(std::move(ts[i]));
+  ts = std::move(kept);
+}
+
+/// Model order: embeddings, layers by number (metadata order inside one), the rest.
+inline void order_model(std::vector<TensorInfo>& ts) {
+  auto rank = [](const std::string& k) -> std::pair<int, std::uint64_t> {
+    if (k.rfind("embedding.", 0) == 0) return {0, 0};
+    if (auto l = layer_of(k, "decoder.layers.")) return {1, l->first};
+    return {2, 0};
+  };
+  std::stable_sort(ts.begin(), ts.end(), [&](const TensorInfo& a, const TensorInfo& b) { return rank(a.name) < rank(b.name); });
+}
+
+}  // namespace statedict::inline v0::megatron::detail
+// ---- statedict/formats/detail/megatron_optim.hpp ----
+// statedict: the optimizer state of Megatron-LM legacy checkpoints keyed by parameter name, each
+// moment sharded like its parameter (formats/megatron.hpp is the public header).
+// SPDX-License-Identifier: MIT
+//
+// Three forms (tests/python/layouts/megatron.md sections 2.7 and 2.8):
+//   - FP32Optimizer: `optimizer` is the torch optimizer's state dict;
+//   - Float16OptimizerWithFloat16Params: {'optimizer': torch state dict, 'fp32_from_fp16_params':
+//     [[fp32 master per param] per group], 'grad_scaler': ...};
+//   - DistributedOptimizer: {'optimizer': {'param_groups': [...]}} and, beside the rank file,
+//     distrib_optim.pt: per model chunk one flat fp32 buffer of each of param / exp_avg /
+//     exp_avg_sq, holding the chunk's parameters in reverse order, 64-aligned, in buckets, with
+//     no names (param_and_grad_buffer.py _ParamAndGradBuffer; get_parameter_state_dp_zero).
+// Which state belongs to which parameter follows from Megatron's rule for param groups
+// (megatron/core/optimizer/__init__.py _get_param_groups): walking named_parameters() of every
+// model chunk, a parameter goes to the group of (wd_mult, lr_mult, is_expert_parallel,
+// is_decoupled_lr), wd_mult 0 for biases and 1-d parameters; groups in order of first appearance;
+// torch numbers parameters group by group. Every count, shape and wd_mult is checked against it.
+
+#include <algorithm>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <numeric>
+#include <optional>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+
+namespace statedict::inline v0::megatron::detail {
+
+/// A param group of the merged state: its hyperparameters (first rank's) and its parameters.
+struct merged_group {
+  double wd_mult = 1.0;
+  Dict hyper;
+  std::vector<std::string> params;  ///< canonical names, model order (set at the end)
+  std::set<std::string> members;
+};
+
+/// Optimizer state being assembled over all rank files.
+struct optim_read {
+  /// `optimizer.state.<param>.<key>` -> TP pieces (sharded like the parameter).
+  std::map<std::string, assembly> tensors;
+  /// param -> its state keys, in order of first appearance.
+  std::map<std::string, std::vector<std::string>> keys;
+  /// `<param>.<key>` -> a non-tensor state value (apex's int step), equal on every TP rank.
+  std::map<std::string, Value> values;
+  std::vector<merged_group> groups;
+  std::deque<Value> views;  ///< tensors made here (slices of distrib_optim.pt buffers)
+  std::deque<optim_shard::LoadedFile> files;  ///< the distrib_optim.pt files the views point into
+};
+
+/// wd_mult of a parameter by Megatron's rule.
+inline double wd_mult_of(const param_ref& p) { return (formats::detail::ends_with(p.name, ".bias") || p.view->rank() == 1) ? 0.0 : 1.0; }
+
+/// The params of a rank file in named_parameters() order, grouped by the rule: (wd_mult, indices).
+inline std::vector<std::pair<double, std::vector<std::size_t>>> rule_groups(const std::vector<param_ref>& params) {
+  std::vector<std::pair<double, std::vector<std::size_t>>> g;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const double wd = wd_mult_of(params[i]);
+    auto it = std::find_if(g.begin(), g.end(), [&](const auto& x) { return x.first == wd; });
+    if (it == g.end()) {
+      g.emplace_back(wd, std::vector<std::size_t>{});
+      it = std::prev(g.end());
+    }
+    it->second.push_back(i);
+  }
+  return g;
+}
+
+/// Records one rank's saved param groups against the rule; merges their hyperparameters.
+inline void merge_groups(optim_read& o, const List& saved, const std::vector<std::pair<double, std::vector<std::size_t>>>& rule,
+                         const std::vector<param_ref>& params, const rank_file& rf) {
+  if (saved.size() != rule.size())
+    throw_error(errors::mg_optimizer, rf.where, std::to_string(saved.size()) + " param groups, Megatron's grouping of this rank's " +
+                                                    std::to_string(params.size()) + " parameters gives " + std::to_string(rule.size()));
+  for (std::size_t g = 0; g < saved.size(); ++g) {
+    if (!saved[g].is_dict()) throw_error(errors::mg_optimizer, rf.where, "param_groups[" + std::to_string(g) + "] is not a dict");
+    const Dict& gd = saved[g].as_dict();
+    if (const Value* wd = gd.find("wd_mult"); wd && (!(wd->is_double() || wd->is_int()) || wd->as_number() != rule[g].first))
+      throw_error(errors::mg_optimizer, rf.where, "param_groups[" + std::to_string(g) + "].wd_mult is " + optim_shard::detail::value_text(*wd) +
+                                                      ", Megatron's grouping puts its parameters under wd_mult " + std::to_string(rule[g].first));
+    Dict hyper;
+    for (const auto& [k, v] : gd)
+      if (!(k.is_string() && k.as_string() == "params")) hyper.set(k, v);
+    auto it = std::find_if(o.groups.begin(), o.groups.end(), [&](const merged_group& m) { return m.wd_mult == rule[g].first; });
+    if (it == o.groups.end()) {
+      o.groups.push_back(merged_group{rule[g].first, std::move(hyper), {}, {}});
+      it = std::prev(o.groups.end());
+    } else if (!(it->hyper == hyper)) {
+      for (const auto& [k, v] : it->hyper) {
+        const Value* x = hyper.find(k);
+        if (!x || !(*x == v))
+          throw_error(errors::mg_groups_differ, rf.where, "param group of wd_mult " + std::to_string(rule[g].first) + ": " + k.str() + " is " +
+                                                              (x ? optim_shard::detail::value_text(*x) : "missing") + ", an earlier rank has " +
+                                                              optim_shard::detail::value_text(v));
+      }
+      throw_error(errors::mg_groups_differ, rf.where, "param group of wd_mult " + std::to_string(rule[g].first) + " has keys an earlier rank's lacks");
+    }
+    for (std::size_t i : rule[g].second)
+      if (!params[i].head) it->members.insert(params[i].name);
+  }
+}
+
+/// Adds TP rank `tp`'s value of state `key` of parameter `p` (its rule: `how`). A tensor value
+/// must outlive the description (a view inside a loaded file, or in optim_read::views).
+inline void add_state(optim_read& o, const param_ref& p, const std::optional<split>& how, const std::string& key, const Value& v,
+                      std::uint64_t tp, std::uint64_t tps, const std::string& where, std::uint32_t source) {
+  auto& keys = o.keys[p.name];
+  if (std::find(keys.begin(), keys.end(), key) == keys.end()) keys.push_back(key);
+  if (!v.is_tensor()) {
+    const std::string vn = p.name + "." + key;
+    auto [it, fresh] = o.values.try_emplace(vn, v);
+    if (!fresh && !(it->second == v))
+      throw_error(errors::mg_state_differs, "optimizer state " + quote(vn),
+                  "is " + optim_shard::detail::value_text(v) + " in " + where + ", another TP rank has " + optim_shard::detail::value_text(it->second));
+    return;
+  }
+  const TensorView& t = v.as_tensor();
+  const bool scalar = t.rank() == 0;
+  if (!scalar && t.shape() != p.view->shape())
+    throw_error(errors::mg_optimizer, where, "state " + quote(key) + " of " + quote(p.name) + " has shape " + to_string(t.shape()) + ", the parameter " +
+                                                 to_string(p.view->shape()));
+  const std::string tn = "optimizer.state." + p.name + "." + key;
+  auto [it, fresh] = o.tensors.try_emplace(tn);
+  assembly& a = it->second;
+  if (fresh) {
+    a.name = tn;
+    a.how = scalar ? std::optional<split>(split::replicated) : how;
+    a.compare = scalar;  // constant state (step): equal on every TP rank
+    a.ranks.assign(tps, piece{});
+  }
+  if (p.head) {
+    if (a.copies.empty()) a.copies.assign(1, std::vector<piece>(tps));
+    a.copies[0][tp] = piece{&t, where, source};
+  } else {
+    if (a.ranks[tp].view) throw_error(errors::mg_duplicate, "optimizer state " + quote(tn), "given twice for TP rank " + std::to_string(tp));
+    a.ranks[tp] = piece{&t, where, source};
+  }
+}
+
+/// The plain (FP32 / Float16) optimizer of one rank file.
+inline void read_plain(optim_read& o, const rank_file& rf, const Value& opt, const std::vector<param_ref>& params,
+                       const std::map<std::string, assembly>& model, std::uint64_t tps) {
+  using optim_shard::Access;
+  const Access a{errors::mg_optimizer, rf.where};
+  const Dict& od = a.dict(opt, "optimizer");
+  const Dict* inner = &od;
+  const List* fp32 = nullptr;
+  if (!od.contains("param_groups")) {
+    inner = &a.dict(a.at(od, "optimizer", "optimizer"), "optimizer.optimizer");
+    if (const Value* f = Access::opt(od, "fp32_from_fp16_params")) fp32 = &a.list(*f, "optimizer.fp32_from_fp16_params");
+  }
+  const List& saved = a.list(a.at(*inner, "param_groups", "the optimizer"), "param_groups");
+  const Dict& state = a.dict(a.at(*inner, "state", "the optimizer"), "state");
+  const auto rule = rule_groups(params);
+  merge_groups(o, saved, rule, params, rf);
+  if (fp32 && fp32->size() != rule.size())
+    a.fail("fp32_from_fp16_params has " + std::to_string(fp32->size()) + " groups, the param groups " + std::to_string(rule.size()));
+  std::set<std::int64_t> used;
+  for (std::size_t g = 0; g < rule.size(); ++g) {
+    const List& ids = a.list(a.at(saved[g].as_dict(), "params", "param group"), "params");
+    if (ids.size() != rule[g].second.size())
+      a.fail("param_groups[" + std::to_string(g) + "] lists " + std::to_string(ids.size()) + " params, Megatron's grouping gives " +
+             std::to_string(rule[g].second.size()));
+    const List* masters = fp32 ? &a.list((*fp32)[g], "fp32_from_fp16_params group") : nullptr;
+    if (masters && masters->size() != ids.size()) a.fail("fp32_from_fp16_params[" + std::to_string(g) + "] has the wrong length");
+    for (std::size_t j = 0; j < ids.size(); ++j) {
+      const param_ref& p = params[rule[g].second[j]];
+      const auto& how = model.at(p.name).how;
+      const std::int64_t id = a.integer(ids[j], "a param id");
+      if (!used.insert(id).second) a.fail("param id " + std::to_string(id) + " is listed twice");
+      if (const Value* st = state.find(Key(id))) {
+        const Dict& sd = a.dict(*st, "state[" + std::to_string(id) + "]");
+        for (const char* k : {"exp_avg", "exp_avg_sq"})
+          if (const Value* v = sd.find(k)) add_state(o, p, how, k, *v, rf.dir.tp, tps, rf.where, rf.source);
+        if (masters) add_state(o, p, how, "fp32_param", (*masters)[j], rf.dir.tp, tps, rf.where, rf.source);
+        for (const auto& [k, v] : sd)
+          if (k.is_string() && k.as_string() != "exp_avg" && k.as_string() != "exp_avg_sq")
+            add_state(o, p, how, k.as_string(), v, rf.dir.tp, tps, rf.where, rf.source);
+      } else if (masters) {
+        add_state(o, p, how, "fp32_param", (*masters)[j], rf.dir.tp, tps, rf.where, rf.source);
+      }
+    }
+  }
+  for (const auto& [k, v] : state)
+    if (!k.is_int() || !used.count(k.as_int())) a.fail("state key " + k.str() + " is not a param id of param_groups");
+}
+
+// ---------------------------------------------------------------------------------------------
+// distrib_optim.pt
+
+/// One parameter's place in a distrib_optim.pt buffer.
+struct buffer_slot {
+  std::size_t param = 0;    ///< index into the chunk's params
+  std::uint64_t offset = 0;  ///< in the saved (bucket-concatenated) buffer
+};
+
+inline std::uint64_t round_up(std::uint64_t x, std::uint64_t d) { return checked_mul((x + d - 1) / d, d, "buffer offset"); }
+
+/// The grad-buffer layout (param_and_grad_buffer.py): params in reverse order, each start padded
+/// to 64 elements; a shared embedding closes the current bucket and gets one of its own; a bucket
+/// also closes at `bucket_size` elements; bucket ends padded to lcm(dp, 128). Returns the slots in
+/// the saved buffer (the buckets' unpadded ranges concatenated) and its length.
+inline std::pair<std::vector<buffer_slot>, std::uint64_t> buffer_layout(const std::vector<std::uint64_t>& numels, const std::vector<bool>& shared,
+                                                                        std::uint64_t dp, std::optional<std::uint64_t> bucket_size) {
+  const std::uint64_t lcm = std::lcm(dp, std::uint64_t{128});
+  std::vector<buffer_slot> slots;
+  std::uint64_t idx = 0, start = 0, saved = 0;
+  bool any = false;
+  auto close = [&](std::uint64_t end) {
+    saved = checked_add(saved, end - start, "buffer size");
+    idx = round_up(end, lcm);
+    start = idx;
+    any = false;
+  };
+  for (std::size_t k = numels.size(); k-- > 0;) {
+    idx = round_up(idx, 64);
+    if (shared[k] && any) close(idx);
+    slots.push_back(buffer_slot{k, saved + (idx - start)});
+    idx = checked_add(idx, numels[k], "buffer size");
+    any = true;
+    if (shared[k] || (bucket_size && idx - start >= *bucket_size)) close(idx);
+  }
+  if (any) saved = checked_add(saved, idx - start, "buffer size");
+  return {std::move(slots), saved};
+}
+
+/// The one (dtype pair) entry of buffer `v`'s dict in distrib_optim.pt.
+inline const Dict& buffer_entry(const Value& v, const std::string& where, std::uint64_t idx) {
+  const std::string w = "buffer " + std::to_string(idx);
+  const List* items = nullptr;
+  if (po::is_class(v, {"builtins.dict", "collections.OrderedDict"}) && v.as_object().args.empty()) items = &v.as_object().items;
+  if (!items) throw_error(errors::mg_distrib_optim, where, w + " is " + po::kind_of(v) + ", expected a dict keyed by (param dtype, grad dtype)");
+  if (items->size() != 1)
+    throw_error(errors::mg_unsupported, where, w + " holds " + std::to_string(items->size()) + " dtype buffers; one (all parameters of one dtype) is supported");
+  const Value& kv = (*items)[0];
+  if (!kv.is_tuple() || kv.as_list().size() != 2 || !kv.as_list()[1].is_dict())
+    throw_error(errors::mg_distrib_optim, where, w + ": expected a (dtypes, dict) item");
+  return kv.as_list()[1].as_dict();
+}
+
+/// The distributed optimizer's state of one rank file (its distrib_optim.pt).
+inline void read_distrib(optim_read& o, const rank_file& rf, const optim_shard::LoadedFile& dist, std::uint32_t source, const facts& f,
+                         const std::map<std::string, assembly>& model, std::uint64_t tps) {
+  using optim_shard::Access;
+  const std::string where = "file " + quote(dist.name);
+  const Access a{errors::mg_distrib_optim, where};
+  const Dict& d = a.dict(dist.tree, "distrib_optim.pt");
+  const Value* coalesced = d.find("buckets_coalesced");
+  if (!coalesced || !coalesced->is_bool() || !coalesced->as_bool())
+    throw_error(errors::mg_unsupported, where, "has no buckets_coalesced: True (the per-bucket layout before Megatron-core 0.7 is not supported)");
+  const bool tied_pp = !f.untied && f.pp > 1;
+  for (std::uint64_t v = 0; v < rf.chunks.size(); ++v) {
+    const auto& params = rf.chunks[v];
+    const Dict& e = buffer_entry(a.at(d, Key(static_cast<std::int64_t>(v)), "distrib_optim.pt"), where, v);
+    const bool pre = rf.dir.pp == 0 && v == 0, post = rf.dir.pp + 1 == f.pp && v + 1 == rf.chunks.size();
+    std::vector<std::uint64_t> numels;
+    std::vector<bool> shared;
+    for (const param_ref& p : params) {
+      numels.push_back(p.view->numel());
+      shared.push_back(tied_pp && formats::detail::ends_with(p.name, "word_embeddings.weight") && (p.head || (pre && !post)));
+    }
+    const auto [slots, total] = buffer_layout(numels, shared, f.dp, rf.dir.pp == 0 && v == 0 ? f.bucket_size : std::nullopt);
+    const std::int64_t stored = a.integer(a.at(e, "numel_unpadded", "buffer"), "numel_unpadded");
+    if (stored < 0 || static_cast<std::uint64_t>(stored) != total)
+      a.fail("buffer " + std::to_string(v) + ": numel_unpadded " + std::to_string(stored) + ", the layout rebuilt from the model chunk's " +
+             std::to_string(params.size()) + " parameters gives " + std::to_string(total));
+    for (const auto& [file_key, key] : {std::pair<const char*, const char*>{"exp_avg", "exp_avg"}, {"exp_avg_sq", "exp_avg_sq"}, {"param", "fp32_param"}}) {
+      const Value* bv = e.find(file_key);
+      if (!bv) {
+        if (std::string_view(file_key) == "param") a.fail("buffer " + std::to_string(v) + " has no 'param'");
+        continue;
+      }
+      const TensorView& flat = a.tensor(*bv, file_key);
+      if (flat.rank() != 1 || flat.numel() != total)
+        a.fail("buffer " + std::to_string(v) + " " + file_key + " has shape " + to_string(flat.shape()) + ", expected [" + std::to_string(total) + "]");
+      for (const buffer_slot& s : slots) {
+        const param_ref& p = params[s.param];
+        const Value& sl = o.views.emplace_back(flat.narrow(0, static_cast<dim_t>(s.offset), static_cast<dim_t>(p.view->numel())).reshape(p.view->shape()));
+        add_state(o, p, model.at(p.name).how, key, sl, rf.dir.tp, tps, where, source);
+      }
+    }
+  }
+}
+
+}  // namespace statedict::inline v0::megatron::detail
+// ---- statedict/formats/detail/megatron_write.hpp ----
+// statedict: writing Megatron-LM's legacy per-rank layout for a chosen TP / PP (/ virtual PP)
+// size from a full model with Megatron's canonical names (formats/megatron.hpp is the public
+// header). Every rank file is a torch.save file planned up front; each of its tensors is a piece
+// of a full tensor, so the whole checkpoint is one Destination (every element's place in every
+// rank file) that make_plan + execute fill from the source, streaming in bounded memory; the
+// tracker file is written last and the folder appears atomically. What is written and why:
+// megatron_write_parts.hpp.
+// SPDX-License-Identifier: MIT
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+// ---- statedict/formats/detail/megatron_write_parts.hpp ----
+// statedict: the pieces of the Megatron-LM legacy writer (megatron_write.hpp): its options, the
+// vocabulary re-pad as placements, and the TP split of one tensor into rank pieces.
+// SPDX-License-Identifier: MIT
+//
+// What is written (tools/checkpoint/saver_megatron.py, core_v0.8.0; megatron.md section 2):
+// checkpoint_version 3.0, today's spelling, `_extra_state: None` after each parallel linear,
+// position embeddings on the first stage, the final norm and output layer on the last,
+// `word_embeddings_for_head` on the last stage for tied embeddings with PP > 1; `args` with the new
+// parallel sizes and padded_vocab_size; iteration, opt_param_scheduler / lr_scheduler and the other
+// run-wide values carried as they are. No optimizer and no RNG state (per rank, not re-shardable
+// here): load with --no-load-optim --no-load-rng (or --finetune), as after Megatron's own saver.
+
+#include <algorithm>
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+
+namespace statedict::inline v0::megatron {
+
+/// How write() lays the checkpoint out.
+struct write_options {
+  /// Tensor- and pipeline-parallel sizes (unset: 1); virtual pipeline chunks per stage (unset: none).
+  std::optional<std::uint64_t> tp, pp, vpp;
+  /// Re-pad the vocabulary: to the multiple of make_vocab_size_divisible_by x TP at or above this
+  /// true size (rows cut, or added as copies of the last stored row as Megatron's saver does);
+  /// unset: the rows as they are (TP must divide them).
+  std::optional<std::uint64_t> true_vocab_size;
+  /// unset: args.make_vocab_size_divisible_by, else 128 (Megatron's default).
+  std::optional<std::uint64_t> make_vocab_size_divisible_by;
+  /// Partition rules tried before the built-in ones.
+  std::vector<rule> rules;
+  bool default_rules = true;
+  exec_options exec{};
+  plan_options plan{};
+};
+
+/// Throws errors::mg_write_option for sizes out of range.
+inline void check(const write_options& o) {
+  for (const auto& [v, what] : {std::pair{o.tp, "--tp"}, std::pair{o.pp, "--pp"}, std::pair{o.vpp, "--vpp"}})
+    if (v && (*v == 0 || *v > (1U << 16))) throw_error(errors::mg_write_option, what, std::to_string(*v) + " is not from 1 to 65536");
+  if (o.true_vocab_size && *o.true_vocab_size == 0) throw_error(errors::mg_write_option, "--true-vocab-size", "must be at least 1");
+  if (o.make_vocab_size_divisible_by && *o.make_vocab_size_divisible_by == 0)
+    throw_error(errors::mg_write_option, "make_vocab_size_divisible_by", "must be at least 1");
+}
+
+namespace detail {
+
+/// The source's tree (tensors as placeholders, never read) for its non-tensor values.
+inline Value source_tree(const ShardedCheckpoint& ck, std::shared_ptr<torch::detail::reservation>& space) {
+  std::uint64_t total = 16;
+  std::vector<std::uint64_t> at;
+  for (const TensorInfo& t : ck.tensors) {
+    at.push_back(total);
+    total = checked_add(total, checked_add(byte_size(t.shape, itemsize(t.dtype)), 79, "reservation") / 64 * 64, "reservation");
+  }
+  space = std::make_shared<torch::detail::reservation>(total);
+  NamedTensors named;
+  for (std::size_t i = 0; i < ck.tensors.size(); ++i)
+    named.emplace_back(ck.tensors[i].name, TensorView::contiguous(ck.tensors[i].dtype, ck.tensors[i].shape, space->base() + at[i], space));
+  return unflatten(named, ck.skeleton);
+}
+
+/// One tensor to write: its rule and where it goes.
+struct out_tensor {
+  std::size_t index = 0;  ///< in the (working) source
+  split how = split::replicated;
+  enum class where : std::uint8_t { first, layer, last } place = where::layer;
+  std::uint64_t layer = 0;
+  std::string key;  ///< key under its container (encoder: "layers.<local>.<rest>" after localising)
+  std::string group;  ///< embedding sub-dict / "encoder" / "output_layer"
+};
+
+/// A rank file being planned: its tree with placeholder pieces, and which piece is which.
+struct rank_plan {
+  std::string name;  ///< relative path
+  Value tree;
+  struct slot {
+    std::size_t tensor;  ///< out_tensor index
+    const std::byte* data;
+    std::uint64_t r;  ///< TP rank
+  };
+  std::vector<slot> slots;
+  torch::SavePlan plan;
+};
+
+/// Rows of the vocabulary after re-padding, and the working copy of the source it needs.
+inline std::uint64_t repad_rows(std::uint64_t rows, const write_options& o, std::uint64_t tp, const Value* divisor, const std::string& name) {
+  if (!o.true_vocab_size) {
+    if (rows % tp != 0)
+      throw_error(errors::mg_write_split, "tensor " + quote(name), std::to_string(rows) + " vocabulary rows do not split over TP " + std::to_string(tp) +
+                                                                       ": give the true vocabulary size (--true-vocab-size) to re-pad");
+    return rows;
+  }
+  if (*o.true_vocab_size > rows)
+    throw_error(errors::mg_vocab, "tensor " + quote(name), "the true vocabulary size " + std::to_string(*o.true_vocab_size) + " exceeds its " +
+                                                               std::to_string(rows) + " rows");
+  std::uint64_t div = o.make_vocab_size_divisible_by.value_or(divisor && divisor->is_int() && divisor->as_int() > 0 ? static_cast<std::uint64_t>(divisor->as_int()) : 128);
+  if (div > (std::uint64_t{1} << 20))
+    throw_error(errors::mg_write_input, "make_vocab_size_divisible_by " + std::to_string(div), "is larger than 2^20: a re-padded vocabulary would be mostly padding");
+  div *= tp;
+  return checked_mul((*o.true_vocab_size + div - 1) / div, div, "vocabulary rows");
+}
+
+/// `t` with `rows` rows: chunks cut, or the last row repeated into the new rows (a stride-0 chunk
+/// over the stored last row: nothing is copied while describing).
+inline void resize_rows(TensorInfo& t, std::uint64_t rows) {
+  const auto old = static_cast<std::uint64_t>(t.shape[0]);
+  if (rows == old) return;
+  std::vector<Chunk> out;
+  for (Chunk& c : t.chunks) {
+    if (!std::holds_alternative<Box>(c.region))
+      throw_error(errors::mg_write_input, "tensor " + quote(t.name), "is described by flat ranges; a vocabulary re-pad needs boxes");
+    Box& b = std::get<Box>(c.region);
+    const auto off = static_cast<std::uint64_t>(b.offsets[0]), n = static_cast<std::uint64_t>(b.sizes[0]);
+    if (rows > old && off <= old - 1 && old - 1 < off + n) {
+      const std::vector<std::uint64_t> st = storage_strides(c, "tensor " + quote(t.name));
+      Chunk g = c;
+      Box& gb = std::get<Box>(g.region);
+      gb.offsets[0] = static_cast<dim_t>(old);
+      gb.sizes[0] = static_cast<dim_t>(rows - old);
+      g.at.byte_offset = checked_add(c.at.byte_offset, checked_mul(checked_mul(old - 1 - off, st[0], "offset"), itemsize(c.at.stored), "offset"), "offset");
+      g.at.strides.clear();
+      for (std::uint64_t s : st) g.at.strides.push_back(static_cast<dim_t>(s));
+      g.at.strides[0] = 0;
+      out.push_back(std::move(g));
+    }
+    if (off >= rows) continue;
+    b.sizes[0] = static_cast<dim_t>(std::min(n, rows - off));
+    out.push_back(std::move(c));
+  }
+  t.shape[0] = static_cast<dim_t>(rows);
+  t.chunks = std::move(out);
+}
+
+/// The piece shape of TP rank r and its boxes in the full tensor (pairs of: box, first row of the
+/// piece it fills).
+inline std::pair<shape_t, std::vector<std::pair<Box, std::uint64_t>>> split_piece(const TensorInfo& t, split how, std::uint64_t r, std::uint64_t tp,
+                                                                                  const facts& f) {
+  const std::string who = "tensor " + quote(t.name);
+  auto part = [&](std::size_t dim) {
+    if (t.shape.size() <= dim)
+      throw_error(errors::mg_write_split, who, "a " + std::string(to_string(how)) + " tensor needs " + std::to_string(dim + 1) + " dimension(s), it has shape " + to_string(t.shape));
+    const auto n = static_cast<std::uint64_t>(t.shape[dim]);
+    if (n % tp != 0) throw_error(errors::mg_write_split, who, "dimension " + std::to_string(dim) + " of " + to_string(t.shape) + " does not split over TP " + std::to_string(tp));
+    return n / tp;
+  };
+  shape_t piece = t.shape;
+  Box box = full_box(t.shape);
+  switch (how) {
+    case split::replicated: return {piece, {{box, 0}}};
+    case split::row: {
+      const std::uint64_t n = part(1);
+      piece[1] = box.sizes[1] = static_cast<dim_t>(n);
+      box.offsets[1] = static_cast<dim_t>(r * n);
+      return {piece, {{box, 0}}};
+    }
+    case split::qkv:
+      if (f.groups % tp != 0 || f.heads % tp != 0 || static_cast<std::uint64_t>(t.shape.empty() ? 0 : t.shape[0]) != (f.heads + 2 * f.groups) * f.kv_channels)
+        throw_error(errors::mg_write_split, who, "QKV of " + to_string(t.shape) + " does not split into whole query groups (" + std::to_string(f.heads) + " heads, " +
+                                                      std::to_string(f.groups) + " groups of " + std::to_string(f.kv_channels) + ") over TP " + std::to_string(tp));
+      [[fallthrough]];
+    case split::column:
+    case split::vocab: {
+      const std::uint64_t n = part(0);
+      piece[0] = box.sizes[0] = static_cast<dim_t>(n);
+      box.offsets[0] = static_cast<dim_t>(r * n);
+      return {piece, {{box, 0}}};
+    }
+    case split::glu: {
+      const std::uint64_t full = part(0) * tp;
+      if (full % (2 * tp) != 0) throw_error(errors::mg_write_split, who, "[W; V] of " + std::to_string(full) + " rows does not split into halves over TP " + std::to_string(tp));
+      const std::uint64_t h = full / 2 / tp;
+      piece[0] = static_cast<dim_t>(2 * h);
+      Box w = box, v = box;
+      w.sizes[0] = v.sizes[0] = static_cast<dim_t>(h);
+      w.offsets[0] = static_cast<dim_t>(r * h);
+      v.offsets[0] = static_cast<dim_t>(full / 2 + r * h);
+      return {piece, {{w, 0}, {v, h}}};
+    }
+    case split::fc1: break;
+  }
+  throw_error(errors::mg_bad_rule, who, "rule fc1 reached the writer unresolved");
+}
+
+}  // namespace detail
+}  // namespace statedict::inline v0::megatron
+
+namespace statedict::inline v0::megatron {
+
+namespace detail {
+
+/// The writer's view of its input: the tensors to write with their place, and the run's values.
+struct write_input {
+  ShardedCheckpoint work;  ///< the source, vocabulary tensors re-padded
+  std::vector<out_tensor> outs;
+  facts f;
+  Value root;  ///< the source tree (placeholder tensors)
+  std::shared_ptr<torch::detail::reservation> space;
+  std::uint64_t vocab_rows = 0;
+  bool output_layer = false;
+  std::optional<std::size_t> word_embeddings;  ///< out index
+};
+
+/// Where one canonical name goes (first stage, a layer, the last stage) and under which key.
+inline out_tensor classify(const TensorInfo& t, std::size_t i, const facts& f) {
+  const std::string who = "tensor " + quote(t.name);
+  if (t.name.rfind("optimizer.", 0) == 0)
+    throw_error(errors::mg_write_input, who, "optimizer state is not written to a Megatron-LM checkpoint (read the input without --with-optimizer)");
+  if (t.name.rfind("language_model.", 0) != 0)
+    throw_error(errors::mg_write_input, who, "is not a Megatron-LM GPT tensor (canonical names start with 'language_model.', as statedict reads Megatron checkpoints)");
+  const std::string rest = t.name.substr(15);
+  out_tensor o;
+  o.index = i;
+  if (rest.rfind("embedding.", 0) == 0) {
+    const std::string e = rest.substr(10);
+    const auto dot = e.find('.');
+    if (dot == std::string::npos || dot == 0) throw_error(errors::mg_write_input, who, "an embedding tensor is named embedding.<table>.<leaf>");
+    o.place = out_tensor::where::first;
+    o.group = e.substr(0, dot);
+    o.key = e.substr(dot + 1);
+  } else if (auto l = layer_of(rest, "encoder.layers.")) {
+    if (l->first >= f.num_layers) throw_error(errors::mg_write_input, who, "layer " + std::to_string(l->first) + " is past args.num_layers " + std::to_string(f.num_layers));
+    o.place = out_tensor::where::layer;
+    o.layer = l->first;
+    o.group = "encoder";
+    o.key = l->second;
+  } else if (rest.rfind("encoder.", 0) == 0 || rest.rfind("output_layer.", 0) == 0) {
+    const auto dot = rest.find('.');
+    o.place = out_tensor::where::last;
+    o.group = rest.substr(0, dot);
+    o.key = rest.substr(dot + 1);
+  } else {
+    throw_error(errors::mg_write_input, who, "has no place in Megatron's GPT model (embedding, encoder, output_layer)");
+  }
+  return o;
+}
+
+/// Reads the input: its args, every tensor's place and rule, the vocabulary re-padded.
+inline write_input prepare(const ShardedCheckpoint& ck, const write_options& o, std::uint64_t tp, std::uint64_t stages) {
+  write_input in;
+  in.root = source_tree(ck, in.space);
+  const Value* args = in.root.is_dict() ? in.root.as_dict().find("args") : nullptr;
+  if (!args)
+    throw_error(errors::mg_write_input, "the checkpoint", "has no 'args' (argparse.Namespace): the writer needs Megatron's model arguments, as read from a Megatron checkpoint");
+  const Value* cv = in.root.as_dict().find("checkpoint_version");
+  in.f = read_facts(*args, cv && (cv->is_double() || cv->is_int()) ? cv->as_number() : 3.0, limits{}, "the checkpoint's args");
+  if (in.f.num_layers % stages != 0)
+    throw_error(errors::mg_write_split, "the checkpoint's args", "num_layers " + std::to_string(in.f.num_layers) + " is not a multiple of PP x virtual PP = " +
+                                                                   std::to_string(stages));
+  in.work.format = ck.format;
+  in.work.sources = ck.sources;
+  in.work.tensors = ck.tensors;
+  std::set<std::uint64_t> layers;
+  const args_reader ar(*args, "the checkpoint's args");
+  const Value* divisor = ar.get("make_vocab_size_divisible_by");
+  for (std::size_t i = 0; i < in.work.tensors.size(); ++i) {
+    TensorInfo& t = in.work.tensors[i];
+    out_tensor ot = classify(t, i, in.f);
+    const auto how = rule_for(t.name, o.rules, o.default_rules);
+    if (!how && tp > 1)
+      throw_error(errors::mg_write_split, "tensor " + quote(t.name), "no partition rule names it, so it cannot be split over TP " + std::to_string(tp) +
+                                                                          ": add one (write_options::rules, --megatron-rule PATTERN=KIND)");
+    ot.how = !how ? split::replicated : *how == split::fc1 ? (in.f.swiglu ? split::glu : split::column) : *how;
+    if (ot.how == split::vocab) {
+      if (t.shape.empty()) throw_error(errors::mg_write_split, "tensor " + quote(t.name), "a vocabulary tensor has rows");
+      const std::uint64_t rows = repad_rows(static_cast<std::uint64_t>(t.shape[0]), o, tp, divisor, t.name);
+      if (in.vocab_rows && rows != in.vocab_rows)
+        throw_error(errors::mg_write_input, "tensor " + quote(t.name), "has another vocabulary size than the other vocabulary tensors");
+      in.vocab_rows = rows;
+      resize_rows(t, rows);
+    }
+    if (ot.place == out_tensor::where::layer) layers.insert(ot.layer);
+    if (ot.group == "output_layer") in.output_layer = true;
+    if (ot.group == "word_embeddings" && ot.key == "weight") in.word_embeddings = in.outs.size();
+    in.outs.push_back(std::move(ot));
+  }
+  for (std::uint64_t l = 0; l < in.f.num_layers; ++l)
+    if (!layers.count(l)) throw_error(errors::mg_write_input, "the checkpoint", "has no tensor of layer " + std::to_string(l) + " of args.num_layers " + std::to_string(in.f.num_layers));
+  return in;
+}
+
+/// args with the new parallel sizes and vocabulary.
+inline Value new_args(const Value& args, std::uint64_t tp, std::uint64_t pp, std::optional<std::uint64_t> vpp, std::uint64_t vocab) {
+  Value a = args;
+  Object& o = a.as_object();
+  if (o.state.size() != 1 || !o.state[0].is_dict()) throw_error(errors::mg_write_input, "args", "is not an argparse.Namespace with a plain attribute dict");
+  Dict& d = o.state[0].as_dict();
+  d.set("tensor_model_parallel_size", static_cast<std::int64_t>(tp));
+  if (d.contains("model_parallel_size")) d.set("model_parallel_size", static_cast<std::int64_t>(tp));
+  d.set("pipeline_model_parallel_size", static_cast<std::int64_t>(pp));
+  d.set("virtual_pipeline_model_parallel_size", vpp ? Value(static_cast<std::int64_t>(*vpp)) : Value());
+  if (vocab) d.set("padded_vocab_size", static_cast<std::int64_t>(vocab));
+  return a;
+}
+
+/// The modules of a legacy layer that carry `_extra_state` (the parallel linears).
+inline bool parallel_linear(std::string_view module) {
+  for (std::string_view m : {"self_attention.query_key_value", "self_attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h"})
+    if (module == m) return true;
   return false;
 }
 
-/// A str node of `s`: a JSON string, or {"str_bytes"} when it is not UTF-8.
-inline nlohmann::json skeleton_str(const std::string& s) {
-  if (statedict::detail::first_invalid_utf8(s, statedict::detail::utf8_surrogates::allowed) == std::string::npos) return s;
-  return nlohmann::json{{"str_bytes", statedict::detail::base64_encode(s)}};
+/// Builds the model chunk `v` of stage `p` for TP rank `r`, with placeholder pieces in `space`.
+struct piece_maker {
+  const write_input& in;
+  std::uint64_t tp;
+  std::shared_ptr<torch::detail::reservation> space;  ///< placeholders, never read
+  std::uint64_t capacity = 0;
+  std::uint64_t used = 0;
+  rank_plan* rp = nullptr;
+  std::uint64_t r = 0;
+
+  Value make(std::size_t out) {
+    const TensorInfo& t = in.work.tensors[in.outs[out].index];
+    const auto [shape, boxes] = split_piece(t, in.outs[out].how, r, tp, in.f);
+    const std::uint64_t size = checked_add(byte_size(shape, itemsize(t.dtype)), 127, "reservation") / 64 * 64;
+    if (size > capacity - used) throw_error(errors::mg_write_input, "tensor " + quote(t.name), "its rank pieces outgrow the space reserved for them");
+    const std::byte* at = space->base() + used;
+    used += size;
+    rp->slots.push_back(rank_plan::slot{out, at, r});
+    return Value(TensorView::contiguous(t.dtype, shape, at, space));
+  }
+};
+
+inline Value chunk_tree(const write_input& in, piece_maker& pm, std::uint64_t p, std::uint64_t v, std::uint64_t pp, std::uint64_t vpp) {
+  const std::uint64_t L = in.f.num_layers, n = L / (pp * vpp), first = v * (L / vpp) + p * n;
+  const bool pre = p == 0 && v == 0, post = p + 1 == pp && v + 1 == vpp;
+  Dict lm;
+  if (pre) {
+    Dict emb;
+    for (std::size_t i = 0; i < in.outs.size(); ++i)
+      if (in.outs[i].place == out_tensor::where::first) {
+        Value* sub = emb.find(in.outs[i].group);
+        if (!sub) sub = &emb.set(in.outs[i].group, Value(Dict{}));
+        sub->as_dict().set(in.outs[i].key, pm.make(i));
+      }
+    lm.set("embedding", Value(std::move(emb)));
+  }
+  Dict enc;
+  for (std::uint64_t l = first; l < first + n; ++l) {
+    std::vector<std::string> modules;
+    std::map<std::string, std::vector<std::size_t>> by_module;
+    for (std::size_t i = 0; i < in.outs.size(); ++i) {
+      if (in.outs[i].place != out_tensor::where::layer || in.outs[i].layer != l) continue;
+      const std::string m = in.outs[i].key.substr(0, in.outs[i].key.rfind('.') == std::string::npos ? 0 : in.outs[i].key.rfind('.'));
+      if (!by_module.count(m)) modules.push_back(m);
+      by_module[m].push_back(i);
+    }
+    const std::string prefix = "layers." + std::to_string(l - first) + ".";
+    for (const std::string& m : modules) {
+      for (std::size_t i : by_module[m]) enc.set(prefix + in.outs[i].key, pm.make(i));
+      if (parallel_linear(m)) enc.set(prefix + m + "._extra_state", Value());
+    }
+  }
+  Dict out_layer;
+  if (post)
+    for (std::size_t i = 0; i < in.outs.size(); ++i) {
+      if (in.outs[i].place != out_tensor::where::last) continue;
+      if (in.outs[i].group == "encoder") enc.set(in.outs[i].key, pm.make(i));
+      else out_layer.set(in.outs[i].key, pm.make(i));
+    }
+  lm.set("encoder", Value(std::move(enc)));
+  if (!out_layer.empty()) {
+    out_layer.set("_extra_state", Value());
+    lm.set("output_layer", Value(std::move(out_layer)));
+  }
+  Dict chunk;
+  chunk.set("language_model", Value(std::move(lm)));
+  if (post && !pre && !in.output_layer && !in.f.untied && in.word_embeddings) {
+    Dict head;
+    head.set("weight", pm.make(*in.word_embeddings));
+    chunk.set("word_embeddings_for_head", Value(std::move(head)));
+  }
+  return Value(std::move(chunk));
 }
 
-/// Whether a skeleton dict node's keys are all strings (attribute names).
-inline bool str_keyed(const nlohmann::json& node) {
-  if (!node.is_object() || node.size() < 1 || !node.contains("dict") || !node["dict"].is_array()) return false;
-  for (const auto& kv : node["dict"]) {
-    if (!kv.is_array() || kv.size() != 2) return false;
-    std::string ignored;
-    if (!skeleton_text(kv[0], ignored)) return false;
+/// Writes the zip framing of a rank file around its storages (CRCs from the sink).
+inline void write_framing(const torch::SavePlan& plan, OutputFile& file, const FileSink& sink) {
+  WriteCoalescer f(file);
+  const auto& regs = sink.crc_regions();
+  const auto& L = plan.layout;
+  std::vector<std::uint32_t> crcs(plan.records.size(), 0);
+  for (std::size_t e = 0; e < plan.records.size(); ++e) {
+    const auto& rec = plan.records[e];
+    if (!rec.storage) {
+      crcs[e] = zip::crc32(rec.bytes);
+    } else if (plan.storages[*rec.storage].nbytes > 0) {
+      const std::uint64_t data = L.entries[e].data_offset;
+      const auto pos = std::lower_bound(regs.begin(), regs.end(), data, [](const FlatRange& a, std::uint64_t x) { return a.begin < x; });
+      crcs[e] = sink.crc32(static_cast<std::size_t>(pos - regs.begin()));
+    }
+    f.write(L.entries[e].header_offset, zip::local_header_bytes(L.entries[e], L.options));
+    if (!rec.storage) f.write(L.entries[e].data_offset, rec.bytes);
+    f.write(L.entries[e].descriptor_offset, zip::descriptor_bytes(L.entries[e], crcs[e]));
   }
-  return true;
-}
-
-/// The data node of the object node body `o` (module, name, how, args, state, items), or
-/// nothing when `o` is not a well-formed object body or may stay an object.
-inline bool object_data(nlohmann::json& node, const std::vector<std::string>& keep, std::map<std::string, ObjectNote>& notes) {
-  nlohmann::json& o = node["object"];
-  std::string module, name;
-  if (!o.is_object() || !o.contains("module") || !o.contains("name") || !o.contains("how") || !skeleton_text(o["module"], module) ||
-      !skeleton_text(o["name"], name) || !o["how"].is_string())
-    return false;
-  for (const char* part : {"args", "state", "items"})
-    if (!o.contains(part) || !o[part].is_array()) return false;
-  const std::string q = module + "." + name;
-  if (pickle::writable_as_itself(q, keep)) return false;
-  ObjectNote& note = notes[q];
-  note.cls = q;
-  if (o["how"] == "global") {
-    ++note.references;
-    node = skeleton_str(q);
-    return true;
-  }
-  ++note.instances;
-  nlohmann::json args = std::move(o["args"]), state = std::move(o["state"]), items = std::move(o["items"]);
-  nlohmann::json out(nlohmann::json::value_t::object);
-  if (args.empty() && items.empty() && state.size() == 1 && str_keyed(state[0])) {
-    out["dict"] = std::move(state[0]["dict"]);
-  } else {
-    note.all_attributes = false;
-    nlohmann::json pairs = nlohmann::json::array();
-    if (!args.empty()) pairs.push_back(nlohmann::json::array({"args", nlohmann::json{{"tuple", std::move(args)}}}));
-    if (!state.empty())
-      pairs.push_back(nlohmann::json::array({"state", state.size() == 1 ? std::move(state[0]) : nlohmann::json{{"tuple", std::move(state)}}}));
-    if (!items.empty()) pairs.push_back(nlohmann::json::array({"items", nlohmann::json{{"list", std::move(items)}}}));
-    out["dict"] = std::move(pairs);
-  }
-  out["class"] = skeleton_str(q);
-  node = std::move(out);
-  return true;
-}
-
-/// Whether a skeleton has an object node anywhere (from its compact form when it has one).
-inline bool holds_objects(const Skeleton& s) {
-  if (s.is_null()) return false;
-  if (const auto* tape = s.tape()) {
-    for (const auto& n : tape->nodes)
-      if (n.kind == statedict::detail::snode::object) return true;
-    return false;
-  }
-  return true;  // a document: walked to tell
+  f.write(L.central_offset, zip::tail_bytes(L, crcs));
+  f.flush();
 }
 
 }  // namespace detail
 
-/// Rewrites the object nodes of `skeleton` as their data (see the top of this file) and says, per
-/// class, what it did. Iterative: a skeleton of any depth.
-inline std::vector<ObjectNote> objects_as_data(nlohmann::json& skeleton, const std::vector<std::string>& keep_classes) {
-  std::map<std::string, ObjectNote> notes;
-  std::vector<nlohmann::json*> work;
-  if (skeleton.is_object() && skeleton.contains("root")) work.push_back(&skeleton["root"]);
-  while (!work.empty()) {
-    nlohmann::json& n = *work.back();
-    work.pop_back();
-    if (!n.is_object()) continue;
-    if (n.size() == 1 && n.contains("object")) (void)detail::object_data(n, keep_classes, notes);
-    if (!n.is_object()) continue;  // a class reference became its name
-    const auto children = [&](const char* key) {
-      if (const auto it = n.find(key); it != n.end() && it->is_array())
-        for (auto c = it->rbegin(); c != it->rend(); ++c) work.push_back(&*c);
-    };
-    if (const auto it = n.find("dict"); it != n.end() && it->is_array()) {
-      for (auto kv = it->rbegin(); kv != it->rend(); ++kv)
-        if (kv->is_array() && kv->size() == 2) work.push_back(&(*kv)[1]);
-    } else if (n.contains("list")) {
-      children("list");
-    } else if (n.contains("tuple")) {
-      children("tuple");
-    } else if (const auto ob = n.find("object"); ob != n.end() && ob->is_object()) {
-      nlohmann::json& body = *ob;
-      for (const char* part : {"items", "state", "args"})
-        if (const auto p = body.find(part); p != body.end() && p->is_array())
-          for (auto c = p->rbegin(); c != p->rend(); ++c) work.push_back(&*c);
+/// Writes `ck` (a full Megatron-LM GPT model with canonical names and its `args`, as describe()
+/// gives it) as a legacy checkpoint for TP x PP ranks into `dir` (replaced atomically): the
+/// tracker file and iter_<iteration>/mp_rank_*/model_optim_rng.pt. Returns the files written.
+inline std::vector<std::string> write(const ShardedCheckpoint& ck, const std::filesystem::path& dir, const write_options& o = {}) {
+  check(o);
+  const std::uint64_t tp = o.tp.value_or(1), pp = o.pp.value_or(1), vpp = o.vpp.value_or(1);
+  detail::write_input in = detail::prepare(ck, o, tp, pp * vpp);
+  const Dict& root = in.root.as_dict();
+  const Value args = detail::new_args(*root.find("args"), tp, pp, o.vpp, in.vocab_rows);
+  const Value* iv = root.find("iteration");
+  const bool release = !iv || !iv->is_int() || iv->as_int() <= 0;
+  std::string folder = release ? "release" : std::to_string(iv->as_int());
+  if (!release && folder.size() < 7) folder.insert(0, 7 - folder.size(), '0');
+  if (!release) folder = "iter_" + folder;
+
+  // Each tensor is held by one stage (the word embeddings by two: tied heads), on every TP rank a
+  // piece of at most its size.
+  std::uint64_t space = 64;
+  for (const TensorInfo& t : in.work.tensors)
+    space = checked_add(space, checked_mul(checked_add(byte_size(t.shape, itemsize(t.dtype)), 128, "size"), checked_mul(2, tp, "size"), "size"), "size");
+  std::vector<detail::rank_plan> plans;
+  detail::piece_maker pm{in, tp, std::make_shared<torch::detail::reservation>(space), space};
+  for (std::uint64_t p = 0; p < pp; ++p)
+    for (std::uint64_t r = 0; r < tp; ++r) {
+      detail::rank_plan rp;
+      char name[64];
+      std::snprintf(name, sizeof name, pp > 1 ? "mp_rank_%02llu_%03llu" : "mp_rank_%02llu", static_cast<unsigned long long>(r), static_cast<unsigned long long>(p));
+      rp.name = folder + "/" + name + "/model_optim_rng.pt";
+      pm.rp = &rp;
+      pm.r = r;
+      Dict top;
+      top.set("args", args);
+      top.set("checkpoint_version", Value(3.0));
+      if (!release) top.set("iteration", *iv);
+      for (std::uint64_t v = 0; v < vpp; ++v) top.set(o.vpp ? "model" + std::to_string(v) : std::string("model"), detail::chunk_tree(in, pm, p, v, pp, vpp));
+      for (const auto& [k, x] : root)
+        if (k.is_string() && !top.contains(k) && k.as_string() != "language_model" && k.as_string() != "optimizer" && !detail::holds_tensor(x))
+          top.set(k, x);
+      rp.tree = Value(std::move(top));
+      torch::save_options so;
+      so.archive_name = "model_optim_rng";
+      rp.plan = torch::plan_save(rp.tree, so);
+      plans.push_back(std::move(rp));
+    }
+  // Every piece's storage in its file, and the boxes of the full tensor it holds.
+  formats::detail::file_set files;
+  files.dst.tensors.resize(in.outs.size());
+  for (std::size_t i = 0; i < in.outs.size(); ++i) {
+    const TensorInfo& t = in.work.tensors[in.outs[i].index];
+    files.dst.tensors[i] = TensorInfo{t.name, t.dtype, t.shape, {}};
+  }
+  std::vector<std::vector<FlatRange>> crc(plans.size());
+  for (std::size_t k = 0; k < plans.size(); ++k) {
+    const torch::SavePlan& sp = plans[k].plan;
+    files.dst.names.push_back(plans[k].name);
+    files.dst.sizes.push_back(sp.file_size());
+    std::map<const std::byte*, std::size_t> storage_of;
+    for (std::size_t s = 0; s < sp.storages.size(); ++s) {
+      storage_of.emplace(sp.storages[s].source, s);
+      if (sp.storages[s].nbytes) crc[k].push_back(FlatRange{sp.storage_offset(s), sp.storage_offset(s) + sp.storages[s].nbytes});
+    }
+    std::sort(crc[k].begin(), crc[k].end(), [](const FlatRange& a, const FlatRange& b) { return a.begin < b.begin; });
+    for (const auto& slot : plans[k].slots) {
+      TensorInfo& d = files.dst.tensors[slot.tensor];
+      const auto [shape, boxes] = detail::split_piece(in.work.tensors[in.outs[slot.tensor].index], in.outs[slot.tensor].how, slot.r, tp, in.f);
+      if (numel(shape) == 0) continue;
+      const auto s = storage_of.find(slot.data);
+      if (s == storage_of.end()) throw_error(errors::mg_write_input, "tensor " + quote(d.name), "has no storage in the planned rank file " + quote(plans[k].name));
+      const std::uint64_t row = shape.size() > 1 ? numel(std::span<const dim_t>(shape).subspan(1)) : 1;
+      for (const auto& [box, first_row] : boxes)
+        d.chunks.push_back(Chunk{box, Placement{static_cast<std::uint32_t>(k),
+                                                checked_add(sp.storage_offset(s->second), checked_mul(first_row * row, itemsize(d.dtype), "offset"), "offset"), {}, d.dtype}});
     }
   }
-  std::vector<ObjectNote> out;
-  out.reserve(notes.size());
-  for (auto& [k, v] : notes) out.push_back(std::move(v));
-  return out;
+  files.prepare = [&](std::size_t k, OutputFile&, FileSink& sink) { sink.track_crc32(crc[k]); };
+  files.finish = [&](std::size_t k, OutputFile& f, FileSink& sink) { detail::write_framing(plans[k].plan, f, sink); };
+  files.index_name = "latest_checkpointed_iteration.txt";
+  files.index_bytes = [&] {
+    const std::string text = release ? std::string("release") : std::to_string(iv->as_int());
+    const auto* b = reinterpret_cast<const std::byte*>(text.data());
+    return std::vector<std::byte>(b, b + text.size());
+  };
+  files.what = "Megatron-LM checkpoint";
+  files.file_kind = "rank file";
+  formats::save_options so;
+  so.exec = o.exec;
+  so.plan = o.plan;
+  return formats::detail::write_file_set(in.work, files, dir, so);
 }
 
-/// The same for a checkpoint's skeleton; a skeleton without objects is left as it is (its
-/// compact form kept).
-inline std::vector<ObjectNote> objects_as_data(ShardedCheckpoint& ck, const std::vector<std::string>& keep_classes) {
-  if (!detail::holds_objects(ck.skeleton)) return {};
-  return objects_as_data(ck.skeleton.mutable_json(), keep_classes);
+}  // namespace statedict::inline v0::megatron
+
+namespace statedict::inline v0::megatron {
+
+/// How describe() reads a checkpoint.
+struct options {
+  /// Also the optimizer state: `optimizer.state.<param>.<key>` (exp_avg, exp_avg_sq, fp32_param,
+  /// step; sharded like the parameter) and `optimizer.param_groups`.
+  bool with_optimizer = false;
+  /// Cut the vocabulary-parallel tensors (word embeddings, output layer, their optimizer state) to
+  /// this many rows; unset: the padded rows as stored.
+  std::optional<std::uint64_t> true_vocab_size;
+  /// Partition rules tried before the built-in ones (default_rules()), first match wins.
+  std::vector<rule> rules;
+  /// Use default_rules() after `rules`.
+  bool default_rules = true;
+  read_mode mode = read_mode::mmap;
+  megatron::limits limits{};
+};
+
+/// What detect() found.
+struct detection {
+  bool found = false;
+  /// Not readable, but named like a Megatron checkpoint (a tracker file): describe() says why.
+  bool damaged = false;
+  std::string rule;
+  bool torch_dist = false;
+  std::filesystem::path iteration_dir;
+  /// The iteration latest_checkpointed_iteration.txt names (none: `release`, or no tracker).
+  std::optional<std::uint64_t> iteration;
+};
+
+/// Looks at `dir`: a tracker file (latest_checkpointed_iteration.txt) naming an iteration folder,
+/// or an iteration folder itself, holding metadata.json with sharded_backend torch_dist, or
+/// mp_rank_* folders with model_optim_rng.pt. Never throws.
+inline detection detect(const std::filesystem::path& dir, const limits& lim = {}) {
+  detection d;
+  std::error_code ec;
+  if (!std::filesystem::is_directory(dir, ec)) {
+    d.rule = "not a directory";
+    return d;
+  }
+  detail::iteration_dir it;
+  try {
+    it = detail::find_iteration(dir, lim);
+  } catch (const error& e) {
+    d.damaged = true;
+    d.rule = "latest_checkpointed_iteration.txt is unreadable: " + e.detail();
+    return d;
+  }
+  if (!std::filesystem::is_directory(it.dir, ec)) {
+    d.damaged = it.tracker;
+    d.rule = "latest_checkpointed_iteration.txt names " + quote(it.dir.filename().string()) + ", which is not a folder";
+    return d;
+  }
+  d.iteration_dir = it.dir;
+  d.iteration = it.iteration;
+  if (auto b = detail::sharded_backend(it.dir, lim)) {
+    d.found = *b == "torch_dist";
+    d.damaged = !d.found;
+    d.torch_dist = true;
+    d.rule = "megatron: metadata.json with sharded_backend " + quote(*b) + (d.found ? " (Megatron-core distributed checkpoint)" : "");
+    return d;
+  }
+  std::size_t ranks = 0;
+  for (std::filesystem::directory_iterator i(it.dir, ec), end; !ec && i != end && ranks < 2; i.increment(ec))
+    if (detail::parse_rank_dir(i->path().filename().string()) && std::filesystem::is_regular_file(i->path() / "model_optim_rng.pt", ec)) ++ranks;
+  if (ranks == 0) {
+    d.damaged = it.tracker;
+    d.rule = "looked for Megatron-LM mp_rank_*/model_optim_rng.pt folders or a torch_dist metadata.json in " + quote(it.dir.string()) + ": none";
+    return d;
+  }
+  d.found = true;
+  d.rule = std::string("megatron: mp_rank_* folders with model_optim_rng.pt") + (it.tracker ? " (latest_checkpointed_iteration.txt names " +
+                                                                                                      quote(it.dir.filename().string()) + ")"
+                                                                                                : "");
+  return d;
 }
 
-}  // namespace statedict::inline v0::formats
+namespace detail {
+
+/// The keys of a rank file that are per-rank state, not carried: model chunks, optimizer, RNG.
+inline bool per_rank_key(const std::string& k) {
+  if (k == "model" || k == "optimizer" || k == "rng_state") return true;
+  if (k.rfind("model", 0) == 0 && k.size() > 5 && k.find_first_not_of("0123456789", 5) == std::string::npos) return true;
+  for (const char* r : {"random_rng_state", "np_rng_state", "torch_rng_state", "cuda_rng_state", "rng_tracker_states"})
+    if (k == r) return true;
+  return false;
+}
+
+/// The files of a legacy checkpoint, loaded; facts checked the same on every rank.
+inline std::vector<rank_file> load_legacy(const detection& d, const options& opt, facts& f) {
+  const limits& lim = opt.limits;
+  const std::vector<rank_dir> dirs = rank_dirs(d.iteration_dir, lim);
+  if (dirs.empty()) throw_error(errors::mg_rank_dirs, "directory " + quote(d.iteration_dir.string()), "has no mp_rank_* folder");
+  const std::string context = "Megatron checkpoint " + quote(d.iteration_dir.string());
+  std::vector<rank_file> files;
+  files.reserve(dirs.size());
+  for (const rank_dir& rd : dirs) {
+    const auto p = rd.path / "model_optim_rng.pt";
+    files.push_back(rank_file{rd, formats::detail::load_rank_file(p, opt.mode, lim.torch, context), "file " + quote(p.string()),
+                              static_cast<std::uint32_t>(files.size()), {}});
+  }
+  f = read_facts(args_of(files[0]), checkpoint_version(files[0]), lim, files[0].where);
+  if (args_reader(args_of(files[0]), files[0].where).count("expert_model_parallel_size", lim.max_ranks, "max_ranks").value_or(1) > 1)
+    throw_error(errors::mg_unsupported, files[0].where, "args.expert_model_parallel_size > 1: expert parallelism is not supported");
+  check_rank_set(dirs, f, d.iteration_dir);
+  const auto it0 = file_iteration(files[0]);
+  if (d.iteration && it0 && static_cast<std::uint64_t>(*it0) != *d.iteration)
+    throw_error(errors::mg_bad_tracker, files[0].where, "records iteration " + std::to_string(*it0) + ", latest_checkpointed_iteration.txt names " +
+                                                            std::to_string(*d.iteration));
+  for (const rank_file& rf : files) {
+    const facts g = read_facts(args_of(rf), checkpoint_version(rf), lim, rf.where);
+    if (g.tp != f.tp || g.pp != f.pp || g.vpp != f.vpp || g.num_layers != f.num_layers || g.heads != f.heads || g.groups != f.groups ||
+        g.kv_channels != f.kv_channels || g.swiglu != f.swiglu || g.untied != f.untied || g.checkpoint_version != f.checkpoint_version ||
+        g.distributed_optimizer != f.distributed_optimizer)
+      throw_error(errors::mg_bad_args, rf.where, "args or checkpoint_version differ from " + files[0].where + "'s (parallel sizes or model shape)");
+    if (file_iteration(rf) != it0) throw_error(errors::mg_bad_rank_file, rf.where, "records another iteration than " + files[0].where);
+  }
+  return files;
+}
+
+/// The optimizer state of every rank file (those that saved one).
+inline optim_read read_optimizers(const std::vector<rank_file>& files, const facts& f, const model_read& m, const options& opt) {
+  optim_read o;
+  std::size_t with = 0;
+  for (const rank_file& rf : files) {
+    const Value* opt_v = top_dict(rf).find("optimizer");
+    if (!opt_v || opt_v->is_none()) continue;
+    ++with;
+    std::vector<param_ref> params;
+    for (const auto& c : rf.chunks) params.insert(params.end(), c.begin(), c.end());
+    if (opt_v->is_sequence()) throw_error(errors::mg_unsupported, rf.where, "optimizer is a list (ChainedOptimizer): not supported");
+    if (!f.distributed_optimizer) {
+      read_plain(o, rf, *opt_v, params, m.tensors, f.tp);
+      continue;
+    }
+    const optim_shard::Access a{errors::mg_optimizer, rf.where};
+    const Dict& inner = a.dict(a.at(a.dict(*opt_v, "optimizer"), "optimizer", "optimizer"), "optimizer.optimizer");
+    merge_groups(o, a.list(a.at(inner, "param_groups", "optimizer.optimizer"), "param_groups"), rule_groups(params), params, rf);
+    const auto p = rf.dir.path / "distrib_optim.pt";
+    std::error_code ec;
+    if (!std::filesystem::is_regular_file(p, ec))
+      throw_error(errors::mg_distrib_optim, "directory " + quote(rf.dir.path.string()), "has no distrib_optim.pt (args.use_distributed_optimizer is set)");
+    o.files.push_back(formats::detail::load_rank_file(p, opt.mode, opt.limits.torch, "Megatron checkpoint " + quote(rf.dir.path.string())));
+    read_distrib(o, rf, o.files.back(), static_cast<std::uint32_t>(files.size() + o.files.size() - 1), f, m.tensors, f.tp);
+  }
+  if (with != 0 && with != files.size())
+    throw_error(errors::mg_optimizer, files[0].where, "only " + std::to_string(with) + " of " + std::to_string(files.size()) + " rank files hold optimizer state");
+  return o;
+}
+
+/// Adds the merged optimizer state to the description (after the model).
+inline void add_optimizer(ShardedCheckpoint& ck, optim_shard::SkeletonBuilder& skel, optim_read& o, const std::vector<std::string>& order,
+                          place_context& c) {
+  for (const std::string& name : order) {
+    const auto k = o.keys.find(name);
+    if (k == o.keys.end()) continue;
+    for (const std::string& key : k->second) {
+      const std::vector<std::string> path{"optimizer", "state", name, key};
+      if (auto it = o.tensors.find("optimizer.state." + name + "." + key); it != o.tensors.end()) {
+        TensorInfo t = place(it->second, c);
+        skel.tensor(path, t);
+        ck.tensors.push_back(std::move(t));
+      } else if (auto v = o.values.find(name + "." + key); v != o.values.end()) {
+        skel.value(path, v->second);
+      }
+    }
+  }
+  for (std::size_t g = 0; g < o.groups.size(); ++g) {
+    const std::string gs = std::to_string(g);
+    for (const auto& [k, v] : o.groups[g].hyper) skel.value(std::vector<std::string>{"optimizer", "param_groups", gs, k.str()}, v);
+    List names;
+    for (const std::string& n : order)
+      if (o.groups[g].members.count(n)) names.emplace_back(n);
+    skel.value(std::vector<std::string>{"optimizer", "param_groups", gs, "params"}, Value::list(std::move(names)));
+  }
+}
+
+inline ShardedCheckpoint describe_legacy(const detection& d, const options& opt) {
+  facts f;
+  std::vector<rank_file> files = load_legacy(d, opt, f);
+  model_read m = read_models(files, f, opt.rules, opt.default_rules, opt.limits);
+  optim_read o;
+  if (opt.with_optimizer) o = read_optimizers(files, f, m, opt);
+  optim_shard::SourceTable table;
+  for (const rank_file& rf : files) table.add(rf.file.source, rf.file.base);
+  for (const auto& df : o.files) table.add(df.source, df.base);
+  place_context c{&f, opt.true_vocab_size, opt.limits.max_chunks, 0, opt.limits.max_compare_bytes, &table, {}};
+  for (const auto& s : table.sources()) c.bases.emplace_back(nullptr, s->size());
+  for (std::size_t i = 0; i < files.size(); ++i) c.bases[i].first = files[i].file.base ? files[i].file.base : files[i].file.source->data();
+  for (std::size_t i = 0; i < o.files.size(); ++i)
+    c.bases[files.size() + i].first = o.files[i].base ? o.files[i].base : o.files[i].source->data();
+  ShardedCheckpoint ck;
+  optim_shard::SkeletonBuilder skel;
+  const std::vector<std::string> order = canonical_order(m);
+  bool model_done = false;
+  for (const auto& [key, v] : top_dict(files[0])) {
+    const std::string k = key.str();
+    if (!model_done && (k == "model" || k == "model0")) {
+      model_done = true;
+      for (const std::string& n : order) {
+        TensorInfo t = place(m.tensors.at(n), c);
+        skel.tensor(tree_path(n), t);
+        ck.tensors.push_back(std::move(t));
+      }
+    } else if (k == "optimizer") {
+      if (opt.with_optimizer) add_optimizer(ck, skel, o, order, c);
+    } else if (k == "checkpoint_version") {
+      skel.value(std::vector<std::string>{k}, Value(3.0));  // the QKV rows are described in the >= 2.0 order
+    } else if (!per_rank_key(k) && !holds_tensor(v)) {
+      skel.value(std::vector<std::string>{k}, v);
+    }
+  }
+  ck.format = "megatron";
+  ck.skeleton = skel.build();
+  ck.sources = table.take();
+  ck.metadata["megatron.layout"] = "legacy";
+  ck.metadata["megatron.tensor_model_parallel_size"] = std::to_string(f.tp);
+  ck.metadata["megatron.pipeline_model_parallel_size"] = std::to_string(f.pp);
+  if (f.virtual_pp) ck.metadata["megatron.virtual_pipeline_model_parallel_size"] = std::to_string(f.vpp);
+  ck.metadata["megatron.checkpoint_version"] = version_text(f.checkpoint_version);
+  if (f.padded_vocab_size) ck.metadata["megatron.padded_vocab_size"] = std::to_string(*f.padded_vocab_size);
+  if (opt.true_vocab_size) ck.metadata["megatron.true_vocab_size"] = std::to_string(*opt.true_vocab_size);
+  return ck;
+}
+
+/// Cuts the rows of a vocabulary tensor's chunks to `rows`.
+inline void clip_vocab(TensorInfo& t, std::uint64_t rows) {
+  if (t.shape.empty() || rows > static_cast<std::uint64_t>(t.shape[0]))
+    throw_error(errors::mg_vocab, "tensor " + quote(t.name), "the true vocabulary size " + std::to_string(rows) + " exceeds its " +
+                                                                 (t.shape.empty() ? std::string("0") : std::to_string(t.shape[0])) + " rows");
+  t.shape[0] = static_cast<dim_t>(rows);
+  std::vector<Chunk> kept;
+  for (Chunk& ch : t.chunks) {
+    Box& b = std::get<Box>(ch.region);
+    const auto off = static_cast<std::uint64_t>(b.offsets[0]);
+    if (off >= rows) continue;
+    b.sizes[0] = static_cast<dim_t>(std::min<std::uint64_t>(static_cast<std::uint64_t>(b.sizes[0]), rows - off));
+    kept.push_back(std::move(ch));  // the rows kept are the box's first ones: same strides
+  }
+  t.chunks = std::move(kept);
+}
+
+inline ShardedCheckpoint describe_dist(const detection& d, const options& opt) {
+  const limits& lim = opt.limits;
+  const std::filesystem::path& dir = d.iteration_dir;
+  std::string cls;
+  const dcp::Metadata md = dist_metadata(dir, lim, cls);
+  const std::string mdfile = (dir / ".metadata").string();
+  dcp::detail::Files files{dir, opt.mode, lim.dcp.max_files, {}, {}};
+  // The common state: common.pt, or the common_state byte item ([that dict]).
+  Value common;
+  std::optional<optim_shard::LoadedFile> common_file;
+  std::error_code ec;
+  const bool common_pt = std::filesystem::is_regular_file(dir / "common.pt", ec);
+  if (common_pt) {
+    common_file = formats::detail::load_rank_file(dir / "common.pt", opt.mode, lim.torch, "Megatron checkpoint " + quote(dir.string()));
+    common = common_file->tree;
+  } else {
+    for (const dcp::Entry& e : md.entries) {
+      if (e.tensor || e.fqn.rfind("common_state/", 0) != 0) continue;
+      const dcp::StorageInfo& si = *md.find(dcp::StorageIndex{e.fqn, std::nullopt});
+      const std::string iw = "file " + quote(mdfile) + ": key " + quote(e.fqn);
+      common = common_item(dcp::detail::load_item(files.item(files.open(si.relative_path, iw), si, iw), lim.dcp, iw).value, lim, iw, common_file);
+    }
+  }
+  if (!common.is_dict()) throw_error(errors::mg_torch_dist, "directory " + quote(dir.string()), "has neither common.pt nor a common_state item");
+  std::optional<facts> f;
+  if (const Value* a = common.as_dict().find("args")) {
+    const Value* cv = common.as_dict().find("checkpoint_version");
+    f = read_facts(*a, cv && (cv->is_double() || cv->is_int()) ? cv->as_number() : 3.0, lim, "common state of " + quote(dir.string()));
+  }
+  dist_read r;
+  std::map<std::string, std::vector<TensorInfo>> optim;  // state key -> per-layer tensors (model names)
+  std::uint64_t count = 0;                               // optimizer tensors read
+  for (const dcp::Entry& e : md.entries) {
+    if (!e.tensor) continue;
+    if (e.fqn.rfind("optimizer.", 0) == 0) {
+      if (!opt.with_optimizer) continue;
+      const auto ok = optimizer_key(e.fqn);
+      if (!ok)
+        throw_error(errors::mg_unsupported, "file " + quote(mdfile) + ": key " + quote(e.fqn),
+                    "is distributed-optimizer state in a flattened or per-bucket form: not supported (only optimizer.state.<moment>.<model key>)");
+      for (TensorInfo& t : per_layer(dist_tensor(e, md, files, lim, mdfile), ok->first, r, lim)) {
+        optim[ok->second].push_back(std::move(t));
+        ++count;
+      }
+    } else {
+      for (TensorInfo& t : per_layer(dist_tensor(e, md, files, lim, mdfile), e.fqn, r, lim)) r.model.push_back(std::move(t));
+    }
+    if (r.model.size() + count > lim.max_tensors)
+      throw_error(errors::mg_limit, "file " + quote(mdfile), "more tensors than limits::max_tensors");
+  }
+  if (f && r.stacked && r.layers != f->num_layers)
+    throw_error(errors::mg_torch_dist, "file " + quote(mdfile), "stacks " + std::to_string(r.layers) + " layers, args.num_layers is " + std::to_string(f->num_layers));
+  join_pairs(r.model, r);
+  order_model(r.model);
+  std::map<std::string, std::size_t> model_at;
+  for (std::size_t i = 0; i < r.model.size(); ++i) model_at.emplace(r.model[i].name, i);
+  const auto trim = [&](TensorInfo& t, const std::string& model_name) {
+    if (opt.true_vocab_size && rule_for(model_name, opt.rules, opt.default_rules) == split::vocab) clip_vocab(t, *opt.true_vocab_size);
+  };
+  ShardedCheckpoint ck;
+  optim_shard::SkeletonBuilder skel;
+  for (const auto& [k, v] : common.as_dict())
+    if (k.str() != "optimizer" && !holds_tensor(v)) skel.value(std::vector<std::string>{k.str()}, v);
+  for (TensorInfo& t : r.model) {
+    trim(t, t.name);
+    skel.tensor(std::vector<std::string>{t.name}, t);
+  }
+  std::vector<TensorInfo> states;
+  std::vector<std::pair<std::size_t, std::size_t>> rank;  // (model index, key index)
+  std::size_t key_index = 0;
+  for (const char* key : {"exp_avg", "exp_avg_sq", "fp32_param"}) {
+    auto it = optim.find(key);
+    if (it != optim.end()) {
+      join_pairs(it->second, r);
+      for (TensorInfo& t : it->second) {
+        const auto m = model_at.find(t.name);
+        if (m == model_at.end() || r.model[m->second].shape != t.shape)
+          throw_error(errors::mg_unsupported, "file " + quote(mdfile) + ": optimizer state " + quote(std::string(key) + " of " + t.name),
+                      "has no model tensor of its shape (a reformulated distributed-optimizer layout): not supported");
+        trim(t, t.name);
+        t.name = "optimizer.state." + t.name + "." + key;
+        rank.emplace_back(m->second, key_index);
+        states.push_back(std::move(t));
+      }
+    }
+    ++key_index;
+  }
+  std::vector<std::size_t> idx(states.size());
+  for (std::size_t i = 0; i < idx.size(); ++i) idx[i] = i;
+  std::stable_sort(idx.begin(), idx.end(), [&](std::size_t a, std::size_t b) { return rank[a] < rank[b]; });
+  ck.tensors = std::move(r.model);
+  for (std::size_t i : idx) {
+    TensorInfo& t = states[i];
+    const std::string rest = t.name.substr(16);  // after "optimizer.state."
+    const auto dot = rest.rfind('.');
+    skel.tensor(std::vector<std::string>{"optimizer", "state", rest.substr(0, dot), rest.substr(dot + 1)}, t);
+    ck.tensors.push_back(std::move(t));
+  }
+  if (opt.with_optimizer)
+    if (const Value* od = common.as_dict().find("optimizer"); od && od->is_dict())
+      if (const Value* in = od->as_dict().find("optimizer"); in && in->is_dict())
+        if (const Value* pg = in->as_dict().find("param_groups"); pg && !holds_tensor(*pg)) skel.value(std::vector<std::string>{"optimizer", "param_groups"}, *pg);
+  ck.format = "megatron_torch_dist";
+  ck.skeleton = skel.build();
+  ck.sources = std::move(files.sources);
+  ck.metadata["megatron.layout"] = "torch_dist";
+  ck.metadata["megatron.layers"] = r.stacked ? "stacked" : "per_layer";
+  ck.metadata["megatron.metadata_class"] = cls;
+  ck.metadata["megatron.common"] = common_pt ? "common.pt" : "common_state";
+  if (opt.true_vocab_size) ck.metadata["megatron.true_vocab_size"] = std::to_string(*opt.true_vocab_size);
+  return ck;
+}
+
+}  // namespace detail
+
+/// Describes the Megatron-LM checkpoint at `dir` (see the top of this file). Throws
+/// errors::mg_not_found with what was looked for when `dir` is not one.
+inline ShardedCheckpoint describe(const std::filesystem::path& dir, const options& opt = {}) {
+  const detection d = detect(dir, opt.limits);
+  if (!d.found) {
+    if (d.damaged && !d.torch_dist) (void)detail::find_iteration(dir, opt.limits);  // the tracker's own error, if that is it
+    if (d.torch_dist) throw_error(errors::mg_unsupported, "directory " + quote(d.iteration_dir.string()), d.rule + ": only torch_dist is supported");
+    throw_error(errors::mg_not_found, "directory " + quote(dir.string()), d.rule);
+  }
+  return d.torch_dist ? detail::describe_dist(d, opt) : detail::describe_legacy(d, opt);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The plug-in
+
+/// Megatron-LM: legacy per-rank checkpoints and Megatron-core torch_dist, read merged; the legacy
+/// layout written for `write_options::tp` x `pp` (settings `megatron::write_options`).
+class format final : public formats::Format {
+ public:
+  [[nodiscard]] std::string_view name() const noexcept override { return "megatron"; }
+  [[nodiscard]] std::string_view title() const noexcept override { return "Megatron-LM"; }
+
+  [[nodiscard]] formats::Detection detect(const formats::Input& in, const formats::open_options& opt) const override {
+    if (!in.is_directory()) return formats::Detection::not_applicable();
+    detection d = megatron::detect(in.path(), opt.settings.get<options>().limits);
+    if (d.found) return formats::Detection::match(std::move(d.rule));
+    return d.damaged ? formats::Detection::named_like(std::move(d.rule)) : formats::Detection::miss(std::move(d.rule));
+  }
+  [[nodiscard]] ShardedCheckpoint describe(const formats::Input& in, const formats::open_options& opt) const override {
+    options o = opt.settings.get<options>();
+    o.with_optimizer = opt.with_optimizer;
+    o.mode = opt.mode;
+    return megatron::describe(in.path(), o);
+  }
+
+  [[nodiscard]] bool can_write() const noexcept override { return true; }
+  [[nodiscard]] formats::output_claim claims_output(const std::filesystem::path&, const formats::save_options& opt) const override {
+    const write_options& w = opt.settings.get<write_options>();
+    return w.tp || w.pp ? formats::output_claim::by_options : formats::output_claim::none;
+  }
+  void check_output(const std::filesystem::path&, const formats::save_options& opt) const override {
+    formats::detail::refuse_option(opt.max_shard_size.has_value(), "--max-shard-size", "a Megatron-LM checkpoint", "its files are one per rank");
+    formats::detail::refuse_option(opt.world_size.has_value(), "--world-size", "a Megatron-LM checkpoint", "its ranks are --tp x --pp");
+    formats::detail::refuse_option(opt.part.has_value() || opt.index_only, "--part", "a Megatron-LM checkpoint", "it is written whole");
+    check(opt.settings.get<write_options>());
+  }
+  std::vector<std::string> save(const ShardedCheckpoint& ck, const std::filesystem::path& out, const formats::save_options& opt) const override {
+    write_options o = opt.settings.get<write_options>();
+    o.exec = opt.exec;
+    o.plan = opt.plan;
+    return write(ck, out, o);
+  }
+};
+
+}  // namespace statedict::inline v0::megatron
 // ---- statedict/formats/safetensors.hpp ----
 // statedict: safetensors files as a format plug-in: detection, description, and the writers (a
 // described checkpoint, or a list of tensors and byte ranges), all through the planner and the
@@ -24288,7 +25744,6 @@ namespace formats {
 inline void write_torch(const ShardedCheckpoint& ck, const std::filesystem::path& path, const save_options& opt = {}) {
   torch::save_options so;
   so.archive_name = torch::archive_name_for(path.filename());
-  so.pickle.keep_classes = opt.keep_classes;  // every other object is pickled as its data
   torch::SavePlan sp = torch::plan_save(ck, so);
   const Destination dst = sp.destination(path.filename().string());
   torch::detail::write_planned(std::move(sp), ck, dst, path, opt.exec, opt.plan);
@@ -24313,7 +25768,7 @@ class format final : public formats::Format {
       case file_kind::legacy_tar: return formats::Detection::match("torch.save: legacy (pre-1.6) format");
       case file_kind::unknown: break;
     }
-    return formats::Detection::miss("neither a zip archive (PK\\x03\\x04) nor the legacy magic number pickled at protocol 0-5");
+    return formats::Detection::miss("neither a zip archive (PK\\x03\\x04) nor a pickle (\\x80\\x02)");
   }
   [[nodiscard]] ShardedCheckpoint describe(const formats::Input& in, const formats::open_options& opt) const override {
     load_options o = opt.settings.get<load_options>();
@@ -24348,6 +25803,7 @@ namespace statedict::inline v0::formats {
 /// safetensors before torch.save).
 inline std::vector<std::shared_ptr<const Format>> builtin_formats() {
   return {
+      std::make_shared<megatron::format>(),
       std::make_shared<dcp::format>(),
       std::make_shared<deepspeed::format>(),
       std::make_shared<fsdp::format>(),
@@ -24469,14 +25925,9 @@ inline std::shared_ptr<const Format> choose_output(const std::filesystem::path& 
   return f;
 }
 
-/// Writes `ck` at `out` in the chosen format (choose_output), its objects as data (objects_as_data,
-/// sparing opt.keep_classes); returns the files written.
+/// Writes `ck` at `out` in the chosen format (choose_output); returns the files written.
 inline std::vector<std::string> save(const ShardedCheckpoint& ck, const std::filesystem::path& out, const save_options& opt = {}) {
-  const auto f = choose_output(out, opt);
-  if (!detail::holds_objects(ck.skeleton)) return f->save(ck, out, opt);
-  ShardedCheckpoint data = ck;
-  (void)objects_as_data(data, opt.keep_classes);
-  return f->save(data, out, opt);
+  return choose_output(out, opt)->save(ck, out, opt);
 }
 
 }  // namespace statedict::inline v0::formats

@@ -14,6 +14,7 @@
 #include <statedict/formats/deepspeed.hpp>
 #include <statedict/formats/fairscale.hpp>
 #include <statedict/formats/fsdp.hpp>
+#include <statedict/formats/megatron.hpp>
 #include <statedict/formats/olmo_safetensors.hpp>
 #include <statedict/formats/registry.hpp>
 #include <statedict/formats/sharded_tensor.hpp>
@@ -75,6 +76,9 @@ namespace fuzz_deepspeed {
 namespace fuzz_fsdp {
 #include "fuzz_fsdp.cpp"
 }
+namespace fuzz_megatron {
+#include "fuzz_megatron.cpp"
+}
 namespace fuzz_sharded_tensor {
 #include "fuzz_sharded_tensor.cpp"
 }
@@ -115,6 +119,7 @@ constexpr target targets[] = {
     {"dcp", fuzz_dcp::test_one_input},
     {"deepspeed", fuzz_deepspeed::test_one_input},
     {"fsdp", fuzz_fsdp::test_one_input},
+    {"megatron", fuzz_megatron::test_one_input},
     {"sharded-tensor", fuzz_sharded_tensor::test_one_input},
     {"open", fuzz_open::test_one_input},
     {"olmo", fuzz_olmo::test_one_input},

@@ -55,6 +55,66 @@ def tree(root, prefix="", skip=()):
     return out
 
 
+# Megatron-LM rank files are mostly RNG and optimizer state: re-saved without them (by Debian's
+# PyTorch, which the fixtures' generator uses) they fit in a seed. torch_dist data files do not:
+# those seeds hold the folder's metadata.json, .metadata and common.pt only.
+MEGATRON_STRIP = r"""
+import os, sys, torch
+sys.path.insert(0, sys.argv[1])
+from megatron_fixtures import standins
+standins.install()
+src, dst, keep_optim = sys.argv[2], sys.argv[3], sys.argv[4] == "1"
+rng = {"rng_state", "random_rng_state", "np_rng_state", "torch_rng_state", "cuda_rng_state", "rng_tracker_states"}
+for dirpath, _, names in os.walk(src):
+    for n in names:
+        rel = os.path.relpath(os.path.join(dirpath, n), src)
+        os.makedirs(os.path.dirname(os.path.join(dst, rel)), exist_ok=True)
+        if n == "model_optim_rng.pt":
+            sd = torch.load(os.path.join(src, rel), map_location="cpu")
+            sd = {k: v for k, v in sd.items() if k not in rng and (keep_optim or k != "optimizer")}
+            if not keep_optim:  # one layer per model chunk (the optimizer state numbers every parameter)
+                a = sd["args"]
+                a.num_layers = (getattr(a, "pipeline_model_parallel_size", None) or 1) * (getattr(a, "virtual_pipeline_model_parallel_size", None) or 1)
+                for k, chunk in sd.items():
+                    if k.startswith("model"):
+                        lm = chunk["language_model"]
+                        enc = lm["encoder"] if "encoder" in lm else lm["transformer"]
+                        for key in [x for x in enc if x.startswith("layers.") and not x.startswith("layers.0.")]:
+                            del enc[key]
+            torch.save(sd, os.path.join(dst, rel))
+        elif n != "distrib_optim.pt" or keep_optim:
+            with open(os.path.join(src, rel), "rb") as f, open(os.path.join(dst, rel), "wb") as g:
+                g.write(f.read())
+"""
+
+
+def megatron_seeds(mg):
+    """(seed name, flags, files) for the megatron target."""
+    out = []
+    if not os.path.isdir(mg):
+        return out
+    import subprocess
+    import tempfile
+    here = os.path.dirname(os.path.abspath(__file__))
+    with tempfile.TemporaryDirectory() as tmp:
+        for case, optim, flags in (("gpt2_tp2_pp1_v0_oldkeys", False, 16), ("qwen_tp2_pp2_vpp2_bf16_distopt", False, 18),
+                                   ("gpt2_tp2_pp2_fp16_2306", False, 6),
+                                   ("gpt2_tp1_pp1_fp32", True, 1)):
+            dst = os.path.join(tmp, case)
+            r = subprocess.run(["/usr/bin/python3", "-c", MEGATRON_STRIP, os.path.join(here, "..", "python"), os.path.join(mg, case), dst,
+                                "1" if optim else "0"], capture_output=True, text=True)
+            if r.returncode != 0:
+                print(f"skip megatron/{case}: {r.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+                continue
+            out.append((case, flags, tree(dst)))
+    for case in ("mcore_te_stacked_tp2_pp2", "mcore_local_perlayer_tp2"):
+        p = os.path.join(mg, case)
+        files = [f for f in tree(p) if f[0] in ("metadata.json", ".metadata", "common.pt")]
+        if files:
+            out.append((case, 1, files))
+    return out
+
+
 def safe_name(s):
     return re.sub(r"[^A-Za-z0-9._-]", "_", s)
 
@@ -73,6 +133,11 @@ def main():
             print(f"skip {target}/{name}: {len(data)} bytes", file=sys.stderr)
             return
         seeds.setdefault(target, {})[safe_name(name)] = data
+
+    def add_large(target, name, data, limit):
+        """One seed that only fits a larger cap (a Megatron rank file with its optimizer state)."""
+        if len(data) <= limit:
+            seeds.setdefault(target, {})[safe_name(name)] = data
 
     st_dir = os.path.join(fx, "gen_safetensors")
     st_files = sorted(f for f in os.listdir(st_dir) if f.endswith(".safetensors"))
@@ -155,6 +220,8 @@ def main():
         if d == "olmo_fsdp_torch21_flat_ws2":
             add("open", d, multi(0, [f for f in files if not f[0].startswith("train/")]))
 
+    for name, flags, files in megatron_seeds(os.path.join(fx, "gen_megatron")):
+        add_large("megatron", name, multi(flags, files), 2 * MAX_SEED)
     od = os.path.join(fx, "gen_olmo_st")
     if os.path.isdir(od):
         for f in ("olmo_model.safetensors", "olmo_nested.safetensors", "olmo_optim.safetensors"):

@@ -34,6 +34,7 @@
 #include "hf.hpp"
 #include "objects.hpp"
 #include "olmo_safetensors.hpp"
+#include "megatron.hpp"
 #include "safetensors.hpp"
 #include "sharded_tensor.hpp"
 #include "torch.hpp"
@@ -45,6 +46,7 @@ namespace statedict::inline v0::formats {
 /// safetensors before torch.save).
 inline std::vector<std::shared_ptr<const Format>> builtin_formats() {
   return {
+      std::make_shared<megatron::format>(),
       std::make_shared<dcp::format>(),
       std::make_shared<deepspeed::format>(),
       std::make_shared<fsdp::format>(),
