@@ -2,11 +2,45 @@
 // Do not edit it: edit the headers under include/ and run the script again.
 // statedict: read, transform, shard and consolidate ML checkpoints ("state dicts") without a
 // framework at run time. This umbrella header includes every module that needs only the standard
-// library and nlohmann/json. Bridges to optional dependencies are separate:
+// library and nlohmann/json (api.hpp, the facade, first). Bridges to optional dependencies are
+// separate:
 //   <statedict/reflect.hpp>           aggregates <-> Value (Boost.PFR)
-//   <statedict/interop/xtensor.hpp>   TensorView -> xt::adapt views
+//   <statedict/interop/xtensor.hpp>   TensorView -> xt::adapt views, lazy BF16/F16 -> float
+//   <statedict/formats/transform_regex.hpp>  renames and filters by regular expression
+// With STATEDICT_SEPARATE_COMPILATION (core/config.hpp) it is api.hpp alone: the facade
+// declared, its definitions compiled once in statedict::compiled.
 // SPDX-License-Identifier: MIT
 #pragma once
+
+// ---- statedict/api.hpp ----
+// statedict: the facade. The types and functions a program needs to open any checkpoint,
+// transform it, read tensors from it, compare it and save it in any format. docs/library.md
+// shows them at work; docs/reference.md lists every public function of the library.
+// SPDX-License-Identifier: MIT
+//
+//   statedict::Opened in = statedict::open("ckpt/");              // any layout; metadata only
+//   statedict::ShardedCheckpoint ck = statedict::formats::rename(in.checkpoint,
+//                                         statedict::formats::strip_prefix("module."));
+//   statedict::formats::cast(ck, statedict::dtype::BF16);
+//   statedict::save(ck, "hf/", {.max_shard_size = 5'000'000'000});  // streamed, atomic
+//   statedict::Tensor w = statedict::read_tensor(ck, "lm_head.weight");
+//
+// Header-only (the default), this header gives the types; <statedict/statedict.hpp> defines
+// everything. With STATEDICT_SEPARATE_COMPILATION (core/config.hpp) it also declares the
+// functions below, compiled once in statedict::compiled: a translation unit that includes only
+// this header (or <statedict/statedict.hpp>) then compiles in a fraction of the time.
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
 
 // ---- statedict/core/config.hpp ----
 // statedict: read, transform, shard and consolidate ML checkpoints without a framework.
@@ -25,6 +59,23 @@
 #error "statedict needs C++20"
 #endif
 
+// Compilation modes. By default statedict is header-only: every function is inline. A program
+// that would rather compile statedict once defines STATEDICT_SEPARATE_COMPILATION in every
+// translation unit (CMake: link statedict::compiled) and includes only <statedict/statedict.hpp>
+// or <statedict/api.hpp>, which then declare the facade (api.hpp) without defining it; one
+// translation unit also defines STATEDICT_IMPLEMENTATION and gets every definition (the
+// statedict::compiled library is that unit, src/statedict.cpp). STATEDICT_API marks the functions
+// of the facade: inline in header-only mode, defined once otherwise.
+#if defined(STATEDICT_SEPARATE_COMPILATION)
+#define STATEDICT_API
+#else
+#define STATEDICT_API inline
+#endif
+// True in a translation unit that sees declarations of the facade only.
+#if defined(STATEDICT_SEPARATE_COMPILATION) && !defined(STATEDICT_IMPLEMENTATION)
+#define STATEDICT_DECLARATIONS_ONLY 1
+#endif
+
 #include <bit>
 static_assert(std::endian::native == std::endian::little,
               "statedict assumes a little-endian host (every checkpoint format it reads is little-endian)");
@@ -32,6 +83,21 @@ static_assert(std::endian::native == std::endian::little,
 namespace statedict::inline v0 {
 inline constexpr const char* version_string = STATEDICT_VERSION_STRING;
 }  // namespace statedict::inline v0
+// ---- statedict/core/dtype.hpp ----
+// statedict: element types, their names in every format, and exact float conversions.
+// SPDX-License-Identifier: MIT
+
+#include <array>
+#include <bit>
+#include <complex>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <type_traits>
+
 // ---- statedict/core/error.hpp ----
 // statedict: error hierarchy with stable ids.
 // SPDX-License-Identifier: MIT
@@ -240,6 +306,586 @@ inline constexpr error_id too_many_dims       {115, error_kind::limit,       "co
 }  // namespace errors
 
 }  // namespace statedict::inline v0
+
+namespace statedict::inline v0 {
+
+/// Element types: every dtype of safetensors and of PyTorch's torch.save files. C128, C32 and the
+/// bits types are PyTorch's only (safetensors cannot store them); F6_E2M3_X4 and F6_E3M2_X4 are
+/// safetensors' only (PyTorch has no 6-bit dtype). New dtypes are appended, so the numbering of
+/// the older ones never changes.
+enum class dtype : std::uint8_t {
+  BOOL,
+  U8,
+  I8,
+  I16,
+  U16,
+  I32,
+  U32,
+  I64,
+  U64,
+  F16,
+  BF16,
+  F32,
+  F64,
+  F8_E4M3,
+  F8_E5M2,
+  C64,
+  C128,
+  F8_E4M3FNUZ,  ///< torch.float8_e4m3fnuz: bias 8, NaN = 0x80 only, no infinities, no -0
+  F8_E5M2FNUZ,  ///< torch.float8_e5m2fnuz: bias 16, NaN = 0x80 only, no infinities, no -0
+  F8_E8M0,      ///< torch.float8_e8m0fnu: 2^(x - 127), unsigned, 0xff = NaN (OCP MX scales)
+  F4_X2,        ///< torch.float4_e2m1fn_x2: one byte, two packed e2m1 values (safetensors F4)
+  F6_E2M3_X4,   ///< safetensors F6_E2M3: three bytes, four packed 6-bit values
+  F6_E3M2_X4,   ///< safetensors F6_E3M2: three bytes, four packed 6-bit values
+  C32,          ///< torch.complex32 (chalf): two f16
+  BITS8,        ///< torch.bits8 and the other bits types: opaque bit containers
+  BITS16,
+  BITS1X8,
+  BITS2X4,
+  BITS4X2,
+};
+
+inline constexpr std::size_t dtype_count = 29;
+
+/// Everything statedict knows about one dtype.
+struct dtype_info {
+  dtype id;
+  std::uint8_t itemsize;              ///< bytes per element
+  std::string_view name;              ///< safetensors name ("F32"), or statedict's own (C128, F4_X2, ...)
+  std::string_view torch_name;        ///< `torch.<name>` global ("float32"); empty: PyTorch has no such dtype
+  std::string_view storage_name;      ///< legacy typed storage class ("FloatStorage"); empty: UntypedStorage only
+  std::int8_t safetensors_rank;       ///< position in safetensors' Dtype enum (its write order); -1: not storable
+  bool is_floating;                   ///< real floating point that core/cast.hpp converts element by element
+  bool is_complex;
+  bool is_signed;                     ///< signed integer or floating
+  /// Bytes swapped together when the element is stored in the other byte order: the itemsize for
+  /// numbers, the component size for complex, 1 for byte-packed types.
+  std::uint8_t swap_unit;
+  /// Values one element packs (F4_X2: 2, F6_*_X4: 4): safetensors counts values, not elements, in
+  /// the last dimension of these.
+  std::uint8_t packed;
+};
+
+namespace detail {
+// safetensors' Dtype enum order is BOOL, F4, F6_E2M3, F6_E3M2, U8, I8, F8_E5M2, F8_E4M3, F8_E8M0,
+// F8_E4M3FNUZ, F8_E5M2FNUZ, I16, U16, F16, BF16, I32, U32, F32, C64, F64, I64, U64; its writer sorts
+// by that position, descending.
+// clang-format off
+inline constexpr std::array<dtype_info, dtype_count> dtype_table{{
+  {dtype::BOOL,        1, "BOOL",        "bool",            "BoolStorage",          0,  false, false, false, 1, 1},
+  {dtype::U8,          1, "U8",          "uint8",           "ByteStorage",          4,  false, false, false, 1, 1},
+  {dtype::I8,          1, "I8",          "int8",            "CharStorage",          5,  false, false, true,  1, 1},
+  {dtype::I16,         2, "I16",         "int16",           "ShortStorage",         11, false, false, true,  2, 1},
+  {dtype::U16,         2, "U16",         "uint16",          "",                     12, false, false, false, 2, 1},
+  {dtype::I32,         4, "I32",         "int32",           "IntStorage",           15, false, false, true,  4, 1},
+  {dtype::U32,         4, "U32",         "uint32",          "",                     16, false, false, false, 4, 1},
+  {dtype::I64,         8, "I64",         "int64",           "LongStorage",          20, false, false, true,  8, 1},
+  {dtype::U64,         8, "U64",         "uint64",          "",                     21, false, false, false, 8, 1},
+  {dtype::F16,         2, "F16",         "float16",         "HalfStorage",          13, true,  false, true,  2, 1},
+  {dtype::BF16,        2, "BF16",        "bfloat16",        "BFloat16Storage",      14, true,  false, true,  2, 1},
+  {dtype::F32,         4, "F32",         "float32",         "FloatStorage",         17, true,  false, true,  4, 1},
+  {dtype::F64,         8, "F64",         "float64",         "DoubleStorage",        19, true,  false, true,  8, 1},
+  {dtype::F8_E4M3,     1, "F8_E4M3",     "float8_e4m3fn",   "",                     7,  true,  false, true,  1, 1},
+  {dtype::F8_E5M2,     1, "F8_E5M2",     "float8_e5m2",     "",                     6,  true,  false, true,  1, 1},
+  {dtype::C64,         8, "C64",         "complex64",       "ComplexFloatStorage",  18, false, true,  true,  4, 1},
+  {dtype::C128,       16, "C128",        "complex128",      "ComplexDoubleStorage", -1, false, true,  true,  8, 1},
+  {dtype::F8_E4M3FNUZ, 1, "F8_E4M3FNUZ", "float8_e4m3fnuz", "",                     9,  true,  false, true,  1, 1},
+  {dtype::F8_E5M2FNUZ, 1, "F8_E5M2FNUZ", "float8_e5m2fnuz", "",                     10, true,  false, true,  1, 1},
+  {dtype::F8_E8M0,     1, "F8_E8M0",     "float8_e8m0fnu",  "",                     8,  true,  false, false, 1, 1},
+  {dtype::F4_X2,       1, "F4_X2",       "float4_e2m1fn_x2", "",                    1,  false, false, true,  1, 2},
+  {dtype::F6_E2M3_X4,  3, "F6_E2M3_X4",  "",                "",                     2,  false, false, true,  1, 4},
+  {dtype::F6_E3M2_X4,  3, "F6_E3M2_X4",  "",                "",                     3,  false, false, true,  1, 4},
+  {dtype::C32,         4, "C32",         "complex32",       "",                     -1, false, true,  true,  2, 1},
+  {dtype::BITS8,       1, "BITS8",       "bits8",           "",                     -1, false, false, false, 1, 1},
+  {dtype::BITS16,      2, "BITS16",      "bits16",          "",                     -1, false, false, false, 2, 1},
+  {dtype::BITS1X8,     1, "BITS1X8",     "bits1x8",         "",                     -1, false, false, false, 1, 1},
+  {dtype::BITS2X4,     1, "BITS2X4",     "bits2x4",         "",                     -1, false, false, false, 1, 1},
+  {dtype::BITS4X2,     1, "BITS4X2",     "bits4x2",         "",                     -1, false, false, false, 1, 1},
+}};
+// clang-format on
+static_assert([] {
+  for (std::size_t i = 0; i < dtype_table.size(); ++i)
+    if (static_cast<std::size_t>(dtype_table[i].id) != i) return false;
+  return true;
+}(), "dtype_table is indexed by dtype");
+}  // namespace detail
+
+constexpr const dtype_info& info(dtype t) noexcept { return detail::dtype_table[static_cast<std::size_t>(t)]; }
+constexpr std::size_t itemsize(dtype t) noexcept { return info(t).itemsize; }
+/// The safetensors name, used everywhere statedict prints a dtype ("F32", "BF16", ...).
+constexpr std::string_view name(dtype t) noexcept { return info(t).name; }
+constexpr bool is_floating(dtype t) noexcept { return info(t).is_floating; }
+
+/// Parses a safetensors dtype name ("F32"). Unknown names give nullopt.
+constexpr std::optional<dtype> dtype_from_name(std::string_view n) noexcept {
+  for (const auto& i : detail::dtype_table)
+    if (i.name == n) return i.id;
+  return std::nullopt;
+}
+
+/// Parses a PyTorch dtype name as pickled (`torch.float32` global -> "float32"), including the
+/// aliases PyTorch accepts ("float", "half", "long", "cfloat", ...).
+constexpr std::optional<dtype> dtype_from_torch_name(std::string_view n) noexcept {
+  for (const auto& i : detail::dtype_table)
+    if (!i.torch_name.empty() && i.torch_name == n) return i.id;
+  struct alias {
+    std::string_view n;
+    dtype t;
+  };
+  constexpr alias aliases[] = {{"float", dtype::F32},  {"double", dtype::F64},    {"half", dtype::F16},
+                               {"long", dtype::I64},   {"int", dtype::I32},       {"short", dtype::I16},
+                               {"cfloat", dtype::C64}, {"cdouble", dtype::C128},  {"chalf", dtype::C32}};
+  for (const auto& a : aliases)
+    if (a.n == n) return a.t;
+  return std::nullopt;
+}
+
+/// Parses a legacy typed storage class name ("FloatStorage").
+constexpr std::optional<dtype> dtype_from_storage_name(std::string_view n) noexcept {
+  for (const auto& i : detail::dtype_table)
+    if (!i.storage_name.empty() && i.storage_name == n) return i.id;
+  return std::nullopt;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Element types for typed access. The 16- and 8-bit floats are bit containers; arithmetic goes
+// through float with the exact conversions below.
+
+struct bfloat16 {
+  std::uint16_t bits;
+  friend constexpr bool operator==(bfloat16, bfloat16) = default;
+};
+struct float16 {
+  std::uint16_t bits;
+  friend constexpr bool operator==(float16, float16) = default;
+};
+struct float8_e4m3 {
+  std::uint8_t bits;
+  friend constexpr bool operator==(float8_e4m3, float8_e4m3) = default;
+};
+struct float8_e5m2 {
+  std::uint8_t bits;
+  friend constexpr bool operator==(float8_e5m2, float8_e5m2) = default;
+};
+
+namespace detail {
+template <class T>
+struct dtype_of_impl;
+// clang-format off
+template <> struct dtype_of_impl<bool> { static constexpr dtype value = dtype::BOOL; };
+template <> struct dtype_of_impl<std::uint8_t> { static constexpr dtype value = dtype::U8; };
+template <> struct dtype_of_impl<std::int8_t> { static constexpr dtype value = dtype::I8; };
+template <> struct dtype_of_impl<std::int16_t> { static constexpr dtype value = dtype::I16; };
+template <> struct dtype_of_impl<std::uint16_t> { static constexpr dtype value = dtype::U16; };
+template <> struct dtype_of_impl<std::int32_t> { static constexpr dtype value = dtype::I32; };
+template <> struct dtype_of_impl<std::uint32_t> { static constexpr dtype value = dtype::U32; };
+template <> struct dtype_of_impl<std::int64_t> { static constexpr dtype value = dtype::I64; };
+template <> struct dtype_of_impl<std::uint64_t> { static constexpr dtype value = dtype::U64; };
+template <> struct dtype_of_impl<float16> { static constexpr dtype value = dtype::F16; };
+template <> struct dtype_of_impl<bfloat16> { static constexpr dtype value = dtype::BF16; };
+template <> struct dtype_of_impl<float> { static constexpr dtype value = dtype::F32; };
+template <> struct dtype_of_impl<double> { static constexpr dtype value = dtype::F64; };
+template <> struct dtype_of_impl<float8_e4m3> { static constexpr dtype value = dtype::F8_E4M3; };
+template <> struct dtype_of_impl<float8_e5m2> { static constexpr dtype value = dtype::F8_E5M2; };
+template <> struct dtype_of_impl<std::complex<float>> { static constexpr dtype value = dtype::C64; };
+template <> struct dtype_of_impl<std::complex<double>> { static constexpr dtype value = dtype::C128; };
+// clang-format on
+}  // namespace detail
+
+/// The dtype of a C++ element type: `dtype_of<float>` is F32.
+template <class T>
+inline constexpr dtype dtype_of = detail::dtype_of_impl<std::remove_cv_t<T>>::value;
+
+template <class T>
+concept element_type = requires { detail::dtype_of_impl<std::remove_cv_t<T>>::value; };
+
+// ---------------------------------------------------------------------------------------------
+// Exact conversions, bit for bit what PyTorch 1.13 computes on a CPU (c10/util/BFloat16.h, Half.h,
+// Float8_e4m3fn.h, Float8_e5m2.h, and ATen's vectorised cast kernel): round to nearest, ties to
+// even. tests/interop-dtype.cpp checks them against tables written by PyTorch itself.
+//
+// The 16-bit conversions are written without branches (selects only), so that loops over them
+// vectorise: cast_run converts multi-gigabyte checkpoints with them.
+
+static_assert(std::numeric_limits<float>::is_iec559 && std::numeric_limits<double>::is_iec559,
+              "statedict's float conversions assume IEEE 754 binary32/binary64 with round-to-nearest");
+
+/// The bf16 bits PyTorch writes for a NaN. Its CPU tensor cast from f32 or f64 (ATen's vectorised
+/// kernel, `tensor.to(torch.bfloat16)`) writes 0xffff whatever the NaN; the scalar
+/// `c10::BFloat16(float)`, which the tensor cast uses from f16 (and which `torch.tensor(nan,
+/// dtype=torch.bfloat16)` uses), writes 0x7fc0.
+inline constexpr std::uint16_t bf16_nan_vectorised = 0xffff;
+inline constexpr std::uint16_t bf16_nan_scalar = 0x7fc0;
+
+/// f32 -> bf16; overflow rounds to inf. A NaN becomes `nan` (default: what `tensor.to(torch.bfloat16)`
+/// writes for an f32 tensor, see bf16_nan_vectorised).
+constexpr std::uint16_t bf16_from_f32(float f, std::uint16_t nan = bf16_nan_vectorised) noexcept {
+  const auto u = std::bit_cast<std::uint32_t>(f);
+  const auto rounded = static_cast<std::uint16_t>((u + 0x7fffU + ((u >> 16) & 1U)) >> 16);
+  return (u & 0x7fffffffU) > 0x7f800000U ? nan : rounded;
+}
+
+/// bf16 -> f32, exact (NaN payloads kept, as PyTorch does: a bf16 is the top half of an f32).
+constexpr float f32_from_bf16(std::uint16_t h) noexcept {
+  return std::bit_cast<float>(static_cast<std::uint32_t>(h) << 16);
+}
+
+/// f32 -> f16 (IEEE binary16). NaN keeps its sign and becomes 0x7e00; from 65520 up rounds to inf.
+constexpr std::uint16_t f16_from_f32(float f) noexcept {
+  // Written as straight-line code that combines candidates with masks: with a branch, or a select
+  // the compiler turns into one, GCC sinks the float addition below into it and then refuses to
+  // vectorise the loop (a float operation "could trap").
+  const auto u = std::bit_cast<std::uint32_t>(f);
+  const std::uint32_t sign = (u >> 16) & 0x8000U;
+  const std::uint32_t a = u & 0x7fffffffU;
+  // Normal f16: rebias the exponent 127 -> 15 and round away 13 bits. Clamping at 65520 (0x477ff000,
+  // which rounds to 0x7c00) sends everything larger, infinities and NaNs included, to inf.
+  const std::uint32_t c = a < 0x477ff000U ? a : 0x477ff000U;
+  const std::uint32_t r = c - 0x38000000U;
+  const std::uint32_t normal = (r + 0x0fffU + ((r >> 13) & 1U)) >> 13;
+  // Subnormal f16 (|f| < 2^-14): adding 0.5 leaves |f| rounded (to nearest even, by the FPU) to a
+  // multiple of 2^-24, the f16 subnormal step, in the low mantissa bits of the sum. 0x3f000000 is 0.5.
+  const std::uint32_t subnormal = std::bit_cast<std::uint32_t>(std::bit_cast<float>(a) + 0.5F) - 0x3f000000U;
+  const std::uint32_t is_subnormal = 0U - static_cast<std::uint32_t>(a < 0x38800000U);
+  const std::uint32_t is_nan = 0U - static_cast<std::uint32_t>(a > 0x7f800000U);
+  const std::uint32_t out = (subnormal & is_subnormal) | (normal & ~is_subnormal) | (is_nan & 0x0200U);  // NaN: 0x7e00
+  return static_cast<std::uint16_t>(sign | out);
+}
+
+/// f16 -> f32, exact. A NaN keeps its sign and payload and becomes quiet (the quiet bit set), as
+/// PyTorch's conversion (and the x86 F16C instruction) does. Straight-line, like f16_from_f32.
+constexpr float f32_from_f16(std::uint16_t h) noexcept {
+  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000U) << 16;
+  const std::uint32_t e = h & 0x7c00U;
+  const std::uint32_t m = h & 0x3ffU;
+  // Normal: rebias the exponent 15 -> 127. Subnormal (and zero): m * 2^-24, exact in f32.
+  const std::uint32_t normal = (static_cast<std::uint32_t>(h & 0x7fffU) << 13) + 0x38000000U;
+  const std::uint32_t subnormal = std::bit_cast<std::uint32_t>(static_cast<float>(m) * 0x1p-24F);
+  const std::uint32_t is_subnormal = 0U - static_cast<std::uint32_t>(e == 0);
+  const std::uint32_t is_inf_nan = 0U - static_cast<std::uint32_t>(e == 0x7c00U);
+  const std::uint32_t is_nan = is_inf_nan & (0U - static_cast<std::uint32_t>(m != 0));
+  std::uint32_t out = (subnormal & is_subnormal) | (normal & ~is_subnormal);
+  out += is_inf_nan & 0x38000000U;  // inf/NaN: the rebiased exponent 143 becomes 255
+  out |= is_nan & 0x400000U;        // quiet bit
+  return std::bit_cast<float>(sign | out);
+}
+
+namespace detail {
+/// Rounds |f| (bits `a`, finite, below the format's overflow threshold) to a small float format
+/// with `mbits` mantissa bits and exponent bias `bias`; returns the unsigned encoding.
+constexpr std::uint32_t round_to_small_float(std::uint32_t a, unsigned mbits, unsigned bias) noexcept {
+  const std::uint32_t min_normal_exp = 127U - bias + 1U;  // f32 exponent of the format's smallest normal
+  const std::uint32_t e = a >> 23;
+  if (e >= min_normal_exp) {
+    const unsigned drop = 23U - mbits;
+    const std::uint32_t r = a - ((127U - bias) << 23);
+    return (r + ((1U << (drop - 1U)) - 1U) + ((r >> drop) & 1U)) >> drop;
+  }
+  // Subnormal in the target (or zero): value = q * 2^(1 - bias - mbits).
+  if (e == 0) return 0;  // f32 subnormals are far below every small format's range
+  const std::uint32_t m = (a & 0x7fffffU) | 0x800000U;
+  // f32 value = m * 2^(e - 150); q = m * 2^(e - 150 - (1 - bias - mbits)).
+  const std::int32_t shift = 150 - static_cast<std::int32_t>(e) + 1 - static_cast<std::int32_t>(bias) -
+                             static_cast<std::int32_t>(mbits);
+  if (shift >= 25) return 0;  // below half of the smallest subnormal
+  const auto s = static_cast<std::uint32_t>(shift);
+  std::uint32_t q = m >> s;
+  const std::uint32_t rem = m & ((1U << s) - 1U);
+  const std::uint32_t half = 1U << (s - 1U);
+  if (rem > half || (rem == half && (q & 1U))) ++q;
+  return q;
+}
+}  // namespace detail
+
+/// f32 -> float8_e4m3fn (OCP FP8 E4M3: no infinities, NaN = S.1111.111, max 448). As in PyTorch,
+/// NaN, infinities and values that round beyond 448 all become NaN (0x7f with the sign).
+constexpr std::uint8_t f8e4m3_from_f32(float f) noexcept {
+  const auto u = std::bit_cast<std::uint32_t>(f);
+  const auto sign = static_cast<std::uint8_t>((u >> 24) & 0x80U);
+  const std::uint32_t a = u & 0x7fffffffU;
+  if (a >= 0x43f00000U) return static_cast<std::uint8_t>(sign | 0x7fU);  // >= 480 (or inf/NaN)
+  return static_cast<std::uint8_t>(sign | detail::round_to_small_float(a, 3, 7));
+}
+
+/// float8_e4m3fn -> f32, exact. NaN gives 0x7ff00000 with the sign, as PyTorch does.
+constexpr float f32_from_f8e4m3(std::uint8_t x) noexcept {
+  const std::uint32_t sign = static_cast<std::uint32_t>(x & 0x80U) << 24;
+  const std::uint32_t e = (x >> 3) & 0xfU;
+  std::uint32_t m = x & 7U;
+  if (e == 0xf && m == 7) return std::bit_cast<float>(sign | 0x7ff00000U);
+  if (e != 0) return std::bit_cast<float>(sign | ((e + 120U) << 23) | (m << 20));
+  if (m == 0) return std::bit_cast<float>(sign);
+  std::uint32_t exp = 121;
+  while ((m & 8U) == 0) {
+    m <<= 1;
+    --exp;
+  }
+  return std::bit_cast<float>(sign | (exp << 23) | ((m & 7U) << 20));
+}
+
+/// f32 -> float8_e5m2 (OCP FP8 E5M2, IEEE-like with inf). NaN -> 0x7f, overflow (>= 61440) -> inf,
+/// each with the sign, as PyTorch does.
+constexpr std::uint8_t f8e5m2_from_f32(float f) noexcept {
+  const auto u = std::bit_cast<std::uint32_t>(f);
+  const auto sign = static_cast<std::uint8_t>((u >> 24) & 0x80U);
+  const std::uint32_t a = u & 0x7fffffffU;
+  if (a > 0x7f800000U) return static_cast<std::uint8_t>(sign | 0x7fU);
+  if (a >= 0x47700000U) return static_cast<std::uint8_t>(sign | 0x7cU);  // >= 61440 rounds to inf
+  return static_cast<std::uint8_t>(sign | detail::round_to_small_float(a, 2, 15));
+}
+
+/// float8_e5m2 -> f32, exact: it is the top byte of an f16, widened as f32_from_f16 does (so NaNs
+/// come out quiet, as in PyTorch).
+constexpr float f32_from_f8e5m2(std::uint8_t x) noexcept {
+  return f32_from_f16(static_cast<std::uint16_t>(static_cast<std::uint16_t>(x) << 8));
+}
+
+/// The f32 bits PyTorch 2.x decodes the NaN code of the fnuz and e8m0 formats to (a signalling
+/// NaN with payload 1; tests/interop-dtype2.cpp checks it against torch 2.14's own tables).
+inline constexpr std::uint32_t f8_fnuz_nan_f32 = 0x7f800001U;
+
+/// f32 -> float8_e4m3fnuz (bias 8, no infinities, a single NaN 0x80, no negative zero), as
+/// PyTorch 2.x: NaN, infinities and everything that rounds to 256 or beyond become 0x80; values
+/// that round to zero become +0 whatever their sign.
+constexpr std::uint8_t f8e4m3fnuz_from_f32(float f) noexcept {
+  const auto u = std::bit_cast<std::uint32_t>(f);
+  const auto sign = static_cast<std::uint8_t>((u >> 24) & 0x80U);
+  const std::uint32_t a = u & 0x7fffffffU;
+  if (a >= 0x43800000U) return 0x80;  // >= 256 (or inf/NaN)
+  const std::uint32_t r = detail::round_to_small_float(a, 3, 8);
+  if (r == 0) return 0;
+  if (r > 0x7fU) return 0x80;  // rounded up to 256
+  return static_cast<std::uint8_t>(sign | r);
+}
+
+/// f32 -> float8_e5m2fnuz (bias 16, otherwise as e4m3fnuz; largest value 57344).
+constexpr std::uint8_t f8e5m2fnuz_from_f32(float f) noexcept {
+  const auto u = std::bit_cast<std::uint32_t>(f);
+  const auto sign = static_cast<std::uint8_t>((u >> 24) & 0x80U);
+  const std::uint32_t a = u & 0x7fffffffU;
+  if (a >= 0x47800000U) return 0x80;  // >= 65536 (or inf/NaN)
+  const std::uint32_t r = detail::round_to_small_float(a, 2, 16);
+  if (r == 0) return 0;
+  if (r > 0x7fU) return 0x80;
+  return static_cast<std::uint8_t>(sign | r);
+}
+
+namespace detail {
+/// Decodes a sign-magnitude float8 with `mbits` mantissa bits and exponent bias `bias` (no special
+/// codes: the callers handle NaN), exactly.
+constexpr float f32_from_small_float(std::uint8_t x, unsigned mbits, unsigned bias) noexcept {
+  const std::uint32_t sign = static_cast<std::uint32_t>(x & 0x80U) << 24;
+  const std::uint32_t e = (x & 0x7fU) >> mbits;
+  const std::uint32_t m = x & ((1U << mbits) - 1U);
+  if (e != 0) return std::bit_cast<float>(sign | ((e + 127U - bias) << 23) | (m << (23U - mbits)));
+  // Subnormal: m * 2^(1 - bias - mbits), exact in f32; +-0 for m == 0.
+  const float mag = static_cast<float>(m) * std::bit_cast<float>((128U - bias - mbits) << 23);
+  return std::bit_cast<float>(sign | std::bit_cast<std::uint32_t>(mag));
+}
+}  // namespace detail
+
+/// float8_e4m3fnuz -> f32, exact; 0x80 is NaN (f8_fnuz_nan_f32).
+constexpr float f32_from_f8e4m3fnuz(std::uint8_t x) noexcept {
+  return x == 0x80 ? std::bit_cast<float>(f8_fnuz_nan_f32) : detail::f32_from_small_float(x, 3, 8);
+}
+/// float8_e5m2fnuz -> f32, exact; 0x80 is NaN (f8_fnuz_nan_f32).
+constexpr float f32_from_f8e5m2fnuz(std::uint8_t x) noexcept {
+  return x == 0x80 ? std::bit_cast<float>(f8_fnuz_nan_f32) : detail::f32_from_small_float(x, 2, 16);
+}
+
+/// f32 -> float8_e8m0fnu (a power of two 2^(x - 127), x in 0..254; 0xff is NaN), as PyTorch 2.x:
+/// the sign is ignored, NaN and infinities give 0xff, the exponent is rounded to nearest with
+/// ties to even where the implicit mantissa bit is the last kept bit (so a normal f32 exactly
+/// between two powers of two rounds up, a subnormal one down), and rounding past 2^127 gives 0xff.
+constexpr std::uint8_t f8e8m0_from_f32(float f) noexcept {
+  const std::uint32_t a = std::bit_cast<std::uint32_t>(f) & 0x7fffffffU;
+  const std::uint32_t e = a >> 23;
+  if (e == 0xffU) return 0xff;
+  const std::uint32_t m = a & 0x7fffffU;
+  const bool half = (m & 0x400000U) != 0, rest = (m & 0x3fffffU) != 0;
+  const std::uint32_t up = half && (rest || e != 0) ? 1U : 0U;
+  return static_cast<std::uint8_t>(e + up);  // 254 + 1 = 0xff: NaN
+}
+
+/// float8_e8m0fnu -> f32, exact: 2^(x - 127) (x = 0 is the f32 subnormal 2^-127); 0xff is NaN.
+constexpr float f32_from_f8e8m0(std::uint8_t x) noexcept {
+  if (x == 0xff) return std::bit_cast<float>(f8_fnuz_nan_f32);
+  if (x == 0) return std::bit_cast<float>(0x00400000U);
+  return std::bit_cast<float>(static_cast<std::uint32_t>(x) << 23);
+}
+
+}  // namespace statedict::inline v0
+// ---- statedict/core/flat_state_dict.hpp ----
+// statedict: FlatStateDict, what flatten() returns: the tensors by name and the skeleton.
+// SPDX-License-Identifier: MIT
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+// ---- statedict/core/hash_index.hpp ----
+// statedict: an index that finds items kept in the caller's own vector, without copying keys.
+// SPDX-License-Identifier: MIT
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+
+namespace statedict::inline v0::detail {
+
+/// Positions of items the caller stores (a vector of dict items, of zip entries), found by hash.
+/// Open addressing with linear probing over a power-of-two number of slots, at most half full;
+/// a slot is `hash << 32 | (position + 1)`, 0 when empty. An equal hash is confirmed by the
+/// caller's comparison, so the index holds no key and allocates nothing per item. Growing reuses
+/// the stored hashes: no key is hashed twice.
+class hash_index {
+ public:
+  static constexpr std::uint32_t npos = UINT32_MAX;
+
+  hash_index() = default;
+  hash_index(const hash_index&) = default;
+  hash_index& operator=(const hash_index&) = default;
+  hash_index(hash_index&& o) noexcept : slots_(std::move(o.slots_)), count_(std::exchange(o.count_, 0)) { o.slots_.clear(); }
+  hash_index& operator=(hash_index&& o) noexcept {
+    slots_ = std::move(o.slots_);
+    o.slots_.clear();
+    count_ = std::exchange(o.count_, 0);
+    return *this;
+  }
+  ~hash_index() = default;
+
+  /// 32 well-mixed bits of a std::hash value (std::hash of an integer is the integer itself).
+  [[nodiscard]] static std::uint32_t mix(std::size_t h) noexcept {
+    return static_cast<std::uint32_t>((static_cast<std::uint64_t>(h) * 0x9e3779b97f4a7c15ULL) >> 32);
+  }
+
+  [[nodiscard]] bool empty() const noexcept { return count_ == 0; }
+  [[nodiscard]] std::size_t size() const noexcept { return count_; }
+  void clear() noexcept {
+    slots_.clear();
+    count_ = 0;
+  }
+  /// Room for `n` positions without growing.
+  void reserve(std::size_t n) {
+    if (n > slots_.size() / 2) grow(n * 2);
+  }
+
+  /// Adds `position` under `hash`; the caller has ruled out an equal key.
+  void add(std::uint32_t hash, std::size_t position) {
+    if (position >= UINT32_MAX - 1) throw_error(errors::overflow, "more than 2^32 - 2 items in one index");
+    if (count_ + 1 > slots_.size() / 2) grow(std::max<std::size_t>(32, slots_.size() * 2));
+    place(std::uint64_t{hash} << 32 | (position + 1));
+    ++count_;
+  }
+
+  /// The position added under `hash` for which `same(position)` holds, or npos.
+  template <class Same>
+  [[nodiscard]] std::uint32_t find(std::uint32_t hash, Same&& same) const {
+    if (slots_.empty()) return npos;
+    const std::size_t mask = slots_.size() - 1;
+    for (std::size_t s = hash & mask;; s = (s + 1) & mask) {
+      const std::uint64_t e = slots_[s];
+      if (e == 0) return npos;
+      if (static_cast<std::uint32_t>(e >> 32) == hash) {
+        const auto p = static_cast<std::uint32_t>(e - 1);  // the low half; position + 1 > 0
+        if (same(p)) return p;
+      }
+    }
+  }
+
+ private:
+  void place(std::uint64_t e) {
+    const std::size_t mask = slots_.size() - 1;
+    std::size_t s = (e >> 32) & mask;
+    while (slots_[s] != 0) s = (s + 1) & mask;
+    slots_[s] = e;
+  }
+  void grow(std::size_t want) {
+    std::size_t cap = 32;
+    while (cap < want) cap *= 2;
+    std::vector<std::uint64_t> old(cap, 0);
+    old.swap(slots_);
+    for (const std::uint64_t e : old)
+      if (e != 0) place(e);
+  }
+
+  std::vector<std::uint64_t> slots_;
+  std::size_t count_ = 0;
+};
+
+}  // namespace statedict::inline v0::detail
+// ---- statedict/core/skeleton.hpp ----
+// statedict: the skeleton, everything of a state dict that is not a tensor, and FlatStateDict.
+// SPDX-License-Identifier: MIT
+//
+// core/flatten.hpp turns a tree into named tensors plus a skeleton holding everything else: container
+// kinds, key types, non-tensor leaves, and which tensors are the same view (aliases) or views into
+// another tensor's elements (view_of). The skeleton format, the naming rule and the alias rule are
+// documented in docs/flatten.md; in short:
+//
+//   {"statedict_skeleton": 1, "root": NODE}
+//   NODE := null | true | false | <JSON integer> | <finite JSON float> | "<string>"
+//         | {"float": "nan" | "inf" | "-inf" | "0x<16 hex digits>"} | {"bytes": "<base64>"}
+//         | {"str_bytes": "<base64>"}          (a string that is not valid UTF-8; also as a dict KEY)
+//         | {"tensor": NAME, "dtype": "F32", "shape": [..]}
+//         | {"alias": NAME}
+//         | {"view_of": NAME, "dtype": "F32", "offset": k, "shape": [..], "strides": [..]}
+//         | {"dict": [[KEY, NODE], ...]} | {"list": [NODE...]} | {"tuple": [NODE...]}
+//         | {"object": {"module": M, "name": N, "how": "global"|"reduce"|"newobj",
+//                       "args": [NODE...], "state": [NODE...], "items": [NODE...]}}
+//
+// A skeleton is input from files: every function that reads one validates it and throws a
+// statedict error naming the node (never crashes); all walks are iterative, so nesting depth is
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#ifndef STATEDICT_DECLARATIONS_ONLY
+// ---- statedict/core/detail/skeleton_tape.hpp ----
+// statedict: the skeleton's JSON nodes, and the compact form flatten builds (skeleton_tape) with
+// its conversions to a JSON document and to compact JSON text.
+// SPDX-License-Identifier: MIT
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <bit>
+#include <charconv>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <iterator>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
 // ---- statedict/core/shape.hpp ----
 // statedict: shapes, strides and checked arithmetic.
 // SPDX-License-Identifier: MIT
@@ -553,333 +1199,73 @@ inline bool is_contiguous(std::span<const dim_t> shape, std::span<const dim_t> s
 }
 
 }  // namespace statedict::inline v0
-// ---- statedict/core/dtype.hpp ----
-// statedict: element types, their names in every format, and exact float conversions.
+// ---- statedict/core/value.hpp ----
+// statedict: the Value tree, the in-memory form of a state dict.
 // SPDX-License-Identifier: MIT
+//
+// A Value is None, bool, int64, double, string, bytes, a tensor (a TensorView), list, tuple, dict
+// (insertion-ordered; keys are int64 or string, as in optimizer `state`), or an opaque object: a
+// pickled Python object statedict keeps without interpreting (class, constructor arguments, state).
+//
+// Destroying and comparing trees is iterative, so a tree 200,000 levels deep cannot overflow the
+// stack. Copying is recursive: readers cap nesting depth (see each reader's limits).
 
-#include <array>
 #include <bit>
-#include <complex>
+#include <cstddef>
 #include <cstdint>
-#include <cstring>
-#include <limits>
-#include <optional>
+#include <functional>
+#include <initializer_list>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <utility>
+#include <variant>
+#include <vector>
 
-
-namespace statedict::inline v0 {
-
-/// Element types: every safetensors dtype statedict handles, plus C128 (PyTorch's complex128, which
-/// safetensors cannot store).
-enum class dtype : std::uint8_t {
-  BOOL,
-  U8,
-  I8,
-  I16,
-  U16,
-  I32,
-  U32,
-  I64,
-  U64,
-  F16,
-  BF16,
-  F32,
-  F64,
-  F8_E4M3,
-  F8_E5M2,
-  C64,
-  C128,
-};
-
-inline constexpr std::size_t dtype_count = 17;
-
-/// Everything statedict knows about one dtype.
-struct dtype_info {
-  dtype id;
-  std::uint8_t itemsize;              ///< bytes per element
-  std::string_view name;              ///< safetensors name ("F32"); C128 is statedict's own name
-  std::string_view torch_name;        ///< `torch.<name>` global ("float32")
-  std::string_view storage_name;      ///< legacy typed storage class ("FloatStorage"); empty: UntypedStorage only
-  std::int8_t safetensors_rank;       ///< position in safetensors' Dtype enum (its write order); -1: not storable
-  bool is_floating;                   ///< real floating point
-  bool is_complex;
-  bool is_signed;                     ///< signed integer or floating
-};
-
-namespace detail {
-// safetensors' Dtype enum order is BOOL, F4, F6_E2M3, F6_E3M2, U8, I8, F8_E5M2, F8_E4M3, F8_E8M0,
-// F8_E4M3FNUZ, F8_E5M2FNUZ, I16, U16, F16, BF16, I32, U32, F32, C64, F64, I64, U64; its writer sorts
-// by that position, descending.
-// clang-format off
-inline constexpr std::array<dtype_info, dtype_count> dtype_table{{
-  {dtype::BOOL,    1, "BOOL",    "bool",          "BoolStorage",          0,  false, false, false},
-  {dtype::U8,      1, "U8",      "uint8",         "ByteStorage",          4,  false, false, false},
-  {dtype::I8,      1, "I8",      "int8",          "CharStorage",          5,  false, false, true},
-  {dtype::I16,     2, "I16",     "int16",         "ShortStorage",         11, false, false, true},
-  {dtype::U16,     2, "U16",     "uint16",        "",                     12, false, false, false},
-  {dtype::I32,     4, "I32",     "int32",         "IntStorage",           15, false, false, true},
-  {dtype::U32,     4, "U32",     "uint32",        "",                     16, false, false, false},
-  {dtype::I64,     8, "I64",     "int64",         "LongStorage",          20, false, false, true},
-  {dtype::U64,     8, "U64",     "uint64",        "",                     21, false, false, false},
-  {dtype::F16,     2, "F16",     "float16",       "HalfStorage",          13, true,  false, true},
-  {dtype::BF16,    2, "BF16",    "bfloat16",      "BFloat16Storage",      14, true,  false, true},
-  {dtype::F32,     4, "F32",     "float32",       "FloatStorage",         17, true,  false, true},
-  {dtype::F64,     8, "F64",     "float64",       "DoubleStorage",        19, true,  false, true},
-  {dtype::F8_E4M3, 1, "F8_E4M3", "float8_e4m3fn", "",                     7,  true,  false, true},
-  {dtype::F8_E5M2, 1, "F8_E5M2", "float8_e5m2",   "",                     6,  true,  false, true},
-  {dtype::C64,     8, "C64",     "complex64",     "ComplexFloatStorage",  18, false, true,  true},
-  {dtype::C128,   16, "C128",    "complex128",    "ComplexDoubleStorage", -1, false, true,  true},
-}};
-// clang-format on
-}  // namespace detail
-
-constexpr const dtype_info& info(dtype t) noexcept { return detail::dtype_table[static_cast<std::size_t>(t)]; }
-constexpr std::size_t itemsize(dtype t) noexcept { return info(t).itemsize; }
-/// The safetensors name, used everywhere statedict prints a dtype ("F32", "BF16", ...).
-constexpr std::string_view name(dtype t) noexcept { return info(t).name; }
-constexpr bool is_floating(dtype t) noexcept { return info(t).is_floating; }
-
-/// Parses a safetensors dtype name ("F32"). Unknown names give nullopt.
-constexpr std::optional<dtype> dtype_from_name(std::string_view n) noexcept {
-  for (const auto& i : detail::dtype_table)
-    if (i.name == n) return i.id;
-  return std::nullopt;
-}
-
-/// Parses a PyTorch dtype name as pickled (`torch.float32` global -> "float32"), including the
-/// aliases PyTorch accepts ("float", "half", "long", "cfloat", ...).
-constexpr std::optional<dtype> dtype_from_torch_name(std::string_view n) noexcept {
-  for (const auto& i : detail::dtype_table)
-    if (i.torch_name == n) return i.id;
-  struct alias {
-    std::string_view n;
-    dtype t;
-  };
-  constexpr alias aliases[] = {{"float", dtype::F32},  {"double", dtype::F64},    {"half", dtype::F16},
-                               {"long", dtype::I64},   {"int", dtype::I32},       {"short", dtype::I16},
-                               {"cfloat", dtype::C64}, {"cdouble", dtype::C128}};
-  for (const auto& a : aliases)
-    if (a.n == n) return a.t;
-  return std::nullopt;
-}
-
-/// Parses a legacy typed storage class name ("FloatStorage").
-constexpr std::optional<dtype> dtype_from_storage_name(std::string_view n) noexcept {
-  for (const auto& i : detail::dtype_table)
-    if (!i.storage_name.empty() && i.storage_name == n) return i.id;
-  return std::nullopt;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Element types for typed access. The 16- and 8-bit floats are bit containers; arithmetic goes
-// through float with the exact conversions below.
-
-struct bfloat16 {
-  std::uint16_t bits;
-  friend constexpr bool operator==(bfloat16, bfloat16) = default;
-};
-struct float16 {
-  std::uint16_t bits;
-  friend constexpr bool operator==(float16, float16) = default;
-};
-struct float8_e4m3 {
-  std::uint8_t bits;
-  friend constexpr bool operator==(float8_e4m3, float8_e4m3) = default;
-};
-struct float8_e5m2 {
-  std::uint8_t bits;
-  friend constexpr bool operator==(float8_e5m2, float8_e5m2) = default;
-};
-
-namespace detail {
-template <class T>
-struct dtype_of_impl;
-// clang-format off
-template <> struct dtype_of_impl<bool> { static constexpr dtype value = dtype::BOOL; };
-template <> struct dtype_of_impl<std::uint8_t> { static constexpr dtype value = dtype::U8; };
-template <> struct dtype_of_impl<std::int8_t> { static constexpr dtype value = dtype::I8; };
-template <> struct dtype_of_impl<std::int16_t> { static constexpr dtype value = dtype::I16; };
-template <> struct dtype_of_impl<std::uint16_t> { static constexpr dtype value = dtype::U16; };
-template <> struct dtype_of_impl<std::int32_t> { static constexpr dtype value = dtype::I32; };
-template <> struct dtype_of_impl<std::uint32_t> { static constexpr dtype value = dtype::U32; };
-template <> struct dtype_of_impl<std::int64_t> { static constexpr dtype value = dtype::I64; };
-template <> struct dtype_of_impl<std::uint64_t> { static constexpr dtype value = dtype::U64; };
-template <> struct dtype_of_impl<float16> { static constexpr dtype value = dtype::F16; };
-template <> struct dtype_of_impl<bfloat16> { static constexpr dtype value = dtype::BF16; };
-template <> struct dtype_of_impl<float> { static constexpr dtype value = dtype::F32; };
-template <> struct dtype_of_impl<double> { static constexpr dtype value = dtype::F64; };
-template <> struct dtype_of_impl<float8_e4m3> { static constexpr dtype value = dtype::F8_E4M3; };
-template <> struct dtype_of_impl<float8_e5m2> { static constexpr dtype value = dtype::F8_E5M2; };
-template <> struct dtype_of_impl<std::complex<float>> { static constexpr dtype value = dtype::C64; };
-template <> struct dtype_of_impl<std::complex<double>> { static constexpr dtype value = dtype::C128; };
-// clang-format on
-}  // namespace detail
-
-/// The dtype of a C++ element type: `dtype_of<float>` is F32.
-template <class T>
-inline constexpr dtype dtype_of = detail::dtype_of_impl<std::remove_cv_t<T>>::value;
-
-template <class T>
-concept element_type = requires { detail::dtype_of_impl<std::remove_cv_t<T>>::value; };
-
-// ---------------------------------------------------------------------------------------------
-// Exact conversions, bit for bit what PyTorch 1.13 computes on a CPU (c10/util/BFloat16.h, Half.h,
-// Float8_e4m3fn.h, Float8_e5m2.h, and ATen's vectorised cast kernel): round to nearest, ties to
-// even. tests/interop-dtype.cpp checks them against tables written by PyTorch itself.
+// ---- statedict/core/tensor.hpp ----
+// statedict: TensorView (non-owning, zero-copy, with a keep-alive handle) and Tensor (owning).
+// SPDX-License-Identifier: MIT
 //
-// The 16-bit conversions are written without branches (selects only), so that loops over them
-// vectorise: cast_run converts multi-gigabyte checkpoints with them.
+// A view is dtype + shape + strides (in elements) + a byte pointer + a keep-alive handle: a shared
+// owner of whatever the bytes live in (a file mapping, a buffer), so a view stays valid however long
+// it is kept. `TensorView` reads (const bytes); `TensorSpan` writes. Views never copy.
+//
+// Typed access (`span<T>()`, `at<T>()`) checks the dtype; `span<T>()` also needs contiguous, aligned
+// data, because a `T*` into misaligned bytes would be undefined behaviour. Files such as safetensors
+// may place an F32 tensor at an odd offset: `load<T>(i)` reads any element through memcpy, and
+// `copy`/`contiguous()` produce an aligned copy.
 
-static_assert(std::numeric_limits<float>::is_iec559 && std::numeric_limits<double>::is_iec559,
-              "statedict's float conversions assume IEEE 754 binary32/binary64 with round-to-nearest");
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
 
-/// The bf16 bits PyTorch writes for a NaN. Its CPU tensor cast from f32 or f64 (ATen's vectorised
-/// kernel, `tensor.to(torch.bfloat16)`) writes 0xffff whatever the NaN; the scalar
-/// `c10::BFloat16(float)`, which the tensor cast uses from f16 (and which `torch.tensor(nan,
-/// dtype=torch.bfloat16)` uses), writes 0x7fc0.
-inline constexpr std::uint16_t bf16_nan_vectorised = 0xffff;
-inline constexpr std::uint16_t bf16_nan_scalar = 0x7fc0;
-
-/// f32 -> bf16; overflow rounds to inf. A NaN becomes `nan` (default: what `tensor.to(torch.bfloat16)`
-/// writes for an f32 tensor, see bf16_nan_vectorised).
-constexpr std::uint16_t bf16_from_f32(float f, std::uint16_t nan = bf16_nan_vectorised) noexcept {
-  const auto u = std::bit_cast<std::uint32_t>(f);
-  const auto rounded = static_cast<std::uint16_t>((u + 0x7fffU + ((u >> 16) & 1U)) >> 16);
-  return (u & 0x7fffffffU) > 0x7f800000U ? nan : rounded;
-}
-
-/// bf16 -> f32, exact (NaN payloads kept, as PyTorch does: a bf16 is the top half of an f32).
-constexpr float f32_from_bf16(std::uint16_t h) noexcept {
-  return std::bit_cast<float>(static_cast<std::uint32_t>(h) << 16);
-}
-
-/// f32 -> f16 (IEEE binary16). NaN keeps its sign and becomes 0x7e00; from 65520 up rounds to inf.
-constexpr std::uint16_t f16_from_f32(float f) noexcept {
-  // Written as straight-line code that combines candidates with masks: with a branch, or a select
-  // the compiler turns into one, GCC sinks the float addition below into it and then refuses to
-  // vectorise the loop (a float operation "could trap").
-  const auto u = std::bit_cast<std::uint32_t>(f);
-  const std::uint32_t sign = (u >> 16) & 0x8000U;
-  const std::uint32_t a = u & 0x7fffffffU;
-  // Normal f16: rebias the exponent 127 -> 15 and round away 13 bits. Clamping at 65520 (0x477ff000,
-  // which rounds to 0x7c00) sends everything larger, infinities and NaNs included, to inf.
-  const std::uint32_t c = a < 0x477ff000U ? a : 0x477ff000U;
-  const std::uint32_t r = c - 0x38000000U;
-  const std::uint32_t normal = (r + 0x0fffU + ((r >> 13) & 1U)) >> 13;
-  // Subnormal f16 (|f| < 2^-14): adding 0.5 leaves |f| rounded (to nearest even, by the FPU) to a
-  // multiple of 2^-24, the f16 subnormal step, in the low mantissa bits of the sum. 0x3f000000 is 0.5.
-  const std::uint32_t subnormal = std::bit_cast<std::uint32_t>(std::bit_cast<float>(a) + 0.5F) - 0x3f000000U;
-  const std::uint32_t is_subnormal = 0U - static_cast<std::uint32_t>(a < 0x38800000U);
-  const std::uint32_t is_nan = 0U - static_cast<std::uint32_t>(a > 0x7f800000U);
-  const std::uint32_t out = (subnormal & is_subnormal) | (normal & ~is_subnormal) | (is_nan & 0x0200U);  // NaN: 0x7e00
-  return static_cast<std::uint16_t>(sign | out);
-}
-
-/// f16 -> f32, exact. A NaN keeps its sign and payload and becomes quiet (the quiet bit set), as
-/// PyTorch's conversion (and the x86 F16C instruction) does. Straight-line, like f16_from_f32.
-constexpr float f32_from_f16(std::uint16_t h) noexcept {
-  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000U) << 16;
-  const std::uint32_t e = h & 0x7c00U;
-  const std::uint32_t m = h & 0x3ffU;
-  // Normal: rebias the exponent 15 -> 127. Subnormal (and zero): m * 2^-24, exact in f32.
-  const std::uint32_t normal = (static_cast<std::uint32_t>(h & 0x7fffU) << 13) + 0x38000000U;
-  const std::uint32_t subnormal = std::bit_cast<std::uint32_t>(static_cast<float>(m) * 0x1p-24F);
-  const std::uint32_t is_subnormal = 0U - static_cast<std::uint32_t>(e == 0);
-  const std::uint32_t is_inf_nan = 0U - static_cast<std::uint32_t>(e == 0x7c00U);
-  const std::uint32_t is_nan = is_inf_nan & (0U - static_cast<std::uint32_t>(m != 0));
-  std::uint32_t out = (subnormal & is_subnormal) | (normal & ~is_subnormal);
-  out += is_inf_nan & 0x38000000U;  // inf/NaN: the rebiased exponent 143 becomes 255
-  out |= is_nan & 0x400000U;        // quiet bit
-  return std::bit_cast<float>(sign | out);
-}
-
-namespace detail {
-/// Rounds |f| (bits `a`, finite, below the format's overflow threshold) to a small float format
-/// with `mbits` mantissa bits and exponent bias `bias`; returns the unsigned encoding.
-constexpr std::uint32_t round_to_small_float(std::uint32_t a, unsigned mbits, unsigned bias) noexcept {
-  const std::uint32_t min_normal_exp = 127U - bias + 1U;  // f32 exponent of the format's smallest normal
-  const std::uint32_t e = a >> 23;
-  if (e >= min_normal_exp) {
-    const unsigned drop = 23U - mbits;
-    const std::uint32_t r = a - ((127U - bias) << 23);
-    return (r + ((1U << (drop - 1U)) - 1U) + ((r >> drop) & 1U)) >> drop;
-  }
-  // Subnormal in the target (or zero): value = q * 2^(1 - bias - mbits).
-  if (e == 0) return 0;  // f32 subnormals are far below every small format's range
-  const std::uint32_t m = (a & 0x7fffffU) | 0x800000U;
-  // f32 value = m * 2^(e - 150); q = m * 2^(e - 150 - (1 - bias - mbits)).
-  const std::int32_t shift = 150 - static_cast<std::int32_t>(e) + 1 - static_cast<std::int32_t>(bias) -
-                             static_cast<std::int32_t>(mbits);
-  if (shift >= 25) return 0;  // below half of the smallest subnormal
-  const auto s = static_cast<std::uint32_t>(shift);
-  std::uint32_t q = m >> s;
-  const std::uint32_t rem = m & ((1U << s) - 1U);
-  const std::uint32_t half = 1U << (s - 1U);
-  if (rem > half || (rem == half && (q & 1U))) ++q;
-  return q;
-}
-}  // namespace detail
-
-/// f32 -> float8_e4m3fn (OCP FP8 E4M3: no infinities, NaN = S.1111.111, max 448). As in PyTorch,
-/// NaN, infinities and values that round beyond 448 all become NaN (0x7f with the sign).
-constexpr std::uint8_t f8e4m3_from_f32(float f) noexcept {
-  const auto u = std::bit_cast<std::uint32_t>(f);
-  const auto sign = static_cast<std::uint8_t>((u >> 24) & 0x80U);
-  const std::uint32_t a = u & 0x7fffffffU;
-  if (a >= 0x43f00000U) return static_cast<std::uint8_t>(sign | 0x7fU);  // >= 480 (or inf/NaN)
-  return static_cast<std::uint8_t>(sign | detail::round_to_small_float(a, 3, 7));
-}
-
-/// float8_e4m3fn -> f32, exact. NaN gives 0x7ff00000 with the sign, as PyTorch does.
-constexpr float f32_from_f8e4m3(std::uint8_t x) noexcept {
-  const std::uint32_t sign = static_cast<std::uint32_t>(x & 0x80U) << 24;
-  const std::uint32_t e = (x >> 3) & 0xfU;
-  std::uint32_t m = x & 7U;
-  if (e == 0xf && m == 7) return std::bit_cast<float>(sign | 0x7ff00000U);
-  if (e != 0) return std::bit_cast<float>(sign | ((e + 120U) << 23) | (m << 20));
-  if (m == 0) return std::bit_cast<float>(sign);
-  std::uint32_t exp = 121;
-  while ((m & 8U) == 0) {
-    m <<= 1;
-    --exp;
-  }
-  return std::bit_cast<float>(sign | (exp << 23) | ((m & 7U) << 20));
-}
-
-/// f32 -> float8_e5m2 (OCP FP8 E5M2, IEEE-like with inf). NaN -> 0x7f, overflow (>= 61440) -> inf,
-/// each with the sign, as PyTorch does.
-constexpr std::uint8_t f8e5m2_from_f32(float f) noexcept {
-  const auto u = std::bit_cast<std::uint32_t>(f);
-  const auto sign = static_cast<std::uint8_t>((u >> 24) & 0x80U);
-  const std::uint32_t a = u & 0x7fffffffU;
-  if (a > 0x7f800000U) return static_cast<std::uint8_t>(sign | 0x7fU);
-  if (a >= 0x47700000U) return static_cast<std::uint8_t>(sign | 0x7cU);  // >= 61440 rounds to inf
-  return static_cast<std::uint8_t>(sign | detail::round_to_small_float(a, 2, 15));
-}
-
-/// float8_e5m2 -> f32, exact: it is the top byte of an f16, widened as f32_from_f16 does (so NaNs
-/// come out quiet, as in PyTorch).
-constexpr float f32_from_f8e5m2(std::uint8_t x) noexcept {
-  return f32_from_f16(static_cast<std::uint16_t>(static_cast<std::uint16_t>(x) << 8));
-}
-
-}  // namespace statedict::inline v0
 // ---- statedict/core/cast.hpp ----
 // statedict: element-wise dtype casts over runs of (possibly misaligned) bytes.
 // SPDX-License-Identifier: MIT
 //
-// Casts that exist: any dtype to itself; between the real floating dtypes (F8_E4M3, F8_E5M2, F16,
-// BF16, F32, F64), rounding to nearest even exactly as PyTorch (a double narrower than f32 is first
-// rounded to f32, as PyTorch's `Half(double)`/`BFloat16(double)` do); C64 <-> C128. Integer casts are
-// not offered: a checkpoint converter must not silently change integer data.
+// Casts that exist: any dtype to itself; between the real floating dtypes (F8_E4M3, F8_E5M2,
+// F8_E4M3FNUZ, F8_E5M2FNUZ, F8_E8M0, F16, BF16, F32, F64), rounding exactly as PyTorch (to nearest
+// even; a double narrower than f32 is first rounded to f32, as PyTorch's `Half(double)`/
+// `BFloat16(double)` do); between the complex dtypes C32, C64, C128. Integer casts are not
+// offered: a checkpoint converter must not silently change integer data; nor are casts of the
+// packed (F4_X2, F6_*_X4) and bits types, whose elements are not single numbers.
 //
 // The bytes are those `tensor.to(dtype)` writes in PyTorch 1.13 on an x86 CPU, NaNs included
 // (tests/interop-dtype.cpp compares against tables PyTorch wrote): a NaN cast to BF16 from F32 or
 // F64 is 0xffff (ATen's vectorised kernel), from F16 or F8 0x7fc0 (c10's scalar conversion); to
 // F16 it is 0x7e00 with the sign; F16 -> F32 sets the quiet bit.
 
+#include <bit>
 #include <complex>
 #include <cstddef>
 #include <cstdint>
@@ -950,6 +1336,24 @@ struct float_codec<dtype::F8_E5M2> {
   static constexpr std::uint8_t narrow(float f, std::uint16_t /*bf16 nan*/) noexcept { return f8e5m2_from_f32(f); }
 };
 template <>
+struct float_codec<dtype::F8_E4M3FNUZ> {
+  using storage = std::uint8_t;
+  static constexpr float widen(std::uint8_t x) noexcept { return f32_from_f8e4m3fnuz(x); }
+  static constexpr std::uint8_t narrow(float f, std::uint16_t /*bf16 nan*/) noexcept { return f8e4m3fnuz_from_f32(f); }
+};
+template <>
+struct float_codec<dtype::F8_E5M2FNUZ> {
+  using storage = std::uint8_t;
+  static constexpr float widen(std::uint8_t x) noexcept { return f32_from_f8e5m2fnuz(x); }
+  static constexpr std::uint8_t narrow(float f, std::uint16_t /*bf16 nan*/) noexcept { return f8e5m2fnuz_from_f32(f); }
+};
+template <>
+struct float_codec<dtype::F8_E8M0> {
+  using storage = std::uint8_t;
+  static constexpr float widen(std::uint8_t x) noexcept { return f32_from_f8e8m0(x); }
+  static constexpr std::uint8_t narrow(float f, std::uint16_t /*bf16 nan*/) noexcept { return f8e8m0_from_f32(f); }
+};
+template <>
 struct float_codec<dtype::F64> {
   using storage = double;
 };
@@ -1001,7 +1405,30 @@ inline void cast_floats_from(const std::byte* src, dtype to, std::byte* dst, std
     case dtype::F64: return cast_floats<From, dtype::F64>(src, dst, n);
     case dtype::F8_E4M3: return cast_floats<From, dtype::F8_E4M3>(src, dst, n);
     case dtype::F8_E5M2: return cast_floats<From, dtype::F8_E5M2>(src, dst, n);
+    case dtype::F8_E4M3FNUZ: return cast_floats<From, dtype::F8_E4M3FNUZ>(src, dst, n);
+    case dtype::F8_E5M2FNUZ: return cast_floats<From, dtype::F8_E5M2FNUZ>(src, dst, n);
+    case dtype::F8_E8M0: return cast_floats<From, dtype::F8_E8M0>(src, dst, n);
     default: return;  // not floating: refused by check_cast before
+  }
+}
+
+/// complex32 (two f16) <-> complex64 / complex128, component by component as PyTorch's
+/// c10::complex<Half> conversions do (through f32). Unlike the real f32 -> f16 tensor cast, which
+/// writes every NaN as 0x7e00, this scalar conversion keeps the top 10 payload bits of a NaN
+/// (quiet bit set), as torch 2.14 does.
+inline void cast_complex_half(const std::byte* src, dtype from, std::byte* dst, dtype to, std::size_t n) noexcept {
+  for (std::size_t i = 0; i < 2 * n; ++i) {
+    if (from == dtype::C32) {
+      const float f = f32_from_f16(load_unaligned<std::uint16_t>(src + i * 2));
+      if (to == dtype::C64) store_unaligned(dst + i * 4, f);
+      else store_unaligned(dst + i * 8, static_cast<double>(f));
+    } else {
+      const float f = from == dtype::C64 ? load_unaligned<float>(src + i * 4) : static_cast<float>(load_unaligned<double>(src + i * 8));
+      const auto u = std::bit_cast<std::uint32_t>(f);
+      std::uint16_t h = f16_from_f32(f);
+      if ((u & 0x7fffffffU) > 0x7f800000U) h = static_cast<std::uint16_t>(((u >> 16) & 0x8000U) | 0x7e00U | ((u >> 13) & 0x3ffU));
+      store_unaligned(dst + i * 2, h);
+    }
   }
 }
 
@@ -1014,6 +1441,26 @@ inline void cast_complex(const std::byte* src, std::byte* dst, std::size_t n) no
   }
 }
 }  // namespace detail
+
+/// Reverses the byte order of `n` contiguous elements of dtype `t` in place: each element (each
+/// component of a complex one) of info(t).swap_unit bytes; nothing for one-byte units. Turns the
+/// elements of a big-endian file into little-endian ones (and back).
+inline void byteswap_run(dtype t, std::byte* p, std::size_t n) noexcept {
+  const std::size_t unit = info(t).swap_unit;
+  const std::size_t count = n * (itemsize(t) / unit);
+  switch (unit) {
+    case 2:
+      for (std::size_t i = 0; i < count; ++i) detail::store_unaligned(p + 2 * i, __builtin_bswap16(detail::load_unaligned<std::uint16_t>(p + 2 * i)));
+      return;
+    case 4:
+      for (std::size_t i = 0; i < count; ++i) detail::store_unaligned(p + 4 * i, __builtin_bswap32(detail::load_unaligned<std::uint32_t>(p + 4 * i)));
+      return;
+    case 8:
+      for (std::size_t i = 0; i < count; ++i) detail::store_unaligned(p + 8 * i, __builtin_bswap64(detail::load_unaligned<std::uint64_t>(p + 8 * i)));
+      return;
+    default: return;  // one-byte units: nothing to swap
+  }
+}
 
 /// Casts `n` contiguous elements from `src` (dtype `from`) to `dst` (dtype `to`), producing the bytes
 /// `tensor.to(dtype)` produces in PyTorch 1.13 on a CPU (NaN encodings included). Neither pointer
@@ -1032,39 +1479,21 @@ inline void cast_run(dtype from, const std::byte* src, dtype to, std::byte* dst,
     case dtype::F64: return cast_floats_from<dtype::F64>(src, to, dst, n);
     case dtype::F8_E4M3: return cast_floats_from<dtype::F8_E4M3>(src, to, dst, n);
     case dtype::F8_E5M2: return cast_floats_from<dtype::F8_E5M2>(src, to, dst, n);
-    case dtype::C64: return cast_complex<float, double>(src, dst, n);
-    case dtype::C128: return cast_complex<double, float>(src, dst, n);
+    case dtype::F8_E4M3FNUZ: return cast_floats_from<dtype::F8_E4M3FNUZ>(src, to, dst, n);
+    case dtype::F8_E5M2FNUZ: return cast_floats_from<dtype::F8_E5M2FNUZ>(src, to, dst, n);
+    case dtype::F8_E8M0: return cast_floats_from<dtype::F8_E8M0>(src, to, dst, n);
+    case dtype::C32: return cast_complex_half(src, from, dst, to, n);
+    case dtype::C64:
+      if (to == dtype::C32) return cast_complex_half(src, from, dst, to, n);
+      return cast_complex<float, double>(src, dst, n);
+    case dtype::C128:
+      if (to == dtype::C32) return cast_complex_half(src, from, dst, to, n);
+      return cast_complex<double, float>(src, dst, n);
     default: return;  // refused by check_cast
   }
 }
 
 }  // namespace statedict::inline v0
-// ---- statedict/core/tensor.hpp ----
-// statedict: TensorView (non-owning, zero-copy, with a keep-alive handle) and Tensor (owning).
-// SPDX-License-Identifier: MIT
-//
-// A view is dtype + shape + strides (in elements) + a byte pointer + a keep-alive handle: a shared
-// owner of whatever the bytes live in (a file mapping, a buffer), so a view stays valid however long
-// it is kept. `TensorView` reads (const bytes); `TensorSpan` writes. Views never copy.
-//
-// Typed access (`span<T>()`, `at<T>()`) checks the dtype; `span<T>()` also needs contiguous, aligned
-// data, because a `T*` into misaligned bytes would be undefined behaviour. Files such as safetensors
-// may place an F32 tensor at an odd offset: `load<T>(i)` reads any element through memcpy, and
-// `copy`/`contiguous()` produce an aligned copy.
-
-#include <algorithm>
-#include <cstddef>
-#include <cstdint>
-#include <cstdlib>
-#include <cstring>
-#include <memory>
-#include <new>
-#include <span>
-#include <string>
-#include <type_traits>
-#include <utility>
-#include <vector>
-
 
 namespace statedict::inline v0 {
 
@@ -1383,124 +1812,6 @@ inline bool same_view(const TensorView& a, const TensorView& b) noexcept {
 }
 
 }  // namespace statedict::inline v0
-// ---- statedict/core/value.hpp ----
-// statedict: the Value tree, the in-memory form of a state dict.
-// SPDX-License-Identifier: MIT
-//
-// A Value is None, bool, int64, double, string, bytes, a tensor (a TensorView), list, tuple, dict
-// (insertion-ordered; keys are int64 or string, as in optimizer `state`), or an opaque object: a
-// pickled Python object statedict keeps without interpreting (class, constructor arguments, state).
-//
-// Destroying and comparing trees is iterative, so a tree 200,000 levels deep cannot overflow the
-// stack. Copying is recursive: readers cap nesting depth (see each reader's limits).
-
-#include <bit>
-#include <cstddef>
-#include <cstdint>
-#include <functional>
-#include <initializer_list>
-#include <memory>
-#include <string>
-#include <string_view>
-#include <type_traits>
-#include <utility>
-#include <variant>
-#include <vector>
-
-// ---- statedict/core/hash_index.hpp ----
-// statedict: an index that finds items kept in the caller's own vector, without copying keys.
-// SPDX-License-Identifier: MIT
-
-#include <algorithm>
-#include <cstddef>
-#include <cstdint>
-#include <utility>
-#include <vector>
-
-
-namespace statedict::inline v0::detail {
-
-/// Positions of items the caller stores (a vector of dict items, of zip entries), found by hash.
-/// Open addressing with linear probing over a power-of-two number of slots, at most half full;
-/// a slot is `hash << 32 | (position + 1)`, 0 when empty. An equal hash is confirmed by the
-/// caller's comparison, so the index holds no key and allocates nothing per item. Growing reuses
-/// the stored hashes: no key is hashed twice.
-class hash_index {
- public:
-  static constexpr std::uint32_t npos = UINT32_MAX;
-
-  hash_index() = default;
-  hash_index(const hash_index&) = default;
-  hash_index& operator=(const hash_index&) = default;
-  hash_index(hash_index&& o) noexcept : slots_(std::move(o.slots_)), count_(std::exchange(o.count_, 0)) { o.slots_.clear(); }
-  hash_index& operator=(hash_index&& o) noexcept {
-    slots_ = std::move(o.slots_);
-    o.slots_.clear();
-    count_ = std::exchange(o.count_, 0);
-    return *this;
-  }
-  ~hash_index() = default;
-
-  /// 32 well-mixed bits of a std::hash value (std::hash of an integer is the integer itself).
-  [[nodiscard]] static std::uint32_t mix(std::size_t h) noexcept {
-    return static_cast<std::uint32_t>((static_cast<std::uint64_t>(h) * 0x9e3779b97f4a7c15ULL) >> 32);
-  }
-
-  [[nodiscard]] bool empty() const noexcept { return count_ == 0; }
-  [[nodiscard]] std::size_t size() const noexcept { return count_; }
-  void clear() noexcept {
-    slots_.clear();
-    count_ = 0;
-  }
-  /// Room for `n` positions without growing.
-  void reserve(std::size_t n) {
-    if (n > slots_.size() / 2) grow(n * 2);
-  }
-
-  /// Adds `position` under `hash`; the caller has ruled out an equal key.
-  void add(std::uint32_t hash, std::size_t position) {
-    if (position >= UINT32_MAX - 1) throw_error(errors::overflow, "more than 2^32 - 2 items in one index");
-    if (count_ + 1 > slots_.size() / 2) grow(std::max<std::size_t>(32, slots_.size() * 2));
-    place(std::uint64_t{hash} << 32 | (position + 1));
-    ++count_;
-  }
-
-  /// The position added under `hash` for which `same(position)` holds, or npos.
-  template <class Same>
-  [[nodiscard]] std::uint32_t find(std::uint32_t hash, Same&& same) const {
-    if (slots_.empty()) return npos;
-    const std::size_t mask = slots_.size() - 1;
-    for (std::size_t s = hash & mask;; s = (s + 1) & mask) {
-      const std::uint64_t e = slots_[s];
-      if (e == 0) return npos;
-      if (static_cast<std::uint32_t>(e >> 32) == hash) {
-        const auto p = static_cast<std::uint32_t>(e - 1);  // the low half; position + 1 > 0
-        if (same(p)) return p;
-      }
-    }
-  }
-
- private:
-  void place(std::uint64_t e) {
-    const std::size_t mask = slots_.size() - 1;
-    std::size_t s = (e >> 32) & mask;
-    while (slots_[s] != 0) s = (s + 1) & mask;
-    slots_[s] = e;
-  }
-  void grow(std::size_t want) {
-    std::size_t cap = 32;
-    while (cap < want) cap *= 2;
-    std::vector<std::uint64_t> old(cap, 0);
-    old.swap(slots_);
-    for (const std::uint64_t e : old)
-      if (e != 0) place(e);
-  }
-
-  std::vector<std::uint64_t> slots_;
-  std::size_t count_ = 0;
-};
-
-}  // namespace statedict::inline v0::detail
 
 namespace statedict::inline v0 {
 
@@ -1719,33 +2030,44 @@ class Value {
     if (is_int()) return static_cast<double>(as_int());
     return as_double();
   }
-  [[nodiscard]] const std::string& as_string() const { return get<std::string>(value_kind::string); }
-  [[nodiscard]] const Bytes& as_bytes() const { return get<Bytes>(value_kind::bytes); }
-  [[nodiscard]] const TensorView& as_tensor() const { return get<TensorView>(value_kind::tensor); }
+  // Accessors. On a temporary Value (a function's result) they return the part by value, moved
+  // out, so that `for (auto& [k, v] : torch::load(p).as_dict())` iterates a living dict.
+  [[nodiscard]] const std::string& as_string() const& { return get<std::string>(value_kind::string); }
+  [[nodiscard]] std::string as_string() && { return std::move(get<std::string>(value_kind::string)); }
+  [[nodiscard]] const Bytes& as_bytes() const& { return get<Bytes>(value_kind::bytes); }
+  [[nodiscard]] Bytes as_bytes() && { return std::move(get<Bytes>(value_kind::bytes)); }
+  [[nodiscard]] const TensorView& as_tensor() const& { return get<TensorView>(value_kind::tensor); }
+  [[nodiscard]] TensorView as_tensor() && { return std::move(get<TensorView>(value_kind::tensor)); }
   /// The items of a list or tuple.
-  [[nodiscard]] const List& as_list() const {
+  [[nodiscard]] const List& as_list() const& {
     if (!is_sequence()) kind_error(value_kind::list);
     return std::get<List>(v_);
   }
-  [[nodiscard]] List& as_list() {
+  [[nodiscard]] List& as_list() & {
     if (!is_sequence()) kind_error(value_kind::list);
     return std::get<List>(v_);
   }
-  [[nodiscard]] const Dict& as_dict() const { return get<Dict>(value_kind::dict); }
-  [[nodiscard]] Dict& as_dict() { return get<Dict>(value_kind::dict); }
-  [[nodiscard]] const Object& as_object() const { return get<Object>(value_kind::object); }
-  [[nodiscard]] Object& as_object() { return get<Object>(value_kind::object); }
+  [[nodiscard]] List as_list() && { return std::move(as_list()); }
+  [[nodiscard]] const Dict& as_dict() const& { return get<Dict>(value_kind::dict); }
+  [[nodiscard]] Dict& as_dict() & { return get<Dict>(value_kind::dict); }
+  [[nodiscard]] Dict as_dict() && { return std::move(get<Dict>(value_kind::dict)); }
+  [[nodiscard]] const Object& as_object() const& { return get<Object>(value_kind::object); }
+  [[nodiscard]] Object& as_object() & { return get<Object>(value_kind::object); }
+  [[nodiscard]] Object as_object() && { return std::move(get<Object>(value_kind::object)); }
 
   /// Dict lookup; throws errors::missing_key or errors::value_kind.
-  const Value& operator[](const Key& k) const { return as_dict().at(k); }
-  Value& operator[](const Key& k) { return as_dict().at(k); }
+  const Value& operator[](const Key& k) const& { return as_dict().at(k); }
+  Value& operator[](const Key& k) & { return as_dict().at(k); }
+  Value operator[](const Key& k) && { return std::move(as_dict().at(k)); }
   /// List/tuple element; throws errors::out_of_range.
-  const Value& at(std::size_t i) const {
+  const Value& at(std::size_t i) const& {
     const List& l = as_list();
     if (i >= l.size())
       throw_error(errors::out_of_range, "index " + std::to_string(i) + " of a " + std::string(to_string(kind_)) +
                                             " of " + std::to_string(l.size()));
     return l[i];
+  }
+  Value at(std::size_t i) && { return std::move(const_cast<Value&>(std::as_const(*this).at(i)));  // NOLINT(cppcoreguidelines-pro-type-const-cast)
   }
 
   /// Deep equality; tensors compare by dtype, shape and element bytes; doubles bitwise.
@@ -2013,996 +2335,6 @@ inline bool detail::value_equal::run() {
 }
 
 }  // namespace statedict::inline v0
-// ---- statedict/core/source.hpp ----
-// statedict: ByteSource, a readable range of bytes (a file, a mapping, a buffer).
-// SPDX-License-Identifier: MIT
-//
-// Abstract so that shard/ and exec/ can describe and copy bytes without knowing what holds them;
-// io/ provides the file-backed implementations (mmap or pread).
-
-#include <cstddef>
-#include <cstdint>
-#include <cstring>
-#include <memory>
-#include <span>
-#include <string>
-#include <utility>
-
-
-namespace statedict::inline v0 {
-
-namespace errors {
-inline constexpr error_id out_of_source{116, error_kind::format, "core.out_of_source"};
-}
-
-/// A read-only range of bytes [0, size()).
-class ByteSource {
- public:
-  ByteSource() = default;
-  ByteSource(const ByteSource&) = delete;
-  ByteSource& operator=(const ByteSource&) = delete;
-  virtual ~ByteSource() = default;
-
-  /// Human-readable name for messages (a path).
-  [[nodiscard]] virtual const std::string& name() const noexcept = 0;
-  [[nodiscard]] virtual std::uint64_t size() const noexcept = 0;
-  /// All bytes, when directly addressable (a mapping or a buffer); nullptr otherwise (pread).
-  [[nodiscard]] virtual const std::byte* data() const noexcept { return nullptr; }
-  /// A file descriptor positioned reads may use (copy_file_range fast paths), or -1.
-  [[nodiscard]] virtual int fd() const noexcept { return -1; }
-  /// Offset of this source's byte 0 within fd() (for sources that are a slice of a file).
-  [[nodiscard]] virtual std::uint64_t fd_offset() const noexcept { return 0; }
-  /// Shared owner that keeps data() valid.
-  [[nodiscard]] virtual keep_alive owner() const = 0;
-
-  /// Copies [offset, offset + dst.size()) into dst; throws errors::out_of_source when the range is
-  /// not inside the source, io errors on read failure.
-  virtual void read(std::uint64_t offset, std::span<std::byte> dst) const = 0;
-  /// Like read(), for a few scattered bytes (zip local headers): sources backed by a file read them
-  /// with pread instead of faulting in (and later unmapping) the mapped pages around each one.
-  virtual void peek(std::uint64_t offset, std::span<std::byte> dst) const { read(offset, dst); }
-
-  /// Throws errors::out_of_source unless [offset, offset + length) lies inside the source.
-  void check_range(std::uint64_t offset, std::uint64_t length, std::string_view what = "range") const {
-    if (offset > size() || length > size() - offset)
-      throw_error(errors::out_of_source, "file " + quote(name()),
-                  std::string(what) + " of " + std::to_string(length) + " bytes at offset " + std::to_string(offset) +
-                      " runs past the end (" + std::to_string(size()) + " bytes)");
-  }
-};
-
-/// Bytes held in memory (a Tensor, a vector, a string), or an unowned range kept alive by `owner`.
-class MemorySource final : public ByteSource {
- public:
-  MemorySource(std::string name, const std::byte* data, std::uint64_t size, keep_alive owner)
-      : name_(std::move(name)), data_(data), size_(size), owner_(std::move(owner)) {}
-  /// Owns a copy of `bytes`.
-  static std::shared_ptr<MemorySource> copy_of(std::string name, std::span<const std::byte> bytes) {
-    auto buf = std::make_shared<std::vector<std::byte>>(bytes.begin(), bytes.end());
-    return std::make_shared<MemorySource>(std::move(name), buf->data(), buf->size(), buf);
-  }
-
-  [[nodiscard]] const std::string& name() const noexcept override { return name_; }
-  [[nodiscard]] std::uint64_t size() const noexcept override { return size_; }
-  [[nodiscard]] const std::byte* data() const noexcept override { return data_; }
-  [[nodiscard]] keep_alive owner() const override { return owner_; }
-  void read(std::uint64_t offset, std::span<std::byte> dst) const override {
-    check_range(offset, dst.size());
-    if (!dst.empty()) std::memcpy(dst.data(), data_ + offset, dst.size());
-  }
-
- private:
-  std::string name_;
-  const std::byte* data_;
-  std::uint64_t size_;
-  keep_alive owner_;
-};
-
-/// Bytes [offset, offset + length) of another source, seen as a source of their own (a DCP item
-/// inside a .distcp file, a zip entry).
-class SliceSource final : public ByteSource {
- public:
-  SliceSource(std::shared_ptr<const ByteSource> base, std::uint64_t offset, std::uint64_t length, std::string name = {})
-      : base_(std::move(base)), offset_(offset), length_(length) {
-    base_->check_range(offset, length, "slice");
-    name_ = name.empty() ? base_->name() + "@" + std::to_string(offset) : std::move(name);
-  }
-  [[nodiscard]] const std::string& name() const noexcept override { return name_; }
-  [[nodiscard]] std::uint64_t size() const noexcept override { return length_; }
-  [[nodiscard]] const std::byte* data() const noexcept override {
-    const std::byte* d = base_->data();
-    return d ? d + offset_ : nullptr;
-  }
-  [[nodiscard]] int fd() const noexcept override { return base_->fd(); }
-  [[nodiscard]] std::uint64_t fd_offset() const noexcept override { return base_->fd_offset() + offset_; }
-  [[nodiscard]] keep_alive owner() const override { return base_->owner(); }
-  void read(std::uint64_t offset, std::span<std::byte> dst) const override {
-    check_range(offset, dst.size());
-    base_->read(offset_ + offset, dst);
-  }
-  void peek(std::uint64_t offset, std::span<std::byte> dst) const override {
-    check_range(offset, dst.size());
-    base_->peek(offset_ + offset, dst);
-  }
-  [[nodiscard]] const std::shared_ptr<const ByteSource>& base() const noexcept { return base_; }
-  [[nodiscard]] std::uint64_t offset() const noexcept { return offset_; }
-
- private:
-  std::shared_ptr<const ByteSource> base_;
-  std::uint64_t offset_;
-  std::uint64_t length_;
-  std::string name_;
-};
-
-/// Bytes [offset, offset + length) of a source, as a span kept alive by `owner`: zero-copy when the
-/// source is addressable, a fresh buffer otherwise.
-struct Region {
-  const std::byte* data = nullptr;
-  std::uint64_t size = 0;
-  keep_alive owner;
-  [[nodiscard]] std::span<const std::byte> span() const noexcept { return {data, static_cast<std::size_t>(size)}; }
-};
-
-/// Reads a region (see Region). Callers bound `length` by a format's cap before asking.
-inline Region read_region(const ByteSource& src, std::uint64_t offset, std::uint64_t length) {
-  src.check_range(offset, length);
-  if (const std::byte* d = src.data()) return Region{d + offset, length, src.owner()};
-  auto buf = std::make_shared<std::vector<std::byte>>(static_cast<std::size_t>(length));
-  src.read(offset, *buf);
-  const std::byte* p = buf->data();
-  return Region{p, length, std::move(buf)};
-}
-
-}  // namespace statedict::inline v0
-// ---- statedict/core/sha256.hpp ----
-// statedict: SHA-256 (FIPS 180-4) of byte streams, incremental, and of a tensor's elements.
-// SPDX-License-Identifier: MIT
-//
-// `Sha256 h; h.update(bytes); ...; h.hex()` hashes any stream in pieces of any size.
-// `sha256_hex(view)` is the digest the command line prints for `inspect --hash`: the tensor's
-// elements in row-major order, little-endian, no padding, whatever the view's strides (the same
-// bytes numpy's `tobytes()` gives for the tensor), so equal tensors hash equal across formats.
-
-#include <array>
-#include <cstddef>
-#include <cstdint>
-#include <cstring>
-#include <span>
-#include <string>
-#include <string_view>
-
-
-namespace statedict::inline v0 {
-
-/// Incremental SHA-256. Feed bytes with update(), read the digest once with digest() or hex();
-/// after that the object must be reset() before reuse.
-class Sha256 {
- public:
-  using digest_type = std::array<std::uint8_t, 32>;
-
-  Sha256() noexcept { reset(); }
-
-  void reset() noexcept {
-    static constexpr std::uint32_t init[8] = {0x6a09e667U, 0xbb67ae85U, 0x3c6ef372U, 0xa54ff53aU,
-                                              0x510e527fU, 0x9b05688cU, 0x1f83d9abU, 0x5be0cd19U};
-    std::memcpy(state_, init, sizeof state_);
-    length_ = 0;
-    fill_ = 0;
-  }
-
-  Sha256& update(std::span<const std::byte> bytes) noexcept {
-    const auto* p = reinterpret_cast<const std::uint8_t*>(bytes.data());
-    std::size_t n = bytes.size();
-    length_ += n;
-    if (fill_ != 0) {
-      const std::size_t take = n < 64 - fill_ ? n : 64 - fill_;
-      std::memcpy(block_ + fill_, p, take);
-      fill_ += take;
-      p += take;
-      n -= take;
-      if (fill_ < 64) return *this;
-      compress(block_);
-      fill_ = 0;
-    }
-    while (n >= 64) {
-      compress(p);
-      p += 64;
-      n -= 64;
-    }
-    if (n != 0) {
-      std::memcpy(block_, p, n);
-      fill_ = n;
-    }
-    return *this;
-  }
-  Sha256& update(std::string_view s) noexcept { return update(std::as_bytes(std::span<const char>(s.data(), s.size()))); }
-
-  /// The 32-byte digest of everything fed so far (finishes the stream).
-  digest_type digest() noexcept {
-    const std::uint64_t bits = length_ * 8U;
-    const std::uint8_t pad = 0x80;
-    update(std::as_bytes(std::span<const std::uint8_t>(&pad, 1)));
-    const std::uint8_t zero[64] = {};
-    const std::size_t zeros = fill_ <= 56 ? 56 - fill_ : 120 - fill_;
-    update(std::as_bytes(std::span<const std::uint8_t>(zero, zeros)));
-    std::uint8_t len[8];
-    for (int i = 0; i < 8; ++i) len[i] = static_cast<std::uint8_t>(bits >> (56 - 8 * i));
-    update(std::as_bytes(std::span<const std::uint8_t>(len, 8)));
-    digest_type out{};
-    for (std::size_t i = 0; i < 8; ++i)
-      for (std::size_t j = 0; j < 4; ++j) out[4 * i + j] = static_cast<std::uint8_t>(state_[i] >> (24 - 8 * j));
-    return out;
-  }
-
-  /// The digest as 64 lower-case hex digits (finishes the stream).
-  std::string hex() noexcept {
-    static constexpr char digits[] = "0123456789abcdef";
-    const digest_type d = digest();
-    std::string s(64, '0');
-    for (std::size_t i = 0; i < 32; ++i) {
-      s[2 * i] = digits[d[i] >> 4];
-      s[2 * i + 1] = digits[d[i] & 15U];
-    }
-    return s;
-  }
-
- private:
-  static constexpr std::uint32_t rotr(std::uint32_t x, int n) noexcept { return (x >> n) | (x << (32 - n)); }
-
-  void compress(const std::uint8_t* p) noexcept {
-    static constexpr std::uint32_t k[64] = {
-        0x428a2f98U, 0x71374491U, 0xb5c0fbcfU, 0xe9b5dba5U, 0x3956c25bU, 0x59f111f1U, 0x923f82a4U, 0xab1c5ed5U,
-        0xd807aa98U, 0x12835b01U, 0x243185beU, 0x550c7dc3U, 0x72be5d74U, 0x80deb1feU, 0x9bdc06a7U, 0xc19bf174U,
-        0xe49b69c1U, 0xefbe4786U, 0x0fc19dc6U, 0x240ca1ccU, 0x2de92c6fU, 0x4a7484aaU, 0x5cb0a9dcU, 0x76f988daU,
-        0x983e5152U, 0xa831c66dU, 0xb00327c8U, 0xbf597fc7U, 0xc6e00bf3U, 0xd5a79147U, 0x06ca6351U, 0x14292967U,
-        0x27b70a85U, 0x2e1b2138U, 0x4d2c6dfcU, 0x53380d13U, 0x650a7354U, 0x766a0abbU, 0x81c2c92eU, 0x92722c85U,
-        0xa2bfe8a1U, 0xa81a664bU, 0xc24b8b70U, 0xc76c51a3U, 0xd192e819U, 0xd6990624U, 0xf40e3585U, 0x106aa070U,
-        0x19a4c116U, 0x1e376c08U, 0x2748774cU, 0x34b0bcb5U, 0x391c0cb3U, 0x4ed8aa4aU, 0x5b9cca4fU, 0x682e6ff3U,
-        0x748f82eeU, 0x78a5636fU, 0x84c87814U, 0x8cc70208U, 0x90befffaU, 0xa4506cebU, 0xbef9a3f7U, 0xc67178f2U};
-    std::uint32_t w[64];
-    for (int i = 0; i < 16; ++i)
-      w[i] = (std::uint32_t{p[4 * i]} << 24) | (std::uint32_t{p[4 * i + 1]} << 16) | (std::uint32_t{p[4 * i + 2]} << 8) |
-             std::uint32_t{p[4 * i + 3]};
-    for (int i = 16; i < 64; ++i) {
-      const std::uint32_t s0 = rotr(w[i - 15], 7) ^ rotr(w[i - 15], 18) ^ (w[i - 15] >> 3);
-      const std::uint32_t s1 = rotr(w[i - 2], 17) ^ rotr(w[i - 2], 19) ^ (w[i - 2] >> 10);
-      w[i] = w[i - 16] + s0 + w[i - 7] + s1;
-    }
-    std::uint32_t a = state_[0], b = state_[1], c = state_[2], d = state_[3], e = state_[4], f = state_[5],
-                  g = state_[6], h = state_[7];
-    for (int i = 0; i < 64; ++i) {
-      const std::uint32_t t1 = h + (rotr(e, 6) ^ rotr(e, 11) ^ rotr(e, 25)) + ((e & f) ^ (~e & g)) + k[i] + w[i];
-      const std::uint32_t t2 = (rotr(a, 2) ^ rotr(a, 13) ^ rotr(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
-      h = g;
-      g = f;
-      f = e;
-      e = d + t1;
-      d = c;
-      c = b;
-      b = a;
-      a = t1 + t2;
-    }
-    state_[0] += a;
-    state_[1] += b;
-    state_[2] += c;
-    state_[3] += d;
-    state_[4] += e;
-    state_[5] += f;
-    state_[6] += g;
-    state_[7] += h;
-  }
-
-  std::uint32_t state_[8];
-  std::uint8_t block_[64];
-  std::uint64_t length_;
-  std::size_t fill_;
-};
-
-/// SHA-256 of a byte range, as 64 hex digits.
-inline std::string sha256_hex(std::span<const std::byte> bytes) { return Sha256().update(bytes).hex(); }
-inline std::string sha256_hex(std::string_view s) { return Sha256().update(s).hex(); }
-
-/// Feeds a tensor's elements to `h`: row-major, little-endian, no padding; strided and misaligned
-/// views are fine (each contiguous run is fed as it lies in memory).
-inline void update(Sha256& h, const TensorView& v) {
-  v.for_each_run([&](const std::byte* p, std::uint64_t count) {
-    h.update(std::span<const std::byte>(p, static_cast<std::size_t>(count * v.itemsize())));
-  });
-}
-
-/// SHA-256 of a tensor's elements (row-major, little-endian, no padding): `inspect --hash`.
-inline std::string sha256_hex(const TensorView& v) {
-  Sha256 h;
-  update(h, v);
-  return h.hex();
-}
-
-}  // namespace statedict::inline v0
-// ---- statedict/core/value_json.hpp ----
-// statedict: a non-tensor leaf of a state dict as JSON, the form `inspect --json` prints and
-// `verify` quotes.
-// SPDX-License-Identifier: MIT
-
-#include <cmath>
-#include <string>
-
-#include <nlohmann/json.hpp>
-
-
-namespace statedict::inline v0 {
-
-/// `v` as JSON: None, bool, int, float (non-finite as the strings "nan", "inf", "-inf"), str;
-/// bytes as {"bytes_hex": ...}; lists and tuples as arrays; an empty dict as {}; an opaque object
-/// as {"object": "module.name"}; a tensor as {"tensor": "[shape]"}.
-inline nlohmann::ordered_json value_json(const Value& v) {
-  using K = value_kind;
-  switch (v.kind()) {
-    case K::none: return nullptr;
-    case K::boolean: return v.as_bool();
-    case K::integer: return v.as_int();
-    case K::floating: {
-      const double d = v.as_double();
-      if (std::isnan(d)) return "nan";
-      if (std::isinf(d)) return d > 0 ? "inf" : "-inf";
-      return d;
-    }
-    case K::string: return v.as_string();
-    case K::bytes: {
-      static constexpr char hex[] = "0123456789abcdef";
-      std::string h;
-      for (auto b : v.as_bytes().data) {
-        h += hex[b >> 4];
-        h += hex[b & 15];
-      }
-      return nlohmann::ordered_json{{"bytes_hex", h}};
-    }
-    case K::list:
-    case K::tuple: {
-      auto a = nlohmann::ordered_json::array();
-      for (const auto& x : v.as_list()) a.push_back(value_json(x));
-      return a;
-    }
-    case K::dict: return nlohmann::ordered_json::object();
-    case K::object: return nlohmann::ordered_json{{"object", v.as_object().qualified()}};
-    case K::tensor: return nlohmann::ordered_json{{"tensor", to_string(v.as_tensor().shape())}};
-  }
-  return nullptr;
-}
-
-}  // namespace statedict::inline v0
-// ---- statedict/io/file.hpp ----
-// statedict: input files (memory-mapped or pread) and output files that appear atomically.
-// SPDX-License-Identifier: MIT
-//
-// Input: `InputFile::open(path)` maps the file read-only; every TensorView into it shares the
-// mapping as its keep-alive handle, so the mapping lives as long as any view. `read_mode::pread`
-// reads with positioned reads instead, for filesystems where mapping is slow or unsafe (network
-// filesystems); readers then copy what they hand out.
-//
-// Output: `OutputFile::create(path)` writes to a temporary name in the same directory; `commit()`
-// fsyncs it, renames it over `path` and fsyncs the directory, so a crash leaves the old file or
-// nothing, never a partial file under the final name. An `OutputDir` does the same for a directory
-// of files (a sharded checkpoint). Temporaries left by a killed run are removed by the next run
-// that writes the same target.
-
-#include <fcntl.h>
-#include <signal.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#include <atomic>
-#include <cerrno>
-#include <cstdint>
-#include <cstdio>
-#include <cstring>
-#include <filesystem>
-#include <memory>
-#include <span>
-#include <string>
-#include <string_view>
-#include <system_error>
-#include <utility>
-#include <vector>
-
-
-namespace statedict::inline v0 {
-
-namespace errors {
-// clang-format off
-inline constexpr error_id open_failed      {380, error_kind::io,    "io.open_failed"};
-inline constexpr error_id read_failed      {381, error_kind::io,    "io.read_failed"};
-inline constexpr error_id write_failed     {382, error_kind::io,    "io.write_failed"};
-inline constexpr error_id not_regular_file {383, error_kind::usage, "io.not_regular_file"};
-inline constexpr error_id map_failed       {384, error_kind::io,    "io.map_failed"};
-inline constexpr error_id commit_failed    {385, error_kind::io,    "io.commit_failed"};
-inline constexpr error_id file_shrank      {386, error_kind::format,"io.file_shrank"};
-inline constexpr error_id not_a_directory  {387, error_kind::usage, "io.not_a_directory"};
-// clang-format on
-}  // namespace errors
-
-namespace detail {
-inline std::string errno_text(int e) { return std::error_code(e, std::generic_category()).message(); }
-
-/// Owns a file descriptor and, when mapped, the mapping; the keep-alive handle of every view.
-struct file_handle {
-  int fd = -1;
-  void* map = nullptr;
-  std::uint64_t size = 0;
-  file_handle() = default;
-  file_handle(const file_handle&) = delete;
-  file_handle& operator=(const file_handle&) = delete;
-  ~file_handle() {
-    if (map) ::munmap(map, static_cast<std::size_t>(size));
-    if (fd >= 0) ::close(fd);
-  }
-};
-}  // namespace detail
-
-enum class read_mode : std::uint8_t {
-  mmap,   ///< map the file; views point into the mapping (zero copy)
-  pread,  ///< positioned reads; nothing is mapped
-};
-
-/// Access pattern hints for a range of a mapped file.
-enum class access_hint : std::uint8_t { normal, sequential, random, willneed, dontneed };
-
-/// A regular file opened for reading.
-class InputFile final : public ByteSource {
-  struct private_tag {};
-
- public:
-  /// Opens `path`; throws errors::open_failed, errors::not_regular_file or errors::map_failed.
-  static std::shared_ptr<const InputFile> open(const std::filesystem::path& path, read_mode mode = read_mode::mmap) {
-    return std::make_shared<const InputFile>(private_tag{}, path, mode);
-  }
-
-  InputFile(private_tag, const std::filesystem::path& path, read_mode mode)
-      : name_(path.string()), mode_(mode), h_(std::make_shared<detail::file_handle>()) {
-    const std::string where = "file " + quote(name_);
-    h_->fd = ::open(name_.c_str(), O_RDONLY | O_CLOEXEC);
-    if (h_->fd < 0) throw_error(errors::open_failed, where, "cannot open: " + detail::errno_text(errno));
-    struct stat st {};
-    if (::fstat(h_->fd, &st) != 0) throw_error(errors::open_failed, where, "cannot stat: " + detail::errno_text(errno));
-    if (!S_ISREG(st.st_mode)) throw_error(errors::not_regular_file, where, "not a regular file");
-    h_->size = static_cast<std::uint64_t>(st.st_size);
-    if (mode_ == read_mode::mmap && h_->size > 0) {
-      void* p = ::mmap(nullptr, static_cast<std::size_t>(h_->size), PROT_READ, MAP_PRIVATE, h_->fd, 0);
-      if (p == MAP_FAILED) throw_error(errors::map_failed, where, "cannot map: " + detail::errno_text(errno));
-      h_->map = p;
-    }
-  }
-
-  [[nodiscard]] const std::string& name() const noexcept override { return name_; }
-  [[nodiscard]] std::uint64_t size() const noexcept override { return h_->size; }
-  [[nodiscard]] const std::byte* data() const noexcept override { return static_cast<const std::byte*>(h_->map); }
-  [[nodiscard]] int fd() const noexcept override { return h_->fd; }
-  [[nodiscard]] keep_alive owner() const override { return h_; }
-  [[nodiscard]] read_mode mode() const noexcept { return mode_; }
-  [[nodiscard]] bool mapped() const noexcept { return h_->map != nullptr; }
-
-  void read(std::uint64_t offset, std::span<std::byte> dst) const override {
-    check_range(offset, dst.size());
-    if (dst.empty()) return;
-    if (h_->map) {
-      std::memcpy(dst.data(), data() + offset, dst.size());
-      return;
-    }
-    pread_all(offset, dst);
-  }
-  void peek(std::uint64_t offset, std::span<std::byte> dst) const override {
-    check_range(offset, dst.size());
-    if (!dst.empty()) pread_all(offset, dst);
-  }
-
-  /// Advises the kernel about how [offset, offset + length) will be read (mapped files only).
-  void advise(std::uint64_t offset, std::uint64_t length, access_hint hint) const noexcept {
-    if (!h_->map || length == 0 || offset >= h_->size) return;
-    const auto page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
-    const std::uint64_t begin = offset / page * page;
-    const std::uint64_t end = std::min(h_->size, offset + std::min(length, h_->size - offset));
-    int advice = MADV_NORMAL;
-    switch (hint) {
-      case access_hint::normal: advice = MADV_NORMAL; break;
-      case access_hint::sequential: advice = MADV_SEQUENTIAL; break;
-      case access_hint::random: advice = MADV_RANDOM; break;
-      case access_hint::willneed: advice = MADV_WILLNEED; break;
-      case access_hint::dontneed: advice = MADV_DONTNEED; break;
-    }
-    (void)::madvise(static_cast<char*>(h_->map) + begin, static_cast<std::size_t>(end - begin), advice);
-  }
-
- private:
-  void pread_all(std::uint64_t offset, std::span<std::byte> dst) const {
-    std::size_t done = 0;
-    while (done < dst.size()) {
-      const ssize_t n = ::pread(h_->fd, dst.data() + done, dst.size() - done, static_cast<off_t>(offset + done));
-      if (n < 0) {
-        if (errno == EINTR) continue;
-        throw_error(errors::read_failed, "file " + quote(name_),
-                    "read at offset " + std::to_string(offset + done) + " failed: " + detail::errno_text(errno));
-      }
-      if (n == 0)
-        throw_error(errors::file_shrank, "file " + quote(name_),
-                    "ends at offset " + std::to_string(offset + done) + ", shorter than when opened");
-      done += static_cast<std::size_t>(n);
-    }
-  }
-
-  std::string name_;
-  read_mode mode_;
-  std::shared_ptr<detail::file_handle> h_;
-};
-
-namespace detail {
-/// Temporary names are `.<target>.statedict-<pid>-<n>.tmp` next to the target.
-inline std::string temp_prefix(const std::string& target_name) { return "." + target_name + ".statedict-"; }
-
-inline std::string temp_name(const std::string& target_name) {
-  static std::atomic<unsigned> counter{0};
-  return temp_prefix(target_name) + std::to_string(::getpid()) + "-" + std::to_string(counter++) + ".tmp";
-}
-
-/// Removes temporaries of `target_name` in `dir` whose writing process no longer exists.
-inline void remove_stale_temps(const std::filesystem::path& dir, const std::string& target_name) {
-  std::error_code ec;
-  const std::string prefix = temp_prefix(target_name);
-  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
-    const std::string n = entry.path().filename().string();
-    if (n.size() <= prefix.size() + 4 || n.compare(0, prefix.size(), prefix) != 0 || n.substr(n.size() - 4) != ".tmp")
-      continue;
-    const std::string rest = n.substr(prefix.size());
-    const auto dash = rest.find('-');
-    if (dash == std::string::npos) continue;
-    long pid = 0;
-    try {
-      pid = std::stol(rest.substr(0, dash));
-    } catch (...) {
-      continue;
-    }
-    if (pid <= 0 || pid == ::getpid()) continue;
-    if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;  // still running (or not ours to judge)
-    std::filesystem::remove_all(entry.path(), ec);
-  }
-}
-
-inline void fsync_dir(const std::filesystem::path& dir) {
-  const int dfd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd < 0) return;
-  (void)::fsync(dfd);
-  ::close(dfd);
-}
-
-/// "out/" names the directory "out": drop a trailing separator.
-inline std::filesystem::path without_trailing_slash(const std::filesystem::path& p) {
-  auto n = p.lexically_normal();
-  if (n.filename().empty() && n.has_parent_path()) n = n.parent_path();
-  return n;
-}
-
-inline std::filesystem::path parent_or_dot(const std::filesystem::path& p) {
-  auto parent = p.parent_path();
-  return parent.empty() ? std::filesystem::path(".") : parent;
-}
-}  // namespace detail
-
-/// A file being written. Created under a temporary name; appears under its final name only when
-/// `commit()` succeeds. Destroying it uncommitted removes the temporary. Writes are unbuffered:
-/// callers write large blocks.
-class OutputFile {
- public:
-  /// Starts writing `path` atomically (temporary name in the same directory).
-  static OutputFile create(const std::filesystem::path& path) { return OutputFile(path, true); }
-  /// Starts writing `path` directly (for files inside an OutputDir, which is itself atomic).
-  static OutputFile create_plain(const std::filesystem::path& path) { return OutputFile(path, false); }
-
-  OutputFile(OutputFile&& o) noexcept
-      : final_(std::move(o.final_)), temp_(std::move(o.temp_)), fd_(std::exchange(o.fd_, -1)), pos_(o.pos_),
-        atomic_(o.atomic_), committed_(o.committed_) {}
-  OutputFile& operator=(OutputFile&& o) noexcept {
-    if (this != &o) {
-      abandon();
-      final_ = std::move(o.final_);
-      temp_ = std::move(o.temp_);
-      fd_ = std::exchange(o.fd_, -1);
-      pos_ = o.pos_;
-      atomic_ = o.atomic_;
-      committed_ = o.committed_;
-    }
-    return *this;
-  }
-  OutputFile(const OutputFile&) = delete;
-  OutputFile& operator=(const OutputFile&) = delete;
-  ~OutputFile() { abandon(); }
-
-  [[nodiscard]] const std::filesystem::path& path() const noexcept { return final_; }
-  [[nodiscard]] const std::filesystem::path& temp_path() const noexcept { return temp_; }
-  [[nodiscard]] int fd() const noexcept { return fd_; }
-  /// Bytes appended with write() so far.
-  [[nodiscard]] std::uint64_t position() const noexcept { return pos_; }
-
-  /// Appends bytes at position().
-  void write(std::span<const std::byte> bytes) {
-    pwrite(pos_, bytes);
-    pos_ += bytes.size();
-  }
-  void write(std::string_view s) { write(std::as_bytes(std::span<const char>(s.data(), s.size()))); }
-
-  /// Writes bytes at `offset` (thread-safe; does not move position()).
-  void pwrite(std::uint64_t offset, std::span<const std::byte> bytes) const {
-    std::size_t done = 0;
-    while (done < bytes.size()) {
-      const ssize_t n = ::pwrite(fd_, bytes.data() + done, bytes.size() - done, static_cast<off_t>(offset + done));
-      if (n < 0) {
-        if (errno == EINTR) continue;
-        throw_error(errors::write_failed, "file " + quote(final_.string()), "write failed: " + detail::errno_text(errno));
-      }
-      done += static_cast<std::size_t>(n);
-    }
-  }
-
-  /// Sets the file size (sparse extension), so positioned writes can fill it in any order.
-  void resize(std::uint64_t size) const {
-    if (::ftruncate(fd_, static_cast<off_t>(size)) != 0)
-      throw_error(errors::write_failed, "file " + quote(final_.string()), "cannot resize: " + detail::errno_text(errno));
-  }
-
-  /// Moves position() (for callers that fill regions with pwrite and then append).
-  void seek(std::uint64_t pos) noexcept { pos_ = pos; }
-
-  /// Flushes to disk and gives the file its final name.
-  void commit() {
-    if (committed_) return;
-    const std::string where = "file " + quote(final_.string());
-    if (::fsync(fd_) != 0) throw_error(errors::commit_failed, where, "fsync failed: " + detail::errno_text(errno));
-    if (::close(std::exchange(fd_, -1)) != 0)
-      throw_error(errors::commit_failed, where, "close failed: " + detail::errno_text(errno));
-    if (atomic_) {
-      if (::rename(temp_.c_str(), final_.c_str()) != 0)
-        throw_error(errors::commit_failed, where, "rename failed: " + detail::errno_text(errno));
-      detail::fsync_dir(detail::parent_or_dot(final_));
-    }
-    committed_ = true;
-  }
-
- private:
-  OutputFile(const std::filesystem::path& path, bool atomic) : final_(path), atomic_(atomic) {
-    const std::string name = final_.filename().string();
-    if (name.empty()) throw_error(errors::open_failed, "file " + quote(path.string()), "not a file name");
-    if (atomic_) {
-      const auto dir = detail::parent_or_dot(path);
-      detail::remove_stale_temps(dir, name);
-      temp_ = dir / detail::temp_name(name);
-    } else {
-      temp_ = path;
-    }
-    fd_ = ::open(temp_.c_str(), O_WRONLY | O_CREAT | (atomic_ ? O_EXCL : O_TRUNC) | O_CLOEXEC, 0666);
-    if (fd_ < 0)
-      throw_error(errors::open_failed, "file " + quote(path.string()), "cannot create: " + detail::errno_text(errno));
-  }
-
-  void abandon() noexcept {
-    if (fd_ >= 0) ::close(std::exchange(fd_, -1));
-    if (!committed_ && !temp_.empty()) ::unlink(temp_.c_str());
-    temp_.clear();
-  }
-
-  std::filesystem::path final_;
-  std::filesystem::path temp_;
-  int fd_ = -1;
-  std::uint64_t pos_ = 0;
-  bool atomic_ = true;
-  bool committed_ = false;
-};
-
-/// Gathers small positioned writes into an OutputFile and issues each run of adjacent ones as one
-/// pwrite: the zip headers, descriptors and directories around storages that the executor writes
-/// (a DCP rank file of 10,000 items is otherwise 100,000 writes of a few dozen bytes). Writes that
-/// do not continue the pending run start a new one; call flush() when done (the destructor drops
-/// what is pending: after an error the file is abandoned anyway).
-class WriteCoalescer {
- public:
-  explicit WriteCoalescer(const OutputFile& file, std::size_t max_run = std::size_t{1} << 20) : file_(&file), max_(max_run) {}
-
-  void write(std::uint64_t offset, std::span<const std::byte> bytes) {
-    if (bytes.empty()) return;
-    if (buf_.empty() || offset != start_ + buf_.size() || buf_.size() + bytes.size() > max_) {
-      flush();
-      if (bytes.size() >= max_) {
-        file_->pwrite(offset, bytes);
-        return;
-      }
-      start_ = offset;
-    }
-    buf_.insert(buf_.end(), bytes.begin(), bytes.end());
-  }
-  void flush() {
-    if (buf_.empty()) return;
-    file_->pwrite(start_, buf_);
-    buf_.clear();
-  }
-
- private:
-  const OutputFile* file_;
-  std::size_t max_;
-  std::uint64_t start_ = 0;
-  std::vector<std::byte> buf_;
-};
-
-/// A directory of output files that appears atomically: files are written into a temporary
-/// directory next to the target; `commit()` fsyncs them and swaps the directory into place (an
-/// existing target is replaced in one step with renameat2(RENAME_EXCHANGE), then removed).
-class OutputDir {
- public:
-  static OutputDir create(const std::filesystem::path& path) { return OutputDir(path); }
-
-  OutputDir(OutputDir&& o) noexcept
-      : final_(std::move(o.final_)), temp_(std::move(o.temp_)), committed_(std::exchange(o.committed_, true)) {}
-  OutputDir(const OutputDir&) = delete;
-  OutputDir& operator=(const OutputDir&) = delete;
-  OutputDir& operator=(OutputDir&&) = delete;
-  ~OutputDir() {
-    if (!committed_ && !temp_.empty()) {
-      std::error_code ec;
-      std::filesystem::remove_all(temp_, ec);
-    }
-  }
-
-  [[nodiscard]] const std::filesystem::path& path() const noexcept { return final_; }
-  /// Where files go until commit().
-  [[nodiscard]] const std::filesystem::path& temp_path() const noexcept { return temp_; }
-
-  /// Creates `relative` inside the directory (subdirectories are created as needed).
-  OutputFile create_file(const std::filesystem::path& relative) const {
-    const auto p = temp_ / relative;
-    std::error_code ec;
-    std::filesystem::create_directories(p.parent_path(), ec);
-    return OutputFile::create_plain(p);
-  }
-
-  /// fsyncs every file and the directory, then moves it to its final name.
-  void commit() {
-    if (committed_) return;
-    const std::string where = "directory " + quote(final_.string());
-    std::error_code ec;
-    for (const auto& e : std::filesystem::recursive_directory_iterator(temp_, ec)) {
-      const int fd = ::open(e.path().c_str(), O_RDONLY | O_CLOEXEC);
-      if (fd < 0) continue;
-      const int rc = ::fsync(fd);
-      ::close(fd);
-      if (rc != 0) throw_error(errors::commit_failed, where, "fsync failed: " + detail::errno_text(errno));
-    }
-    detail::fsync_dir(temp_);
-    if (std::filesystem::exists(final_, ec)) {
-      if (!std::filesystem::is_directory(final_, ec))
-        throw_error(errors::not_a_directory, where, "exists and is not a directory");
-      // Atomic swap, then remove the old tree (now under the temporary name).
-      if (::syscall(SYS_renameat2, AT_FDCWD, temp_.c_str(), AT_FDCWD, final_.c_str(), 2 /* RENAME_EXCHANGE */) != 0)
-        throw_error(errors::commit_failed, where, "cannot replace: " + detail::errno_text(errno));
-      committed_ = true;
-      std::filesystem::remove_all(temp_, ec);
-    } else {
-      if (::rename(temp_.c_str(), final_.c_str()) != 0)
-        throw_error(errors::commit_failed, where, "rename failed: " + detail::errno_text(errno));
-      committed_ = true;
-    }
-    detail::fsync_dir(detail::parent_or_dot(final_));
-  }
-
- private:
-  explicit OutputDir(const std::filesystem::path& path) : final_(detail::without_trailing_slash(path)) {
-    const std::string name = final_.filename().string();
-    if (name.empty()) throw_error(errors::open_failed, "directory " + quote(path.string()), "not a directory name");
-    const auto parent = detail::parent_or_dot(final_);
-    detail::remove_stale_temps(parent, name);
-    temp_ = parent / detail::temp_name(name);
-    if (::mkdir(temp_.c_str(), 0777) != 0)
-      throw_error(errors::open_failed, "directory " + quote(path.string()), "cannot create: " + detail::errno_text(errno));
-  }
-
-  std::filesystem::path final_;
-  std::filesystem::path temp_;
-  bool committed_ = false;
-};
-
-/// A file of a multi-file output and the size its plan gives it.
-struct PlannedFile {
-  std::string name;
-  std::uint64_t size = 0;
-};
-
-/// The last step of an output written in parts (`--part index`): throws `id`, naming `kind` (a
-/// "Hugging Face checkpoint"), `dir` and every planned file (a `noun`, "shard") that is missing or
-/// has another size than planned, unless there is none.
-inline void check_parts_written(const std::filesystem::path& dir, const std::vector<PlannedFile>& files, const error_id& id,
-                                std::string_view kind, std::string_view noun) {
-  std::vector<std::string> missing, wrong;
-  for (const PlannedFile& f : files) {
-    std::error_code ec;
-    const auto have = std::filesystem::file_size(dir / f.name, ec);
-    if (ec) missing.push_back(quote(f.name));
-    else if (have != f.size)
-      wrong.push_back(quote(f.name) + " has " + std::to_string(have) + " bytes, the plan expects " + std::to_string(f.size));
-  }
-  if (missing.empty() && wrong.empty()) return;
-  auto list = [](const std::vector<std::string>& v) {
-    std::string s;
-    for (std::size_t i = 0; i < v.size() && i < 20; ++i) s += (i ? ", " : "") + v[i];
-    if (v.size() > 20) s += " and " + std::to_string(v.size() - 20) + " more";
-    return s;
-  };
-  std::string what;
-  if (!missing.empty())
-    what = std::to_string(missing.size()) + " " + std::string(noun) + (missing.size() == 1 ? "" : "s") + " missing (" + list(missing) +
-           "): write every part before the index";
-  if (!wrong.empty())
-    what += (what.empty() ? "" : "; ") + list(wrong) + " (a part written with other options?)";
-  throw_error(id, std::string(kind) + " " + quote(dir.string()), what);
-}
-
-}  // namespace statedict::inline v0
-// ---- statedict/io/safetensors.hpp ----
-// statedict: safetensors files: a validated zero-copy reader, and the layout the writers use.
-// SPDX-License-Identifier: MIT
-//
-// Format (huggingface/safetensors): u64 little-endian N, N bytes of UTF-8 JSON (the header), then
-// the data section. The header maps each tensor name to {"dtype", "shape", "data_offsets"} (byte
-// offsets into the data section) plus an optional "__metadata__" string-to-string map.
-//
-// Reading: `safetensors::File::open(path)` maps the file (or reads it with pread), validates the
-// header with every rule of the reference reader (`read_metadata`, `Metadata::validate`), each
-// violation with its own error id naming the file and the tensor, and exposes the tensors in file
-// order as TensorViews into the mapping (no copy; each view keeps the mapping alive).
-// `describe()` gives the ShardedCheckpoint of the file; `to_value()` the Value tree.
-//
-// Writing: `safetensors::layout` computes the header and every tensor's data offsets the
-// reference writer (`serialize_to_file`) would produce, before a byte is written; the writers that
-// stream the bytes are in formats/safetensors.hpp.
-//
-// statedict's own `__metadata__` keys (every other key is the user's and is kept as is):
-//   "statedict.aliases"   JSON object {alias name: stored tensor name}: tied tensors written once
-//   "statedict.skeleton"  the flatten skeleton (core/flatten.hpp) of a nested state, compact JSON
-// docs/safetensors.md describes the rules, the ids and where statedict differs from the reference.
-
-#include <fcntl.h>
-#include <locale.h>
-#include <sys/types.h>
-#include <unistd.h>
-
-#include <algorithm>
-#include <array>
-#include <cerrno>
-#include <cmath>
-#include <cstddef>
-#include <cstdint>
-#include <cstring>
-#include <filesystem>
-#include <map>
-#include <memory>
-#include <optional>
-#include <span>
-#include <string>
-#include <string_view>
-#include <unordered_map>
-#include <unordered_set>
-#include <utility>
-#include <vector>
-
-#include <nlohmann/json.hpp>
-
-// ---- statedict/core/flatten.hpp ----
-// statedict: flatten a Value tree into named tensors plus a skeleton, and back.
-// SPDX-License-Identifier: MIT
-//
-// `flatten(tree)` gives an ordered `name -> TensorView` list (the tensors, in tree pre-order) and a
-// skeleton holding everything else (core/skeleton.hpp; its format, the naming rule and the alias
-// rule are in docs/flatten.md). `unflatten(tensors, skeleton)` gives back a tree equal to the
-// original, for every tree. Also the questions a skeleton answers without rebuilding the tree:
-// its tensor nodes, its aliases, its non-tensor values.
-//
-// A skeleton is input from files: every function that reads one validates it and throws a
-// statedict error naming the node (never crashes); all walks are iterative, so nesting depth is
-// bounded only by memory.
-
-#include <deque>
-#include <string>
-#include <string_view>
-#include <unordered_set>
-#include <utility>
-#include <vector>
-
-#include <nlohmann/json.hpp>
-
-// ---- statedict/core/detail/flattener.hpp ----
-// statedict: the flattener, a single iterative walk of a Value tree that lists its tensors by name
-// and records everything else in a skeleton_tape (core/flatten.hpp is its public face).
-// SPDX-License-Identifier: MIT
-
-#include <algorithm>
-#include <array>
-#include <atomic>
-#include <bit>
-#include <charconv>
-#include <cmath>
-#include <cstddef>
-#include <cstdint>
-#include <cstring>
-#include <deque>
-#include <functional>
-#include <iterator>
-#include <memory>
-#include <optional>
-#include <string>
-#include <string_view>
-#include <type_traits>
-#include <unordered_map>
-#include <unordered_set>
-#include <utility>
-#include <vector>
-
-// ---- statedict/core/skeleton.hpp ----
-// statedict: the skeleton, everything of a state dict that is not a tensor, and FlatStateDict.
-// SPDX-License-Identifier: MIT
-//
-// core/flatten.hpp turns a tree into named tensors plus a skeleton holding everything else: container
-// kinds, key types, non-tensor leaves, and which tensors are the same view (aliases) or views into
-// another tensor's elements (view_of). The skeleton format, the naming rule and the alias rule are
-// documented in docs/flatten.md; in short:
-//
-//   {"statedict_skeleton": 1, "root": NODE}
-//   NODE := null | true | false | <JSON integer> | <finite JSON float> | "<string>"
-//         | {"float": "nan" | "inf" | "-inf" | "0x<16 hex digits>"} | {"bytes": "<base64>"}
-//         | {"str_bytes": "<base64>"}          (a string that is not valid UTF-8; also as a dict KEY)
-//         | {"tensor": NAME, "dtype": "F32", "shape": [..]}
-//         | {"alias": NAME}
-//         | {"view_of": NAME, "dtype": "F32", "offset": k, "shape": [..], "strides": [..]}
-//         | {"dict": [[KEY, NODE], ...]} | {"list": [NODE...]} | {"tuple": [NODE...]}
-//         | {"object": {"module": M, "name": N, "how": "global"|"reduce"|"newobj",
-//                       "args": [NODE...], "state": [NODE...], "items": [NODE...]}}
-//
-// A skeleton is input from files: every function that reads one validates it and throws a
-// statedict error naming the node (never crashes); all walks are iterative, so nesting depth is
-
-#include <atomic>
-#include <cstdint>
-#include <memory>
-#include <string>
-#include <string_view>
-#include <utility>
-#include <vector>
-
-#include <nlohmann/json.hpp>
-
-// ---- statedict/core/detail/skeleton_tape.hpp ----
-// statedict: the skeleton's JSON nodes, and the compact form flatten builds (skeleton_tape) with
-// its conversions to a JSON document and to compact JSON text.
-// SPDX-License-Identifier: MIT
-
-#include <algorithm>
-#include <array>
-#include <atomic>
-#include <bit>
-#include <charconv>
-#include <cmath>
-#include <cstddef>
-#include <cstdint>
-#include <cstring>
-#include <deque>
-#include <functional>
-#include <iterator>
-#include <memory>
-#include <optional>
-#include <string>
-#include <string_view>
-#include <type_traits>
-#include <unordered_map>
-#include <unordered_set>
-#include <utility>
-#include <vector>
-
-#include <nlohmann/json.hpp>
-
 // ---- statedict/core/detail/text.hpp ----
 // statedict: text helpers every layer shares: base64, UTF-8 validation, JSON string and number
 // writing in the byte-exact form serde_json and nlohmann::json::dump() produce.
@@ -3578,6 +2910,11 @@ inline std::optional<std::string> tape_dump(const skeleton_tape& t) {
 }
 
 }  // namespace statedict::inline v0::detail
+#else
+namespace statedict::inline v0::detail {
+struct skeleton_tape;
+}  // namespace statedict::inline v0::detail
+#endif
 
 namespace statedict::inline v0 {
 
@@ -3655,19 +2992,6 @@ class Skeleton {
   mutable std::atomic<nlohmann::json*> cache_{nullptr};  // the tape's document, once built
 };
 
-/// What `flatten` returns: the tensors (unique names, tree pre-order) and the skeleton.
-struct FlatStateDict {
-  NamedTensors tensors;
-  Skeleton skeleton;
-
-  /// The tensor named `name`, or nullptr (a linear search).
-  [[nodiscard]] const TensorView* find(std::string_view name) const {
-    for (const auto& [n, v] : tensors)
-      if (n == name) return &v;
-    return nullptr;
-  }
-};
-
 /// Where a `view_of` node's elements are: element offset, shape and strides over the row-major
 /// flat index of its (contiguous) base tensor.
 struct ViewSpec {
@@ -3718,10 +3042,15 @@ inline TensorView view_into(const TensorView& base, const ViewSpec& spec) {
 }
 
 /// The compact JSON text of a skeleton (or any JSON value), exactly what `skeleton.dump()` gives,
+/// without recursion (see its definition below).
+STATEDICT_API std::string skeleton_dump(const nlohmann::json& j);
+
+#ifndef STATEDICT_DECLARATIONS_ONLY
+/// The compact JSON text of a skeleton (or any JSON value), exactly what `skeleton.dump()` gives,
 /// without recursion: nlohmann's dump() recurses once per nesting level, which a skeleton of a
 /// very deep tree would turn into a stack overflow. Throws nlohmann's type_error on strings that
 /// are not UTF-8, as dump() does (flatten never puts one in a skeleton).
-inline std::string skeleton_dump(const nlohmann::json& j) {
+STATEDICT_API std::string skeleton_dump(const nlohmann::json& j) {
   using json = nlohmann::json;
   std::string out;
   struct frame {
@@ -3774,7 +3103,7 @@ inline std::string skeleton_dump(const nlohmann::json& j) {
 
 // ---- Skeleton members
 
-inline const nlohmann::json& Skeleton::json() const {
+STATEDICT_API const nlohmann::json& Skeleton::json() const {
   if (!tape_) return doc_;
   nlohmann::json* p = cache_.load(std::memory_order_acquire);
   if (p) return *p;
@@ -3783,7 +3112,7 @@ inline const nlohmann::json& Skeleton::json() const {
   return *p;  // another thread built it first
 }
 
-inline nlohmann::json& Skeleton::mutable_json() {
+STATEDICT_API nlohmann::json& Skeleton::mutable_json() {
   if (tape_) {
     doc_ = std::move(*this).take_json();
     tape_.reset();
@@ -3791,7 +3120,7 @@ inline nlohmann::json& Skeleton::mutable_json() {
   return doc_;
 }
 
-inline nlohmann::json Skeleton::take_json() && {
+STATEDICT_API nlohmann::json Skeleton::take_json() && {
   if (!tape_) return std::move(doc_);
   std::unique_ptr<nlohmann::json> cached(cache_.exchange(nullptr));
   nlohmann::json out = cached ? std::move(*cached) : detail::tape_to_json(*tape_);
@@ -3799,13 +3128,160 @@ inline nlohmann::json Skeleton::take_json() && {
   return out;
 }
 
-inline std::string Skeleton::dump() const {
+STATEDICT_API std::string Skeleton::dump() const {
   if (tape_)
     if (auto text = detail::tape_dump(*tape_)) return std::move(*text);
   return skeleton_dump(json());
 }
 
+#endif  // STATEDICT_DECLARATIONS_ONLY
+
 }  // namespace statedict::inline v0
+
+namespace statedict::inline v0 {
+
+namespace detail {
+/// A name a skeleton ties to a stored tensor: an alias of it (no view) or a view into it.
+struct skeleton_tie {
+  std::string name, target;
+  std::optional<ViewSpec> view;
+};
+/// The ties of a skeleton (core/flatten.hpp).
+STATEDICT_API std::vector<skeleton_tie> skeleton_ties(const Skeleton& skeleton);
+}  // namespace detail
+
+/// What `flatten` returns: the tensors (unique names, tree pre-order) and the skeleton.
+struct FlatStateDict {
+  NamedTensors tensors;
+  Skeleton skeleton;
+
+  FlatStateDict() = default;
+  FlatStateDict(NamedTensors t, Skeleton s) : tensors(std::move(t)), skeleton(std::move(s)) {}
+  FlatStateDict(const FlatStateDict& o) : tensors(o.tensors), skeleton(o.skeleton) {}
+  FlatStateDict(FlatStateDict&& o) noexcept : tensors(std::move(o.tensors)), skeleton(std::move(o.skeleton)) {}
+  FlatStateDict& operator=(const FlatStateDict& o) {
+    if (this != &o) *this = FlatStateDict(o);
+    return *this;
+  }
+  FlatStateDict& operator=(FlatStateDict&& o) noexcept {
+    tensors = std::move(o.tensors);
+    skeleton = std::move(o.skeleton);
+    reset_index();
+    return *this;
+  }
+  ~FlatStateDict() { reset_index(); }
+
+  /// The tensor named `name`: a stored one, or a name the skeleton ties to one (an alias gives the
+  /// same view, a view_of node the view into its base). nullopt when there is none. Found by hash
+  /// (the index is built on the first call, safely from several threads, and again when the
+  /// number of tensors changed; after renaming entries in place call reset_index()).
+  [[nodiscard]] std::optional<TensorView> find(std::string_view name) const {
+    const lookup& ix = index();
+    const std::uint32_t i = ix.names.find(hash_of(name), [&](std::uint32_t p) { return tensors[p].first == name; });
+    if (i != detail::hash_index::npos) return tensors[i].second;
+    for (const auto& tie : ix.ties) {
+      if (tie.name != name) continue;
+      const std::uint32_t b = ix.names.find(hash_of(tie.target), [&](std::uint32_t p) { return tensors[p].first == tie.target; });
+      if (b == detail::hash_index::npos) return std::nullopt;
+      if (!tie.view) return tensors[b].second;
+      return view_into(tensors[b].second, *tie.view);
+    }
+    return std::nullopt;
+  }
+  /// Drops the index find() builds (after changing `tensors` or `skeleton` in place).
+  void reset_index() const noexcept { delete cache_.exchange(nullptr); }
+
+ private:
+  struct lookup {
+    std::size_t size = 0;
+    detail::hash_index names;
+    std::vector<detail::skeleton_tie> ties;
+  };
+  static std::uint32_t hash_of(std::string_view s) noexcept { return detail::hash_index::mix(std::hash<std::string_view>{}(s)); }
+
+  const lookup& index() const {
+    lookup* p = cache_.load(std::memory_order_acquire);
+    if (p && p->size == tensors.size()) return *p;
+    auto fresh = std::make_unique<lookup>();
+    fresh->size = tensors.size();
+    fresh->names.reserve(tensors.size());
+    for (std::size_t i = 0; i < tensors.size(); ++i) fresh->names.add(hash_of(tensors[i].first), i);
+    if (!skeleton.is_null()) fresh->ties = detail::skeleton_ties(skeleton);
+    if (cache_.compare_exchange_strong(p, fresh.get(), std::memory_order_acq_rel, std::memory_order_acquire)) {
+      delete p;  // a stale index (tensors changed size)
+      return *fresh.release();
+    }
+    return *p;  // another thread built it first
+  }
+
+  mutable std::atomic<lookup*> cache_{nullptr};
+};
+
+}  // namespace statedict::inline v0
+
+// skeleton_ties and flatten itself.
+#ifndef STATEDICT_DECLARATIONS_ONLY
+// ---- statedict/core/flatten.hpp ----
+// statedict: flatten a Value tree into named tensors plus a skeleton, and back.
+// SPDX-License-Identifier: MIT
+//
+// `flatten(tree)` gives an ordered `name -> TensorView` list (the tensors, in tree pre-order) and a
+// skeleton holding everything else (core/skeleton.hpp; its format, the naming rule and the alias
+// rule are in docs/flatten.md). `unflatten(tensors, skeleton)` gives back a tree equal to the
+// original, for every tree. Also the questions a skeleton answers without rebuilding the tree:
+// its tensor nodes, its aliases, its non-tensor values.
+//
+// A skeleton is input from files: every function that reads one validates it and throws a
+// statedict error naming the node (never crashes); all walks are iterative, so nesting depth is
+// bounded only by memory.
+
+// ---- statedict/core/detail/defines_facade.hpp ----
+// statedict: included (without an include guard) by every header that defines functions of the
+// facade (api.hpp). With STATEDICT_SEPARATE_COMPILATION those definitions live in
+// statedict::compiled, so such a header is a mistake outside its one implementation unit; the
+// first one included says so, once.
+// SPDX-License-Identifier: MIT
+#if defined(STATEDICT_DECLARATIONS_ONLY) && !defined(STATEDICT_DETAIL_DEFINES_FACADE_REPORTED)
+#define STATEDICT_DETAIL_DEFINES_FACADE_REPORTED
+#error "this header defines functions of the facade: with STATEDICT_SEPARATE_COMPILATION, include <statedict/statedict.hpp> (declarations) and link statedict::compiled"
+#endif
+
+#include <deque>
+#include <string>
+#include <string_view>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+// ---- statedict/core/detail/flattener.hpp ----
+// statedict: the flattener, a single iterative walk of a Value tree that lists its tensors by name
+// and records everything else in a skeleton_tape (core/flatten.hpp is its public face).
+// SPDX-License-Identifier: MIT
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <bit>
+#include <charconv>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <iterator>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
 // ---- statedict/core/visit.hpp ----
 // statedict: visitors over a Value tree: walk every node with its path, transform, fold, and find
 // nodes by path or by dotted name.
@@ -4173,6 +3649,16 @@ inline std::optional<Path> undotted(const Value& root, std::string_view name) {
   std::vector<Path> m = match_dotted(root, name);
   if (m.size() != 1) return std::nullopt;
   return std::move(m.front());
+}
+
+/// The node of `root` whose dotted name is `name` ("model.layers.0.weight"), or nullptr when no
+/// node or more than one has it (undotted).
+inline const Value* find_dotted(const Value& root, std::string_view name) {
+  const std::optional<Path> p = undotted(root, name);
+  return p ? find_path(root, *p) : nullptr;
+}
+inline Value* find_dotted(Value& root, std::string_view name) {
+  return const_cast<Value*>(find_dotted(std::as_const(root), name));  // NOLINT(cppcoreguidelines-pro-type-const-cast)
 }
 
 }  // namespace statedict::inline v0
@@ -5960,7 +5446,7 @@ namespace statedict::inline v0 {
 /// Flattens a tree: its tensors by name, in pre-order, plus the skeleton (docs/flatten.md).
 /// Tensors reached twice as the very same view become `alias` nodes; views whose bytes lie inside
 /// an earlier contiguous tensor of the same dtype become `view_of` nodes; each is stored once.
-inline FlatStateDict flatten(const Value& tree) { return detail::flattener().run(tree); }
+STATEDICT_API FlatStateDict flatten(const Value& tree) { return detail::flattener().run(tree); }
 
 /// Rebuilds the tree from any name -> tensor collection (a NamedTensors list, std::map or
 /// std::unordered_map of TensorView or Tensor, ...) and a skeleton. The result equals (==) the
@@ -5999,7 +5485,7 @@ Value unflatten(const Tensors& tensors, const S& skeleton) {
   return detail::unflatten_impl(tt, skeleton.json());  // throws the error, with the node's path
 }
 
-inline Value unflatten(const FlatStateDict& flat) { return unflatten(flat.tensors, flat.skeleton); }
+STATEDICT_API Value unflatten(const FlatStateDict& flat) { return unflatten(flat.tensors, flat.skeleton); }
 
 /// The skeleton of a flat dict of named tensors in order: what a plain safetensors file is.
 /// Elements are (name, TensorView-or-Tensor) pairs, or records with `.name`, `.dtype` and `.shape`
@@ -6117,13 +5603,774 @@ inline std::vector<std::pair<std::string, Value>> skeleton_values(const nlohmann
 }
 
 /// skeleton_values for a Skeleton: a compact one is read without building its JSON document.
-inline std::vector<std::pair<std::string, Value>> skeleton_values(const Skeleton& skeleton) {
+STATEDICT_API std::vector<detail::skeleton_tie> detail::skeleton_ties(const Skeleton& skeleton) {
+  std::vector<skeleton_tie> out;
+  if (!may_hold_aliases(skeleton)) return out;
+  for (const auto& t : list_tensorish(skeleton.json())) {
+    if (t.kind == snode::tensor) continue;
+    std::optional<ViewSpec> v;
+    if (t.kind == snode::view) v = decode_view(classify(*t.node));
+    out.push_back({t.name, t.target, std::move(v)});
+  }
+  return out;
+}
+
+STATEDICT_API std::vector<std::pair<std::string, Value>> skeleton_values(const Skeleton& skeleton) {
   const detail::skeleton_tape* t = skeleton.tape();
   if (!t) return skeleton_values(skeleton.json());
   std::vector<Path> paths;
   std::vector<Value> values;
   detail::tape_values(*t, paths, values);
   return detail::named_values(paths, values);
+}
+
+}  // namespace statedict::inline v0
+#endif
+// ---- statedict/core/optim_options.hpp ----
+// statedict: the choices of the optimizer helpers of core/optim.hpp.
+// SPDX-License-Identifier: MIT
+
+#include <string>
+#include <vector>
+
+namespace statedict::inline v0::optim {
+
+struct options {
+  /// State keys whose value must be the same for every parameter of a group that has one (e.g.
+  /// {"step"}: PyTorch steps all parameters of a group together, so different steps mean state
+  /// from different runs was mixed, or a parameter joined late). Not checked when empty.
+  std::vector<std::string> constant_keys;
+};
+
+}  // namespace statedict::inline v0::optim
+// ---- statedict/core/source.hpp ----
+// statedict: ByteSource, a readable range of bytes (a file, a mapping, a buffer).
+// SPDX-License-Identifier: MIT
+//
+// Abstract so that shard/ and exec/ can describe and copy bytes without knowing what holds them;
+// io/ provides the file-backed implementations (mmap or pread).
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <span>
+#include <string>
+#include <utility>
+
+
+namespace statedict::inline v0 {
+
+namespace errors {
+inline constexpr error_id out_of_source{116, error_kind::format, "core.out_of_source"};
+}
+
+/// A read-only range of bytes [0, size()).
+class ByteSource {
+ public:
+  ByteSource() = default;
+  ByteSource(const ByteSource&) = delete;
+  ByteSource& operator=(const ByteSource&) = delete;
+  virtual ~ByteSource() = default;
+
+  /// Human-readable name for messages (a path).
+  [[nodiscard]] virtual const std::string& name() const noexcept = 0;
+  [[nodiscard]] virtual std::uint64_t size() const noexcept = 0;
+  /// All bytes, when directly addressable (a mapping or a buffer); nullptr otherwise (pread).
+  [[nodiscard]] virtual const std::byte* data() const noexcept { return nullptr; }
+  /// A file descriptor positioned reads may use (copy_file_range fast paths), or -1.
+  [[nodiscard]] virtual int fd() const noexcept { return -1; }
+  /// Offset of this source's byte 0 within fd() (for sources that are a slice of a file).
+  [[nodiscard]] virtual std::uint64_t fd_offset() const noexcept { return 0; }
+  /// Shared owner that keeps data() valid.
+  [[nodiscard]] virtual keep_alive owner() const = 0;
+
+  /// Copies [offset, offset + dst.size()) into dst; throws errors::out_of_source when the range is
+  /// not inside the source, io errors on read failure.
+  virtual void read(std::uint64_t offset, std::span<std::byte> dst) const = 0;
+  /// Like read(), for a few scattered bytes (zip local headers): sources backed by a file read them
+  /// with pread instead of faulting in (and later unmapping) the mapped pages around each one.
+  virtual void peek(std::uint64_t offset, std::span<std::byte> dst) const { read(offset, dst); }
+
+  /// Throws errors::out_of_source unless [offset, offset + length) lies inside the source.
+  void check_range(std::uint64_t offset, std::uint64_t length, std::string_view what = "range") const {
+    if (offset > size() || length > size() - offset)
+      throw_error(errors::out_of_source, "file " + quote(name()),
+                  std::string(what) + " of " + std::to_string(length) + " bytes at offset " + std::to_string(offset) +
+                      " runs past the end (" + std::to_string(size()) + " bytes)");
+  }
+};
+
+/// Bytes held in memory (a Tensor, a vector, a string), or an unowned range kept alive by `owner`.
+class MemorySource final : public ByteSource {
+ public:
+  MemorySource(std::string name, const std::byte* data, std::uint64_t size, keep_alive owner)
+      : name_(std::move(name)), data_(data), size_(size), owner_(std::move(owner)) {}
+  /// Owns a copy of `bytes`.
+  static std::shared_ptr<MemorySource> copy_of(std::string name, std::span<const std::byte> bytes) {
+    auto buf = std::make_shared<std::vector<std::byte>>(bytes.begin(), bytes.end());
+    return std::make_shared<MemorySource>(std::move(name), buf->data(), buf->size(), buf);
+  }
+
+  [[nodiscard]] const std::string& name() const noexcept override { return name_; }
+  [[nodiscard]] std::uint64_t size() const noexcept override { return size_; }
+  [[nodiscard]] const std::byte* data() const noexcept override { return data_; }
+  [[nodiscard]] keep_alive owner() const override { return owner_; }
+  void read(std::uint64_t offset, std::span<std::byte> dst) const override {
+    check_range(offset, dst.size());
+    if (!dst.empty()) std::memcpy(dst.data(), data_ + offset, dst.size());
+  }
+
+ private:
+  std::string name_;
+  const std::byte* data_;
+  std::uint64_t size_;
+  keep_alive owner_;
+};
+
+/// Bytes [offset, offset + length) of another source, seen as a source of their own (a DCP item
+/// inside a .distcp file, a zip entry).
+class SliceSource final : public ByteSource {
+ public:
+  SliceSource(std::shared_ptr<const ByteSource> base, std::uint64_t offset, std::uint64_t length, std::string name = {})
+      : base_(std::move(base)), offset_(offset), length_(length) {
+    base_->check_range(offset, length, "slice");
+    name_ = name.empty() ? base_->name() + "@" + std::to_string(offset) : std::move(name);
+  }
+  [[nodiscard]] const std::string& name() const noexcept override { return name_; }
+  [[nodiscard]] std::uint64_t size() const noexcept override { return length_; }
+  [[nodiscard]] const std::byte* data() const noexcept override {
+    const std::byte* d = base_->data();
+    return d ? d + offset_ : nullptr;
+  }
+  [[nodiscard]] int fd() const noexcept override { return base_->fd(); }
+  [[nodiscard]] std::uint64_t fd_offset() const noexcept override { return base_->fd_offset() + offset_; }
+  [[nodiscard]] keep_alive owner() const override { return base_->owner(); }
+  void read(std::uint64_t offset, std::span<std::byte> dst) const override {
+    check_range(offset, dst.size());
+    base_->read(offset_ + offset, dst);
+  }
+  void peek(std::uint64_t offset, std::span<std::byte> dst) const override {
+    check_range(offset, dst.size());
+    base_->peek(offset_ + offset, dst);
+  }
+  [[nodiscard]] const std::shared_ptr<const ByteSource>& base() const noexcept { return base_; }
+  [[nodiscard]] std::uint64_t offset() const noexcept { return offset_; }
+
+ private:
+  std::shared_ptr<const ByteSource> base_;
+  std::uint64_t offset_;
+  std::uint64_t length_;
+  std::string name_;
+};
+
+/// Bytes [offset, offset + length) of a source, as a span kept alive by `owner`: zero-copy when the
+/// source is addressable, a fresh buffer otherwise.
+struct Region {
+  const std::byte* data = nullptr;
+  std::uint64_t size = 0;
+  keep_alive owner;
+  [[nodiscard]] std::span<const std::byte> span() const noexcept { return {data, static_cast<std::size_t>(size)}; }
+};
+
+/// Reads a region (see Region). Callers bound `length` by a format's cap before asking.
+inline Region read_region(const ByteSource& src, std::uint64_t offset, std::uint64_t length) {
+  src.check_range(offset, length);
+  if (const std::byte* d = src.data()) return Region{d + offset, length, src.owner()};
+  auto buf = std::make_shared<std::vector<std::byte>>(static_cast<std::size_t>(length));
+  src.read(offset, *buf);
+  const std::byte* p = buf->data();
+  return Region{p, length, std::move(buf)};
+}
+
+}  // namespace statedict::inline v0
+// ---- statedict/exec/options.hpp ----
+// statedict: how the executor runs a plan (exec_options) and what a run did (exec_stats); how
+// compare() judges two checkpoints (compare_options) and what it found (comparison).
+// SPDX-License-Identifier: MIT
+
+#include <cstdint>
+#include <cstddef>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace statedict::inline v0 {
+
+/// 256 MiB.
+inline constexpr std::uint64_t default_memory_budget = std::uint64_t{256} << 20;
+
+/// How to run a plan.
+struct exec_options {
+  /// Bytes of buffers the executor may allocate in all (threads included).
+  std::uint64_t memory_budget = default_memory_budget;
+  /// Worker threads (the calling thread is one of them); 0 means one per CPU.
+  unsigned threads = 1;
+  /// Called with (bytes written, total bytes) from worker threads, one call at a time, at most
+  /// about a thousand times per run, and once at the end.
+  std::function<void(std::uint64_t done, std::uint64_t total)> progress;
+  /// Allow writes straight from source mappings (and copy_file_range, when that is on too).
+  bool zero_copy = true;
+  /// Let the kernel copy plain runs between files (copy_file_range). Off by default: on ext4 with
+  /// Linux 6.x it writes the destination a 4 KiB page at a time (splice), and writeback of those small
+  /// folios cost more than the copy it saves. `.pt` -> `.safetensors`, 3 GiB, 10,005 tensors,
+  /// system-wide cycles including writeback: 9.0-11.3 G with it, 6.7-6.9 G with pread + pwrite in
+  /// blocks, 6.3-6.8 G for `cp` + `sync` of the same bytes (perf: memcpy_orig, filemap_get_folios_tag,
+  /// folio start/end writeback, ext4_finish_bio).
+  bool copy_file_range = false;
+  /// Smallest run handed to copy_file_range.
+  std::uint64_t copy_file_range_min = std::uint64_t{1} << 20;
+  /// Smallest run written straight from a source mapping (smaller ones are gathered).
+  std::uint64_t direct_write_min = std::uint64_t{64} << 10;
+  /// Release the pages of mapped sources once an item has used them.
+  bool release_source_pages = true;
+  /// Read sources that have a file descriptor with pread, even when they are mapped, rather than
+  /// copying or writing from the mapping. Faulting a mapping in page by page inside pwrite cost more
+  /// than the extra copy (ZeRO-3 -> DCP, 3 GiB, 2 threads, warm cache: 1.3-2.3 s of system time and
+  /// 5-8 s wall from the mapping, 0.9-1.0 s and 3.7-3.9 s with pread; perf: copy_folio_from_iter_atomic,
+  /// fault_in_readable and page faults under the paravirtualized MMU of the benchmark machine).
+  bool pread_files = true;
+  /// Largest buffer per thread and direction. 1 MiB: a block read with pread is still in the
+  /// core's cache when pwrite copies it out. Warm cache, 2 threads, whole command, medians of 6-8
+  /// runs interleaved with `cp` + `sync` of the output bytes:
+  ///   ZeRO-3 8 ranks -> one .safetensors (1 GiB): 1.01x cp with 1 MiB blocks, 1.18x with 4 MiB,
+  ///   1.19x with 64 MiB, 1.14x with 64 MiB and copy_file_range (the former defaults);
+  ///   .pt -> .safetensors (3 GiB, 10,005 tensors): 1.01x with 512 KiB, 0.92x with 1 MiB, 1.01x
+  ///   with 4 MiB, 1.13x with 64 MiB and copy_file_range.
+  std::uint64_t max_block = std::uint64_t{1} << 20;
+};
+
+/// What a run did.
+struct exec_stats {
+  std::uint64_t bytes_written = 0;       ///< destination bytes produced
+  std::uint64_t bytes_in_kernel = 0;     ///< of which copied by copy_file_range
+  std::uint64_t bytes_from_mapping = 0;  ///< of which written straight from a source mapping
+  std::uint64_t bytes_converted = 0;     ///< of which produced by a dtype conversion
+  std::uint64_t elements_compared = 0;   ///< replica elements checked
+  std::uint64_t buffer_bytes = 0;        ///< peak bytes of the executor's own buffers
+  std::uint64_t block_bytes = 0;         ///< buffer size per thread and direction
+  std::uint64_t work_items = 0;
+  unsigned threads = 0;
+};
+
+/// How compare() judges elements and how much it reports.
+struct compare_options {
+  /// With rtol or atol > 0, floating elements a and b are equal when |a - b| <= atol + rtol * |b|
+  /// (compared in F64; NaN equals NaN), and floating dtypes may differ between the two sides.
+  double rtol = 0;
+  double atol = 0;
+  exec_options exec{};
+  /// Differences listed in full; the rest are counted in `omitted`.
+  std::size_t max_report = 20;
+  /// Elements per comparison block.
+  std::uint64_t block_elements = std::uint64_t{1} << 19;
+};
+
+/// What compare() found.
+struct comparison {
+  /// One line per difference ("tensor 'w': element [3, 1] differs (A 1, B 2)").
+  std::vector<std::string> differences;
+  std::size_t omitted = 0;
+  std::size_t tensors = 0;  ///< tensors present on both sides
+  std::size_t values = 0;   ///< non-tensor values present on both sides
+  [[nodiscard]] bool equal() const { return differences.empty() && omitted == 0; }
+};
+
+}  // namespace statedict::inline v0
+// ---- statedict/formats/format.hpp ----
+// statedict: the format plug-in interface, and the options every format shares.
+// SPDX-License-Identifier: MIT
+//
+// A checkpoint layout (safetensors, torch.save, DCP, DeepSpeed, ...) is one class derived from
+// Format, in one header under formats/: detect() says from content whether an input is that
+// layout (and why, or what it looked for instead), describe() turns it into the ShardedCheckpoint
+// every writer consumes, and save() writes one where the layout can be written. The registry
+// (formats/registry.hpp) lists them; open() and save() go through it. A format's own options (its
+// caps on hostile input, its switches) travel in open_options::settings / save_options::settings
+// by type, so adding a format adds no field here.
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <typeindex>
+#include <typeinfo>
+#include <utility>
+#include <vector>
+
+// ---- statedict/io/file.hpp ----
+// statedict: input files (memory-mapped or pread) and output files that appear atomically.
+// SPDX-License-Identifier: MIT
+//
+// Input: `InputFile::open(path)` maps the file read-only; every TensorView into it shares the
+// mapping as its keep-alive handle, so the mapping lives as long as any view. `read_mode::pread`
+// reads with positioned reads instead, for filesystems where mapping is slow or unsafe (network
+// filesystems); readers then copy what they hand out.
+//
+// Output: `OutputFile::create(path)` writes to a temporary name in the same directory; `commit()`
+// fsyncs it, renames it over `path` and fsyncs the directory, so a crash leaves the old file or
+// nothing, never a partial file under the final name. An `OutputDir` does the same for a directory
+// of files (a sharded checkpoint). Temporaries left by a killed run are removed by the next run
+// that writes the same target.
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <utility>
+#include <vector>
+
+
+namespace statedict::inline v0 {
+
+namespace errors {
+// clang-format off
+inline constexpr error_id open_failed      {380, error_kind::io,    "io.open_failed"};
+inline constexpr error_id read_failed      {381, error_kind::io,    "io.read_failed"};
+inline constexpr error_id write_failed     {382, error_kind::io,    "io.write_failed"};
+inline constexpr error_id not_regular_file {383, error_kind::usage, "io.not_regular_file"};
+inline constexpr error_id map_failed       {384, error_kind::io,    "io.map_failed"};
+inline constexpr error_id commit_failed    {385, error_kind::io,    "io.commit_failed"};
+inline constexpr error_id file_shrank      {386, error_kind::format,"io.file_shrank"};
+inline constexpr error_id not_a_directory  {387, error_kind::usage, "io.not_a_directory"};
+// clang-format on
+}  // namespace errors
+
+namespace detail {
+inline std::string errno_text(int e) { return std::error_code(e, std::generic_category()).message(); }
+
+/// Owns a file descriptor and, when mapped, the mapping; the keep-alive handle of every view.
+struct file_handle {
+  int fd = -1;
+  void* map = nullptr;
+  std::uint64_t size = 0;
+  file_handle() = default;
+  file_handle(const file_handle&) = delete;
+  file_handle& operator=(const file_handle&) = delete;
+  ~file_handle() {
+    if (map) ::munmap(map, static_cast<std::size_t>(size));
+    if (fd >= 0) ::close(fd);
+  }
+};
+}  // namespace detail
+
+enum class read_mode : std::uint8_t {
+  mmap,   ///< map the file; views point into the mapping (zero copy)
+  pread,  ///< positioned reads; nothing is mapped
+};
+
+/// Access pattern hints for a range of a mapped file.
+enum class access_hint : std::uint8_t { normal, sequential, random, willneed, dontneed };
+
+/// A regular file opened for reading.
+class InputFile final : public ByteSource {
+  struct private_tag {};
+
+ public:
+  /// Opens `path`; throws errors::open_failed, errors::not_regular_file or errors::map_failed.
+  static std::shared_ptr<const InputFile> open(const std::filesystem::path& path, read_mode mode = read_mode::mmap) {
+    return std::make_shared<const InputFile>(private_tag{}, path, mode);
+  }
+
+  InputFile(private_tag, const std::filesystem::path& path, read_mode mode)
+      : name_(path.string()), mode_(mode), h_(std::make_shared<detail::file_handle>()) {
+    const std::string where = "file " + quote(name_);
+    h_->fd = ::open(name_.c_str(), O_RDONLY | O_CLOEXEC);
+    if (h_->fd < 0) throw_error(errors::open_failed, where, "cannot open: " + detail::errno_text(errno));
+    struct stat st {};
+    if (::fstat(h_->fd, &st) != 0) throw_error(errors::open_failed, where, "cannot stat: " + detail::errno_text(errno));
+    if (!S_ISREG(st.st_mode)) throw_error(errors::not_regular_file, where, "not a regular file");
+    h_->size = static_cast<std::uint64_t>(st.st_size);
+    if (mode_ == read_mode::mmap && h_->size > 0) {
+      void* p = ::mmap(nullptr, static_cast<std::size_t>(h_->size), PROT_READ, MAP_PRIVATE, h_->fd, 0);
+      if (p == MAP_FAILED) throw_error(errors::map_failed, where, "cannot map: " + detail::errno_text(errno));
+      h_->map = p;
+    }
+  }
+
+  [[nodiscard]] const std::string& name() const noexcept override { return name_; }
+  [[nodiscard]] std::uint64_t size() const noexcept override { return h_->size; }
+  [[nodiscard]] const std::byte* data() const noexcept override { return static_cast<const std::byte*>(h_->map); }
+  [[nodiscard]] int fd() const noexcept override { return h_->fd; }
+  [[nodiscard]] keep_alive owner() const override { return h_; }
+  [[nodiscard]] read_mode mode() const noexcept { return mode_; }
+  [[nodiscard]] bool mapped() const noexcept { return h_->map != nullptr; }
+
+  void read(std::uint64_t offset, std::span<std::byte> dst) const override {
+    check_range(offset, dst.size());
+    if (dst.empty()) return;
+    if (h_->map) {
+      std::memcpy(dst.data(), data() + offset, dst.size());
+      return;
+    }
+    pread_all(offset, dst);
+  }
+  void peek(std::uint64_t offset, std::span<std::byte> dst) const override {
+    check_range(offset, dst.size());
+    if (!dst.empty()) pread_all(offset, dst);
+  }
+
+  /// Advises the kernel about how [offset, offset + length) will be read (mapped files only).
+  void advise(std::uint64_t offset, std::uint64_t length, access_hint hint) const noexcept {
+    if (!h_->map || length == 0 || offset >= h_->size) return;
+    const auto page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+    const std::uint64_t begin = offset / page * page;
+    const std::uint64_t end = std::min(h_->size, offset + std::min(length, h_->size - offset));
+    int advice = MADV_NORMAL;
+    switch (hint) {
+      case access_hint::normal: advice = MADV_NORMAL; break;
+      case access_hint::sequential: advice = MADV_SEQUENTIAL; break;
+      case access_hint::random: advice = MADV_RANDOM; break;
+      case access_hint::willneed: advice = MADV_WILLNEED; break;
+      case access_hint::dontneed: advice = MADV_DONTNEED; break;
+    }
+    (void)::madvise(static_cast<char*>(h_->map) + begin, static_cast<std::size_t>(end - begin), advice);
+  }
+
+ private:
+  void pread_all(std::uint64_t offset, std::span<std::byte> dst) const {
+    std::size_t done = 0;
+    while (done < dst.size()) {
+      const ssize_t n = ::pread(h_->fd, dst.data() + done, dst.size() - done, static_cast<off_t>(offset + done));
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        throw_error(errors::read_failed, "file " + quote(name_),
+                    "read at offset " + std::to_string(offset + done) + " failed: " + detail::errno_text(errno));
+      }
+      if (n == 0)
+        throw_error(errors::file_shrank, "file " + quote(name_),
+                    "ends at offset " + std::to_string(offset + done) + ", shorter than when opened");
+      done += static_cast<std::size_t>(n);
+    }
+  }
+
+  std::string name_;
+  read_mode mode_;
+  std::shared_ptr<detail::file_handle> h_;
+};
+
+namespace detail {
+/// Temporary names are `.<target>.statedict-<pid>-<n>.tmp` next to the target.
+inline std::string temp_prefix(const std::string& target_name) { return "." + target_name + ".statedict-"; }
+
+inline std::string temp_name(const std::string& target_name) {
+  static std::atomic<unsigned> counter{0};
+  return temp_prefix(target_name) + std::to_string(::getpid()) + "-" + std::to_string(counter++) + ".tmp";
+}
+
+/// Removes temporaries of `target_name` in `dir` whose writing process no longer exists.
+inline void remove_stale_temps(const std::filesystem::path& dir, const std::string& target_name) {
+  std::error_code ec;
+  const std::string prefix = temp_prefix(target_name);
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string n = entry.path().filename().string();
+    if (n.size() <= prefix.size() + 4 || n.compare(0, prefix.size(), prefix) != 0 || n.substr(n.size() - 4) != ".tmp")
+      continue;
+    const std::string rest = n.substr(prefix.size());
+    const auto dash = rest.find('-');
+    if (dash == std::string::npos) continue;
+    long pid = 0;
+    try {
+      pid = std::stol(rest.substr(0, dash));
+    } catch (...) {
+      continue;
+    }
+    if (pid <= 0 || pid == ::getpid()) continue;
+    if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;  // still running (or not ours to judge)
+    std::filesystem::remove_all(entry.path(), ec);
+  }
+}
+
+inline void fsync_dir(const std::filesystem::path& dir) {
+  const int dfd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd < 0) return;
+  (void)::fsync(dfd);
+  ::close(dfd);
+}
+
+/// "out/" names the directory "out": drop a trailing separator.
+inline std::filesystem::path without_trailing_slash(const std::filesystem::path& p) {
+  auto n = p.lexically_normal();
+  if (n.filename().empty() && n.has_parent_path()) n = n.parent_path();
+  return n;
+}
+
+inline std::filesystem::path parent_or_dot(const std::filesystem::path& p) {
+  auto parent = p.parent_path();
+  return parent.empty() ? std::filesystem::path(".") : parent;
+}
+}  // namespace detail
+
+/// A file being written. Created under a temporary name; appears under its final name only when
+/// `commit()` succeeds. Destroying it uncommitted removes the temporary. Writes are unbuffered:
+/// callers write large blocks.
+class OutputFile {
+ public:
+  /// Starts writing `path` atomically (temporary name in the same directory).
+  static OutputFile create(const std::filesystem::path& path) { return OutputFile(path, true); }
+  /// Starts writing `path` directly (for files inside an OutputDir, which is itself atomic).
+  static OutputFile create_plain(const std::filesystem::path& path) { return OutputFile(path, false); }
+
+  OutputFile(OutputFile&& o) noexcept
+      : final_(std::move(o.final_)), temp_(std::move(o.temp_)), fd_(std::exchange(o.fd_, -1)), pos_(o.pos_),
+        atomic_(o.atomic_), committed_(o.committed_) {}
+  OutputFile& operator=(OutputFile&& o) noexcept {
+    if (this != &o) {
+      abandon();
+      final_ = std::move(o.final_);
+      temp_ = std::move(o.temp_);
+      fd_ = std::exchange(o.fd_, -1);
+      pos_ = o.pos_;
+      atomic_ = o.atomic_;
+      committed_ = o.committed_;
+    }
+    return *this;
+  }
+  OutputFile(const OutputFile&) = delete;
+  OutputFile& operator=(const OutputFile&) = delete;
+  ~OutputFile() { abandon(); }
+
+  [[nodiscard]] const std::filesystem::path& path() const noexcept { return final_; }
+  [[nodiscard]] const std::filesystem::path& temp_path() const noexcept { return temp_; }
+  [[nodiscard]] int fd() const noexcept { return fd_; }
+  /// Bytes appended with write() so far.
+  [[nodiscard]] std::uint64_t position() const noexcept { return pos_; }
+
+  /// Appends bytes at position().
+  void write(std::span<const std::byte> bytes) {
+    pwrite(pos_, bytes);
+    pos_ += bytes.size();
+  }
+  void write(std::string_view s) { write(std::as_bytes(std::span<const char>(s.data(), s.size()))); }
+
+  /// Writes bytes at `offset` (thread-safe; does not move position()).
+  void pwrite(std::uint64_t offset, std::span<const std::byte> bytes) const {
+    std::size_t done = 0;
+    while (done < bytes.size()) {
+      const ssize_t n = ::pwrite(fd_, bytes.data() + done, bytes.size() - done, static_cast<off_t>(offset + done));
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        throw_error(errors::write_failed, "file " + quote(final_.string()), "write failed: " + detail::errno_text(errno));
+      }
+      done += static_cast<std::size_t>(n);
+    }
+  }
+
+  /// Sets the file size (sparse extension), so positioned writes can fill it in any order.
+  void resize(std::uint64_t size) const {
+    if (::ftruncate(fd_, static_cast<off_t>(size)) != 0)
+      throw_error(errors::write_failed, "file " + quote(final_.string()), "cannot resize: " + detail::errno_text(errno));
+  }
+
+  /// Moves position() (for callers that fill regions with pwrite and then append).
+  void seek(std::uint64_t pos) noexcept { pos_ = pos; }
+
+  /// Flushes to disk and gives the file its final name.
+  void commit() {
+    if (committed_) return;
+    const std::string where = "file " + quote(final_.string());
+    if (::fsync(fd_) != 0) throw_error(errors::commit_failed, where, "fsync failed: " + detail::errno_text(errno));
+    if (::close(std::exchange(fd_, -1)) != 0)
+      throw_error(errors::commit_failed, where, "close failed: " + detail::errno_text(errno));
+    if (atomic_) {
+      if (::rename(temp_.c_str(), final_.c_str()) != 0)
+        throw_error(errors::commit_failed, where, "rename failed: " + detail::errno_text(errno));
+      detail::fsync_dir(detail::parent_or_dot(final_));
+    }
+    committed_ = true;
+  }
+
+ private:
+  OutputFile(const std::filesystem::path& path, bool atomic) : final_(path), atomic_(atomic) {
+    const std::string name = final_.filename().string();
+    if (name.empty()) throw_error(errors::open_failed, "file " + quote(path.string()), "not a file name");
+    if (atomic_) {
+      const auto dir = detail::parent_or_dot(path);
+      detail::remove_stale_temps(dir, name);
+      temp_ = dir / detail::temp_name(name);
+    } else {
+      temp_ = path;
+    }
+    fd_ = ::open(temp_.c_str(), O_WRONLY | O_CREAT | (atomic_ ? O_EXCL : O_TRUNC) | O_CLOEXEC, 0666);
+    if (fd_ < 0)
+      throw_error(errors::open_failed, "file " + quote(path.string()), "cannot create: " + detail::errno_text(errno));
+  }
+
+  void abandon() noexcept {
+    if (fd_ >= 0) ::close(std::exchange(fd_, -1));
+    if (!committed_ && !temp_.empty()) ::unlink(temp_.c_str());
+    temp_.clear();
+  }
+
+  std::filesystem::path final_;
+  std::filesystem::path temp_;
+  int fd_ = -1;
+  std::uint64_t pos_ = 0;
+  bool atomic_ = true;
+  bool committed_ = false;
+};
+
+/// Gathers small positioned writes into an OutputFile and issues each run of adjacent ones as one
+/// pwrite: the zip headers, descriptors and directories around storages that the executor writes
+/// (a DCP rank file of 10,000 items is otherwise 100,000 writes of a few dozen bytes). Writes that
+/// do not continue the pending run start a new one; call flush() when done (the destructor drops
+/// what is pending: after an error the file is abandoned anyway).
+class WriteCoalescer {
+ public:
+  explicit WriteCoalescer(const OutputFile& file, std::size_t max_run = std::size_t{1} << 20) : file_(&file), max_(max_run) {}
+
+  void write(std::uint64_t offset, std::span<const std::byte> bytes) {
+    if (bytes.empty()) return;
+    if (buf_.empty() || offset != start_ + buf_.size() || buf_.size() + bytes.size() > max_) {
+      flush();
+      if (bytes.size() >= max_) {
+        file_->pwrite(offset, bytes);
+        return;
+      }
+      start_ = offset;
+    }
+    buf_.insert(buf_.end(), bytes.begin(), bytes.end());
+  }
+  void flush() {
+    if (buf_.empty()) return;
+    file_->pwrite(start_, buf_);
+    buf_.clear();
+  }
+
+ private:
+  const OutputFile* file_;
+  std::size_t max_;
+  std::uint64_t start_ = 0;
+  std::vector<std::byte> buf_;
+};
+
+/// A directory of output files that appears atomically: files are written into a temporary
+/// directory next to the target; `commit()` fsyncs them and swaps the directory into place (an
+/// existing target is replaced in one step with renameat2(RENAME_EXCHANGE), then removed).
+class OutputDir {
+ public:
+  static OutputDir create(const std::filesystem::path& path) { return OutputDir(path); }
+
+  OutputDir(OutputDir&& o) noexcept
+      : final_(std::move(o.final_)), temp_(std::move(o.temp_)), committed_(std::exchange(o.committed_, true)) {}
+  OutputDir(const OutputDir&) = delete;
+  OutputDir& operator=(const OutputDir&) = delete;
+  OutputDir& operator=(OutputDir&&) = delete;
+  ~OutputDir() {
+    if (!committed_ && !temp_.empty()) {
+      std::error_code ec;
+      std::filesystem::remove_all(temp_, ec);
+    }
+  }
+
+  [[nodiscard]] const std::filesystem::path& path() const noexcept { return final_; }
+  /// Where files go until commit().
+  [[nodiscard]] const std::filesystem::path& temp_path() const noexcept { return temp_; }
+
+  /// Creates `relative` inside the directory (subdirectories are created as needed).
+  OutputFile create_file(const std::filesystem::path& relative) const {
+    const auto p = temp_ / relative;
+    std::error_code ec;
+    std::filesystem::create_directories(p.parent_path(), ec);
+    return OutputFile::create_plain(p);
+  }
+
+  /// fsyncs every file and the directory, then moves it to its final name.
+  void commit() {
+    if (committed_) return;
+    const std::string where = "directory " + quote(final_.string());
+    std::error_code ec;
+    for (const auto& e : std::filesystem::recursive_directory_iterator(temp_, ec)) {
+      const int fd = ::open(e.path().c_str(), O_RDONLY | O_CLOEXEC);
+      if (fd < 0) continue;
+      const int rc = ::fsync(fd);
+      ::close(fd);
+      if (rc != 0) throw_error(errors::commit_failed, where, "fsync failed: " + detail::errno_text(errno));
+    }
+    detail::fsync_dir(temp_);
+    if (std::filesystem::exists(final_, ec)) {
+      if (!std::filesystem::is_directory(final_, ec))
+        throw_error(errors::not_a_directory, where, "exists and is not a directory");
+      // Atomic swap, then remove the old tree (now under the temporary name).
+      if (::syscall(SYS_renameat2, AT_FDCWD, temp_.c_str(), AT_FDCWD, final_.c_str(), 2 /* RENAME_EXCHANGE */) != 0)
+        throw_error(errors::commit_failed, where, "cannot replace: " + detail::errno_text(errno));
+      committed_ = true;
+      std::filesystem::remove_all(temp_, ec);
+    } else {
+      if (::rename(temp_.c_str(), final_.c_str()) != 0)
+        throw_error(errors::commit_failed, where, "rename failed: " + detail::errno_text(errno));
+      committed_ = true;
+    }
+    detail::fsync_dir(detail::parent_or_dot(final_));
+  }
+
+ private:
+  explicit OutputDir(const std::filesystem::path& path) : final_(detail::without_trailing_slash(path)) {
+    const std::string name = final_.filename().string();
+    if (name.empty()) throw_error(errors::open_failed, "directory " + quote(path.string()), "not a directory name");
+    const auto parent = detail::parent_or_dot(final_);
+    detail::remove_stale_temps(parent, name);
+    temp_ = parent / detail::temp_name(name);
+    if (::mkdir(temp_.c_str(), 0777) != 0)
+      throw_error(errors::open_failed, "directory " + quote(path.string()), "cannot create: " + detail::errno_text(errno));
+  }
+
+  std::filesystem::path final_;
+  std::filesystem::path temp_;
+  bool committed_ = false;
+};
+
+/// A file of a multi-file output and the size its plan gives it.
+struct PlannedFile {
+  std::string name;
+  std::uint64_t size = 0;
+};
+
+/// The last step of an output written in parts (`--part index`): throws `id`, naming `kind` (a
+/// "Hugging Face checkpoint"), `dir` and every planned file (a `noun`, "shard") that is missing or
+/// has another size than planned, unless there is none.
+inline void check_parts_written(const std::filesystem::path& dir, const std::vector<PlannedFile>& files, const error_id& id,
+                                std::string_view kind, std::string_view noun) {
+  std::vector<std::string> missing, wrong;
+  for (const PlannedFile& f : files) {
+    std::error_code ec;
+    const auto have = std::filesystem::file_size(dir / f.name, ec);
+    if (ec) missing.push_back(quote(f.name));
+    else if (have != f.size)
+      wrong.push_back(quote(f.name) + " has " + std::to_string(have) + " bytes, the plan expects " + std::to_string(f.size));
+  }
+  if (missing.empty() && wrong.empty()) return;
+  auto list = [](const std::vector<std::string>& v) {
+    std::string s;
+    for (std::size_t i = 0; i < v.size() && i < 20; ++i) s += (i ? ", " : "") + v[i];
+    if (v.size() > 20) s += " and " + std::to_string(v.size() - 20) + " more";
+    return s;
+  };
+  std::string what;
+  if (!missing.empty())
+    what = std::to_string(missing.size()) + " " + std::string(noun) + (missing.size() == 1 ? "" : "s") + " missing (" + list(missing) +
+           "): write every part before the index";
+  if (!wrong.empty())
+    what += (what.empty() ? "" : "; ") + list(wrong) + " (a part written with other options?)";
+  throw_error(id, std::string(kind) + " " + quote(dir.string()), what);
 }
 
 }  // namespace statedict::inline v0
@@ -6146,6 +6393,7 @@ inline std::vector<std::pair<std::string, Value>> skeleton_values(const Skeleton
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -6170,6 +6418,12 @@ struct FlatRange {
   friend bool operator==(const FlatRange&, const FlatRange&) = default;
 };
 
+/// The order of the bytes of each stored element (of each component, for complex dtypes).
+enum class byte_order : std::uint8_t {
+  little,  ///< what every writer writes and every tensor in memory holds
+  big,     ///< a torch.save file written on a big-endian machine (its `byteorder` record)
+};
+
 /// Where a chunk's elements are stored.
 struct Placement {
   std::uint32_t source = 0;       ///< index into the description's sources (or destinations)
@@ -6178,6 +6432,9 @@ struct Placement {
   /// empty means row-major contiguous.
   shape_t strides;
   dtype stored = dtype::F32;      ///< element type as stored; the executor casts to the logical dtype
+  /// Byte order of the stored elements; the executor swaps big-endian ones as it copies (sources
+  /// only: destinations are always little-endian).
+  byte_order order = byte_order::little;
   friend bool operator==(const Placement&, const Placement&) = default;
 };
 
@@ -6194,6 +6451,9 @@ struct TensorInfo {
   statedict::dtype dtype = statedict::dtype::F32;
   shape_t shape;
   std::vector<Chunk> chunks;
+  /// The dtype the tensor had before its reader converted it (DeepSpeed's integer buffers, made
+  /// F32 as zero_to_fp32 makes them); nullopt when the reader kept it.
+  std::optional<statedict::dtype> converted_from = std::nullopt;
 };
 
 /// Where each element of each tensor must go: the destination side of a plan (shard/plan.hpp).
@@ -6253,6 +6513,1481 @@ struct ShardedCheckpoint {
 };
 
 }  // namespace statedict::inline v0
+// ---- statedict/shard/plan_options.hpp ----
+// statedict: the choices and caps of make_plan (plan_options), and the parts of a plan that several
+// processes write (PartSpec, "k/K").
+// SPDX-License-Identifier: MIT
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+
+namespace statedict::inline v0 {
+
+namespace errors {
+// clang-format off
+inline constexpr error_id bad_part {617, error_kind::usage, "plan.bad_part"};
+// clang-format on
+}  // namespace errors
+
+/// Choices and caps of make_plan.
+struct plan_options {
+  /// Emit CompareOps so the executor checks that replicated copies hold the same values.
+  bool check_replicas = false;
+  /// Accept source chunks that partially overlap (the one with the lowest (source, offset) wins);
+  /// by default a partial overlap is an error (identical regions are replicas and always allowed).
+  bool allow_overlapping_sources = false;
+  /// Every destination tensor must be covered by its destination chunks.
+  bool require_full_destination = true;
+  /// Run verify() on the result.
+  bool verify = true;
+  /// Cap on the number of copy operations before merging (hostile strides could ask for one per
+  /// element). About 100 bytes each.
+  std::uint64_t max_ops = std::uint64_t{1} << 24;
+};
+
+/// Part `index` of `count` (0 <= index < count).
+struct PartSpec {
+  std::uint32_t index = 0;
+  std::uint32_t count = 1;
+};
+
+/// Parses "k/K" (0-based k, e.g. "0/4" .. "3/4"); throws errors::bad_part.
+inline PartSpec parse_part(std::string_view text) {
+  const auto slash = text.find('/');
+  auto num = [&](std::string_view s) -> std::uint32_t {
+    if (s.empty() || s.size() > 9 || s.find_first_not_of("0123456789") != std::string_view::npos)
+      throw_error(errors::bad_part, "part " + quote(text), "expected k/K with 0 <= k < K, e.g. 0/4");
+    return static_cast<std::uint32_t>(std::stoul(std::string(s)));
+  };
+  if (slash == std::string_view::npos) num("");
+  PartSpec p{num(text.substr(0, slash)), num(text.substr(slash + 1))};
+  if (p.count == 0 || p.index >= p.count)
+    throw_error(errors::bad_part, "part " + quote(text), "expected k/K with 0 <= k < K, e.g. 0/4");
+  return p;
+}
+
+}  // namespace statedict::inline v0
+
+namespace statedict::inline v0 {
+
+namespace errors {
+// clang-format off
+inline constexpr error_id unknown_format  {790, error_kind::format, "detect.unknown_format"};
+inline constexpr error_id no_such_path    {791, error_kind::usage,  "detect.no_such_path"};
+inline constexpr error_id no_such_format  {795, error_kind::usage,  "formats.no_such_format"};
+inline constexpr error_id cannot_write    {796, error_kind::usage,  "formats.cannot_write"};
+inline constexpr error_id output_unclear  {797, error_kind::usage,  "formats.output_unclear"};
+inline constexpr error_id bad_save_option {798, error_kind::usage,  "formats.bad_save_option"};
+// clang-format on
+}  // namespace errors
+
+namespace formats {
+
+/// Settings of particular formats and readers, kept by type: a format reads its own with
+/// `get<dcp::limits>()` (a default one when nobody set it), a caller changes one with
+/// `set<dcp::limits>().max_files = 8`. Copies are deep.
+class settings {
+ public:
+  settings() = default;
+  settings(const settings& o) {
+    for (const auto& [k, v] : o.items_) items_.emplace(k, v->clone());
+  }
+  settings(settings&&) noexcept = default;
+  settings& operator=(const settings& o) {
+    if (this != &o) *this = settings(o);
+    return *this;
+  }
+  settings& operator=(settings&&) noexcept = default;
+  ~settings() = default;
+
+  template <class T>
+  [[nodiscard]] const T& get() const {
+    if (const auto it = items_.find(std::type_index(typeid(T))); it != items_.end()) return static_cast<const item<T>&>(*it->second).value;
+    static const T fallback{};
+    return fallback;
+  }
+  /// The settings of type T, for editing (made with T's defaults on first use).
+  template <class T>
+  T& set() {
+    auto& slot = items_[std::type_index(typeid(T))];
+    if (!slot) slot = std::make_unique<item<T>>();
+    return static_cast<item<T>&>(*slot).value;
+  }
+  template <class T>
+  T& set(T value) {
+    return set<T>() = std::move(value);
+  }
+
+ private:
+  struct any_item {
+    virtual ~any_item() = default;
+    [[nodiscard]] virtual std::unique_ptr<any_item> clone() const = 0;
+  };
+  template <class T>
+  struct item final : any_item {
+    T value{};
+    item() = default;
+    explicit item(const T& v) : value(v) {}
+    [[nodiscard]] std::unique_ptr<any_item> clone() const override { return std::make_unique<item>(value); }
+  };
+  std::map<std::type_index, std::unique_ptr<any_item>> items_;
+};
+
+/// How open() reads a checkpoint.
+struct open_options {
+  /// mmap (default) or pread (network filesystems).
+  read_mode mode = read_mode::mmap;
+  /// Describe optimizer state too, keyed by parameter name, for formats that shard it (DeepSpeed,
+  /// FSDP). Formats that store it as ordinary entries (torch.save files, DCP) always include it.
+  bool with_optimizer = false;
+  /// dtype of every floating model tensor. Formats that choose dtypes while describing apply it
+  /// there (DeepSpeed: F32 master weights by default, as zero_to_fp32); for the others open()
+  /// sets it on the description and the executor casts exactly (round to nearest even).
+  std::optional<statedict::dtype> dtype;
+  /// With `dtype`: also cast tensors a reader converted to a floating dtype from an integer one
+  /// (DeepSpeed's buffers: TensorInfo::converted_from), which the dtype may not hold exactly.
+  bool cast_integer_origin = false;
+  /// Check that replicated copies agree (ShardedTensor rank files; the planner checks the rest).
+  bool check_replicas = false;
+  /// Read the input as this format (its registry name) instead of detecting it.
+  std::string format;
+  /// Format settings by type: caps on hostile input (`settings.set<torch::limits>()`,
+  /// docs/limits.md lists every field) and format switches.
+  formats::settings settings;
+};
+
+/// How save() writes a checkpoint.
+struct save_options {
+  /// The output format (its registry name: "safetensors", "hf", "torch", "dcp", ...); empty: from
+  /// the output path (formats/registry.hpp choose_output).
+  std::string format;
+  exec_options exec{};
+  plan_options plan{};
+  /// Outputs split into shards by size (Hugging Face): largest shard, decimal units
+  /// (huggingface_hub's rule); unset: 5 GB. Given, it also asks for a sharded output.
+  std::optional<std::uint64_t> max_shard_size;
+  /// Outputs for a number of ranks (DCP): the ranks that will load it.
+  std::optional<std::uint32_t> world_size;
+  /// Multi-file outputs: write only the files of part k of K (shard/plan.hpp assign_parts),
+  /// each atomically, straight into the output directory; `index_only` writes only the index
+  /// (after checking that every file exists with its planned size), the final step.
+  std::optional<PartSpec> part;
+  bool index_only = false;
+  /// Classes written as themselves ("argparse.Namespace"). Every other object whose class
+  /// torch.load(weights_only=True) does not accept is written as its data (formats/objects.hpp),
+  /// so that loading the output runs no code; name a class here only for input you trust.
+  std::vector<std::string> keep_classes;
+  /// Format settings by type (`settings.set<dcp::save_settings>()`).
+  formats::settings settings;
+};
+
+/// What a format's detect() says about an input.
+struct Detection {
+  enum class verdict : std::uint8_t {
+    no,       ///< not this format (`rule` says what was looked for and found; empty: not applicable)
+    damaged,  ///< not readable as this format, but named like it: when nothing matches, describe()
+              ///< is run to report precisely what is wrong
+    yes,      ///< this format; `rule` is the rule that matched
+  };
+  verdict how = verdict::no;
+  std::string rule;
+
+  static Detection match(std::string rule) { return {verdict::yes, std::move(rule)}; }
+  static Detection miss(std::string why) { return {verdict::no, std::move(why)}; }
+  static Detection not_applicable() { return {verdict::no, {}}; }
+  static Detection named_like(std::string why) { return {verdict::damaged, std::move(why)}; }
+  [[nodiscard]] bool found() const noexcept { return how == verdict::yes; }
+};
+
+/// The input as every format's detect() sees it: its path and, for a file, its bytes (opened once
+/// and shared by all formats).
+class Input {
+ public:
+  Input(std::filesystem::path path, read_mode mode) : path_(std::move(path)), mode_(mode) {
+    std::error_code ec;
+    dir_ = std::filesystem::is_directory(path_, ec);
+  }
+  [[nodiscard]] const std::filesystem::path& path() const noexcept { return path_; }
+  [[nodiscard]] bool is_directory() const noexcept { return dir_; }
+  [[nodiscard]] std::string filename() const { return path_.filename().string(); }
+  [[nodiscard]] read_mode mode() const noexcept { return mode_; }
+  /// The file's bytes (nullptr for a directory).
+  [[nodiscard]] const std::shared_ptr<const ByteSource>& file() const {
+    if (!dir_ && !file_) file_ = InputFile::open(path_, mode_);
+    return file_;
+  }
+  /// Up to the first 4 KiB of the file (empty for a directory).
+  [[nodiscard]] std::span<const std::byte> head() const {
+    if (!dir_ && !head_read_) {
+      const auto& f = file();
+      head_.resize(static_cast<std::size_t>(std::min<std::uint64_t>(f->size(), 4096)));
+      f->peek(0, head_);
+      head_read_ = true;
+    }
+    return head_;
+  }
+
+ private:
+  std::filesystem::path path_;
+  read_mode mode_;
+  bool dir_ = false;
+  mutable std::shared_ptr<const ByteSource> file_;
+  mutable std::vector<std::byte> head_;
+  mutable bool head_read_ = false;
+};
+
+/// How strongly a format claims an output path (Format::claims_output): by its name (an extension
+/// of the format's) over by the options given (a world size asks for DCP).
+enum class output_claim : std::uint8_t { none, by_options, by_name };
+
+/// One checkpoint layout.
+class Format {
+ public:
+  Format() = default;
+  Format(const Format&) = delete;
+  Format& operator=(const Format&) = delete;
+  virtual ~Format() = default;
+
+  /// Registry name: the value of `--to` / `open_options::format`, and ShardedCheckpoint::format
+  /// of what it describes ("dcp").
+  [[nodiscard]] virtual std::string_view name() const noexcept = 0;
+  /// What it is, in words ("torch.distributed.checkpoint directory").
+  [[nodiscard]] virtual std::string_view title() const noexcept = 0;
+
+  /// Says from content whether `in` is this format. Never throws for an input that is not; the
+  /// rule says what matched, or what was looked for and found (open() lists these when no format
+  /// matches).
+  [[nodiscard]] virtual Detection detect(const Input& in, const open_options& opt) const = 0;
+  /// Describes `in`: every tensor, where its bytes are, and the rest of the tree.
+  [[nodiscard]] virtual ShardedCheckpoint describe(const Input& in, const open_options& opt) const = 0;
+  /// True when describe() applies open_options::dtype itself.
+  [[nodiscard]] virtual bool applies_dtype() const noexcept { return false; }
+
+  /// True when this format can write checkpoints.
+  [[nodiscard]] virtual bool can_write() const noexcept { return false; }
+  /// Whether an output at `out` with these options is this format's by default: by its name (the
+  /// format's extension), or by the options given. save() picks the strongest claim, then the
+  /// first registered format.
+  [[nodiscard]] virtual output_claim claims_output(const std::filesystem::path& /*out*/, const save_options& /*opt*/) const {
+    return output_claim::none;
+  }
+  /// Checks the options for an output at `out` before anything is read (throws a usage error).
+  virtual void check_output(const std::filesystem::path& /*out*/, const save_options& /*opt*/) const {}
+  /// Writes `ck` at `out` atomically; returns the names of the files written.
+  virtual std::vector<std::string> save(const ShardedCheckpoint& ck, const std::filesystem::path& out, const save_options& opt) const {
+    (void)ck;
+    (void)opt;
+    throw_error(errors::cannot_write, "output " + quote(out.string()), std::string(name()) + " checkpoints can be read, not written");
+  }
+};
+
+/// A checkpoint and how it was recognised.
+struct Opened {
+  ShardedCheckpoint checkpoint;
+  /// The detection rule that matched, in words.
+  std::string rule;
+  /// The format that read it.
+  std::shared_ptr<const Format> format;
+};
+
+}  // namespace formats
+}  // namespace statedict::inline v0
+// ---- statedict/formats/transform_types.hpp ----
+// statedict: the types of the transforms of formats/transform.hpp (ties, cast options, split
+// parts) and the name functions rename() takes.
+// SPDX-License-Identifier: MIT
+
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+
+
+namespace statedict::inline v0::formats {
+
+/// A name the skeleton ties to a stored tensor: an alias of it, or a view into its elements.
+struct Tie {
+  std::string name;              ///< the tied name (as listed: dotted)
+  std::string target;            ///< the stored tensor it refers to
+  std::optional<ViewSpec> view;  ///< the elements, for a view; nullopt for an alias
+};
+
+/// What cast() changes besides floating tensors.
+struct cast_options {
+  /// Also cast tensors a reader converted to a floating dtype from an integer one (DeepSpeed's
+  /// buffers, made F32 as zero_to_fp32 makes them: TensorInfo::converted_from). Off by default:
+  /// BF16 or F16 cannot hold every integer (2^8 + 1 and 2^11 + 1 are the first they round).
+  bool integer_origin = false;
+};
+
+/// One part of a split: its name and its size along the split dimension.
+struct part {
+  std::string name;
+  dim_t size = 0;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Names
+
+/// A renaming: the new name of a leaf from its dotted name (the name itself: unchanged).
+using name_map = std::function<std::string(std::string_view)>;
+
+/// Names that begin with `prefix` lose it ("module." turns "module.fc.w" into "fc.w").
+inline name_map strip_prefix(std::string prefix) {
+  return [p = std::move(prefix)](std::string_view n) {
+    return n.size() > p.size() && n.substr(0, p.size()) == p ? std::string(n.substr(p.size())) : std::string(n);
+  };
+}
+
+/// Every name gets `prefix` in front.
+inline name_map add_prefix(std::string prefix) {
+  return [p = std::move(prefix)](std::string_view n) { return p + std::string(n); };
+}
+
+/// `from` itself and every name below it (`from.` ...) move to `to` (and `to.` ...).
+inline name_map rename_prefix(std::string from, std::string to) {
+  return [f = std::move(from), t = std::move(to)](std::string_view n) {
+    if (n == f) return t;
+    if (n.size() > f.size() && n.substr(0, f.size()) == f && n[f.size()] == '.') return t + std::string(n.substr(f.size()));
+    return std::string(n);
+  };
+}
+
+/// Names found in `table` (whole names) get its value; the others stay.
+inline name_map rename_map(std::map<std::string, std::string, std::less<>> table) {
+  return [m = std::move(table)](std::string_view n) {
+    const auto it = m.find(n);
+    return it == m.end() ? std::string(n) : it->second;
+  };
+}
+
+/// `first`, then `second`.
+inline name_map then(name_map first, name_map second) {
+  return [a = std::move(first), b = std::move(second)](std::string_view n) { return b(a(n)); };
+}
+
+}  // namespace statedict::inline v0::formats
+
+namespace statedict::inline v0 {
+
+/// A transformation of a description (formats/transform.hpp): rename, filter, split, ...
+using transform_fn = std::function<ShardedCheckpoint(const ShardedCheckpoint&)>;
+
+/// Everything convert() is asked to do.
+struct convert_options {
+  /// How the input is read: its format (detected when empty), dtype, optimizer state, limits.
+  formats::open_options input;
+  /// Applied in order to the description of the input.
+  std::vector<transform_fn> transforms;
+  /// How the output is written: its format (from the output's name when empty), shards, ranks,
+  /// part, threads, memory budget.
+  formats::save_options output;
+};
+
+/// What convert() did.
+struct conversion {
+  std::string input_format;        ///< the format the input was read as
+  std::string rule;                ///< the detection rule that matched
+  std::string output_format;       ///< the format written
+  std::vector<std::string> files;  ///< the files written (names inside the output directory)
+  std::size_t tensors = 0;         ///< tensors written
+  std::uint64_t bytes = 0;         ///< their bytes, in their written dtypes
+};
+
+#ifdef STATEDICT_DECLARATIONS_ONLY
+// ---------------------------------------------------------------------------------------------
+// The functions of the facade, declared (their definitions: the headers named in each group).
+
+namespace formats {
+// formats/registry.hpp
+STATEDICT_API std::vector<std::shared_ptr<const Format>> registered_formats();
+STATEDICT_API void add_format(std::shared_ptr<const Format> f);
+STATEDICT_API std::shared_ptr<const Format> find_format(std::string_view name);
+STATEDICT_API Opened open(const std::filesystem::path& path, const open_options& opt = {});
+STATEDICT_API std::shared_ptr<const Format> choose_output(const std::filesystem::path& out, const save_options& opt);
+STATEDICT_API std::vector<std::string> save(const ShardedCheckpoint& ck, const std::filesystem::path& out, const save_options& opt = {});
+// formats/transform.hpp
+STATEDICT_API std::vector<Tie> tied_names(const Skeleton& skeleton);
+STATEDICT_API void cast(ShardedCheckpoint& ck, dtype to, const cast_options& opt = {});
+STATEDICT_API ShardedCheckpoint expand_ties(ShardedCheckpoint ck, const std::vector<Tie>& ties);
+STATEDICT_API ShardedCheckpoint expand_ties(ShardedCheckpoint ck);
+STATEDICT_API ShardedCheckpoint select(const ShardedCheckpoint& ck, const std::vector<std::string>& prefixes);
+STATEDICT_API ShardedCheckpoint rename(const ShardedCheckpoint& ck, const name_map& f);
+STATEDICT_API ShardedCheckpoint filter(const ShardedCheckpoint& ck, const std::function<bool(std::string_view)>& keep);
+STATEDICT_API ShardedCheckpoint drop(const ShardedCheckpoint& ck, const std::function<bool(std::string_view)>& pred);
+STATEDICT_API ShardedCheckpoint split(const ShardedCheckpoint& ck, std::string_view name, std::size_t dim, const std::vector<part>& parts);
+STATEDICT_API ShardedCheckpoint concat(const ShardedCheckpoint& ck, const std::vector<std::string>& names, std::size_t dim,
+                                       const std::string& to);
+STATEDICT_API void check_consistent(const ShardedCheckpoint& ck);
+}  // namespace formats
+
+// core/flatten.hpp
+STATEDICT_API FlatStateDict flatten(const Value& tree);
+STATEDICT_API Value unflatten(const FlatStateDict& flat);
+STATEDICT_API std::vector<std::pair<std::string, Value>> skeleton_values(const Skeleton& skeleton);
+
+namespace optim {
+// core/optim.hpp
+STATEDICT_API Value by_name(const Value& osd, std::span<const std::string> names = {}, const options& opt = {});
+STATEDICT_API Value by_id(const Value& named, const options& opt = {});
+STATEDICT_API FlatStateDict by_name(const FlatStateDict& osd, std::span<const std::string> names = {}, const options& opt = {});
+STATEDICT_API FlatStateDict by_id(const FlatStateDict& named, const options& opt = {});
+}  // namespace optim
+
+// exec/read.hpp, exec/compare.hpp, exec/digest.hpp
+STATEDICT_API void read_elements(const ShardedCheckpoint& ck, const TensorInfo& t, std::uint64_t begin, std::uint64_t end, dtype as,
+                                 std::span<std::byte> out, const exec_options& opt = {});
+STATEDICT_API const TensorInfo& tensor_named(const ShardedCheckpoint& ck, std::string_view name);
+STATEDICT_API void read_rows(const ShardedCheckpoint& ck, std::string_view name, std::uint64_t row_begin, std::uint64_t row_end,
+                             std::span<std::byte> out, std::optional<dtype> as = std::nullopt, const exec_options& opt = {});
+STATEDICT_API Tensor read_tensor(const ShardedCheckpoint& ck, std::string_view name, std::optional<dtype> as = std::nullopt,
+                                 const exec_options& opt = {});
+STATEDICT_API comparison compare(const ShardedCheckpoint& A, const ShardedCheckpoint& B, const compare_options& opt = {});
+STATEDICT_API std::vector<std::pair<std::string, std::string>> sha256_tensors(const ShardedCheckpoint& ckpt, const exec_options& opt = {},
+                                                                              std::span<const std::string> names = {},
+                                                                              const plan_options& popt = {});
+
+// convert.hpp
+STATEDICT_API conversion convert(const std::filesystem::path& in, const std::filesystem::path& out, const convert_options& opt = {});
+STATEDICT_API Value load(const std::filesystem::path& path, const formats::open_options& opt = {});
+STATEDICT_API std::vector<std::string> save(const Value& tree, const std::filesystem::path& out, const formats::save_options& opt = {});
+#endif  // STATEDICT_DECLARATIONS_ONLY
+
+}  // namespace statedict::inline v0
+
+#ifdef STATEDICT_DECLARATIONS_ONLY
+// ---- statedict/detail/facade_names.hpp ----
+// statedict: the facade's names in statedict:: (statedict::open, statedict::save, the transform
+// makers), once the functions are declared (api.hpp) or defined (convert.hpp).
+// SPDX-License-Identifier: MIT
+
+#include <functional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+
+namespace statedict::inline v0 {
+
+// The facade's names in statedict:: (statedict::open, statedict::save, ...).
+using formats::open;
+using formats::open_options;
+using formats::Opened;
+using formats::save;
+using formats::save_options;
+
+/// The transform that renames by `f` (formats::rename).
+inline transform_fn renamed(formats::name_map f) {
+  return [f = std::move(f)](const ShardedCheckpoint& ck) { return formats::rename(ck, f); };
+}
+/// The transform that keeps the names `keep` accepts (formats::filter).
+inline transform_fn filtered(std::function<bool(std::string_view)> keep) {
+  return [keep = std::move(keep)](const ShardedCheckpoint& ck) { return formats::filter(ck, keep); };
+}
+/// The transform that keeps the dotted-name prefixes given (formats::select, `--only`).
+inline transform_fn selected(std::vector<std::string> prefixes) {
+  return [p = std::move(prefixes)](const ShardedCheckpoint& ck) { return formats::select(ck, p); };
+}
+
+}  // namespace statedict::inline v0
+#endif
+
+#ifndef STATEDICT_DECLARATIONS_ONLY
+// ---- statedict/core/sha256.hpp ----
+// statedict: SHA-256 (FIPS 180-4) of byte streams, incremental, and of a tensor's elements.
+// SPDX-License-Identifier: MIT
+//
+// `Sha256 h; h.update(bytes); ...; h.hex()` hashes any stream in pieces of any size.
+// `sha256_hex(view)` is the digest the command line prints for `inspect --hash`: the tensor's
+// elements in row-major order, little-endian, no padding, whatever the view's strides (the same
+// bytes numpy's `tobytes()` gives for the tensor), so equal tensors hash equal across formats.
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string>
+#include <string_view>
+
+
+namespace statedict::inline v0 {
+
+/// Incremental SHA-256. Feed bytes with update(), read the digest once with digest() or hex();
+/// after that the object must be reset() before reuse.
+class Sha256 {
+ public:
+  using digest_type = std::array<std::uint8_t, 32>;
+
+  Sha256() noexcept { reset(); }
+
+  void reset() noexcept {
+    static constexpr std::uint32_t init[8] = {0x6a09e667U, 0xbb67ae85U, 0x3c6ef372U, 0xa54ff53aU,
+                                              0x510e527fU, 0x9b05688cU, 0x1f83d9abU, 0x5be0cd19U};
+    std::memcpy(state_, init, sizeof state_);
+    length_ = 0;
+    fill_ = 0;
+  }
+
+  Sha256& update(std::span<const std::byte> bytes) noexcept {
+    const auto* p = reinterpret_cast<const std::uint8_t*>(bytes.data());
+    std::size_t n = bytes.size();
+    length_ += n;
+    if (fill_ != 0) {
+      const std::size_t take = n < 64 - fill_ ? n : 64 - fill_;
+      std::memcpy(block_ + fill_, p, take);
+      fill_ += take;
+      p += take;
+      n -= take;
+      if (fill_ < 64) return *this;
+      compress(block_);
+      fill_ = 0;
+    }
+    while (n >= 64) {
+      compress(p);
+      p += 64;
+      n -= 64;
+    }
+    if (n != 0) {
+      std::memcpy(block_, p, n);
+      fill_ = n;
+    }
+    return *this;
+  }
+  Sha256& update(std::string_view s) noexcept { return update(std::as_bytes(std::span<const char>(s.data(), s.size()))); }
+
+  /// The 32-byte digest of everything fed so far (finishes the stream).
+  digest_type digest() noexcept {
+    const std::uint64_t bits = length_ * 8U;
+    const std::uint8_t pad = 0x80;
+    update(std::as_bytes(std::span<const std::uint8_t>(&pad, 1)));
+    const std::uint8_t zero[64] = {};
+    const std::size_t zeros = fill_ <= 56 ? 56 - fill_ : 120 - fill_;
+    update(std::as_bytes(std::span<const std::uint8_t>(zero, zeros)));
+    std::uint8_t len[8];
+    for (int i = 0; i < 8; ++i) len[i] = static_cast<std::uint8_t>(bits >> (56 - 8 * i));
+    update(std::as_bytes(std::span<const std::uint8_t>(len, 8)));
+    digest_type out{};
+    for (std::size_t i = 0; i < 8; ++i)
+      for (std::size_t j = 0; j < 4; ++j) out[4 * i + j] = static_cast<std::uint8_t>(state_[i] >> (24 - 8 * j));
+    return out;
+  }
+
+  /// The digest as 64 lower-case hex digits (finishes the stream).
+  std::string hex() noexcept {
+    static constexpr char digits[] = "0123456789abcdef";
+    const digest_type d = digest();
+    std::string s(64, '0');
+    for (std::size_t i = 0; i < 32; ++i) {
+      s[2 * i] = digits[d[i] >> 4];
+      s[2 * i + 1] = digits[d[i] & 15U];
+    }
+    return s;
+  }
+
+ private:
+  static constexpr std::uint32_t rotr(std::uint32_t x, int n) noexcept { return (x >> n) | (x << (32 - n)); }
+
+  void compress(const std::uint8_t* p) noexcept {
+    static constexpr std::uint32_t k[64] = {
+        0x428a2f98U, 0x71374491U, 0xb5c0fbcfU, 0xe9b5dba5U, 0x3956c25bU, 0x59f111f1U, 0x923f82a4U, 0xab1c5ed5U,
+        0xd807aa98U, 0x12835b01U, 0x243185beU, 0x550c7dc3U, 0x72be5d74U, 0x80deb1feU, 0x9bdc06a7U, 0xc19bf174U,
+        0xe49b69c1U, 0xefbe4786U, 0x0fc19dc6U, 0x240ca1ccU, 0x2de92c6fU, 0x4a7484aaU, 0x5cb0a9dcU, 0x76f988daU,
+        0x983e5152U, 0xa831c66dU, 0xb00327c8U, 0xbf597fc7U, 0xc6e00bf3U, 0xd5a79147U, 0x06ca6351U, 0x14292967U,
+        0x27b70a85U, 0x2e1b2138U, 0x4d2c6dfcU, 0x53380d13U, 0x650a7354U, 0x766a0abbU, 0x81c2c92eU, 0x92722c85U,
+        0xa2bfe8a1U, 0xa81a664bU, 0xc24b8b70U, 0xc76c51a3U, 0xd192e819U, 0xd6990624U, 0xf40e3585U, 0x106aa070U,
+        0x19a4c116U, 0x1e376c08U, 0x2748774cU, 0x34b0bcb5U, 0x391c0cb3U, 0x4ed8aa4aU, 0x5b9cca4fU, 0x682e6ff3U,
+        0x748f82eeU, 0x78a5636fU, 0x84c87814U, 0x8cc70208U, 0x90befffaU, 0xa4506cebU, 0xbef9a3f7U, 0xc67178f2U};
+    std::uint32_t w[64];
+    for (int i = 0; i < 16; ++i)
+      w[i] = (std::uint32_t{p[4 * i]} << 24) | (std::uint32_t{p[4 * i + 1]} << 16) | (std::uint32_t{p[4 * i + 2]} << 8) |
+             std::uint32_t{p[4 * i + 3]};
+    for (int i = 16; i < 64; ++i) {
+      const std::uint32_t s0 = rotr(w[i - 15], 7) ^ rotr(w[i - 15], 18) ^ (w[i - 15] >> 3);
+      const std::uint32_t s1 = rotr(w[i - 2], 17) ^ rotr(w[i - 2], 19) ^ (w[i - 2] >> 10);
+      w[i] = w[i - 16] + s0 + w[i - 7] + s1;
+    }
+    std::uint32_t a = state_[0], b = state_[1], c = state_[2], d = state_[3], e = state_[4], f = state_[5],
+                  g = state_[6], h = state_[7];
+    for (int i = 0; i < 64; ++i) {
+      const std::uint32_t t1 = h + (rotr(e, 6) ^ rotr(e, 11) ^ rotr(e, 25)) + ((e & f) ^ (~e & g)) + k[i] + w[i];
+      const std::uint32_t t2 = (rotr(a, 2) ^ rotr(a, 13) ^ rotr(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
+      h = g;
+      g = f;
+      f = e;
+      e = d + t1;
+      d = c;
+      c = b;
+      b = a;
+      a = t1 + t2;
+    }
+    state_[0] += a;
+    state_[1] += b;
+    state_[2] += c;
+    state_[3] += d;
+    state_[4] += e;
+    state_[5] += f;
+    state_[6] += g;
+    state_[7] += h;
+  }
+
+  std::uint32_t state_[8];
+  std::uint8_t block_[64];
+  std::uint64_t length_;
+  std::size_t fill_;
+};
+
+/// SHA-256 of a byte range, as 64 hex digits.
+inline std::string sha256_hex(std::span<const std::byte> bytes) { return Sha256().update(bytes).hex(); }
+inline std::string sha256_hex(std::string_view s) { return Sha256().update(s).hex(); }
+
+/// Feeds a tensor's elements to `h`: row-major, little-endian, no padding; strided and misaligned
+/// views are fine (each contiguous run is fed as it lies in memory).
+inline void update(Sha256& h, const TensorView& v) {
+  v.for_each_run([&](const std::byte* p, std::uint64_t count) {
+    h.update(std::span<const std::byte>(p, static_cast<std::size_t>(count * v.itemsize())));
+  });
+}
+
+/// SHA-256 of a tensor's elements (row-major, little-endian, no padding): `inspect --hash`.
+inline std::string sha256_hex(const TensorView& v) {
+  Sha256 h;
+  update(h, v);
+  return h.hex();
+}
+
+}  // namespace statedict::inline v0
+// ---- statedict/core/value_json.hpp ----
+// statedict: a non-tensor leaf of a state dict as JSON, the form `inspect --json` prints and
+// `verify` quotes.
+// SPDX-License-Identifier: MIT
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <string_view>
+
+#include <nlohmann/json.hpp>
+
+
+namespace statedict::inline v0 {
+
+namespace detail {
+
+/// Python's repr of a str: single quotes unless the text has one and no double quote, escapes for
+/// the quote, backslash, \n \r \t and other control characters (bytes that are not UTF-8 as \xNN).
+inline void repr_str(std::string& o, std::string_view s, bool is_bytes) {
+  const bool dq = s.find('\'') != std::string_view::npos && s.find('"') == std::string_view::npos;
+  const char q = dq ? '"' : '\'';
+  if (is_bytes) o += 'b';
+  o += q;
+  static constexpr char hex[] = "0123456789abcdef";
+  for (const char ch : s) {
+    const auto c = static_cast<unsigned char>(ch);
+    if (ch == q || ch == '\\') {
+      o += '\\';
+      o += ch;
+    } else if (ch == '\n') {
+      o += "\\n";
+    } else if (ch == '\r') {
+      o += "\\r";
+    } else if (ch == '\t') {
+      o += "\\t";
+    } else if (c < 0x20 || c == 0x7f || (is_bytes && c >= 0x80)) {
+      o += "\\x";
+      o += hex[c >> 4];
+      o += hex[c & 15];
+    } else {
+      o += ch;
+    }
+  }
+  o += q;
+}
+
+/// Python's repr of a float: the shortest digits that read back, with ".0" when they look like
+/// an int; nan, inf, -inf.
+inline std::string repr_float(double d) {
+  if (std::isnan(d)) return "nan";
+  if (std::isinf(d)) return d > 0 ? "inf" : "-inf";
+  std::string t = nlohmann::json(d).dump();
+  if (t.find_first_of(".eE") == std::string::npos) t += ".0";
+  return t;
+}
+
+inline void repr(std::string& o, const Value& v, std::size_t depth);
+
+inline void repr_seq(std::string& o, const List& l, std::size_t depth, const char* open, const char* close, bool tuple) {
+  o += open;
+  for (std::size_t i = 0; i < l.size(); ++i) {
+    if (i) o += ", ";
+    repr(o, l[i], depth + 1);
+  }
+  if (tuple && l.size() == 1) o += ',';
+  o += close;
+}
+
+inline void repr_dict(std::string& o, const Dict& d, std::size_t depth) {
+  o += '{';
+  bool first = true;
+  for (const auto& [k, x] : d.items()) {
+    if (!first) o += ", ";
+    first = false;
+    if (k.is_int()) o += std::to_string(k.as_int());
+    else repr_str(o, k.as_string(), false);
+    o += ": ";
+    repr(o, x, depth + 1);
+  }
+  o += '}';
+}
+
+/// An object as Python would spell its construction: `module.Name(attr=value, ...)` for an
+/// instance whose only state is its attribute dict, `module.name(args...)` for a call, with its
+/// state and items after it; `module.name` for the class or function itself.
+inline void repr_object(std::string& o, const Object& ob, std::size_t depth) {
+  o += ob.qualified();
+  if (ob.how == object_build::global) return;
+  const bool attrs = ob.args.empty() && ob.items.empty() && ob.state.size() == 1 && ob.state[0].is_dict() &&
+                     std::all_of(ob.state[0].as_dict().begin(), ob.state[0].as_dict().end(), [](const auto& kv) { return kv.first.is_string(); });
+  if (attrs) {
+    o += '(';
+    bool first = true;
+    for (const auto& [k, x] : ob.state[0].as_dict().items()) {
+      if (!first) o += ", ";
+      first = false;
+      o += k.as_string();
+      o += '=';
+      repr(o, x, depth + 1);
+    }
+    o += ')';
+    return;
+  }
+  repr_seq(o, ob.args, depth, "(", ")", false);
+  for (const Value& s : ob.state) {
+    o += " <state ";
+    repr(o, s, depth + 1);
+    o += '>';
+  }
+  if (!ob.items.empty()) {
+    o += " <items ";
+    repr_seq(o, ob.items, depth, "[", "]", false);
+    o += '>';
+  }
+}
+
+inline void repr(std::string& o, const Value& v, std::size_t depth) {
+  if (depth > 64 || o.size() > 100000) {  // a readable line, not the whole of a hostile tree
+    o += "...";
+    return;
+  }
+  switch (v.kind()) {
+    case value_kind::none: o += "None"; return;
+    case value_kind::boolean: o += v.as_bool() ? "True" : "False"; return;
+    case value_kind::integer: o += std::to_string(v.as_int()); return;
+    case value_kind::floating: o += repr_float(v.as_double()); return;
+    case value_kind::string: repr_str(o, v.as_string(), false); return;
+    case value_kind::bytes: {
+      const auto& b = v.as_bytes().data;
+      repr_str(o, std::string_view(reinterpret_cast<const char*>(b.data()), b.size()), true);
+      return;
+    }
+    case value_kind::list: repr_seq(o, v.as_list(), depth, "[", "]", false); return;
+    case value_kind::tuple: repr_seq(o, v.as_list(), depth, "(", ")", true); return;
+    case value_kind::dict: repr_dict(o, v.as_dict(), depth); return;
+    case value_kind::object: repr_object(o, v.as_object(), depth); return;
+    case value_kind::tensor: {
+      o += "tensor(";
+      o += name(v.as_tensor().dtype());
+      o += ' ';
+      o += to_string(v.as_tensor().shape());
+      o += ')';
+      return;
+    }
+  }
+}
+
+}  // namespace detail
+
+/// `v` written as Python writes values (`argparse.Namespace(lr=0.1, arch='transformer')`,
+/// `(0.9, 0.98)`, `b'\x00'`), objects spelled as calls of their class; nesting below 64 levels
+/// and text past 100,000 characters become "...". For people (inspect), not to be parsed.
+inline std::string value_repr(const Value& v) {
+  std::string o;
+  detail::repr(o, v, 0);
+  return o;
+}
+
+/// `v` as JSON: None, bool, int, float (non-finite as the strings "nan", "inf", "-inf"), str;
+/// bytes as {"bytes_hex": ...}; lists and tuples as arrays; an empty dict as {}; an opaque object
+/// as {"object": "module.name", "repr": value_repr(v)}; a tensor as {"tensor": "[shape]"}.
+inline nlohmann::ordered_json value_json(const Value& v) {
+  using K = value_kind;
+  switch (v.kind()) {
+    case K::none: return nullptr;
+    case K::boolean: return v.as_bool();
+    case K::integer: return v.as_int();
+    case K::floating: {
+      const double d = v.as_double();
+      if (std::isnan(d)) return "nan";
+      if (std::isinf(d)) return d > 0 ? "inf" : "-inf";
+      return d;
+    }
+    case K::string: return v.as_string();
+    case K::bytes: {
+      static constexpr char hex[] = "0123456789abcdef";
+      std::string h;
+      for (auto b : v.as_bytes().data) {
+        h += hex[b >> 4];
+        h += hex[b & 15];
+      }
+      return nlohmann::ordered_json{{"bytes_hex", h}};
+    }
+    case K::list:
+    case K::tuple: {
+      auto a = nlohmann::ordered_json::array();
+      for (const auto& x : v.as_list()) a.push_back(value_json(x));
+      return a;
+    }
+    case K::dict: return nlohmann::ordered_json::object();
+    case K::object: return nlohmann::ordered_json{{"object", v.as_object().qualified()}, {"repr", value_repr(v)}};
+    case K::tensor: return nlohmann::ordered_json{{"tensor", to_string(v.as_tensor().shape())}};
+  }
+  return nullptr;
+}
+
+}  // namespace statedict::inline v0
+// ---- statedict/core/subset.hpp ----
+// statedict: subsets of a skeleton (`convert --only PREFIX`): the part a path filter selects, with
+// aliases and views of dropped tensors turned into tensors of their own.
+// SPDX-License-Identifier: MIT
+
+#include <functional>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+
+namespace statedict::inline v0 {
+
+namespace detail {
+inline json view_node(std::string_view base, const ViewSpec& s) {
+  if (s.shape.size() != s.strides.size()) throw_error(errors::flat_view_bounds, "a view's shape and strides have different lengths");
+  return view_node(base, s.dtype, s.offset, s.shape.data(), s.strides.data(), s.shape.size());
+}
+}  // namespace detail
+
+/// A tensor of a subset skeleton: its name there, the map name of the tensor its elements come
+/// from, and, when it was a view of a tensor the subset dropped, which elements (`view`).
+struct SubsetTensor {
+  std::string name;
+  std::string source;
+  std::optional<ViewSpec> view;
+  friend bool operator==(const SubsetTensor&, const SubsetTensor&) = default;
+};
+
+struct SkeletonSubset {
+  nlohmann::json skeleton;
+  std::vector<SubsetTensor> tensors;  ///< in the order of the new skeleton's tensor nodes
+};
+
+/// A predicate over node paths.
+using PathFilter = std::function<bool(const Path&)>;
+
+/// Keeps a node when its dotted name equals a prefix or continues it at a '.' boundary
+/// ("model.layers.1" keeps "model.layers.1.w" but not "model.layers.10.w"; a prefix ending in '.'
+/// keeps everything below it). An empty prefix keeps everything.
+inline PathFilter name_prefix_filter(std::vector<std::string> prefixes) {
+  return [prefixes = std::move(prefixes)](const Path& p) {
+    const std::string d = dotted(p);
+    for (const auto& pre : prefixes) {
+      if (pre.empty() || d == pre) return true;
+      if (d.size() > pre.size() && d.compare(0, pre.size(), pre) == 0 && (pre.back() == '.' || d[pre.size()] == '.'))
+        return true;
+    }
+    return false;
+  };
+}
+
+/// The part of a skeleton that `keep` selects (docs/flatten.md, "Subsets"): a leaf (or empty
+/// container) is kept when keep(path) is true; a container is kept when something below it is;
+/// an opaque object is kept whole or not at all. Dropped list and tuple elements before a kept
+/// one become None, so kept elements keep their index. An alias or view_of whose target tensor
+/// was dropped becomes a tensor node of its own (its listing name), with `source`/`view` saying
+/// where its elements come from. The result's tensor nodes are listed in `tensors`.
+inline SkeletonSubset skeleton_subset(const nlohmann::json& skeleton, const PathFilter& keep) {
+  using json = nlohmann::json;
+  using ev = detail::skeleton_cursor::ev;
+  using detail::snode;
+  // Pass 1: decide, for every node in pre-order, whether it is kept.
+  struct node {
+    std::size_t parent;
+    std::size_t end;  // one past the last node of its subtree
+    snode kind;
+    bool kept;
+  };
+  std::vector<node> nodes;
+  std::vector<std::size_t> open;  // indices of enclosing containers
+  constexpr std::size_t none = static_cast<std::size_t>(-1);
+  detail::walk_skeleton(skeleton, [&](const detail::skeleton_cursor::event& e, const Path& p, detail::skeleton_cursor&) {
+    if (e.type == ev::leave) {
+      node& c = nodes[open.back()];
+      c.end = nodes.size();
+      if (c.end == open.back() + 1) c.kept = keep(p);  // an empty container
+      open.pop_back();
+      return;
+    }
+    nodes.push_back({open.empty() ? none : open.back(), nodes.size() + 1, e.node.kind, false});
+    if (e.type == ev::enter) open.push_back(nodes.size() - 1);
+    else nodes.back().kept = keep(p);
+  });
+  for (std::size_t i = nodes.size(); i-- > 0;)
+    if (nodes[i].kept && nodes[i].parent != none) nodes[nodes[i].parent].kept = true;
+  if (!nodes.empty()) nodes[0].kept = true;  // the root always stays
+  for (std::size_t i = 0; i < nodes.size(); ++i)
+    if (nodes[i].kind == snode::object && nodes[i].kept)
+      for (std::size_t j = i + 1; j < nodes[i].end; ++j) nodes[j].kept = true;
+
+  // Tensor-like nodes: names, and which map names survive as tensor nodes.
+  std::vector<detail::tensorish> tl = detail::list_tensorish(skeleton);
+  std::unordered_map<std::string, const json*> declared;  // map name -> its tensor node
+  for (const auto& t : tl)
+    if (t.kind == snode::tensor) declared.emplace(t.target, t.node);
+
+  // Pass 2: rebuild.
+  SkeletonSubset out;
+  std::unordered_set<std::string> kept_tensors;
+  std::unordered_map<std::string, std::string> promoted;  // dropped map name -> new name
+  json root;
+  std::vector<json*> stack;
+  std::size_t idx = 0, tidx = 0;
+  detail::walk_skeleton(skeleton, [&](const detail::skeleton_cursor::event& e, const Path& path, detail::skeleton_cursor& cur) {
+    if (e.type == ev::leave) {
+      stack.pop_back();
+      return;
+    }
+    const std::size_t me = idx++;
+    const bool tensorish = e.node.kind == snode::tensor || e.node.kind == snode::alias || e.node.kind == snode::view;
+    const detail::tensorish* t = tensorish ? &tl[tidx++] : nullptr;
+    if (!nodes[me].kept) {
+      if (e.type == ev::enter) {
+        // Skip the subtree, staying aligned with `nodes` and `tl`; the matching leave pops a null.
+        for (std::size_t j = me + 1; j < nodes[me].end; ++j)
+          if (nodes[j].kind == snode::tensor || nodes[j].kind == snode::alias || nodes[j].kind == snode::view) ++tidx;
+        idx = nodes[me].end;
+        stack.push_back(nullptr);
+        cur.skip();
+      }
+      return;
+    }
+    json* slot = &root;
+    if (!stack.empty()) {
+      json& parent = *stack.back();
+      switch (e.slot) {
+        case detail::slot_kind::index: {
+          json& arr = parent.begin().value();
+          while (arr.size() < e.index) arr.push_back(nullptr);
+          slot = &arr.emplace_back();
+          break;
+        }
+        case detail::slot_kind::dict: {
+          json& arr = parent["dict"];
+          json pair = json::array_t(2);
+          pair[0] = detail::encode_key(path.back());  // walk_skeleton moved e.key there
+          arr.push_back(std::move(pair));
+          slot = &arr.back()[1];
+          break;
+        }
+        case detail::slot_kind::args: slot = &parent["object"]["args"].emplace_back(); break;
+        case detail::slot_kind::state: slot = &parent["object"]["state"].emplace_back(); break;
+        case detail::slot_kind::items: slot = &parent["object"]["items"].emplace_back(); break;
+        case detail::slot_kind::root: break;
+      }
+    }
+    if (e.type == ev::enter) {
+      json c(json::value_t::object);
+      switch (e.node.kind) {
+        case snode::list: c["list"] = json::array(); break;
+        case snode::tuple: c["tuple"] = json::array(); break;
+        case snode::dict: c["dict"] = json::array(); break;
+        default: {
+          const Object o = detail::decode_object_header(*e.node.body);
+          json body(json::value_t::object);
+          body["module"] = detail::encode_string(o.module);
+          body["name"] = detail::encode_string(o.name);
+          body["how"] = std::string(detail::how_name(o.how));
+          body["args"] = json::array();
+          body["state"] = json::array();
+          body["items"] = json::array();
+          c["object"] = std::move(body);
+          break;
+        }
+      }
+      *slot = std::move(c);
+      stack.push_back(slot);
+      return;
+    }
+    if (!t) {
+      *slot = *e.node.node;  // a scalar leaf: a small, flat JSON value
+      return;
+    }
+    auto add = [&](const std::string& name, const std::string& source, std::optional<ViewSpec> view) {
+      out.tensors.push_back({name, source, std::move(view)});
+      kept_tensors.insert(name);
+    };
+    if (t->kind == snode::tensor) {
+      *slot = *e.node.node;
+      add(t->target, t->target, std::nullopt);
+      return;
+    }
+    auto it = declared.find(t->target);
+    if (it == declared.end())
+      throw_error(errors::flat_bad_alias, "target " + quote(t->target) + " is not declared by a tensor node");
+    std::string live;  // the name under which the target's elements are in the subset
+    if (kept_tensors.count(t->target)) live = t->target;
+    else if (auto pr = promoted.find(t->target); pr != promoted.end()) live = pr->second;
+    if (t->kind == snode::alias) {
+      if (!live.empty()) {
+        *slot = detail::alias_node(live);
+        return;
+      }
+      json n(json::value_t::object);
+      n["tensor"] = t->name;
+      n["dtype"] = it->second->at("dtype");
+      n["shape"] = it->second->at("shape");
+      *slot = std::move(n);
+      add(t->name, t->target, std::nullopt);
+      promoted.emplace(t->target, t->name);
+      return;
+    }
+    ViewSpec spec = detail::decode_view(e.node);
+    if (!live.empty()) {
+      *slot = detail::view_node(live, spec);
+      return;
+    }
+    json n(json::value_t::object);
+    n["tensor"] = t->name;
+    n["dtype"] = std::string(statedict::name(spec.dtype));
+    n["shape"] = detail::shape_json(spec.shape);
+    *slot = std::move(n);
+    add(t->name, t->target, std::move(spec));
+  });
+  out.skeleton = json::object();
+  out.skeleton["statedict_skeleton"] = 1;
+  out.skeleton["root"] = std::move(root);
+  return out;
+}
+
+/// The part of a flat state dict that `keep` selects (see skeleton_subset): its tensors are views
+/// of the input's, never copies.
+inline FlatStateDict select(const FlatStateDict& flat, const PathFilter& keep) {
+  SkeletonSubset s = skeleton_subset(flat.skeleton, keep);
+  std::unordered_map<std::string_view, const TensorView*> index;
+  index.reserve(flat.tensors.size());
+  for (const auto& [n, v] : flat.tensors) index.emplace(n, &v);
+  FlatStateDict out;
+  out.tensors.reserve(s.tensors.size());
+  for (auto& t : s.tensors) {
+    auto it = index.find(t.source);
+    if (it == index.end()) throw_error(errors::flat_missing_tensor, "tensor " + quote(t.source) + " is not in the tensor map");
+    out.tensors.emplace_back(std::move(t.name), t.view ? view_into(*it->second, *t.view) : *it->second);
+  }
+  out.skeleton = std::move(s.skeleton);
+  return out;
+}
+
+}  // namespace statedict::inline v0
+// ---- statedict/core/optim.hpp ----
+// statedict: optimizer state dicts: re-key `state` between int parameter ids and parameter names.
+// SPDX-License-Identifier: MIT
+//
+// `torch.optim.Optimizer.state_dict()` is
+//
+//   {"state": {0: {"step": tensor(3.), "exp_avg": ..., "exp_avg_sq": ...}, 1: {...}, ...},
+//    "param_groups": [{"lr": 0.001, "betas": (0.9, 0.999), ..., "params": [0, 1]},
+//                     {"lr": 0.001, ..., "params": [2, 3]}]}
+//
+// where the ids number the parameters in optimizer order (group 0's params, then group 1's, ...)
+// from 0, and newer PyTorch adds "param_names" to each group when the optimizer was built from
+// named parameters. `optim::by_name` turns this into the form torch.distributed.checkpoint uses:
+// `state` keyed by parameter name and each group's "params" listing names; `optim::by_id` turns
+// it back, numbering the parameters in optimizer order as PyTorch does. Every other key
+// (hyper-parameters, "param_names", extra top-level keys) is kept as it is, in its place.
+// by_name(by_id(x)) == x always; by_id(by_name(x)) == x when x's ids are PyTorch's (0, 1, ... in
+// optimizer order), which every Optimizer.state_dict() satisfies.
+
+
+#include <algorithm>
+#include <charconv>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+
+namespace statedict::inline v0 {
+
+/// Error ids of the optimizer helpers (220-239).
+namespace errors {
+// clang-format off
+inline constexpr error_id optim_malformed        {220, error_kind::format, "optim.malformed"};         ///< not {"state": dict, "param_groups": [{"params": [...]}, ...]}
+inline constexpr error_id optim_name_count       {221, error_kind::usage,  "optim.name_count"};        ///< as many names as parameters are needed
+inline constexpr error_id optim_unknown_param    {222, error_kind::key,    "optim.unknown_param"};     ///< a state entry for a parameter no group lists
+inline constexpr error_id optim_duplicate_param  {223, error_kind::key,    "optim.duplicate_param"};   ///< a parameter (id or name) listed twice
+inline constexpr error_id optim_param_names      {224, error_kind::key,    "optim.param_names"};       ///< "param_names" disagree with the names given, or are partial
+inline constexpr error_id optim_state_disagrees  {225, error_kind::format, "optim.state_disagrees"};   ///< per-parameter constant state (e.g. step) differs within a group
+inline constexpr error_id optim_no_names         {226, error_kind::usage,  "optim.no_names"};          ///< no names given and no "param_names" in the groups
+// clang-format on
+}  // namespace errors
+
+namespace optim {
+
+
+namespace detail {
+
+[[noreturn]] inline void malformed(std::string detail) { throw_error(errors::optim_malformed, "optimizer state", std::move(detail)); }
+
+inline const Dict& top(const Value& osd) {
+  if (!osd.is_dict()) malformed("is a " + std::string(to_string(osd.kind())) + ", not a dict");
+  const Dict& d = osd.as_dict();
+  const Value* s = d.find("state");
+  const Value* g = d.find("param_groups");
+  if (!s || !s->is_dict()) malformed("has no \"state\" dict");
+  if (!g || !g->is_list()) malformed("has no \"param_groups\" list");
+  return d;
+}
+
+/// The "params" list of every group, checked.
+inline std::vector<const List*> group_params(const Value& osd) {
+  std::vector<const List*> out;
+  const List& groups = top(osd).at("param_groups").as_list();
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    const Value* p = groups[g].is_dict() ? groups[g].as_dict().find("params") : nullptr;
+    if (!p || !p->is_list())
+      malformed("param group " + std::to_string(g) + (groups[g].is_dict() ? " has no \"params\" list" : " is not a dict"));
+    out.push_back(&p->as_list());
+  }
+  return out;
+}
+
+/// A short description of a state value for messages: numbers and one-element tensors by value.
+inline std::string describe(const Value& v) {
+  switch (v.kind()) {
+    case value_kind::integer: return std::to_string(v.as_int());
+    case value_kind::floating: {
+      char buf[32];
+      auto r = std::to_chars(buf, buf + sizeof buf, v.as_double());
+      return std::string(buf, r.ptr);
+    }
+    case value_kind::boolean: return v.as_bool() ? "True" : "False";
+    case value_kind::tensor: {
+      const TensorView& t = v.as_tensor();
+      std::string s = "tensor " + std::string(name(t.dtype())) + " " + to_string(t.shape());
+      if (t.numel() == 1) {
+        char buf[32];
+        std::to_chars_result r{buf, {}};
+        switch (t.dtype()) {
+          case dtype::F32: r = std::to_chars(buf, buf + sizeof buf, t.load<float>(0)); break;
+          case dtype::F64: r = std::to_chars(buf, buf + sizeof buf, t.load<double>(0)); break;
+          case dtype::I64: r = std::to_chars(buf, buf + sizeof buf, t.load<std::int64_t>(0)); break;
+          case dtype::I32: r = std::to_chars(buf, buf + sizeof buf, t.load<std::int32_t>(0)); break;
+          default: break;
+        }
+        if (r.ptr != buf) s += " = " + std::string(buf, r.ptr);
+      }
+      return s;
+    }
+    default: return std::string(to_string(v.kind()));
+  }
+}
+
+inline std::string param_label(const Value& p, std::span<const std::string> names, std::size_t pos) {
+  if (pos < names.size()) return quote(names[pos]);
+  return p.is_string() ? quote(p.as_string()) : p.is_int() ? std::to_string(p.as_int()) : "?";
+}
+
+}  // namespace detail
+
+/// The "param_names" of every group, concatenated in optimizer order (newer PyTorch writes them);
+/// empty when no group has them. Throws optim_param_names when only some groups have them or a
+/// group's count differs from its "params".
+inline std::vector<std::string> param_names(const Value& osd) {
+  const auto params = detail::group_params(osd);
+  const List& groups = osd["param_groups"].as_list();
+  std::vector<std::string> out;
+  std::size_t with = 0;
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    const Value* n = groups[g].as_dict().find("param_names");
+    if (!n) continue;
+    ++with;
+    if (!n->is_sequence() || n->as_list().size() != params[g]->size())
+      throw_error(errors::optim_param_names, "optimizer state",
+                  "param group " + std::to_string(g) + " has " + std::to_string(params[g]->size()) +
+                      " params but a \"param_names\" that is not a list of as many names");
+    for (const Value& x : n->as_list()) {
+      if (!x.is_string())
+        throw_error(errors::optim_param_names, "optimizer state",
+                    "param group " + std::to_string(g) + ": a \"param_names\" entry is a " + std::string(to_string(x.kind())));
+      out.push_back(x.as_string());
+    }
+  }
+  if (with != 0 && with != groups.size())
+    throw_error(errors::optim_param_names, "optimizer state",
+                std::to_string(with) + " of " + std::to_string(groups.size()) + " param groups have \"param_names\"");
+  return out;
+}
+
+/// Checks that, within each param group, every parameter whose state has key `k` (for each k in
+/// `keys`) has the same value there (compared exactly: tensors by dtype, shape and bytes). Works on
+/// either form. `names`, when given, label parameters in messages (optimizer order). Throws
+/// optim_state_disagrees naming the group, the key and the parameters that differ from the first.
+inline void check_constant_state(const Value& osd, std::span<const std::string> keys, std::span<const std::string> names = {}) {
+  const auto params = detail::group_params(osd);
+  const Dict& state = osd["state"].as_dict();
+  std::size_t pos = 0;
+  for (std::size_t g = 0; g < params.size(); ++g) {
+    const std::size_t first_pos = pos;
+    for (const std::string& k : keys) {
+      const Value* ref = nullptr;
+      std::string ref_label;
+      std::vector<std::string> differ;
+      std::size_t agree = 0;
+      for (std::size_t i = 0; i < params[g]->size(); ++i) {
+        const Value& p = (*params[g])[i];
+        if (!p.is_int() && !p.is_string()) detail::malformed("param group " + std::to_string(g) + " lists a " + std::string(to_string(p.kind())));
+        const Value* s = state.find(p.is_int() ? Key(p.as_int()) : Key(p.as_string()));
+        const Value* v = s && s->is_dict() ? s->as_dict().find(k) : nullptr;
+        if (!v) continue;
+        const std::string label = detail::param_label(p, names, first_pos + i);
+        if (!ref) {
+          ref = v;
+          ref_label = label;
+          ++agree;
+        } else if (*v == *ref) {
+          ++agree;
+        } else {
+          differ.push_back(label + " has " + detail::describe(*v));
+        }
+      }
+      if (differ.empty()) continue;
+      std::string msg = "param group " + std::to_string(g) + ": " + quote(k) + " is " + detail::describe(*ref) + " for " +
+                        ref_label + (agree > 1 ? " and " + std::to_string(agree - 1) + " more" : "") + ", but ";
+      for (std::size_t i = 0; i < differ.size() && i < 8; ++i) msg += (i ? ", " : "") + differ[i];
+      if (differ.size() > 8) msg += ", and " + std::to_string(differ.size() - 8) + " more";
+      throw_error(errors::optim_state_disagrees, "optimizer state", msg);
+    }
+    pos += params[g]->size();
+  }
+}
+
+/// Re-keys an optimizer state dict from int param ids to parameter names: `state` keyed by name,
+/// each group's "params" listing names, everything else unchanged and in place. `names` are the
+/// parameter names in optimizer order (the concatenation of the groups' "params"); when empty, the
+/// groups' "param_names" are used. State for a parameter no group lists is an error.
+STATEDICT_API Value by_name(const Value& osd, std::span<const std::string> names = {}, const options& opt = {}) {
+  const auto params = detail::group_params(osd);
+  std::vector<std::string> from_groups = param_names(osd);
+  std::size_t count = 0;
+  for (const List* l : params) count += l->size();
+  if (names.empty()) {
+    if (from_groups.empty() && count != 0)
+      throw_error(errors::optim_no_names, "optimizer state",
+                  "no parameter names given and the param groups have no \"param_names\"");
+    names = from_groups;
+  } else if (!from_groups.empty() && !std::equal(names.begin(), names.end(), from_groups.begin(), from_groups.end())) {
+    throw_error(errors::optim_param_names, "optimizer state", "the names given differ from the groups' \"param_names\"");
+  }
+  if (names.size() != count)
+    throw_error(errors::optim_name_count, "optimizer state",
+                std::to_string(names.size()) + " names for " + std::to_string(count) + " parameters");
+  std::unordered_map<std::int64_t, std::size_t> pos_of_id;
+  std::unordered_map<std::string_view, std::size_t> pos_of_name;
+  pos_of_id.reserve(count);
+  pos_of_name.reserve(count);
+  std::size_t pos = 0;
+  for (std::size_t g = 0; g < params.size(); ++g)
+    for (const Value& p : *params[g]) {
+      if (!p.is_int())
+        detail::malformed("param group " + std::to_string(g) + " lists a " + std::string(to_string(p.kind())) +
+                          " in \"params\"; ids are ints (already by name?)");
+      if (!pos_of_id.emplace(p.as_int(), pos).second)
+        throw_error(errors::optim_duplicate_param, "optimizer state", "param id " + std::to_string(p.as_int()) + " is listed twice");
+      if (!pos_of_name.emplace(names[pos], pos).second)
+        throw_error(errors::optim_duplicate_param, "optimizer state", "the parameter name " + quote(names[pos]) + " is given twice");
+      ++pos;
+    }
+  if (!opt.constant_keys.empty()) check_constant_state(osd, opt.constant_keys, names);
+
+  Dict out;
+  out.reserve(osd.as_dict().size());
+  for (const auto& [k, v] : osd.as_dict()) {
+    if (k == Key("state")) {
+      Dict st;
+      st.reserve(v.as_dict().size());
+      for (const auto& [id, s] : v.as_dict()) {
+        if (!id.is_int()) detail::malformed("state key " + quote(id.as_string()) + " is a string; ids are ints (already by name?)");
+        auto it = pos_of_id.find(id.as_int());
+        if (it == pos_of_id.end())
+          throw_error(errors::optim_unknown_param, "optimizer state",
+                      "state for param id " + std::to_string(id.as_int()) + ", which no param group lists");
+        st.append_unchecked(names[it->second], s);  // names are unique, checked above
+      }
+      out.append_unchecked(k, Value(std::move(st)));
+    } else if (k == Key("param_groups")) {
+      List groups;
+      groups.reserve(params.size());
+      std::size_t at = 0;
+      for (const Value& g : v.as_list()) {
+        Dict gd;
+        gd.reserve(g.as_dict().size());
+        for (const auto& [gk, gv] : g.as_dict()) {
+          if (gk == Key("params")) {
+            List l;
+            l.reserve(gv.as_list().size());
+            for (std::size_t i = 0; i < gv.as_list().size(); ++i) l.emplace_back(names[at++]);
+            gd.append_unchecked(gk, Value::list(std::move(l)));
+          } else {
+            gd.append_unchecked(gk, gv);
+          }
+        }
+        groups.emplace_back(std::move(gd));
+      }
+      out.append_unchecked(k, Value::list(std::move(groups)));
+    } else {
+      out.append_unchecked(k, v);
+    }
+  }
+  return Value(std::move(out));
+}
+
+/// Re-keys a by-name optimizer state dict back to int param ids, numbering the parameters in
+/// optimizer order from 0 as PyTorch does; "params" become those ids, `state` is keyed by them.
+STATEDICT_API Value by_id(const Value& named, const options& opt = {}) {
+  const auto params = detail::group_params(named);
+  std::unordered_map<std::string_view, std::int64_t> id_of;
+  std::int64_t next = 0;
+  for (std::size_t g = 0; g < params.size(); ++g)
+    for (const Value& p : *params[g]) {
+      if (!p.is_string())
+        detail::malformed("param group " + std::to_string(g) + " lists a " + std::string(to_string(p.kind())) +
+                          " in \"params\"; names are strings (already by id?)");
+      if (!id_of.emplace(p.as_string(), next++).second)
+        throw_error(errors::optim_duplicate_param, "optimizer state", "the parameter " + quote(p.as_string()) + " is listed twice");
+    }
+  if (!opt.constant_keys.empty()) check_constant_state(named, opt.constant_keys);
+
+  Dict out;
+  out.reserve(named.as_dict().size());
+  for (const auto& [k, v] : named.as_dict()) {
+    if (k == Key("state")) {
+      Dict st;
+      st.reserve(v.as_dict().size());
+      for (const auto& [name, s] : v.as_dict()) {
+        if (!name.is_string()) detail::malformed("state key " + name.str() + " is an int; names are strings (already by id?)");
+        auto it = id_of.find(name.as_string());
+        if (it == id_of.end())
+          throw_error(errors::optim_unknown_param, "optimizer state",
+                      "state for parameter " + quote(name.as_string()) + ", which no param group lists");
+        st.append_unchecked(it->second, s);  // ids are unique
+      }
+      out.append_unchecked(k, Value(std::move(st)));
+    } else if (k == Key("param_groups")) {
+      List groups;
+      groups.reserve(params.size());
+      for (const Value& g : v.as_list()) {
+        Dict gd;
+        gd.reserve(g.as_dict().size());
+        for (const auto& [gk, gv] : g.as_dict()) {
+          if (gk == Key("params")) {
+            List l;
+            l.reserve(gv.as_list().size());
+            for (const Value& p : gv.as_list()) l.emplace_back(id_of.at(p.as_string()));
+            gd.append_unchecked(gk, Value::list(std::move(l)));
+          } else {
+            gd.append_unchecked(gk, gv);
+          }
+        }
+        groups.emplace_back(std::move(gd));
+      }
+      out.append_unchecked(k, Value::list(std::move(groups)));
+    } else {
+      out.append_unchecked(k, v);
+    }
+  }
+  return Value(std::move(out));
+}
+
+/// by_name for a flattened optimizer state (`flatten(optimizer.state_dict())`): the same
+/// re-keying, flat in and out ("state.0.exp_avg" becomes "state.fc.weight.exp_avg"). The tensors
+/// are the same views: nothing is copied.
+STATEDICT_API FlatStateDict by_name(const FlatStateDict& osd, std::span<const std::string> names = {}, const options& opt = {}) {
+  return flatten(by_name(unflatten(osd), names, opt));
+}
+
+/// by_id for a flattened optimizer state keyed by names.
+STATEDICT_API FlatStateDict by_id(const FlatStateDict& named, const options& opt = {}) { return flatten(by_id(unflatten(named), opt)); }
+
+}  // namespace optim
+}  // namespace statedict::inline v0
+// ---- statedict/io/safetensors.hpp ----
+// statedict: safetensors files: a validated zero-copy reader, and the layout the writers use.
+// SPDX-License-Identifier: MIT
+//
+// Format (huggingface/safetensors): u64 little-endian N, N bytes of UTF-8 JSON (the header), then
+// the data section. The header maps each tensor name to {"dtype", "shape", "data_offsets"} (byte
+// offsets into the data section) plus an optional "__metadata__" string-to-string map.
+//
+// Reading: `safetensors::File::open(path)` maps the file (or reads it with pread), validates the
+// header with every rule of the reference reader (`read_metadata`, `Metadata::validate`), each
+// violation with its own error id naming the file and the tensor, and exposes the tensors in file
+// order as TensorViews into the mapping (no copy; each view keeps the mapping alive).
+// `describe()` gives the ShardedCheckpoint of the file; `to_value()` the Value tree.
+//
+// Writing: `safetensors::layout` computes the header and every tensor's data offsets the
+// reference writer (`serialize_to_file`) would produce, before a byte is written; the writers that
+// stream the bytes are in formats/safetensors.hpp.
+//
+// statedict's own `__metadata__` keys (every other key is the user's and is kept as is):
+//   "statedict.aliases"   JSON object {alias name: stored tensor name}: tied tensors written once
+//   "statedict.skeleton"  the flatten skeleton (core/flatten.hpp) of a nested state, compact JSON
+// docs/safetensors.md describes the rules, the ids and where statedict differs from the reference.
+
+#include <fcntl.h>
+#include <locale.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
 
 namespace statedict::inline v0 {
 
@@ -6311,16 +8046,16 @@ struct dtype_entry {
 /// The reference's Dtype enum, in enum order (its writer sorts by this position, descending).
 inline constexpr std::array<dtype_entry, 22> dtype_table{{
     {"BOOL", 8, statedict::dtype::BOOL},
-    {"F4", 4, std::nullopt},
-    {"F6_E2M3", 6, std::nullopt},
-    {"F6_E3M2", 6, std::nullopt},
+    {"F4", 4, statedict::dtype::F4_X2},
+    {"F6_E2M3", 6, statedict::dtype::F6_E2M3_X4},
+    {"F6_E3M2", 6, statedict::dtype::F6_E3M2_X4},
     {"U8", 8, statedict::dtype::U8},
     {"I8", 8, statedict::dtype::I8},
     {"F8_E5M2", 8, statedict::dtype::F8_E5M2},
     {"F8_E4M3", 8, statedict::dtype::F8_E4M3},
-    {"F8_E8M0", 8, std::nullopt},
-    {"F8_E4M3FNUZ", 8, std::nullopt},
-    {"F8_E5M2FNUZ", 8, std::nullopt},
+    {"F8_E8M0", 8, statedict::dtype::F8_E8M0},
+    {"F8_E4M3FNUZ", 8, statedict::dtype::F8_E4M3FNUZ},
+    {"F8_E5M2FNUZ", 8, statedict::dtype::F8_E5M2FNUZ},
     {"I16", 16, statedict::dtype::I16},
     {"U16", 16, statedict::dtype::U16},
     {"F16", 16, statedict::dtype::F16},
@@ -6333,6 +8068,17 @@ inline constexpr std::array<dtype_entry, 22> dtype_table{{
     {"I64", 64, statedict::dtype::I64},
     {"U64", 64, statedict::dtype::U64},
 }};
+
+/// The name a dtype has in a safetensors header: name() except for the packed types, which
+/// safetensors names by their values (F4_X2 is "F4", F6_E2M3_X4 "F6_E2M3", F6_E3M2_X4 "F6_E3M2").
+constexpr std::string_view file_dtype_name(statedict::dtype t) noexcept {
+  switch (t) {
+    case statedict::dtype::F4_X2: return "F4";
+    case statedict::dtype::F6_E2M3_X4: return "F6_E2M3";
+    case statedict::dtype::F6_E3M2_X4: return "F6_E3M2";
+    default: return name(t);
+  }
+}
 
 /// Index into dtype_table of a dtype name, or -1.
 inline int dtype_index(std::string_view name) noexcept {
@@ -6365,10 +8111,16 @@ struct limits {
 /// One tensor of a file.
 struct TensorEntry {
   std::string name;
-  std::string_view dtype_name;             ///< the reference's name ("F32", "F8_E8M0", ...)
-  std::optional<statedict::dtype> dtype;   ///< nullopt for the dtypes statedict lacks (see dtype_table)
+  std::string_view dtype_name;             ///< the reference's name ("F32", "F4", ...)
+  /// statedict's dtype; nullopt when statedict cannot hold the tensor (a packed dtype whose last
+  /// dimension does not split into whole elements: see unsupported_reason()).
+  std::optional<statedict::dtype> dtype;
   std::uint8_t dtype_bits = 0;
+  /// The shape in statedict's elements: the header's, except for the packed dtypes (F4, F6_*),
+  /// whose last dimension counts values in the header and elements (2 or 4 values) here, as
+  /// PyTorch's float4_e2m1fn_x2 does. `file_shape` is the header's.
   shape_t shape;
+  shape_t file_shape;
   std::uint64_t begin = 0;  ///< byte offsets relative to the data section (data_offsets)
   std::uint64_t end = 0;
   [[nodiscard]] std::uint64_t nbytes() const noexcept { return end - begin; }
@@ -6378,6 +8130,14 @@ struct open_options {
   read_mode mode = read_mode::mmap;
   limits lim{};
 };
+
+/// Why statedict cannot hold entry `e` (its dtype is nullopt).
+inline std::string unsupported_reason(const TensorEntry& e) {
+  const int values = e.dtype_bits == 4 ? 2 : 4;
+  return std::string(e.dtype_name) + to_string(e.file_shape) + ": statedict holds " + std::string(e.dtype_name) +
+         " values in elements of " + std::to_string(values) + " (as PyTorch's float4_e2m1fn_x2 holds 2), so the last dimension must be a multiple of " +
+         std::to_string(values);
+}
 
 }  // namespace safetensors
 }  // namespace statedict::inline v0
@@ -7065,9 +8825,7 @@ class File {
   /// The tensor as a view. Mapped or in-memory sources: zero copy, the view keeps the mapping
   /// alive. pread sources: the bytes are read now into a fresh aligned buffer.
   [[nodiscard]] TensorView view(const TensorEntry& e) const {
-    if (!e.dtype)
-      throw_error(errors::st_unsupported_dtype, "file " + quote(name()) + ": tensor " + quote(e.name),
-                  "dtype " + std::string(e.dtype_name) + " is valid safetensors but statedict has no such dtype");
+    if (!e.dtype) throw_error(errors::st_unsupported_dtype, "file " + quote(name()) + ": tensor " + quote(e.name), unsupported_reason(e));
     const std::uint64_t off = data_offset() + e.begin;
     if (const std::byte* base = s_->source->data())
       return TensorView::contiguous(*e.dtype, e.shape, base + off, s_->source->owner());
@@ -7150,9 +8908,7 @@ class File {
 
  private:
   [[nodiscard]] TensorInfo info_of(const TensorEntry& e, const std::string& as) const {
-    if (!e.dtype)
-      throw_error(errors::st_unsupported_dtype, "file " + quote(name()) + ": tensor " + quote(e.name),
-                  "dtype " + std::string(e.dtype_name) + " is valid safetensors but statedict has no such dtype");
+    if (!e.dtype) throw_error(errors::st_unsupported_dtype, "file " + quote(name()) + ": tensor " + quote(e.name), unsupported_reason(e));
     TensorInfo t;
     t.name = as;
     t.dtype = *e.dtype;
@@ -7249,6 +9005,14 @@ class File {
                         " bytes, data_offsets give " + std::to_string(e.end - e.begin));
       if (numel > max_size)
         throw_error(errors::st_overflow, at_(), "element count " + std::to_string(numel) + " exceeds 2^63-1");
+    }
+    // The packed dtypes in statedict's elements (the last dimension divided by the values per element).
+    for (TensorEntry& e : st.entries) {
+      e.file_shape = e.shape;
+      if (!e.dtype || info(*e.dtype).packed == 1) continue;
+      const auto per = static_cast<dim_t>(info(*e.dtype).packed);
+      if (e.shape.empty() || e.shape.back() % per != 0) e.dtype.reset();
+      else e.shape.back() /= per;
     }
     const std::uint64_t data_len = len - 8 - n;
     if (start != data_len)
@@ -7362,7 +9126,11 @@ inline Layout layout(std::span<const TensorSpec> specs, const std::optional<std:
       rank[i] = info(s.dtype).safetensors_rank;
       if (rank[i] < 0)
         throw_error(errors::st_write_dtype, detail::where_tensor(s.name),
-                    std::string(name(s.dtype)) + " cannot be stored in safetensors");
+                    std::string(name(s.dtype)) + " cannot be stored in safetensors (it has no such dtype)");
+      if (info(s.dtype).packed != 1 && s.shape.empty())
+        throw_error(errors::st_write_dtype, detail::where_tensor(s.name),
+                    "a 0-d " + std::string(name(s.dtype)) + " tensor: safetensors counts " + std::string(file_dtype_name(s.dtype)) +
+                        " values in the last dimension, which a 0-d tensor does not have");
       if (s.name == "__metadata__")
         throw_error(errors::st_write_name, detail::where_tensor(s.name), "the name is reserved for the metadata");
       if (!detail::valid_utf8(s.name)) throw_error(errors::st_write_name, detail::where_tensor(s.name), "the name is not UTF-8");
@@ -7403,11 +9171,13 @@ inline Layout layout(std::span<const TensorSpec> specs, const std::optional<std:
     first = false;
     detail::append_json_string(h, s.name);
     h += ":{\"dtype\":\"";
-    h += name(s.dtype);
+    h += file_dtype_name(s.dtype);
     h += "\",\"shape\":[";
     for (std::size_t d = 0; d < s.shape.size(); ++d) {
       if (d) h += ',';
-      detail::append_uint(h, static_cast<std::uint64_t>(s.shape[d]));
+      std::uint64_t dim = static_cast<std::uint64_t>(s.shape[d]);
+      if (d + 1 == s.shape.size()) dim = checked_mul(dim, info(s.dtype).packed, "packed last dimension");  // values, not elements
+      detail::append_uint(h, dim);
     }
     h += "],\"data_offsets\":[";
     detail::append_uint(h, offset);
@@ -7520,6 +9290,7 @@ inline constexpr error_id hf_unlisted_tensor     {355, error_kind::format,   "hf
 inline constexpr error_id hf_bad_shard_name      {356, error_kind::security, "hf.bad_shard_name"};      // a path, not a file name
 inline constexpr error_id hf_not_a_checkpoint    {357, error_kind::usage,    "hf.not_a_checkpoint"};
 inline constexpr error_id hf_bad_max_shard_size  {358, error_kind::usage,    "hf.bad_max_shard_size"};
+inline constexpr error_id hf_shard_content       {335, error_kind::format,   "hf.shard_content"};       // a shard holding more than named tensors
 // clang-format on
 }  // namespace errors
 
@@ -7529,6 +9300,10 @@ namespace hf {
 inline constexpr std::uint64_t default_max_shard_size = 5'000'000'000;
 inline constexpr std::string_view index_name = "model.safetensors.index.json";
 inline constexpr std::string_view single_name = "model.safetensors";
+/// transformers' torch.save shards (`save_pretrained(safe_serialization=False)`, most older Hub
+/// checkpoints): `pytorch_model-0000k-of-0000n.bin` and this index, or one `pytorch_model.bin`.
+inline constexpr std::string_view bin_index_name = "pytorch_model.bin.index.json";
+inline constexpr std::string_view bin_single_name = "pytorch_model.bin";
 
 /// Parses a maximum shard size as huggingface_hub's `parse_size_to_int` does: a number (Python
 /// float syntax: "5", "1.5", "2e3") followed by one of the decimal units KB, MB, GB, TB (any
@@ -7752,6 +9527,62 @@ struct open_options {
   std::uint64_t max_index_bytes = 100'000'000;
 };
 
+/// An index file's content: the shard files in order of first appearance and each weight_map
+/// entry's file, validated (names are plain file names), and its "metadata" object.
+struct Index {
+  std::vector<std::string> files;
+  std::vector<std::pair<std::string, std::size_t>> listed;  ///< (tensor, index into files), weight_map order
+  nlohmann::ordered_json metadata = nlohmann::ordered_json::object();
+};
+
+/// Reads and validates an index file (`at` names it in errors): JSON within max_index_bytes, no
+/// duplicate keys, a "weight_map" object of strings that are plain file names.
+inline Index read_index(const std::filesystem::path& path, const open_options& opt, const std::string& at) {
+  auto f = InputFile::open(path, read_mode::pread);
+  if (f->size() > opt.max_index_bytes)
+    throw_error(errors::hf_index_json, at,
+                "index of " + std::to_string(f->size()) + " bytes exceeds the cap of " + std::to_string(opt.max_index_bytes) +
+                    " (open_options::max_index_bytes)");
+  std::string text(static_cast<std::size_t>(f->size()), '\0');
+  f->read(0, std::as_writable_bytes(std::span<char>(text.data(), text.size())));
+  // Duplicate keys are refused (Python's json keeps the last one silently).
+  std::vector<std::unordered_set<std::string>> keys;
+  auto cb = [&](int depth, nlohmann::ordered_json::parse_event_t ev, nlohmann::ordered_json& parsed) {
+    using ev_t = nlohmann::ordered_json::parse_event_t;
+    if (depth > 127) throw_error(errors::hf_index_json, at, "JSON nested deeper than 127 levels");
+    if (ev == ev_t::object_start) keys.emplace_back();
+    else if (ev == ev_t::object_end && !keys.empty()) keys.pop_back();
+    else if (ev == ev_t::key && !keys.empty() && !keys.back().insert(parsed.get<std::string>()).second)
+      throw_error(errors::hf_index_duplicate, at, "key " + quote(parsed.get<std::string>()) + " appears twice in one object");
+    return true;
+  };
+  nlohmann::ordered_json index;
+  try {
+    index = nlohmann::ordered_json::parse(text, cb);
+  } catch (const nlohmann::json::exception& e) {
+    throw_error(errors::hf_index_json, at, "invalid JSON: " + safetensors::detail::sanitize_message(e.what()));
+  }
+  if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
+    throw_error(errors::hf_index_schema, at, "expected an object with a \"weight_map\" object");
+  Index out;
+  if (index.contains("metadata")) {
+    if (!index["metadata"].is_object()) throw_error(errors::hf_index_schema, at, "\"metadata\" is not an object");
+    out.metadata = index["metadata"];
+  }
+  std::unordered_map<std::string, std::size_t> file_index;
+  for (const auto& [name, file] : index["weight_map"].items()) {
+    if (!file.is_string()) throw_error(errors::hf_index_schema, at + ": weight_map " + quote(name), "the file name is not a string");
+    const std::string& fn = file.get_ref<const std::string&>();
+    if (fn.empty() || fn == "." || fn == ".." || fn.find('/') != std::string::npos || fn.find('\0') != std::string::npos)
+      throw_error(errors::hf_bad_shard_name, at + ": weight_map " + quote(name),
+                  "shard " + quote(fn) + " is not a plain file name in the checkpoint directory");
+    auto [it, fresh] = file_index.emplace(fn, file_index.size());
+    if (fresh) out.files.push_back(fn);
+    out.listed.emplace_back(name, it->second);
+  }
+  return out;
+}
+
 /// A Hugging Face checkpoint: all shards as one map. Copies share the files.
 class Checkpoint {
  public:
@@ -7839,8 +9670,7 @@ class Checkpoint {
       const safetensors::File& f = files_[i.file];
       const safetensors::TensorEntry& e = *i.entry;
       if (!e.dtype)
-        throw_error(errors::st_unsupported_dtype, "file " + quote(f.name()) + ": tensor " + quote(e.name),
-                    "dtype " + std::string(e.dtype_name) + " is valid safetensors but statedict has no such dtype");
+        throw_error(errors::st_unsupported_dtype, "file " + quote(f.name()) + ": tensor " + quote(e.name), safetensors::unsupported_reason(e));
       TensorInfo t;
       t.name = i.name;
       t.dtype = *e.dtype;
@@ -7874,29 +9704,10 @@ class Checkpoint {
 
   void open_index(const open_options& opt) {
     const std::string at = where();
-    const nlohmann::ordered_json index = read_index(opt);
-    if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
-      throw_error(errors::hf_index_schema, at, "expected an object with a \"weight_map\" object");
-    if (index.contains("metadata")) {
-      if (!index["metadata"].is_object()) throw_error(errors::hf_index_schema, at, "\"metadata\" is not an object");
-      index_metadata_ = index["metadata"];
-    } else {
-      index_metadata_ = nlohmann::ordered_json::object();
-    }
-    // Shard files in order of first appearance.
-    std::unordered_map<std::string, std::size_t> file_index;
-    std::vector<std::pair<std::string, std::size_t>> listed;  // (tensor, file)
-    for (const auto& [name, file] : index["weight_map"].items()) {
-      if (!file.is_string())
-        throw_error(errors::hf_index_schema, at + ": weight_map " + quote(name), "the file name is not a string");
-      const std::string& fn = file.get_ref<const std::string&>();
-      if (fn.empty() || fn == "." || fn == ".." || fn.find('/') != std::string::npos || fn.find('\0') != std::string::npos)
-        throw_error(errors::hf_bad_shard_name, at + ": weight_map " + quote(name),
-                    "shard " + quote(fn) + " is not a plain file name in the checkpoint directory");
-      auto [it, fresh] = file_index.emplace(fn, file_index.size());
-      if (fresh) names_.push_back(fn);
-      listed.emplace_back(name, it->second);
-    }
+    Index index = read_index(index_path_, opt, at);
+    index_metadata_ = std::move(index.metadata);
+    names_ = std::move(index.files);
+    const std::vector<std::pair<std::string, std::size_t>>& listed = index.listed;
     for (const auto& fn : names_) {
       try {
         files_.push_back(safetensors::File::open(dir_ / fn, {opt.mode, opt.lim}));
@@ -7953,33 +9764,6 @@ class Checkpoint {
       metadata_[k] = v.is_string() ? v.get<std::string>() : v.dump();
     }
     index_names();
-  }
-
-  nlohmann::ordered_json read_index(const open_options& opt) const {
-    const std::string at = where();
-    auto f = InputFile::open(index_path_, read_mode::pread);
-    if (f->size() > opt.max_index_bytes)
-      throw_error(errors::hf_index_json, at,
-                  "index of " + std::to_string(f->size()) + " bytes exceeds the cap of " + std::to_string(opt.max_index_bytes) +
-                      " (open_options::max_index_bytes)");
-    std::string text(static_cast<std::size_t>(f->size()), '\0');
-    f->read(0, std::as_writable_bytes(std::span<char>(text.data(), text.size())));
-    // Duplicate keys are refused (Python's json keeps the last one silently).
-    std::vector<std::unordered_set<std::string>> keys;
-    auto cb = [&](int depth, nlohmann::ordered_json::parse_event_t ev, nlohmann::ordered_json& parsed) {
-      using ev_t = nlohmann::ordered_json::parse_event_t;
-      if (depth > 127) throw_error(errors::hf_index_json, at, "JSON nested deeper than 127 levels");
-      if (ev == ev_t::object_start) keys.emplace_back();
-      else if (ev == ev_t::object_end && !keys.empty()) keys.pop_back();
-      else if (ev == ev_t::key && !keys.empty() && !keys.back().insert(parsed.get<std::string>()).second)
-        throw_error(errors::hf_index_duplicate, at, "key " + quote(parsed.get<std::string>()) + " appears twice in one object");
-      return true;
-    };
-    try {
-      return nlohmann::ordered_json::parse(text, cb);
-    } catch (const nlohmann::json::exception& e) {
-      throw_error(errors::hf_index_json, at, "invalid JSON: " + safetensors::detail::sanitize_message(e.what()));
-    }
   }
 
   void index_names() {
@@ -8216,7 +10000,8 @@ inline bool crc32_accelerated() noexcept {
 
 }  // namespace statedict::inline v0::zip
 // ---- statedict/io/zip.hpp ----
-// statedict: zip archives of stored (uncompressed) entries, as torch.save writes them.
+// statedict: zip archives of stored entries, as torch.save writes them (and deflated ones, as
+// other zip tools may rewrite them).
 // SPDX-License-Identifier: MIT
 //
 // Reading: `zip::Archive::open(source)` reads the end-of-central-directory record (and the ZIP64
@@ -8226,9 +10011,10 @@ inline bool crc32_accelerated() noexcept {
 // archive embedded at an offset inside a larger file (a DCP item); data in front of the archive is
 // also tolerated (offsets are then rebased, as Python's zipfile does). Inputs are hostile: every
 // offset and size is checked against the source, counts are capped (`zip::limits`), ZIP64 fields
-// are validated, names are checked, and compressed or encrypted entries give an error naming the
-// entry when read. CRC verification is optional (`read_options::verify_crc`, off by default:
-// torch can write archives without CRCs).
+// are validated, names are checked, and encrypted entries or compression methods other than
+// DEFLATE give an error naming the entry when read. A deflated entry is inflated into memory
+// (io/inflate.hpp, zlib) within `limits::max_inflated_bytes`. CRC verification is optional
+// (`read_options::verify_crc`, off by default: torch can write archives without CRCs).
 //
 // Writing: the layout is computed up front from the entry names and sizes (`zip::plan`), exactly
 // as torch's writer (miniz with ZIP64 always on) places them: a local header with zero CRC and
@@ -8240,6 +10026,7 @@ inline bool crc32_accelerated() noexcept {
 // is the simple sequential streaming form.
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstring>
 #include <cstdint>
@@ -8251,6 +10038,103 @@ inline bool crc32_accelerated() noexcept {
 #include <utility>
 #include <vector>
 
+// ---- statedict/io/inflate.hpp ----
+// statedict: raw DEFLATE streams (zip compression method 8) inflated with zlib.
+// SPDX-License-Identifier: MIT
+//
+// torch.save stores every record uncompressed, but an archive rewritten by another zip tool (or
+// by Python's zipfile with ZIP_DEFLATED) has deflated records, and torch.load reads them. Such a
+// record cannot be a view of the file: it is inflated into memory, into a buffer of exactly the
+// size the central directory declares (io/zip.hpp caps the total with
+// zip::limits::max_inflated_bytes before anything is allocated). The input is hostile: a stream
+// that is corrupt, ends early, or would inflate to more or fewer bytes than declared is an error
+// naming the entry; nothing is written past the buffer.
+
+#include <zlib.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstddef>
+#include <cstdint>
+#include <new>
+#include <span>
+#include <string>
+
+
+namespace statedict::inline v0 {
+
+namespace errors {
+// clang-format off
+inline constexpr error_id zip_bad_deflate {417, error_kind::format, "zip.bad_deflate"};    // corrupt or truncated stream, wrong size
+inline constexpr error_id zip_inflate_limit{418, error_kind::limit, "zip.inflate_limit"};  // zip::limits::max_inflated_bytes
+// clang-format on
+}  // namespace errors
+
+namespace zip {
+
+/// Inflates the raw DEFLATE stream `in` (no zlib or gzip header, as zip stores it) into `out`,
+/// which it must fill exactly: a stream that ends before `out` is full, holds more, is corrupt,
+/// or runs past the end of `in` is errors::zip_bad_deflate, with `where` as the context.
+inline void inflate_raw(std::span<const std::byte> in, std::span<std::byte> out, const std::string& where) {
+  z_stream zs{};
+  if (inflateInit2(&zs, -MAX_WBITS) != Z_OK) throw std::bad_alloc();
+  struct closer {
+    z_stream* z;
+    ~closer() { inflateEnd(z); }
+  } close_it{&zs};
+  constexpr std::size_t step = std::size_t{1} << 30;  // zlib counts in uInt: feed it at most 1 GiB at a time
+  std::size_t in_done = 0, out_done = 0;
+  for (;;) {
+    if (zs.avail_in == 0 && in_done < in.size()) {
+      const std::size_t k = std::min(step, in.size() - in_done);
+      // zlib's next_in is not const-qualified before 1.2.12's Z_CONST builds; it only reads it.
+      zs.next_in = reinterpret_cast<Bytef*>(const_cast<std::byte*>(in.data() + in_done));
+      zs.avail_in = static_cast<uInt>(k);
+      in_done += k;
+    }
+    if (zs.avail_out == 0 && out_done < out.size()) {
+      const std::size_t k = std::min(step, out.size() - out_done);
+      zs.next_out = reinterpret_cast<Bytef*>(out.data() + out_done);
+      zs.avail_out = static_cast<uInt>(k);
+      out_done += k;
+    }
+    const uInt in_before = zs.avail_in, out_before = zs.avail_out;
+    // With no room left, a 1-byte scratch buffer tells a stream that has more (an error) from one
+    // whose end-of-stream block is all that remains.
+    unsigned char spill = 0;
+    const bool full = zs.avail_out == 0;
+    if (full) {
+      zs.next_out = &spill;
+      zs.avail_out = 1;
+    }
+    const int rc = inflate(&zs, Z_NO_FLUSH);
+    if (full && zs.avail_out == 0)
+      throw_error(errors::zip_bad_deflate, where, "inflates to more than its declared " + std::to_string(out.size()) + " bytes");
+    if (full) zs.avail_out = 0;
+    if (rc == Z_STREAM_END) {
+      const std::uint64_t produced = zs.total_out;
+      if (produced != out.size() || zs.avail_out != 0)
+        throw_error(errors::zip_bad_deflate, where,
+                    "inflates to " + std::to_string(produced) + " bytes, its declared size is " + std::to_string(out.size()));
+      return;
+    }
+    if (rc == Z_MEM_ERROR) throw std::bad_alloc();
+    if (rc == Z_NEED_DICT || rc == Z_DATA_ERROR || rc == Z_STREAM_ERROR)
+      throw_error(errors::zip_bad_deflate, where,
+                  std::string("corrupt DEFLATE stream (") + (zs.msg != nullptr ? zs.msg : "zlib error") + ")");
+    const bool no_progress = zs.avail_in == in_before && (full || zs.avail_out == out_before);
+    if (rc == Z_BUF_ERROR || no_progress) {
+      if (zs.avail_in == 0 && in_done == in.size())
+        throw_error(errors::zip_bad_deflate, where, "the DEFLATE stream ends before its end-of-stream block");
+      const bool can_feed = zs.avail_in == 0 && in_done < in.size();
+      const bool can_drain = !full && zs.avail_out == 0 && out_done < out.size();
+      if (!can_feed && !can_drain) throw_error(errors::zip_bad_deflate, where, "the DEFLATE stream makes no progress");
+    }
+  }
+}
+
+}  // namespace zip
+}  // namespace statedict::inline v0
 
 namespace statedict::inline v0 {
 
@@ -8286,6 +10170,10 @@ struct limits {
   std::uint64_t max_entries = 1U << 20;
   /// Bytes of central directory read into memory.
   std::uint64_t max_central_directory_bytes = std::uint64_t{256} << 20;
+  /// Bytes of deflated entries one archive inflates into memory, over all its entries (checked
+  /// against each entry's declared size before anything is allocated). Deflated records cannot be
+  /// views of the file; torch.save never writes them, another zip tool may.
+  std::uint64_t max_inflated_bytes = std::uint64_t{4} << 30;
 };
 
 struct read_options {
@@ -8310,6 +10198,7 @@ struct Entry {
   std::uint16_t method = 0;         ///< 0 stored, 8 deflate, ...
   std::uint16_t flags = 0;
   [[nodiscard]] bool stored() const noexcept { return method == 0; }
+  [[nodiscard]] bool deflated() const noexcept { return method == 8; }
 };
 
 namespace detail {
@@ -8393,26 +10282,73 @@ class Archive {
     throw_error(errors::zip_missing_entry, detail::where(*source_), "no entry " + quote(name));
   }
 
-  /// The stored bytes of an entry, zero-copy when the source is addressable. Throws for
-  /// compressed or encrypted entries, and on a CRC mismatch when verify_crc is set.
+  /// The bytes of an entry: for a stored entry, zero-copy when the source is addressable; a
+  /// deflated one is inflated into memory (counted against limits::max_inflated_bytes). Throws for
+  /// other methods or encrypted entries, and on a CRC mismatch when verify_crc is set.
   [[nodiscard]] Region read(const Entry& e) const {
-    check_readable(e);
-    if (e.data_offset == 0)  // a local header takes 30 bytes or more: 0 is "not read yet"
-      fail(errors::zip_bad_local_header, "entry " + quote(e.name) + ": its local header was not read (defer_local_headers)");
-    Region r = read_region(*source_, e.data_offset, e.size);
-    if (options_.verify_crc) verify(e, r);
-    return r;
+    check_extractable(e);
+    if (e.stored()) {
+      Region r = read_region(*source_, located(e), e.size);
+      if (options_.verify_crc) verify(e, r);
+      return r;
+    }
+    auto buf = std::make_shared<std::vector<std::byte>>();
+    claim_inflated(e);
+    buf->resize(static_cast<std::size_t>(e.size));
+    extract(e, *buf);
+    const std::byte* p = buf->data();
+    return Region{p, e.size, std::move(buf)};
   }
   [[nodiscard]] Region read(std::string_view name) const { return read(at(name)); }
 
-  /// Throws unless `e` is a stored, unencrypted entry (what read() needs).
+  /// Writes the bytes of entry `e` (stored or deflated) into `out`, which must hold e.size bytes;
+  /// verifies the CRC when verify_crc is set. The caller accounts for the memory: claim_inflated()
+  /// for a deflated entry.
+  void extract(const Entry& e, std::span<std::byte> out) const {
+    check_extractable(e);
+    if (out.size() != e.size)
+      throw_error(errors::out_of_range, detail::where(*source_), "entry " + quote(e.name) + ": a buffer of " + std::to_string(out.size()) +
+                                                                    " bytes for " + std::to_string(e.size));
+    if (e.stored()) {
+      source_->read(located(e), out);
+    } else {
+      const Region packed = read_region(*source_, located(e), e.compressed_size);
+      inflate_raw(packed.span(), out, detail::where(*source_) + ": entry " + quote(e.name));
+    }
+    if (options_.verify_crc) verify(e, Region{out.data(), out.size(), {}});
+  }
+
+  /// Counts a deflated entry's size against limits::max_inflated_bytes (the total over the
+  /// archive); throws errors::zip_inflate_limit beyond it.
+  void claim_inflated(const Entry& e) const {
+    const std::uint64_t cap = options_.limits.max_inflated_bytes;
+    std::uint64_t before = inflated_->load();
+    do {
+      if (e.size > cap || before > cap - e.size)
+        throw_error(errors::zip_inflate_limit, detail::where(*source_),
+                    "entry " + quote(e.name) + " inflates to " + std::to_string(e.size) + " bytes; with the " + std::to_string(before) +
+                        " already inflated that exceeds limits::max_inflated_bytes (" + std::to_string(cap) + ")");
+    } while (!inflated_->compare_exchange_weak(before, before + e.size));
+  }
+  /// Bytes of deflated entries inflated so far (claim_inflated()).
+  [[nodiscard]] std::uint64_t inflated_bytes() const noexcept { return inflated_->load(); }
+
+  /// Throws unless `e` is a stored, unencrypted entry: one whose bytes can be used in place.
   void check_readable(const Entry& e) const {
-    if (e.flags & 1U)
-      throw_error(errors::zip_encrypted_entry, detail::where(*source_), "entry " + quote(e.name) + " is encrypted");
+    check_extractable(e);
     if (!e.stored())
       throw_error(errors::zip_compressed_entry, detail::where(*source_),
                   "entry " + quote(e.name) + " is compressed (method " + std::to_string(e.method) +
-                      "); only stored entries can be read without copying, as torch.save writes them");
+                      "); only stored entries can be read in place, as torch.save writes them");
+  }
+  /// Throws unless `e` is unencrypted and stored or deflated (what read() and extract() handle).
+  void check_extractable(const Entry& e) const {
+    if (e.flags & 1U)
+      throw_error(errors::zip_encrypted_entry, detail::where(*source_), "entry " + quote(e.name) + " is encrypted");
+    if (!e.stored() && !e.deflated())
+      throw_error(errors::zip_compressed_entry, detail::where(*source_),
+                  "entry " + quote(e.name) + " is compressed with method " + std::to_string(e.method) +
+                      "; statedict reads stored (0) and deflated (8) entries");
   }
 
   /// Every entry's data offset, in entries() order, from the local headers (the central
@@ -8474,6 +10410,13 @@ class Archive {
     std::vector<std::byte> buf(static_cast<std::size_t>(header_end(e) - e.header_offset));
     source_->peek(e.header_offset, buf);
     entries_[i].data_offset = locate_data(e, buf.data());
+  }
+
+  /// The entry's data offset; throws when its local header was not read yet.
+  [[nodiscard]] std::uint64_t located(const Entry& e) const {
+    if (e.data_offset == 0)  // a local header takes 30 bytes or more: 0 is "not read yet"
+      fail(errors::zip_bad_local_header, "entry " + quote(e.name) + ": its local header was not read (defer_local_headers)");
+    return e.data_offset;
   }
 
   /// Checks the CRC-32 of an entry's bytes against the central directory.
@@ -8721,6 +10664,9 @@ class Archive {
 
   std::shared_ptr<const ByteSource> source_;
   read_options options_{};
+  /// Bytes of deflated entries inflated (claim_inflated); shared by moved-from copies, atomic so
+  /// that threads reading entries of one archive count them together.
+  std::shared_ptr<std::atomic<std::uint64_t>> inflated_ = std::make_shared<std::atomic<std::uint64_t>>(0);
   std::vector<Entry> entries_;
   [[nodiscard]] static std::uint32_t name_hash(std::string_view s) noexcept {
     return statedict::detail::hash_index::mix(std::hash<std::string_view>{}(s));
@@ -9069,12 +11015,16 @@ class Writer {
 // statedict: a safe unpickler (protocols 0-5 opcodes; what torch.save and DCP metadata use).
 // SPDX-License-Identifier: MIT
 //
-// `pickle::load(bytes, options)` turns a pickle into a Value tree and never executes anything.
-// Every GLOBAL is looked up in a registry modelled on torch.load(weights_only=True)
-// (`pickle::Registry::weights_only()`); a global that is not there is a security_error naming
-// `module.name`, unless `options.keep_unknown_objects` is set, in which case unknown objects are
-// kept as opaque `Object` nodes (class, args, state, items) - still never called. Modules that
-// only ever mean code execution (os, posix, nt, sys, subprocess, ...) are refused even then.
+// `pickle::load(bytes, options)` turns a pickle into a Value tree and never executes anything:
+// no module is imported, no pickled callable is called. Every GLOBAL is looked up in a registry
+// (`pickle::Registry::weights_only()`): the globals torch.load(weights_only=True) accepts, which
+// statedict interprets as data, and rules that read well-known objects beyond that list as data
+// (numpy arrays, dtypes and scalars; protocol 0/1 objects made by copyreg._reconstructor). Any
+// other global is an object: REDUCE / NEWOBJ / BUILD of it make an `Object` node (class name,
+// arguments, state, items), never a call. `options.keep_unknown_objects = false` refuses such
+// globals instead (a security_error naming `module.name`), as torch.load(weights_only=True) does,
+// and then the rules beyond torch's list are refused too. Modules that only ever mean code
+// execution (os, posix, nt, sys, subprocess, ...) are refused either way.
 //
 // How globals become Values (docs/torch-files.md has the full table):
 //   collections.OrderedDict()            -> Dict (a BUILD setting attributes such as `_metadata`
@@ -9085,12 +11035,17 @@ class Writer {
 //   torch.Size(tuple)                    -> tuple of ints
 //   builtins.set / frozenset             -> Object builtins.set / frozenset with `items`
 //   builtins.bytearray, BYTEARRAY8       -> Object builtins.bytearray, args [Bytes]
-//   ints beyond int64 (LONG1/LONG4)      -> Object builtins.int, args [Bytes: minimal
+//   ints beyond int64 (LONG1/LONG4/text) -> Object builtins.int, args [Bytes: minimal
 //                                           little-endian two's complement]
 //   dicts with keys other than int/str   -> Object builtins.dict (collections.OrderedDict when it
 //                                           was one), items = (key, value) tuples
+//   numpy ndarray (_reconstruct + BUILD,  -> a tensor (io/detail/pickle_numpy.hpp: which dtypes,
+//   _frombuffer), numpy scalars             in place or copied); other numpy objects stay Objects
+//   copyreg._reconstructor(cls, object,  -> Object cls, how = newobj (what protocol 2 writes as
+//   None)                                   NEWOBJ), its BUILD state kept
 //   any other allowed global, referenced -> Object, how = global (torch.float32, torch.Tensor)
 //   any other allowed global, called     -> Object, how = reduce / newobj (torch.device('cpu'))
+//   any other global                     -> the same Object forms (data, never called)
 // The torch layer (io/torch_file.hpp) adds the tensor rebuild functions and storages.
 //
 // Hostile input: every length is checked against the bytes left before anything is allocated,
@@ -9116,6 +11071,172 @@ class Writer {
 #include <utility>
 #include <vector>
 
+// ---- statedict/io/detail/pickle_text.hpp ----
+// statedict: the text operands of pickle protocols 0 and 1 (io/pickle_read.hpp is the public
+// header): decimal integers of any size (INT, LONG), quoted byte strings (STRING) and
+// raw-unicode-escape text (UNICODE), decoded as Python's unpickler decodes them.
+// SPDX-License-Identifier: MIT
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace statedict::inline v0::pickle::detail {
+
+/// A decimal integer (optional '+' or '-', then digits) as little-endian two's complement bytes,
+/// one sign byte more than needed at most (normalise_long trims them). False for anything that is
+/// not such a number. The caller bounds the text's length first: the work is quadratic in it.
+inline bool decimal_to_long(std::string_view s, std::vector<std::uint8_t>& out) {
+  out.clear();
+  bool negative = false;
+  if (!s.empty() && (s[0] == '+' || s[0] == '-')) {
+    negative = s[0] == '-';
+    s.remove_prefix(1);
+  }
+  if (s.empty()) return false;
+  std::vector<std::uint8_t> mag;  // magnitude, little-endian base 256
+  for (const char ch : s) {
+    if (ch < '0' || ch > '9') return false;
+    unsigned carry = static_cast<unsigned>(ch - '0');
+    for (std::uint8_t& b : mag) {
+      const unsigned v = b * 10U + carry;
+      b = static_cast<std::uint8_t>(v & 0xFFU);
+      carry = v >> 8;
+    }
+    while (carry) {
+      mag.push_back(static_cast<std::uint8_t>(carry & 0xFFU));
+      carry >>= 8;
+    }
+  }
+  mag.push_back(0);  // room for the sign bit
+  if (negative) {    // two's complement: invert, add one
+    unsigned carry = 1;
+    for (std::uint8_t& b : mag) {
+      const unsigned v = (~static_cast<unsigned>(b) & 0xFFU) + carry;
+      b = static_cast<std::uint8_t>(v & 0xFFU);
+      carry = v >> 8;
+    }
+  }
+  out = std::move(mag);
+  return true;
+}
+
+inline int hex_digit(char c) noexcept {
+  if (c >= '0' && c <= '9') return c - '0';
+  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+  if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+  return -1;
+}
+
+/// The escapes of a Python bytes literal (codecs.escape_decode, what STRING's operand holds
+/// between its quotes): \\ \' \" \a \b \f \n \r \t \v, \<newline> (nothing), up to three octal
+/// digits (the low 8 bits of their value), \xhh; a backslash before anything else stays, as the
+/// character after it. False for a trailing backslash or \x without two hex digits.
+inline bool escape_decode(std::string_view s, std::string& out) {
+  out.clear();
+  out.reserve(s.size());
+  for (std::size_t i = 0; i < s.size();) {
+    const char c = s[i++];
+    if (c != '\\') {
+      out += c;
+      continue;
+    }
+    if (i == s.size()) return false;
+    const char e = s[i++];
+    switch (e) {
+      case '\n': break;
+      case '\\': out += '\\'; break;
+      case '\'': out += '\''; break;
+      case '"': out += '"'; break;
+      case 'a': out += '\a'; break;
+      case 'b': out += '\b'; break;
+      case 'f': out += '\f'; break;
+      case 'n': out += '\n'; break;
+      case 'r': out += '\r'; break;
+      case 't': out += '\t'; break;
+      case 'v': out += '\v'; break;
+      case 'x': {
+        if (s.size() - i < 2) return false;
+        const int hi = hex_digit(s[i]), lo = hex_digit(s[i + 1]);
+        if (hi < 0 || lo < 0) return false;
+        out += static_cast<char>(hi * 16 + lo);
+        i += 2;
+        break;
+      }
+      default:
+        if (e >= '0' && e <= '7') {
+          unsigned v = static_cast<unsigned>(e - '0');
+          for (int k = 0; k < 2 && i < s.size() && s[i] >= '0' && s[i] <= '7'; ++k) v = v * 8 + static_cast<unsigned>(s[i++] - '0');
+          out += static_cast<char>(v & 0xFFU);
+        } else {
+          out += '\\';
+          --i;  // the character after the backslash is an ordinary one
+        }
+    }
+  }
+  return true;
+}
+
+/// Appends code point `cp` (at most 0x10FFFF) as UTF-8; surrogates are encoded as three bytes,
+/// as Python's "surrogatepass" does (the unpickler's str accepts them).
+inline void append_utf8(std::string& out, std::uint32_t cp) {
+  if (cp < 0x80) {
+    out += static_cast<char>(cp);
+  } else if (cp < 0x800) {
+    out += static_cast<char>(0xC0 | (cp >> 6));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else if (cp < 0x10000) {
+    out += static_cast<char>(0xE0 | (cp >> 12));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else {
+    out += static_cast<char>(0xF0 | (cp >> 18));
+    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  }
+}
+
+/// The raw-unicode-escape codec (UNICODE's operand) into UTF-8: every byte is the code point of
+/// its value, except \uXXXX and \UXXXXXXXX after an odd number of backslashes. False for such an
+/// escape without its hex digits, or beyond U+10FFFF.
+inline bool raw_unicode_escape_decode(std::string_view s, std::string& out) {
+  out.clear();
+  out.reserve(s.size());
+  for (std::size_t i = 0; i < s.size();) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    if (c != '\\') {
+      append_utf8(out, c);
+      ++i;
+      continue;
+    }
+    std::size_t run = 0;  // backslashes in a row, all written
+    while (i < s.size() && s[i] == '\\') {
+      out += '\\';
+      ++run;
+      ++i;
+    }
+    if (run % 2 == 0 || i == s.size() || (s[i] != 'u' && s[i] != 'U')) continue;
+    out.pop_back();  // that backslash starts the escape
+    const std::size_t digits = s[i] == 'u' ? 4 : 8;
+    ++i;
+    if (s.size() - i < digits) return false;
+    std::uint32_t cp = 0;
+    for (std::size_t k = 0; k < digits; ++k) {
+      const int d = hex_digit(s[i + k]);
+      if (d < 0) return false;
+      cp = cp * 16 + static_cast<std::uint32_t>(d);
+    }
+    if (cp > 0x10FFFF) return false;
+    append_utf8(out, cp);
+    i += digits;
+  }
+  return true;
+}
+
+}  // namespace statedict::inline v0::pickle::detail
 
 namespace statedict::inline v0 {
 
@@ -9142,6 +11263,7 @@ inline constexpr error_id pk_recursive          {467, error_kind::format,      "
 inline constexpr error_id pk_no_persistent_load {468, error_kind::format,      "pickle.no_persistent_load"};
 inline constexpr error_id pk_bad_call           {469, error_kind::format,      "pickle.bad_call"};
 inline constexpr error_id pk_bad_text           {470, error_kind::format,      "pickle.bad_text"};
+inline constexpr error_id pk_bad_numpy          {471, error_kind::format,      "pickle.bad_numpy"};
 // clang-format on
 }  // namespace errors
 
@@ -9182,6 +11304,7 @@ struct Result {
 
 class Reader;
 class Args;
+struct Build;
 
 /// What a registered callable gets: its arguments as Values, and the reader (to call other
 /// registered globals, as `_rebuild_from_type_v2` does).
@@ -9197,17 +11320,25 @@ using call_fn = std::function<Value(Call&)>;
 /// (`Args`), without converting them to Values first; nullopt hands the call to `call_fn`. It
 /// must give what call_fn gives for every call it answers.
 using fast_fn = std::function<std::optional<Value>(const Args&)>;
+/// Turns an object made by REDUCE / NEWOBJ of a registered global into a Value when BUILD gives
+/// it its state (numpy's ndarray); nullopt keeps the object, with the state as its state.
+using build_fn = std::function<std::optional<Value>(const Build&)>;
 
 /// How one allowed global is treated.
 struct Rule {
   enum class kind : std::uint8_t {
-    object,        ///< referenced: Object(how=global); called: Object(how=reduce/newobj) with its args
-    ordered_dict,  ///< called with (): an empty dict that SETITEMS and BUILD may fill later
-    function,      ///< called: `fn` computes the Value
+    object,         ///< referenced: Object(how=global); called: Object(how=reduce/newobj) with its args
+    ordered_dict,   ///< called with (): an empty dict that SETITEMS and BUILD may fill later
+    function,       ///< called: `fn` computes the Value
+    reconstructor,  ///< copyreg._reconstructor(cls, object, None): an Object of cls, how = newobj
   };
   kind k = kind::object;
-  call_fn fn;    ///< for function: REDUCE and NEWOBJ
-  fast_fn fast;  ///< for function, optional: tried first
+  call_fn fn;      ///< for function: REDUCE and NEWOBJ
+  fast_fn fast;    ///< for function, optional: tried first
+  build_fn build;  ///< for object, optional: BUILD of an object this global made
+  /// Not on torch.load(weights_only=True)'s list: refused with the unknown globals when
+  /// options::keep_unknown_objects is false.
+  bool beyond_weights_only = false;
 };
 
 /// The allow-list: qualified global name ("torch._utils._rebuild_tensor_v2") -> Rule.
@@ -9219,7 +11350,7 @@ class Registry {
   }
   Registry& allow(std::string qualified) { return add(std::move(qualified), Rule{}); }
   Registry& function(std::string qualified, call_fn fn, fast_fn fast = {}) {
-    return add(std::move(qualified), Rule{Rule::kind::function, std::move(fn), std::move(fast)});
+    return add(std::move(qualified), Rule{Rule::kind::function, std::move(fn), std::move(fast), {}, false});
   }
   [[nodiscard]] const Rule* find(const std::string& qualified) const {
     auto it = rules_.find(qualified);
@@ -9228,7 +11359,8 @@ class Registry {
   [[nodiscard]] std::size_t size() const noexcept { return rules_.size(); }
 
   /// Globals torch.load(weights_only=True) accepts (PyTorch 1.13 and 2.x), with the generic
-  /// conversions listed at the top of this file. Tensor rebuild functions are allowed here but only
+  /// conversions listed at the top of this file, and the data rules beyond that list (numpy,
+  /// copyreg; Rule::beyond_weights_only). Tensor rebuild functions are allowed here but only
   /// interpreted once io/torch_file.hpp registers them; without that they become Objects.
   static Registry weights_only();
 
@@ -9238,9 +11370,15 @@ class Registry {
 
 struct options {
   pickle::limits limits{};
-  /// Keep objects of globals outside the registry as Object nodes instead of failing. They are
-  /// never executed; blocked modules (os, posix, sys, subprocess, ...) are refused regardless.
-  bool keep_unknown_objects = false;
+  /// Objects of globals outside torch's weights_only list are data: Object nodes (class, args,
+  /// state, items), never called. False refuses them (and the numpy and copyreg rules) as
+  /// torch.load(weights_only=True) does. Blocked modules (os, posix, sys, subprocess, ...) are
+  /// refused either way.
+  bool keep_unknown_objects = true;
+  /// Keeps the bytes being read alive (what the caller's span points into): given, numpy arrays
+  /// whose bytes lie whole in the pickle become tensors viewing them in place; without it they are
+  /// copied.
+  keep_alive input_owner;
   /// The allow-list; nullptr means Registry::weights_only().
   const Registry* registry = nullptr;
   /// Resolves BINPERSID / PERSID ids (torch storages). Without it, a persistent id is an error.
@@ -9266,6 +11404,9 @@ inline std::string_view py3_module(std::string_view m) noexcept {
 
 /// Modules refused even with keep_unknown_objects (they only appear in pickles to run code).
 inline bool blocked_global(std::string_view module, std::string_view name) noexcept {
+  if (module == "types")  // code and function objects; the rest of `types` is data (SimpleNamespace)
+    for (auto n : {"CodeType", "FunctionType", "LambdaType", "MethodType", "BuiltinFunctionType", "ModuleType"})
+      if (name == n) return true;
   constexpr std::string_view modules[] = {"os", "posix", "nt", "sys", "subprocess", "shutil", "socket", "pty",
                                           "runpy", "importlib", "ctypes", "code", "codeop", "pickle", "_pickle",
                                           "marshal", "webbrowser", "multiprocessing", "asyncio", "signal",
@@ -9277,7 +11418,7 @@ inline bool blocked_global(std::string_view module, std::string_view name) noexc
   if (module == "builtins") {
     constexpr std::string_view names[] = {"eval", "exec", "compile", "__import__", "open", "breakpoint",
                                           "input", "execfile", "globals", "locals", "vars", "setattr",
-                                          "delattr", "memoryview", "help", "exit", "quit"};
+                                          "delattr", "memoryview", "help", "exit", "quit", "apply"};
     for (auto n : names)
       if (name == n) return true;
   }
@@ -9356,7 +11497,7 @@ inline std::string opcode_name(unsigned char op) {
 }  // namespace pickle
 }  // namespace statedict::inline v0
 
-// The reader itself (the opcode machine), which needs the types above.
+// The reader itself (the opcode machine), which needs the types above, and the numpy rules.
 // ---- statedict/io/detail/pickle_reader.hpp ----
 // statedict: the unpickler's machine: a flat node table built opcode by opcode, then turned into
 // Values (io/pickle_read.hpp is the public header, and says what becomes what).
@@ -9468,17 +11609,17 @@ class Reader {
   // The object graph built while parsing. Containers are mutable until the end (pickle fills
   // them after memoizing them); scalars and strings are small inline nodes (strings are views of
   // the input); results of registered functions are finished Values.
-  enum class nk : std::uint8_t { none, boolean, integer, floating, str, bytes, leaf, list, tuple, dict, object, global, handle };
+  enum class nk : std::uint8_t { none, boolean, integer, floating, str, bytes, leaf, list, tuple, dict, object, global, handle, bytearray };
   static constexpr std::uint32_t npos = 0xFFFFFFFFU;
 
   struct Node {
     nk kind = nk::none;
     std::uint8_t refs = 0;       ///< stack references, saturating at 2 (see counted); in padding
-    std::uint32_t index = npos;  ///< str/bytes: length; leaf/list/tuple/dict/object/global: side-table index
+    std::uint32_t index = npos;  ///< str/bytes/bytearray: length; leaf/list/tuple/dict/object/global: side-table index
     union {
       std::int64_t i;  ///< boolean, integer; handle: the handle (as uint64)
       double d;
-      std::uint64_t off;  ///< str/bytes: offset in the input
+      std::uint64_t off;  ///< str/bytes/bytearray: offset in the input, or size_ + offset in text_pool_
     } u{};
   };
   struct DictData {
@@ -9679,7 +11820,20 @@ class Reader {
     return s;
   }
   std::string_view view(std::uint64_t off, std::uint64_t len) const {
+    if (off >= size_) [[unlikely]]  // decoded text (protocol 0 escapes)
+      return std::string_view(text_pool_).substr(static_cast<std::size_t>(off - size_), static_cast<std::size_t>(len));
     return {reinterpret_cast<const char*>(in_ + off), static_cast<std::size_t>(len)};
+  }
+  /// A str or bytes node of `text`, which is not a slice of the input (decoded escapes).
+  std::uint32_t add_decoded(nk k, std::string_view text) {
+    if (text.size() > 0xFFFFFFF0U || text_pool_.size() > std::numeric_limits<std::uint64_t>::max() - size_ - text.size())
+      fail(errors::pk_string_limit, "decoded text beyond 2^32 bytes");
+    Node n;
+    n.kind = k;
+    n.u.off = size_ + text_pool_.size();
+    n.index = static_cast<std::uint32_t>(text.size());
+    text_pool_.append(text);
+    return add_node(n);
   }
 
   // ------------------------------------------------------------------------------------------
@@ -9802,26 +11956,25 @@ class Reader {
     need(len, "LONG");
     std::vector<std::uint8_t> b(in_ + pos_, in_ + pos_ + len);
     pos_ += len;
+    return long_node(std::move(b));
+  }
+  /// An int from its little-endian two's complement bytes: a scalar, or beyond int64 a
+  /// builtins.int Object of its minimal bytes.
+  std::uint32_t long_node(std::vector<std::uint8_t> b) {
     std::int64_t v = 0;
     if (detail::normalise_long(b, v)) return add_scalar(nk::integer, v);
+    if (b.size() > opts_.limits.max_long_bytes)
+      fail(errors::pk_long_limit, "integer of " + std::to_string(b.size()) + " bytes exceeds limits.max_long_bytes (" +
+                                      std::to_string(opts_.limits.max_long_bytes) + ")");
     Object o{"builtins", "int", object_build::reduce, {}, {}, {}};
     o.args.emplace_back(Bytes{std::move(b)});
     return add_leaf(Value(std::move(o)));
   }
 
-  std::uint32_t parse_int_text(std::string_view s, bool is_long) {
-    if (is_long && !s.empty() && s.back() == 'L') s.remove_suffix(1);
-    if (!is_long && s == "00") return add_scalar(nk::boolean, 0);
-    if (!is_long && s == "01") return add_scalar(nk::boolean, 1);
-    std::int64_t v = 0;
-    const char* b = s.data();
-    if (!s.empty() && s[0] == '+') ++b;
-    auto [p, ec] = std::from_chars(b, s.data() + s.size(), v);
-    if (ec == std::errc::result_out_of_range)
-      fail(errors::pk_unsupported_opcode, "text integer " + quote(s) + " beyond int64 (use a binary protocol)");
-    if (ec != std::errc() || p != s.data() + s.size() || s.empty()) fail(errors::pk_bad_text, "bad integer " + quote(s));
-    return add_scalar(nk::integer, v);
-  }
+  // Text operands of protocols 0 and 1 (defined in pickle_opcodes.hpp).
+  std::uint32_t parse_int_text(std::string_view s, bool is_long);
+  std::uint32_t read_quoted_string();
+  std::uint32_t read_raw_unicode();
 
   /// The global named by module and name, after the Python 2 -> 3 renames and the security checks.
   std::uint32_t resolve_global(std::string_view module_in, std::string_view name) {
@@ -9834,11 +11987,11 @@ class Reader {
     q.reserve(module.size() + name.size() + 1);
     q.append(module).append(".").append(name);
     const Rule* r = registry_->find(q);
-    if (!r && !opts_.keep_unknown_objects)
+    if ((!r || r->beyond_weights_only) && !opts_.keep_unknown_objects)
       fail(errors::pk_forbidden_global,
-           "global " + quote(q) + " is not on the allow-list (the globals torch.load(weights_only=True) accepts); "
-           "statedict never runs pickled code. If the file is trusted, keep such objects as opaque nodes "
-           "(keep_unknown_objects)");
+           "global " + quote(q) + " is not on the allow-list (the globals torch.load(weights_only=True) accepts), "
+           "which this read asked for; statedict never runs pickled code either way, and by default reads such "
+           "objects as data (keep_unknown_objects)");
     globals_.push_back({std::string(module), std::string(name), r, {}});
     Node n;
     n.kind = nk::global;
@@ -9878,6 +12031,15 @@ class Reader {
         }
       }
       return d;
+    }
+    if (r && r->k == Rule::kind::reconstructor) {
+      // copyreg._reconstructor(cls, builtins.object, None): what protocols 0 and 1 write for an
+      // object protocol 2 writes as NEWOBJ(cls, ()); its BUILD follows. Other forms stay objects.
+      const auto a = seq(nodes_[args].index);
+      if (a.size() == 3 && nodes_[a[0]].kind == nk::global && nodes_[a[1]].kind == nk::global &&
+          global_name(nodes_[a[1]].index) == "builtins.object" && nodes_[a[2]].kind == nk::none)
+        return add_object(nodes_[a[0]].index, object_build::newobj, npos);
+      return add_object(g, how, args);
     }
     if (r && r->k == Rule::kind::function) {
       Global& gl = globals_[g];
@@ -9936,6 +12098,7 @@ class Reader {
       case nk::object: return "object";
       case nk::global: return "global";
       case nk::handle: return "value";  // what it stands for: errors read as when it is one
+      case nk::bytearray: return "bytearray";
     }
     return "?";
   }
@@ -9980,6 +12143,14 @@ class Reader {
       const auto& g = globals_[objects_[t.index].global];
       if (g.module == "builtins" && (g.name == "set" || g.name == "frozenset"))
         fail(errors::pk_bad_operand, "BUILD on a " + g.name + " (allowed on OrderedDict and kept objects)");
+      if (g.rule && g.rule->build && objects_[t.index].state.empty() && objects_[t.index].items.empty())
+        if (std::optional<Value> v = built(target, state)) {
+          // The object becomes that value wherever it is referenced (the memo holds this node).
+          const std::uint32_t leaf = add_leaf(std::move(*v));
+          nodes_[target].kind = nk::leaf;
+          nodes_[target].index = nodes_[leaf].index;
+          return;
+        }
       objects_[t.index].state.push_back(state);
     } else {
       fail(errors::pk_bad_operand, "BUILD on a " + kind_name(t.kind) + " (allowed on OrderedDict and kept objects)");
@@ -10014,6 +12185,9 @@ class Reader {
   }
 
   Value to_value_leaf(std::uint32_t n) { return to_value(n, 0, nullptr); }
+
+  /// Rule::build of the object at `target` with `state` (defined after Args).
+  std::optional<Value> built(std::uint32_t target, std::uint32_t state);
 
   /// `f` over the items of tuple node `tuple` (defined after Args).
   std::optional<Value> try_fast(const fast_fn& f, std::uint32_t tuple);
@@ -10061,9 +12235,20 @@ class Reader {
       case nk::floating: return Value(node.u.d);
       case nk::str: return Value(std::string(view(node.u.off, node.index)));
       case nk::bytes: {
+        const std::string_view v = view(node.u.off, node.index);
         Bytes b;
-        b.data.assign(in_ + node.u.off, in_ + node.u.off + node.index);
+        b.data.assign(reinterpret_cast<const std::uint8_t*>(v.data()), reinterpret_cast<const std::uint8_t*>(v.data()) + v.size());
         return Value(std::move(b));
+      }
+      case nk::bytearray: {
+        // Counted as the leaf it used to be: two values, one level of container at `depth`.
+        if (depth >= opts_.limits.max_depth) depth_exceeded();
+        count_node();
+        const std::string_view v = view(node.u.off, node.index);
+        Object o{"builtins", "bytearray", object_build::reduce, {}, {}, {}};
+        o.args.emplace_back(Bytes{std::vector<std::uint8_t>(reinterpret_cast<const std::uint8_t*>(v.data()),
+                                                            reinterpret_cast<const std::uint8_t*>(v.data()) + v.size())});
+        return Value(std::move(o));
       }
       case nk::leaf: {
         const LeafShape& ls = leaf_shape_[node.index];
@@ -10299,14 +12484,16 @@ class Reader {
   std::vector<unsigned char> visiting_;
   std::uint64_t produced_ = 0;
   std::vector<Attributes> attributes_;
+  std::string text_pool_;  ///< decoded protocol-0 text; nodes address it past the input (view())
 };
 
 }  // namespace statedict::inline v0::pickle
 
 // Args and the opcode loop, which need the whole Reader.
 // ---- statedict/io/detail/pickle_opcodes.hpp ----
-// statedict: the unpickler's opcode loop (Reader::run) and the arguments view registered functions
-// read (Args); io/pickle_read.hpp is the public header.
+// statedict: the unpickler's opcode loop (Reader::run), its text operands (protocols 0 and 1),
+// and the arguments view registered functions read (Args, Build); io/pickle_read.hpp is the
+// public header.
 // SPDX-License-Identifier: MIT
 
 
@@ -10339,7 +12526,7 @@ namespace statedict::inline v0::pickle {
 /// as what it is not (check kind_of first) is a pickle.bad_call error, never a wild read.
 class Args {
  public:
-  enum class kind : std::uint8_t { none, boolean, integer, floating, str, bytes, value, list, tuple, dict, object, global, handle };
+  enum class kind : std::uint8_t { none, boolean, integer, floating, str, bytes, value, list, tuple, dict, object, global, handle, bytearray };
 
   [[nodiscard]] std::size_t size() const noexcept { return items_.size(); }
   [[nodiscard]] kind kind_of(std::size_t i) const { return static_cast<kind>(node(i).kind); }
@@ -10379,10 +12566,35 @@ class Args {
     const Reader::Node& n = node(i);
     return n.kind == Reader::nk::dict && r_.dicts_[n.index].kv.empty() && r_.dicts_[n.index].state.empty();
   }
+  /// The items of a tuple or list argument, as Args (valid as long as this one); nullopt for
+  /// anything else.
+  [[nodiscard]] std::optional<Args> items(std::size_t i) const {
+    const Reader::Node& n = node(i);
+    if (n.kind != Reader::nk::tuple && n.kind != Reader::nk::list) return std::nullopt;
+    return Args(r_, r_.seq(n.index));
+  }
+  /// The bytes of a str, bytes or bytearray argument, and whether they lie in the pickle's input
+  /// (else in the reader's own memory, valid only during this call).
+  struct raw_bytes {
+    std::string_view data;
+    bool in_input;
+  };
+  [[nodiscard]] std::optional<raw_bytes> raw(std::size_t i) const {
+    const Reader::Node& n = node(i);
+    if (n.kind != Reader::nk::str && n.kind != Reader::nk::bytes && n.kind != Reader::nk::bytearray) return std::nullopt;
+    return raw_bytes{r_.view(n.u.off, n.index), n.u.off < r_.size_};
+  }
+  /// Argument `i` converted to a Value (a copy; counted against limits.max_nodes).
+  [[nodiscard]] Value convert(std::size_t i) const {
+    (void)node(i);
+    return r_.to_value_leaf(items_[i]);
+  }
+  /// The reader (its options, its fail()).
+  [[nodiscard]] Reader& reader() const noexcept { return r_; }
 
  private:
   friend class Reader;
-  Args(const Reader& r, std::span<const std::uint32_t> items) : r_(r), items_(items) {}
+  Args(Reader& r, std::span<const std::uint32_t> items) : r_(r), items_(items) {}
   [[nodiscard]] const Reader::Node& node(std::size_t i) const {
     if (i >= items_.size()) [[unlikely]] no_such_argument(i);
     return r_.nodes_[items_[i]];
@@ -10401,19 +12613,108 @@ class Args {
                                      ", but it is a " + Reader::kind_name(node(i).kind));
   }
 
-  const Reader& r_;
+  Reader& r_;
   std::span<const std::uint32_t> items_;
 
   static_assert(static_cast<int>(kind::value) == static_cast<int>(Reader::nk::leaf) &&
                 static_cast<int>(kind::global) == static_cast<int>(Reader::nk::global) &&
-                static_cast<int>(kind::handle) == static_cast<int>(Reader::nk::handle));
+                static_cast<int>(kind::handle) == static_cast<int>(Reader::nk::handle) &&
+                static_cast<int>(kind::bytearray) == static_cast<int>(Reader::nk::bytearray));
 };
+
+/// What a Rule::build function gets: the arguments the object was made with (REDUCE / NEWOBJ)
+/// and its BUILD state (one item), as the reader holds them.
+struct Build {
+  const Object& callable;  ///< module and name of the global that made the object
+  const Args& args;
+  const Args& state;
+};
+
+inline std::optional<Value> Reader::built(std::uint32_t target, std::uint32_t state) {
+  const ObjData& od = objects_[nodes_[target].index];
+  Global& gl = globals_[od.global];
+  if (!gl.callee) gl.callee = std::make_unique<const Object>(Object{gl.module, gl.name, object_build::global, {}, {}, {}});
+  const Object& callee = *gl.callee;
+  const std::span<const std::uint32_t> args = od.args == npos ? std::span<const std::uint32_t>() : seq(nodes_[od.args].index);
+  const std::uint32_t one[1] = {state};
+  const Args a(*this, args), st(*this, std::span<const std::uint32_t>(one));
+  try {
+    return gl.rule->build(Build{callee, a, st});
+  } catch (error& e) {
+    if (e.context().rfind("pickle offset", 0) != 0) e.add_context("pickle offset " + std::to_string(op_pos_));
+    throw;
+  }
+}
 
 inline std::optional<Value> Reader::try_fast(const fast_fn& f, std::uint32_t tuple) {
   return f(Args(*this, seq(nodes_[tuple].index)));
 }
 inline std::optional<std::uint64_t> Reader::try_handle(std::uint32_t tuple) {
   return opts_.persistent_handle(Args(*this, seq(nodes_[tuple].index)));
+}
+
+// Text operands of protocols 0 and 1.
+
+inline std::uint32_t Reader::parse_int_text(std::string_view s, bool is_long) {
+  if (is_long && !s.empty() && s.back() == 'L') s.remove_suffix(1);
+  if (!is_long && s == "00") return add_scalar(nk::boolean, 0);
+  if (!is_long && s == "01") return add_scalar(nk::boolean, 1);
+  std::int64_t v = 0;
+  const char* b = s.data();
+  if (!s.empty() && s[0] == '+') ++b;
+  auto [p, ec] = std::from_chars(b, s.data() + s.size(), v);
+  if (ec == std::errc::result_out_of_range) {
+    // Beyond int64 (torch's legacy magic number at protocols 0 and 1): 2.5 digits per byte.
+    if (s.size() / 3 > opts_.limits.max_long_bytes)
+      fail(errors::pk_long_limit, "text integer of " + std::to_string(s.size()) + " digits exceeds limits.max_long_bytes (" +
+                                      std::to_string(opts_.limits.max_long_bytes) + " bytes)");
+    std::vector<std::uint8_t> bytes;
+    if (!detail::decimal_to_long(s, bytes)) fail(errors::pk_bad_text, "bad integer " + quote(s));
+    return long_node(std::move(bytes));
+  }
+  if (ec != std::errc() || p != s.data() + s.size() || s.empty()) fail(errors::pk_bad_text, "bad integer " + quote(s));
+  return add_scalar(nk::integer, v);
+}
+
+/// STRING: a quoted Python 2 str literal; str when its bytes are UTF-8, else bytes (as BINSTRING).
+inline std::uint32_t Reader::read_quoted_string() {
+  const std::uint64_t at = pos_;
+  const std::string_view s = line();
+  if (s.size() < 2 || (s.front() != '\'' && s.front() != '"') || s.back() != s.front())
+    fail(errors::pk_bad_text, "STRING operand is not quoted");
+  const std::string_view body = s.substr(1, s.size() - 2);
+  if (body.size() > opts_.limits.max_string_bytes || body.size() > 0xFFFFFFF0U)
+    fail(errors::pk_string_limit, "STRING of " + std::to_string(body.size()) + " bytes exceeds limits.max_string_bytes");
+  if (body.find('\\') == std::string_view::npos) {  // no escape: the bytes are in the input
+    Node n;
+    n.kind = detail::valid_utf8(body) ? nk::str : nk::bytes;
+    n.u.off = at + 1;
+    n.index = static_cast<std::uint32_t>(body.size());
+    return add_node(n);
+  }
+  std::string out;
+  if (!detail::escape_decode(body, out)) fail(errors::pk_bad_text, "STRING operand with a bad escape");
+  return add_decoded(detail::valid_utf8(out) ? nk::str : nk::bytes, out);
+}
+
+/// UNICODE: a str in raw-unicode-escape.
+inline std::uint32_t Reader::read_raw_unicode() {
+  const std::uint64_t at = pos_;
+  const std::string_view s = line();
+  if (s.size() > opts_.limits.max_string_bytes || s.size() > 0xFFFFFFF0U)
+    fail(errors::pk_string_limit, "UNICODE of " + std::to_string(s.size()) + " bytes exceeds limits.max_string_bytes");
+  if (std::all_of(s.begin(), s.end(), [](char c) { return c != '\\' && static_cast<unsigned char>(c) < 0x80; })) {
+    Node n;  // ASCII without escapes: the text is the input's
+    n.kind = nk::str;
+    n.u.off = at;
+    n.index = static_cast<std::uint32_t>(s.size());
+    return add_node(n);
+  }
+  std::string out;
+  if (!detail::raw_unicode_escape_decode(s, out)) fail(errors::pk_bad_text, "UNICODE operand with a bad \\u escape");
+  if (out.size() > opts_.limits.max_string_bytes)
+    fail(errors::pk_string_limit, "UNICODE of " + std::to_string(out.size()) + " bytes exceeds limits.max_string_bytes");
+  return add_decoded(nk::str, out);
 }
 
 inline Result Reader::run() {
@@ -10511,16 +12812,14 @@ inline Result Reader::run() {
         push(read_py2_string(static_cast<std::uint64_t>(n)));
         break;
       }
-      case 0x96: {  // BYTEARRAY8
+      case 0x96: {  // BYTEARRAY8: its bytes stay in the input (numpy's _frombuffer views them)
         const std::uint32_t b = read_string(le<8>(), true, "BYTEARRAY8");
-        Object o{"builtins", "bytearray", object_build::reduce, {}, {}, {}};
-        o.args.push_back(to_value_leaf(b));
-        push(add_leaf(Value(std::move(o))));
+        nodes_[b].kind = nk::bytearray;
+        push(b);
         break;
       }
-      case 'S':
-      case 'V':
-        fail(errors::pk_unsupported_opcode, detail::opcode_name(op) + " (protocol 0 quoted strings) is not supported");
+      case 'S': push(read_quoted_string()); break;  // STRING
+      case 'V': push(read_raw_unicode()); break;    // UNICODE
       case 0x97:
       case 0x98:
         fail(errors::pk_unsupported_opcode, detail::opcode_name(op) + " (protocol 5 out-of-band buffers) is not supported");
@@ -10706,6 +13005,243 @@ inline Result Reader::run() {
 }
 
 }  // namespace statedict::inline v0::pickle
+// ---- statedict/io/detail/pickle_numpy.hpp ----
+// statedict: numpy arrays, scalars and dtypes in pickles, read as data (io/pickle_read.hpp is the
+// public header). Nothing of numpy is imported or called: the rules below read what numpy's
+// `__reduce__` wrote and make tensors of it.
+// SPDX-License-Identifier: MIT
+//
+// What numpy writes, and what it becomes:
+//   ndarray, protocols 2-5:  _reconstruct(numpy.ndarray, (0,), b'b') then BUILD of the state
+//                            (version, shape, dtype, is_fortran, data) -> a tensor of the shape,
+//                            row-major or (is_fortran) column-major strides
+//   ndarray, protocol 5:     _frombuffer(buffer, dtype, shape, order) with the buffer in band
+//                            (BYTEARRAY8; BINBYTES when read-only) -> the same
+//   scalar (np.float32(1.5)): scalar(dtype, bytes of one element) -> a 0-d tensor
+//   dtype:                   numpy.dtype('f4', False, True) then BUILD (3, '<', None, None, None,
+//                            -1, -1, 0) -> stays an Object; the rules above read it
+// `_reconstruct`, `_frombuffer` and `scalar` are found in numpy.core (numpy 1) and numpy._core
+// (numpy 2). Element types: b1 i1 i2 i4 i8 u1 u2 u4 u8 f2 f4 f8 c8 c16 (BOOL ... C128). Others
+// (objects, strings, records, datetimes, long double) and ndarray subclasses (np.matrix, masked
+// arrays) stay Objects, their calls and states kept as data. The data is protocol 2's
+// `_codecs.encode(str, 'latin1')` (Bytes, already copied), a bytes or bytearray in the pickle, or
+// (Python 2) a str: an array whose bytes lie whole in the input, little-endian, is a view of them
+// when options::input_owner keeps the input alive; otherwise, and for big-endian arrays (swapped
+// to little-endian), the bytes are copied. A data length other than the shape's, or a malformed
+// state, is pickle.bad_numpy: numpy itself would refuse it.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+
+
+namespace statedict::inline v0::pickle::detail {
+
+/// Dimensions of a numpy array (numpy 2's NPY_MAXDIMS).
+inline constexpr std::size_t numpy_max_dims = 64;
+
+/// An element type as numpy pickled it.
+struct numpy_dtype {
+  statedict::dtype type;
+  bool big_endian;
+};
+
+/// The element type a pickled numpy.dtype names: Object numpy.dtype (how reduce, args (code,
+/// align, copy), state (version 3 or 4, byte order, subarray, names, fields, ...)). nullopt for
+/// anything that is not such a dtype of a type statedict has.
+inline std::optional<numpy_dtype> numpy_dtype_of(const Value& v) {
+  if (!v.is_object()) return std::nullopt;
+  const Object& o = v.as_object();
+  if (o.module != "numpy" || o.name != "dtype" || o.how != object_build::reduce || o.args.empty() || !o.args[0].is_string() ||
+      !o.items.empty() || o.state.size() > 1)
+    return std::nullopt;
+  struct code {
+    std::string_view text;
+    statedict::dtype type;
+  };
+  static constexpr code codes[] = {{"b1", dtype::BOOL}, {"i1", dtype::I8},  {"i2", dtype::I16}, {"i4", dtype::I32},
+                                   {"i8", dtype::I64},  {"u1", dtype::U8},  {"u2", dtype::U16}, {"u4", dtype::U32},
+                                   {"u8", dtype::U64},  {"f2", dtype::F16}, {"f4", dtype::F32}, {"f8", dtype::F64},
+                                   {"c8", dtype::C64},  {"c16", dtype::C128}};
+  std::optional<statedict::dtype> t;
+  for (const code& c : codes)
+    if (o.args[0].as_string() == c.text) t = c.type;
+  if (!t) return std::nullopt;
+  bool big = false;
+  if (!o.state.empty()) {
+    const Value& s = o.state[0];
+    if (!s.is_tuple() || s.as_list().size() < 5) return std::nullopt;
+    const List& st = s.as_list();
+    if (!st[0].is_int() || (st[0].as_int() != 3 && st[0].as_int() != 4) || !st[1].is_string()) return std::nullopt;
+    for (std::size_t i = 2; i < 5; ++i)  // subarray, names, fields: a record or sub-array type
+      if (!st[i].is_none()) return std::nullopt;
+    const std::string& order = st[1].as_string();
+    if (order == ">") big = true;
+    else if (order != "<" && order != "|" && order != "=") return std::nullopt;
+  }
+  return numpy_dtype{*t, big && itemsize(*t) > 1};
+}
+
+/// The tensor of a numpy array of `shape` (row-major, or column-major when `fortran`) whose
+/// elements are `data`; a view of `data` when `in_input` and the reader keeps its input alive,
+/// else a copy (swapped to little-endian when the dtype is big-endian).
+inline TensorView numpy_tensor(Reader& r, numpy_dtype t, const shape_t& shape, bool fortran, std::string_view data, bool in_input,
+                               std::string_view what) {
+  std::uint64_t n = 1;
+  for (const dim_t d : shape) {
+    if (d < 0) r.fail(errors::pk_bad_numpy, std::string(what) + " of shape " + to_string(shape) + ": a negative dimension");
+    n = checked_mul(n, static_cast<std::uint64_t>(d), "numpy array size");
+  }
+  const std::size_t item = itemsize(t.type);
+  const std::uint64_t nbytes = checked_mul(n, item, "numpy array size");
+  if (nbytes != data.size())
+    r.fail(errors::pk_bad_numpy, std::string(what) + " of shape " + to_string(shape) + " and dtype " + std::string(name(t.type)) +
+                                     " needs " + std::to_string(nbytes) + " bytes; its data has " + std::to_string(data.size()));
+  // Strides of the dimensions in memory order; an empty array has no element to address (its
+  // dimensions' product may exceed int64 where one of them is 0), so its strides are all 1.
+  shape_t strides(shape.size(), 1);
+  if (n != 0) {  // every product below divides n, which fits
+    if (fortran) {
+      for (std::size_t i = 1; i < shape.size(); ++i) strides[i] = strides[i - 1] * shape[i - 1];
+    } else {
+      for (std::size_t i = shape.size(); i-- > 1;) strides[i - 1] = strides[i] * shape[i];
+    }
+  }
+  const keep_alive& owner = r.opts().input_owner;
+  if (in_input && owner && !t.big_endian && !data.empty())
+    return TensorView(t.type, shape, std::move(strides), reinterpret_cast<const std::byte*>(data.data()), owner);
+  auto copy = std::make_shared<std::vector<std::byte>>(std::max<std::size_t>(data.size(), 1));
+  if (!data.empty()) std::memcpy(copy->data(), data.data(), data.size());
+  if (t.big_endian) {
+    const std::size_t part = info(t.type).is_complex ? item / 2 : item;  // complex: per component
+    for (std::size_t at = 0; at < data.size(); at += part) std::reverse(copy->data() + at, copy->data() + at + part);
+  }
+  const std::byte* p = copy->data();
+  return TensorView(t.type, shape, std::move(strides), p, std::move(copy));
+}
+
+/// The bytes of a data argument held as a Value: Bytes (protocol 2's _codecs.encode, bytes()) or
+/// a bytearray Object; nullopt for anything else.
+inline std::optional<std::string_view> value_bytes(const Value& v) {
+  const Value* b = &v;
+  if (v.is_object() && v.as_object().qualified() == "builtins.bytearray" && v.as_object().args.size() == 1) b = &v.as_object().args[0];
+  if (!b->is_bytes()) return std::nullopt;
+  const auto& d = b->as_bytes().data;
+  return std::string_view(reinterpret_cast<const char*>(d.data()), d.size());
+}
+
+/// Argument `i` of `a` as data bytes: in the pickle (str, bytes, bytearray) or a Value (as
+/// value_bytes). A str is Python 2's: its bytes are the data (what numpy reads after encoding
+/// the text as latin-1 when that text came from a Python 2 str).
+inline std::optional<Args::raw_bytes> data_arg(const Args& a, std::size_t i) {
+  if (i >= a.size()) return std::nullopt;
+  if (a.kind_of(i) == Args::kind::value)
+    if (const auto b = value_bytes(a.value(i))) return Args::raw_bytes{*b, false};
+  return a.raw(i);
+}
+
+/// BUILD of `_reconstruct(numpy.ndarray, (0,), b'b')` with the array's state.
+inline std::optional<Value> ndarray_build(const Build& b) {
+  using k = Args::kind;
+  Reader& r = b.state.reader();
+  if (b.args.size() == 0 || b.args.kind_of(0) != k::global) return std::nullopt;
+  if (const auto [m, n] = b.args.global(0); m != "numpy" || n != "ndarray") return std::nullopt;  // a subclass
+  const std::optional<Args> st = b.state.items(0);
+  if (!st || (st->size() != 5 && st->size() != 4))
+    r.fail(errors::pk_bad_numpy, "numpy.ndarray state is not (version, shape, dtype, is_fortran, data)");
+  const std::size_t at = st->size() == 5 ? 1 : 0;  // the 4-item form has no version
+  if (at == 1 && st->kind_of(0) != k::integer) r.fail(errors::pk_bad_numpy, "numpy.ndarray state version is not an int");
+  shape_t shape;
+  if (!st->ints(at, numpy_max_dims, shape))
+    r.fail(errors::pk_bad_numpy, "numpy.ndarray shape is not a tuple of at most " + std::to_string(numpy_max_dims) + " ints");
+  const std::optional<numpy_dtype> t = numpy_dtype_of(st->convert(at + 1));
+  if (!t) return std::nullopt;  // objects, strings, records...: the array stays an object
+  if (st->kind_of(at + 2) != k::boolean && st->kind_of(at + 2) != k::integer)
+    r.fail(errors::pk_bad_numpy, "numpy.ndarray is_fortran is not a bool");
+  const bool fortran = st->integer(at + 2) != 0;
+  const std::optional<Args::raw_bytes> data = data_arg(*st, at + 3);
+  if (!data) r.fail(errors::pk_bad_numpy, "numpy.ndarray data of a " + std::string(name(t->type)) + " array is not bytes");
+  std::string latin1;
+  std::string_view bytes = data->data;
+  if (st->kind_of(at + 3) == k::str) {  // a Python 2 str decoded as UTF-8: numpy encodes it as latin-1
+    std::vector<std::uint8_t> out;
+    if (!detail::utf8_to_latin1(bytes, out)) r.fail(errors::pk_bad_numpy, "numpy.ndarray data is a str beyond latin-1");
+    latin1.assign(out.begin(), out.end());
+    bytes = latin1;
+  }
+  return Value(numpy_tensor(r, *t, shape, fortran, bytes, data->in_input && st->kind_of(at + 3) != k::str, "numpy array"));
+}
+
+/// `_frombuffer(buffer, dtype, shape, order)` read from the reader's nodes (the buffer in place).
+inline std::optional<Value> frombuffer_fast(const Args& a) {
+  using k = Args::kind;
+  if (a.size() != 4 || (a.kind_of(3) != k::str)) return std::nullopt;
+  const std::optional<Args::raw_bytes> data = data_arg(a, 0);
+  const std::optional<numpy_dtype> t = numpy_dtype_of(a.convert(1));
+  shape_t shape;
+  if (!data || a.kind_of(0) == k::str || !t || !a.ints(2, numpy_max_dims, shape) || (a.str(3) != "C" && a.str(3) != "F"))
+    return std::nullopt;
+  return Value(numpy_tensor(a.reader(), *t, shape, a.str(3) == "F", data->data, data->in_input, "numpy array"));
+}
+
+/// The same from Values; a call it cannot read (another dtype) stays an Object.
+inline Value frombuffer_call(Call& c) {
+  const List& a = c.args;
+  const std::optional<std::string_view> data = a.size() == 4 ? value_bytes(a[0]) : std::nullopt;
+  const std::optional<numpy_dtype> t = a.size() == 4 ? numpy_dtype_of(a[1]) : std::nullopt;
+  if (!data || !t) return Value(Object{c.callable.module, c.callable.name, object_build::reduce, a, {}, {}});
+  if (!a[2].is_sequence() || a[2].as_list().size() > numpy_max_dims || !a[3].is_string() ||
+      (a[3].as_string() != "C" && a[3].as_string() != "F"))
+    c.reader.fail(errors::pk_bad_numpy, c.callable.qualified() + " expects (buffer, dtype, shape tuple, 'C' or 'F')");
+  shape_t shape;
+  for (const Value& d : a[2].as_list()) {
+    if (!d.is_int()) c.reader.fail(errors::pk_bad_numpy, c.callable.qualified() + " shape holds a " + std::string(to_string(d.kind())));
+    shape.push_back(d.as_int());
+  }
+  return Value(numpy_tensor(c.reader, *t, shape, a[3].as_string() == "F", *data, false, "numpy array"));
+}
+
+/// `scalar(dtype, bytes of one element)` from the reader's nodes.
+inline std::optional<Value> scalar_fast(const Args& a) {
+  if (a.size() != 2 || a.kind_of(1) == Args::kind::str) return std::nullopt;
+  const std::optional<Args::raw_bytes> data = data_arg(a, 1);
+  const std::optional<numpy_dtype> t = numpy_dtype_of(a.convert(0));
+  if (!data || !t) return std::nullopt;
+  return Value(numpy_tensor(a.reader(), *t, {}, false, data->data, data->in_input, "numpy scalar"));
+}
+
+inline Value scalar_call(Call& c) {
+  const List& a = c.args;
+  const std::optional<numpy_dtype> t = a.size() == 2 ? numpy_dtype_of(a[0]) : std::nullopt;
+  const std::optional<std::string_view> data = a.size() == 2 ? value_bytes(a[1]) : std::nullopt;
+  if (!t || !data) return Value(Object{c.callable.module, c.callable.name, object_build::reduce, a, {}, {}});  // an object scalar
+  return Value(numpy_tensor(c.reader, *t, {}, false, *data, false, "numpy scalar"));
+}
+
+/// The data rules beyond torch's weights_only list: numpy (both module paths) and copyreg.
+inline void add_data_rules(Registry& r) {
+  for (const char* core : {"numpy.core", "numpy._core"}) {
+    Rule rec;
+    rec.build = ndarray_build;
+    rec.beyond_weights_only = true;
+    r.add(std::string(core) + ".multiarray._reconstruct", rec);
+    Rule fb{Rule::kind::function, frombuffer_call, frombuffer_fast, {}, true};
+    r.add(std::string(core) + ".numeric._frombuffer", fb);
+    Rule sc{Rule::kind::function, scalar_call, scalar_fast, {}, true};
+    r.add(std::string(core) + ".multiarray.scalar", sc);
+  }
+  r.add("copyreg._reconstructor", Rule{Rule::kind::reconstructor, {}, {}, {}, true});
+}
+
+}  // namespace statedict::inline v0::pickle::detail
 
 namespace statedict::inline v0 {
 namespace pickle {
@@ -10722,7 +13258,7 @@ inline const List& one_sequence_arg(Call& c, std::size_t max_args = 1) {
 
 inline Registry Registry::weights_only() {
   Registry r;
-  r.add("collections.OrderedDict", Rule{Rule::kind::ordered_dict, {}, {}});
+  r.add("collections.OrderedDict", Rule{Rule::kind::ordered_dict, {}, {}, {}, false});
   r.allow("collections.Counter");
   // bytes in protocol 2: _codecs.encode(latin-1 str, 'latin1'); empty bytes: builtins.bytes().
   r.function("_codecs.encode", [](Call& c) -> Value {
@@ -10800,6 +13336,7 @@ inline Registry Registry::weights_only() {
                         "_rebuild_meta_tensor_no_storage", "_rebuild_wrapper_subclass",
                         "_rebuild_device_tensor_from_numpy", "_rebuild_device_tensor_from_cpu_tensor"})
     r.allow(std::string("torch._utils.") + f);
+  detail::add_data_rules(r);
   return r;
 }
 
@@ -10827,11 +13364,25 @@ inline Result load(std::span<const std::byte> bytes, const options& opts = {}) {
 // keys) in their protocol-2 form. Tensors have no generic encoding: a `custom` hook writes them
 // (io/torch_file.hpp writes `_rebuild_tensor_v2` with a persistent storage id, as torch.save does).
 // Dicts that carry attributes (state_dict()._metadata) are written as OrderedDict + BUILD.
+//
+// Objects as data: an object whose class torch.load(weights_only=True) does not accept (an
+// argparse.Namespace, a config class, a pickled nn.Module, an enum member) is written as its
+// data, never as a call of its class nor a reference to it, so that loading the output runs no
+// code whatever the input held (`write_options::objects`):
+//   an instance with a dict of str keys as its only state, and no arguments or items
+//                                    -> that dict (`vars(obj)`: Namespace(lr=0.1) -> {'lr': 0.1})
+//   any other instance               -> a dict of what it has of 'args' (tuple), 'state' (its
+//                                       state; a tuple of them when several), 'items' (list)
+//   a reference to the class itself  -> the str 'module.name'
+// `write_options::keep_classes` names classes written as themselves instead (for a user who
+// trusts the input); Writer::converted counts what was written as data, by class.
 
+#include <algorithm>
 #include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <span>
 #include <string>
 #include <string_view>
@@ -10855,7 +13406,33 @@ namespace pickle {
 struct write_options {
   /// Deepest nesting written (the writer recurses).
   std::size_t max_depth = 1000;
+  enum class objects_policy : std::uint8_t {
+    as_data,     ///< objects of classes outside weights_only's list written as their data
+    as_written,  ///< every object as it is (a writer's own structures: DCP metadata classes)
+  };
+  objects_policy objects = objects_policy::as_data;
+  /// Classes ("argparse.Namespace") written as themselves under as_data.
+  std::vector<std::string> keep_classes;
 };
+
+/// Whether objects of class `qualified` ("module.name") are written as themselves: classes and
+/// functions torch.load(weights_only=True) accepts (Registry::weights_only() without the rules
+/// beyond it), or one of `keep`.
+inline bool writable_as_itself(std::string_view qualified, const std::vector<std::string>& keep) {
+  static const Registry allowed = Registry::weights_only();
+  const std::string q(qualified);
+  if (const Rule* r = allowed.find(q); r && !r->beyond_weights_only) return true;
+  return std::find(keep.begin(), keep.end(), q) != keep.end();
+}
+
+/// Whether an instance whose parts are these is written as its state alone (a dict of str keys,
+/// its attributes), rather than as a dict of its parts.
+inline bool data_is_state(const Object& o) {
+  if (!o.args.empty() || !o.items.empty() || o.state.size() != 1 || !o.state[0].is_dict()) return false;
+  for (const auto& kv : o.state[0].as_dict().items())
+    if (!kv.first.is_string()) return false;
+  return true;
+}
 
 /// Protocol-2 pickler into a byte vector.
 class Writer {
@@ -10869,6 +13446,8 @@ class Writer {
   custom_fn custom;
   /// Attributes to attach (as OrderedDict + BUILD) to the dict at each path.
   const std::vector<Attributes>* attributes = nullptr;
+  /// Objects written as their data, by class (write_options::objects).
+  std::map<std::string, std::uint64_t> converted;
 
   /// PROTO 2, the value, STOP.
   void dump(const Value& v) {
@@ -11162,6 +13741,10 @@ class Writer {
       write_states(o, depth);
       return;
     }
+    if (opts_.objects == write_options::objects_policy::as_data && !writable_as_itself(q, opts_.keep_classes)) {
+      as_data(o, depth);
+      return;
+    }
     if (o.how == object_build::global) {
       if (!o.args.empty() || !o.items.empty() || !o.state.empty())
         throw_error(errors::pk_unwritable, "at " + quote(dotted(path)),
@@ -11182,6 +13765,44 @@ class Writer {
       if (!it.is_tuple() || it.as_list().size() != 2) pairs = false;
     write_items(o, depth, pairs);
     write_states(o, depth);
+  }
+
+  /// An object as its data (see the top of this file); its children are written as they are, so
+  /// that hooks see the tree's own tensors.
+  void as_data(const Object& o, std::size_t depth) {
+    ++converted[o.qualified()];
+    Path none_path;
+    if (o.how == object_build::global) {
+      str(o.qualified());
+      return;
+    }
+    if (data_is_state(o)) {
+      value(o.state[0], depth + 1, none_path, false);
+      return;
+    }
+    op('}');
+    memoize();
+    if (o.args.empty() && o.state.empty() && o.items.empty()) return;
+    mark();
+    if (!o.args.empty()) {
+      str("args");
+      args_tuple(o.args, depth + 1);
+    }
+    if (!o.state.empty()) {
+      str("state");
+      if (o.state.size() == 1) {
+        value(o.state[0], depth + 2, none_path, false);
+      } else {
+        args_tuple(o.state, depth + 1);
+      }
+    }
+    if (!o.items.empty()) {
+      str("items");
+      op(']');
+      memoize();
+      batches(o.items.size(), [&](std::size_t i) { value(o.items[i], depth + 2, none_path, false); }, 'a', 'e', true);
+    }
+    op('u');
   }
 
   void write_items(const Object& o, std::size_t depth, bool pairs, bool exact = false) {
@@ -11212,13 +13833,22 @@ class Writer {
   std::uint32_t next_memo_ = 0;
 };
 
-/// Pickles a Value without tensors (protocol 2).
-inline std::vector<std::byte> dumps(const Value& v, const std::vector<Attributes>* attributes = nullptr) {
+/// Pickles a Value without tensors (protocol 2), its objects as `opts` says.
+inline std::vector<std::byte> dumps(const Value& v, const std::vector<Attributes>* attributes, const write_options& opts) {
   std::vector<std::byte> out;
-  Writer w(out);
+  Writer w(out, opts);
   w.attributes = attributes;
   w.dump(v);
   return out;
+}
+
+/// Pickles a Value without tensors (protocol 2) exactly as it is, objects included: for a writer's
+/// own structures (DCP's Metadata classes). Trees read from input go through Writer's default
+/// write_options, which writes objects as their data.
+inline std::vector<std::byte> dumps(const Value& v, const std::vector<Attributes>* attributes = nullptr) {
+  write_options o;
+  o.objects = write_options::objects_policy::as_written;
+  return dumps(v, attributes, o);
 }
 
 }  // namespace pickle
@@ -11285,6 +13915,8 @@ inline constexpr error_id pt_legacy_tar        {508, error_kind::unsupported, "t
 inline constexpr error_id pt_rank_limit        {509, error_kind::limit,       "torch.rank_limit"};
 inline constexpr error_id pt_big_endian        {510, error_kind::unsupported, "torch.big_endian"};
 inline constexpr error_id pt_bad_version       {511, error_kind::format,      "torch.bad_version"};
+inline constexpr error_id pt_bad_byteorder     {512, error_kind::format,      "torch.bad_byteorder"};
+inline constexpr error_id pt_protocol_0        {513, error_kind::format,      "torch.pickle_protocol_0"};
 inline constexpr error_id pt_unwritable        {520, error_kind::usage,       "torch.unwritable"};
 inline constexpr error_id pt_crc_incomplete    {521, error_kind::usage,       "torch.crc_incomplete"};
 inline constexpr error_id pt_bad_name          {522, error_kind::usage,       "torch.bad_archive_name"};
@@ -11303,9 +13935,12 @@ struct limits {
 
 struct load_options {
   torch::limits limits{};
-  /// Keep objects of globals outside the weights_only allow-list as opaque Objects (DCP metadata,
-  /// DeepSpeed config objects, ShardedTensor files). Never executed either way.
-  bool keep_unknown_objects = false;
+  /// Objects of globals outside torch.load(weights_only=True)'s allow-list (argparse.Namespace
+  /// args, numpy RNG states, config classes, whole pickled modules) are read as data: Object
+  /// nodes of their class name, arguments and state, numpy arrays as tensors (pickle::options).
+  /// Never imported or called either way. False refuses them as weights_only=True does
+  /// (pickle.forbidden_global).
+  bool keep_unknown_objects = true;
   /// Keep `nn.Parameter` and tensor-subclass wrappers as Objects around their tensor
   /// (`torch._utils._rebuild_parameter(tensor, requires_grad, hooks)`), so they are written back
   /// as Parameters. Default: a Parameter is its tensor.
@@ -11333,7 +13968,7 @@ struct Storage {
   std::string key;                 ///< persistent key ("0", or the legacy storage id)
   statedict::dtype dtype = statedict::dtype::U8;  ///< element type (U8 for an UntypedStorage)
   bool untyped = false;            ///< torch.UntypedStorage (dtype then comes from each tensor)
-  std::uint64_t offset = 0;        ///< first byte in the source
+  std::uint64_t offset = 0;        ///< first byte in File::source (the file, or its records' image in memory)
   std::uint64_t nbytes = 0;
   std::string record;              ///< zip entry name (empty for legacy files)
   std::string location;            ///< "cpu", "cuda:0", ...
@@ -11346,7 +13981,18 @@ struct File {
   std::vector<pickle::Attributes> attributes;
   std::string format;        ///< "zip" or "legacy"
   std::string archive_name;  ///< zip top folder ("model" for model.pt; "archive" when saved to a stream)
+  /// What the tensors are views of: the file, or, when some of its zip records are compressed,
+  /// an image in memory of its storage records (inflated or copied, each at a multiple of 64
+  /// bytes; not zero-copy: `in_memory_bytes`, within zip::limits::max_inflated_bytes).
   std::shared_ptr<const ByteSource> source;
+  std::size_t compressed_records = 0;  ///< storage records that were deflated in the archive
+  std::uint64_t in_memory_bytes = 0;   ///< size of the image (0: views of the file itself)
+  /// The file's `byteorder` record says "big": its storages hold big-endian elements.
+  bool big_endian = false;
+  /// The views see little-endian elements: a big-endian file read with read() (its storages
+  /// swapped in the image). read_lazily() leaves them as stored; describe() then marks every
+  /// placement big-endian and the executor swaps each element as it copies.
+  bool swapped = false;
   std::vector<Storage> storages;  ///< in order of first use
   std::vector<std::string> records;  ///< zip entry names, in file order
   int pickle_protocol = 0;
@@ -11360,14 +14006,34 @@ struct File {
 /// What a file looks like from its first bytes.
 enum class file_kind : std::uint8_t { zip, legacy, legacy_tar, unknown };
 
+/// Whether `head` starts with the pickle torch's legacy format begins with: the magic number
+/// 0x1950a86a20f9469cfc6c alone, as torch.save pickles it at any protocol. Protocols 0 and 1: the
+/// text LONG `L119547037146038801333356L\n`; 2 and 3: PROTO, LONG1 of its 10 bytes; 4 and 5:
+/// PROTO, FRAME, LONG1; then STOP.
+inline bool legacy_magic(std::span<const std::byte> head) {
+  static constexpr std::string_view text = "L119547037146038801333356L\n.";
+  static constexpr unsigned char binary[] = {0x8a, 0x0a, 0x6c, 0xfc, 0x9c, 0x46, 0xf9, 0x20, 0x6a, 0xa8, 0x50, 0x19, '.'};
+  const auto u = [&](std::size_t i) { return i < head.size() ? std::to_integer<unsigned>(head[i]) : 256U; };
+  const auto at = [&](std::size_t i, const auto& what, std::size_t n) {
+    if (head.size() < i + n) return false;
+    for (std::size_t k = 0; k < n; ++k)
+      if (u(i + k) != static_cast<unsigned char>(what[k])) return false;
+    return true;
+  };
+  if (at(0, text, text.size())) return true;
+  if (u(0) != 0x80 || u(1) < 2 || u(1) > 5) return false;
+  std::size_t i = 2;
+  if (u(1) >= 4 && u(2) == 0x95) i = 11;  // FRAME and its 8-byte length
+  return at(i, binary, sizeof binary);
+}
+
 /// What a file is, from its first bytes (`head`, at least 4 of them when the file has them; the
-/// tar check needs 262) and its size.
+/// legacy magic needs 28, the tar check 262) and its size.
 inline file_kind kind_of(std::span<const std::byte> head, std::uint64_t size) {
   if (size < 4 || head.size() < 4) return file_kind::unknown;
   const auto u = [&](std::size_t i) { return std::to_integer<unsigned>(head[i]); };
   if (u(0) == 'P' && u(1) == 'K' && u(2) == 3 && u(3) == 4) return file_kind::zip;
-  // Legacy: PROTO 2, then LONG1 of the 10-byte magic number 0x1950a86a20f9469cfc6c.
-  if (u(0) == 0x80 && u(1) == 0x02 && u(2) == 0x8a && u(3) == 0x0a) return file_kind::legacy;
+  if (legacy_magic(head)) return file_kind::legacy;
   if (size >= 512 && head.size() >= 262 && std::memcmp(head.data() + 257, "ustar", 5) == 0) return file_kind::legacy_tar;
   return file_kind::unknown;
 }
@@ -11449,8 +14115,11 @@ inline statedict::dtype storage_dtype(std::string_view module, std::string_view 
     return statedict::dtype::U8;
   }
   if (auto t = dtype_from_storage_name(name)) return *t;
-  if (name.rfind('Q', 0) == 0)
-    throw_error(errors::pt_unsupported_tensor, "quantized storage " + quote(qualified()) + " is not supported");
+  // Quantized storages hold the integer representation (_rebuild_qtensor reads them); the 4- and
+  // 2-bit ones pack their values into bytes.
+  if (name == "QInt8Storage") return statedict::dtype::I8;
+  if (name == "QUInt8Storage" || name == "QUInt4x2Storage" || name == "QUInt2x4Storage") return statedict::dtype::U8;
+  if (name == "QInt32Storage") return statedict::dtype::I32;
   throw_error(errors::pt_bad_storage, "unknown storage class " + quote(qualified()));
 }
 inline statedict::dtype storage_dtype(const Object& cls, bool& untyped) {
@@ -11682,17 +14351,14 @@ inline pickle::Registry torch_registry(const read_context& ctx) {
     }
     return keep_call(c);
   });
-  // Tensor kinds statedict does not represent: a clear error, or the call kept as an Object.
+  // Quantized and sparse tensors: the call is kept as an Object with its arguments, whose tensors
+  // (the integer representation in a quantized storage, per-channel scales and zero points,
+  // sparse indices and values) are tensors of the file; written back, it is the same call, which
+  // torch.load(weights_only=True) accepts. Meta and subclass tensors the same way.
   for (const char* f : {"_rebuild_qtensor", "_rebuild_sparse_tensor", "_rebuild_sparse_csr_tensor",
                         "_rebuild_meta_tensor_no_storage", "_rebuild_wrapper_subclass",
-                        "_rebuild_device_tensor_from_numpy", "_rebuild_device_tensor_from_cpu_tensor"}) {
-    r.function(std::string("torch._utils.") + f, [&ctx, keep_call](pickle::Call& c) -> Value {
-      if (ctx.opts->keep_unknown_objects || ctx.dry_run) return keep_call(c);
-      throw_error(errors::pt_unsupported_tensor, quote(c.callable.qualified()) +
-                                                     " (quantized, sparse, meta or subclass tensors) is not supported; "
-                                                     "keep_unknown_objects keeps it as an object");
-    });
-  }
+                        "_rebuild_device_tensor_from_numpy", "_rebuild_device_tensor_from_cpu_tensor"})
+    r.function(std::string("torch._utils.") + f, keep_call);
   return r;
 }
 
@@ -11706,6 +14372,15 @@ inline void check_same_storage(std::string_view key, statedict::dtype first_dtyp
     throw_error(errors::pt_bad_storage, "storage " + quote(key) + " is described twice with different types or sizes (" +
                                             std::to_string(first_numel) + " " + std::string(name(first_dtype)) +
                                             " elements, then " + std::to_string(numel) + " " + std::string(name(t)) + ")");
+}
+
+/// A persistent id that is a str: torch.save at pickle_protocol=0 writes str(tuple) (PERSID takes
+/// text), which torch.load cannot read back either.
+inline void refuse_text_pid(const Value& pid) {
+  if (pid.is_string())
+    throw_error(errors::pt_protocol_0, "a text persistent id " + quote(pid.as_string().substr(0, 80)) +
+                                           ": the file was saved with pickle_protocol=0, which writes storage ids as text that "
+                                           "torch.load cannot read either (saved_id must be a tuple)");
 }
 
 inline bool is_storage_tag(const Value& v) {
@@ -11754,6 +14429,43 @@ inline std::optional<std::size_t> key_number(std::string_view key, std::size_t b
   return n;
 }
 
+/// Makes the storages of a big-endian file, read into the image f.view_base points at,
+/// little-endian in place. A typed storage is swapped by its class's dtype (as torch.load does); an
+/// untyped one by the dtype of the tensors viewing it (torch.load swaps none of it and so misreads
+/// uint16/32/64, complex32 and bits16 tensors of such files); one viewed as elements of two sizes
+/// has no single byte order and is refused. An untyped storage no tensor views stays as it is.
+inline void swap_storages(File& f, const std::vector<zip_storage>& seen) {
+  std::byte* const base = const_cast<std::byte*>(f.view_base);  // the image: memory this read owns
+  std::vector<std::uint32_t> by_offset(seen.size());
+  for (std::uint32_t i = 0; i < by_offset.size(); ++i) by_offset[i] = i;
+  std::sort(by_offset.begin(), by_offset.end(), [&](std::uint32_t a, std::uint32_t b) { return seen[a].data < seen[b].data; });
+  std::vector<std::uint8_t> unit(seen.size(), 1);
+  for (std::size_t i = 0; i < seen.size(); ++i)
+    if (!f.storages[i].untyped) unit[i] = info(seen[i].dtype).swap_unit;
+  visit(f.value, [&](const Path&, const Value& v) {
+    if (!v.is_tensor() || v.as_tensor().numel() == 0) return;
+    const TensorView& t = v.as_tensor();
+    const std::uint8_t u = info(t.dtype()).swap_unit;
+    if (u == 1) return;
+    auto it = std::upper_bound(by_offset.begin(), by_offset.end(), t.data(), [&](const std::byte* p, std::uint32_t i) { return p < seen[i].data; });
+    if (it == by_offset.begin()) return;
+    const std::uint32_t i = *(it - 1);
+    if (!f.storages[i].untyped) return;
+    if (unit[i] != 1 && unit[i] != u)
+      throw_error(errors::pt_bad_storage, "storage " + quote(f.storages[i].key) + " of a big-endian file",
+                  "is viewed as elements of " + std::to_string(unit[i]) + " and of " + std::to_string(u) +
+                      " bytes; its byte order cannot be undone for both");
+    unit[i] = u;
+  });
+  for (std::size_t i = 0; i < seen.size(); ++i) {
+    if (unit[i] == 1) continue;
+    const std::uint64_t bytes = seen[i].numel * itemsize(seen[i].dtype);
+    const dtype as = unit[i] == 2 ? dtype::U16 : unit[i] == 4 ? dtype::U32 : dtype::U64;
+    byteswap_run(as, base + (seen[i].data - f.view_base), static_cast<std::size_t>(bytes / unit[i]));
+  }
+  f.swapped = true;
+}
+
 inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& opts, bool lazy, bool may_overlap = true) {
   File f;
   f.format = "zip";
@@ -11767,7 +14479,10 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
   zo.verify_crc = opts.verify_crc && !lazy;
   zo.defer_local_headers = views_only && may_overlap;
   zip::Archive ar = zip::Archive::open(src, zo);
-  const bool overlap = zo.defer_local_headers && ar.entries().size() >= opts.overlap_headers_from;
+  // Compressed records (an archive another zip tool rewrote) cannot be views of the file: their
+  // local headers are read now, and the storage records go into an image in memory (below).
+  const bool compressed = std::any_of(ar.entries().begin(), ar.entries().end(), [](const zip::Entry& e) { return !e.stored(); });
+  bool overlap = zo.defer_local_headers && !compressed && ar.entries().size() >= opts.overlap_headers_from;
   if (zo.defer_local_headers && !overlap) ar.adopt_data_offsets(ar.data_offsets());
   // With `overlap`, the headers are read on `headers` from the pickle on; until the join, `ar`
   // is only read (data_offsets() is const; the few locate() calls come before the thread).
@@ -11788,22 +14503,44 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
     const std::string prefix = f.archive_name + "/";
     const zip::Entry* pkl = ar.find(prefix + "data.pkl");
     if (!pkl) throw_error(errors::pt_missing_record, where(*src), "no record " + quote(prefix + "data.pkl") + ": not a torch.save file");
+    // torch.jit.save writes data.pkl too, with constants.pkl and code/ beside it: a module
+    // (TorchScript), whose classes are its code.
+    if (ar.find(prefix + "constants.pkl"))
+      throw_error(errors::pt_not_torch, where(*src), "a TorchScript archive (torch.jit.save: " + quote(prefix + "constants.pkl") +
+                                                         " and code), not a torch.save file");
     if (overlap) ar.locate(*pkl);
+    // A short text record: its first `cap` bytes (a deflated one is inflated only when that short).
+    auto text_record = [&](const zip::Entry& e, std::uint64_t cap) -> std::string {
+      if (overlap) ar.locate(e);
+      Region r;
+      if (e.stored()) {
+        ar.check_readable(e);
+        r = read_region(*src, e.data_offset, std::min<std::uint64_t>(e.size, cap));
+      } else {
+        ar.check_extractable(e);
+        if (e.size > cap) return std::string(static_cast<std::size_t>(cap) + 1, '?');  // longer than any valid content
+        r = ar.read(e);
+      }
+      return std::string(reinterpret_cast<const char*>(r.data), static_cast<std::size_t>(r.size));
+    };
     if (const zip::Entry* ver = ar.find(prefix + "version"); ver || (ver = ar.find(prefix + ".data/version"))) {
-      if (overlap) ar.locate(*ver);
-      ar.check_readable(*ver);
-      const Region r = read_region(*src, ver->data_offset, std::min<std::uint64_t>(ver->size, 32));
-      std::string v(reinterpret_cast<const char*>(r.data), static_cast<std::size_t>(r.size));
+      std::string v = text_record(*ver, 32);
       while (!v.empty() && (v.back() == '\n' || v.back() == '\r' || v.back() == ' ')) v.pop_back();
       if (v.empty() || v.find_first_not_of("0123456789") != std::string::npos)
         throw_error(errors::pt_bad_version, where(*src), "record " + quote(ver->name) + " holds " + quote(v) + ", not a version number");
     }
     if (const zip::Entry* bo = ar.find(prefix + "byteorder")) {
-      if (overlap) ar.locate(*bo);
-      ar.check_readable(*bo);
-      const Region r = read_region(*src, bo->data_offset, std::min<std::uint64_t>(bo->size, 16));
-      const std::string_view v(reinterpret_cast<const char*>(r.data), static_cast<std::size_t>(r.size));
-      if (v == "big") throw_error(errors::pt_big_endian, where(*src), "big-endian file (byteorder record) is not supported");
+      const std::string v = text_record(*bo, 16);
+      if (v == "big") f.big_endian = true;
+      else if (v != "little")
+        throw_error(errors::pt_bad_byteorder, where(*src), "record " + quote(bo->name) + " holds " + quote(v) + ", not little or big");
+    }
+    // A big-endian file read for its values: the storages are swapped in an image in memory, which
+    // needs every record's offset now (no prediction on another thread).
+    const bool swap_in_memory = f.big_endian && !lazy;
+    if (swap_in_memory && overlap) {
+      ar.adopt_data_offsets(ar.data_offsets());
+      overlap = false;
     }
     const Region pickle_bytes = ar.read(*pkl);
     if (overlap) {
@@ -11820,8 +14557,41 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
       }
     }
 
-    f.view_base = vb.base;
-    f.view_owner = vb.owner;
+    // The image of the storage records (every `data/` record, each at a multiple of 64 bytes) when
+    // some record is compressed: the File's source and view base are then the image.
+    std::vector<std::uint64_t> image_offset;  // per entry; only for records under data/
+    std::byte* image = nullptr;
+    if (compressed || swap_in_memory) {
+      const std::string data_dir = prefix + "data/";
+      image_offset.assign(ar.entries().size(), 0);
+      std::uint64_t total = 0;
+      for (std::size_t i = 0; i < ar.entries().size(); ++i) {
+        const zip::Entry& e = ar.entries()[i];
+        if (e.name.compare(0, data_dir.size(), data_dir) != 0) continue;
+        ar.check_extractable(e);
+        image_offset[i] = checked_add(total, 63, "records in memory") / 64 * 64;
+        total = checked_add(image_offset[i], e.size, "records in memory");
+        if (total > opts.limits.zip.max_inflated_bytes)
+          throw_error(errors::zip_inflate_limit, where(*src),
+                      "the storage records of an archive with compressed records are read into memory: more than " +
+                          std::to_string(opts.limits.zip.max_inflated_bytes) + " bytes (zip::limits::max_inflated_bytes)");
+      }
+      auto bytes = std::make_shared<std::vector<std::byte>>(static_cast<std::size_t>(std::max<std::uint64_t>(total, 1)));
+      for (std::size_t i = 0; i < ar.entries().size(); ++i) {
+        const zip::Entry& e = ar.entries()[i];
+        if (e.name.compare(0, data_dir.size(), data_dir) != 0) continue;
+        ar.extract(e, std::span<std::byte>(bytes->data() + image_offset[i], static_cast<std::size_t>(e.size)));
+        if (!e.stored()) ++f.compressed_records;
+      }
+      image = bytes->data();
+      f.in_memory_bytes = total;
+      f.source = std::make_shared<MemorySource>(src->name() + " (records in memory)", image, total, bytes);
+      f.view_base = image;
+      f.view_owner = bytes;
+    } else {
+      f.view_base = vb.base;
+      f.view_owner = vb.owner;
+    }
     // Storages and their records by key. torch.save's keys are the numbers 0, 1, 2, ... in order
     // of first use, and its records are sorted as strings ("0", "1", "10", "100", ...): such keys
     // are looked up in two arrays indexed by the number (a hash table probed at random misses the
@@ -11844,6 +14614,7 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
     po.limits = opts.limits.pickle;
     po.keep_unknown_objects = opts.keep_unknown_objects;
     po.registry = &reg;
+    po.input_owner = pickle_bytes.owner;  // numpy arrays in the pickle are views of it
     by_key.reserve(ar.entries().size());
     seen.reserve(ar.entries().size());
     f.storages.reserve(ar.entries().size());
@@ -11891,9 +14662,9 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
           if (!e) throw_error(errors::pt_missing_record, "storage " + quote(key) + ": no record " + quote(rec));
         }
         next_entry = static_cast<std::size_t>(e - entries.data()) + 1;
-        ar.check_readable(*e);
+        if (!image) ar.check_readable(*e);
         zip_storage c{e, nullptr, {}, t, numel};
-        std::uint64_t data_offset = e->data_offset;
+        std::uint64_t data_offset = image ? image_offset[static_cast<std::size_t>(e - entries.data())] : e->data_offset;
         if (overlap) {
           // The prediction, checked after the join. One that cannot be right (its bytes would run
           // into the central directory) still gets a pointer inside the source, never used.
@@ -11903,7 +14674,10 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
             data_offset = 0;
           }
         }
-        if (views_only) {
+        if (image) {
+          c.data = image + data_offset;
+          c.owner = f.view_owner;
+        } else if (views_only) {
           c.data = vb.base + data_offset;
           c.owner = vb.owner;
         } else {
@@ -11934,6 +14708,7 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
       return storage_value(classes[cls].module, classes[cls].name, std::move(bytes), f.storages[at].key, std::string(location));
     };
     po.persistent_load = [&](const Value& pid) -> Value {
+      refuse_text_pid(pid);
       if (!pid.is_tuple() || pid.as_list().size() != 5 || !is_storage_tag(pid.at(0)))
         throw_error(errors::pt_bad_storage, "persistent id is not ('storage', type, key, location, numel)");
       const List& p = pid.as_list();
@@ -12004,6 +14779,7 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
     // Not torch's layout (an archive rewritten by another zip tool): read it again, headers first.
     if (mispredicted) return read_zip(std::move(src), opts, lazy, false);
   }
+  if (f.big_endian && !lazy) swap_storages(f, seen);
   // The archive ends here: its entry names become the record list (moved, not copied).
   std::vector<zip::Entry> entries = ar.release_entries();
   f.records.reserve(entries.size());
@@ -12021,8 +14797,9 @@ inline File read_legacy(std::shared_ptr<const ByteSource> src, const load_option
   const Region all = read_region(*src, 0, src->size());  // a pread source is read once here
   const std::span<const std::byte> bytes = all.span();
   std::uint64_t pos = 0;
-  pickle::options plain;
+  pickle::options plain;  // magic number, version, sys_info, key list: plain data, no objects
   plain.limits = opts.limits.pickle;
+  plain.keep_unknown_objects = false;
   auto next = [&](const char* what) {
     try {
       pickle::Result r = pickle::load(bytes.subspan(static_cast<std::size_t>(pos)), plain);
@@ -12064,7 +14841,9 @@ inline File read_legacy(std::shared_ptr<const ByteSource> src, const load_option
   po.limits = opts.limits.pickle;
   po.keep_unknown_objects = opts.keep_unknown_objects;
   po.registry = &reg;
+  po.input_owner = all.owner;  // numpy arrays in the pickle are views of the file's bytes
   auto parse_pid = [&](const Value& pid, std::string& root, std::optional<std::tuple<std::string, std::int64_t, std::int64_t>>& view) {
+    refuse_text_pid(pid);
     if (!pid.is_tuple() || pid.as_list().size() != 6 || !is_storage_tag(pid.at(0)))
       throw_error(errors::pt_bad_storage, "legacy persistent id is not ('storage', type, key, location, numel, view)");
     const List& p = pid.as_list();
@@ -12174,7 +14953,7 @@ inline File read_any(std::shared_ptr<const ByteSource> src, const load_options& 
       throw_error(errors::pt_legacy_tar, where(*src), "the tar-based format of PyTorch < 0.4 is not supported");
     case file_kind::unknown: break;
   }
-  throw_error(errors::pt_not_torch, where(*src), "neither a zip archive nor a legacy torch.save pickle");
+  throw_error(errors::pt_not_torch, where(*src), "neither a zip archive nor a legacy torch.save file (its magic number pickled at protocol 0-5)");
 }
 
 }  // namespace detail
@@ -12251,8 +15030,17 @@ inline ShardedCheckpoint describe(const File& file) {
   const std::uint64_t size = file.source->size();
   for (auto& [name, v] : flat.tensors) {
     const auto addr = reinterpret_cast<std::uintptr_t>(v.data()), base = reinterpret_cast<std::uintptr_t>(file.view_base);
-    if (addr < base || addr - base > size)
-      throw_error(errors::pt_bad_tensor, detail::where(*file.source), "tensor " + quote(name) + " does not point into the file");
+    std::uint32_t source = 0;
+    std::uint64_t offset = addr - base;
+    if (addr < base || addr - base > size) [[unlikely]] {
+      // Not in the file's bytes: a numpy array copied out of the pickle (or viewing a copy of
+      // it), held in memory by its view: a source of its own.
+      if (!v.owner())
+        throw_error(errors::pt_bad_tensor, detail::where(*file.source), "tensor " + quote(name) + " does not point into the file");
+      source = static_cast<std::uint32_t>(ck.sources.size());
+      offset = 0;
+      ck.sources.push_back(std::make_shared<MemorySource>(file.source->name() + ": " + name, v.data(), v.extent_bytes(), v.owner()));
+    }
     // Built in place: 10,000 tensors are 10,000 TensorInfo and Chunk moves otherwise.
     TensorInfo& ti = ck.tensors.emplace_back();
     ti.name = std::move(name);  // `flat` is ours: its names move into the description
@@ -12262,13 +15050,20 @@ inline ShardedCheckpoint describe(const File& file) {
     Box& region = std::get<Box>(c.region);  // a Chunk starts as a Box
     region.offsets = shape_t(v.rank(), 0);
     region.sizes = v.shape();
-    c.at.source = 0;
-    c.at.byte_offset = addr - base;
+    c.at.source = source;
+    c.at.byte_offset = offset;
     if (!v.is_contiguous()) c.at.strides = v.strides();
     c.at.stored = v.dtype();
+    if (file.big_endian && !file.swapped) c.at.order = byte_order::big;
   }
   ck.skeleton = std::move(flat.skeleton);
   ck.metadata["torch.format"] = file.format;
+  if (file.big_endian)
+    ck.metadata["torch.byteorder"] = file.swapped ? "big: storages byte-swapped to little-endian in memory when read"
+                                                  : "big: every element byte-swapped to little-endian as it is copied";
+  if (file.compressed_records)
+    ck.metadata["torch.records_in_memory"] = std::to_string(file.compressed_records) + " deflated record(s): " +
+                                             std::to_string(file.in_memory_bytes) + " bytes of storage records inflated into memory (not zero-copy)";
   if (!file.archive_name.empty()) ck.metadata["torch.archive_name"] = file.archive_name;
   if (!file.attributes.empty()) ck.metadata[std::string(attributes_metadata_key)] = encode_attributes(file.attributes);
   return ck;
@@ -12331,7 +15126,7 @@ namespace torch {
 // out like torch's (io/zip.hpp). The pickle (protocol 2) writes each tensor as
 // `_rebuild_tensor_v2(storage, offset, size, stride, False, OrderedDict())` with the persistent id
 // `('storage', torch.<Dtype>Storage, key, 'cpu', numel)`; dtypes without a typed storage class
-// (U16, U32, U64, F8_*) use `_rebuild_tensor_v3` with `torch.UntypedStorage` and the dtype global,
+// (U16, U32, U64, F8_*) use `_rebuild_tensor_v3` with `torch.storage.UntypedStorage` and the dtype global,
 // as PyTorch >= 2.1 does. Tensors whose memory overlaps (same dtype) share one storage covering the
 // union of their byte ranges, so tied weights and views stay tied after torch.load; the same view
 // twice is written once and referenced (torch.load gives the same object). Storages are written once.
@@ -12370,7 +15165,10 @@ inline std::string archive_name_for(const std::filesystem::path& path) {
 struct PlannedStorage {
   std::string key;                                ///< "0", "1", ...
   statedict::dtype dtype = statedict::dtype::U8;  ///< element type of its tensors
-  bool untyped = false;                           ///< written as torch.UntypedStorage (+ _rebuild_tensor_v3)
+  bool untyped = false;                           ///< written as torch.storage.UntypedStorage (+ _rebuild_tensor_v3)
+  /// The class its persistent id names when the tree held the storage itself as one of another
+  /// class of the same elements (a quantized storage: torch.QInt8Storage); empty: the dtype's.
+  std::string storage_class;
   std::uint64_t nbytes = 0;
   std::size_t record = 0;                         ///< index into SavePlan::records / layout.entries
   /// Bytes to copy (nbytes of them), or nullptr for a storage the caller fills (PlannedWriter).
@@ -12599,7 +15397,12 @@ inline SavePlan plan_save(const Value& tree, const save_options& opts) {
     const PlannedStorage& s = plan.storages[si];
     w.mark();
     w.str("storage");
-    w.global("torch", s.untyped ? std::string("UntypedStorage") : std::string(info(s.dtype).storage_name));
+    // As torch.save writes them: typed classes from module `torch` (a quantized storage by the
+    // class the tree held it as), the untyped one from `torch.storage` (torch 2.x's weights_only
+    // allow-list has `torch.storage.UntypedStorage`, not `torch.UntypedStorage`).
+    if (!s.storage_class.empty()) w.global("torch", s.storage_class);
+    else if (s.untyped) w.global("torch.storage", "UntypedStorage");
+    else w.global("torch", info(s.dtype).storage_name);
     w.str(s.key);
     w.str("cpu");
     w.integer(static_cast<std::int64_t>(s.untyped ? s.nbytes : s.nbytes / itemsize(s.dtype)));
@@ -12612,6 +15415,9 @@ inline SavePlan plan_save(const Value& tree, const save_options& opts) {
       const TensorView& t = v.as_tensor();
       const std::string id = detail::view_identity(t);
       if (t.numel() > 0 && wr.get_memo(id)) return true;
+      if (info(t.dtype()).torch_name.empty())
+        throw_error(errors::pt_unwritable, "tensor" + (names.count(&t) ? " " + quote(*names.at(&t)) : std::string()),
+                    "dtype " + std::string(name(t.dtype())) + " has no PyTorch dtype (a safetensors-only type): torch.save files cannot hold it");
       const std::size_t si = storage_of(t);
       const PlannedStorage& s = plan.storages[si];
       const std::uint64_t off = t.numel() == 0 ? 0 : static_cast<std::uint64_t>(t.data() - g.groups[g.group_of.at(&t)].lo) / t.itemsize();
@@ -12644,8 +15450,13 @@ inline SavePlan plan_save(const Value& tree, const save_options& opts) {
       return true;
     }
     if (v.is_object() && detail::is_storage_object(v.as_object())) {
-      const TensorView& bytes = v.as_object().args[0].as_tensor();
+      const Object& o = v.as_object();
+      const TensorView& bytes = o.args[0].as_tensor();
       const std::size_t si = storage_of(bytes);
+      // A quantized storage (its bytes are the integer representation) keeps its class, which
+      // _rebuild_qtensor reads the quantized dtype from.
+      if (o.module == "torch" && o.name.size() > 1 && o.name[0] == 'Q' && !plan.storages[si].untyped)
+        plan.storages[si].storage_class = o.name;
       persistent_id(si);
       return true;
     }
@@ -14214,9 +17025,9 @@ inline constexpr error_id written_twice         {613, error_kind::plan,   "plan.
 inline constexpr error_id read_outside          {614, error_kind::plan,   "plan.read_outside"};
 inline constexpr error_id write_outside         {615, error_kind::plan,   "plan.write_outside"};
 inline constexpr error_id too_many_ops          {616, error_kind::limit,  "plan.too_many_ops"};
-inline constexpr error_id bad_part              {617, error_kind::usage,  "plan.bad_part"};
 inline constexpr error_id destination_too_small {618, error_kind::plan,   "plan.destination_too_small"};
 inline constexpr error_id duplicate_tensor      {619, error_kind::key,    "plan.duplicate_tensor"};
+inline constexpr error_id destination_byte_order{117, error_kind::usage,  "core.destination_byte_order"};
 // clang-format on
 }  // namespace errors
 
@@ -14237,12 +17048,15 @@ struct CopyOp {
   std::uint64_t reps = 1;
   std::uint64_t src_step = 0;
   std::uint64_t dst_step = 0;
+  /// The source elements are big-endian (Placement::order): swapped as they are read, before any
+  /// cast, so the op is never a plain byte copy.
+  bool swap = false;
 
   [[nodiscard]] std::uint64_t elements() const noexcept { return count * reps; }
   [[nodiscard]] std::uint64_t src_bytes() const noexcept { return elements() * itemsize(src_dtype); }
   [[nodiscard]] std::uint64_t dst_bytes() const noexcept { return elements() * itemsize(dst_dtype); }
   /// True when no conversion happens (a byte copy).
-  [[nodiscard]] bool plain() const noexcept { return nvia == 0 && src_dtype == dst_dtype; }
+  [[nodiscard]] bool plain() const noexcept { return nvia == 0 && src_dtype == dst_dtype && (!swap || info(src_dtype).swap_unit == 1); }
   friend bool operator==(const CopyOp&, const CopyOp&) = default;
 };
 
@@ -14256,6 +17070,7 @@ struct CompareOp {
   std::uint64_t a_offset = 0, b_offset = 0;
   std::uint64_t count = 0, reps = 1;
   std::uint64_t a_step = 0, b_step = 0;
+  bool a_swap = false, b_swap = false;  ///< big-endian elements (swapped before comparing)
   shape_t first_index;  ///< global index of the first element compared (for messages)
 };
 
@@ -14287,21 +17102,6 @@ struct Plan {
   }
 };
 
-/// Choices and caps of make_plan.
-struct plan_options {
-  /// Emit CompareOps so the executor checks that replicated copies hold the same values.
-  bool check_replicas = false;
-  /// Accept source chunks that partially overlap (the one with the lowest (source, offset) wins);
-  /// by default a partial overlap is an error (identical regions are replicas and always allowed).
-  bool allow_overlapping_sources = false;
-  /// Every destination tensor must be covered by its destination chunks.
-  bool require_full_destination = true;
-  /// Run verify() on the result.
-  bool verify = true;
-  /// Cap on the number of copy operations before merging (hostile strides could ask for one per
-  /// element). About 100 bytes each.
-  std::uint64_t max_ops = std::uint64_t{1} << 24;
-};
 
 namespace detail {
 
@@ -14313,8 +17113,10 @@ inline std::string where_in(const std::vector<std::string>& names, std::uint32_t
 
 inline bool exact_widening(dtype from, dtype to) noexcept {
   if (from == to) return true;
+  // E8M0 spans 2^-127 .. 2^127: F16 cannot hold it, the 8-bit exponent types can.
+  if (from == dtype::F8_E8M0) return to == dtype::BF16 || to == dtype::F32 || to == dtype::F64;
   if (is_floating(from) && is_floating(to)) return itemsize(to) > itemsize(from);
-  return from == dtype::C64 && to == dtype::C128;
+  return (from == dtype::C64 && to == dtype::C128) || (from == dtype::C32 && (to == dtype::C64 || to == dtype::C128));
 }
 
 /// The conversion chain stored -> logical -> destination logical -> destination stored, with
@@ -14349,6 +17151,7 @@ struct SrcPiece {
   std::uint32_t source = 0;
   std::uint64_t byte_offset = 0;
   dtype stored = dtype::F32;
+  bool swap = false;  // big-endian elements
   FlatRange lin;  // linear extent of m.box
 };
 
@@ -14527,7 +17330,7 @@ inline void merge_ops(std::vector<CopyOp>& ops) {
     if (!out.empty()) {
       CopyOp& p = out.back();
       const bool same = p.src == o.src && p.dst == o.dst && p.src_dtype == o.src_dtype && p.dst_dtype == o.dst_dtype &&
-                        p.nvia == o.nvia && p.via == o.via;
+                        p.nvia == o.nvia && p.via == o.via && p.swap == o.swap;
       if (same && p.reps == 1 && o.reps == 1 && o.src_offset == p.src_offset + p.count * itemsize(p.src_dtype) &&
           o.dst_offset == p.dst_offset + p.count * itemsize(p.dst_dtype)) {
         p.count += o.count;
@@ -14616,6 +17419,7 @@ class tensor_planner {
         p.source = c.at.source;
         p.byte_offset = c.at.byte_offset;
         p.stored = c.at.stored;
+        p.swap = c.at.order == byte_order::big;
         pieces.push_back(std::move(p));
       }
     }
@@ -14655,6 +17459,8 @@ class tensor_planner {
       if (c.at.source >= nd)
         throw_error(errors::bad_source_id, what(), "refers to destination " + std::to_string(c.at.source) + " of " +
                                                        std::to_string(nd));
+      if (c.at.order != byte_order::little)
+        throw_error(errors::destination_byte_order, what(), "is big-endian; statedict writes little-endian elements only");
       std::vector<MappedBox> boxes;
       std::uint64_t ext = 0, end = 0;
       try {
@@ -14754,6 +17560,7 @@ class tensor_planner {
         base.dst = dc.at.source;
         base.src_dtype = sp.stored;
         base.dst_dtype = dc.at.stored;
+        base.swap = sp.swap;
         base.nvia = static_cast<std::uint8_t>(chain.size() > 2 ? chain.size() - 2 : 0);
         if (base.nvia > 2) throw_error(errors::unsupported_cast, ctx(), "conversion chain too long");
         for (std::size_t k = 0; k < base.nvia; ++k) base.via[k] = chain[k + 1];
@@ -14793,6 +17600,8 @@ class tensor_planner {
         c.b = rp.source;
         c.a_dtype = kp.stored;
         c.b_dtype = rp.stored;
+        c.a_swap = kp.swap;
+        c.b_swap = rp.swap;
         c.logical = s->dtype;
         c.a_offset = kp.byte_offset + r.a * itemsize(kp.stored);
         c.b_offset = rp.byte_offset + r.b * itemsize(rp.stored);
@@ -14842,27 +17651,6 @@ inline Plan make_plan(const ShardedCheckpoint& src, const Destination& dst, cons
 // ---------------------------------------------------------------------------------------------
 // Parts: one plan, K processes
 
-/// Part `index` of `count` (0 <= index < count).
-struct PartSpec {
-  std::uint32_t index = 0;
-  std::uint32_t count = 1;
-};
-
-/// Parses "k/K" (0-based k, e.g. "0/4" .. "3/4"); throws errors::bad_part.
-inline PartSpec parse_part(std::string_view text) {
-  const auto slash = text.find('/');
-  auto num = [&](std::string_view s) -> std::uint32_t {
-    if (s.empty() || s.size() > 9 || s.find_first_not_of("0123456789") != std::string_view::npos)
-      throw_error(errors::bad_part, "part " + quote(text), "expected k/K with 0 <= k < K, e.g. 0/4");
-    return static_cast<std::uint32_t>(std::stoul(std::string(s)));
-  };
-  if (slash == std::string_view::npos) num("");
-  PartSpec p{num(text.substr(0, slash)), num(text.substr(slash + 1))};
-  if (p.count == 0 || p.index >= p.count)
-    throw_error(errors::bad_part, "part " + quote(text), "expected k/K with 0 <= k < K, e.g. 0/4");
-  return p;
-}
-
 /// The part (0..count-1) that writes each destination: destinations are taken largest first (by
 /// bytes written, then by index) and each goes to the part with the fewest bytes so far (then the
 /// lowest part). Deterministic: it depends only on the plan.
@@ -14909,6 +17697,65 @@ inline Plan select_part(const Plan& plan, PartSpec p) {
 
 /// True when destination `d` is written by part `p`.
 inline bool in_part(const Plan& plan, std::uint32_t d, PartSpec p) { return assign_parts(plan, p.count).at(d) == p.index; }
+
+}  // namespace statedict::inline v0
+// ---- statedict/shard/views.hpp ----
+// statedict: tensors in memory (views, with any strides) as a ShardedCheckpoint, so that writing a
+// tree of tensors goes through the same planner and executor as writing any described checkpoint.
+// SPDX-License-Identifier: MIT
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+
+
+namespace statedict::inline v0 {
+
+/// Appends `view` to `ck` as tensor `name`: one chunk, in a MemorySource over exactly the bytes the
+/// view spans (kept alive by the view's owner), with the view's strides.
+inline TensorInfo& add_view(ShardedCheckpoint& ck, std::string name, const TensorView& view) {
+  const auto src = static_cast<std::uint32_t>(ck.sources.size());
+  ck.sources.push_back(std::make_shared<MemorySource>(name, view.data(), view.extent_bytes(), view.owner()));
+  TensorInfo& t = ck.tensors.emplace_back();
+  t.name = std::move(name);
+  t.dtype = view.dtype();
+  t.shape = view.shape();
+  Chunk& c = t.chunks.emplace_back();
+  c.region = Box{shape_t(view.rank(), 0), view.shape()};
+  c.at.source = src;
+  c.at.byte_offset = 0;
+  if (!view.is_contiguous()) c.at.strides = view.strides();
+  c.at.stored = view.dtype();
+  return t;
+}
+
+/// Appends tensor `name` stored contiguously, row-major, at `offset` of `source`.
+inline TensorInfo& add_stored(ShardedCheckpoint& ck, std::string name, dtype stored, shape_t shape, std::shared_ptr<const ByteSource> source,
+                              std::uint64_t offset) {
+  const auto src = static_cast<std::uint32_t>(ck.sources.size());
+  ck.sources.push_back(std::move(source));
+  TensorInfo& t = ck.tensors.emplace_back();
+  t.name = std::move(name);
+  t.dtype = stored;
+  t.shape = std::move(shape);
+  Chunk& c = t.chunks.emplace_back();
+  c.region = Box{shape_t(t.shape.size(), 0), t.shape};
+  c.at.source = src;
+  c.at.byte_offset = offset;
+  c.at.stored = stored;
+  return t;
+}
+
+/// A flat checkpoint of named views (null skeleton, format "memory").
+inline ShardedCheckpoint describe_views(const NamedTensors& tensors) {
+  ShardedCheckpoint ck;
+  ck.format = "memory";
+  ck.sources.reserve(tensors.size());
+  ck.tensors.reserve(tensors.size());
+  for (const auto& [n, v] : tensors) add_view(ck, n, v);
+  return ck;
+}
 
 }  // namespace statedict::inline v0
 // ---- statedict/exec/sink.hpp ----
@@ -15244,6 +18091,7 @@ class Sha256Sink final : public Sink {
 #include <exception>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <mutex>
 #include <span>
 #include <string>
@@ -15262,62 +18110,6 @@ inline constexpr error_id budget_too_small {655, error_kind::usage,  "exec.budge
 inline constexpr error_id copy_failed      {656, error_kind::io,     "exec.copy_failed"};
 // clang-format on
 }  // namespace errors
-
-/// 256 MiB.
-inline constexpr std::uint64_t default_memory_budget = std::uint64_t{256} << 20;
-
-/// How to run a plan.
-struct exec_options {
-  /// Bytes of buffers the executor may allocate in all (threads included).
-  std::uint64_t memory_budget = default_memory_budget;
-  /// Worker threads (the calling thread is one of them); 0 means one per CPU.
-  unsigned threads = 1;
-  /// Called with (bytes written, total bytes) from worker threads, one call at a time, at most
-  /// about a thousand times per run, and once at the end.
-  std::function<void(std::uint64_t done, std::uint64_t total)> progress;
-  /// Allow writes straight from source mappings (and copy_file_range, when that is on too).
-  bool zero_copy = true;
-  /// Let the kernel copy plain runs between files (copy_file_range). Off by default: on ext4 with
-  /// Linux 6.x it writes the destination a 4 KiB page at a time (splice), and writeback of those small
-  /// folios cost more than the copy it saves. `.pt` -> `.safetensors`, 3 GiB, 10,005 tensors,
-  /// system-wide cycles including writeback: 9.0-11.3 G with it, 6.7-6.9 G with pread + pwrite in
-  /// blocks, 6.3-6.8 G for `cp` + `sync` of the same bytes (perf: memcpy_orig, filemap_get_folios_tag,
-  /// folio start/end writeback, ext4_finish_bio).
-  bool copy_file_range = false;
-  /// Smallest run handed to copy_file_range.
-  std::uint64_t copy_file_range_min = std::uint64_t{1} << 20;
-  /// Smallest run written straight from a source mapping (smaller ones are gathered).
-  std::uint64_t direct_write_min = std::uint64_t{64} << 10;
-  /// Release the pages of mapped sources once an item has used them.
-  bool release_source_pages = true;
-  /// Read sources that have a file descriptor with pread, even when they are mapped, rather than
-  /// copying or writing from the mapping. Faulting a mapping in page by page inside pwrite cost more
-  /// than the extra copy (ZeRO-3 -> DCP, 3 GiB, 2 threads, warm cache: 1.3-2.3 s of system time and
-  /// 5-8 s wall from the mapping, 0.9-1.0 s and 3.7-3.9 s with pread; perf: copy_folio_from_iter_atomic,
-  /// fault_in_readable and page faults under the paravirtualized MMU of the benchmark machine).
-  bool pread_files = true;
-  /// Largest buffer per thread and direction. 1 MiB: a block read with pread is still in the
-  /// core's cache when pwrite copies it out. Warm cache, 2 threads, whole command, medians of 6-8
-  /// runs interleaved with `cp` + `sync` of the output bytes:
-  ///   ZeRO-3 8 ranks -> one .safetensors (1 GiB): 1.01x cp with 1 MiB blocks, 1.18x with 4 MiB,
-  ///   1.19x with 64 MiB, 1.14x with 64 MiB and copy_file_range (the former defaults);
-  ///   .pt -> .safetensors (3 GiB, 10,005 tensors): 1.01x with 512 KiB, 0.92x with 1 MiB, 1.01x
-  ///   with 4 MiB, 1.13x with 64 MiB and copy_file_range.
-  std::uint64_t max_block = std::uint64_t{1} << 20;
-};
-
-/// What a run did.
-struct exec_stats {
-  std::uint64_t bytes_written = 0;       ///< destination bytes produced
-  std::uint64_t bytes_in_kernel = 0;     ///< of which copied by copy_file_range
-  std::uint64_t bytes_from_mapping = 0;  ///< of which written straight from a source mapping
-  std::uint64_t bytes_converted = 0;     ///< of which produced by a dtype conversion
-  std::uint64_t elements_compared = 0;   ///< replica elements checked
-  std::uint64_t buffer_bytes = 0;        ///< peak bytes of the executor's own buffers
-  std::uint64_t block_bytes = 0;         ///< buffer size per thread and direction
-  std::uint64_t work_items = 0;
-  unsigned threads = 0;
-};
 
 namespace detail {
 
@@ -15624,12 +18416,19 @@ class exec_worker {
     while (n) {
       const std::uint64_t k = std::min(n, per);
       const std::byte* sp;
-      if (map) {
+      if (map && !o.swap) {
         src.check_range(so, k * ssz);
         sp = map + so;
       } else {
+        // Read into the buffer (big-endian elements are swapped there, never in the source).
         std::byte* b = rbuf_.get();
-        read(src, so, std::span<std::byte>(b, static_cast<std::size_t>(k * ssz)));
+        if (map) {
+          src.check_range(so, k * ssz);
+          std::memcpy(b, map + so, static_cast<std::size_t>(k * ssz));
+        } else {
+          read(src, so, std::span<std::byte>(b, static_cast<std::size_t>(k * ssz)));
+        }
+        if (o.swap) byteswap_run(o.src_dtype, b, static_cast<std::size_t>(k));
         sp = b;
       }
       std::byte* dp = reserve(dst, doff, k * dsz);
@@ -15761,13 +18560,22 @@ class exec_worker {
 
   // ---- replica checks --------------------------------------------------------------------------
 
-  const std::byte* bytes_of(const ByteSource& src, std::uint64_t off, std::uint64_t len, exec_buffer& buf) {
-    if (const std::byte* m = src.data()) {
+  /// `len` bytes at `off` of `src`: in place when mapped, else read into `buf`; elements of dtype
+  /// `swap` are byte-swapped in `buf` (big-endian sources).
+  const std::byte* bytes_of(const ByteSource& src, std::uint64_t off, std::uint64_t len, exec_buffer& buf, std::optional<dtype> swap) {
+    const std::byte* m = src.data();
+    if (m && !swap) {
       src.check_range(off, len);
       return m + off;
     }
     std::byte* b = buf.get();
-    src.read(off, std::span<std::byte>(b, static_cast<std::size_t>(len)));
+    if (m) {
+      src.check_range(off, len);
+      std::memcpy(b, m + off, static_cast<std::size_t>(len));
+    } else {
+      src.read(off, std::span<std::byte>(b, static_cast<std::size_t>(len)));
+    }
+    if (swap) byteswap_run(*swap, b, static_cast<std::size_t>(len / itemsize(*swap)));
     return b;
   }
 
@@ -15787,8 +18595,8 @@ class exec_worker {
         const std::uint64_t ao = c.a_offset + r * c.a_step + e * asz, bo = c.b_offset + r * c.b_step + e * bsz;
         touch(c.a, ao, k * asz);
         touch(c.b, bo, k * bsz);
-        const std::byte* pa = bytes_of(a, ao, k * asz, rbuf_);
-        const std::byte* pb = bytes_of(b, bo, k * bsz, wbuf_);
+        const std::byte* pa = bytes_of(a, ao, k * asz, rbuf_, c.a_swap ? c.a_dtype : std::optional<dtype>());
+        const std::byte* pb = bytes_of(b, bo, k * bsz, wbuf_, c.b_swap ? c.b_dtype : std::optional<dtype>());
         const std::byte* qa = pa;
         const std::byte* qb = pb;
         std::uint64_t isz = asz;
@@ -15972,6 +18780,7 @@ inline exec_stats execute(const Plan& plan, const ShardedCheckpoint& src, std::s
 // sharding (every chunk is read once, in place, with the executor's bounded memory). The same
 // digest core/sha256.hpp `sha256_hex(view)` gives for a consolidated tensor.
 
+
 #include <memory>
 #include <span>
 #include <string>
@@ -15983,7 +18792,7 @@ namespace statedict::inline v0 {
 
 /// (name, 64 hex digits) for each tensor of `ckpt` named in `names` (every tensor, in checkpoint
 /// order, when `names` is empty).
-inline std::vector<std::pair<std::string, std::string>> sha256_tensors(const ShardedCheckpoint& ckpt,
+STATEDICT_API std::vector<std::pair<std::string, std::string>> sha256_tensors(const ShardedCheckpoint& ckpt,
                                                                        const exec_options& opt = {},
                                                                        std::span<const std::string> names = {},
                                                                        const plan_options& popt = {}) {
@@ -16030,6 +18839,7 @@ inline std::vector<std::pair<std::string, std::string>> sha256_tensors(const Sha
 // the time is that of the bytes asked for plus the description that open() already built. The
 // helpers read whole tensors, rows (dim-0 slices) or an owning Tensor.
 
+
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -16050,7 +18860,7 @@ inline constexpr error_id read_buffer {658, error_kind::usage, "exec.read_buffer
 
 /// Elements [begin, end) of tensor `t` of `ck` (row-major flat index), converted to `as` (any cast
 /// core/cast.hpp has), into `out`, which must hold exactly (end - begin) * itemsize(as) bytes.
-inline void read_elements(const ShardedCheckpoint& ck, const TensorInfo& t, std::uint64_t begin, std::uint64_t end, dtype as,
+STATEDICT_API void read_elements(const ShardedCheckpoint& ck, const TensorInfo& t, std::uint64_t begin, std::uint64_t end, dtype as,
                           std::span<std::byte> out, const exec_options& opt = {}) {
   const std::uint64_t n = numel(t.shape);
   if (begin > end || end > n)
@@ -16078,7 +18888,7 @@ inline void read_elements(const ShardedCheckpoint& ck, const TensorInfo& t, std:
 }
 
 /// The tensor named `name` (throws errors::missing_tensor when there is none).
-inline const TensorInfo& tensor_named(const ShardedCheckpoint& ck, std::string_view name) {
+STATEDICT_API const TensorInfo& tensor_named(const ShardedCheckpoint& ck, std::string_view name) {
   const TensorInfo* t = ck.find(name);
   if (!t) throw_error(errors::missing_tensor, "tensor " + quote(name), "is not in the checkpoint (" + ck.format + ")");
   return *t;
@@ -16086,7 +18896,7 @@ inline const TensorInfo& tensor_named(const ShardedCheckpoint& ck, std::string_v
 
 /// Rows [row_begin, row_end) of tensor `name` (a slice along dim 0; a 0-d tensor has one row) into
 /// `out`, converted to `as` (default: the tensor's dtype).
-inline void read_rows(const ShardedCheckpoint& ck, std::string_view name, std::uint64_t row_begin, std::uint64_t row_end,
+STATEDICT_API void read_rows(const ShardedCheckpoint& ck, std::string_view name, std::uint64_t row_begin, std::uint64_t row_end,
                       std::span<std::byte> out, std::optional<dtype> as = std::nullopt, const exec_options& opt = {}) {
   const TensorInfo& t = tensor_named(ck, name);
   const std::uint64_t rows = t.shape.empty() ? 1 : static_cast<std::uint64_t>(t.shape[0]);
@@ -16098,7 +18908,7 @@ inline void read_rows(const ShardedCheckpoint& ck, std::string_view name, std::u
 }
 
 /// All of tensor `name`, as an owning contiguous Tensor (converted to `as` when given).
-inline Tensor read_tensor(const ShardedCheckpoint& ck, std::string_view name, std::optional<dtype> as = std::nullopt,
+STATEDICT_API Tensor read_tensor(const ShardedCheckpoint& ck, std::string_view name, std::optional<dtype> as = std::nullopt,
                           const exec_options& opt = {}) {
   const TensorInfo& t = tensor_named(ck, name);
   Tensor x(as.value_or(t.dtype), t.shape);
@@ -16117,6 +18927,7 @@ inline Tensor read_tensor(const ShardedCheckpoint& ck, std::string_view name, st
 // floating tensors are compared block by block in F64. Tensors only on one side, shapes, dtypes and
 // non-tensor values (the skeletons' leaves) are compared too.
 
+
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -16127,29 +18938,6 @@ inline Tensor read_tensor(const ShardedCheckpoint& ck, std::string_view name, st
 
 
 namespace statedict::inline v0 {
-
-/// How compare() judges elements and how much it reports.
-struct compare_options {
-  /// With rtol or atol > 0, floating elements a and b are equal when |a - b| <= atol + rtol * |b|
-  /// (compared in F64; NaN equals NaN), and floating dtypes may differ between the two sides.
-  double rtol = 0;
-  double atol = 0;
-  exec_options exec{};
-  /// Differences listed in full; the rest are counted in `omitted`.
-  std::size_t max_report = 20;
-  /// Elements per comparison block.
-  std::uint64_t block_elements = std::uint64_t{1} << 19;
-};
-
-/// What compare() found.
-struct comparison {
-  /// One line per difference ("tensor 'w': element [3, 1] differs (A 1, B 2)").
-  std::vector<std::string> differences;
-  std::size_t omitted = 0;
-  std::size_t tensors = 0;  ///< tensors present on both sides
-  std::size_t values = 0;   ///< non-tensor values present on both sides
-  [[nodiscard]] bool equal() const { return differences.empty() && omitted == 0; }
-};
 
 namespace detail {
 
@@ -16188,7 +18976,7 @@ inline std::string fmt(double d) {
 /// Compares A and B: the same tensor names, shapes and dtypes (with a tolerance, floating dtypes
 /// may differ: values are compared in F64), elements equal (exactly; or |a - b| <= atol + rtol *
 /// |b|, NaN matching NaN), and the same non-tensor values.
-inline comparison compare(const ShardedCheckpoint& A, const ShardedCheckpoint& B, const compare_options& opt = {}) {
+STATEDICT_API comparison compare(const ShardedCheckpoint& A, const ShardedCheckpoint& B, const compare_options& opt = {}) {
   comparison r;
   auto report = [&](std::string s) {
     if (r.differences.size() < opt.max_report) r.differences.push_back(std::move(s));
@@ -16296,885 +19084,297 @@ inline comparison compare(const ShardedCheckpoint& A, const ShardedCheckpoint& B
 }
 
 }  // namespace statedict::inline v0
-// ---- statedict/core/subset.hpp ----
-// statedict: subsets of a skeleton (`convert --only PREFIX`): the part a path filter selects, with
-// aliases and views of dropped tensors turned into tensors of their own.
+// ---- statedict/formats/transform.hpp ----
+// statedict: transformations of a checkpoint description. No tensor byte is read or written: each
+// returns the description of the transformed checkpoint, which any writer then streams.
 // SPDX-License-Identifier: MIT
+//
+//   rename(ck, f)           every leaf (tensor or value) whose dotted name f changes moves to its new
+//                           name; optimizer states keyed by parameter names are re-keyed by f too.
+//                           Name functions: strip_prefix, add_prefix, rename_prefix, rename_map;
+//                           formats/transform_regex.hpp adds rename_regex.
+//   filter(ck, keep)        the leaves whose names `keep` accepts (drop: the others); select(ck,
+//                           prefixes) is the filter of `--only`
+//   cast(ck, dtype)         every floating tensor's dtype (cast_options: also integer-origin buffers)
+//   split(ck, name, ...)    a tensor cut along a dimension into named parts
+//   concat(ck, names, ...)  tensors joined along a dimension into one
+//   check_consistent(ck)    the skeleton and the tensors agree (every writer checks it first)
+//
+// Ties and views stay consistent through every transform: each works on the checkpoint's tree
+// with a stand-in for each tensor (formats/detail/tree_form.hpp), so a tied name renamed or dropped
+// keeps or becomes the tensor, and the skeleton is flatten's own. What cannot be kept consistent
+// is refused with an error naming the leaf: two names onto one, a leaf of a list renamed, a split
+// of a tied tensor.
 
+
+#include <algorithm>
 #include <functional>
+#include <map>
+#include <span>
+#include <string_view>
+#include <cstdint>
 #include <optional>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
-
-namespace statedict::inline v0 {
-
-namespace detail {
-inline json view_node(std::string_view base, const ViewSpec& s) {
-  if (s.shape.size() != s.strides.size()) throw_error(errors::flat_view_bounds, "a view's shape and strides have different lengths");
-  return view_node(base, s.dtype, s.offset, s.shape.data(), s.strides.data(), s.shape.size());
-}
-}  // namespace detail
-
-/// A tensor of a subset skeleton: its name there, the map name of the tensor its elements come
-/// from, and, when it was a view of a tensor the subset dropped, which elements (`view`).
-struct SubsetTensor {
-  std::string name;
-  std::string source;
-  std::optional<ViewSpec> view;
-  friend bool operator==(const SubsetTensor&, const SubsetTensor&) = default;
-};
-
-struct SkeletonSubset {
-  nlohmann::json skeleton;
-  std::vector<SubsetTensor> tensors;  ///< in the order of the new skeleton's tensor nodes
-};
-
-/// A predicate over node paths.
-using PathFilter = std::function<bool(const Path&)>;
-
-/// Keeps a node when its dotted name equals a prefix or continues it at a '.' boundary
-/// ("model.layers.1" keeps "model.layers.1.w" but not "model.layers.10.w"; a prefix ending in '.'
-/// keeps everything below it). An empty prefix keeps everything.
-inline PathFilter name_prefix_filter(std::vector<std::string> prefixes) {
-  return [prefixes = std::move(prefixes)](const Path& p) {
-    const std::string d = dotted(p);
-    for (const auto& pre : prefixes) {
-      if (pre.empty() || d == pre) return true;
-      if (d.size() > pre.size() && d.compare(0, pre.size(), pre) == 0 && (pre.back() == '.' || d[pre.size()] == '.'))
-        return true;
-    }
-    return false;
-  };
-}
-
-/// The part of a skeleton that `keep` selects (docs/flatten.md, "Subsets"): a leaf (or empty
-/// container) is kept when keep(path) is true; a container is kept when something below it is;
-/// an opaque object is kept whole or not at all. Dropped list and tuple elements before a kept
-/// one become None, so kept elements keep their index. An alias or view_of whose target tensor
-/// was dropped becomes a tensor node of its own (its listing name), with `source`/`view` saying
-/// where its elements come from. The result's tensor nodes are listed in `tensors`.
-inline SkeletonSubset skeleton_subset(const nlohmann::json& skeleton, const PathFilter& keep) {
-  using json = nlohmann::json;
-  using ev = detail::skeleton_cursor::ev;
-  using detail::snode;
-  // Pass 1: decide, for every node in pre-order, whether it is kept.
-  struct node {
-    std::size_t parent;
-    std::size_t end;  // one past the last node of its subtree
-    snode kind;
-    bool kept;
-  };
-  std::vector<node> nodes;
-  std::vector<std::size_t> open;  // indices of enclosing containers
-  constexpr std::size_t none = static_cast<std::size_t>(-1);
-  detail::walk_skeleton(skeleton, [&](const detail::skeleton_cursor::event& e, const Path& p, detail::skeleton_cursor&) {
-    if (e.type == ev::leave) {
-      node& c = nodes[open.back()];
-      c.end = nodes.size();
-      if (c.end == open.back() + 1) c.kept = keep(p);  // an empty container
-      open.pop_back();
-      return;
-    }
-    nodes.push_back({open.empty() ? none : open.back(), nodes.size() + 1, e.node.kind, false});
-    if (e.type == ev::enter) open.push_back(nodes.size() - 1);
-    else nodes.back().kept = keep(p);
-  });
-  for (std::size_t i = nodes.size(); i-- > 0;)
-    if (nodes[i].kept && nodes[i].parent != none) nodes[nodes[i].parent].kept = true;
-  if (!nodes.empty()) nodes[0].kept = true;  // the root always stays
-  for (std::size_t i = 0; i < nodes.size(); ++i)
-    if (nodes[i].kind == snode::object && nodes[i].kept)
-      for (std::size_t j = i + 1; j < nodes[i].end; ++j) nodes[j].kept = true;
-
-  // Tensor-like nodes: names, and which map names survive as tensor nodes.
-  std::vector<detail::tensorish> tl = detail::list_tensorish(skeleton);
-  std::unordered_map<std::string, const json*> declared;  // map name -> its tensor node
-  for (const auto& t : tl)
-    if (t.kind == snode::tensor) declared.emplace(t.target, t.node);
-
-  // Pass 2: rebuild.
-  SkeletonSubset out;
-  std::unordered_set<std::string> kept_tensors;
-  std::unordered_map<std::string, std::string> promoted;  // dropped map name -> new name
-  json root;
-  std::vector<json*> stack;
-  std::size_t idx = 0, tidx = 0;
-  detail::walk_skeleton(skeleton, [&](const detail::skeleton_cursor::event& e, const Path& path, detail::skeleton_cursor& cur) {
-    if (e.type == ev::leave) {
-      stack.pop_back();
-      return;
-    }
-    const std::size_t me = idx++;
-    const bool tensorish = e.node.kind == snode::tensor || e.node.kind == snode::alias || e.node.kind == snode::view;
-    const detail::tensorish* t = tensorish ? &tl[tidx++] : nullptr;
-    if (!nodes[me].kept) {
-      if (e.type == ev::enter) {
-        // Skip the subtree, staying aligned with `nodes` and `tl`; the matching leave pops a null.
-        for (std::size_t j = me + 1; j < nodes[me].end; ++j)
-          if (nodes[j].kind == snode::tensor || nodes[j].kind == snode::alias || nodes[j].kind == snode::view) ++tidx;
-        idx = nodes[me].end;
-        stack.push_back(nullptr);
-        cur.skip();
-      }
-      return;
-    }
-    json* slot = &root;
-    if (!stack.empty()) {
-      json& parent = *stack.back();
-      switch (e.slot) {
-        case detail::slot_kind::index: {
-          json& arr = parent.begin().value();
-          while (arr.size() < e.index) arr.push_back(nullptr);
-          slot = &arr.emplace_back();
-          break;
-        }
-        case detail::slot_kind::dict: {
-          json& arr = parent["dict"];
-          json pair = json::array_t(2);
-          pair[0] = detail::encode_key(path.back());  // walk_skeleton moved e.key there
-          arr.push_back(std::move(pair));
-          slot = &arr.back()[1];
-          break;
-        }
-        case detail::slot_kind::args: slot = &parent["object"]["args"].emplace_back(); break;
-        case detail::slot_kind::state: slot = &parent["object"]["state"].emplace_back(); break;
-        case detail::slot_kind::items: slot = &parent["object"]["items"].emplace_back(); break;
-        case detail::slot_kind::root: break;
-      }
-    }
-    if (e.type == ev::enter) {
-      json c(json::value_t::object);
-      switch (e.node.kind) {
-        case snode::list: c["list"] = json::array(); break;
-        case snode::tuple: c["tuple"] = json::array(); break;
-        case snode::dict: c["dict"] = json::array(); break;
-        default: {
-          const Object o = detail::decode_object_header(*e.node.body);
-          json body(json::value_t::object);
-          body["module"] = detail::encode_string(o.module);
-          body["name"] = detail::encode_string(o.name);
-          body["how"] = std::string(detail::how_name(o.how));
-          body["args"] = json::array();
-          body["state"] = json::array();
-          body["items"] = json::array();
-          c["object"] = std::move(body);
-          break;
-        }
-      }
-      *slot = std::move(c);
-      stack.push_back(slot);
-      return;
-    }
-    if (!t) {
-      *slot = *e.node.node;  // a scalar leaf: a small, flat JSON value
-      return;
-    }
-    auto add = [&](const std::string& name, const std::string& source, std::optional<ViewSpec> view) {
-      out.tensors.push_back({name, source, std::move(view)});
-      kept_tensors.insert(name);
-    };
-    if (t->kind == snode::tensor) {
-      *slot = *e.node.node;
-      add(t->target, t->target, std::nullopt);
-      return;
-    }
-    auto it = declared.find(t->target);
-    if (it == declared.end())
-      throw_error(errors::flat_bad_alias, "target " + quote(t->target) + " is not declared by a tensor node");
-    std::string live;  // the name under which the target's elements are in the subset
-    if (kept_tensors.count(t->target)) live = t->target;
-    else if (auto pr = promoted.find(t->target); pr != promoted.end()) live = pr->second;
-    if (t->kind == snode::alias) {
-      if (!live.empty()) {
-        *slot = detail::alias_node(live);
-        return;
-      }
-      json n(json::value_t::object);
-      n["tensor"] = t->name;
-      n["dtype"] = it->second->at("dtype");
-      n["shape"] = it->second->at("shape");
-      *slot = std::move(n);
-      add(t->name, t->target, std::nullopt);
-      promoted.emplace(t->target, t->name);
-      return;
-    }
-    ViewSpec spec = detail::decode_view(e.node);
-    if (!live.empty()) {
-      *slot = detail::view_node(live, spec);
-      return;
-    }
-    json n(json::value_t::object);
-    n["tensor"] = t->name;
-    n["dtype"] = std::string(statedict::name(spec.dtype));
-    n["shape"] = detail::shape_json(spec.shape);
-    *slot = std::move(n);
-    add(t->name, t->target, std::move(spec));
-  });
-  out.skeleton = json::object();
-  out.skeleton["statedict_skeleton"] = 1;
-  out.skeleton["root"] = std::move(root);
-  return out;
-}
-
-/// The part of a flat state dict that `keep` selects (see skeleton_subset): its tensors are views
-/// of the input's, never copies.
-inline FlatStateDict select(const FlatStateDict& flat, const PathFilter& keep) {
-  SkeletonSubset s = skeleton_subset(flat.skeleton, keep);
-  std::unordered_map<std::string_view, const TensorView*> index;
-  index.reserve(flat.tensors.size());
-  for (const auto& [n, v] : flat.tensors) index.emplace(n, &v);
-  FlatStateDict out;
-  out.tensors.reserve(s.tensors.size());
-  for (auto& t : s.tensors) {
-    auto it = index.find(t.source);
-    if (it == index.end()) throw_error(errors::flat_missing_tensor, "tensor " + quote(t.source) + " is not in the tensor map");
-    out.tensors.emplace_back(std::move(t.name), t.view ? view_into(*it->second, *t.view) : *it->second);
-  }
-  out.skeleton = std::move(s.skeleton);
-  return out;
-}
-
-}  // namespace statedict::inline v0
-// ---- statedict/core/optim.hpp ----
-// statedict: optimizer state dicts: re-key `state` between int parameter ids and parameter names.
+// ---- statedict/formats/detail/rename_tree.hpp ----
+// statedict: renaming the leaves of a state-dict tree (formats/transform.hpp rename()).
 // SPDX-License-Identifier: MIT
 //
-// `torch.optim.Optimizer.state_dict()` is
-//
-//   {"state": {0: {"step": tensor(3.), "exp_avg": ..., "exp_avg_sq": ...}, 1: {...}, ...},
-//    "param_groups": [{"lr": 0.001, "betas": (0.9, 0.999), ..., "params": [0, 1]},
-//                     {"lr": 0.001, ..., "params": [2, 3]}]}
-//
-// where the ids number the parameters in optimizer order (group 0's params, then group 1's, ...)
-// from 0, and newer PyTorch adds "param_names" to each group when the optimizer was built from
-// named parameters. `optim::by_name` turns this into the form torch.distributed.checkpoint uses:
-// `state` keyed by parameter name and each group's "params" listing names; `optim::by_id` turns
-// it back, numbering the parameters in optimizer order as PyTorch does. Every other key
-// (hyper-parameters, "param_names", extra top-level keys) is kept as it is, in its place.
-// by_name(by_id(x)) == x always; by_id(by_name(x)) == x when x's ids are PyTorch's (0, 1, ... in
-// optimizer order), which every Optimizer.state_dict() satisfies.
+// A leaf (a tensor, a non-tensor value, an empty container) is named by its dotted path. When the
+// renaming function gives it another name, a dict entry moves: the highest entry above the leaf
+// whose leaves the renaming treats alike (each leaf's new name is the entry's new name followed by
+// the rest of its own: add_prefix moves whole top-level entries), else the leaf itself. A list,
+// tuple or object moves only whole. The entry stays in the deepest dict on its path whose dotted
+// name, followed by '.', still begins the new name (the root dict when none does), under the rest
+// of the new name as one string key, at the place of the entry it came from. Dicts it leaves
+// empty are dropped. Optimizer states ({"state": {...}, "param_groups": [...]}) keyed by
+// parameter names are re-keyed by the same function applied to the parameter names, in `state`
+// and in every group's "params"; the leaves below such a `state` move only with their parameter.
 
 #include <algorithm>
-#include <charconv>
 #include <cstddef>
-#include <cstdint>
-#include <span>
+#include <functional>
+#include <map>
+#include <optional>
+#include <set>
 #include <string>
 #include <string_view>
-#include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
 
 namespace statedict::inline v0 {
 
-/// Error ids of the optimizer helpers (220-239).
 namespace errors {
 // clang-format off
-inline constexpr error_id optim_malformed        {220, error_kind::format, "optim.malformed"};         ///< not {"state": dict, "param_groups": [{"params": [...]}, ...]}
-inline constexpr error_id optim_name_count       {221, error_kind::usage,  "optim.name_count"};        ///< as many names as parameters are needed
-inline constexpr error_id optim_unknown_param    {222, error_kind::key,    "optim.unknown_param"};     ///< a state entry for a parameter no group lists
-inline constexpr error_id optim_duplicate_param  {223, error_kind::key,    "optim.duplicate_param"};   ///< a parameter (id or name) listed twice
-inline constexpr error_id optim_param_names      {224, error_kind::key,    "optim.param_names"};       ///< "param_names" disagree with the names given, or are partial
-inline constexpr error_id optim_state_disagrees  {225, error_kind::format, "optim.state_disagrees"};   ///< per-parameter constant state (e.g. step) differs within a group
-inline constexpr error_id optim_no_names         {226, error_kind::usage,  "optim.no_names"};          ///< no names given and no "param_names" in the groups
+inline constexpr error_id rename_collision {850, error_kind::key,         "transform.rename_collision"};
+inline constexpr error_id rename_not_dict  {851, error_kind::unsupported, "transform.rename_not_in_dict"};
 // clang-format on
 }  // namespace errors
 
-namespace optim {
+namespace formats::detail {
 
-struct options {
-  /// State keys whose value must be the same for every parameter of a group that has one (e.g.
-  /// {"step"}: PyTorch steps all parameters of a group together, so different steps mean state
-  /// from different runs was mixed, or a parameter joined late). Not checked when empty.
-  std::vector<std::string> constant_keys;
+using name_fn = std::function<std::string(std::string_view)>;
+
+/// An optimizer state dict: {"state": dict, "param_groups": [dict with "params": list, ...], ...}.
+inline bool is_optimizer_state(const Value& v) {
+  if (!v.is_dict()) return false;
+  const Value* s = v.as_dict().find("state");
+  const Value* g = v.as_dict().find("param_groups");
+  if (!s || !s->is_dict() || !g || !g->is_list()) return false;
+  for (const Value& group : g->as_list()) {
+    const Value* p = group.is_dict() ? group.as_dict().find("params") : nullptr;
+    if (!p || !p->is_list()) return false;
+  }
+  return true;
+}
+
+/// Re-keys every optimizer state keyed by parameter names; returns the `state` dicts it saw.
+inline std::unordered_set<const Value*> rename_optimizer_params(Value& tree, const name_fn& f) {
+  std::vector<Value*> found;
+  visit(tree, [&](const Path&, Value& v) {
+    if (!is_optimizer_state(v)) return visit_control::descend;
+    found.push_back(&v);
+    return visit_control::skip;
+  });
+  std::unordered_set<const Value*> states;
+  for (Value* osd : found) {
+    Dict& d = osd->as_dict();
+    Value& state = d.at("state");
+    states.insert(&state);
+    Dict renamed;
+    renamed.reserve(state.as_dict().size());
+    for (auto& [k, v] : state.as_dict()) {
+      Key key = k.is_string() ? Key(f(k.as_string())) : k;
+      if (renamed.contains(key))
+        throw_error(errors::rename_collision, "optimizer state key " + quote(key.str()), "two parameters are renamed to it");
+      renamed.insert(std::move(key), std::move(v));
+    }
+    state = Value(std::move(renamed));
+    for (Value& group : d.at("param_groups").as_list())
+      for (Value& p : group.as_dict().at("params").as_list())
+        if (p.is_string()) p = Value(f(p.as_string()));
+  }
+  return states;
+}
+
+struct leaf_move {
+  Path from;          ///< the leaf's path
+  std::size_t depth;  ///< the target dict is the node at from[0, depth)
+  std::string key;    ///< its new key there
+  Value value;        ///< the leaf, once detached
 };
 
-namespace detail {
+/// The leaves of `node` (at `path`, named `name`) as (name, renamed) pairs are checked here: does the
+/// renaming change any, and does it treat all alike (each leaf's new name is f(name) followed by
+/// the rest of its own), so that the node can move whole?
+struct subtree_verdict {
+  bool changed = false;
+  bool alike = true;
+};
 
-[[noreturn]] inline void malformed(std::string detail) { throw_error(errors::optim_malformed, "optimizer state", std::move(detail)); }
-
-inline const Dict& top(const Value& osd) {
-  if (!osd.is_dict()) malformed("is a " + std::string(to_string(osd.kind())) + ", not a dict");
-  const Dict& d = osd.as_dict();
-  const Value* s = d.find("state");
-  const Value* g = d.find("param_groups");
-  if (!s || !s->is_dict()) malformed("has no \"state\" dict");
-  if (!g || !g->is_list()) malformed("has no \"param_groups\" list");
-  return d;
+inline subtree_verdict judge(const Value& node, const std::string& name, const std::string& renamed, const name_fn& f) {
+  subtree_verdict v;
+  visit(node, [&](const Path& sub, const Value& x) {
+    if (statedict::detail::child_count(x) > 0) return;  // not a leaf
+    const std::string rest = sub.empty() ? std::string() : "." + dotted(sub);
+    const std::string leaf = name + rest;
+    const std::string now = f(leaf);
+    v.changed = v.changed || now != leaf;
+    v.alike = v.alike && now == renamed + rest;
+  });
+  return v;
 }
 
-/// The "params" list of every group, checked.
-inline std::vector<const List*> group_params(const Value& osd) {
-  std::vector<const List*> out;
-  const List& groups = top(osd).at("param_groups").as_list();
-  for (std::size_t g = 0; g < groups.size(); ++g) {
-    const Value* p = groups[g].is_dict() ? groups[g].as_dict().find("params") : nullptr;
-    if (!p || !p->is_list())
-      malformed("param group " + std::to_string(g) + (groups[g].is_dict() ? " has no \"params\" list" : " is not a dict"));
-    out.push_back(&p->as_list());
-  }
-  return out;
-}
-
-/// A short description of a state value for messages: numbers and one-element tensors by value.
-inline std::string describe(const Value& v) {
-  switch (v.kind()) {
-    case value_kind::integer: return std::to_string(v.as_int());
-    case value_kind::floating: {
-      char buf[32];
-      auto r = std::to_chars(buf, buf + sizeof buf, v.as_double());
-      return std::string(buf, r.ptr);
-    }
-    case value_kind::boolean: return v.as_bool() ? "True" : "False";
-    case value_kind::tensor: {
-      const TensorView& t = v.as_tensor();
-      std::string s = "tensor " + std::string(name(t.dtype())) + " " + to_string(t.shape());
-      if (t.numel() == 1) {
-        char buf[32];
-        std::to_chars_result r{buf, {}};
-        switch (t.dtype()) {
-          case dtype::F32: r = std::to_chars(buf, buf + sizeof buf, t.load<float>(0)); break;
-          case dtype::F64: r = std::to_chars(buf, buf + sizeof buf, t.load<double>(0)); break;
-          case dtype::I64: r = std::to_chars(buf, buf + sizeof buf, t.load<std::int64_t>(0)); break;
-          case dtype::I32: r = std::to_chars(buf, buf + sizeof buf, t.load<std::int32_t>(0)); break;
-          default: break;
-        }
-        if (r.ptr != buf) s += " = " + std::string(buf, r.ptr);
+/// Plans the moves below the dict at `path` (see the top of this file): an entry whose leaves the
+/// renaming changes alike moves whole; otherwise the search goes on inside it.
+inline void plan_entries(const Value& tree, const Path& path, const name_fn& f, const std::unordered_set<const Value*>& skip,
+                         std::vector<leaf_move>& moves, std::size_t depth_left) {
+  if (depth_left == 0) throw_error(errors::overflow, "tree", "nested too deeply to rename");
+  const Value& node = *find_path(tree, path);
+  auto prefix = [](const Path& p, std::size_t n) { return Path(p.begin(), p.begin() + static_cast<std::ptrdiff_t>(n)); };
+  for (const auto& [k, child] : node.as_dict()) {
+    Path entry = path;
+    entry.push_back(k);
+    const std::string name = dotted(entry);
+    const std::string renamed = f(name);
+    const subtree_verdict v = judge(child, name, renamed, f);
+    if (!v.changed) continue;
+    if (v.alike && renamed != name) {
+      // The deepest dict on the way whose dotted name, and a '.', begins the new name.
+      std::size_t depth = 0;
+      for (std::size_t n = 1; n < entry.size(); ++n) {
+        const std::string at = dotted(prefix(entry, n));
+        const Value* d = find_path(tree, prefix(entry, n));
+        if (d && d->is_dict() && renamed.size() > at.size() + 1 && renamed.compare(0, at.size(), at) == 0 && renamed[at.size()] == '.')
+          depth = n;
       }
-      return s;
+      std::string key = depth == 0 ? renamed : renamed.substr(dotted(prefix(entry, depth)).size() + 1);
+      if (key.empty()) throw_error(errors::rename_collision, "leaf " + quote(name), "would get an empty name");
+      moves.push_back(leaf_move{entry, depth, std::move(key), Value()});
+      continue;
     }
-    default: return std::string(to_string(v.kind()));
+    if (skip.count(&child)) continue;  // an optimizer state: re-keyed already
+    if (child.is_dict()) {
+      plan_entries(tree, entry, f, skip, moves, depth_left - 1);
+      continue;
+    }
+    // A list, tuple or object whose leaves the renaming treats differently: only dicts inside it
+    // can have entries moved.
+    bool inner = false;
+    visit(child, [&](const Path& sub, const Value& x) {
+      if (sub.empty() || !x.is_dict()) return visit_control::descend;
+      Path p = entry;
+      p.insert(p.end(), sub.begin(), sub.end());
+      plan_entries(tree, p, f, skip, moves, depth_left - 1);
+      inner = true;
+      return visit_control::skip;
+    });
+    if (!inner)
+      throw_error(errors::rename_not_dict, "leaf " + quote(name),
+                  "is a list, tuple or object whose elements the renaming changes differently (to " + quote(renamed) +
+                      " and more): only a dict entry, or a container renamed as a whole, can move");
   }
 }
 
-inline std::string param_label(const Value& p, std::span<const std::string> names, std::size_t pos) {
-  if (pos < names.size()) return quote(names[pos]);
-  return p.is_string() ? quote(p.as_string()) : p.is_int() ? std::to_string(p.as_int()) : "?";
+/// The moves the renaming asks for, in pre-order.
+inline std::vector<leaf_move> plan_moves(const Value& tree, const name_fn& f, const std::unordered_set<const Value*>& skip) {
+  std::vector<leaf_move> moves;
+  if (!tree.is_dict()) return moves;
+  plan_entries(tree, Path{}, f, skip, moves, 2000);
+  return moves;
 }
 
-}  // namespace detail
-
-/// The "param_names" of every group, concatenated in optimizer order (newer PyTorch writes them);
-/// empty when no group has them. Throws optim_param_names when only some groups have them or a
-/// group's count differs from its "params".
-inline std::vector<std::string> param_names(const Value& osd) {
-  const auto params = detail::group_params(osd);
-  const List& groups = osd["param_groups"].as_list();
-  std::vector<std::string> out;
-  std::size_t with = 0;
-  for (std::size_t g = 0; g < groups.size(); ++g) {
-    const Value* n = groups[g].as_dict().find("param_names");
-    if (!n) continue;
-    ++with;
-    if (!n->is_sequence() || n->as_list().size() != params[g]->size())
-      throw_error(errors::optim_param_names, "optimizer state",
-                  "param group " + std::to_string(g) + " has " + std::to_string(params[g]->size()) +
-                      " params but a \"param_names\" that is not a list of as many names");
-    for (const Value& x : n->as_list()) {
-      if (!x.is_string())
-        throw_error(errors::optim_param_names, "optimizer state",
-                    "param group " + std::to_string(g) + ": a \"param_names\" entry is a " + std::string(to_string(x.kind())));
-      out.push_back(x.as_string());
-    }
+/// Applies `moves` to `tree`.
+inline void apply_moves(Value& tree, std::vector<leaf_move>& moves) {
+  if (moves.empty()) return;
+  auto prefix = [](const Path& p, std::size_t n) { return Path(p.begin(), p.begin() + static_cast<std::ptrdiff_t>(n)); };
+  // Each target dict, its keys in their order before any move, and its arrivals by the key of
+  // the entry they come from (in pre-order).
+  struct target {
+    std::vector<Key> order;
+    std::map<Key, std::vector<std::size_t>, std::less<>> arrivals;
+  };
+  std::map<Path, target> targets;
+  for (std::size_t i = 0; i < moves.size(); ++i) {
+    const Path t = prefix(moves[i].from, moves[i].depth);
+    auto [it, fresh] = targets.try_emplace(t);
+    if (fresh)
+      for (const auto& [k, v] : find_path(tree, t)->as_dict()) it->second.order.push_back(k);
+    it->second.arrivals[moves[i].from[moves[i].depth]].push_back(i);
   }
-  if (with != 0 && with != groups.size())
-    throw_error(errors::optim_param_names, "optimizer state",
-                std::to_string(with) + " of " + std::to_string(groups.size()) + " param groups have \"param_names\"");
-  return out;
-}
-
-/// Checks that, within each param group, every parameter whose state has key `k` (for each k in
-/// `keys`) has the same value there (compared exactly: tensors by dtype, shape and bytes). Works on
-/// either form. `names`, when given, label parameters in messages (optimizer order). Throws
-/// optim_state_disagrees naming the group, the key and the parameters that differ from the first.
-inline void check_constant_state(const Value& osd, std::span<const std::string> keys, std::span<const std::string> names = {}) {
-  const auto params = detail::group_params(osd);
-  const Dict& state = osd["state"].as_dict();
-  std::size_t pos = 0;
-  for (std::size_t g = 0; g < params.size(); ++g) {
-    const std::size_t first_pos = pos;
-    for (const std::string& k : keys) {
-      const Value* ref = nullptr;
-      std::string ref_label;
-      std::vector<std::string> differ;
-      std::size_t agree = 0;
-      for (std::size_t i = 0; i < params[g]->size(); ++i) {
-        const Value& p = (*params[g])[i];
-        if (!p.is_int() && !p.is_string()) detail::malformed("param group " + std::to_string(g) + " lists a " + std::string(to_string(p.kind())));
-        const Value* s = state.find(p.is_int() ? Key(p.as_int()) : Key(p.as_string()));
-        const Value* v = s && s->is_dict() ? s->as_dict().find(k) : nullptr;
-        if (!v) continue;
-        const std::string label = detail::param_label(p, names, first_pos + i);
-        if (!ref) {
-          ref = v;
-          ref_label = label;
-          ++agree;
-        } else if (*v == *ref) {
-          ++agree;
-        } else {
-          differ.push_back(label + " has " + detail::describe(*v));
-        }
-      }
-      if (differ.empty()) continue;
-      std::string msg = "param group " + std::to_string(g) + ": " + quote(k) + " is " + detail::describe(*ref) + " for " +
-                        ref_label + (agree > 1 ? " and " + std::to_string(agree - 1) + " more" : "") + ", but ";
-      for (std::size_t i = 0; i < differ.size() && i < 8; ++i) msg += (i ? ", " : "") + differ[i];
-      if (differ.size() > 8) msg += ", and " + std::to_string(differ.size() - 8) + " more";
-      throw_error(errors::optim_state_disagrees, "optimizer state", msg);
+  // Detach, last first (keys, not positions, address the entries, so the others stay valid).
+  std::vector<Path> emptied;  // dicts between a moved leaf and its target
+  for (std::size_t i = moves.size(); i-- > 0;) {
+    leaf_move& m = moves[i];
+    Value& parent = *find_path(tree, prefix(m.from, m.from.size() - 1));
+    m.value = std::move(parent.as_dict().at(m.from.back()));
+    parent.as_dict().erase(m.from.back());
+    for (std::size_t k = m.from.size() - 1; k > m.depth; --k) emptied.push_back(prefix(m.from, k));
+  }
+  // Attach: the arrivals of an entry take its place, before what is left of it.
+  for (auto& [path, t] : targets) {
+    Value& node = *find_path(tree, path);
+    Dict& d = node.as_dict();
+    Dict rebuilt;
+    rebuilt.reserve(d.size() + t.arrivals.size());
+    auto add = [&](Key k, Value v, const Path* from) {
+      if (rebuilt.contains(k))
+        throw_error(errors::rename_collision, from ? "leaf " + quote(dotted(*from)) : "entry " + quote(k.str()),
+                    "is renamed onto the name of another leaf (" + quote(k.str()) + " in " +
+                        (path.empty() ? std::string("the root") : quote(dotted(path))) + ")");
+      rebuilt.insert(std::move(k), std::move(v));
+    };
+    for (const Key& k : t.order) {
+      if (auto a = t.arrivals.find(k); a != t.arrivals.end())
+        for (std::size_t i : a->second) add(Key(moves[i].key), std::move(moves[i].value), &moves[i].from);
+      if (Value* v = d.find(k)) add(k, std::move(*v), nullptr);
     }
-    pos += params[g]->size();
+    node = Value(std::move(rebuilt));
+  }
+  // Drop the dicts the moves emptied, deepest first.
+  std::sort(emptied.begin(), emptied.end(), [](const Path& x, const Path& y) { return x.size() > y.size(); });
+  for (const Path& p : emptied) {
+    const Value* v = find_path(tree, p);
+    if (!v || !v->is_dict() || !v->as_dict().empty()) continue;
+    Value* parent = find_path(tree, prefix(p, p.size() - 1));
+    if (parent && parent->is_dict()) parent->as_dict().erase(p.back());
   }
 }
 
-/// Re-keys an optimizer state dict from int param ids to parameter names: `state` keyed by name,
-/// each group's "params" listing names, everything else unchanged and in place. `names` are the
-/// parameter names in optimizer order (the concatenation of the groups' "params"); when empty, the
-/// groups' "param_names" are used. State for a parameter no group lists is an error.
-inline Value by_name(const Value& osd, std::span<const std::string> names = {}, const options& opt = {}) {
-  const auto params = detail::group_params(osd);
-  std::vector<std::string> from_groups = param_names(osd);
-  std::size_t count = 0;
-  for (const List* l : params) count += l->size();
-  if (names.empty()) {
-    if (from_groups.empty() && count != 0)
-      throw_error(errors::optim_no_names, "optimizer state",
-                  "no parameter names given and the param groups have no \"param_names\"");
-    names = from_groups;
-  } else if (!from_groups.empty() && !std::equal(names.begin(), names.end(), from_groups.begin(), from_groups.end())) {
-    throw_error(errors::optim_param_names, "optimizer state", "the names given differ from the groups' \"param_names\"");
-  }
-  if (names.size() != count)
-    throw_error(errors::optim_name_count, "optimizer state",
-                std::to_string(names.size()) + " names for " + std::to_string(count) + " parameters");
-  std::unordered_map<std::int64_t, std::size_t> pos_of_id;
-  std::unordered_map<std::string_view, std::size_t> pos_of_name;
-  pos_of_id.reserve(count);
-  pos_of_name.reserve(count);
-  std::size_t pos = 0;
-  for (std::size_t g = 0; g < params.size(); ++g)
-    for (const Value& p : *params[g]) {
-      if (!p.is_int())
-        detail::malformed("param group " + std::to_string(g) + " lists a " + std::string(to_string(p.kind())) +
-                          " in \"params\"; ids are ints (already by name?)");
-      if (!pos_of_id.emplace(p.as_int(), pos).second)
-        throw_error(errors::optim_duplicate_param, "optimizer state", "param id " + std::to_string(p.as_int()) + " is listed twice");
-      if (!pos_of_name.emplace(names[pos], pos).second)
-        throw_error(errors::optim_duplicate_param, "optimizer state", "the parameter name " + quote(names[pos]) + " is given twice");
-      ++pos;
-    }
-  if (!opt.constant_keys.empty()) check_constant_state(osd, opt.constant_keys, names);
-
-  Dict out;
-  out.reserve(osd.as_dict().size());
-  for (const auto& [k, v] : osd.as_dict()) {
-    if (k == Key("state")) {
-      Dict st;
-      st.reserve(v.as_dict().size());
-      for (const auto& [id, s] : v.as_dict()) {
-        if (!id.is_int()) detail::malformed("state key " + quote(id.as_string()) + " is a string; ids are ints (already by name?)");
-        auto it = pos_of_id.find(id.as_int());
-        if (it == pos_of_id.end())
-          throw_error(errors::optim_unknown_param, "optimizer state",
-                      "state for param id " + std::to_string(id.as_int()) + ", which no param group lists");
-        st.append_unchecked(names[it->second], s);  // names are unique, checked above
-      }
-      out.append_unchecked(k, Value(std::move(st)));
-    } else if (k == Key("param_groups")) {
-      List groups;
-      groups.reserve(params.size());
-      std::size_t at = 0;
-      for (const Value& g : v.as_list()) {
-        Dict gd;
-        gd.reserve(g.as_dict().size());
-        for (const auto& [gk, gv] : g.as_dict()) {
-          if (gk == Key("params")) {
-            List l;
-            l.reserve(gv.as_list().size());
-            for (std::size_t i = 0; i < gv.as_list().size(); ++i) l.emplace_back(names[at++]);
-            gd.append_unchecked(gk, Value::list(std::move(l)));
-          } else {
-            gd.append_unchecked(gk, gv);
-          }
-        }
-        groups.emplace_back(std::move(gd));
-      }
-      out.append_unchecked(k, Value::list(std::move(groups)));
-    } else {
-      out.append_unchecked(k, v);
-    }
-  }
-  return Value(std::move(out));
+/// Renames the leaves of `tree` and the parameters of its optimizer states (see the top of this file).
+inline void rename_tree(Value& tree, const name_fn& f) {
+  const auto states = rename_optimizer_params(tree, f);
+  std::vector<leaf_move> moves = plan_moves(tree, f, states);
+  apply_moves(tree, moves);
 }
 
-/// Re-keys a by-name optimizer state dict back to int param ids, numbering the parameters in
-/// optimizer order from 0 as PyTorch does; "params" become those ids, `state` is keyed by them.
-inline Value by_id(const Value& named, const options& opt = {}) {
-  const auto params = detail::group_params(named);
-  std::unordered_map<std::string_view, std::int64_t> id_of;
-  std::int64_t next = 0;
-  for (std::size_t g = 0; g < params.size(); ++g)
-    for (const Value& p : *params[g]) {
-      if (!p.is_string())
-        detail::malformed("param group " + std::to_string(g) + " lists a " + std::string(to_string(p.kind())) +
-                          " in \"params\"; names are strings (already by id?)");
-      if (!id_of.emplace(p.as_string(), next++).second)
-        throw_error(errors::optim_duplicate_param, "optimizer state", "the parameter " + quote(p.as_string()) + " is listed twice");
-    }
-  if (!opt.constant_keys.empty()) check_constant_state(named, opt.constant_keys);
-
-  Dict out;
-  out.reserve(named.as_dict().size());
-  for (const auto& [k, v] : named.as_dict()) {
-    if (k == Key("state")) {
-      Dict st;
-      st.reserve(v.as_dict().size());
-      for (const auto& [name, s] : v.as_dict()) {
-        if (!name.is_string()) detail::malformed("state key " + name.str() + " is an int; names are strings (already by id?)");
-        auto it = id_of.find(name.as_string());
-        if (it == id_of.end())
-          throw_error(errors::optim_unknown_param, "optimizer state",
-                      "state for parameter " + quote(name.as_string()) + ", which no param group lists");
-        st.append_unchecked(it->second, s);  // ids are unique
-      }
-      out.append_unchecked(k, Value(std::move(st)));
-    } else if (k == Key("param_groups")) {
-      List groups;
-      groups.reserve(params.size());
-      for (const Value& g : v.as_list()) {
-        Dict gd;
-        gd.reserve(g.as_dict().size());
-        for (const auto& [gk, gv] : g.as_dict()) {
-          if (gk == Key("params")) {
-            List l;
-            l.reserve(gv.as_list().size());
-            for (const Value& p : gv.as_list()) l.emplace_back(id_of.at(p.as_string()));
-            gd.append_unchecked(gk, Value::list(std::move(l)));
-          } else {
-            gd.append_unchecked(gk, gv);
-          }
-        }
-        groups.emplace_back(std::move(gd));
-      }
-      out.append_unchecked(k, Value::list(std::move(groups)));
-    } else {
-      out.append_unchecked(k, v);
-    }
-  }
-  return Value(std::move(out));
-}
-
-}  // namespace optim
+}  // namespace formats::detail
 }  // namespace statedict::inline v0
-// ---- statedict/shard/views.hpp ----
-// statedict: tensors in memory (views, with any strides) as a ShardedCheckpoint, so that writing a
-// tree of tensors goes through the same planner and executor as writing any described checkpoint.
-// SPDX-License-Identifier: MIT
-
-#include <cstdint>
-#include <memory>
-#include <string>
-#include <utility>
-
-
-namespace statedict::inline v0 {
-
-/// Appends `view` to `ck` as tensor `name`: one chunk, in a MemorySource over exactly the bytes the
-/// view spans (kept alive by the view's owner), with the view's strides.
-inline TensorInfo& add_view(ShardedCheckpoint& ck, std::string name, const TensorView& view) {
-  const auto src = static_cast<std::uint32_t>(ck.sources.size());
-  ck.sources.push_back(std::make_shared<MemorySource>(name, view.data(), view.extent_bytes(), view.owner()));
-  TensorInfo& t = ck.tensors.emplace_back();
-  t.name = std::move(name);
-  t.dtype = view.dtype();
-  t.shape = view.shape();
-  Chunk& c = t.chunks.emplace_back();
-  c.region = Box{shape_t(view.rank(), 0), view.shape()};
-  c.at.source = src;
-  c.at.byte_offset = 0;
-  if (!view.is_contiguous()) c.at.strides = view.strides();
-  c.at.stored = view.dtype();
-  return t;
-}
-
-/// Appends tensor `name` stored contiguously, row-major, at `offset` of `source`.
-inline TensorInfo& add_stored(ShardedCheckpoint& ck, std::string name, dtype stored, shape_t shape, std::shared_ptr<const ByteSource> source,
-                              std::uint64_t offset) {
-  const auto src = static_cast<std::uint32_t>(ck.sources.size());
-  ck.sources.push_back(std::move(source));
-  TensorInfo& t = ck.tensors.emplace_back();
-  t.name = std::move(name);
-  t.dtype = stored;
-  t.shape = std::move(shape);
-  Chunk& c = t.chunks.emplace_back();
-  c.region = Box{shape_t(t.shape.size(), 0), t.shape};
-  c.at.source = src;
-  c.at.byte_offset = offset;
-  c.at.stored = stored;
-  return t;
-}
-
-/// A flat checkpoint of named views (null skeleton, format "memory").
-inline ShardedCheckpoint describe_views(const NamedTensors& tensors) {
-  ShardedCheckpoint ck;
-  ck.format = "memory";
-  ck.sources.reserve(tensors.size());
-  ck.tensors.reserve(tensors.size());
-  for (const auto& [n, v] : tensors) add_view(ck, n, v);
-  return ck;
-}
-
-}  // namespace statedict::inline v0
-// ---- statedict/formats/format.hpp ----
-// statedict: the format plug-in interface, and the options every format shares.
+// ---- statedict/formats/detail/tree_form.hpp ----
+// statedict: a described checkpoint as an editable tree, for the transforms of formats/transform.hpp.
 // SPDX-License-Identifier: MIT
 //
-// A checkpoint layout (safetensors, torch.save, DCP, DeepSpeed, ...) is one class derived from
-// Format, in one header under formats/: detect() says from content whether an input is that
-// layout (and why, or what it looked for instead), describe() turns it into the ShardedCheckpoint
-// every writer consumes, and save() writes one where the layout can be written. The registry
-// (formats/registry.hpp) lists them; open() and save() go through it. A format's own options (its
-// caps on hostile input, its switches) travel in open_options::settings / save_options::settings
-// by type, so adding a format adds no field here.
+// tree_form unflattens the checkpoint's skeleton with a placeholder view standing for each tensor:
+// a view into reserved, inaccessible address space (never read), each tensor at an address of its
+// own. Ties stay ties (the same view twice) and views stay views into their base, so edits on the
+// tree (moving a leaf, dropping one, putting a new tensor in) keep them right without special
+// cases. result() flattens the edited tree: flatten's names and skeleton, and for each tensor the
+// chunks of the tensor its placeholder stands for (a view into one becomes its elements).
 
+#include <algorithm>
 #include <cstdint>
-#include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
-#include <optional>
-#include <span>
 #include <string>
 #include <string_view>
-#include <typeindex>
-#include <typeinfo>
 #include <utility>
 #include <vector>
-
-
-namespace statedict::inline v0 {
-
-namespace errors {
-// clang-format off
-inline constexpr error_id unknown_format  {790, error_kind::format, "detect.unknown_format"};
-inline constexpr error_id no_such_path    {791, error_kind::usage,  "detect.no_such_path"};
-inline constexpr error_id no_such_format  {795, error_kind::usage,  "formats.no_such_format"};
-inline constexpr error_id cannot_write    {796, error_kind::usage,  "formats.cannot_write"};
-inline constexpr error_id output_unclear  {797, error_kind::usage,  "formats.output_unclear"};
-inline constexpr error_id bad_save_option {798, error_kind::usage,  "formats.bad_save_option"};
-// clang-format on
-}  // namespace errors
-
-namespace formats {
-
-/// Settings of particular formats and readers, kept by type: a format reads its own with
-/// `get<dcp::limits>()` (a default one when nobody set it), a caller changes one with
-/// `set<dcp::limits>().max_files = 8`. Copies are deep.
-class settings {
- public:
-  settings() = default;
-  settings(const settings& o) {
-    for (const auto& [k, v] : o.items_) items_.emplace(k, v->clone());
-  }
-  settings(settings&&) noexcept = default;
-  settings& operator=(const settings& o) {
-    if (this != &o) *this = settings(o);
-    return *this;
-  }
-  settings& operator=(settings&&) noexcept = default;
-  ~settings() = default;
-
-  template <class T>
-  [[nodiscard]] const T& get() const {
-    if (const auto it = items_.find(std::type_index(typeid(T))); it != items_.end()) return static_cast<const item<T>&>(*it->second).value;
-    static const T fallback{};
-    return fallback;
-  }
-  /// The settings of type T, for editing (made with T's defaults on first use).
-  template <class T>
-  T& set() {
-    auto& slot = items_[std::type_index(typeid(T))];
-    if (!slot) slot = std::make_unique<item<T>>();
-    return static_cast<item<T>&>(*slot).value;
-  }
-  template <class T>
-  T& set(T value) {
-    return set<T>() = std::move(value);
-  }
-
- private:
-  struct any_item {
-    virtual ~any_item() = default;
-    [[nodiscard]] virtual std::unique_ptr<any_item> clone() const = 0;
-  };
-  template <class T>
-  struct item final : any_item {
-    T value{};
-    item() = default;
-    explicit item(const T& v) : value(v) {}
-    [[nodiscard]] std::unique_ptr<any_item> clone() const override { return std::make_unique<item>(value); }
-  };
-  std::map<std::type_index, std::unique_ptr<any_item>> items_;
-};
-
-/// How open() reads a checkpoint.
-struct open_options {
-  /// mmap (default) or pread (network filesystems).
-  read_mode mode = read_mode::mmap;
-  /// Describe optimizer state too, keyed by parameter name, for formats that shard it (DeepSpeed,
-  /// FSDP). Formats that store it as ordinary entries (torch.save files, DCP) always include it.
-  bool with_optimizer = false;
-  /// dtype of every floating model tensor. Formats that choose dtypes while describing apply it
-  /// there (DeepSpeed: F32 master weights by default, as zero_to_fp32); for the others open()
-  /// sets it on the description and the executor casts exactly (round to nearest even).
-  std::optional<statedict::dtype> dtype;
-  /// Check that replicated copies agree (ShardedTensor rank files; the planner checks the rest).
-  bool check_replicas = false;
-  /// Read the input as this format (its registry name) instead of detecting it.
-  std::string format;
-  /// Format settings by type: caps on hostile input (`settings.set<torch::limits>()`,
-  /// docs/limits.md lists every field) and format switches.
-  formats::settings settings;
-};
-
-/// How save() writes a checkpoint.
-struct save_options {
-  /// The output format (its registry name: "safetensors", "hf", "torch", "dcp", ...); empty: from
-  /// the output path (formats/registry.hpp choose_output).
-  std::string format;
-  exec_options exec{};
-  plan_options plan{};
-  /// Outputs split into shards by size (Hugging Face): largest shard, decimal units
-  /// (huggingface_hub's rule); unset: 5 GB. Given, it also asks for a sharded output.
-  std::optional<std::uint64_t> max_shard_size;
-  /// Outputs for a number of ranks (DCP): the ranks that will load it.
-  std::optional<std::uint32_t> world_size;
-  /// Multi-file outputs: write only the files of part k of K (shard/plan.hpp assign_parts),
-  /// each atomically, straight into the output directory; `index_only` writes only the index
-  /// (after checking that every file exists with its planned size), the final step.
-  std::optional<PartSpec> part;
-  bool index_only = false;
-  /// Format settings by type (`settings.set<dcp::save_settings>()`).
-  formats::settings settings;
-};
-
-/// What a format's detect() says about an input.
-struct Detection {
-  enum class verdict : std::uint8_t {
-    no,       ///< not this format (`rule` says what was looked for and found; empty: not applicable)
-    damaged,  ///< not readable as this format, but named like it: when nothing matches, describe()
-              ///< is run to report precisely what is wrong
-    yes,      ///< this format; `rule` is the rule that matched
-  };
-  verdict how = verdict::no;
-  std::string rule;
-
-  static Detection match(std::string rule) { return {verdict::yes, std::move(rule)}; }
-  static Detection miss(std::string why) { return {verdict::no, std::move(why)}; }
-  static Detection not_applicable() { return {verdict::no, {}}; }
-  static Detection named_like(std::string why) { return {verdict::damaged, std::move(why)}; }
-  [[nodiscard]] bool found() const noexcept { return how == verdict::yes; }
-};
-
-/// The input as every format's detect() sees it: its path and, for a file, its bytes (opened once
-/// and shared by all formats).
-class Input {
- public:
-  Input(std::filesystem::path path, read_mode mode) : path_(std::move(path)), mode_(mode) {
-    std::error_code ec;
-    dir_ = std::filesystem::is_directory(path_, ec);
-  }
-  [[nodiscard]] const std::filesystem::path& path() const noexcept { return path_; }
-  [[nodiscard]] bool is_directory() const noexcept { return dir_; }
-  [[nodiscard]] std::string filename() const { return path_.filename().string(); }
-  [[nodiscard]] read_mode mode() const noexcept { return mode_; }
-  /// The file's bytes (nullptr for a directory).
-  [[nodiscard]] const std::shared_ptr<const ByteSource>& file() const {
-    if (!dir_ && !file_) file_ = InputFile::open(path_, mode_);
-    return file_;
-  }
-  /// Up to the first 4 KiB of the file (empty for a directory).
-  [[nodiscard]] std::span<const std::byte> head() const {
-    if (!dir_ && !head_read_) {
-      const auto& f = file();
-      head_.resize(static_cast<std::size_t>(std::min<std::uint64_t>(f->size(), 4096)));
-      f->peek(0, head_);
-      head_read_ = true;
-    }
-    return head_;
-  }
-
- private:
-  std::filesystem::path path_;
-  read_mode mode_;
-  bool dir_ = false;
-  mutable std::shared_ptr<const ByteSource> file_;
-  mutable std::vector<std::byte> head_;
-  mutable bool head_read_ = false;
-};
-
-/// How strongly a format claims an output path (Format::claims_output): by its name (an extension
-/// of the format's) over by the options given (a world size asks for DCP).
-enum class output_claim : std::uint8_t { none, by_options, by_name };
-
-/// One checkpoint layout.
-class Format {
- public:
-  Format() = default;
-  Format(const Format&) = delete;
-  Format& operator=(const Format&) = delete;
-  virtual ~Format() = default;
-
-  /// Registry name: the value of `--to` / `open_options::format`, and ShardedCheckpoint::format
-  /// of what it describes ("dcp").
-  [[nodiscard]] virtual std::string_view name() const noexcept = 0;
-  /// What it is, in words ("torch.distributed.checkpoint directory").
-  [[nodiscard]] virtual std::string_view title() const noexcept = 0;
-
-  /// Says from content whether `in` is this format. Never throws for an input that is not; the
-  /// rule says what matched, or what was looked for and found (open() lists these when no format
-  /// matches).
-  [[nodiscard]] virtual Detection detect(const Input& in, const open_options& opt) const = 0;
-  /// Describes `in`: every tensor, where its bytes are, and the rest of the tree.
-  [[nodiscard]] virtual ShardedCheckpoint describe(const Input& in, const open_options& opt) const = 0;
-  /// True when describe() applies open_options::dtype itself.
-  [[nodiscard]] virtual bool applies_dtype() const noexcept { return false; }
-
-  /// True when this format can write checkpoints.
-  [[nodiscard]] virtual bool can_write() const noexcept { return false; }
-  /// Whether an output at `out` with these options is this format's by default: by its name (the
-  /// format's extension), or by the options given. save() picks the strongest claim, then the
-  /// first registered format.
-  [[nodiscard]] virtual output_claim claims_output(const std::filesystem::path& /*out*/, const save_options& /*opt*/) const {
-    return output_claim::none;
-  }
-  /// Checks the options for an output at `out` before anything is read (throws a usage error).
-  virtual void check_output(const std::filesystem::path& /*out*/, const save_options& /*opt*/) const {}
-  /// Writes `ck` at `out` atomically; returns the names of the files written.
-  virtual std::vector<std::string> save(const ShardedCheckpoint& ck, const std::filesystem::path& out, const save_options& opt) const {
-    (void)ck;
-    (void)opt;
-    throw_error(errors::cannot_write, "output " + quote(out.string()), std::string(name()) + " checkpoints can be read, not written");
-  }
-};
-
-}  // namespace formats
-}  // namespace statedict::inline v0
-// ---- statedict/formats/transform.hpp ----
-// statedict: transformations of a checkpoint description (no tensor byte is touched): the subset
-// of `--only`, the dtype change of `--dtype`, and listing the names the skeleton ties.
-// SPDX-License-Identifier: MIT
-
-#include <algorithm>
-#include <cstdint>
-#include <optional>
-#include <string>
-#include <vector>
-
-#include <nlohmann/json.hpp>
 
 
 namespace statedict::inline v0 {
@@ -17182,18 +19382,166 @@ namespace statedict::inline v0 {
 namespace errors {
 // clang-format off
 inline constexpr error_id select_view_sharded {792, error_kind::unsupported, "convert.select_view_sharded"};
+// clang-format on
+}  // namespace errors
+
+namespace formats::detail {
+
+/// Tensor `name`: the elements `v` selects of `base`'s row-major flat index, described in place
+/// (base must be stored whole, contiguous, in one chunk: a torch.save or safetensors tensor).
+inline TensorInfo view_of(const TensorInfo& base, const std::string& name, const ViewSpec& v) {
+  const auto& c = base.chunks;
+  const bool whole = c.size() == 1 && c[0].at.strides.empty() && c[0].at.stored == base.dtype && covers_whole(c[0].region, base.shape);
+  if (!whole)
+    throw_error(errors::select_view_sharded, "tensor " + quote(name),
+                "is a view of " + quote(base.name) + ", which is stored in several pieces");
+  TensorInfo t{name, base.dtype, v.shape, {}};
+  Chunk ch;
+  ch.region = full_box(t.shape);
+  ch.at = c[0].at;
+  ch.at.byte_offset = checked_add(c[0].at.byte_offset, checked_mul(static_cast<std::uint64_t>(v.offset), itemsize(base.dtype)));
+  ch.at.strides = v.strides;
+  t.chunks = {ch};
+  return t;
+}
+
+class tree_form {
+ public:
+  explicit tree_form(const ShardedCheckpoint& ck) : format_(ck.format), sources_(ck.sources), metadata_(ck.metadata) {
+    // One reservation for all of them, each tensor at its own 64-byte aligned place.
+    std::vector<std::uint64_t> at(ck.tensors.size());
+    std::uint64_t total = 0;
+    for (std::size_t i = 0; i < ck.tensors.size(); ++i) {
+      at[i] = total;
+      const std::uint64_t n = std::max<std::uint64_t>(byte_size(ck.tensors[i].shape, itemsize(ck.tensors[i].dtype)), 1);
+      total = checked_add(total, checked_add(n, 63, "checkpoint size") / 64 * 64, "checkpoint size");
+    }
+    auto space = std::make_shared<torch::detail::reservation>(total);
+    NamedTensors named;
+    named.reserve(ck.tensors.size());
+    infos_.reserve(ck.tensors.size());
+    slots_.reserve(ck.tensors.size());
+    for (std::size_t i = 0; i < ck.tensors.size(); ++i) {
+      const TensorInfo& t = ck.tensors[i];
+      const std::byte* p = space->base() + at[i];
+      slots_.push_back(slot{reinterpret_cast<std::uintptr_t>(p), std::max<std::uint64_t>(byte_size(t.shape, itemsize(t.dtype)), 1), i});
+      infos_.push_back(t);
+      views_.push_back(TensorView::contiguous(t.dtype, t.shape, p, space));
+      named.emplace_back(t.name, views_.back());
+    }
+    tree_ = unflatten(named, ck.skeleton);
+  }
+
+  [[nodiscard]] Value& tree() noexcept { return tree_; }
+
+  /// A placeholder standing for tensor `t` (a new tensor to put in the tree).
+  TensorView add(TensorInfo t) {
+    const std::uint64_t bytes = std::max<std::uint64_t>(byte_size(t.shape, itemsize(t.dtype)), 1);
+    auto space = std::make_shared<torch::detail::reservation>(bytes);
+    TensorView v = TensorView::contiguous(t.dtype, t.shape, space->base(), space);
+    slots_.push_back(slot{reinterpret_cast<std::uintptr_t>(space->base()), bytes, infos_.size()});
+    infos_.push_back(std::move(t));
+    views_.push_back(v);
+    sorted_ = false;
+    return v;
+  }
+
+  /// The placeholder of the checkpoint's tensor `name` (as given to the constructor), or nullptr.
+  [[nodiscard]] const TensorView* placeholder(std::string_view name) const {
+    for (std::size_t i = 0; i < infos_.size(); ++i)
+      if (infos_[i].name == name) return &views_[i];
+    return nullptr;
+  }
+
+  /// The tensor a placeholder stands for, or nullptr.
+  [[nodiscard]] const TensorInfo* info_of(const TensorView& v) {
+    const slot* s = find(v);
+    return s ? &infos_[s->index] : nullptr;
+  }
+
+  /// The checkpoint the tree describes now (see the top of this file). A tree that is a plain
+  /// dict of distinct tensors under string keys gets the null skeleton, as such a checkpoint had.
+  [[nodiscard]] ShardedCheckpoint result() {
+    FlatStateDict flat = flatten(tree_);
+    ShardedCheckpoint out;
+    out.format = format_;
+    out.sources = sources_;
+    out.metadata = metadata_;
+    out.tensors.reserve(flat.tensors.size());
+    for (auto& [name, v] : flat.tensors) {
+      const slot* s = find(v);
+      if (!s) throw_error(errors::value_kind, "tensor " + quote(name), "is not a tensor of the checkpoint");
+      const TensorInfo& base = infos_[s->index];
+      const auto offset = static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(v.data()) - s->begin);
+      if (offset == 0 && v.dtype() == base.dtype && v.shape() == base.shape && v.is_contiguous()) {
+        TensorInfo t = base;
+        t.name = std::move(name);
+        out.tensors.push_back(std::move(t));
+      } else {
+        out.tensors.push_back(view_of(base, name, ViewSpec{v.dtype(), static_cast<dim_t>(offset / v.itemsize()), v.shape(), v.strides()}));
+      }
+    }
+    if (!plain_dict(flat)) out.skeleton = std::move(flat.skeleton);
+    return out;
+  }
+
+ private:
+  struct slot {
+    std::uintptr_t begin;
+    std::uint64_t size;
+    std::size_t index;
+  };
+
+  const slot* find(const TensorView& v) {
+    if (!sorted_) {
+      std::sort(slots_.begin(), slots_.end(), [](const slot& a, const slot& b) { return a.begin < b.begin; });
+      sorted_ = true;
+    }
+    const auto a = reinterpret_cast<std::uintptr_t>(v.data());
+    auto it = std::upper_bound(slots_.begin(), slots_.end(), a, [](std::uintptr_t x, const slot& s) { return x < s.begin; });
+    if (it == slots_.begin()) return nullptr;
+    --it;
+    return a - it->begin < it->size ? &*it : nullptr;
+  }
+
+  /// True when the tree is {string key: tensor} with each tensor once, named by its key.
+  bool plain_dict(const FlatStateDict& flat) const {
+    if (!tree_.is_dict() || tree_.as_dict().size() != flat.tensors.size()) return false;
+    std::size_t i = 0;
+    for (const auto& [k, v] : tree_.as_dict()) {
+      if (!k.is_string() || !v.is_tensor() || flat.tensors[i].first != k.as_string()) return false;
+      ++i;
+    }
+    return true;
+  }
+
+  std::string format_;
+  std::vector<std::shared_ptr<const ByteSource>> sources_;
+  std::map<std::string, std::string> metadata_;
+  std::vector<TensorInfo> infos_;
+  std::vector<TensorView> views_;  ///< parallel to infos_
+  std::vector<slot> slots_;
+  bool sorted_ = true;
+  Value tree_;
+};
+
+}  // namespace formats::detail
+}  // namespace statedict::inline v0
+
+namespace statedict::inline v0 {
+
+namespace errors {
+// clang-format off
 inline constexpr error_id select_nothing      {793, error_kind::usage,       "convert.select_nothing"};
+inline constexpr error_id transform_no_tensor {852, error_kind::key,         "transform.no_such_tensor"};
+inline constexpr error_id transform_tied      {853, error_kind::unsupported, "transform.tied_tensor"};
+inline constexpr error_id transform_parts     {854, error_kind::usage,       "transform.bad_parts"};
+inline constexpr error_id stale_skeleton      {855, error_kind::format,      "transform.stale_skeleton"};
 // clang-format on
 }  // namespace errors
 
 namespace formats {
 
-/// A name the skeleton ties to a stored tensor: an alias of it, or a view into its elements.
-struct Tie {
-  std::string name;              ///< the tied name (as listed: dotted)
-  std::string target;            ///< the stored tensor it refers to
-  std::optional<ViewSpec> view;  ///< the elements, for a view; nullopt for an alias
-};
 
 /// The tied names of a skeleton (aliases and views), with the view's elements for views. For the
 /// skeleton of an opened checkpoint (validated when it was read): one without alias or view_of
@@ -17211,7 +19559,7 @@ inline std::vector<Tie> tied_names(const nlohmann::json& skeleton) {
 }
 /// tied_names for a Skeleton: a compact one without alias or view nodes (the usual checkpoint) is
 /// answered from its leaf records, without building its JSON document.
-inline std::vector<Tie> tied_names(const Skeleton& skeleton) {
+STATEDICT_API std::vector<Tie> tied_names(const Skeleton& skeleton) {
   if (!statedict::detail::may_hold_aliases(skeleton)) return {};
   return tied_names(skeleton.json());
 }
@@ -17219,41 +19567,35 @@ inline std::vector<Tie> tied_names(const Skeleton& skeleton) {
 // ---------------------------------------------------------------------------------------------
 // Transformations of a description
 
+
 /// Sets every floating tensor's logical dtype to `to` (the executor casts exactly, rounding to
 /// nearest even), in the tensors and in the skeleton. Integer, bool and complex tensors keep theirs.
-inline void cast(ShardedCheckpoint& ck, dtype to) {
+STATEDICT_API void cast(ShardedCheckpoint& ck, dtype to, const cast_options& opt = {}) {
   if (!is_floating(to)) throw_error(errors::unsupported_cast, "--dtype " + std::string(name(to)), "is not a floating dtype");
-  for (TensorInfo& t : ck.tensors)
-    if (is_floating(t.dtype)) t.dtype = to;
-  if (!ck.skeleton.is_null()) safetensors::detail::cast_skeleton(ck.skeleton.mutable_json(), to);
+  bool kept = false;  // a floating tensor left as it is (of integer origin)
+  for (TensorInfo& t : ck.tensors) {
+    if (!is_floating(t.dtype)) continue;
+    if (t.converted_from && !is_floating(*t.converted_from) && !opt.integer_origin) {
+      kept = true;
+      continue;
+    }
+    t.dtype = to;
+  }
+  if (ck.skeleton.is_null()) return;
+  if (!kept) {
+    safetensors::detail::cast_skeleton(ck.skeleton.mutable_json(), to);
+    return;
+  }
+  // Some floating tensors keep their dtype: the skeleton's tensor nodes take each tensor's own.
+  detail::tree_form form(ck);
+  ck.skeleton = form.result().skeleton;
 }
-
-namespace detail {
-/// Tensor `name`: the elements `v` selects of `base`'s row-major flat index, described in place
-/// (base must be stored whole, contiguous, in one chunk: a torch.save or safetensors tensor).
-inline TensorInfo view_of(const TensorInfo& base, const std::string& name, const ViewSpec& v) {
-  const auto& c = base.chunks;
-  const bool whole = c.size() == 1 && c[0].at.strides.empty() && c[0].at.stored == base.dtype &&
-                     std::holds_alternative<Box>(c[0].region) && std::get<Box>(c[0].region) == full_box(base.shape);
-  if (!whole)
-    throw_error(errors::select_view_sharded, "tensor " + quote(name),
-                "is a view of " + quote(base.name) + ", which is stored in several pieces");
-  TensorInfo t{name, base.dtype, v.shape, {}};
-  Chunk ch;
-  ch.region = full_box(t.shape);
-  ch.at = c[0].at;
-  ch.at.byte_offset = checked_add(c[0].at.byte_offset, checked_mul(static_cast<std::uint64_t>(v.offset), itemsize(base.dtype)));
-  ch.at.strides = v.strides;
-  t.chunks = {ch};
-  return t;
-}
-}  // namespace detail
 
 /// The checkpoint with every tied name of its skeleton (an alias of a tensor, or a view into one)
 /// listed as a tensor of its own, reading the same bytes: what inspect and verify show, so that
 /// a tied name compares equal to the same tensor stored untied.
 /// `ties` are tied_names(ck.skeleton), for callers that list them too.
-inline ShardedCheckpoint expand_ties(ShardedCheckpoint ck, const std::vector<Tie>& ties) {
+STATEDICT_API ShardedCheckpoint expand_ties(ShardedCheckpoint ck, const std::vector<Tie>& ties) {
   std::vector<TensorInfo> extra;
   for (const auto& t : ties) {
     const TensorInfo* base = ck.find(t.target);
@@ -17271,7 +19613,7 @@ inline ShardedCheckpoint expand_ties(ShardedCheckpoint ck, const std::vector<Tie
   ck.reindex();
   return ck;
 }
-inline ShardedCheckpoint expand_ties(ShardedCheckpoint ck) {
+STATEDICT_API ShardedCheckpoint expand_ties(ShardedCheckpoint ck) {
   if (ck.skeleton.is_null()) return ck;
   const auto ties = tied_names(ck.skeleton);
   return expand_ties(std::move(ck), ties);
@@ -17280,7 +19622,7 @@ inline ShardedCheckpoint expand_ties(ShardedCheckpoint ck) {
 /// The tensors and values under the given dotted-name prefixes ("model" keeps "model.w" and
 /// "model", not "models.w"; see name_prefix_filter). A tied name whose target is dropped becomes a
 /// tensor of its own.
-inline ShardedCheckpoint select(const ShardedCheckpoint& ck, const std::vector<std::string>& prefixes) {
+STATEDICT_API ShardedCheckpoint select(const ShardedCheckpoint& ck, const std::vector<std::string>& prefixes) {
   if (prefixes.empty()) return ck;
   const PathFilter keep = name_prefix_filter(prefixes);
   ShardedCheckpoint out;
@@ -17310,6 +19652,226 @@ inline ShardedCheckpoint select(const ShardedCheckpoint& ck, const std::vector<s
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Structure
+
+/// The checkpoint with its leaves renamed by `f` (see formats/detail/rename_tree.hpp for where a
+/// renamed leaf goes): tensors, values, ties, views and optimizer states keyed by parameter name.
+STATEDICT_API ShardedCheckpoint rename(const ShardedCheckpoint& ck, const name_map& f) {
+  detail::tree_form form(ck);
+  detail::rename_tree(form.tree(), f);
+  return form.result();
+}
+
+/// The leaves whose dotted names `keep` accepts (an opaque object is kept whole when any of its
+/// leaves is). Dropped list elements before a kept one become None, so kept ones keep their index;
+/// containers left empty go. A tied name whose tensor is dropped becomes the tensor.
+STATEDICT_API ShardedCheckpoint filter(const ShardedCheckpoint& ck, const std::function<bool(std::string_view)>& keep) {
+  ShardedCheckpoint out;
+  out.format = ck.format;
+  out.sources = ck.sources;
+  out.metadata = ck.metadata;
+  if (ck.skeleton.is_null()) {
+    for (const TensorInfo& t : ck.tensors)
+      if (keep(t.name)) out.tensors.push_back(t);
+    return out;
+  }
+  SkeletonSubset sub = skeleton_subset(ck.skeleton, [&](const Path& p) { return keep(dotted(p)); });
+  out.skeleton = std::move(sub.skeleton);
+  for (const SubsetTensor& st : sub.tensors) {
+    const TensorInfo* src = ck.find(st.source);
+    if (!src) throw_error(errors::flat_missing_tensor, "tensor " + quote(st.source), "the skeleton names it but the checkpoint lacks it");
+    TensorInfo t = st.view ? detail::view_of(*src, st.name, *st.view) : *src;
+    t.name = st.name;
+    out.tensors.push_back(std::move(t));
+  }
+  return out;
+}
+
+/// The leaves whose dotted names `pred` does not accept (filter with the opposite).
+STATEDICT_API ShardedCheckpoint drop(const ShardedCheckpoint& ck, const std::function<bool(std::string_view)>& pred) {
+  return filter(ck, [&](std::string_view n) { return !pred(n); });
+}
+
+namespace detail {
+
+/// The tensors of `ck` whose chunks hold the elements of `box` of `t`, shifted by `shift` (added to
+/// the region's offsets), as chunks of another tensor: pure placements, no byte moved.
+inline std::vector<Chunk> sub_chunks(const TensorInfo& t, const Box& box, const shape_t& shift) {
+  std::vector<Chunk> out;
+  for (std::size_t ci = 0; ci < t.chunks.size(); ++ci) {
+    const Chunk& c = t.chunks[ci];
+    for (const MappedBox& m : mapped_boxes(c, t.shape, "tensor " + quote(t.name) + " chunk " + std::to_string(ci))) {
+      const auto isect = intersect(m.box, box);
+      if (!isect || is_empty(*isect)) continue;
+      Chunk piece;
+      Box region = *isect;
+      for (std::size_t d = 0; d < region.offsets.size(); ++d) region.offsets[d] += shift[d];
+      piece.region = std::move(region);
+      piece.at = c.at;
+      piece.at.byte_offset = checked_add(c.at.byte_offset, checked_mul(m.offset_of(isect->offsets), itemsize(c.at.stored)));
+      piece.at.strides.assign(m.step.begin(), m.step.end());
+      out.push_back(std::move(piece));
+    }
+  }
+  return out;
+}
+
+/// The path of the dict entry holding the placeholder `v` (the same view), or nullopt; throws
+/// transform_tied when another leaf shares its elements.
+inline Path entry_of(const Value& tree, const TensorView& v, std::string_view name) {
+  std::vector<Path> at;
+  bool shared = false;
+  const auto* lo = v.data();
+  const auto* hi = v.data() + std::max<std::uint64_t>(v.nbytes(), 1);
+  visit(tree, [&](const Path& p, const Value& x) {
+    if (!x.is_tensor()) return;
+    const TensorView& y = x.as_tensor();
+    if (y.data() >= lo && y.data() < hi) {
+      if (same_view(y, v)) at.push_back(p);
+      else shared = true;
+    }
+  });
+  if (at.empty()) throw_error(errors::transform_no_tensor, "tensor " + quote(name), "is not in the checkpoint's tree");
+  if (at.size() > 1 || shared)
+    throw_error(errors::transform_tied, "tensor " + quote(name), "shares its elements with another name: untie it first (expand_ties)");
+  const Value* parent = find_path(tree, Path(at[0].begin(), at[0].end() - 1));
+  if (!parent || !parent->is_dict()) throw_error(errors::rename_not_dict, "tensor " + quote(name), "is not a dict entry");
+  return at[0];
+}
+
+}  // namespace detail
+
+
+/// Tensor `name` cut along `dim` into `parts` (sizes summing to its size there), each a tensor of
+/// its own at its name (as rename places names), in the tensor's place; the tensor goes. The
+/// parts read the same bytes: nothing is copied until a writer streams them.
+STATEDICT_API ShardedCheckpoint split(const ShardedCheckpoint& ck, std::string_view name, std::size_t dim, const std::vector<part>& parts) {
+  const TensorInfo* t = ck.find(name);
+  if (!t) throw_error(errors::transform_no_tensor, "tensor " + quote(name), "is not in the checkpoint (" + ck.format + ")");
+  if (dim >= t->shape.size())
+    throw_error(errors::transform_parts, "tensor " + quote(name), "has " + std::to_string(t->shape.size()) + " dimensions; cannot split dim " + std::to_string(dim));
+  dim_t total = 0;
+  for (const part& p : parts) {
+    if (p.size < 0 || p.name.empty()) throw_error(errors::transform_parts, "tensor " + quote(name), "a part needs a name and a size >= 0");
+    total = static_cast<dim_t>(checked_add(static_cast<std::uint64_t>(total), static_cast<std::uint64_t>(p.size)));
+  }
+  if (total != t->shape[dim])
+    throw_error(errors::transform_parts, "tensor " + quote(name),
+                "parts of " + std::to_string(total) + " along dim " + std::to_string(dim) + " for its " + std::to_string(t->shape[dim]));
+  detail::tree_form form(ck);
+  const TensorInfo original = *t;
+  const Path at = detail::entry_of(form.tree(), *form.placeholder(name), name);
+  Value& parent = *find_path(form.tree(), Path(at.begin(), at.end() - 1));
+  // The parts, under temporary keys in the tensor's place, then renamed to their names.
+  Dict rebuilt;
+  std::map<std::string, std::string, std::less<>> names;
+  const std::string prefix = at.size() > 1 ? dotted(Path(at.begin(), at.end() - 1)) + "." : std::string();
+  for (auto& [k, v] : parent.as_dict()) {
+    if (!(k == at.back())) {
+      rebuilt.insert(k, std::move(v));
+      continue;
+    }
+    dim_t offset = 0;
+    for (std::size_t i = 0; i < parts.size(); ++i) {
+      Box box = full_box(original.shape);
+      box.offsets[dim] = offset;
+      box.sizes[dim] = parts[i].size;
+      shape_t shift(original.shape.size(), 0);
+      shift[dim] = -offset;
+      TensorInfo piece{parts[i].name, original.dtype, box.sizes, detail::sub_chunks(original, box, shift)};
+      piece.converted_from = original.converted_from;
+      const std::string key = "\x01split " + std::to_string(i);
+      names.emplace(prefix + key, parts[i].name);
+      rebuilt.insert(Key(key), Value(form.add(std::move(piece))));
+      offset += parts[i].size;
+    }
+  }
+  parent = Value(std::move(rebuilt));
+  detail::rename_tree(form.tree(), rename_map(std::move(names)));
+  return form.result();
+}
+
+/// Tensors `names` (same dtype, same shape but along `dim`) joined along `dim` into one tensor
+/// `to`, in the place of the first; the parts go. Pure placements: the planner proves the joined
+/// tensor covered when a writer streams it.
+STATEDICT_API ShardedCheckpoint concat(const ShardedCheckpoint& ck, const std::vector<std::string>& names, std::size_t dim, const std::string& to) {
+  if (names.empty()) throw_error(errors::transform_parts, "concat into " + quote(to), "no tensors given");
+  std::vector<const TensorInfo*> parts;
+  for (const auto& n : names) {
+    const TensorInfo* t = ck.find(n);
+    if (!t) throw_error(errors::transform_no_tensor, "tensor " + quote(n), "is not in the checkpoint (" + ck.format + ")");
+    parts.push_back(t);
+  }
+  const TensorInfo& first = *parts.front();
+  if (dim >= first.shape.size())
+    throw_error(errors::transform_parts, "tensor " + quote(first.name), "has no dim " + std::to_string(dim) + " to join along");
+  shape_t shape = first.shape;
+  shape[dim] = 0;
+  for (const TensorInfo* t : parts) {
+    bool fits = t->dtype == first.dtype && t->shape.size() == first.shape.size();
+    for (std::size_t d = 0; fits && d < first.shape.size(); ++d) fits = d == dim || t->shape[d] == first.shape[d];
+    if (!fits)
+      throw_error(errors::transform_parts, "tensor " + quote(t->name),
+                  std::string(name(t->dtype)) + " " + to_string(t->shape) + " cannot join " + std::string(name(first.dtype)) + " " +
+                      to_string(first.shape) + " along dim " + std::to_string(dim));
+    shape[dim] = static_cast<dim_t>(checked_add(static_cast<std::uint64_t>(shape[dim]), static_cast<std::uint64_t>(t->shape[dim])));
+  }
+  TensorInfo joined{to, first.dtype, shape, {}};
+  dim_t offset = 0;
+  for (const TensorInfo* t : parts) {
+    shape_t shift(shape.size(), 0);
+    shift[dim] = offset;
+    for (Chunk& c : detail::sub_chunks(*t, full_box(t->shape), shift)) joined.chunks.push_back(std::move(c));
+    offset += t->shape[dim];
+  }
+  detail::tree_form form(ck);
+  std::vector<Path> at;
+  for (const TensorInfo* t : parts) at.push_back(detail::entry_of(form.tree(), *form.placeholder(t->name), t->name));
+  // The joined tensor takes the first part's entry (under a temporary key); the others go.
+  const std::string key = "\x01concat";
+  const std::string prefix = at[0].size() > 1 ? dotted(Path(at[0].begin(), at[0].end() - 1)) + "." : std::string();
+  const TensorView placeholder = form.add(std::move(joined));
+  for (std::size_t i = at.size(); i-- > 1;) find_path(form.tree(), Path(at[i].begin(), at[i].end() - 1))->as_dict().erase(at[i].back());
+  Value& parent = *find_path(form.tree(), Path(at[0].begin(), at[0].end() - 1));
+  Dict rebuilt;
+  for (auto& [k, v] : parent.as_dict()) {
+    if (k == at[0].back()) rebuilt.insert(Key(key), Value(placeholder));
+    else rebuilt.insert(k, std::move(v));
+  }
+  parent = Value(std::move(rebuilt));
+  detail::rename_tree(form.tree(), rename_map({{prefix + key, to}}));
+  return form.result();
+}
+
+/// Throws errors::stale_skeleton unless the skeleton and the tensors agree: every tensor node
+/// names a tensor of the checkpoint with its dtype and shape, and every tensor is named by one
+/// (a null skeleton agrees with any tensors). Writers check this before writing a byte.
+STATEDICT_API void check_consistent(const ShardedCheckpoint& ck) {
+  if (ck.skeleton.is_null()) return;
+  std::vector<std::uint8_t> named(ck.tensors.size(), 0);
+  auto one = [&](std::string_view n, dtype dt, std::span<const dim_t> shape) {
+    const TensorInfo* t = ck.find(n);
+    if (!t) throw_error(errors::stale_skeleton, "tensor " + quote(n), "the skeleton names it but the checkpoint has no such tensor");
+    if (t->dtype != dt || !std::equal(shape.begin(), shape.end(), t->shape.begin(), t->shape.end()))
+      throw_error(errors::stale_skeleton, "tensor " + quote(n),
+                  "is " + std::string(name(t->dtype)) + " " + to_string(t->shape) + " in the checkpoint, " + std::string(name(dt)) +
+                      " " + to_string(shape_t(shape.begin(), shape.end())) + " in the skeleton");
+    auto& seen = named[static_cast<std::size_t>(t - ck.tensors.data())];
+    if (seen) throw_error(errors::stale_skeleton, "tensor " + quote(n), "the skeleton declares it twice");
+    seen = 1;
+  };
+  if (const auto* tape = ck.skeleton.tape()) {
+    for (const auto& l : tape->leaves)
+      if (l.kind == statedict::detail::snode::tensor)
+        one(tape->str(l.name, l.name_len), l.dtype, std::span<const dim_t>(tape->dims.data() + l.dims, l.rank));
+  } else {
+    for (const SkeletonTensor& st : skeleton_tensors(ck.skeleton.json())) one(st.name, st.dtype, st.shape);
+  }
+  for (std::size_t i = 0; i < named.size(); ++i)
+    if (!named[i]) throw_error(errors::stale_skeleton, "tensor " + quote(ck.tensors[i].name), "is in the checkpoint but no node of the skeleton names it");
+}
+
 }  // namespace formats
 }  // namespace statedict::inline v0
 // ---- statedict/formats/registry.hpp ----
@@ -17325,6 +19887,7 @@ inline ShardedCheckpoint select(const ShardedCheckpoint& ck, const std::vector<s
 // A new layout is one header with a class derived from Format, and one line in builtin_formats()
 // (or a call to add_format() from a program that brings its own).
 
+
 #include <algorithm>
 #include <filesystem>
 #include <memory>
@@ -17334,6 +19897,2277 @@ inline ShardedCheckpoint select(const ShardedCheckpoint& ck, const std::vector<s
 #include <utility>
 #include <vector>
 
+// ---- statedict/formats/colossalai.hpp ----
+// statedict: ColossalAI checkpoints (HybridParallelCheckpointIO) as a format plug-in: read in both
+// layouts, written in the distributed one.
+// SPDX-License-Identifier: MIT
+//
+// - The distributed model layout (gather_dtensor=False, ColossalAI PR 6181): per tensor-parallel /
+//   pipeline rank a `pytorch_model-meta-dist-XXXXX(.index).json` of boxes and the rank's weight
+//   files. Described as whole parameters, each a tensor whose chunks are the ranks' boxes, the
+//   cover proven (formats/detail/colossalai_dist.hpp). Written for M ranks with
+//   `convert --to colossalai --world-size M` (formats/detail/colossalai_write.hpp; the split dim
+//   per tensor can be stated with `settings.set<colossalai::save_settings>()`).
+// - The released layout (gather_dtensor=True): whole tensors in shards with an index, and, with
+//   `--with-optimizer`, the optimizer shards keyed by parameter id named by the parameter order
+//   (formats/detail/colossalai_hybrid.hpp), also in ColossalChat's `modeling/` + `optimizer/`.
+// Facts, sources and where ColossalAI's own loader goes wrong: docs/formats/colossalai.md.
+
+#include <filesystem>
+#include <string>
+#include <string_view>
+#include <vector>
+
+// ---- statedict/formats/detail/colossalai_dist.hpp ----
+// statedict: ColossalAI's distributed model layout (HybridParallelCheckpointIO with
+// gather_dtensor=False, ColossalAI PR 6181): per TP/PP rank a `pytorch_model-meta-dist-XXXXX(.index).json`
+// of boxes and the rank's weight files, described as whole parameters.
+// SPDX-License-Identifier: MIT
+//
+// Each metadata file maps a parameter name to {"offsets", "lengths", "global_shape", "file",
+// "rank"}: the rank's piece is the leading `lengths` box of the tensor stored under that name in
+// `file`, placed at `offsets` of the global tensor. Every parameter listed becomes one tensor whose
+// chunks are those boxes (replicated parameters: one chunk per rank, identical boxes); the boxes
+// must agree on the global shape and dtype and cover every element, distinct boxes without
+// overlapping; an error names the parameter, the ranks and the element. `file` is taken by its
+// base name in the checkpoint folder (unsharded saves record the save-time path). Weight tensors
+// no metadata lists (buffers) are reported in metadata["colossalai.not_in_metadata"]; the split
+// dim of each parameter in metadata["colossalai.partition_dims"] (-1: replicated), which the
+// writer reuses. docs/formats/colossalai.md has the rules and their sources.
+
+#include <algorithm>
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <regex>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+// ---- statedict/formats/detail/colossalai_files.hpp ----
+// statedict: what the ColossalAI readers share: error ids, caps, the JSON files (metadata, indexes)
+// read with a size and depth cap and duplicate keys refused, and the weight files (`.bin` torch.save
+// files read lazily, `.safetensors` files) as name -> where the tensor's elements are, no tensor
+// byte read.
+// SPDX-License-Identifier: MIT
+
+#include <cstdint>
+#include <deque>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+// ---- statedict/formats/optim_shard.hpp ----
+// statedict: flat-partition state, consolidated and re-sharded. The machinery the DeepSpeed ZeRO and
+// FSDP flat-parameter readers share: locating loaded tensors in their files, turning a parameter's
+// pieces (layout::FlatPiece: rank, elements, offset in the rank's flat buffer) into chunks, and
+// merging per-rank optimizer state into one state per parameter, as fairscale's FSDP does it; and the
+// reverse, a full optimizer state keyed by parameter name sharded for a ZeRO or FSDP layout.
+// SPDX-License-Identifier: MIT
+//
+// Optimizer state consolidation (fairscale/nn/data_parallel/fsdp_optim_utils.py
+// build_unflat_state_dict / _unflatten_optim_state, and fully_sharded_data_parallel.py
+// gather_full_optim_state_dict, as summarised in docs/notes/zero-fsdp-layouts.md section 10):
+//   - a state tensor with dimensions (exp_avg, exp_avg_sq) is laid out exactly like the flat
+//     parameter it belongs to, so each parameter's slice of it is placed with the weight's pieces;
+//   - a 0-dim tensor (torch >= 1.12 `step`) and any non-tensor value (an int `step`) is constant
+//     across ranks: it is checked equal on every rank that holds it and kept once. (fairscale keeps
+//     0-dim tensors as a list of per-rank values; statedict keys state by parameter name and keeps
+//     one value, OLMo's rule, and refuses ranks that disagree.)
+//   - param_groups are kept (checked equal across ranks by the callers that have them per rank).
+// The reverse: optim_shard::destination() lays a full state (`optim.state.<name>.<key>` tensors)
+// out as a ZeRO-1/2, ZeRO-3 or FSDP flat layout, one buffer per (rank, state key), which the
+// planner fills.
+//
+// Nothing here reads tensor bytes except 0-dim state (a few bytes per rank, to check they agree) and
+// the small integer buffers a caller asks to convert (see SourceTable::add_owned).
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+
+namespace statedict::inline v0 {
+
+namespace errors {
+// clang-format off
+inline constexpr error_id os_state_differs     {720, error_kind::format, "optim_shard.state_differs"};
+inline constexpr error_id os_bad_state         {721, error_kind::format, "optim_shard.bad_state"};
+inline constexpr error_id os_piece_outside     {722, error_kind::format, "optim_shard.piece_outside"};
+inline constexpr error_id os_bad_layout        {723, error_kind::usage,  "optim_shard.bad_layout"};
+inline constexpr error_id os_groups_differ     {724, error_kind::format, "optim_shard.groups_differ"};
+// clang-format on
+}  // namespace errors
+
+namespace optim_shard {
+
+// =============================================================================================
+// Loaded files and checked access to their Value trees
+
+/// One loaded torch.save file: its name (for messages), its bytes, and its content, whose tensors
+/// are views into `source` (io/torch_file.hpp loads them that way from a mapped file).
+struct LoadedFile {
+  std::string name;
+  std::shared_ptr<const ByteSource> source;
+  Value tree;
+  /// The address the views use for the source's byte 0 (nullptr: the source's mapping).
+  const std::byte* base = nullptr;
+};
+
+/// Checked access to a Value tree: every failure is `id` with `where` as its context.
+struct Access {
+  const error_id& id;
+  std::string where;
+
+  [[noreturn]] void fail(const std::string& detail) const { throw_error(id, where, detail); }
+
+  static std::string kind_name(const Value& v) { return std::string(to_string(v.kind())); }
+
+  const Dict& dict(const Value& v, std::string_view what) const {
+    if (!v.is_dict()) fail(std::string(what) + " is a " + kind_name(v) + ", expected a dict");
+    return v.as_dict();
+  }
+  const List& list(const Value& v, std::string_view what) const {
+    if (!v.is_sequence()) fail(std::string(what) + " is a " + kind_name(v) + ", expected a list");
+    return v.as_list();
+  }
+  const Value& at(const Dict& d, const Key& k, std::string_view what) const {
+    const Value* v = d.find(k);
+    if (!v) fail(std::string(what) + " has no key " + (k.is_int() ? k.str() : quote(k.str())));
+    return *v;
+  }
+  /// The value at k, or nullptr when absent or None.
+  static const Value* opt(const Dict& d, const Key& k) {
+    const Value* v = d.find(k);
+    return (v && !v->is_none()) ? v : nullptr;
+  }
+  std::int64_t integer(const Value& v, std::string_view what) const {
+    if (!v.is_int()) fail(std::string(what) + " is a " + kind_name(v) + ", expected an int");
+    return v.as_int();
+  }
+  const std::string& string(const Value& v, std::string_view what) const {
+    if (!v.is_string()) fail(std::string(what) + " is a " + kind_name(v) + ", expected a str");
+    return v.as_string();
+  }
+  const TensorView& tensor(const Value& v, std::string_view what) const {
+    if (!v.is_tensor()) fail(std::string(what) + " is a " + kind_name(v) + ", expected a tensor");
+    return v.as_tensor();
+  }
+  /// A shape: torch.Size (unpickled as a tuple), a plain tuple (DeepSpeed's debloated saves) or a
+  /// list of non-negative ints.
+  shape_t shape(const Value& v, std::string_view what) const {
+    if (!v.is_sequence()) fail(std::string(what) + " is a " + kind_name(v) + ", expected a shape (torch.Size or tuple)");
+    shape_t s;
+    for (const Value& d : v.as_list()) {
+      if (!d.is_int() || d.as_int() < 0) fail(std::string(what) + " is not a shape of non-negative ints");
+      s.push_back(d.as_int());
+    }
+    try {
+      (void)numel(s);
+    } catch (const error& e) {
+      fail(std::string(what) + ": " + e.detail());
+    }
+    return s;
+  }
+};
+
+// =============================================================================================
+// Skeletons of consolidated checkpoints
+
+/// Builds the flatten skeleton (core/flatten.hpp) of a consolidated state: nested string-keyed
+/// dicts whose leaves are tensor nodes (the description's tensors), alias nodes, or any non-tensor
+/// Value. Keys keep their insertion order.
+class SkeletonBuilder {
+ public:
+  /// A tensor node for `t`, at `path` (dicts created as needed).
+  void tensor(std::span<const std::string> path, const TensorInfo& t) {
+    nlohmann::json j(nlohmann::json::value_t::object);
+    auto& o = j.get_ref<nlohmann::json::object_t&>();
+    o.emplace("tensor", t.name);
+    o.emplace("dtype", std::string(statedict::name(t.dtype)));
+    nlohmann::json::array_t sh;
+    for (dim_t d : t.shape) sh.emplace_back(d);
+    o.emplace("shape", std::move(sh));
+    leaf(path, std::move(j));
+  }
+  /// An alias node: `path` is the same tensor as the tensor named `target`.
+  void alias(std::span<const std::string> path, const std::string& target) {
+    nlohmann::json j(nlohmann::json::value_t::object);
+    j.get_ref<nlohmann::json::object_t&>().emplace("alias", target);
+    leaf(path, std::move(j));
+  }
+  /// A non-tensor value (any tree without tensors) at `path`.
+  void value(std::span<const std::string> path, const Value& v) {
+    FlatStateDict f = flatten(v);
+    if (!f.tensors.empty())
+      throw_error(errors::os_bad_layout, "skeleton", "a value at " + quote(join(path)) + " holds tensors");
+    leaf(path, f.skeleton.json().at("root"));
+  }
+  /// The skeleton document.
+  [[nodiscard]] nlohmann::json build() const {
+    nlohmann::json doc(nlohmann::json::value_t::object);
+    doc.get_ref<nlohmann::json::object_t&>().emplace("statedict_skeleton", 1);
+    doc.get_ref<nlohmann::json::object_t&>().emplace("root", build(0));
+    return doc;
+  }
+
+ private:
+  struct node {
+    std::optional<nlohmann::json> leaf;
+    std::vector<std::pair<std::string, std::size_t>> children;
+  };
+  static std::string join(std::span<const std::string> path) {
+    std::string s;
+    for (const auto& k : path) s += (s.empty() ? "" : ".") + k;
+    return s;
+  }
+  void leaf(std::span<const std::string> path, nlohmann::json j) {
+    if (path.empty()) throw_error(errors::os_bad_layout, "skeleton", "empty path");
+    std::size_t at = 0;
+    for (std::size_t i = 0; i < path.size(); ++i) {
+      if (nodes_[at].leaf)
+        throw_error(errors::os_bad_layout, "skeleton", quote(join(path.subspan(0, i))) + " is a leaf and a dict");
+      std::size_t next = 0;
+      for (const auto& [k, c] : nodes_[at].children)
+        if (k == path[i]) next = c;
+      if (next == 0) {
+        nodes_.push_back(node{});
+        next = nodes_.size() - 1;
+        nodes_[at].children.emplace_back(path[i], next);
+      } else if (i + 1 == path.size()) {
+        throw_error(errors::os_bad_layout, "skeleton", quote(join(path)) + " is set twice");
+      }
+      at = next;
+    }
+    if (!nodes_[at].children.empty())
+      throw_error(errors::os_bad_layout, "skeleton", quote(join(path)) + " is a dict and a leaf");
+    nodes_[at].leaf = std::move(j);
+  }
+  [[nodiscard]] nlohmann::json build(std::size_t i) const {
+    if (nodes_[i].leaf) return *nodes_[i].leaf;
+    nlohmann::json::array_t pairs;
+    for (const auto& [k, c] : nodes_[i].children) {
+      nlohmann::json pair = nlohmann::json::array_t(2);
+      pair[0] = detail::encode_string(k);
+      pair[1] = build(c);
+      pairs.push_back(std::move(pair));
+    }
+    nlohmann::json d(nlohmann::json::value_t::object);
+    d.get_ref<nlohmann::json::object_t&>().emplace("dict", std::move(pairs));
+    return d;
+  }
+  std::vector<node> nodes_{1};
+};
+
+// =============================================================================================
+// Sources: where loaded tensors live
+
+/// The byte sources of a description being built, and the Placement of any loaded tensor view.
+/// A view that lies inside a registered source's bytes (a tensor of a mapped torch.save file) is
+/// placed at its offset there, with no copy and no read; any other view (a loader that had to
+/// inflate a compressed record) becomes a source of its own, kept alive by the view's owner.
+class SourceTable {
+ public:
+  /// Registers a source; returns its index. `base` is the address that stands for the source's
+  /// byte 0 in the views loaded from it: its mapping (the default), or the reserved address range
+  /// a lazy reader placed the views in.
+  std::uint32_t add(std::shared_ptr<const ByteSource> s, const std::byte* base = nullptr) {
+    if (base == nullptr) base = s->data();
+    entries_.push_back(entry{base, s->size()});
+    sources_.push_back(std::move(s));
+    return static_cast<std::uint32_t>(sources_.size() - 1);
+  }
+
+  /// Registers bytes computed at describe time (small converted buffers); returns its index.
+  std::uint32_t add_owned(std::string name, std::vector<std::byte> bytes) {
+    auto buf = std::make_shared<std::vector<std::byte>>(std::move(bytes));
+    const std::byte* p = buf->data();
+    const std::uint64_t n = buf->size();
+    return add(std::make_shared<MemorySource>(std::move(name), p, n, std::move(buf)));
+  }
+
+  /// Where `v`'s element 0 is, with its strides (empty when contiguous). `what` names the tensor
+  /// for messages.
+  Placement locate(const TensorView& v, std::string_view what) {
+    Placement at;
+    at.stored = v.dtype();
+    if (!v.is_contiguous()) at.strides = v.strides();
+    if (v.numel() == 0) return at;
+    const std::uint64_t extent = v.extent_bytes();
+    const auto p = reinterpret_cast<std::uintptr_t>(v.data());
+    for (std::size_t i = 0; i < entries_.size(); ++i) {
+      if (entries_[i].base == nullptr) continue;
+      const auto b = reinterpret_cast<std::uintptr_t>(entries_[i].base);
+      const std::uint64_t size = entries_[i].size;
+      if (p >= b && p - b <= size && extent <= size - (p - b)) {
+        at.source = static_cast<std::uint32_t>(i);
+        at.byte_offset = p - b;
+        return at;
+      }
+    }
+    at.source = add(std::make_shared<MemorySource>(std::string(what), v.data(), extent, v.owner()));
+    at.byte_offset = 0;
+    return at;
+  }
+
+  /// A contiguous copy of `v`'s elements, read through its source (never through the view's
+  /// pointer, which may point into reserved address space when the file was read lazily). Only
+  /// for the few small tensors describing needs the values of (0-dim state, converted buffers).
+  Tensor materialize(const TensorView& v, std::string_view what) {
+    const Placement at = locate(v, what);
+    const std::uint64_t extent = v.extent_bytes();
+    auto buf = std::make_shared<std::vector<std::byte>>(static_cast<std::size_t>(extent));
+    if (extent) sources_[at.source]->read(at.byte_offset, *buf);
+    const TensorView local(v.dtype(), v.shape(), v.strides(), extent ? buf->data() : nullptr, buf);
+    return Tensor::copy_of(local);
+  }
+
+  /// Reads `n` bytes starting `first_byte` bytes after `v`'s element 0 through its source.
+  std::vector<std::byte> read_bytes(const TensorView& v, std::uint64_t first_byte, std::uint64_t n, std::string_view what) {
+    const Placement at = locate(v, what);
+    std::vector<std::byte> out(static_cast<std::size_t>(n));
+    if (n) sources_[at.source]->read(checked_add(at.byte_offset, first_byte, "offset"), out);
+    return out;
+  }
+
+  [[nodiscard]] const std::vector<std::shared_ptr<const ByteSource>>& sources() const noexcept { return sources_; }
+  std::vector<std::shared_ptr<const ByteSource>> take() {
+    entries_.clear();
+    return std::move(sources_);
+  }
+
+ private:
+  struct entry {
+    const std::byte* base;
+    std::uint64_t size;
+  };
+  std::vector<std::shared_ptr<const ByteSource>> sources_;
+  std::vector<entry> entries_;
+};
+
+/// A chunk holding all of `v` (a whole tensor stored as-is) as one box.
+inline Chunk whole_chunk(const TensorView& v, SourceTable& table, std::string_view what) {
+  return Chunk{full_box(v.shape()), table.locate(v, what)};
+}
+
+// =============================================================================================
+// Flat buffers and pieces
+
+/// One tensor of a rank's flat buffer. A rank's buffer is the concatenation of its segments
+/// (ZeRO-3 sub-groups; one segment elsewhere). `numel` is the segment's length in that
+/// concatenation; the tensor may be shorter (padding cut off, as ZeRO-1/2 saves its partitions)
+/// but never longer.
+struct Segment {
+  const TensorView* view = nullptr;  ///< nullptr: the rank has no tensor here (no optimizer state)
+  std::uint64_t numel = 0;
+  std::string where;  ///< for messages: "file 'x': optimizer_state_dict.fp32_flat_groups.2"
+};
+
+/// The segments of one rank's flat buffer, in order.
+using RankBuffer = std::vector<Segment>;
+
+/// Chunks of one parameter: each piece (rank r, elements [begin, end) of the parameter, at element
+/// `offset` of rank r's buffer) is resolved against `buffers[r]`, split where it crosses a segment
+/// boundary. Throws errors::os_piece_outside, naming `what`, the rank and the segment, when a
+/// piece reaches past a buffer or past the tensor that holds it, or the tensor is not 1-d.
+inline std::vector<Chunk> place(std::span<const layout::FlatPiece> pieces, std::span<const RankBuffer> buffers,
+                                SourceTable& table, std::string_view what) {
+  std::vector<Chunk> out;
+  for (const layout::FlatPiece& p : pieces) {
+    if (p.range.size() == 0) continue;
+    if (p.rank >= buffers.size())
+      throw_error(errors::os_piece_outside, std::string(what),
+                  "a piece is on rank " + std::to_string(p.rank) + " but there are " + std::to_string(buffers.size()) +
+                      " ranks");
+    const RankBuffer& buf = buffers[p.rank];
+    std::uint64_t pos = p.offset;             // position in the rank's concatenated buffer
+    std::uint64_t done = 0;                   // elements of the piece placed so far
+    std::uint64_t seg_start = 0;
+    for (std::size_t s = 0; s < buf.size() && done < p.range.size(); ++s) {
+      const Segment& seg = buf[s];
+      const std::uint64_t seg_end = checked_add(seg_start, seg.numel, "flat buffer size");
+      if (pos < seg_end) {
+        const std::uint64_t in_seg = pos - seg_start;
+        const std::uint64_t n = std::min(p.range.size() - done, seg_end - pos);
+        if (seg.view == nullptr)
+          throw_error(errors::os_piece_outside, std::string(what),
+                      "rank " + std::to_string(p.rank) + " holds elements [" + std::to_string(p.range.begin + done) +
+                          ", " + std::to_string(p.range.begin + done + n) + ") in " + seg.where +
+                          ", which is missing");
+        const TensorView& v = *seg.view;
+        if (v.rank() != 1)
+          throw_error(errors::os_piece_outside, std::string(what),
+                      seg.where + " has shape " + to_string(v.shape()) + "; expected a 1-d flat tensor");
+        if (v.numel() > seg.numel)
+          throw_error(errors::os_piece_outside, std::string(what),
+                      seg.where + " has " + std::to_string(v.numel()) + " elements, more than the " +
+                          std::to_string(seg.numel) + " the layout gives it");
+        if (in_seg + n > v.numel())
+          throw_error(errors::os_piece_outside, std::string(what),
+                      "rank " + std::to_string(p.rank) + " holds elements [" + std::to_string(p.range.begin + done) +
+                          ", " + std::to_string(p.range.begin + done + n) + ") at elements [" + std::to_string(in_seg) +
+                          ", " + std::to_string(in_seg + n) + ") of " + seg.where + ", which has only " +
+                          std::to_string(v.numel()));
+        Placement at = table.locate(v, seg.where);
+        const std::uint64_t stride = static_cast<std::uint64_t>(v.strides()[0]);
+        at.byte_offset = checked_add(at.byte_offset, checked_mul(checked_mul(in_seg, stride, "offset"), v.itemsize(), "offset"),
+                                     "offset");
+        at.strides = stride == 1 ? shape_t{} : shape_t{static_cast<dim_t>(stride)};
+        out.push_back(Chunk{FlatRange{p.range.begin + done, p.range.begin + done + n}, std::move(at)});
+        done += n;
+        pos += n;
+      }
+      seg_start = seg_end;
+    }
+    if (done < p.range.size())
+      throw_error(errors::os_piece_outside, std::string(what),
+                  "rank " + std::to_string(p.rank) + " should hold elements [" + std::to_string(p.range.begin + done) +
+                      ", " + std::to_string(p.range.end) + ") at element " + std::to_string(pos) +
+                      " of its flat buffer, which has " + std::to_string(seg_start) + " elements");
+  }
+  return out;
+}
+
+/// Checks that `chunks` (flat ranges) cover [0, numel) exactly once; throws `id` naming `what`.
+inline void check_flat_cover(std::span<const Chunk> chunks, std::uint64_t numel, const error_id& id, std::string_view what) {
+  std::vector<FlatRange> r;
+  r.reserve(chunks.size());
+  for (const Chunk& c : chunks) r.push_back(std::get<FlatRange>(c.region));
+  std::sort(r.begin(), r.end(), [](const FlatRange& a, const FlatRange& b) { return a.begin < b.begin; });
+  std::uint64_t pos = 0;
+  for (const FlatRange& x : r) {
+    if (x.begin > pos)
+      throw_error(id, std::string(what), "elements [" + std::to_string(pos) + ", " + std::to_string(x.begin) + ") of " +
+                                             std::to_string(numel) + " are held by no rank");
+    if (x.begin < pos)
+      throw_error(id, std::string(what), "element " + std::to_string(x.begin) + " is held by two ranks");
+    pos = x.end;
+  }
+  if (pos != numel)
+    throw_error(id, std::string(what), "elements [" + std::to_string(pos) + ", " + std::to_string(numel) + ") of " +
+                                           std::to_string(numel) + " are held by no rank");
+}
+
+// =============================================================================================
+// Optimizer state: merging per-rank state into one state per parameter
+
+/// One parameter whose optimizer state is consolidated.
+struct ParamState {
+  std::string name;  ///< the parameter's name; state tensors are named `<prefix><name>.<key>`
+  shape_t shape;
+  std::size_t family = 0;  ///< which flat buffer family (ZeRO group, FSDP flat param) its pieces index
+  std::vector<layout::FlatPiece> pieces;
+  /// Segment (of each rank's buffer in `family`) whose constant state (step) belongs to this
+  /// parameter: its ZeRO-3 sub-group; 0 elsewhere.
+  std::size_t scalar_segment = 0;
+};
+
+/// One rank's optimizer state for one segment of a flat buffer: the torch optimizer's per-param
+/// state dict ({"step": ..., "exp_avg": [n], ...}), or nullptr when the rank has none (a rank whose
+/// shard of that parameter is empty, a never-stepped optimizer).
+struct StateSegment {
+  const Dict* state = nullptr;
+  std::uint64_t numel = 0;  ///< the segment's length in the rank's flat buffer
+  std::string where;
+};
+
+/// [family][rank] -> segments of that rank's buffer.
+using StateFamilies = std::vector<std::vector<std::vector<StateSegment>>>;
+
+/// A consolidated optimizer state: the tensors (`optim.state.<name>.<key>`, in parameter order,
+/// keys in the order the state dicts list them) and the non-tensor state values (`name.key` ->
+/// value) in the same order.
+struct MergedState {
+  std::vector<TensorInfo> tensors;
+  std::vector<std::pair<std::string, Value>> values;
+};
+
+namespace detail {
+inline bool same_scalar(const Tensor& a, const Tensor& b) {
+  return a.dtype() == b.dtype() && a.numel() == b.numel() && equal_bytes(a.view(), b.view());
+}
+inline std::string scalar_text(const TensorView& v) {
+  if (v.numel() != 1) return "a tensor of shape " + to_string(v.shape());
+  std::string s = std::string(name(v.dtype())) + " ";
+  switch (v.dtype()) {
+    case dtype::F32: return s + std::to_string(v.load<float>(0));
+    case dtype::F64: return s + std::to_string(v.load<double>(0));
+    case dtype::I64: return s + std::to_string(v.load<std::int64_t>(0));
+    case dtype::I32: return s + std::to_string(v.load<std::int32_t>(0));
+    default: return s + "value";
+  }
+}
+inline std::string value_text(const Value& v) {
+  switch (v.kind()) {
+    case value_kind::integer: return std::to_string(v.as_int());
+    case value_kind::floating: return std::to_string(v.as_double());
+    case value_kind::boolean: return v.as_bool() ? "True" : "False";
+    case value_kind::string: return quote(v.as_string());
+    case value_kind::none: return "None";
+    default: return "a " + std::string(to_string(v.kind()));
+  }
+}
+}  // namespace detail
+
+/// Merges the state of `params` (see the rules at the top of this file). `families[f][r]` are rank
+/// r's state segments of family f, laid out like the flat buffers the pieces index. Tensor state of
+/// rank > 0 is placed with the pieces; constant state is taken from the lowest rank holding the
+/// parameter's scalar segment and checked equal on the others (errors::os_state_differs).
+inline MergedState merge_state(std::span<const ParamState> params, const StateFamilies& families, SourceTable& table,
+                               std::string_view prefix = "optim.state.") {
+  MergedState out;
+  for (const ParamState& p : params) {
+    const std::string base = std::string(prefix) + p.name;
+    if (p.family >= families.size())
+      throw_error(errors::os_bad_layout, base, "parameter refers to state family " + std::to_string(p.family) + " of " +
+                                                   std::to_string(families.size()));
+    const auto& fam = families[p.family];
+    // The key list: from the first rank whose scalar segment has state.
+    const Dict* first = nullptr;
+    std::size_t first_rank = 0;
+    for (std::size_t r = 0; r < fam.size(); ++r) {
+      if (p.scalar_segment < fam[r].size() && fam[r][p.scalar_segment].state) {
+        first = fam[r][p.scalar_segment].state;
+        first_rank = r;
+        break;
+      }
+    }
+    if (!first) continue;  // no rank has state for it: the optimizer never stepped it
+    for (const auto& [key, v0] : *first) {
+      const std::string kname = key.str();
+      const std::string tname = base + "." + kname;
+      const bool flat = v0.is_tensor() && v0.as_tensor().rank() > 0;
+      if (flat) {
+        // Per rank, the tensor under `key` in each segment forms that rank's buffer for this key.
+        std::vector<RankBuffer> bufs(fam.size());
+        for (std::size_t r = 0; r < fam.size(); ++r) {
+          for (const StateSegment& s : fam[r]) {
+            Segment seg{nullptr, s.numel, s.where + "[" + quote(kname) + "]"};
+            if (s.state) {
+              const Value* v = s.state->find(key);
+              if (v && !v->is_tensor())
+                throw_error(errors::os_bad_state, tname, s.where + "[" + quote(kname) + "] is a " +
+                                                            std::string(to_string(v->kind())) + ", expected a tensor");
+              if (v) seg.view = &v->as_tensor();
+            }
+            bufs[r].push_back(std::move(seg));
+          }
+        }
+        TensorInfo t;
+        t.name = tname;
+        t.shape = p.shape;
+        t.dtype = v0.as_tensor().dtype();
+        t.chunks = place(p.pieces, bufs, table, tname);
+        for (const Chunk& c : t.chunks)
+          if (c.at.stored != t.dtype)
+            throw_error(errors::os_bad_state, tname, "stored as " + std::string(name(c.at.stored)) + " on one rank and " +
+                                                         std::string(name(t.dtype)) + " on another");
+        check_flat_cover(t.chunks, numel(t.shape), errors::os_bad_state, tname);
+        out.tensors.push_back(std::move(t));
+        continue;
+      }
+      // Constant state: equal wherever present (its few bytes are read to compare).
+      std::optional<Tensor> t0;
+      if (v0.is_tensor()) t0 = table.materialize(v0.as_tensor(), tname);
+      for (std::size_t r = first_rank + 1; r < fam.size(); ++r) {
+        if (p.scalar_segment >= fam[r].size()) continue;
+        const StateSegment& s = fam[r][p.scalar_segment];
+        if (!s.state) continue;
+        const Value* v = s.state->find(key);
+        if (!v) continue;
+        std::optional<Tensor> tr;
+        if (v->is_tensor()) tr = table.materialize(v->as_tensor(), tname);
+        const bool same = t0 ? (tr && detail::same_scalar(*t0, *tr)) : (*v == v0);
+        if (!same)
+          throw_error(errors::os_state_differs, tname,
+                      "rank " + std::to_string(first_rank) + " has " +
+                          (t0 ? detail::scalar_text(t0->view()) : detail::value_text(v0)) + ", rank " +
+                          std::to_string(r) + " has " + (tr ? detail::scalar_text(tr->view()) : detail::value_text(*v)) +
+                          " (constant state must be equal on every rank)");
+      }
+      if (v0.is_tensor()) {
+        const std::string where = fam[first_rank][p.scalar_segment].where + "[" + quote(kname) + "]";
+        TensorInfo t;
+        t.name = tname;
+        t.dtype = v0.as_tensor().dtype();
+        t.shape = v0.as_tensor().shape();
+        t.chunks.push_back(whole_chunk(v0.as_tensor(), table, where));
+        out.tensors.push_back(std::move(t));
+      } else {
+        out.values.emplace_back(p.name + "." + kname, v0);
+      }
+    }
+  }
+  return out;
+}
+
+/// Compares the param_groups of every rank with rank 0's (ignoring keys in `ignore`); throws
+/// errors::os_groups_differ naming the first rank, group and key that differ.
+inline void check_groups_equal(std::span<const Value* const> groups, std::span<const std::string> where,
+                               std::span<const std::string_view> ignore = {}) {
+  if (groups.empty() || !groups[0]) return;
+  auto skip = [&](const Key& k) {
+    return k.is_string() && std::find(ignore.begin(), ignore.end(), std::string_view(k.as_string())) != ignore.end();
+  };
+  const List& g0 = groups[0]->as_list();
+  for (std::size_t r = 1; r < groups.size(); ++r) {
+    if (!groups[r]) continue;
+    const List& gr = groups[r]->as_list();
+    if (gr.size() != g0.size())
+      throw_error(errors::os_groups_differ, where[r], std::to_string(gr.size()) + " param groups, rank 0 has " +
+                                                          std::to_string(g0.size()));
+    for (std::size_t g = 0; g < g0.size(); ++g) {
+      if (!g0[g].is_dict() || !gr[g].is_dict()) {
+        if (!(g0[g] == gr[g]))
+          throw_error(errors::os_groups_differ, where[r], "param group " + std::to_string(g) + " differs from rank 0's");
+        continue;
+      }
+      for (const auto& [k, v] : g0[g].as_dict()) {
+        if (skip(k)) continue;
+        const Value* o = gr[g].as_dict().find(k);
+        if (!o || !(*o == v))
+          throw_error(errors::os_groups_differ, where[r],
+                      "param_groups." + std::to_string(g) + "." + k.str() + " is " + (o ? detail::value_text(*o) : "missing") +
+                          ", rank 0 has " + detail::value_text(v));
+      }
+      for (const auto& [k, v] : gr[g].as_dict())
+        if (!skip(k) && !g0[g].as_dict().contains(k))
+          throw_error(errors::os_groups_differ, where[r],
+                      "param_groups." + std::to_string(g) + "." + k.str() + " is not in rank 0's group");
+    }
+  }
+}
+
+// =============================================================================================
+// The reverse: a full optimizer state sharded for a layout
+
+/// Which flat layout to shard for.
+enum class layout_kind : std::uint8_t {
+  zero12,      ///< DeepSpeed ZeRO-1/2: one flat buffer per group, padded to 2 * world, split evenly
+  zero3,       ///< DeepSpeed ZeRO-3: every parameter split ceil(n / world) per rank
+  fsdp,        ///< FSDP FlatParameter without alignment (torch <= 2.0, use_orig_params=False)
+  fsdp_aligned ///< FSDP FlatParameter with use_orig_params alignment padding (torch >= 2.1)
+};
+
+/// What to shard: parameter groups (names, in flat order: param_shapes order for ZeRO, flattening
+/// order for FSDP), the state keys laid out like the parameters, and the constant keys.
+struct ShardSpec {
+  layout_kind kind = layout_kind::zero12;
+  std::uint32_t world = 1;
+  std::vector<std::vector<std::string>> groups;
+  std::vector<std::string> flat_keys{"exp_avg", "exp_avg_sq"};
+  /// 0-dim state replicated per group on every rank (taken from the group's first parameter).
+  std::vector<std::string> scalar_keys{"step"};
+  std::string prefix = "optim.state.";
+};
+
+/// Destination name of rank r's buffer for `key`: "rank<r>.<key>".
+inline std::string buffer_name(std::uint32_t rank, std::string_view key) {
+  return "rank" + std::to_string(rank) + "." + std::string(key);
+}
+
+/// Lays out `full` (tensors named `<prefix><param>.<key>`, e.g. a consolidated checkpoint's
+/// optimizer tensors) as the per-rank flat buffers of `spec`: destination `k * world + r` is rank
+/// r's buffer for flat key k (buffer_name), each group's partition in group order, padding left
+/// to the sink (zero); then, per scalar key s, destination `(K + s) * world + r` holds each group's
+/// scalar (from its first parameter) at position g. Throws errors::os_bad_layout when a tensor is
+/// missing or a scalar is not 0-dim.
+inline Destination destination(std::span<const TensorInfo> full, const ShardSpec& spec) {
+  if (spec.world == 0) throw_error(errors::os_bad_layout, "optimizer sharding", "world size must be at least 1");
+  auto find = [&](const std::string& n) -> const TensorInfo& {
+    for (const TensorInfo& t : full)
+      if (t.name == n) return t;
+    throw_error(errors::os_bad_layout, "optimizer sharding", "no tensor " + quote(n) + " in the full state");
+  };
+  Destination out;
+  const std::uint32_t W = spec.world;
+  for (const std::string& key : spec.flat_keys) {
+    std::vector<TensorInfo> specs;
+    std::vector<std::vector<std::size_t>> groups;
+    for (const auto& g : spec.groups) {
+      std::vector<std::size_t> idx;
+      for (const std::string& p : g) {
+        const TensorInfo& t = find(spec.prefix + p + "." + key);
+        idx.push_back(specs.size());
+        specs.push_back(TensorInfo{t.name, t.dtype, t.shape, {}});
+      }
+      groups.push_back(std::move(idx));
+    }
+    Destination d;
+    switch (spec.kind) {
+      case layout_kind::zero12: d = layout::zero12(specs, groups, W); break;
+      case layout_kind::zero3: d = layout::zero3(specs, groups, W); break;
+      case layout_kind::fsdp: d = layout::fsdp(specs, groups, W, false); break;
+      case layout_kind::fsdp_aligned: d = layout::fsdp(specs, groups, W, true); break;
+    }
+    const auto base = static_cast<std::uint32_t>(out.names.size());
+    for (std::uint32_t r = 0; r < W; ++r) {
+      out.names.push_back(buffer_name(r, key));
+      out.sizes.push_back(r < d.sizes.size() ? d.sizes[r] : 0);
+    }
+    for (TensorInfo& t : d.tensors) {
+      for (Chunk& c : t.chunks) c.at.source += base;
+      out.tensors.push_back(std::move(t));
+    }
+  }
+  for (const std::string& key : spec.scalar_keys) {
+    const auto base = static_cast<std::uint32_t>(out.names.size());
+    std::vector<std::uint64_t> size(W, 0);
+    std::vector<TensorInfo> scalars;
+    for (std::size_t g = 0; g < spec.groups.size(); ++g) {
+      if (spec.groups[g].empty()) continue;
+      const TensorInfo& t = find(spec.prefix + spec.groups[g][0] + "." + key);
+      if (!t.shape.empty())
+        throw_error(errors::os_bad_layout, t.name, "constant state must be 0-dim, found shape " + to_string(t.shape));
+      TensorInfo d{t.name, t.dtype, t.shape, {}};
+      for (std::uint32_t r = 0; r < W; ++r) {
+        d.chunks.push_back(Chunk{Box{{}, {}}, Placement{base + r, size[r], {}, t.dtype}});
+        size[r] += itemsize(t.dtype);
+      }
+      scalars.push_back(std::move(d));
+    }
+    for (std::uint32_t r = 0; r < W; ++r) {
+      out.names.push_back(buffer_name(r, key));
+      out.sizes.push_back(size[r]);
+    }
+    for (TensorInfo& t : scalars) out.tensors.push_back(std::move(t));
+  }
+  return out;
+}
+
+}  // namespace optim_shard
+}  // namespace statedict::inline v0
+// ---- statedict/formats/detail/files.hpp ----
+// statedict: pieces every directory-format reader shares: file-name rules (rank files, natural
+// order), the torch.save check of a file's first bytes, and loading a rank file's pickle without
+// reading its tensors.
+// SPDX-License-Identifier: MIT
+
+#include <algorithm>
+#include <charconv>
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+
+namespace statedict::inline v0::formats::detail {
+
+inline bool ends_with(std::string_view s, std::string_view suffix) noexcept {
+  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
+/// True when the file name of `p` ends with `ext` (".pt"), in any letter case.
+inline bool has_extension(const std::filesystem::path& p, std::string_view ext) {
+  const std::string n = p.filename().string();
+  if (n.size() <= ext.size()) return false;
+  for (std::size_t i = 0; i < ext.size(); ++i) {
+    const char a = n[n.size() - ext.size() + i];
+    const char b = ext[i];
+    if ((a >= 'A' && a <= 'Z' ? static_cast<char>(a - 'A' + 'a') : a) != b) return false;
+  }
+  return true;
+}
+
+/// Python's str.strip(): leading and trailing whitespace removed.
+inline std::string strip(std::string_view s) {
+  auto ws = [](char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; };
+  while (!s.empty() && ws(s.back())) s.remove_suffix(1);
+  while (!s.empty() && ws(s.front())) s.remove_prefix(1);
+  return std::string(s);
+}
+
+/// Python's "natural keys" order: digit runs compare as numbers, the rest as text.
+inline bool natural_less(std::string_view a, std::string_view b) {
+  std::size_t i = 0, j = 0;
+  auto digit = [](char c) { return c >= '0' && c <= '9'; };
+  while (i < a.size() && j < b.size()) {
+    if (digit(a[i]) && digit(b[j])) {
+      std::size_t ie = i, je = j;
+      while (ie < a.size() && digit(a[ie])) ++ie;
+      while (je < b.size() && digit(b[je])) ++je;
+      std::string_view x = a.substr(i, ie - i), y = b.substr(j, je - j);
+      while (x.size() > 1 && x[0] == '0') x.remove_prefix(1);
+      while (y.size() > 1 && y[0] == '0') y.remove_prefix(1);
+      if (x.size() != y.size()) return x.size() < y.size();
+      if (x != y) return x < y;
+      i = ie;
+      j = je;
+    } else {
+      if (a[i] != b[j]) return a[i] < b[j];
+      ++i;
+      ++j;
+    }
+  }
+  return (a.size() - i) < (b.size() - j);
+}
+
+/// An unsigned decimal of 1 to 9 digits without leading zeros ("0" allowed), as a number.
+inline std::optional<std::uint64_t> plain_number(std::string_view digits) {
+  if (digits.empty() || digits.size() > 9 || (digits.size() > 1 && digits[0] == '0')) return std::nullopt;
+  std::uint64_t r = 0;
+  const auto [p, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), r);
+  if (ec != std::errc() || p != digits.data() + digits.size()) return std::nullopt;
+  return r;
+}
+
+/// `<prefix><N><suffix>` -> N ("rank3.pt" with prefix "rank" and suffix ".pt" -> 3).
+inline std::optional<std::uint64_t> number_in(std::string_view file, std::string_view prefix, std::string_view suffix) {
+  if (file.size() <= prefix.size() + suffix.size() || file.substr(0, prefix.size()) != prefix || !ends_with(file, suffix))
+    return std::nullopt;
+  return plain_number(file.substr(prefix.size(), file.size() - prefix.size() - suffix.size()));
+}
+
+/// The `rank<N>.pt` files of a directory, sorted by N.
+inline std::vector<std::pair<std::uint64_t, std::filesystem::path>> rank_files(const std::filesystem::path& dir) {
+  std::vector<std::pair<std::uint64_t, std::filesystem::path>> out;
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    std::error_code ec2;
+    if (!it->is_regular_file(ec2)) continue;
+    if (auto r = number_in(it->path().filename().string(), "rank", ".pt")) out.emplace_back(*r, it->path());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+/// What is wrong with a set of rank files that should be rank 0 .. W-1 (nullopt: nothing).
+inline std::optional<std::string> rank_gap(const std::vector<std::pair<std::uint64_t, std::filesystem::path>>& files,
+                                           const std::filesystem::path& dir) {
+  if (files.empty()) return quote(dir.string()) + " has no rank<N>.pt file";
+  for (std::size_t i = 0; i < files.size(); ++i)
+    if (files[i].first != i)
+      return quote(dir.string()) + " has rank" + std::to_string(files[i].first) + ".pt but no rank" + std::to_string(i) + ".pt";
+  return std::nullopt;
+}
+
+/// True when the file at `p` begins like a torch.save file (torch::kind_of).
+inline bool begins_like_torch_file(const std::filesystem::path& p) {
+  try {
+    const auto f = InputFile::open(p, read_mode::pread);
+    std::byte head[16] = {};
+    const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(f->size(), sizeof head));
+    f->peek(0, std::span<std::byte>(head, n));
+    return torch::kind_of(std::span<const std::byte>(head, n), f->size()) != torch::file_kind::unknown;
+  } catch (const error&) {
+    return false;
+  }
+}
+
+/// "file '<name>'": the context of an error about one loaded file.
+inline std::string file_ctx(const optim_shard::LoadedFile& f) { return "file " + quote(f.name); }
+
+/// Loads a rank file's pickle without reading its tensors (torch::read_lazily), keeping objects
+/// outside the allow-list as data; errors get `context` (the checkpoint) added.
+inline optim_shard::LoadedFile load_rank_file(const std::filesystem::path& p, read_mode mode, const torch::limits& lim,
+                                              const std::string& context) {
+  torch::load_options lo;
+  lo.limits = lim;
+  lo.keep_unknown_objects = true;  // config objects, loss scalers, numpy RNG states: kept as data, never run
+  lo.mode = mode;
+  try {
+    torch::File f = torch::read_lazily(InputFile::open(p, mode), lo);
+    if (f.big_endian)  // its flat buffers would be sliced without their byte order
+      throw_error(errors::pt_big_endian, "file " + quote(p.string()),
+                  "a rank file written on a big-endian machine (byteorder record) is not supported by this reader");
+    return optim_shard::LoadedFile{p.string(), f.source, std::move(f.value), f.view_base};
+  } catch (error& e) {
+    e.add_context(context);
+    throw;
+  }
+}
+
+}  // namespace statedict::inline v0::formats::detail
+
+namespace statedict::inline v0 {
+
+namespace errors {
+// clang-format off
+inline constexpr error_id colossalai_not_found       {910, error_kind::format, "colossalai.not_found"};
+inline constexpr error_id colossalai_bad_json        {911, error_kind::format, "colossalai.bad_json"};
+inline constexpr error_id colossalai_global_shape    {912, error_kind::format, "colossalai.global_shape"};
+inline constexpr error_id colossalai_bad_box         {913, error_kind::format, "colossalai.bad_box"};
+inline constexpr error_id colossalai_duplicate_rank  {914, error_kind::format, "colossalai.duplicate_rank"};
+inline constexpr error_id colossalai_missing_file    {915, error_kind::format, "colossalai.missing_file"};
+inline constexpr error_id colossalai_missing_tensor  {916, error_kind::format, "colossalai.missing_tensor"};
+inline constexpr error_id colossalai_shard_shape     {917, error_kind::format, "colossalai.shard_shape"};
+inline constexpr error_id colossalai_dtype           {918, error_kind::format, "colossalai.dtype"};
+inline constexpr error_id colossalai_hole            {919, error_kind::format, "colossalai.hole"};
+inline constexpr error_id colossalai_overlap         {920, error_kind::format, "colossalai.overlap"};
+inline constexpr error_id colossalai_bad_index       {921, error_kind::format, "colossalai.bad_index"};
+inline constexpr error_id colossalai_bad_optimizer   {922, error_kind::format, "colossalai.bad_optimizer"};
+inline constexpr error_id colossalai_param_order     {923, error_kind::format, "colossalai.param_order"};
+inline constexpr error_id colossalai_bad_weight_file {924, error_kind::format, "colossalai.bad_weight_file"};
+inline constexpr error_id colossalai_limit           {925, error_kind::limit,  "colossalai.limit"};
+inline constexpr error_id colossalai_bad_option      {926, error_kind::usage,  "colossalai.bad_option"};
+// clang-format on
+}  // namespace errors
+
+namespace colossalai {
+
+/// Caps on hostile input; each error names the field to raise.
+struct limits {
+  /// Bytes of one metadata or index JSON file.
+  std::uint64_t max_json_bytes = std::uint64_t{64} << 20;
+  /// Files of one checkpoint (metadata, weight and optimizer files).
+  std::uint64_t max_files = std::uint64_t{1} << 16;
+  /// Entries (parameters per metadata file, index entries, shards of one parameter).
+  std::uint64_t max_entries = std::uint64_t{1} << 24;
+  /// Bytes of one pickled optimizer value (async optimizer files), read into memory.
+  std::uint64_t max_value_bytes = std::uint64_t{1} << 24;
+  /// Limits of the torch.save reader (`.bin` files) and of the safetensors parser.
+  torch::limits torch{};
+  safetensors::limits safetensors{};
+};
+
+/// How a ColossalAI checkpoint is read.
+struct options {
+  /// Also describe the optimizer state of a released (HybridParallelCheckpointIO) checkpoint, keyed
+  /// by parameter name.
+  bool with_optimizer = false;
+  read_mode mode = read_mode::mmap;
+  colossalai::limits limits{};
+};
+
+namespace detail {
+
+/// The JSON document at `p` (at most `max_bytes`, nested at most 64 levels, no key twice in one
+/// object); errors are `id` naming the file.
+inline nlohmann::ordered_json read_json(const std::filesystem::path& p, std::uint64_t max_bytes, const error_id& id) {
+  const std::string at = "file " + quote(p.string());
+  std::shared_ptr<const ByteSource> f;
+  try {
+    f = InputFile::open(p, read_mode::pread);
+  } catch (error& e) {
+    e.add_context(at);
+    throw;
+  }
+  if (f->size() > max_bytes)
+    throw_error(errors::colossalai_limit, at,
+                std::to_string(f->size()) + " bytes of JSON, more than limits::max_json_bytes (" + std::to_string(max_bytes) + ")");
+  std::string text(static_cast<std::size_t>(f->size()), '\0');
+  f->read(0, std::as_writable_bytes(std::span<char>(text.data(), text.size())));
+  std::vector<std::unordered_set<std::string>> keys;
+  auto cb = [&](int depth, nlohmann::ordered_json::parse_event_t ev, nlohmann::ordered_json& parsed) {
+    using ev_t = nlohmann::ordered_json::parse_event_t;
+    if (depth > 64) throw_error(id, at, "JSON nested deeper than 64 levels");
+    if (ev == ev_t::object_start) keys.emplace_back();
+    else if (ev == ev_t::object_end && !keys.empty()) keys.pop_back();
+    else if (ev == ev_t::key && !keys.empty() && !keys.back().insert(parsed.get<std::string>()).second)
+      throw_error(id, at, "key " + quote(parsed.get<std::string>()) + " appears twice in one object");
+    return true;
+  };
+  try {
+    return nlohmann::ordered_json::parse(text, cb);
+  } catch (const nlohmann::json::exception& e) {
+    throw_error(id, at, std::string("invalid JSON: ") + safetensors::detail::sanitize_message(e.what()));
+  }
+}
+
+/// A list of non-negative ints of a JSON document (offsets, lengths, shapes).
+inline shape_t json_dims(const nlohmann::ordered_json& j, const error_id& id, const std::string& where, std::string_view what,
+                         std::size_t max_rank) {
+  if (!j.is_array()) throw_error(id, where, std::string(what) + " is not a list");
+  if (j.size() > max_rank) throw_error(id, where, std::string(what) + " has " + std::to_string(j.size()) + " dimensions");
+  shape_t out;
+  for (const auto& x : j) {
+    if (!x.is_number_integer() || (x.is_number_integer() && !x.is_number_unsigned() && x.get<std::int64_t>() < 0))
+      throw_error(id, where, std::string(what) + " holds " + x.dump() + ", not a non-negative int");
+    const std::uint64_t v = x.get<std::uint64_t>();
+    if (v > static_cast<std::uint64_t>(INT64_MAX)) throw_error(id, where, std::string(what) + " holds " + x.dump() + ", too large");
+    out.push_back(static_cast<dim_t>(v));
+  }
+  return out;
+}
+
+/// One stored tensor of a weight file: its dtype and shape, the element strides it is stored
+/// with, and where its element 0 is.
+struct Stored {
+  statedict::dtype dtype = statedict::dtype::F32;
+  shape_t shape;
+  shape_t strides;  ///< element strides (row-major for safetensors)
+  Placement at;     ///< at.strides empty; the executor gets `strides` when a chunk needs them
+};
+
+/// A loaded weight file: its tensors by name (non-tensor entries are not listed), in file order.
+struct WeightFile {
+  std::string name;
+  std::vector<std::pair<std::string, Stored>> tensors;
+  std::unordered_map<std::string, std::size_t> by_name;
+  /// safetensors `__metadata__` (empty for .bin files)
+  std::map<std::string, std::string> metadata;
+  /// the safetensors file (for pickled entries of async optimizer files)
+  std::optional<safetensors::File> st;
+  /// the .bin file's tree (optimizer files need its structure)
+  std::optional<optim_shard::LoadedFile> bin;
+
+  [[nodiscard]] const Stored* find(const std::string& n) const {
+    const auto it = by_name.find(n);
+    return it == by_name.end() ? nullptr : &tensors[it->second].second;
+  }
+};
+
+/// The weight files of one folder, each loaded once, their sources in one table.
+class WeightFiles {
+ public:
+  WeightFiles(std::filesystem::path dir, read_mode mode, const limits& lim, optim_shard::SourceTable& table)
+      : dir_(std::move(dir)), mode_(mode), lim_(lim), table_(table) {}
+
+  /// The file `name` of the folder (a bare file name), loaded on first use. `tensors_only`: a .bin
+  /// file must be a dict of tensors (model files); otherwise any tree is kept (optimizer files).
+  const WeightFile& get(const std::string& name, const std::string& where, bool flat_tensors = true) {
+    if (auto it = index_.find(name); it != index_.end()) return files_[it->second];
+    if (name.empty() || name == "." || name == ".." || name.find('/') != std::string::npos)
+      throw_error(errors::colossalai_missing_file, where, quote(name) + " is not a file name of the checkpoint folder");
+    if (files_.size() >= lim_.max_files)
+      throw_error(errors::colossalai_limit, where, "more than limits::max_files (" + std::to_string(lim_.max_files) + ") files");
+    const auto p = dir_ / name;
+    std::error_code ec;
+    if (!std::filesystem::is_regular_file(p, ec))
+      throw_error(errors::colossalai_missing_file, where, "file " + quote(name) + " is not in " + quote(dir_.string()));
+    WeightFile wf;
+    wf.name = name;
+    if (formats::detail::ends_with(name, ".safetensors")) load_safetensors(wf, p);
+    else load_bin(wf, p, flat_tensors);
+    index_.emplace(name, files_.size());
+    files_.push_back(std::move(wf));
+    return files_.back();
+  }
+  /// A tensor of a loaded .bin file's tree (nested ones included), located.
+  Stored locate(const TensorView& t, const std::string& what) {
+    Stored s;
+    s.dtype = t.dtype();
+    s.shape = t.shape();
+    s.strides = t.strides();
+    s.at = table_.locate(t, what);
+    s.at.strides.clear();
+    return s;
+  }
+  [[nodiscard]] const std::filesystem::path& dir() const noexcept { return dir_; }
+  [[nodiscard]] const std::deque<WeightFile>& loaded() const noexcept { return files_; }
+
+ private:
+  void load_safetensors(WeightFile& wf, const std::filesystem::path& p) {
+    safetensors::File f = safetensors::File::open(p, safetensors::open_options{mode_, lim_.safetensors});
+    const std::uint32_t src = table_.add(f.source());
+    wf.metadata = f.metadata();
+    if (f.raw_metadata())
+      for (const auto& [k, v] : *f.raw_metadata()) wf.metadata[k] = v;
+    for (const auto& e : f.entries()) {
+      if (!e.dtype)
+        throw_error(errors::colossalai_bad_weight_file, "file " + quote(p.string()) + ": tensor " + quote(e.name),
+                    "dtype " + std::string(e.dtype_name) + " has no statedict dtype");
+      Stored s;
+      s.dtype = *e.dtype;
+      s.shape = e.shape;
+      s.strides = contiguous_strides(e.shape);
+      s.at = Placement{src, checked_add(f.data_offset(), e.begin, "offset"), {}, *e.dtype};
+      wf.by_name.emplace(e.name, wf.tensors.size());
+      wf.tensors.emplace_back(e.name, std::move(s));
+    }
+    wf.st = std::move(f);
+  }
+  void load_bin(WeightFile& wf, const std::filesystem::path& p, bool flat_tensors) {
+    optim_shard::LoadedFile lf = formats::detail::load_rank_file(p, mode_, lim_.torch, "ColossalAI checkpoint " + quote(dir_.string()));
+    (void)table_.add(lf.source, lf.base);
+    const std::string at = "file " + quote(p.string());
+    if (!lf.tree.is_dict())
+      throw_error(errors::colossalai_bad_weight_file, at, "holds a " + std::string(to_string(lf.tree.kind())) + ", not a dict");
+    for (const auto& [k, v] : lf.tree.as_dict()) {
+      if (!v.is_tensor()) {
+        if (flat_tensors && !k.is_string())
+          throw_error(errors::colossalai_bad_weight_file, at, "key " + k.str() + " is not a parameter name");
+        continue;
+      }
+      if (!k.is_string()) throw_error(errors::colossalai_bad_weight_file, at, "tensor under the int key " + k.str());
+      Stored s = locate(v.as_tensor(), at + ": tensor " + quote(k.as_string()));
+      if (!wf.by_name.emplace(k.as_string(), wf.tensors.size()).second)
+        throw_error(errors::colossalai_bad_weight_file, at, "tensor " + quote(k.as_string()) + " appears twice");
+      wf.tensors.emplace_back(k.as_string(), std::move(s));
+    }
+    wf.bin = std::move(lf);
+  }
+
+  std::filesystem::path dir_;
+  read_mode mode_;
+  limits lim_;
+  optim_shard::SourceTable& table_;
+  std::deque<WeightFile> files_;  // references handed out stay valid
+  std::unordered_map<std::string, std::size_t> index_;
+};
+
+/// A chunk holding the leading box `[0, lengths)` of stored tensor `s` at `offsets` of its tensor.
+inline Chunk box_chunk(const Stored& s, const shape_t& offsets, const shape_t& lengths) {
+  Chunk c;
+  c.region = Box{offsets, lengths};
+  c.at = s.at;
+  if (lengths != s.shape || !is_contiguous(s.shape, s.strides)) c.at.strides = s.strides;
+  return c;
+}
+
+}  // namespace detail
+}  // namespace colossalai
+}  // namespace statedict::inline v0
+
+namespace statedict::inline v0::colossalai::detail {
+
+/// A metadata file name, `pytorch_model-meta-dist-<5 digits>.json` or `.index.json`: its dist id.
+inline std::optional<std::uint64_t> dist_meta_id(const std::string& name) {
+  static constexpr std::string_view prefix = "pytorch_model-meta-dist-";
+  if (name.size() < prefix.size() + 5 || name.compare(0, prefix.size(), prefix) != 0) return std::nullopt;
+  const std::string digits = name.substr(prefix.size(), 5);
+  if (digits.find_first_not_of("0123456789") != std::string::npos) return std::nullopt;
+  const std::string rest = name.substr(prefix.size() + 5);
+  if (rest != ".json" && rest != ".index.json") return std::nullopt;
+  return std::stoull(digits);
+}
+
+/// A weight file of the distributed layout: `(pytorch_model|model)-dist-XXXXX[-shard-XXXXX].(bin|safetensors)`.
+inline bool is_dist_weight_file(const std::string& name) {
+  static const std::regex re(R"((pytorch_model|model)-dist-\d{5}(-shard-\d{5})?\.(bin|safetensors))");
+  return std::regex_match(name, re);
+}
+
+/// The metadata files of `dir`, by dist id then name.
+inline std::vector<std::pair<std::uint64_t, std::filesystem::path>> dist_meta_files(const std::filesystem::path& dir) {
+  std::vector<std::pair<std::uint64_t, std::filesystem::path>> out;
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    std::error_code e2;
+    if (!it->is_regular_file(e2)) continue;
+    if (auto id = dist_meta_id(it->path().filename().string())) out.emplace_back(*id, it->path());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+/// One rank's piece of a parameter, as a metadata file lists it.
+struct DistShard {
+  std::int64_t rank = 0;
+  shape_t offsets, lengths, global;
+  std::string file;       ///< as recorded
+  std::string meta_file;  ///< where it is listed
+};
+
+/// The pieces of every parameter, in first-listed order (metadata files by dist id).
+struct DistListing {
+  std::vector<std::string> order;
+  std::unordered_map<std::string, std::vector<DistShard>> shards;
+  std::vector<std::string> meta_files;
+};
+
+inline DistListing list_dist(const std::filesystem::path& dir, const limits& lim) {
+  DistListing out;
+  const auto metas = dist_meta_files(dir);
+  if (metas.empty())
+    throw_error(errors::colossalai_not_found, "directory " + quote(dir.string()), "has no pytorch_model-meta-dist-XXXXX(.index).json file");
+  if (metas.size() > lim.max_files)
+    throw_error(errors::colossalai_limit, "directory " + quote(dir.string()), "more metadata files than limits::max_files");
+  std::uint64_t entries = 0;
+  for (const auto& [id, path] : metas) {
+    const std::string fn = path.filename().string();
+    out.meta_files.push_back(fn);
+    const std::string at = "file " + quote(path.string());
+    const auto doc = read_json(path, lim.max_json_bytes, errors::colossalai_bad_json);
+    if (!doc.is_object() || !doc.contains("metadata") || !doc["metadata"].is_object())
+      throw_error(errors::colossalai_bad_json, at, "has no \"metadata\" object");
+    for (const auto& [name, item] : doc["metadata"].items()) {
+      const std::string where = at + ": parameter " + quote(name);
+      if (++entries > lim.max_entries) throw_error(errors::colossalai_limit, where, "more entries than limits::max_entries");
+      if (!item.is_object()) throw_error(errors::colossalai_bad_json, where, "is not an object");
+      for (const char* k : {"offsets", "lengths", "global_shape", "file", "rank"})
+        if (!item.contains(k)) throw_error(errors::colossalai_bad_json, where, std::string("has no \"") + k + "\"");
+      DistShard s;
+      const std::size_t max_rank = lim.torch.max_rank;
+      s.offsets = json_dims(item["offsets"], errors::colossalai_bad_json, where, "offsets", max_rank);
+      s.lengths = json_dims(item["lengths"], errors::colossalai_bad_json, where, "lengths", max_rank);
+      s.global = json_dims(item["global_shape"], errors::colossalai_bad_json, where, "global_shape", max_rank);
+      if (!item["file"].is_string()) throw_error(errors::colossalai_bad_json, where, "\"file\" is not a string");
+      if (!item["rank"].is_number_integer()) throw_error(errors::colossalai_bad_json, where, "\"rank\" is not an int");
+      s.file = item["file"].get<std::string>();
+      s.rank = item["rank"].get<std::int64_t>();
+      s.meta_file = fn;
+      auto [it, fresh] = out.shards.try_emplace(name);
+      if (fresh) out.order.push_back(name);
+      for (const DistShard& o : it->second)
+        if (o.rank == s.rank)
+          throw_error(errors::colossalai_duplicate_rank, where,
+                      "rank " + std::to_string(s.rank) + " is listed in " + quote(o.meta_file) + " and in " + quote(fn));
+      it->second.push_back(std::move(s));
+    }
+  }
+  return out;
+}
+
+/// The base name of a recorded `file` (ColossalAI records the save-time path for unsharded saves).
+inline std::string base_name(const std::string& recorded) {
+  const auto slash = recorded.find_last_of('/');
+  return slash == std::string::npos ? recorded : recorded.substr(slash + 1);
+}
+
+/// Checks one parameter's boxes against its global shape and proves they cover it (identical
+/// boxes are replicas; distinct ones must not overlap).
+inline void check_boxes(const std::string& name, const std::vector<DistShard>& shards, const std::string& where) {
+  const shape_t& g = shards.front().global;
+  for (const DistShard& s : shards) {
+    const std::string at = where + " rank " + std::to_string(s.rank) + " (" + quote(s.meta_file) + ")";
+    if (s.global != g)
+      throw_error(errors::colossalai_global_shape, at,
+                  "global_shape " + to_string(s.global) + ", rank " + std::to_string(shards.front().rank) + " says " + to_string(g));
+    if (s.offsets.size() != g.size() || s.lengths.size() != g.size())
+      throw_error(errors::colossalai_bad_box, at, "offsets " + to_string(s.offsets) + " and lengths " + to_string(s.lengths) +
+                                                      " do not have the " + std::to_string(g.size()) + " dimensions of " + to_string(g));
+    for (std::size_t d = 0; d < g.size(); ++d)
+      if (checked_add(static_cast<std::uint64_t>(s.offsets[d]), static_cast<std::uint64_t>(s.lengths[d]), "box") >
+          static_cast<std::uint64_t>(g[d]))
+        throw_error(errors::colossalai_bad_box, at, "box at " + to_string(s.offsets) + " of size " + to_string(s.lengths) +
+                                                        " reaches outside the global shape " + to_string(g));
+  }
+  (void)numel(g);
+  if (numel(g) == 0) return;
+  std::vector<Box> boxes;
+  std::vector<std::size_t> owner;
+  for (std::size_t i = 0; i < shards.size(); ++i) {
+    Box b{shards[i].offsets, shards[i].lengths};
+    if (std::find(boxes.begin(), boxes.end(), b) != boxes.end()) continue;
+    boxes.push_back(std::move(b));
+    owner.push_back(i);
+  }
+  if (auto issue = cover(full_box(g), boxes, false)) {
+    if (issue->what == CoverIssue::kind::hole) {
+      std::string ranks;
+      for (const DistShard& s : shards) ranks += (ranks.empty() ? "" : ", ") + std::to_string(s.rank);
+      throw_error(errors::colossalai_hole, "parameter " + quote(name),
+                  "element " + to_string(issue->index) + " of " + to_string(g) + " is in no rank's box (ranks listing it: " + ranks +
+                      "; a metadata file is missing?)");
+    }
+    const DistShard& a = shards[owner[issue->first]];
+    const DistShard& b = shards[owner[issue->second]];
+    throw_error(errors::colossalai_overlap, "parameter " + quote(name),
+                "the boxes of rank " + std::to_string(a.rank) + " (at " + to_string(a.offsets) + ", size " + to_string(a.lengths) +
+                    ") and rank " + std::to_string(b.rank) + " (at " + to_string(b.offsets) + ", size " + to_string(b.lengths) +
+                    ") overlap at element " + to_string(issue->index));
+  }
+}
+
+/// The split dim of a parameter's boxes: the first dim where a box is shorter than the global
+/// shape; -1 when every box is the whole tensor.
+inline int split_dim(const std::vector<DistShard>& shards) {
+  const shape_t& g = shards.front().global;
+  for (std::size_t d = 0; d < g.size(); ++d)
+    for (const DistShard& s : shards)
+      if (s.lengths[d] < g[d]) return static_cast<int>(d);
+  return -1;
+}
+
+/// Describes the distributed layout in `dir` (see the top of this file).
+inline ShardedCheckpoint describe_dist(const std::filesystem::path& dir, const options& opt) {
+  const DistListing listing = list_dist(dir, opt.limits);
+  optim_shard::SourceTable table;
+  WeightFiles files(dir, opt.mode, opt.limits, table);
+  ShardedCheckpoint ck;
+  nlohmann::ordered_json dims = nlohmann::ordered_json::object();
+  std::set<std::string> listed;
+  for (const std::string& name : listing.order) {
+    const auto& shards = listing.shards.at(name);
+    const std::string where = "parameter " + quote(name);
+    check_boxes(name, shards, where);
+    TensorInfo t;
+    t.name = name;
+    t.shape = shards.front().global;
+    for (std::size_t i = 0; i < shards.size(); ++i) {
+      const DistShard& s = shards[i];
+      const std::string at = where + " rank " + std::to_string(s.rank) + " (" + quote(s.meta_file) + ")";
+      const WeightFile& wf = files.get(base_name(s.file), at);
+      const Stored* st = wf.find(name);
+      if (!st) throw_error(errors::colossalai_missing_tensor, at, "file " + quote(wf.name) + " has no tensor " + quote(name));
+      bool fits = st->shape.size() == s.lengths.size();
+      for (std::size_t d = 0; fits && d < s.lengths.size(); ++d) fits = st->shape[d] >= s.lengths[d];
+      if (!fits)
+        throw_error(errors::colossalai_shard_shape, at,
+                    "stores " + to_string(st->shape) + " in " + quote(wf.name) + ", smaller than the box lengths " + to_string(s.lengths));
+      if (i == 0) t.dtype = st->dtype;
+      else if (st->dtype != t.dtype)
+        throw_error(errors::colossalai_dtype, at,
+                    "stored as " + std::string(statedict::name(st->dtype)) + ", rank " + std::to_string(shards.front().rank) + "'s as " +
+                        std::string(statedict::name(t.dtype)));
+      if (numel(s.lengths) > 0 || s.lengths.empty()) t.chunks.push_back(box_chunk(*st, s.offsets, s.lengths));
+    }
+    dims[name] = split_dim(shards);
+    listed.insert(name);
+    ck.tensors.push_back(std::move(t));
+  }
+  // Weight tensors no metadata lists: every weight file of the folder is looked at.
+  std::error_code ec;
+  std::vector<std::string> weight_names;
+  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string fn = it->path().filename().string();
+    if (is_dist_weight_file(fn)) weight_names.push_back(fn);
+  }
+  std::sort(weight_names.begin(), weight_names.end());
+  std::set<std::string> unlisted;
+  for (const std::string& fn : weight_names)
+    for (const auto& [n, s] : files.get(fn, "directory " + quote(dir.string())).tensors)
+      if (!listed.count(n)) unlisted.insert(n);
+  ck.format = "colossalai_dist";
+  ck.sources = table.take();
+  ck.metadata["colossalai.layout"] = "distributed (pytorch_model-meta-dist)";
+  ck.metadata["colossalai.partition_dims"] = dims.dump();
+  if (!unlisted.empty()) {
+    std::string s;
+    for (const auto& n : unlisted) s += (s.empty() ? "" : ",") + n;
+    ck.metadata["colossalai.not_in_metadata"] = s;
+  }
+  return ck;
+}
+
+}  // namespace statedict::inline v0::colossalai::detail
+// ---- statedict/formats/detail/colossalai_hybrid.hpp ----
+// statedict: ColossalAI's released HybridParallelCheckpointIO layout (gather_dtensor=True): the
+// model as size-capped shards of whole tensors with an index (`pytorch_model.bin.index.json` or
+// `model.safetensors.index.json`, `-stage-XXXXX-shard-XXXXX` files under pipeline parallelism),
+// and the optimizer as `pytorch_optim-*.bin` / `optimizer-*.safetensors` shards keyed by integer
+// parameter ids, an index, and `pytorch_optim_group.bin` (the param groups).
+// SPDX-License-Identifier: MIT
+//
+// The files do not say which id is which parameter (ColossalAI takes that from the live model).
+// statedict names them by the parameter order (docs/formats/colossalai.md): per pipeline stage,
+// the stage's ids sorted ascending are zipped with the stage's model entries in index order
+// (parameters come before buffers in each stage's files), and every `exp_avg` must have its
+// parameter's shape, so a checkpoint whose optimizer was not built on model.parameters() is
+// refused instead of misnamed. State comes out as `optim.state.<name>.<key>` (moments whole,
+// `step` a 0-dim tensor for torch's Adam or an int value for ColossalAI's HybridAdam) and
+// `optim.param_groups.<g>.*` with `params` as names. ColossalChat and Colossal-LLaMA save the
+// model in `modeling/` and the optimizer in `optimizer/` of one folder; both places are read.
+
+#include <algorithm>
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <regex>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+
+namespace statedict::inline v0::colossalai::detail {
+
+inline constexpr std::string_view model_indexes[] = {"pytorch_model.bin.index.json", "model.safetensors.index.json"};
+inline constexpr std::string_view optim_indexes[] = {"pytorch_optim.bin.index.json", "optimizer.safetensors.index.json"};
+
+/// The index file of `dir` among `names`, if any.
+template <std::size_t N>
+std::optional<std::filesystem::path> find_index(const std::filesystem::path& dir, const std::string_view (&names)[N]) {
+  std::error_code ec;
+  for (const auto& n : names)
+    if (std::filesystem::is_regular_file(dir / n, ec)) return dir / n;
+  return std::nullopt;
+}
+
+/// A shard file name ColossalAI's sharder gives (`pytorch_model-00001.bin`,
+/// `model-stage-00002-shard-00001.safetensors`, `pytorch_optim-00003.bin`, `optimizer-00001.safetensors`).
+inline bool is_hybrid_shard_name(const std::string& name) {
+  static const std::regex re(R"((pytorch_model|model|pytorch_optim|optimizer)(-stage-\d{5}-shard)?-\d{5}\.(bin|safetensors))");
+  return std::regex_match(name, re);
+}
+
+/// The pipeline stage of a shard file (`-stage-XXXXX-`), 0 when it has none.
+inline std::uint64_t stage_of(const std::string& file) {
+  static const std::regex re(R"(-stage-(\d{5})-shard-\d{5}\.)");
+  std::smatch m;
+  return std::regex_search(file, m, re) ? std::stoull(m[1].str()) : 0;
+}
+
+/// An index: its metadata and its weight map in file order.
+struct Index {
+  std::filesystem::path path;
+  nlohmann::ordered_json metadata = nlohmann::ordered_json::object();
+  std::vector<std::pair<std::string, std::string>> weight_map;
+};
+
+inline Index read_index(const std::filesystem::path& p, const limits& lim) {
+  Index ix;
+  ix.path = p;
+  const auto doc = read_json(p, lim.max_json_bytes, errors::colossalai_bad_index);
+  const std::string at = "file " + quote(p.string());
+  if (!doc.is_object() || !doc.contains("weight_map") || !doc["weight_map"].is_object())
+    throw_error(errors::colossalai_bad_index, at, "has no \"weight_map\" object");
+  if (doc.contains("metadata")) {
+    if (!doc["metadata"].is_object()) throw_error(errors::colossalai_bad_index, at, "\"metadata\" is not an object");
+    ix.metadata = doc["metadata"];
+  }
+  if (doc["weight_map"].size() > lim.max_entries) throw_error(errors::colossalai_limit, at, "more entries than limits::max_entries");
+  for (const auto& [k, v] : doc["weight_map"].items()) {
+    if (!v.is_string()) throw_error(errors::colossalai_bad_index, at, "weight_map[" + quote(k) + "] is not a file name");
+    ix.weight_map.emplace_back(k, v.get<std::string>());
+  }
+  return ix;
+}
+
+/// The model and optimizer folders of a released checkpoint at `dir`: `dir` itself or its
+/// `modeling/` and `optimizer/` folders.
+struct HybridDirs {
+  std::optional<std::filesystem::path> model_index, optim_index;
+};
+inline HybridDirs hybrid_dirs(const std::filesystem::path& dir) {
+  HybridDirs h;
+  h.model_index = find_index(dir, model_indexes);
+  if (!h.model_index) h.model_index = find_index(dir / "modeling", model_indexes);
+  h.optim_index = find_index(dir, optim_indexes);
+  if (!h.optim_index) h.optim_index = find_index(dir / "optimizer", optim_indexes);
+  return h;
+}
+
+/// One parameter's optimizer state as stored: per key a tensor (located) or a value.
+struct IdState {
+  std::vector<std::pair<std::string, std::variant<Stored, Value>>> items;
+  std::string file;
+};
+
+/// The state of every id of an optimizer folder, from its index.
+inline std::map<std::int64_t, IdState> read_optim_states(const Index& ix, WeightFiles& files, const limits& lim) {
+  std::map<std::int64_t, IdState> out;
+  for (const auto& [key, file] : ix.weight_map) {
+    const std::string at = "file " + quote(ix.path.string()) + ": weight_map[" + quote(key) + "]";
+    std::int64_t id = 0;
+    if (key.empty() || key.size() > 18 || key.find_first_not_of("0123456789") != std::string::npos)
+      throw_error(errors::colossalai_bad_optimizer, at, "is not a parameter id");
+    id = std::stoll(key);
+    const WeightFile& wf = files.get(file, at, false);
+    IdState st;
+    st.file = file;
+    if (wf.bin) {
+      const Value& tree = wf.bin->tree;
+      const Value* v = tree.as_dict().find(Key(id));
+      if (!v) throw_error(errors::colossalai_bad_optimizer, at, "file " + quote(file) + " has no state for id " + key);
+      if (!v->is_dict()) throw_error(errors::colossalai_bad_optimizer, at, "the state of id " + key + " is not a dict");
+      for (const auto& [k, x] : v->as_dict()) {
+        if (!k.is_string()) throw_error(errors::colossalai_bad_optimizer, at, "a state key of id " + key + " is not a string");
+        if (x.is_tensor()) st.items.emplace_back(k.as_string(), files.locate(x.as_tensor(), at + ": " + quote(k.as_string())));
+        else st.items.emplace_back(k.as_string(), x);
+      }
+    } else {
+      // Async safetensors: keys "state.<id>.<key>", pickled values listed in non_tensor_keys.
+      std::vector<std::string> non_tensor;
+      if (auto it = wf.metadata.find("non_tensor_keys"); it != wf.metadata.end()) {
+        const auto j = nlohmann::json::parse(it->second, nullptr, false);
+        if (j.is_discarded() || !j.is_array())
+          throw_error(errors::colossalai_bad_optimizer, "file " + quote(file), "__metadata__ non_tensor_keys is not a JSON list");
+        for (const auto& x : j)
+          if (x.is_string()) non_tensor.push_back(x.get<std::string>());
+      }
+      const std::string prefix = "state." + key + ".";
+      for (const auto& [n, s] : wf.tensors) {
+        if (n.compare(0, prefix.size(), prefix) != 0) continue;
+        const std::string k = n.substr(prefix.size());
+        if (k.empty() || k.find('.') != std::string::npos)
+          throw_error(errors::colossalai_bad_optimizer, "file " + quote(file), "key " + quote(n) + " is not state.<id>.<key>");
+        if (std::find(non_tensor.begin(), non_tensor.end(), n) == non_tensor.end()) {
+          st.items.emplace_back(k, s);
+          continue;
+        }
+        if (s.dtype != dtype::U8 || s.shape.size() != 1)
+          throw_error(errors::colossalai_bad_optimizer, "file " + quote(file) + ": " + quote(n), "a pickled value must be a 1-D U8 tensor");
+        const auto n_bytes = static_cast<std::uint64_t>(s.shape[0]);
+        if (n_bytes > lim.max_value_bytes)
+          throw_error(errors::colossalai_limit, "file " + quote(file) + ": " + quote(n), "pickled value larger than limits::max_value_bytes");
+        std::vector<std::byte> bytes(static_cast<std::size_t>(n_bytes));
+        if (!bytes.empty()) wf.st->source()->read(s.at.byte_offset, bytes);
+        pickle::options po;
+        po.limits = lim.torch.pickle;
+        po.keep_unknown_objects = true;
+        try {
+          st.items.emplace_back(k, pickle::load(bytes, po).value);
+        } catch (error& e) {
+          e.add_context("file " + quote(file) + ": " + quote(n));
+          throw;
+        }
+      }
+      if (st.items.empty()) throw_error(errors::colossalai_bad_optimizer, at, "file " + quote(file) + " has no state for id " + key);
+    }
+    if (!out.emplace(id, std::move(st)).second) throw_error(errors::colossalai_bad_optimizer, at, "id " + key + " is listed twice");
+  }
+  return out;
+}
+
+/// The parameter name of every optimizer id (see the top of this file).
+inline std::map<std::int64_t, std::string> names_for_ids(const Index& model, const std::map<std::int64_t, IdState>& states,
+                                                        const std::vector<std::int64_t>& group_ids,
+                                                        const std::unordered_map<std::string, const TensorInfo*>& params) {
+  std::map<std::uint64_t, std::vector<std::string>> names_by_stage;
+  for (const auto& [name, file] : model.weight_map) names_by_stage[stage_of(file)].push_back(name);
+  std::vector<std::int64_t> ids = group_ids;
+  std::sort(ids.begin(), ids.end());
+  std::map<std::uint64_t, std::vector<std::int64_t>> ids_by_stage;
+  if (names_by_stage.size() <= 1) {
+    ids_by_stage[names_by_stage.empty() ? 0 : names_by_stage.begin()->first] = ids;
+  } else {
+    for (std::int64_t id : ids) {
+      const auto it = states.find(id);
+      if (it == states.end())
+        throw_error(errors::colossalai_param_order, "parameter id " + std::to_string(id),
+                    "has no optimizer state, so its pipeline stage (and its parameter) is unknown");
+      ids_by_stage[stage_of(it->second.file)].push_back(id);
+    }
+  }
+  std::map<std::int64_t, std::string> out;
+  for (const auto& [stage, sids] : ids_by_stage) {
+    const auto& names = names_by_stage[stage];
+    if (sids.size() > names.size())
+      throw_error(errors::colossalai_param_order, "pipeline stage " + std::to_string(stage),
+                  std::to_string(sids.size()) + " optimizer ids for " + std::to_string(names.size()) + " model entries");
+    for (std::size_t i = 0; i < sids.size(); ++i) out.emplace(sids[i], names[i]);
+  }
+  for (const auto& [id, st] : states) {
+    const auto it = out.find(id);
+    if (it == out.end())
+      throw_error(errors::colossalai_param_order, "parameter id " + std::to_string(id), "has optimizer state but is in no param group");
+    for (const auto& [k, item] : st.items) {
+      if (k != "exp_avg" || !std::holds_alternative<Stored>(item)) continue;
+      const TensorInfo* p = params.at(it->second);
+      const shape_t& s = std::get<Stored>(item).shape;
+      if (s != p->shape)
+        throw_error(errors::colossalai_param_order, "parameter id " + std::to_string(id),
+                    "is named " + quote(it->second) + " by the parameter order, but its exp_avg has shape " + to_string(s) +
+                        " and the parameter " + to_string(p->shape) + " (was the optimizer built on model.parameters()?)");
+    }
+  }
+  return out;
+}
+
+/// A whole stored tensor as a TensorInfo.
+inline TensorInfo whole(const std::string& name, const Stored& s) {
+  TensorInfo t{name, s.dtype, s.shape, {}};
+  if (numel(s.shape) > 0) t.chunks.push_back(box_chunk(s, shape_t(s.shape.size(), 0), s.shape));
+  return t;
+}
+
+/// Adds the optimizer state of `h` to `ck` (keyed by name) and builds its skeleton.
+inline void add_optimizer(ShardedCheckpoint& ck, const HybridDirs& h, const Index& model, optim_shard::SourceTable& table,
+                          const options& opt) {
+  if (!h.optim_index)
+    throw_error(errors::colossalai_bad_optimizer, "ColossalAI checkpoint " + quote(model.path.parent_path().string()),
+                "the optimizer was asked for, but there is no pytorch_optim.bin.index.json or optimizer.safetensors.index.json "
+                "beside the model or in optimizer/");
+  const Index oix = read_index(*h.optim_index, opt.limits);
+  const std::string oat = "file " + quote(oix.path.string());
+  if (!oix.metadata.contains("param_groups") || !oix.metadata["param_groups"].is_string())
+    throw_error(errors::colossalai_bad_optimizer, oat, "metadata has no \"param_groups\" file name");
+  WeightFiles files(oix.path.parent_path(), opt.mode, opt.limits, table);
+  const std::string gname = oix.metadata["param_groups"].get<std::string>();
+  if (gname.empty() || gname.find('/') != std::string::npos || gname == "." || gname == "..")
+    throw_error(errors::colossalai_bad_optimizer, oat, "param_groups " + quote(gname) + " is not a file name of the folder");
+  const optim_shard::LoadedFile groups_file =
+      formats::detail::load_rank_file(oix.path.parent_path() / gname, opt.mode, opt.limits.torch, oat);
+  const std::string gat = "file " + quote(groups_file.name);
+  optim_shard::Access a{errors::colossalai_bad_optimizer, gat};
+  const List& groups = a.list(groups_file.tree, "the param groups");
+  std::vector<std::int64_t> ids;
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    const Dict& gd = a.dict(groups[g], "param group " + std::to_string(g));
+    for (const Value& id : a.list(a.at(gd, "params", "param group " + std::to_string(g)), "params")) ids.push_back(a.integer(id, "a param id"));
+  }
+  {
+    std::vector<std::int64_t> sorted = ids;
+    std::sort(sorted.begin(), sorted.end());
+    if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end())
+      throw_error(errors::colossalai_bad_optimizer, gat, "a parameter id is listed in two param groups (or twice in one)");
+  }
+  const auto states = read_optim_states(oix, files, opt.limits);
+  std::unordered_map<std::string, const TensorInfo*> params;
+  for (const TensorInfo& t : ck.tensors) params.emplace(t.name, &t);
+  const auto names = names_for_ids(model, states, ids, params);
+
+  optim_shard::SkeletonBuilder sk;
+  for (const TensorInfo& t : ck.tensors) sk.tensor(std::vector<std::string>{t.name}, t);
+  std::vector<TensorInfo> extra;
+  for (const auto& [id, st] : states) {
+    const std::string& name = names.at(id);
+    for (const auto& [k, item] : st.items) {
+      const std::vector<std::string> path{"optim", "state", name, k};
+      if (const Stored* s = std::get_if<Stored>(&item)) {
+        TensorInfo t = whole("optim.state." + name + "." + k, *s);
+        sk.tensor(path, t);
+        extra.push_back(std::move(t));
+      } else {
+        sk.value(path, std::get<Value>(item));
+      }
+    }
+  }
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    for (const auto& [k, v] : groups[g].as_dict()) {
+      const std::vector<std::string> path{"optim", "param_groups", std::to_string(g), k.str()};
+      if (k.is_string() && k.as_string() == "params") {
+        List l;
+        for (const Value& id : v.as_list()) l.emplace_back(names.at(id.as_int()));
+        sk.value(path, Value::list(std::move(l)));
+      } else {
+        sk.value(path, v);
+      }
+    }
+  }
+  for (auto& t : extra) ck.tensors.push_back(std::move(t));
+  ck.skeleton = sk.build();
+}
+
+/// Describes the released layout at `dir` (the model; with options::with_optimizer, the optimizer).
+inline ShardedCheckpoint describe_hybrid(const std::filesystem::path& dir, const options& opt) {
+  const HybridDirs h = hybrid_dirs(dir);
+  if (!h.model_index)
+    throw_error(errors::colossalai_not_found, "directory " + quote(dir.string()),
+                "has no pytorch_model.bin.index.json or model.safetensors.index.json (nor a modeling/ folder with one)");
+  const Index mix = read_index(*h.model_index, opt.limits);
+  optim_shard::SourceTable table;
+  WeightFiles files(h.model_index->parent_path(), opt.mode, opt.limits, table);
+  ShardedCheckpoint ck;
+  std::unordered_map<std::string, std::size_t> indexed;
+  for (const auto& [name, file] : mix.weight_map) {
+    const std::string at = "file " + quote(mix.path.string()) + ": " + quote(name);
+    const WeightFile& wf = files.get(file, at);
+    const Stored* s = wf.find(name);
+    if (!s) throw_error(errors::colossalai_missing_tensor, at, "file " + quote(file) + " has no tensor " + quote(name));
+    indexed.emplace(name, ck.tensors.size());
+    ck.tensors.push_back(whole(name, *s));
+  }
+  for (const WeightFile& wf : files.loaded())
+    for (const auto& [n, s] : wf.tensors)
+      if (!indexed.count(n))
+        throw_error(errors::colossalai_bad_index, "file " + quote(mix.path.string()),
+                    "tensor " + quote(n) + " of " + quote(wf.name) + " is in no weight_map entry");
+  ck.format = "colossalai_hybrid";
+  ck.metadata["colossalai.layout"] = "released (HybridParallelCheckpointIO, gathered)";
+  if (opt.with_optimizer) add_optimizer(ck, h, mix, table, opt);
+  ck.sources = table.take();
+  return ck;
+}
+
+}  // namespace statedict::inline v0::colossalai::detail
+// ---- statedict/formats/detail/colossalai_write.hpp ----
+// statedict: writing ColossalAI's distributed model layout for M tensor-parallel ranks
+// (`convert --to colossalai --world-size M`): per rank r, `model-dist-<r>-shard-<k>.safetensors`
+// files holding the rank's pieces and `pytorch_model-meta-dist-<r>.index.json` with every
+// parameter's box, as ColossalAI's save_sharded_model writes them with safetensors (so its loader
+// takes the sharded path and load_dist_model).
+// SPDX-License-Identifier: MIT
+//
+// Each tensor is split on one dim into M equal pieces or kept whole on every rank (ColossalAI
+// asserts `global == M * local` on the dim it finds, so uneven splits cannot be saved). The dim:
+//   1. save_settings::partition_dims[name] when given (-1: whole on every rank);
+//   2. else the dim the source checkpoint split, when it was a ColossalAI distributed checkpoint
+//      (metadata "colossalai.partition_dims") and M divides it;
+//   3. else, for tensors of 2 or more dims, the first dim M divides; 1-d and 0-d tensors whole.
+// ColossalAI's loader then finds, for any receiving rank, the covering boxes. Non-tensor values
+// and tied names have no place in this layout (ColossalAI lists a tied parameter once): the
+// tensors are written, nothing else. Files are split by size like ColossalAI's StateDictSharder
+// (a new file when the next tensor would push a non-empty one past --max-shard-size).
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+// ---- statedict/formats/detail/safetensors_write.hpp ----
+// statedict: laying out and streaming safetensors files from a description: the pieces the
+// safetensors, Hugging Face and tree writers share.
+// SPDX-License-Identifier: MIT
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+
+namespace statedict::inline v0 {
+
+namespace formats::detail {
+
+/// One destination chunk holding all of tensor `t` at `offset` of destination `dest`, row-major.
+inline TensorInfo whole_at(const TensorInfo& t, std::uint32_t dest, std::uint64_t offset) {
+  TensorInfo d{t.name, t.dtype, t.shape, {}};
+  d.chunks.push_back(Chunk{full_box(t.shape), Placement{dest, offset, {}, t.dtype}});
+  return d;
+}
+
+inline std::vector<safetensors::TensorSpec> specs_of(std::span<const TensorInfo> tensors) {
+  std::vector<safetensors::TensorSpec> s;
+  s.reserve(tensors.size());
+  for (const TensorInfo& t : tensors) s.push_back({t.name, t.dtype, t.shape});
+  return s;
+}
+
+/// The destination of one safetensors file laid out as `lay` for `tensors` (destination 0).
+inline Destination safetensors_destination(std::span<const TensorInfo> tensors, const safetensors::Layout& lay, std::string name) {
+  Destination dst;
+  dst.names.push_back(std::move(name));
+  dst.sizes.push_back(lay.file_size);
+  dst.tensors.reserve(lay.entries.size());
+  for (const safetensors::LayoutEntry& e : lay.entries) dst.tensors.push_back(whole_at(tensors[e.index], 0, lay.data_start() + e.begin));
+  return dst;
+}
+
+/// Writes every tensor of `ck` (each in its logical dtype; the executor casts from the stored
+/// one) into a new safetensors file at `path` with this `__metadata__`, atomically.
+inline safetensors::Layout write_safetensors_file(const ShardedCheckpoint& ck, const std::optional<std::map<std::string, std::string>>& metadata,
+                                                  const std::filesystem::path& path, const exec_options& exec, const plan_options& popt,
+                                                  const safetensors::limits& lim = {}) {
+  safetensors::Layout lay = safetensors::layout(specs_of(ck.tensors), metadata, lim);
+  const Destination dst = safetensors_destination(ck.tensors, lay, path.filename().string());
+  const Plan plan = make_plan(ck, dst, popt);
+  OutputFile out = OutputFile::create(path);
+  try {
+    out.write(lay.header);
+    FileSink sink(out);
+    std::vector<Sink*> sinks{&sink};
+    (void)execute(plan, ck, sinks, exec);
+  } catch (error& e) {
+    e.add_context("file " + quote(path.string()));
+    throw;
+  }
+  out.commit();
+  return lay;
+}
+
+/// The safetensors `__metadata__` of a described checkpoint: its string metadata (which carries
+/// e.g. a torch file's module attributes, so they come back when converted again), "format": "pt"
+/// unless it has a format, and the skeleton when the tree is not a flat dict of its tensors.
+inline std::map<std::string, std::string> safetensors_metadata(const ShardedCheckpoint& ck, bool with_skeleton) {
+  std::map<std::string, std::string> md;
+  for (const auto& [k, v] : ck.metadata)
+    if (k != safetensors::aliases_key && k != safetensors::skeleton_key) md[k] = v;
+  md.emplace("format", "pt");
+  if (with_skeleton && !ck.skeleton.is_null()) md[std::string(safetensors::skeleton_key)] = ck.skeleton.dump();
+  return md;
+}
+
+/// Refuses a save option the format does not take.
+inline void refuse_option(bool given, std::string_view option, std::string_view format, std::string_view why) {
+  if (given) throw_error(errors::bad_save_option, std::string(option), "does not apply to " + std::string(format) + " output: " + std::string(why));
+}
+
+}  // namespace formats::detail
+
+namespace safetensors {
+
+/// One tensor to write: either a view, or contiguous row-major bytes in a byte source (a mapped or
+/// pread file).
+struct Input {
+  std::string name;
+  statedict::dtype dtype = statedict::dtype::F32;  ///< dtype of the data as given
+  shape_t shape;
+  TensorView view;                                 ///< the data, when `source` is null
+  std::shared_ptr<const ByteSource> source;        ///< or: the bytes at `offset` in this source
+  std::uint64_t offset = 0;
+
+  static Input of(std::string tensor_name, TensorView v) {
+    Input in;
+    in.name = std::move(tensor_name);
+    in.dtype = v.dtype();
+    in.shape = v.shape();
+    in.view = std::move(v);
+    return in;
+  }
+  static Input from_source(std::string tensor_name, statedict::dtype t, shape_t dims, std::shared_ptr<const ByteSource> src,
+                           std::uint64_t at) {
+    Input in;
+    in.name = std::move(tensor_name);
+    in.dtype = t;
+    in.shape = std::move(dims);
+    in.source = std::move(src);
+    in.offset = at;
+    return in;
+  }
+};
+
+struct write_options {
+  /// Cast floating-point tensors to this dtype (F32, BF16, F16, ...); other tensors keep theirs.
+  std::optional<statedict::dtype> cast;
+  /// The user's `__metadata__` (nullopt: none). Keys "statedict.*" are reserved.
+  std::optional<std::map<std::string, std::string>> metadata;
+  /// Further names for written tensors: (alias, stored name). Recorded under "statedict.aliases".
+  std::vector<std::pair<std::string, std::string>> aliases;
+  /// Inputs that are the very same view as an earlier input are written once and recorded as
+  /// aliases of it (tied weights). Not done when a skeleton is given (its alias nodes record ties).
+  bool dedupe_views = true;
+  /// A flatten skeleton to store under "statedict.skeleton" (null: none).
+  nlohmann::json skeleton;
+  /// How the bytes are copied (threads, memory budget, copy paths).
+  exec_options exec{};
+  limits lim{};
+};
+
+/// What write() did.
+struct write_result {
+  Layout layout;
+  std::vector<TensorSpec> specs;  ///< the stored tensors (after dedupe and cast), as given to layout()
+  std::vector<std::pair<std::string, std::string>> aliases;
+  std::optional<std::map<std::string, std::string>> metadata;  ///< the `__metadata__` written
+};
+
+namespace detail {
+
+/// The output dtype of an input under `cast`.
+inline statedict::dtype out_dtype(statedict::dtype t, const std::optional<statedict::dtype>& cast) {
+  return cast && is_floating(t) ? *cast : t;
+}
+
+struct prepared {
+  std::vector<std::size_t> stored;  // indices of inputs to store
+  std::vector<TensorSpec> specs;    // their output specs, same order
+  std::vector<std::pair<std::string, std::string>> aliases;
+  std::optional<std::map<std::string, std::string>> metadata;
+};
+
+inline prepared prepare(std::span<const Input> inputs, const write_options& opt) {
+  prepared p;
+  if (opt.cast && !is_floating(*opt.cast))
+    throw_error(errors::st_write_input, "cast to " + std::string(name(*opt.cast)), "only floating dtypes are cast targets");
+  p.aliases = opt.aliases;
+  std::unordered_map<const std::byte*, std::vector<std::size_t>> by_ptr;
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    const Input& in = inputs[i];
+    if (in.source == nullptr && (in.view.dtype() != in.dtype || in.view.shape() != in.shape))
+      throw_error(errors::st_write_input, safetensors::detail::where_tensor(in.name), "dtype/shape differ from its view's");
+    // With a skeleton, ties are the skeleton's business (its alias nodes): store what is given.
+    if (opt.dedupe_views && opt.skeleton.is_null() && in.source == nullptr && in.view.numel() != 0) {
+      auto& seen = by_ptr[in.view.data()];
+      bool dup = false;
+      for (std::size_t j : seen)
+        if (same_view(inputs[j].view, in.view)) {
+          p.aliases.emplace_back(in.name, inputs[j].name);
+          dup = true;
+          break;
+        }
+      if (dup) continue;
+      seen.push_back(i);
+    }
+    if (opt.cast) check_cast(in.dtype, out_dtype(in.dtype, opt.cast));
+    p.stored.push_back(i);
+    p.specs.push_back(TensorSpec{in.name, out_dtype(in.dtype, opt.cast), in.shape});
+  }
+  p.metadata = opt.metadata;
+  if (p.metadata)
+    for (const auto& [k, v] : *p.metadata)
+      if (k == aliases_key || k == skeleton_key)
+        throw_error(errors::st_write_metadata, "__metadata__ key " + quote(k), "reserved for statedict");
+  if (!p.aliases.empty()) {
+    std::unordered_set<std::string_view> stored;
+    for (const auto& s : p.specs) stored.insert(s.name);
+    nlohmann::ordered_json j = nlohmann::ordered_json::object();
+    for (const auto& [alias, target] : p.aliases) {
+      if (!stored.count(target))
+        throw_error(errors::st_write_input, "alias " + quote(alias), "refers to " + quote(target) + ", which is not written");
+      if (stored.count(alias) || j.contains(alias))
+        throw_error(errors::st_write_name, "alias " + quote(alias), "the name appears twice");
+      if (!safetensors::detail::valid_utf8(alias)) throw_error(errors::st_write_name, "alias " + quote(alias), "the name is not UTF-8");
+      j[alias] = target;
+    }
+    if (!p.metadata) p.metadata.emplace();
+    p.metadata->emplace(std::string(aliases_key), j.dump());
+  }
+  if (!opt.skeleton.is_null()) {
+    if (!p.metadata) p.metadata.emplace();
+    if (opt.cast) {
+      nlohmann::json sk = opt.skeleton;
+      safetensors::detail::cast_skeleton(sk, *opt.cast);
+      p.metadata->emplace(std::string(skeleton_key), sk.dump());
+    } else {
+      p.metadata->emplace(std::string(skeleton_key), opt.skeleton.dump());
+    }
+  }
+  return p;
+}
+
+}  // namespace detail
+
+}  // namespace safetensors
+
+}  // namespace statedict::inline v0
+// ---- statedict/formats/detail/write_files.hpp ----
+// statedict: writing an output of several files (Hugging Face shards, DCP rank files) from one plan:
+// the whole directory atomically, or one part of it from one of several processes, then the index.
+// SPDX-License-Identifier: MIT
+//
+// Every file is a destination of one Destination; the executor streams the planned bytes into all
+// of them in bounded memory. A writer adds what only it knows through two callbacks: `prepare`
+// before the bytes (a header, the byte regions to checksum) and `finish` after them (zip framing
+// that needs the checksums). Without a part the directory appears complete or not at all
+// (io/file.hpp OutputDir) and the index is written last inside it; with save_options::part only
+// that part's files are written, each atomically, straight into the directory; with
+// save_options::index_only only the index, after checking that every planned file exists with its
+// planned size. The directory is complete when its index exists (docs/slurm.md).
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+
+namespace statedict::inline v0::formats::detail {
+
+struct file_set {
+  /// The files (dst.names, relative to the directory) and where each tensor element goes.
+  Destination dst;
+  /// Called for each file this process writes, before the executor runs.
+  std::function<void(std::size_t file, OutputFile&, FileSink&)> prepare;
+  /// Called for each file this process writes, after the executor ran, before it is committed.
+  std::function<void(std::size_t file, OutputFile&, FileSink&)> finish;
+  /// The index: its file name (empty: none) and its bytes (made when needed).
+  std::string index_name;
+  std::function<std::vector<std::byte>()> index_bytes;
+  /// For messages: "DCP checkpoint", "rank file"; the error id of a failed index check.
+  std::string what, file_kind;
+  const error_id* part_error = &errors::bad_part;
+};
+
+/// Writes `files` from `src` into `dir` (see the top of this file); returns the names written.
+inline std::vector<std::string> write_file_set(const ShardedCheckpoint& src, const file_set& files, const std::filesystem::path& dir,
+                                               const save_options& opt) {
+  const auto write_index = [&](auto&& create) {
+    if (files.index_name.empty()) return;
+    OutputFile f = create(files.index_name);
+    f.write(files.index_bytes());
+    f.commit();
+  };
+  const std::size_t n = files.dst.names.size();
+  if (opt.index_only) {
+    std::filesystem::create_directories(dir);
+    std::vector<PlannedFile> planned;
+    for (std::size_t k = 0; k < n; ++k) planned.push_back({files.dst.names[k], k < files.dst.sizes.size() ? files.dst.sizes[k] : 0});
+    check_parts_written(dir, planned, *files.part_error, files.what, files.file_kind);
+    write_index([&](const std::string& name) { return OutputFile::create(dir / name); });
+    return {files.index_name};
+  }
+  Plan plan = make_plan(src, files.dst, opt.plan);
+  std::vector<bool> mine(n, true);
+  if (opt.part) {
+    const auto parts = assign_parts(plan, opt.part->count);
+    for (std::size_t d = 0; d < n; ++d) mine[d] = parts[d] == opt.part->index;
+    plan = select_part(plan, *opt.part);
+  }
+  std::optional<OutputDir> out;
+  if (!opt.part) out.emplace(OutputDir::create(dir));
+  else std::filesystem::create_directories(dir);
+  std::vector<std::unique_ptr<OutputFile>> outs(n);
+  std::vector<std::unique_ptr<FileSink>> sinks(n);
+  std::vector<Sink*> ptrs(n, nullptr);
+  for (std::size_t d = 0; d < n; ++d) {
+    if (!mine[d]) continue;
+    const std::string& name = files.dst.names[d];
+    outs[d] = std::make_unique<OutputFile>(out ? out->create_file(name) : OutputFile::create(dir / name));
+    sinks[d] = std::make_unique<FileSink>(*outs[d]);
+    if (files.prepare) files.prepare(d, *outs[d], *sinks[d]);
+    ptrs[d] = sinks[d].get();
+  }
+  (void)execute(plan, src, ptrs, opt.exec);
+  std::vector<std::string> written;
+  for (std::size_t d = 0; d < n; ++d) {
+    if (!outs[d]) continue;
+    if (files.finish) files.finish(d, *outs[d], *sinks[d]);
+    outs[d]->commit();
+    written.push_back(files.dst.names[d]);
+  }
+  if (!out) return written;  // a part: the index step writes the index
+  write_index([&](const std::string& name) { return out->create_file(name); });
+  if (!files.index_name.empty()) written.push_back(files.index_name);
+  out->commit();
+  return written;
+}
+
+}  // namespace statedict::inline v0::formats::detail
+
+namespace statedict::inline v0::colossalai {
+
+/// How `--to colossalai` splits tensors (formats::save_options::settings).
+struct save_settings {
+  /// The split dim per tensor name; -1 keeps the tensor whole on every rank. Each given dim must
+  /// exist and be divisible by the world size.
+  std::map<std::string, int> partition_dims;
+};
+
+namespace detail {
+
+inline std::string five(std::uint64_t n) {
+  std::string s = std::to_string(n);
+  return std::string(s.size() < 5 ? 5 - s.size() : 0, '0') + s;
+}
+
+/// The split dim of `t` for `world` ranks (see the top of this file), -1 for whole.
+inline int choose_dim(const TensorInfo& t, std::uint32_t world, const save_settings& s, const nlohmann::json& recorded) {
+  const auto divisible = [&](int d) { return d >= 0 && static_cast<std::size_t>(d) < t.shape.size() && t.shape[static_cast<std::size_t>(d)] % world == 0 &&
+                                             t.shape[static_cast<std::size_t>(d)] >= static_cast<dim_t>(world); };
+  if (auto it = s.partition_dims.find(t.name); it != s.partition_dims.end()) {
+    const int d = it->second;
+    if (d == -1 || world == 1) return -1;
+    if (d < 0 || static_cast<std::size_t>(d) >= t.shape.size())
+      throw_error(errors::colossalai_bad_option, "partition dim of " + quote(t.name),
+                  "dim " + std::to_string(d) + " of a tensor of shape " + to_string(t.shape));
+    if (!divisible(d))
+      throw_error(errors::colossalai_bad_option, "partition dim of " + quote(t.name),
+                  "dim " + std::to_string(d) + " of shape " + to_string(t.shape) + " is not a multiple of " + std::to_string(world) +
+                      " ranks (ColossalAI saves even splits only)");
+    return d;
+  }
+  if (world == 1) return -1;
+  if (recorded.is_object() && recorded.contains(t.name) && recorded[t.name].is_number_integer()) {
+    const int d = recorded[t.name].get<int>();
+    if (d == -1) return -1;
+    if (divisible(d)) return d;
+  }
+  if (t.shape.size() < 2) return -1;
+  for (std::size_t d = 0; d < t.shape.size(); ++d)
+    if (divisible(static_cast<int>(d))) return static_cast<int>(d);
+  return -1;
+}
+
+/// One file of the output: a rank's shard (its tensors and their boxes) or a metadata file.
+struct out_file {
+  std::string name;
+  std::uint32_t rank = 0;
+  std::vector<std::size_t> tensors;  ///< indices into the checkpoint's tensors
+  safetensors::Layout layout;
+};
+
+}  // namespace detail
+
+/// Writes `ck` as ColossalAI's distributed layout for `opt.world_size` ranks into `dir` (see the
+/// top of this file); `--part` writes some of the files, `--part index` checks them.
+inline std::vector<std::string> write(const ShardedCheckpoint& ck, const std::filesystem::path& dir, const formats::save_options& opt) {
+  const std::uint32_t world = opt.world_size.value_or(1);
+  const save_settings& settings = opt.settings.get<save_settings>();
+  for (const auto& [n, d] : settings.partition_dims)
+    if (!ck.find(n)) throw_error(errors::colossalai_bad_option, "partition dim of " + quote(n), "the checkpoint has no tensor of that name");
+  nlohmann::json recorded;
+  if (auto it = ck.metadata.find("colossalai.partition_dims"); it != ck.metadata.end())
+    recorded = nlohmann::json::parse(it->second, nullptr, false);
+  const std::uint64_t cap = opt.max_shard_size.value_or(0);
+
+  std::vector<int> dims(ck.tensors.size());
+  for (std::size_t i = 0; i < ck.tensors.size(); ++i) dims[i] = detail::choose_dim(ck.tensors[i], world, settings, recorded);
+  auto box_of = [&](std::size_t i, std::uint32_t r) {
+    const TensorInfo& t = ck.tensors[i];
+    Box b{shape_t(t.shape.size(), 0), t.shape};
+    if (dims[i] >= 0) {
+      const auto d = static_cast<std::size_t>(dims[i]);
+      b.sizes[d] = t.shape[d] / world;
+      b.offsets[d] = b.sizes[d] * r;
+    }
+    return b;
+  };
+
+  // Shard files per rank, split by size as ColossalAI's StateDictSharder does.
+  std::vector<detail::out_file> shards;
+  std::vector<double> total_mib(world, 0.0);
+  for (std::uint32_t r = 0; r < world; ++r) {
+    std::uint64_t used = 0;
+    std::uint32_t k = 0;
+    shards.push_back(detail::out_file{"model-dist-" + detail::five(r) + "-shard-" + detail::five(k) + ".safetensors", r, {}, {}});
+    for (std::size_t i = 0; i < ck.tensors.size(); ++i) {
+      const std::uint64_t bytes = byte_size(box_of(i, r).sizes, itemsize(ck.tensors[i].dtype));
+      if (cap && !shards.back().tensors.empty() && used + bytes > cap) {
+        ++k;
+        used = 0;
+        shards.push_back(detail::out_file{"model-dist-" + detail::five(r) + "-shard-" + detail::five(k) + ".safetensors", r, {}, {}});
+      }
+      used += bytes;
+      total_mib[r] += static_cast<double>(bytes) / 1024.0 / 1024.0;
+      shards.back().tensors.push_back(i);
+    }
+  }
+
+  // The destination: every shard file laid out as the reference safetensors writer lays it out.
+  formats::detail::file_set fs;
+  for (const TensorInfo& t : ck.tensors) fs.dst.tensors.push_back(TensorInfo{t.name, t.dtype, t.shape, {}});
+  std::vector<std::string> meta_text(world);
+  std::vector<nlohmann::ordered_json> meta(world);
+  for (std::uint32_t r = 0; r < world; ++r) {
+    meta[r]["checkpoint_version"] = "1.0";
+    meta[r]["total_size"] = total_mib[r];
+    meta[r]["metadata"] = nlohmann::ordered_json::object();
+  }
+  for (std::size_t f = 0; f < shards.size(); ++f) {
+    detail::out_file& sf = shards[f];
+    std::vector<safetensors::TensorSpec> specs;
+    for (std::size_t i : sf.tensors) specs.push_back({ck.tensors[i].name, ck.tensors[i].dtype, box_of(i, sf.rank).sizes});
+    sf.layout = safetensors::layout(specs, std::map<std::string, std::string>{{"format", "pt"}});
+    fs.dst.names.push_back(sf.name);
+    fs.dst.sizes.push_back(sf.layout.file_size);
+    for (const auto& e : sf.layout.entries) {
+      const std::size_t i = sf.tensors[e.index];
+      const TensorInfo& t = ck.tensors[i];
+      const Box b = box_of(i, sf.rank);
+      if (numel(b.sizes) > 0)
+        fs.dst.tensors[i].chunks.push_back(Chunk{b, Placement{static_cast<std::uint32_t>(f), sf.layout.data_start() + e.begin, {}, t.dtype}});
+      auto& item = meta[sf.rank]["metadata"][t.name];
+      item["offsets"] = b.offsets;
+      item["lengths"] = b.sizes;
+      item["global_shape"] = t.shape;
+      item["file"] = sf.name;
+      item["rank"] = sf.rank;
+    }
+  }
+  // The metadata files are files of the set too (no tensor bytes), written with their rank's.
+  const std::size_t first_meta = fs.dst.names.size();
+  for (std::uint32_t r = 0; r < world; ++r) {
+    meta_text[r] = meta[r].dump(4);
+    fs.dst.names.push_back("pytorch_model-meta-dist-" + detail::five(r) + ".index.json");
+    fs.dst.sizes.push_back(meta_text[r].size());
+  }
+  fs.prepare = [&](std::size_t d, OutputFile& out, FileSink&) {
+    if (d < first_meta) {
+      out.write(shards[d].layout.header);
+    } else {
+      const std::string& text = meta_text[d - first_meta];
+      out.write(std::span<const std::byte>(reinterpret_cast<const std::byte*>(text.data()), text.size()));
+    }
+  };
+  fs.what = "ColossalAI checkpoint";
+  fs.file_kind = "file";
+  return formats::detail::write_file_set(ck, fs, dir, opt);
+}
+
+}  // namespace statedict::inline v0::colossalai
+
+namespace statedict::inline v0::colossalai {
+
+/// What detect() found.
+struct detection {
+  enum class layout : std::uint8_t { none, distributed, released };
+  layout found = layout::none;
+  /// The rule that matched, or what was looked for.
+  std::string rule;
+};
+
+/// Says from content whether `dir` is a ColossalAI checkpoint: metadata files of the distributed
+/// layout, or a model index (in `dir` or `dir/modeling`) whose shard files carry ColossalAI's names
+/// (`pytorch_model-00001.bin`, `model-stage-00001-shard-00001.safetensors`, ...; Hugging Face
+/// names its shards `-of-`). Reads at most the index; never throws for a folder that is not one.
+inline detection detect(const std::filesystem::path& dir, const limits& lim = {}) {
+  detection d;
+  std::error_code ec;
+  if (!std::filesystem::is_directory(dir, ec)) return d;
+  const auto metas = detail::dist_meta_files(dir);
+  if (!metas.empty()) {
+    d.found = detection::layout::distributed;
+    d.rule = "ColossalAI distributed layout: " + std::to_string(metas.size()) + " pytorch_model-meta-dist-XXXXX(.index).json file(s)";
+    return d;
+  }
+  const auto h = detail::hybrid_dirs(dir);
+  if (!h.model_index) {
+    d.rule = "looked for pytorch_model-meta-dist-XXXXX.json files or a ColossalAI model index (pytorch_model.bin.index.json, "
+             "model.safetensors.index.json, in the folder or in modeling/): found neither";
+    return d;
+  }
+  try {
+    const auto ix = detail::read_index(*h.model_index, lim);
+    bool ours = !ix.weight_map.empty();
+    for (const auto& [n, f] : ix.weight_map) ours = ours && detail::is_hybrid_shard_name(f);
+    if (!ours) {
+      d.rule = "the shard files of " + quote(h.model_index->string()) + " do not carry ColossalAI's names";
+      return d;
+    }
+  } catch (const error& e) {
+    d.rule = "looked for a ColossalAI model index: " + std::string(e.what());
+    return d;
+  }
+  d.found = detection::layout::released;
+  d.rule = "ColossalAI released layout: " + quote(h.model_index->lexically_relative(dir).string()) + " over ColossalAI-named shards";
+  if (h.optim_index) d.rule += ", optimizer index " + quote(h.optim_index->lexically_relative(dir).string());
+  return d;
+}
+
+/// Describes the ColossalAI checkpoint at `dir` (either layout). Format "colossalai_dist" or
+/// "colossalai_hybrid".
+inline ShardedCheckpoint describe(const std::filesystem::path& dir, const options& opt = {}) {
+  const detection d = detect(dir, opt.limits);
+  if (d.found == detection::layout::distributed) return detail::describe_dist(dir, opt);
+  if (d.found == detection::layout::released) return detail::describe_hybrid(dir, opt);
+  throw_error(errors::colossalai_not_found, "directory " + quote(dir.string()), d.rule);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The plug-in
+
+/// ColossalAI checkpoints: the distributed layout (read, and written with --world-size M) and the
+/// released layout with its optimizer (read).
+class format final : public formats::Format {
+ public:
+  [[nodiscard]] std::string_view name() const noexcept override { return "colossalai"; }
+  [[nodiscard]] std::string_view title() const noexcept override { return "ColossalAI"; }
+
+  [[nodiscard]] formats::Detection detect(const formats::Input& in, const formats::open_options& opt) const override {
+    if (!in.is_directory()) return formats::Detection::not_applicable();
+    detection d = colossalai::detect(in.path(), opt.settings.get<options>().limits);
+    return d.found != detection::layout::none ? formats::Detection::match(std::move(d.rule)) : formats::Detection::miss(std::move(d.rule));
+  }
+  [[nodiscard]] ShardedCheckpoint describe(const formats::Input& in, const formats::open_options& opt) const override {
+    options o = opt.settings.get<options>();
+    o.mode = opt.mode;
+    o.with_optimizer = o.with_optimizer || opt.with_optimizer;
+    return colossalai::describe(in.path(), o);
+  }
+
+  [[nodiscard]] bool can_write() const noexcept override { return true; }
+  void check_output(const std::filesystem::path&, const formats::save_options& opt) const override {
+    if (opt.world_size && (*opt.world_size == 0 || *opt.world_size > (1U << 16)))
+      throw_error(errors::colossalai_bad_option, "--world-size " + std::to_string(*opt.world_size), "expected 1 to 65536 ranks");
+  }
+  std::vector<std::string> save(const ShardedCheckpoint& ck, const std::filesystem::path& out, const formats::save_options& opt) const override {
+    auto files = colossalai::write(ck, out, opt);
+    std::erase(files, std::string());
+    return files;
+  }
+};
+
+}  // namespace statedict::inline v0::colossalai
 // ---- statedict/formats/dcp.hpp ----
 // statedict: torch.distributed.checkpoint (DCP) directories: detect, describe, write.
 // SPDX-License-Identifier: MIT
@@ -18433,102 +23267,6 @@ inline Metadata read_metadata(const std::filesystem::path& dir, const limits& li
 #include <utility>
 #include <vector>
 
-// ---- statedict/formats/detail/write_files.hpp ----
-// statedict: writing an output of several files (Hugging Face shards, DCP rank files) from one plan:
-// the whole directory atomically, or one part of it from one of several processes, then the index.
-// SPDX-License-Identifier: MIT
-//
-// Every file is a destination of one Destination; the executor streams the planned bytes into all
-// of them in bounded memory. A writer adds what only it knows through two callbacks: `prepare`
-// before the bytes (a header, the byte regions to checksum) and `finish` after them (zip framing
-// that needs the checksums). Without a part the directory appears complete or not at all
-// (io/file.hpp OutputDir) and the index is written last inside it; with save_options::part only
-// that part's files are written, each atomically, straight into the directory; with
-// save_options::index_only only the index, after checking that every planned file exists with its
-// planned size. The directory is complete when its index exists (docs/slurm.md).
-
-#include <cstdint>
-#include <filesystem>
-#include <functional>
-#include <memory>
-#include <optional>
-#include <span>
-#include <string>
-#include <vector>
-
-
-namespace statedict::inline v0::formats::detail {
-
-struct file_set {
-  /// The files (dst.names, relative to the directory) and where each tensor element goes.
-  Destination dst;
-  /// Called for each file this process writes, before the executor runs.
-  std::function<void(std::size_t file, OutputFile&, FileSink&)> prepare;
-  /// Called for each file this process writes, after the executor ran, before it is committed.
-  std::function<void(std::size_t file, OutputFile&, FileSink&)> finish;
-  /// The index: its file name (empty: none) and its bytes (made when needed).
-  std::string index_name;
-  std::function<std::vector<std::byte>()> index_bytes;
-  /// For messages: "DCP checkpoint", "rank file"; the error id of a failed index check.
-  std::string what, file_kind;
-  const error_id* part_error = &errors::bad_part;
-};
-
-/// Writes `files` from `src` into `dir` (see the top of this file); returns the names written.
-inline std::vector<std::string> write_file_set(const ShardedCheckpoint& src, const file_set& files, const std::filesystem::path& dir,
-                                               const save_options& opt) {
-  const auto write_index = [&](auto&& create) {
-    if (files.index_name.empty()) return;
-    OutputFile f = create(files.index_name);
-    f.write(files.index_bytes());
-    f.commit();
-  };
-  const std::size_t n = files.dst.names.size();
-  if (opt.index_only) {
-    std::filesystem::create_directories(dir);
-    std::vector<PlannedFile> planned;
-    for (std::size_t k = 0; k < n; ++k) planned.push_back({files.dst.names[k], k < files.dst.sizes.size() ? files.dst.sizes[k] : 0});
-    check_parts_written(dir, planned, *files.part_error, files.what, files.file_kind);
-    write_index([&](const std::string& name) { return OutputFile::create(dir / name); });
-    return {files.index_name};
-  }
-  Plan plan = make_plan(src, files.dst, opt.plan);
-  std::vector<bool> mine(n, true);
-  if (opt.part) {
-    const auto parts = assign_parts(plan, opt.part->count);
-    for (std::size_t d = 0; d < n; ++d) mine[d] = parts[d] == opt.part->index;
-    plan = select_part(plan, *opt.part);
-  }
-  std::optional<OutputDir> out;
-  if (!opt.part) out.emplace(OutputDir::create(dir));
-  else std::filesystem::create_directories(dir);
-  std::vector<std::unique_ptr<OutputFile>> outs(n);
-  std::vector<std::unique_ptr<FileSink>> sinks(n);
-  std::vector<Sink*> ptrs(n, nullptr);
-  for (std::size_t d = 0; d < n; ++d) {
-    if (!mine[d]) continue;
-    const std::string& name = files.dst.names[d];
-    outs[d] = std::make_unique<OutputFile>(out ? out->create_file(name) : OutputFile::create(dir / name));
-    sinks[d] = std::make_unique<FileSink>(*outs[d]);
-    if (files.prepare) files.prepare(d, *outs[d], *sinks[d]);
-    ptrs[d] = sinks[d].get();
-  }
-  (void)execute(plan, src, ptrs, opt.exec);
-  std::vector<std::string> written;
-  for (std::size_t d = 0; d < n; ++d) {
-    if (!outs[d]) continue;
-    if (files.finish) files.finish(d, *outs[d], *sinks[d]);
-    outs[d]->commit();
-    written.push_back(files.dst.names[d]);
-  }
-  if (!out) return written;  // a part: the index step writes the index
-  write_index([&](const std::string& name) { return out->create_file(name); });
-  if (!files.index_name.empty()) written.push_back(files.index_name);
-  out->commit();
-  return written;
-}
-
-}  // namespace statedict::inline v0::formats::detail
 namespace statedict::inline v0::dcp {
 
 // ---------------------------------------------------------------------------------------------
@@ -18537,10 +23275,11 @@ namespace statedict::inline v0::dcp {
 struct write_options {
   /// Ranks that will load the checkpoint (M); one `__<rank>_0.distcp` file per rank.
   std::uint32_t world_size = 1;
-  /// Class names of `.metadata`: torch 1.13's (`torch.distributed._shard.checkpoint`, what the
-  /// tests load with PyTorch 1.13) or 2.x's (`torch.distributed.checkpoint`, with the 2.x flatten
-  /// rule and its planner_data mapping). See docs/formats/dcp.md.
-  class_names classes = class_names::torch_1_13;
+  /// The layout of the PyTorch that will load the checkpoint: 2.x's (`torch.distributed.checkpoint`
+  /// classes, the 2.x flatten rule and its planner_data mapping; the default, since restarts happen
+  /// on current PyTorch, whose dcp.load refuses the 1.13 class names) or 1.13's
+  /// (`torch.distributed._shard.checkpoint`, which PyTorch 1.13 loads). See docs/formats/dcp.md.
+  class_names classes = class_names::torch_2;
   exec_options exec{};
   plan_options plan{};
   /// Write only the rank files of part k of K (shard/plan.hpp assign_parts), each atomically,
@@ -18759,6 +23498,9 @@ inline keyed_tree keys_of(const ShardedCheckpoint& src, class_names classes) {
   std::uint64_t total = 16;
   for (std::size_t i = 0; i < n; ++i) {
     const TensorInfo& t = src.tensors[i];
+    if (info(t.dtype).torch_name.empty())
+      throw_error(errors::dcp_write_unsupported, "tensor " + quote(t.name),
+                  "dtype " + std::string(name(t.dtype)) + " has no PyTorch dtype (a safetensors-only type)");
     if (classes == class_names::torch_1_13 && info(t.dtype).storage_name.empty())
       throw_error(errors::dcp_write_unsupported, "tensor " + quote(t.name),
                   "dtype " + std::string(name(t.dtype)) + " has no storage class in PyTorch 1.13 (write the 2.x layout)");
@@ -18969,6 +23711,7 @@ inline void write_framing(std::uint32_t r, const std::vector<WItem>& items, Outp
 /// values are bytes items (rank 0). Files: `__<rank>_0.distcp` for every rank, and `.metadata`.
 /// With `part`, only that part's rank files; with `index_only`, only `.metadata` (the last step).
 inline void write(const ShardedCheckpoint& src, const std::filesystem::path& dir, const write_options& opt = {}) {
+  formats::check_consistent(src);
   const std::uint32_t world = opt.world_size;
   if (world == 0 || world > (1U << 20))
     throw_error(errors::dcp_bad_world_size, "world size " + std::to_string(world) + " is not in [1, 2^20]");
@@ -19390,835 +24133,6 @@ class format final : public formats::Format {
 #include <utility>
 #include <vector>
 
-// ---- statedict/formats/detail/files.hpp ----
-// statedict: pieces every directory-format reader shares: file-name rules (rank files, natural
-// order), the torch.save check of a file's first bytes, and loading a rank file's pickle without
-// reading its tensors.
-// SPDX-License-Identifier: MIT
-
-#include <algorithm>
-#include <charconv>
-#include <cstddef>
-#include <cstdint>
-#include <filesystem>
-#include <optional>
-#include <string>
-#include <string_view>
-#include <utility>
-#include <vector>
-
-// ---- statedict/formats/optim_shard.hpp ----
-// statedict: flat-partition state, consolidated and re-sharded. The machinery the DeepSpeed ZeRO and
-// FSDP flat-parameter readers share: locating loaded tensors in their files, turning a parameter's
-// pieces (layout::FlatPiece: rank, elements, offset in the rank's flat buffer) into chunks, and
-// merging per-rank optimizer state into one state per parameter, as fairscale's FSDP does it; and the
-// reverse, a full optimizer state keyed by parameter name sharded for a ZeRO or FSDP layout.
-// SPDX-License-Identifier: MIT
-//
-// Optimizer state consolidation (fairscale/nn/data_parallel/fsdp_optim_utils.py
-// build_unflat_state_dict / _unflatten_optim_state, and fully_sharded_data_parallel.py
-// gather_full_optim_state_dict, as summarised in docs/notes/zero-fsdp-layouts.md section 10):
-//   - a state tensor with dimensions (exp_avg, exp_avg_sq) is laid out exactly like the flat
-//     parameter it belongs to, so each parameter's slice of it is placed with the weight's pieces;
-//   - a 0-dim tensor (torch >= 1.12 `step`) and any non-tensor value (an int `step`) is constant
-//     across ranks: it is checked equal on every rank that holds it and kept once. (fairscale keeps
-//     0-dim tensors as a list of per-rank values; statedict keys state by parameter name and keeps
-//     one value, OLMo's rule, and refuses ranks that disagree.)
-//   - param_groups are kept (checked equal across ranks by the callers that have them per rank).
-// The reverse: optim_shard::destination() lays a full state (`optim.state.<name>.<key>` tensors)
-// out as a ZeRO-1/2, ZeRO-3 or FSDP flat layout, one buffer per (rank, state key), which the
-// planner fills.
-//
-// Nothing here reads tensor bytes except 0-dim state (a few bytes per rank, to check they agree) and
-// the small integer buffers a caller asks to convert (see SourceTable::add_owned).
-
-#include <algorithm>
-#include <cstdint>
-#include <cstring>
-#include <memory>
-#include <optional>
-#include <span>
-#include <string>
-#include <string_view>
-#include <utility>
-#include <vector>
-
-
-namespace statedict::inline v0 {
-
-namespace errors {
-// clang-format off
-inline constexpr error_id os_state_differs     {720, error_kind::format, "optim_shard.state_differs"};
-inline constexpr error_id os_bad_state         {721, error_kind::format, "optim_shard.bad_state"};
-inline constexpr error_id os_piece_outside     {722, error_kind::format, "optim_shard.piece_outside"};
-inline constexpr error_id os_bad_layout        {723, error_kind::usage,  "optim_shard.bad_layout"};
-inline constexpr error_id os_groups_differ     {724, error_kind::format, "optim_shard.groups_differ"};
-// clang-format on
-}  // namespace errors
-
-namespace optim_shard {
-
-// =============================================================================================
-// Loaded files and checked access to their Value trees
-
-/// One loaded torch.save file: its name (for messages), its bytes, and its content, whose tensors
-/// are views into `source` (io/torch_file.hpp loads them that way from a mapped file).
-struct LoadedFile {
-  std::string name;
-  std::shared_ptr<const ByteSource> source;
-  Value tree;
-  /// The address the views use for the source's byte 0 (nullptr: the source's mapping).
-  const std::byte* base = nullptr;
-};
-
-/// Checked access to a Value tree: every failure is `id` with `where` as its context.
-struct Access {
-  const error_id& id;
-  std::string where;
-
-  [[noreturn]] void fail(const std::string& detail) const { throw_error(id, where, detail); }
-
-  static std::string kind_name(const Value& v) { return std::string(to_string(v.kind())); }
-
-  const Dict& dict(const Value& v, std::string_view what) const {
-    if (!v.is_dict()) fail(std::string(what) + " is a " + kind_name(v) + ", expected a dict");
-    return v.as_dict();
-  }
-  const List& list(const Value& v, std::string_view what) const {
-    if (!v.is_sequence()) fail(std::string(what) + " is a " + kind_name(v) + ", expected a list");
-    return v.as_list();
-  }
-  const Value& at(const Dict& d, const Key& k, std::string_view what) const {
-    const Value* v = d.find(k);
-    if (!v) fail(std::string(what) + " has no key " + (k.is_int() ? k.str() : quote(k.str())));
-    return *v;
-  }
-  /// The value at k, or nullptr when absent or None.
-  static const Value* opt(const Dict& d, const Key& k) {
-    const Value* v = d.find(k);
-    return (v && !v->is_none()) ? v : nullptr;
-  }
-  std::int64_t integer(const Value& v, std::string_view what) const {
-    if (!v.is_int()) fail(std::string(what) + " is a " + kind_name(v) + ", expected an int");
-    return v.as_int();
-  }
-  const std::string& string(const Value& v, std::string_view what) const {
-    if (!v.is_string()) fail(std::string(what) + " is a " + kind_name(v) + ", expected a str");
-    return v.as_string();
-  }
-  const TensorView& tensor(const Value& v, std::string_view what) const {
-    if (!v.is_tensor()) fail(std::string(what) + " is a " + kind_name(v) + ", expected a tensor");
-    return v.as_tensor();
-  }
-  /// A shape: torch.Size (unpickled as a tuple), a plain tuple (DeepSpeed's debloated saves) or a
-  /// list of non-negative ints.
-  shape_t shape(const Value& v, std::string_view what) const {
-    if (!v.is_sequence()) fail(std::string(what) + " is a " + kind_name(v) + ", expected a shape (torch.Size or tuple)");
-    shape_t s;
-    for (const Value& d : v.as_list()) {
-      if (!d.is_int() || d.as_int() < 0) fail(std::string(what) + " is not a shape of non-negative ints");
-      s.push_back(d.as_int());
-    }
-    try {
-      (void)numel(s);
-    } catch (const error& e) {
-      fail(std::string(what) + ": " + e.detail());
-    }
-    return s;
-  }
-};
-
-// =============================================================================================
-// Skeletons of consolidated checkpoints
-
-/// Builds the flatten skeleton (core/flatten.hpp) of a consolidated state: nested string-keyed
-/// dicts whose leaves are tensor nodes (the description's tensors), alias nodes, or any non-tensor
-/// Value. Keys keep their insertion order.
-class SkeletonBuilder {
- public:
-  /// A tensor node for `t`, at `path` (dicts created as needed).
-  void tensor(std::span<const std::string> path, const TensorInfo& t) {
-    nlohmann::json j(nlohmann::json::value_t::object);
-    auto& o = j.get_ref<nlohmann::json::object_t&>();
-    o.emplace("tensor", t.name);
-    o.emplace("dtype", std::string(statedict::name(t.dtype)));
-    nlohmann::json::array_t sh;
-    for (dim_t d : t.shape) sh.emplace_back(d);
-    o.emplace("shape", std::move(sh));
-    leaf(path, std::move(j));
-  }
-  /// An alias node: `path` is the same tensor as the tensor named `target`.
-  void alias(std::span<const std::string> path, const std::string& target) {
-    nlohmann::json j(nlohmann::json::value_t::object);
-    j.get_ref<nlohmann::json::object_t&>().emplace("alias", target);
-    leaf(path, std::move(j));
-  }
-  /// A non-tensor value (any tree without tensors) at `path`.
-  void value(std::span<const std::string> path, const Value& v) {
-    FlatStateDict f = flatten(v);
-    if (!f.tensors.empty())
-      throw_error(errors::os_bad_layout, "skeleton", "a value at " + quote(join(path)) + " holds tensors");
-    leaf(path, f.skeleton.json().at("root"));
-  }
-  /// The skeleton document.
-  [[nodiscard]] nlohmann::json build() const {
-    nlohmann::json doc(nlohmann::json::value_t::object);
-    doc.get_ref<nlohmann::json::object_t&>().emplace("statedict_skeleton", 1);
-    doc.get_ref<nlohmann::json::object_t&>().emplace("root", build(0));
-    return doc;
-  }
-
- private:
-  struct node {
-    std::optional<nlohmann::json> leaf;
-    std::vector<std::pair<std::string, std::size_t>> children;
-  };
-  static std::string join(std::span<const std::string> path) {
-    std::string s;
-    for (const auto& k : path) s += (s.empty() ? "" : ".") + k;
-    return s;
-  }
-  void leaf(std::span<const std::string> path, nlohmann::json j) {
-    if (path.empty()) throw_error(errors::os_bad_layout, "skeleton", "empty path");
-    std::size_t at = 0;
-    for (std::size_t i = 0; i < path.size(); ++i) {
-      if (nodes_[at].leaf)
-        throw_error(errors::os_bad_layout, "skeleton", quote(join(path.subspan(0, i))) + " is a leaf and a dict");
-      std::size_t next = 0;
-      for (const auto& [k, c] : nodes_[at].children)
-        if (k == path[i]) next = c;
-      if (next == 0) {
-        nodes_.push_back(node{});
-        next = nodes_.size() - 1;
-        nodes_[at].children.emplace_back(path[i], next);
-      } else if (i + 1 == path.size()) {
-        throw_error(errors::os_bad_layout, "skeleton", quote(join(path)) + " is set twice");
-      }
-      at = next;
-    }
-    if (!nodes_[at].children.empty())
-      throw_error(errors::os_bad_layout, "skeleton", quote(join(path)) + " is a dict and a leaf");
-    nodes_[at].leaf = std::move(j);
-  }
-  [[nodiscard]] nlohmann::json build(std::size_t i) const {
-    if (nodes_[i].leaf) return *nodes_[i].leaf;
-    nlohmann::json::array_t pairs;
-    for (const auto& [k, c] : nodes_[i].children) {
-      nlohmann::json pair = nlohmann::json::array_t(2);
-      pair[0] = detail::encode_string(k);
-      pair[1] = build(c);
-      pairs.push_back(std::move(pair));
-    }
-    nlohmann::json d(nlohmann::json::value_t::object);
-    d.get_ref<nlohmann::json::object_t&>().emplace("dict", std::move(pairs));
-    return d;
-  }
-  std::vector<node> nodes_{1};
-};
-
-// =============================================================================================
-// Sources: where loaded tensors live
-
-/// The byte sources of a description being built, and the Placement of any loaded tensor view.
-/// A view that lies inside a registered source's bytes (a tensor of a mapped torch.save file) is
-/// placed at its offset there, with no copy and no read; any other view (a loader that had to
-/// inflate a compressed record) becomes a source of its own, kept alive by the view's owner.
-class SourceTable {
- public:
-  /// Registers a source; returns its index. `base` is the address that stands for the source's
-  /// byte 0 in the views loaded from it: its mapping (the default), or the reserved address range
-  /// a lazy reader placed the views in.
-  std::uint32_t add(std::shared_ptr<const ByteSource> s, const std::byte* base = nullptr) {
-    if (base == nullptr) base = s->data();
-    entries_.push_back(entry{base, s->size()});
-    sources_.push_back(std::move(s));
-    return static_cast<std::uint32_t>(sources_.size() - 1);
-  }
-
-  /// Registers bytes computed at describe time (small converted buffers); returns its index.
-  std::uint32_t add_owned(std::string name, std::vector<std::byte> bytes) {
-    auto buf = std::make_shared<std::vector<std::byte>>(std::move(bytes));
-    const std::byte* p = buf->data();
-    const std::uint64_t n = buf->size();
-    return add(std::make_shared<MemorySource>(std::move(name), p, n, std::move(buf)));
-  }
-
-  /// Where `v`'s element 0 is, with its strides (empty when contiguous). `what` names the tensor
-  /// for messages.
-  Placement locate(const TensorView& v, std::string_view what) {
-    Placement at;
-    at.stored = v.dtype();
-    if (!v.is_contiguous()) at.strides = v.strides();
-    if (v.numel() == 0) return at;
-    const std::uint64_t extent = v.extent_bytes();
-    const auto p = reinterpret_cast<std::uintptr_t>(v.data());
-    for (std::size_t i = 0; i < entries_.size(); ++i) {
-      if (entries_[i].base == nullptr) continue;
-      const auto b = reinterpret_cast<std::uintptr_t>(entries_[i].base);
-      const std::uint64_t size = entries_[i].size;
-      if (p >= b && p - b <= size && extent <= size - (p - b)) {
-        at.source = static_cast<std::uint32_t>(i);
-        at.byte_offset = p - b;
-        return at;
-      }
-    }
-    at.source = add(std::make_shared<MemorySource>(std::string(what), v.data(), extent, v.owner()));
-    at.byte_offset = 0;
-    return at;
-  }
-
-  /// A contiguous copy of `v`'s elements, read through its source (never through the view's
-  /// pointer, which may point into reserved address space when the file was read lazily). Only
-  /// for the few small tensors describing needs the values of (0-dim state, converted buffers).
-  Tensor materialize(const TensorView& v, std::string_view what) {
-    const Placement at = locate(v, what);
-    const std::uint64_t extent = v.extent_bytes();
-    auto buf = std::make_shared<std::vector<std::byte>>(static_cast<std::size_t>(extent));
-    if (extent) sources_[at.source]->read(at.byte_offset, *buf);
-    const TensorView local(v.dtype(), v.shape(), v.strides(), extent ? buf->data() : nullptr, buf);
-    return Tensor::copy_of(local);
-  }
-
-  /// Reads `n` bytes starting `first_byte` bytes after `v`'s element 0 through its source.
-  std::vector<std::byte> read_bytes(const TensorView& v, std::uint64_t first_byte, std::uint64_t n, std::string_view what) {
-    const Placement at = locate(v, what);
-    std::vector<std::byte> out(static_cast<std::size_t>(n));
-    if (n) sources_[at.source]->read(checked_add(at.byte_offset, first_byte, "offset"), out);
-    return out;
-  }
-
-  [[nodiscard]] const std::vector<std::shared_ptr<const ByteSource>>& sources() const noexcept { return sources_; }
-  std::vector<std::shared_ptr<const ByteSource>> take() {
-    entries_.clear();
-    return std::move(sources_);
-  }
-
- private:
-  struct entry {
-    const std::byte* base;
-    std::uint64_t size;
-  };
-  std::vector<std::shared_ptr<const ByteSource>> sources_;
-  std::vector<entry> entries_;
-};
-
-/// A chunk holding all of `v` (a whole tensor stored as-is) as one box.
-inline Chunk whole_chunk(const TensorView& v, SourceTable& table, std::string_view what) {
-  return Chunk{full_box(v.shape()), table.locate(v, what)};
-}
-
-// =============================================================================================
-// Flat buffers and pieces
-
-/// One tensor of a rank's flat buffer. A rank's buffer is the concatenation of its segments
-/// (ZeRO-3 sub-groups; one segment elsewhere). `numel` is the segment's length in that
-/// concatenation; the tensor may be shorter (padding cut off, as ZeRO-1/2 saves its partitions)
-/// but never longer.
-struct Segment {
-  const TensorView* view = nullptr;  ///< nullptr: the rank has no tensor here (no optimizer state)
-  std::uint64_t numel = 0;
-  std::string where;  ///< for messages: "file 'x': optimizer_state_dict.fp32_flat_groups.2"
-};
-
-/// The segments of one rank's flat buffer, in order.
-using RankBuffer = std::vector<Segment>;
-
-/// Chunks of one parameter: each piece (rank r, elements [begin, end) of the parameter, at element
-/// `offset` of rank r's buffer) is resolved against `buffers[r]`, split where it crosses a segment
-/// boundary. Throws errors::os_piece_outside, naming `what`, the rank and the segment, when a
-/// piece reaches past a buffer or past the tensor that holds it, or the tensor is not 1-d.
-inline std::vector<Chunk> place(std::span<const layout::FlatPiece> pieces, std::span<const RankBuffer> buffers,
-                                SourceTable& table, std::string_view what) {
-  std::vector<Chunk> out;
-  for (const layout::FlatPiece& p : pieces) {
-    if (p.range.size() == 0) continue;
-    if (p.rank >= buffers.size())
-      throw_error(errors::os_piece_outside, std::string(what),
-                  "a piece is on rank " + std::to_string(p.rank) + " but there are " + std::to_string(buffers.size()) +
-                      " ranks");
-    const RankBuffer& buf = buffers[p.rank];
-    std::uint64_t pos = p.offset;             // position in the rank's concatenated buffer
-    std::uint64_t done = 0;                   // elements of the piece placed so far
-    std::uint64_t seg_start = 0;
-    for (std::size_t s = 0; s < buf.size() && done < p.range.size(); ++s) {
-      const Segment& seg = buf[s];
-      const std::uint64_t seg_end = checked_add(seg_start, seg.numel, "flat buffer size");
-      if (pos < seg_end) {
-        const std::uint64_t in_seg = pos - seg_start;
-        const std::uint64_t n = std::min(p.range.size() - done, seg_end - pos);
-        if (seg.view == nullptr)
-          throw_error(errors::os_piece_outside, std::string(what),
-                      "rank " + std::to_string(p.rank) + " holds elements [" + std::to_string(p.range.begin + done) +
-                          ", " + std::to_string(p.range.begin + done + n) + ") in " + seg.where +
-                          ", which is missing");
-        const TensorView& v = *seg.view;
-        if (v.rank() != 1)
-          throw_error(errors::os_piece_outside, std::string(what),
-                      seg.where + " has shape " + to_string(v.shape()) + "; expected a 1-d flat tensor");
-        if (v.numel() > seg.numel)
-          throw_error(errors::os_piece_outside, std::string(what),
-                      seg.where + " has " + std::to_string(v.numel()) + " elements, more than the " +
-                          std::to_string(seg.numel) + " the layout gives it");
-        if (in_seg + n > v.numel())
-          throw_error(errors::os_piece_outside, std::string(what),
-                      "rank " + std::to_string(p.rank) + " holds elements [" + std::to_string(p.range.begin + done) +
-                          ", " + std::to_string(p.range.begin + done + n) + ") at elements [" + std::to_string(in_seg) +
-                          ", " + std::to_string(in_seg + n) + ") of " + seg.where + ", which has only " +
-                          std::to_string(v.numel()));
-        Placement at = table.locate(v, seg.where);
-        const std::uint64_t stride = static_cast<std::uint64_t>(v.strides()[0]);
-        at.byte_offset = checked_add(at.byte_offset, checked_mul(checked_mul(in_seg, stride, "offset"), v.itemsize(), "offset"),
-                                     "offset");
-        at.strides = stride == 1 ? shape_t{} : shape_t{static_cast<dim_t>(stride)};
-        out.push_back(Chunk{FlatRange{p.range.begin + done, p.range.begin + done + n}, std::move(at)});
-        done += n;
-        pos += n;
-      }
-      seg_start = seg_end;
-    }
-    if (done < p.range.size())
-      throw_error(errors::os_piece_outside, std::string(what),
-                  "rank " + std::to_string(p.rank) + " should hold elements [" + std::to_string(p.range.begin + done) +
-                      ", " + std::to_string(p.range.end) + ") at element " + std::to_string(pos) +
-                      " of its flat buffer, which has " + std::to_string(seg_start) + " elements");
-  }
-  return out;
-}
-
-/// Checks that `chunks` (flat ranges) cover [0, numel) exactly once; throws `id` naming `what`.
-inline void check_flat_cover(std::span<const Chunk> chunks, std::uint64_t numel, const error_id& id, std::string_view what) {
-  std::vector<FlatRange> r;
-  r.reserve(chunks.size());
-  for (const Chunk& c : chunks) r.push_back(std::get<FlatRange>(c.region));
-  std::sort(r.begin(), r.end(), [](const FlatRange& a, const FlatRange& b) { return a.begin < b.begin; });
-  std::uint64_t pos = 0;
-  for (const FlatRange& x : r) {
-    if (x.begin > pos)
-      throw_error(id, std::string(what), "elements [" + std::to_string(pos) + ", " + std::to_string(x.begin) + ") of " +
-                                             std::to_string(numel) + " are held by no rank");
-    if (x.begin < pos)
-      throw_error(id, std::string(what), "element " + std::to_string(x.begin) + " is held by two ranks");
-    pos = x.end;
-  }
-  if (pos != numel)
-    throw_error(id, std::string(what), "elements [" + std::to_string(pos) + ", " + std::to_string(numel) + ") of " +
-                                           std::to_string(numel) + " are held by no rank");
-}
-
-// =============================================================================================
-// Optimizer state: merging per-rank state into one state per parameter
-
-/// One parameter whose optimizer state is consolidated.
-struct ParamState {
-  std::string name;  ///< the parameter's name; state tensors are named `<prefix><name>.<key>`
-  shape_t shape;
-  std::size_t family = 0;  ///< which flat buffer family (ZeRO group, FSDP flat param) its pieces index
-  std::vector<layout::FlatPiece> pieces;
-  /// Segment (of each rank's buffer in `family`) whose constant state (step) belongs to this
-  /// parameter: its ZeRO-3 sub-group; 0 elsewhere.
-  std::size_t scalar_segment = 0;
-};
-
-/// One rank's optimizer state for one segment of a flat buffer: the torch optimizer's per-param
-/// state dict ({"step": ..., "exp_avg": [n], ...}), or nullptr when the rank has none (a rank whose
-/// shard of that parameter is empty, a never-stepped optimizer).
-struct StateSegment {
-  const Dict* state = nullptr;
-  std::uint64_t numel = 0;  ///< the segment's length in the rank's flat buffer
-  std::string where;
-};
-
-/// [family][rank] -> segments of that rank's buffer.
-using StateFamilies = std::vector<std::vector<std::vector<StateSegment>>>;
-
-/// A consolidated optimizer state: the tensors (`optim.state.<name>.<key>`, in parameter order,
-/// keys in the order the state dicts list them) and the non-tensor state values (`name.key` ->
-/// value) in the same order.
-struct MergedState {
-  std::vector<TensorInfo> tensors;
-  std::vector<std::pair<std::string, Value>> values;
-};
-
-namespace detail {
-inline bool same_scalar(const Tensor& a, const Tensor& b) {
-  return a.dtype() == b.dtype() && a.numel() == b.numel() && equal_bytes(a.view(), b.view());
-}
-inline std::string scalar_text(const TensorView& v) {
-  if (v.numel() != 1) return "a tensor of shape " + to_string(v.shape());
-  std::string s = std::string(name(v.dtype())) + " ";
-  switch (v.dtype()) {
-    case dtype::F32: return s + std::to_string(v.load<float>(0));
-    case dtype::F64: return s + std::to_string(v.load<double>(0));
-    case dtype::I64: return s + std::to_string(v.load<std::int64_t>(0));
-    case dtype::I32: return s + std::to_string(v.load<std::int32_t>(0));
-    default: return s + "value";
-  }
-}
-inline std::string value_text(const Value& v) {
-  switch (v.kind()) {
-    case value_kind::integer: return std::to_string(v.as_int());
-    case value_kind::floating: return std::to_string(v.as_double());
-    case value_kind::boolean: return v.as_bool() ? "True" : "False";
-    case value_kind::string: return quote(v.as_string());
-    case value_kind::none: return "None";
-    default: return "a " + std::string(to_string(v.kind()));
-  }
-}
-}  // namespace detail
-
-/// Merges the state of `params` (see the rules at the top of this file). `families[f][r]` are rank
-/// r's state segments of family f, laid out like the flat buffers the pieces index. Tensor state of
-/// rank > 0 is placed with the pieces; constant state is taken from the lowest rank holding the
-/// parameter's scalar segment and checked equal on the others (errors::os_state_differs).
-inline MergedState merge_state(std::span<const ParamState> params, const StateFamilies& families, SourceTable& table,
-                               std::string_view prefix = "optim.state.") {
-  MergedState out;
-  for (const ParamState& p : params) {
-    const std::string base = std::string(prefix) + p.name;
-    if (p.family >= families.size())
-      throw_error(errors::os_bad_layout, base, "parameter refers to state family " + std::to_string(p.family) + " of " +
-                                                   std::to_string(families.size()));
-    const auto& fam = families[p.family];
-    // The key list: from the first rank whose scalar segment has state.
-    const Dict* first = nullptr;
-    std::size_t first_rank = 0;
-    for (std::size_t r = 0; r < fam.size(); ++r) {
-      if (p.scalar_segment < fam[r].size() && fam[r][p.scalar_segment].state) {
-        first = fam[r][p.scalar_segment].state;
-        first_rank = r;
-        break;
-      }
-    }
-    if (!first) continue;  // no rank has state for it: the optimizer never stepped it
-    for (const auto& [key, v0] : *first) {
-      const std::string kname = key.str();
-      const std::string tname = base + "." + kname;
-      const bool flat = v0.is_tensor() && v0.as_tensor().rank() > 0;
-      if (flat) {
-        // Per rank, the tensor under `key` in each segment forms that rank's buffer for this key.
-        std::vector<RankBuffer> bufs(fam.size());
-        for (std::size_t r = 0; r < fam.size(); ++r) {
-          for (const StateSegment& s : fam[r]) {
-            Segment seg{nullptr, s.numel, s.where + "[" + quote(kname) + "]"};
-            if (s.state) {
-              const Value* v = s.state->find(key);
-              if (v && !v->is_tensor())
-                throw_error(errors::os_bad_state, tname, s.where + "[" + quote(kname) + "] is a " +
-                                                            std::string(to_string(v->kind())) + ", expected a tensor");
-              if (v) seg.view = &v->as_tensor();
-            }
-            bufs[r].push_back(std::move(seg));
-          }
-        }
-        TensorInfo t;
-        t.name = tname;
-        t.shape = p.shape;
-        t.dtype = v0.as_tensor().dtype();
-        t.chunks = place(p.pieces, bufs, table, tname);
-        for (const Chunk& c : t.chunks)
-          if (c.at.stored != t.dtype)
-            throw_error(errors::os_bad_state, tname, "stored as " + std::string(name(c.at.stored)) + " on one rank and " +
-                                                         std::string(name(t.dtype)) + " on another");
-        check_flat_cover(t.chunks, numel(t.shape), errors::os_bad_state, tname);
-        out.tensors.push_back(std::move(t));
-        continue;
-      }
-      // Constant state: equal wherever present (its few bytes are read to compare).
-      std::optional<Tensor> t0;
-      if (v0.is_tensor()) t0 = table.materialize(v0.as_tensor(), tname);
-      for (std::size_t r = first_rank + 1; r < fam.size(); ++r) {
-        if (p.scalar_segment >= fam[r].size()) continue;
-        const StateSegment& s = fam[r][p.scalar_segment];
-        if (!s.state) continue;
-        const Value* v = s.state->find(key);
-        if (!v) continue;
-        std::optional<Tensor> tr;
-        if (v->is_tensor()) tr = table.materialize(v->as_tensor(), tname);
-        const bool same = t0 ? (tr && detail::same_scalar(*t0, *tr)) : (*v == v0);
-        if (!same)
-          throw_error(errors::os_state_differs, tname,
-                      "rank " + std::to_string(first_rank) + " has " +
-                          (t0 ? detail::scalar_text(t0->view()) : detail::value_text(v0)) + ", rank " +
-                          std::to_string(r) + " has " + (tr ? detail::scalar_text(tr->view()) : detail::value_text(*v)) +
-                          " (constant state must be equal on every rank)");
-      }
-      if (v0.is_tensor()) {
-        const std::string where = fam[first_rank][p.scalar_segment].where + "[" + quote(kname) + "]";
-        TensorInfo t;
-        t.name = tname;
-        t.dtype = v0.as_tensor().dtype();
-        t.shape = v0.as_tensor().shape();
-        t.chunks.push_back(whole_chunk(v0.as_tensor(), table, where));
-        out.tensors.push_back(std::move(t));
-      } else {
-        out.values.emplace_back(p.name + "." + kname, v0);
-      }
-    }
-  }
-  return out;
-}
-
-/// Compares the param_groups of every rank with rank 0's (ignoring keys in `ignore`); throws
-/// errors::os_groups_differ naming the first rank, group and key that differ.
-inline void check_groups_equal(std::span<const Value* const> groups, std::span<const std::string> where,
-                               std::span<const std::string_view> ignore = {}) {
-  if (groups.empty() || !groups[0]) return;
-  auto skip = [&](const Key& k) {
-    return k.is_string() && std::find(ignore.begin(), ignore.end(), std::string_view(k.as_string())) != ignore.end();
-  };
-  const List& g0 = groups[0]->as_list();
-  for (std::size_t r = 1; r < groups.size(); ++r) {
-    if (!groups[r]) continue;
-    const List& gr = groups[r]->as_list();
-    if (gr.size() != g0.size())
-      throw_error(errors::os_groups_differ, where[r], std::to_string(gr.size()) + " param groups, rank 0 has " +
-                                                          std::to_string(g0.size()));
-    for (std::size_t g = 0; g < g0.size(); ++g) {
-      if (!g0[g].is_dict() || !gr[g].is_dict()) {
-        if (!(g0[g] == gr[g]))
-          throw_error(errors::os_groups_differ, where[r], "param group " + std::to_string(g) + " differs from rank 0's");
-        continue;
-      }
-      for (const auto& [k, v] : g0[g].as_dict()) {
-        if (skip(k)) continue;
-        const Value* o = gr[g].as_dict().find(k);
-        if (!o || !(*o == v))
-          throw_error(errors::os_groups_differ, where[r],
-                      "param_groups." + std::to_string(g) + "." + k.str() + " is " + (o ? detail::value_text(*o) : "missing") +
-                          ", rank 0 has " + detail::value_text(v));
-      }
-      for (const auto& [k, v] : gr[g].as_dict())
-        if (!skip(k) && !g0[g].as_dict().contains(k))
-          throw_error(errors::os_groups_differ, where[r],
-                      "param_groups." + std::to_string(g) + "." + k.str() + " is not in rank 0's group");
-    }
-  }
-}
-
-// =============================================================================================
-// The reverse: a full optimizer state sharded for a layout
-
-/// Which flat layout to shard for.
-enum class layout_kind : std::uint8_t {
-  zero12,      ///< DeepSpeed ZeRO-1/2: one flat buffer per group, padded to 2 * world, split evenly
-  zero3,       ///< DeepSpeed ZeRO-3: every parameter split ceil(n / world) per rank
-  fsdp,        ///< FSDP FlatParameter without alignment (torch <= 2.0, use_orig_params=False)
-  fsdp_aligned ///< FSDP FlatParameter with use_orig_params alignment padding (torch >= 2.1)
-};
-
-/// What to shard: parameter groups (names, in flat order: param_shapes order for ZeRO, flattening
-/// order for FSDP), the state keys laid out like the parameters, and the constant keys.
-struct ShardSpec {
-  layout_kind kind = layout_kind::zero12;
-  std::uint32_t world = 1;
-  std::vector<std::vector<std::string>> groups;
-  std::vector<std::string> flat_keys{"exp_avg", "exp_avg_sq"};
-  /// 0-dim state replicated per group on every rank (taken from the group's first parameter).
-  std::vector<std::string> scalar_keys{"step"};
-  std::string prefix = "optim.state.";
-};
-
-/// Destination name of rank r's buffer for `key`: "rank<r>.<key>".
-inline std::string buffer_name(std::uint32_t rank, std::string_view key) {
-  return "rank" + std::to_string(rank) + "." + std::string(key);
-}
-
-/// Lays out `full` (tensors named `<prefix><param>.<key>`, e.g. a consolidated checkpoint's
-/// optimizer tensors) as the per-rank flat buffers of `spec`: destination `k * world + r` is rank
-/// r's buffer for flat key k (buffer_name), each group's partition in group order, padding left
-/// to the sink (zero); then, per scalar key s, destination `(K + s) * world + r` holds each group's
-/// scalar (from its first parameter) at position g. Throws errors::os_bad_layout when a tensor is
-/// missing or a scalar is not 0-dim.
-inline Destination destination(std::span<const TensorInfo> full, const ShardSpec& spec) {
-  if (spec.world == 0) throw_error(errors::os_bad_layout, "optimizer sharding", "world size must be at least 1");
-  auto find = [&](const std::string& n) -> const TensorInfo& {
-    for (const TensorInfo& t : full)
-      if (t.name == n) return t;
-    throw_error(errors::os_bad_layout, "optimizer sharding", "no tensor " + quote(n) + " in the full state");
-  };
-  Destination out;
-  const std::uint32_t W = spec.world;
-  for (const std::string& key : spec.flat_keys) {
-    std::vector<TensorInfo> specs;
-    std::vector<std::vector<std::size_t>> groups;
-    for (const auto& g : spec.groups) {
-      std::vector<std::size_t> idx;
-      for (const std::string& p : g) {
-        const TensorInfo& t = find(spec.prefix + p + "." + key);
-        idx.push_back(specs.size());
-        specs.push_back(TensorInfo{t.name, t.dtype, t.shape, {}});
-      }
-      groups.push_back(std::move(idx));
-    }
-    Destination d;
-    switch (spec.kind) {
-      case layout_kind::zero12: d = layout::zero12(specs, groups, W); break;
-      case layout_kind::zero3: d = layout::zero3(specs, groups, W); break;
-      case layout_kind::fsdp: d = layout::fsdp(specs, groups, W, false); break;
-      case layout_kind::fsdp_aligned: d = layout::fsdp(specs, groups, W, true); break;
-    }
-    const auto base = static_cast<std::uint32_t>(out.names.size());
-    for (std::uint32_t r = 0; r < W; ++r) {
-      out.names.push_back(buffer_name(r, key));
-      out.sizes.push_back(r < d.sizes.size() ? d.sizes[r] : 0);
-    }
-    for (TensorInfo& t : d.tensors) {
-      for (Chunk& c : t.chunks) c.at.source += base;
-      out.tensors.push_back(std::move(t));
-    }
-  }
-  for (const std::string& key : spec.scalar_keys) {
-    const auto base = static_cast<std::uint32_t>(out.names.size());
-    std::vector<std::uint64_t> size(W, 0);
-    std::vector<TensorInfo> scalars;
-    for (std::size_t g = 0; g < spec.groups.size(); ++g) {
-      if (spec.groups[g].empty()) continue;
-      const TensorInfo& t = find(spec.prefix + spec.groups[g][0] + "." + key);
-      if (!t.shape.empty())
-        throw_error(errors::os_bad_layout, t.name, "constant state must be 0-dim, found shape " + to_string(t.shape));
-      TensorInfo d{t.name, t.dtype, t.shape, {}};
-      for (std::uint32_t r = 0; r < W; ++r) {
-        d.chunks.push_back(Chunk{Box{{}, {}}, Placement{base + r, size[r], {}, t.dtype}});
-        size[r] += itemsize(t.dtype);
-      }
-      scalars.push_back(std::move(d));
-    }
-    for (std::uint32_t r = 0; r < W; ++r) {
-      out.names.push_back(buffer_name(r, key));
-      out.sizes.push_back(size[r]);
-    }
-    for (TensorInfo& t : scalars) out.tensors.push_back(std::move(t));
-  }
-  return out;
-}
-
-}  // namespace optim_shard
-}  // namespace statedict::inline v0
-
-namespace statedict::inline v0::formats::detail {
-
-inline bool ends_with(std::string_view s, std::string_view suffix) noexcept {
-  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
-}
-
-/// True when the file name of `p` ends with `ext` (".pt"), in any letter case.
-inline bool has_extension(const std::filesystem::path& p, std::string_view ext) {
-  const std::string n = p.filename().string();
-  if (n.size() <= ext.size()) return false;
-  for (std::size_t i = 0; i < ext.size(); ++i) {
-    const char a = n[n.size() - ext.size() + i];
-    const char b = ext[i];
-    if ((a >= 'A' && a <= 'Z' ? static_cast<char>(a - 'A' + 'a') : a) != b) return false;
-  }
-  return true;
-}
-
-/// Python's str.strip(): leading and trailing whitespace removed.
-inline std::string strip(std::string_view s) {
-  auto ws = [](char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; };
-  while (!s.empty() && ws(s.back())) s.remove_suffix(1);
-  while (!s.empty() && ws(s.front())) s.remove_prefix(1);
-  return std::string(s);
-}
-
-/// Python's "natural keys" order: digit runs compare as numbers, the rest as text.
-inline bool natural_less(std::string_view a, std::string_view b) {
-  std::size_t i = 0, j = 0;
-  auto digit = [](char c) { return c >= '0' && c <= '9'; };
-  while (i < a.size() && j < b.size()) {
-    if (digit(a[i]) && digit(b[j])) {
-      std::size_t ie = i, je = j;
-      while (ie < a.size() && digit(a[ie])) ++ie;
-      while (je < b.size() && digit(b[je])) ++je;
-      std::string_view x = a.substr(i, ie - i), y = b.substr(j, je - j);
-      while (x.size() > 1 && x[0] == '0') x.remove_prefix(1);
-      while (y.size() > 1 && y[0] == '0') y.remove_prefix(1);
-      if (x.size() != y.size()) return x.size() < y.size();
-      if (x != y) return x < y;
-      i = ie;
-      j = je;
-    } else {
-      if (a[i] != b[j]) return a[i] < b[j];
-      ++i;
-      ++j;
-    }
-  }
-  return (a.size() - i) < (b.size() - j);
-}
-
-/// An unsigned decimal of 1 to 9 digits without leading zeros ("0" allowed), as a number.
-inline std::optional<std::uint64_t> plain_number(std::string_view digits) {
-  if (digits.empty() || digits.size() > 9 || (digits.size() > 1 && digits[0] == '0')) return std::nullopt;
-  std::uint64_t r = 0;
-  const auto [p, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), r);
-  if (ec != std::errc() || p != digits.data() + digits.size()) return std::nullopt;
-  return r;
-}
-
-/// `<prefix><N><suffix>` -> N ("rank3.pt" with prefix "rank" and suffix ".pt" -> 3).
-inline std::optional<std::uint64_t> number_in(std::string_view file, std::string_view prefix, std::string_view suffix) {
-  if (file.size() <= prefix.size() + suffix.size() || file.substr(0, prefix.size()) != prefix || !ends_with(file, suffix))
-    return std::nullopt;
-  return plain_number(file.substr(prefix.size(), file.size() - prefix.size() - suffix.size()));
-}
-
-/// The `rank<N>.pt` files of a directory, sorted by N.
-inline std::vector<std::pair<std::uint64_t, std::filesystem::path>> rank_files(const std::filesystem::path& dir) {
-  std::vector<std::pair<std::uint64_t, std::filesystem::path>> out;
-  std::error_code ec;
-  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-    std::error_code ec2;
-    if (!it->is_regular_file(ec2)) continue;
-    if (auto r = number_in(it->path().filename().string(), "rank", ".pt")) out.emplace_back(*r, it->path());
-  }
-  std::sort(out.begin(), out.end());
-  return out;
-}
-
-/// What is wrong with a set of rank files that should be rank 0 .. W-1 (nullopt: nothing).
-inline std::optional<std::string> rank_gap(const std::vector<std::pair<std::uint64_t, std::filesystem::path>>& files,
-                                           const std::filesystem::path& dir) {
-  if (files.empty()) return quote(dir.string()) + " has no rank<N>.pt file";
-  for (std::size_t i = 0; i < files.size(); ++i)
-    if (files[i].first != i)
-      return quote(dir.string()) + " has rank" + std::to_string(files[i].first) + ".pt but no rank" + std::to_string(i) + ".pt";
-  return std::nullopt;
-}
-
-/// True when the file at `p` begins like a torch.save file (torch::kind_of).
-inline bool begins_like_torch_file(const std::filesystem::path& p) {
-  try {
-    const auto f = InputFile::open(p, read_mode::pread);
-    std::byte head[16] = {};
-    const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(f->size(), sizeof head));
-    f->peek(0, std::span<std::byte>(head, n));
-    return torch::kind_of(std::span<const std::byte>(head, n), f->size()) != torch::file_kind::unknown;
-  } catch (const error&) {
-    return false;
-  }
-}
-
-/// "file '<name>'": the context of an error about one loaded file.
-inline std::string file_ctx(const optim_shard::LoadedFile& f) { return "file " + quote(f.name); }
-
-/// Loads a rank file's pickle without reading its tensors (torch::read_lazily), keeping objects
-/// outside the allow-list as data; errors get `context` (the checkpoint) added.
-inline optim_shard::LoadedFile load_rank_file(const std::filesystem::path& p, read_mode mode, const torch::limits& lim,
-                                              const std::string& context) {
-  torch::load_options lo;
-  lo.limits = lim;
-  lo.keep_unknown_objects = true;  // config objects, loss scalers, numpy RNG states: kept as data, never run
-  lo.mode = mode;
-  try {
-    torch::File f = torch::read_lazily(InputFile::open(p, mode), lo);
-    return optim_shard::LoadedFile{p.string(), f.source, std::move(f.value), f.view_base};
-  } catch (error& e) {
-    e.add_context(context);
-    throw;
-  }
-}
-
-}  // namespace statedict::inline v0::formats::detail
 
 namespace statedict::inline v0 {
 
@@ -20278,6 +24192,10 @@ struct options {
   /// taken from `module` instead, where stage 1/2 keeps them whole in the model dtype (every
   /// `module` entry that is not a buffer, a trainable parameter or a tied name).
   bool frozen_from_module = false;
+  /// With `dtype`: also give it to the buffers of integer origin (zero_to_fp32's `.float()` of an
+  /// int64 or bool buffer), which `dtype` may not hold exactly; off, they stay F32. Either way
+  /// their TensorInfo::converted_from says what they were.
+  bool cast_integer_buffers = true;
   /// The tag folder to read; empty: the one `latest` names.
   std::string tag;
   read_mode mode = read_mode::mmap;
@@ -20685,6 +24603,8 @@ inline void add_buffers(builder& b, const model_file& m) {
         store_f32(out.data() + i * 4, as_float(values.view(), i));
       const std::uint32_t src = b.table.add_owned(name + " (as F32)", std::move(out));
       info.chunks.push_back(Chunk{full_box(t.shape()), Placement{src, 0, {}, dtype::F32}});
+      info.converted_from = t.dtype();
+      if (!b.opt.cast_integer_buffers) info.dtype = dtype::F32;
     } else {
       throw_error(errors::ds_buffer, where, "buffer " + quote(name) + " is " + std::string(statedict::name(t.dtype())) +
                                                 ", which `.float()` would not convert exactly");
@@ -21238,6 +25158,7 @@ class format final : public formats::Format {
   [[nodiscard]] ShardedCheckpoint describe(const formats::Input& in, const formats::open_options& opt) const override {
     options o = opt.settings.get<options>();
     o.dtype = opt.dtype;
+    o.cast_integer_buffers = opt.cast_integer_origin;
     o.with_optimizer = opt.with_optimizer;
     o.mode = opt.mode;
     return deepspeed::describe(in.path(), o);
@@ -21248,6 +25169,682 @@ class format final : public formats::Format {
 }  // namespace deepspeed
 }  // namespace statedict::inline v0
 
+// ---- statedict/formats/fairscale.hpp ----
+// statedict: fairscale FullyShardedDataParallel rank files as fairseq and metaseq save them (OPT's
+// released checkpoints among them), described as one consolidated state.
+// SPDX-License-Identifier: MIT
+//
+// A checkpoint is a family of torch.save files `<stem>-shard0.pt` .. `<stem>-shard{W-1}.pt`, one per
+// data-parallel rank (`checkpoint_last-shard0.pt`, metaseq's `checkpoint_last-model_part-0-shard0.pt`).
+// Each holds the rank's shards of the FSDP flat parameters in `model` (`flat_param_0`,
+// `decoder.layers.N.flat_param_0`, ...), the metadata to unflatten them (`fsdp_metadata` for
+// fairseq, `shard_metadata` for metaseq; formats/detail/fairscale_meta.hpp reads both schemas), and
+// the rank's optimizer state over its shards (`last_optimizer_state`). `fairscale::describe` gives:
+//   - every parameter, whole, named `<unit path>.<name>`, its chunks the ranks' pieces with each
+//     rank's padding left out; experts (no_broadcast_optim_state units) from rank 0;
+//   - the tied names of every unit (`shared_param_info`) as aliases: fairscale's own
+//     consolidate_shard_weights restores only the last unit's, so metaseq's tied output projection
+//     goes missing there;
+//   - the buffers (`buffer_names`) from rank 0;
+//   - with `with_optimizer`, the Adam state keyed by parameter name (`optim.state.<name>.<key>`),
+//     moments unpadded and split like the weights, `step` checked equal on every rank,
+//     `optim.param_groups` with names, and the other optimizer keys (`optim.loss_scale`), checked
+//     equal on every rank.
+// The files pickle argparse.Namespace and numpy objects; they are read as data (never called). No
+// tensor byte is read except 0-dim optimizer state. Facts and sources: docs/formats/fairscale.md.
+
+#include <algorithm>
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <regex>
+#include <set>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+// ---- statedict/formats/detail/fairscale_meta.hpp ----
+// statedict: the metadata of fairscale FSDP rank files (`local_metadata_dict()`, saved by fairseq as
+// `fsdp_metadata` and by metaseq as `shard_metadata`) in both schemas, checked against FSDP's
+// sharding rule, and the pieces each rank holds of every parameter.
+// SPDX-License-Identifier: MIT
+//
+// New schema (fairscale >= 0.3.9): per FSDP unit {"fsdp_path", "params": {backing name: {"names",
+// "shapes", "numels", "padding"}}, "no_broadcast_optim_state", "shared_param_info": [(src, dst)]}.
+// Old schema (0.3.7, 0.3.8): per unit {"fsdp_path", "is_flat", "num_padded", "param_names",
+// "param_shapes", "param_numels", "no_broadcast_optim_state"}, the flat tensor stored as
+// `flat_param` (0.3.7) or `flat_param_0` (0.3.8), no tie information. Every backing tensor (a flat
+// parameter, or a parameter FSDP did not flatten) is sharded by `torch.flatten(t).chunk(W)`, each
+// rank's chunk right-padded to the length of the first: with T elements, S = ceil(T / W), rank r
+// holds [r*S, r*S + v_r), v_r = clamp(T - r*S, 0, S), padding S - v_r. Units with
+// no_broadcast_optim_state (experts) are not sharded: every rank holds a whole, different tensor,
+// and rank 0's is the one kept (fairscale's rule). docs/formats/fairscale.md has the sources.
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+
+namespace statedict::inline v0 {
+
+namespace errors {
+// clang-format off
+inline constexpr error_id fairscale_not_found     {930, error_kind::format, "fairscale.not_found"};
+inline constexpr error_id fairscale_missing_rank  {931, error_kind::format, "fairscale.missing_rank"};
+inline constexpr error_id fairscale_ambiguous     {932, error_kind::usage,  "fairscale.ambiguous"};
+inline constexpr error_id fairscale_bad_file      {933, error_kind::format, "fairscale.bad_file"};
+inline constexpr error_id fairscale_bad_metadata  {934, error_kind::format, "fairscale.bad_metadata"};
+inline constexpr error_id fairscale_ranks_differ  {935, error_kind::format, "fairscale.ranks_differ"};
+inline constexpr error_id fairscale_padding       {936, error_kind::format, "fairscale.padding"};
+inline constexpr error_id fairscale_numel         {937, error_kind::format, "fairscale.numel"};
+inline constexpr error_id fairscale_missing_key   {938, error_kind::format, "fairscale.missing_key"};
+inline constexpr error_id fairscale_bad_tie       {939, error_kind::format, "fairscale.bad_tie"};
+inline constexpr error_id fairscale_duplicate     {940, error_kind::format, "fairscale.duplicate_name"};
+inline constexpr error_id fairscale_bad_optimizer {941, error_kind::format, "fairscale.bad_optimizer"};
+inline constexpr error_id fairscale_optim_differs {942, error_kind::format, "fairscale.optimizer_differs"};
+inline constexpr error_id fairscale_dtype         {943, error_kind::format, "fairscale.dtype"};
+inline constexpr error_id fairscale_limit         {944, error_kind::limit,  "fairscale.limit"};
+// clang-format on
+}  // namespace errors
+
+namespace fairscale::detail {
+
+using optim_shard::Access;
+
+/// One tensor the metadata describes, sharded over the ranks (or whole on each, for experts).
+struct Backing {
+  std::size_t unit = 0;
+  std::string key;  ///< its key in the rank's `model` dict
+  std::vector<std::string> names;  ///< the parameters it holds, relative to the unit
+  std::vector<shape_t> shapes;
+  std::vector<std::uint64_t> numels;
+  std::uint64_t total = 0;            ///< sum of numels
+  std::vector<std::uint64_t> padding;  ///< per rank, as recorded
+  bool no_broadcast = false;
+};
+
+struct Unit {
+  std::string path;  ///< fsdp_path ("" for the root)
+  std::vector<std::pair<std::string, std::string>> ties;  ///< (src, dst), relative to the unit
+};
+
+/// The layout of a checkpoint, from rank 0's metadata, checked against every rank's.
+struct Layout {
+  bool old_schema = false;
+  std::vector<Unit> units;
+  std::vector<Backing> backing;
+  std::vector<std::string> buffers;
+};
+
+inline std::string join(const std::string& path, const std::string& name) { return path.empty() ? name : path + "." + name; }
+
+/// Non-negative ints of a list or tuple.
+inline std::vector<std::uint64_t> counts(const Value& v, const Access& a, const std::string& what) {
+  std::vector<std::uint64_t> out;
+  for (const Value& x : a.list(v, what)) {
+    const std::int64_t n = a.integer(x, what + " entry");
+    if (n < 0) a.fail(what + " holds a negative number");
+    out.push_back(static_cast<std::uint64_t>(n));
+  }
+  return out;
+}
+
+/// Names, shapes and numels of one backing tensor, checked against each other.
+inline void fill(Backing& b, const Value& names, const Value& shapes, const Value& numels, const Access& a, const std::string& what,
+                 std::uint64_t max_entries) {
+  for (const Value& n : a.list(names, what + " names")) b.names.push_back(a.string(n, what + " name"));
+  for (const Value& s : a.list(shapes, what + " shapes")) b.shapes.push_back(a.shape(s, what + " shape"));
+  b.numels = counts(numels, a, what + " numels");
+  if (b.names.size() > max_entries) throw_error(errors::fairscale_limit, a.where, what + ": more names than limits::max_entries");
+  if (b.names.size() != b.shapes.size() || b.names.size() != b.numels.size())
+    throw_error(errors::fairscale_numel, a.where,
+                what + ": " + std::to_string(b.names.size()) + " names, " + std::to_string(b.shapes.size()) + " shapes, " +
+                    std::to_string(b.numels.size()) + " numels");
+  for (std::size_t j = 0; j < b.names.size(); ++j) {
+    if (numel(b.shapes[j]) != b.numels[j])
+      throw_error(errors::fairscale_numel, a.where,
+                  what + ": " + quote(b.names[j]) + " has shape " + to_string(b.shapes[j]) + " but numel " + std::to_string(b.numels[j]));
+    b.total = checked_add(b.total, b.numels[j], "flat parameter size");
+  }
+}
+
+/// Parses one rank's metadata (`flat_key`: the old schema's name of flat tensors).
+inline Layout parse(const Value& md, const Access& a, const std::string& flat_key, std::uint64_t max_entries) {
+  Layout l;
+  const Dict& top = a.dict(md, "the FSDP metadata");
+  const List& units = a.list(a.at(top, "param_metadata", "the FSDP metadata"), "param_metadata");
+  if (units.size() > max_entries) throw_error(errors::fairscale_limit, a.where, "more FSDP units than limits::max_entries");
+  for (std::size_t u = 0; u < units.size(); ++u) {
+    const std::string uw = "param_metadata[" + std::to_string(u) + "]";
+    const Dict& ud = a.dict(units[u], uw);
+    Unit unit;
+    unit.path = a.string(a.at(ud, "fsdp_path", uw), uw + " fsdp_path");
+    const Value* nb = Access::opt(ud, "no_broadcast_optim_state");
+    if (nb && !nb->is_bool()) a.fail(uw + " no_broadcast_optim_state is not a bool");
+    const bool nob = nb && nb->as_bool();
+    if (const Value* p = ud.find("params")) {
+      for (const auto& [bk, bv] : a.dict(*p, uw + " params")) {
+        const std::string bw = uw + " params[" + quote(bk.str()) + "]";
+        const Dict& bd = a.dict(bv, bw);
+        Backing b;
+        b.unit = u;
+        b.key = join(unit.path, bk.str());
+        b.no_broadcast = nob;
+        fill(b, a.at(bd, "names", bw), a.at(bd, "shapes", bw), a.at(bd, "numels", bw), a, bw, max_entries);
+        const std::int64_t pad = a.integer(a.at(bd, "padding", bw), bw + " padding");
+        if (pad < 0) a.fail(bw + " padding is negative");
+        b.padding.push_back(static_cast<std::uint64_t>(pad));
+        l.backing.push_back(std::move(b));
+      }
+      if (const Value* s = Access::opt(ud, "shared_param_info")) {
+        for (const Value& t : a.list(*s, uw + " shared_param_info")) {
+          const List& pair = a.list(t, uw + " shared_param_info entry");
+          if (pair.size() != 2) a.fail(uw + " shared_param_info entry is not a (source, destination) pair");
+          unit.ties.emplace_back(a.string(pair[0], uw + " tie source"), a.string(pair[1], uw + " tie destination"));
+        }
+      }
+    } else if (ud.contains("is_flat")) {
+      l.old_schema = true;
+      const Value& flat = a.at(ud, "is_flat", uw);
+      if (!flat.is_bool()) a.fail(uw + " is_flat is not a bool");
+      const auto pads = counts(a.at(ud, "num_padded", uw), a, uw + " num_padded");
+      const Value& names = a.at(ud, "param_names", uw);
+      const Value& shapes = a.at(ud, "param_shapes", uw);
+      const Value& numels = a.at(ud, "param_numels", uw);
+      if (flat.as_bool()) {
+        Backing b;
+        b.unit = u;
+        b.key = join(unit.path, flat_key);
+        b.no_broadcast = nob;
+        fill(b, names, shapes, numels, a, uw, max_entries);
+        if (!b.names.empty()) {
+          if (pads.empty()) a.fail(uw + " num_padded is empty");
+          b.padding.push_back(pads[0]);
+          l.backing.push_back(std::move(b));
+        }
+      } else {
+        Backing all;
+        fill(all, names, shapes, numels, a, uw, max_entries);
+        if (pads.size() != all.names.size()) a.fail(uw + " num_padded does not list one padding per parameter");
+        for (std::size_t j = 0; j < all.names.size(); ++j) {
+          Backing b;
+          b.unit = u;
+          b.key = join(unit.path, all.names[j]);
+          b.no_broadcast = nob;
+          b.names = {all.names[j]};
+          b.shapes = {all.shapes[j]};
+          b.numels = {all.numels[j]};
+          b.total = all.numels[j];
+          b.padding.push_back(pads[j]);
+          l.backing.push_back(std::move(b));
+        }
+      }
+    } else {
+      a.fail(uw + " has neither \"params\" (fairscale >= 0.3.9) nor \"is_flat\" (0.3.7, 0.3.8)");
+    }
+    l.units.push_back(std::move(unit));
+  }
+  if (const Value* bn = Access::opt(top, "buffer_names"))
+    for (const Value& n : a.list(*bn, "buffer_names")) l.buffers.push_back(a.string(n, "a buffer name"));
+  return l;
+}
+
+/// Folds rank r's layout into rank 0's: the same units, backing tensors, names, shapes and numels;
+/// only the padding may differ (it is appended).
+inline void merge_rank(Layout& l0, const Layout& lr, std::uint32_t r, const std::string& where) {
+  auto differ = [&](const std::string& what) {
+    throw_error(errors::fairscale_ranks_differ, where, what + " differs from rank 0's (rank " + std::to_string(r) + ")");
+  };
+  if (lr.old_schema != l0.old_schema) differ("the metadata schema");
+  if (lr.units.size() != l0.units.size()) differ("the number of FSDP units");
+  for (std::size_t u = 0; u < l0.units.size(); ++u) {
+    if (lr.units[u].path != l0.units[u].path) differ("the path of FSDP unit " + std::to_string(u));
+    if (lr.units[u].ties != l0.units[u].ties) differ("shared_param_info of unit " + quote(l0.units[u].path));
+  }
+  if (lr.backing.size() != l0.backing.size()) differ("the number of flat parameters");
+  for (std::size_t k = 0; k < l0.backing.size(); ++k) {
+    const Backing& a = l0.backing[k];
+    const Backing& b = lr.backing[k];
+    if (a.key != b.key || a.names != b.names || a.shapes != b.shapes || a.numels != b.numels || a.no_broadcast != b.no_broadcast)
+      differ("flat parameter " + quote(a.key));
+    l0.backing[k].padding.push_back(b.padding.at(0));
+  }
+  if (lr.buffers != l0.buffers) differ("buffer_names");
+}
+
+/// FSDP's shard of rank r of a T-element tensor over W ranks: (shard length S, elements held v_r).
+inline std::pair<std::uint64_t, std::uint64_t> chunk_rule(std::uint64_t total, std::uint32_t world, std::uint32_t r) {
+  const std::uint64_t s = total == 0 ? 0 : (total + world - 1) / world;
+  const std::uint64_t start = checked_mul(s, r, "shard offset");
+  const std::uint64_t held = start >= total ? 0 : std::min(s, total - start);
+  return {s, held};
+}
+
+/// The pieces of name j of backing tensor b: per rank, the part of [o_j, o_j + m_j) it holds, at
+/// its offset in the rank's shard. Experts: all on rank 0.
+inline std::vector<layout::FlatPiece> pieces(const Backing& b, std::size_t j, std::uint32_t world) {
+  std::uint64_t o = 0;
+  for (std::size_t i = 0; i < j; ++i) o += b.numels[i];
+  const std::uint64_t e = o + b.numels[j];
+  std::vector<layout::FlatPiece> out;
+  if (b.no_broadcast) {
+    out.push_back(layout::FlatPiece{0, FlatRange{0, b.numels[j]}, o});
+    return out;
+  }
+  for (std::uint32_t r = 0; r < world; ++r) {
+    const auto [s, held] = chunk_rule(b.total, world, r);
+    const std::uint64_t lo = std::max(o, s * r), hi = std::min(e, s * r + held);
+    if (lo < hi) out.push_back(layout::FlatPiece{r, FlatRange{lo - o, hi - o}, lo - s * r});
+  }
+  return out;
+}
+
+}  // namespace fairscale::detail
+}  // namespace statedict::inline v0
+
+namespace statedict::inline v0::fairscale {
+
+/// Caps on hostile input; each error names the field to raise.
+struct limits {
+  /// Ranks (rank files of one family).
+  std::uint64_t max_ranks = std::uint64_t{1} << 16;
+  /// FSDP units, flat parameters and parameter names of one rank file.
+  std::uint64_t max_entries = std::uint64_t{1} << 24;
+  /// Limits of the torch.save reader.
+  torch::limits torch{};
+};
+
+struct options {
+  /// Also describe the optimizer state (`last_optimizer_state`) keyed by parameter name.
+  bool with_optimizer = false;
+  read_mode mode = read_mode::mmap;
+  fairscale::limits limits{};
+};
+
+/// What detect() found.
+struct detection {
+  bool found = false;
+  /// The rule that matched, or what was looked for and found.
+  std::string rule;
+  /// Several families in one folder (detect() then names them; describe() refuses).
+  bool ambiguous = false;
+  /// A family whose ranks are not 0 .. W-1 (describe() says which is missing).
+  bool missing_rank = false;
+  std::vector<std::filesystem::path> files;  ///< rank order
+};
+
+namespace detail {
+
+/// `<stem>-shard<N>.pt` -> (stem, N); files naming an expert rank (`rank-N`) are not rank files.
+inline std::optional<std::pair<std::string, std::uint64_t>> shard_name(const std::string& file) {
+  static const std::regex re(R"((.*)-shard(\d+)\.pt)");
+  static const std::regex expert(R"(rank-\d+)");
+  std::smatch m;
+  if (!std::regex_match(file, m, re) || std::regex_search(file, expert)) return std::nullopt;
+  const auto n = formats::detail::plain_number(m[2].str());
+  if (!n) return std::nullopt;
+  return std::make_pair(m[1].str(), *n);
+}
+
+/// The family of `stem` in `dir`: its files by rank, contiguous from 0 (`why` says what is wrong,
+/// `gap` whether a rank is missing).
+inline std::vector<std::filesystem::path> family(const std::filesystem::path& dir, const std::string& stem, std::uint64_t max_ranks,
+                                                 std::string& why, bool& gap) {
+  std::map<std::uint64_t, std::filesystem::path> found;
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    auto s = shard_name(it->path().filename().string());
+    if (s && s->first == stem) found.emplace(s->second, it->path());
+  }
+  if (found.size() > max_ranks) {
+    why = "more rank files than limits::max_ranks";
+    return {};
+  }
+  std::vector<std::filesystem::path> out;
+  for (const auto& [r, p] : found) {
+    if (r != out.size()) {
+      gap = true;
+      why = quote(stem + "-shard" + std::to_string(out.size()) + ".pt") + " is missing, but " + quote(p.filename().string()) + " exists";
+      return {};
+    }
+    out.push_back(p);
+  }
+  if (out.empty()) why = "no " + quote(stem + "-shard0.pt");
+  return out;
+}
+
+/// True when rank file `p` is a dict with `model` and fairscale's metadata (its pickle only).
+inline bool holds_fsdp_metadata(const std::filesystem::path& p, const limits& lim) {
+  try {
+    const auto f = formats::detail::load_rank_file(p, read_mode::pread, lim.torch, "");
+    if (!f.tree.is_dict()) return false;
+    const Dict& d = f.tree.as_dict();
+    return d.contains("model") && (d.contains("shard_metadata") || d.contains("fsdp_metadata"));
+  } catch (const error&) {
+    return false;
+  }
+}
+
+}  // namespace detail
+
+/// Finds the rank files of `path`: a folder with one `<stem>-shard<N>.pt` family, or any file of
+/// one. Rank 0's pickle must hold `model` and `shard_metadata` / `fsdp_metadata`. Never throws.
+inline detection detect(const std::filesystem::path& path, const limits& lim = {}) {
+  detection d;
+  std::error_code ec;
+  std::filesystem::path dir;
+  std::string stem;
+  if (std::filesystem::is_directory(path, ec)) {
+    dir = path;
+    std::set<std::string> stems;
+    for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec))
+      if (auto s = detail::shard_name(it->path().filename().string())) stems.insert(s->first);
+    if (stems.empty()) {
+      d.rule = "looked for fairscale FSDP rank files <stem>-shard<N>.pt: there are none";
+      return d;
+    }
+    if (stems.size() > 1) {
+      d.ambiguous = true;
+      d.rule = std::to_string(stems.size()) + " families of <stem>-shard<N>.pt files (";
+      for (const auto& s : stems) d.rule += (s == *stems.begin() ? "" : ", ") + quote(s);
+      d.rule += "); name one of their files";
+      return d;
+    }
+    stem = *stems.begin();
+  } else {
+    const auto s = detail::shard_name(path.filename().string());
+    if (!s) return d;
+    dir = path.parent_path().empty() ? std::filesystem::path(".") : path.parent_path();
+    stem = s->first;
+  }
+  std::string why;
+  d.files = detail::family(dir, stem, lim.max_ranks, why, d.missing_rank);
+  if (d.files.empty()) {
+    d.rule = "fairscale FSDP rank files " + quote(stem) + "-shard<N>.pt: " + why;
+    return d;
+  }
+  if (!formats::detail::begins_like_torch_file(d.files[0]) || !detail::holds_fsdp_metadata(d.files[0], lim)) {
+    d.rule = quote(d.files[0].filename().string()) + " is not a torch.save file holding model and shard_metadata / fsdp_metadata";
+    d.files.clear();
+    return d;
+  }
+  d.found = true;
+  d.rule = "fairscale FSDP rank files " + quote(stem) + "-shard0.pt .. shard" + std::to_string(d.files.size() - 1) +
+           ".pt with FSDP shard metadata";
+  return d;
+}
+
+namespace detail {
+
+using optim_shard::Access;
+
+/// Rank files loaded and their metadata merged.
+struct Ranks {
+  std::vector<optim_shard::LoadedFile> files;
+  std::vector<const Dict*> model;
+  Layout layout;
+  bool metaseq = false;
+};
+
+/// Reads every rank's metadata and checks it against rank 0's and against the chunk rule.
+inline Ranks read_ranks(std::vector<optim_shard::LoadedFile> files, const limits& lim, optim_shard::SourceTable& table) {
+  Ranks rk;
+  rk.files = std::move(files);
+  const auto W = static_cast<std::uint32_t>(rk.files.size());
+  for (std::uint32_t r = 0; r < W; ++r) {
+    const auto& f = rk.files[r];
+    table.add(f.source, f.base);
+    Access a{errors::fairscale_bad_file, formats::detail::file_ctx(f)};
+    const Dict& top = a.dict(f.tree, "the rank file");
+    rk.model.push_back(&a.dict(a.at(top, "model", "the rank file"), "model"));
+    const Value* md = top.find("shard_metadata");
+    if (r == 0) rk.metaseq = md != nullptr;
+    if (!md) md = top.find("fsdp_metadata");
+    if (!md) a.fail("has neither shard_metadata (metaseq) nor fsdp_metadata (fairseq)");
+    // 0.3.7 stores flat parameters as `flat_param`, 0.3.8 as `flat_param_0`.
+    std::string flat_key = "flat_param_0";
+    if (const Value* units = md->is_dict() ? md->as_dict().find("param_metadata") : nullptr; units && units->is_sequence())
+      for (const Value& u : units->as_list())
+        if (u.is_dict() && u.as_dict().contains("is_flat") && u.as_dict().find("fsdp_path") && u.as_dict().find("fsdp_path")->is_string() &&
+            rk.model.back()->contains(join(u.as_dict().find("fsdp_path")->as_string(), "flat_param")))
+          flat_key = "flat_param";
+    Access m{errors::fairscale_bad_metadata, a.where};
+    Layout l = parse(*md, m, flat_key, lim.max_entries);
+    if (r == 0) rk.layout = std::move(l);
+    else merge_rank(rk.layout, l, r, a.where);
+  }
+  // Padding and shard lengths against FSDP's chunk rule; one dtype per backing tensor.
+  for (const Backing& b : rk.layout.backing) {
+    for (std::uint32_t r = 0; r < (b.no_broadcast ? 1U : W); ++r) {
+      const std::string where = formats::detail::file_ctx(rk.files[r]) + ": " + quote(b.key);
+      const auto [s, held] = b.no_broadcast ? std::make_pair(b.total, b.total) : chunk_rule(b.total, W, r);
+      if (b.padding[r] != s - held)
+        throw_error(errors::fairscale_padding, where,
+                    "padding " + std::to_string(b.padding[r]) + ", FSDP's chunk rule gives " + std::to_string(s - held) + " (" +
+                        std::to_string(b.total) + " elements on " + std::to_string(W) + " ranks)");
+      const Value* v = rk.model[r]->find(b.key);
+      if (!v) throw_error(errors::fairscale_missing_key, formats::detail::file_ctx(rk.files[r]), "model has no " + quote(b.key));
+      if (!v->is_tensor() || v->as_tensor().rank() != 1 || static_cast<std::uint64_t>(v->as_tensor().numel()) != s)
+        throw_error(errors::fairscale_padding, where,
+                    (v->is_tensor() ? "has shape " + to_string(v->as_tensor().shape()) : std::string("is not a tensor")) +
+                        ", FSDP's chunk rule gives a 1-d shard of " + std::to_string(s) + " elements");
+      if (v->as_tensor().dtype() != rk.model[0]->find(b.key)->as_tensor().dtype())
+        throw_error(errors::fairscale_dtype, where, "is " + std::string(name(v->as_tensor().dtype())) + ", rank 0's is " +
+                                                        std::string(name(rk.model[0]->find(b.key)->as_tensor().dtype())));
+    }
+  }
+  return rk;
+}
+
+/// The consolidated parameters, in metadata order; `names_of[k]` are backing tensor k's names.
+struct Params {
+  std::vector<TensorInfo> tensors;
+  std::vector<std::vector<std::string>> names_of;
+  std::vector<std::vector<std::vector<layout::FlatPiece>>> pieces;  ///< [backing][name]
+};
+
+inline Params consolidate(const Ranks& rk, optim_shard::SourceTable& table) {
+  const auto W = static_cast<std::uint32_t>(rk.files.size());
+  Params out;
+  std::set<std::string> seen;
+  for (const Backing& b : rk.layout.backing) {
+    const std::string& upath = rk.layout.units[b.unit].path;
+    std::vector<optim_shard::RankBuffer> bufs(b.no_broadcast ? 1U : W);
+    const auto [s, held] = b.no_broadcast ? std::make_pair(b.total, b.total) : chunk_rule(b.total, W, 0);
+    (void)held;
+    for (std::uint32_t r = 0; r < bufs.size(); ++r)
+      bufs[r].push_back(optim_shard::Segment{&rk.model[r]->find(b.key)->as_tensor(), s,
+                                             formats::detail::file_ctx(rk.files[r]) + ": model[" + quote(b.key) + "]"});
+    out.names_of.emplace_back();
+    out.pieces.emplace_back();
+    for (std::size_t j = 0; j < b.names.size(); ++j) {
+      const std::string name = join(upath, b.names[j]);
+      if (!seen.insert(name).second)
+        throw_error(errors::fairscale_duplicate, "parameter " + quote(name), "is named by two flat parameters");
+      auto pcs = pieces(b, j, W);
+      TensorInfo t{name, bufs[0][0].view->dtype(), b.shapes[j], {}};
+      t.chunks = optim_shard::place(pcs, bufs, table, "parameter " + quote(name));
+      optim_shard::check_flat_cover(t.chunks, b.numels[j], errors::fairscale_numel, "parameter " + quote(name));
+      out.tensors.push_back(std::move(t));
+      out.names_of.back().push_back(name);
+      out.pieces.back().push_back(std::move(pcs));
+    }
+  }
+  return out;
+}
+
+/// The optimizer state of every rank merged per parameter name (see the top of this file).
+inline void add_optimizer(const Ranks& rk, const Params& ps, optim_shard::SourceTable& table, optim_shard::SkeletonBuilder& sk,
+                          std::vector<TensorInfo>& tensors) {
+  const auto W = static_cast<std::uint32_t>(rk.files.size());
+  std::vector<const Dict*> osd(W);
+  for (std::uint32_t r = 0; r < W; ++r) {
+    Access a{errors::fairscale_bad_optimizer, formats::detail::file_ctx(rk.files[r])};
+    osd[r] = &a.dict(a.at(rk.files[r].tree.as_dict(), "last_optimizer_state", "the rank file"), "last_optimizer_state");
+    (void)a.dict(a.at(*osd[r], "state", "last_optimizer_state"), "state");
+    (void)a.list(a.at(*osd[r], "param_groups", "last_optimizer_state"), "param_groups");
+    if (r == 0) continue;
+    for (const auto& [k, v] : *osd[0]) {
+      if (k.is_string() && k.as_string() == "state") continue;
+      const Value* o = osd[r]->find(k);
+      if (!o || !(*o == v))
+        throw_error(errors::fairscale_optim_differs, a.where, "last_optimizer_state[" + quote(k.str()) + "] differs from rank 0's");
+    }
+  }
+  Access a0{errors::fairscale_bad_optimizer, formats::detail::file_ctx(rk.files[0])};
+  const List& groups = osd[0]->at("param_groups").as_list();
+  std::vector<std::int64_t> ids;
+  for (std::size_t g = 0; g < groups.size(); ++g)
+    for (const Value& id : a0.list(a0.at(a0.dict(groups[g], "a param group"), "params", "a param group"), "params"))
+      ids.push_back(a0.integer(id, "a param id"));
+  std::vector<std::int64_t> sorted = ids;
+  std::sort(sorted.begin(), sorted.end());
+  bool ids_ok = sorted.size() == rk.layout.backing.size();
+  for (std::size_t i = 0; ids_ok && i < sorted.size(); ++i) ids_ok = sorted[i] == static_cast<std::int64_t>(i);
+  if (!ids_ok)
+    a0.fail("param_groups list " + std::to_string(sorted.size()) + " ids for " + std::to_string(rk.layout.backing.size()) +
+            " flat parameters (each of 0 .. " + std::to_string(rk.layout.backing.size()) + " - 1 once expected)");
+  // One state family per backing tensor: each rank's state dict laid out like its shard.
+  optim_shard::StateFamilies fams;
+  std::vector<optim_shard::ParamState> params;
+  for (std::size_t k = 0; k < rk.layout.backing.size(); ++k) {
+    const Backing& b = rk.layout.backing[k];
+    const std::uint64_t s = b.no_broadcast ? b.total : chunk_rule(b.total, W, 0).first;
+    std::vector<std::vector<optim_shard::StateSegment>> fam(b.no_broadcast ? 1U : W);
+    for (std::uint32_t r = 0; r < fam.size(); ++r) {
+      Access a{errors::fairscale_bad_optimizer, formats::detail::file_ctx(rk.files[r])};
+      const Value* st = osd[r]->at("state").as_dict().find(Key(static_cast<std::int64_t>(k)));
+      fam[r].push_back(optim_shard::StateSegment{st ? &a.dict(*st, "state[" + std::to_string(k) + "]") : nullptr, s,
+                                                 a.where + ": state[" + std::to_string(k) + "] (" + quote(b.key) + ")"});
+    }
+    for (std::size_t j = 0; j < b.names.size(); ++j)
+      params.push_back(optim_shard::ParamState{ps.names_of[k][j], b.shapes[j], fams.size(), ps.pieces[k][j], 0});
+    fams.push_back(std::move(fam));
+  }
+  for (std::uint32_t r = 0; r < W; ++r)
+    for (const auto& [k, v] : osd[r]->at("state").as_dict())
+      if (!k.is_int() || k.as_int() < 0 || static_cast<std::size_t>(k.as_int()) >= rk.layout.backing.size())
+        throw_error(errors::fairscale_bad_optimizer, formats::detail::file_ctx(rk.files[r]), "state key " + k.str() + " is not a param id");
+  optim_shard::MergedState merged = optim_shard::merge_state(params, fams, table);
+  for (TensorInfo& t : merged.tensors) {
+    const std::string rest = t.name.substr(std::string("optim.state.").size());
+    const auto dot = rest.rfind('.');
+    sk.tensor(std::vector<std::string>{"optim", "state", rest.substr(0, dot), rest.substr(dot + 1)}, t);
+    tensors.push_back(std::move(t));
+  }
+  for (auto& [n, v] : merged.values) {
+    const auto dot = n.rfind('.');
+    sk.value(std::vector<std::string>{"optim", "state", n.substr(0, dot), n.substr(dot + 1)}, v);
+  }
+  for (std::size_t g = 0; g < groups.size(); ++g)
+    for (const auto& [k, v] : groups[g].as_dict()) {
+      const std::vector<std::string> path{"optim", "param_groups", std::to_string(g), k.str()};
+      if (k.is_string() && k.as_string() == "params") {
+        List names;
+        for (const Value& id : v.as_list())
+          for (const auto& n : ps.names_of[static_cast<std::size_t>(id.as_int())]) names.emplace_back(n);
+        sk.value(path, Value::list(std::move(names)));
+      } else {
+        sk.value(path, v);
+      }
+    }
+  for (const auto& [k, v] : *osd[0])
+    if (!(k.is_string() && (k.as_string() == "state" || k.as_string() == "param_groups")))
+      sk.value(std::vector<std::string>{"optim", k.str()}, v);
+}
+
+}  // namespace detail
+
+/// Describes loaded rank files (rank order). Format "fairscale_fsdp" (fairscale >= 0.3.9 metadata)
+/// or "fairscale_fsdp_v03" (0.3.7 / 0.3.8); metadata "fairscale.world_size", "fairscale.writer".
+inline ShardedCheckpoint describe(std::vector<optim_shard::LoadedFile> files, const options& opt = {}) {
+  using namespace detail;
+  if (files.empty()) throw_error(errors::fairscale_not_found, "fairscale checkpoint", "no rank file");
+  if (files.size() > opt.limits.max_ranks) throw_error(errors::fairscale_limit, "fairscale checkpoint", "more ranks than limits::max_ranks");
+  optim_shard::SourceTable table;
+  const Ranks rk = read_ranks(std::move(files), opt.limits, table);
+  Params ps = consolidate(rk, table);
+  optim_shard::SkeletonBuilder sk;
+  for (const TensorInfo& t : ps.tensors) sk.tensor(std::vector<std::string>{t.name}, t);
+  // Ties of every unit, paths relative to the unit; a tie of a tie resolves to the stored tensor.
+  std::set<std::string> stored;
+  for (const TensorInfo& t : ps.tensors) stored.insert(t.name);
+  std::map<std::string, std::string> alias;
+  for (const Unit& u : rk.layout.units)
+    for (const auto& [src, dst] : u.ties) {
+      const std::string s = join(u.path, src), d = join(u.path, dst);
+      const std::string where = "FSDP unit " + quote(u.path) + ": shared_param_info (" + quote(src) + ", " + quote(dst) + ")";
+      std::string target = s;
+      if (auto it = alias.find(s); it != alias.end()) target = it->second;
+      if (!stored.count(target)) throw_error(errors::fairscale_bad_tie, where, quote(s) + " is not a consolidated parameter");
+      if (stored.count(d) || alias.count(d)) throw_error(errors::fairscale_bad_tie, where, quote(d) + " is already a parameter");
+      alias.emplace(d, target);
+      sk.alias(std::vector<std::string>{d}, target);
+    }
+  std::vector<TensorInfo> tensors = std::move(ps.tensors);
+  for (const std::string& b : rk.layout.buffers) {
+    const Value* v = rk.model[0]->find(b);
+    if (!v || !v->is_tensor())
+      throw_error(errors::fairscale_missing_key, formats::detail::file_ctx(rk.files[0]), "buffer " + quote(b) + " is not a tensor of model");
+    if (stored.count(b) || alias.count(b)) throw_error(errors::fairscale_duplicate, "buffer " + quote(b), "is also a parameter");
+    TensorInfo t{b, v->as_tensor().dtype(), v->as_tensor().shape(), {}};
+    if (v->as_tensor().numel() > 0) t.chunks.push_back(optim_shard::whole_chunk(v->as_tensor(), table, "buffer " + quote(b)));
+    sk.tensor(std::vector<std::string>{b}, t);
+    tensors.push_back(std::move(t));
+  }
+  if (opt.with_optimizer) add_optimizer(rk, ps, table, sk, tensors);
+  ShardedCheckpoint ck;
+  ck.format = rk.layout.old_schema ? "fairscale_fsdp_v03" : "fairscale_fsdp";
+  ck.tensors = std::move(tensors);
+  ck.skeleton = sk.build();
+  ck.sources = table.take();
+  ck.metadata["fairscale.world_size"] = std::to_string(rk.files.size());
+  ck.metadata["fairscale.writer"] = rk.metaseq ? "metaseq (shard_metadata)" : "fairseq (fsdp_metadata)";
+  return ck;
+}
+
+/// Finds (detect()) and describes the rank files of `path`.
+inline ShardedCheckpoint describe(const std::filesystem::path& path, const options& opt = {}) {
+  const detection d = detect(path, opt.limits);
+  if (!d.found)
+    throw_error(d.ambiguous ? errors::fairscale_ambiguous : d.missing_rank ? errors::fairscale_missing_rank : errors::fairscale_not_found,
+                quote(path.string()), d.rule.empty() ? "is not a fairscale FSDP rank file" : d.rule);
+  std::vector<optim_shard::LoadedFile> files;
+  const std::string ctx = "fairscale checkpoint " + quote(d.files[0].parent_path().string());
+  for (const auto& p : d.files) files.push_back(formats::detail::load_rank_file(p, opt.mode, opt.limits.torch, ctx));
+  return describe(std::move(files), opt);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The plug-in
+
+/// fairscale FSDP rank files of fairseq and metaseq (`<stem>-shard<N>.pt`): consolidated weights,
+/// ties and buffers, and on request the optimizer state.
+class format final : public formats::Format {
+ public:
+  [[nodiscard]] std::string_view name() const noexcept override { return "fairscale"; }
+  [[nodiscard]] std::string_view title() const noexcept override { return "fairscale FSDP rank files"; }
+
+  [[nodiscard]] formats::Detection detect(const formats::Input& in, const formats::open_options& opt) const override {
+    detection d = fairscale::detect(in.path(), opt.settings.get<options>().limits);
+    if (d.found) return formats::Detection::match(std::move(d.rule));
+    if (d.ambiguous || d.missing_rank) return formats::Detection::named_like(std::move(d.rule));
+    return formats::Detection::miss(std::move(d.rule));
+  }
+  [[nodiscard]] ShardedCheckpoint describe(const formats::Input& in, const formats::open_options& opt) const override {
+    options o = opt.settings.get<options>();
+    o.mode = opt.mode;
+    o.with_optimizer = o.with_optimizer || opt.with_optimizer;
+    return fairscale::describe(in.path(), o);
+  }
+};
+
+}  // namespace statedict::inline v0::fairscale
 // ---- statedict/formats/fsdp.hpp ----
 // statedict: FSDP flat parameters as OLMo's LocalShardedCheckpointer saves them, described as one
 // consolidated state.
@@ -21977,232 +26574,125 @@ class format final : public formats::Format {
 
 #include <nlohmann/json.hpp>
 
-// ---- statedict/formats/detail/safetensors_write.hpp ----
-// statedict: laying out and streaming safetensors files from a description: the pieces the
-// safetensors, Hugging Face and tree writers share.
+// ---- statedict/formats/detail/hf_shards.hpp ----
+// statedict: Hugging Face checkpoints whose shards are not all safetensors files: transformers'
+// `pytorch_model-0000k-of-0000n.bin` + `pytorch_model.bin.index.json` (torch.save shards), or an
+// index mixing both kinds. Each shard is read by its own format (told by its content, never its
+// name) and the shards are merged into one description, validated against the index as
+// io/hf_sharded.hpp validates safetensors shards (formats/hf.hpp is the public header).
 // SPDX-License-Identifier: MIT
 
 #include <cstdint>
 #include <filesystem>
 #include <map>
 #include <memory>
-#include <optional>
-#include <span>
 #include <string>
-#include <string_view>
 #include <unordered_map>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 
-#include <nlohmann/json.hpp>
 
+namespace statedict::inline v0::hf::detail {
 
-namespace statedict::inline v0 {
-
-namespace formats::detail {
-
-/// One destination chunk holding all of tensor `t` at `offset` of destination `dest`, row-major.
-inline TensorInfo whole_at(const TensorInfo& t, std::uint32_t dest, std::uint64_t offset) {
-  TensorInfo d{t.name, t.dtype, t.shape, {}};
-  d.chunks.push_back(Chunk{full_box(t.shape), Placement{dest, offset, {}, t.dtype}});
-  return d;
+/// Whether the file holds a torch.save archive or pickle (else it is read as safetensors).
+inline bool is_torch_file(const ByteSource& src) {
+  const torch::file_kind k = torch::detect(src);
+  return k == torch::file_kind::zip || k == torch::file_kind::legacy || k == torch::file_kind::legacy_tar;
 }
 
-inline std::vector<safetensors::TensorSpec> specs_of(std::span<const TensorInfo> tensors) {
-  std::vector<safetensors::TensorSpec> s;
-  s.reserve(tensors.size());
-  for (const TensorInfo& t : tensors) s.push_back({t.name, t.dtype, t.shape});
+/// One shard described by its own format, its tensors by name and its aliases (name -> target).
+struct shard_content {
+  ShardedCheckpoint ck;
+  std::unordered_map<std::string, std::size_t> tensor;  ///< name -> index into ck.tensors
+  std::unordered_map<std::string, std::string> alias;
+};
+
+/// Describes shard `path`; `where` names the index for errors. A shard holds named tensors only: a
+/// non-tensor value, or a view into another tensor's elements, is hf.shard_content.
+inline shard_content describe_shard(const std::filesystem::path& path, const open_options& opt, const torch::load_options& topt,
+                                    const std::string& where) {
+  shard_content s;
+  const std::string at = where + ": shard " + quote(path.filename().string());
+  try {
+    auto src = InputFile::open(path, opt.mode);
+    s.ck = is_torch_file(*src) ? torch::describe(std::move(src), topt) : safetensors::File::open(std::move(src), opt.lim).describe();
+  } catch (error& e) {
+    e.add_context(where);
+    throw;
+  }
+  if (!s.ck.skeleton.is_null()) {
+    if (const auto values = skeleton_values(s.ck.skeleton); !values.empty())
+      throw_error(errors::hf_shard_content, at, "holds the value " + quote(values.front().first) + ": a shard holds tensors only");
+    if (statedict::detail::may_hold_aliases(s.ck.skeleton))
+      for (const auto& t : statedict::detail::list_tensorish(s.ck.skeleton.json())) {
+        if (t.kind == statedict::detail::snode::tensor) continue;
+        if (t.kind != statedict::detail::snode::alias)
+          throw_error(errors::hf_shard_content, at, "tensor " + quote(t.name) + " is a view into " + quote(t.target) +
+                                                        "; a shard holds whole tensors (or the same tensor under two names)");
+        s.alias.emplace(t.name, t.target);
+      }
+  }
+  for (std::size_t i = 0; i < s.ck.tensors.size(); ++i) s.tensor.emplace(s.ck.tensors[i].name, i);
   return s;
 }
 
-/// The destination of one safetensors file laid out as `lay` for `tensors` (destination 0).
-inline Destination safetensors_destination(std::span<const TensorInfo> tensors, const safetensors::Layout& lay, std::string name) {
-  Destination dst;
-  dst.names.push_back(std::move(name));
-  dst.sizes.push_back(lay.file_size);
-  dst.tensors.reserve(lay.entries.size());
-  for (const safetensors::LayoutEntry& e : lay.entries) dst.tensors.push_back(whole_at(tensors[e.index], 0, lay.data_start() + e.begin));
-  return dst;
-}
-
-/// Writes every tensor of `ck` (each in its logical dtype; the executor casts from the stored
-/// one) into a new safetensors file at `path` with this `__metadata__`, atomically.
-inline safetensors::Layout write_safetensors_file(const ShardedCheckpoint& ck, const std::optional<std::map<std::string, std::string>>& metadata,
-                                                  const std::filesystem::path& path, const exec_options& exec, const plan_options& popt,
-                                                  const safetensors::limits& lim = {}) {
-  safetensors::Layout lay = safetensors::layout(specs_of(ck.tensors), metadata, lim);
-  const Destination dst = safetensors_destination(ck.tensors, lay, path.filename().string());
-  const Plan plan = make_plan(ck, dst, popt);
-  OutputFile out = OutputFile::create(path);
-  try {
-    out.write(lay.header);
-    FileSink sink(out);
-    std::vector<Sink*> sinks{&sink};
-    (void)execute(plan, ck, sinks, exec);
-  } catch (error& e) {
-    e.add_context("file " + quote(path.string()));
-    throw;
+/// The checkpoint an index describes, each shard read by its own format: tensors in weight_map
+/// order (each once; a name the index lists that its shard holds as an alias of another tensor
+/// stays a tie), sources = every shard's sources, metadata = the index's. Every weight_map entry
+/// must be in its shard, and every tensor of a shard listed for that shard.
+inline ShardedCheckpoint describe_mixed_index(const std::filesystem::path& index_path, const Index& index, const open_options& opt,
+                                              const torch::load_options& topt) {
+  const std::string where = "checkpoint " + quote(index_path.string());
+  const std::filesystem::path dir = statedict::detail::parent_or_dot(index_path);
+  std::vector<shard_content> shards;
+  std::vector<std::uint32_t> first_source;
+  ShardedCheckpoint out;
+  out.format = "hf_sharded";
+  for (const std::string& fn : index.files) {
+    shards.push_back(describe_shard(dir / fn, opt, topt, where));
+    first_source.push_back(static_cast<std::uint32_t>(out.sources.size()));
+    for (auto& src : shards.back().ck.sources) out.sources.push_back(src);
   }
-  out.commit();
-  return lay;
-}
-
-/// The safetensors `__metadata__` of a described checkpoint: its string metadata (which carries
-/// e.g. a torch file's module attributes, so they come back when converted again), "format": "pt"
-/// unless it has a format, and the skeleton when the tree is not a flat dict of its tensors.
-inline std::map<std::string, std::string> safetensors_metadata(const ShardedCheckpoint& ck, bool with_skeleton) {
-  std::map<std::string, std::string> md;
-  for (const auto& [k, v] : ck.metadata)
-    if (k != safetensors::aliases_key && k != safetensors::skeleton_key) md[k] = v;
-  md.emplace("format", "pt");
-  if (with_skeleton && !ck.skeleton.is_null()) md[std::string(safetensors::skeleton_key)] = ck.skeleton.dump();
-  return md;
-}
-
-/// Refuses a save option the format does not take.
-inline void refuse_option(bool given, std::string_view option, std::string_view format, std::string_view why) {
-  if (given) throw_error(errors::bad_save_option, std::string(option), "does not apply to " + std::string(format) + " output: " + std::string(why));
-}
-
-}  // namespace formats::detail
-
-namespace safetensors {
-
-/// One tensor to write: either a view, or contiguous row-major bytes in a byte source (a mapped or
-/// pread file).
-struct Input {
-  std::string name;
-  statedict::dtype dtype = statedict::dtype::F32;  ///< dtype of the data as given
-  shape_t shape;
-  TensorView view;                                 ///< the data, when `source` is null
-  std::shared_ptr<const ByteSource> source;        ///< or: the bytes at `offset` in this source
-  std::uint64_t offset = 0;
-
-  static Input of(std::string tensor_name, TensorView v) {
-    Input in;
-    in.name = std::move(tensor_name);
-    in.dtype = v.dtype();
-    in.shape = v.shape();
-    in.view = std::move(v);
-    return in;
-  }
-  static Input from_source(std::string tensor_name, statedict::dtype t, shape_t dims, std::shared_ptr<const ByteSource> src,
-                           std::uint64_t at) {
-    Input in;
-    in.name = std::move(tensor_name);
-    in.dtype = t;
-    in.shape = std::move(dims);
-    in.source = std::move(src);
-    in.offset = at;
-    return in;
-  }
-};
-
-struct write_options {
-  /// Cast floating-point tensors to this dtype (F32, BF16, F16, ...); other tensors keep theirs.
-  std::optional<statedict::dtype> cast;
-  /// The user's `__metadata__` (nullopt: none). Keys "statedict.*" are reserved.
-  std::optional<std::map<std::string, std::string>> metadata;
-  /// Further names for written tensors: (alias, stored name). Recorded under "statedict.aliases".
+  std::unordered_map<std::string, std::size_t> listed_file;
   std::vector<std::pair<std::string, std::string>> aliases;
-  /// Inputs that are the very same view as an earlier input are written once and recorded as
-  /// aliases of it (tied weights). Not done when a skeleton is given (its alias nodes record ties).
-  bool dedupe_views = true;
-  /// A flatten skeleton to store under "statedict.skeleton" (null: none).
-  nlohmann::json skeleton;
-  /// How the bytes are copied (threads, memory budget, copy paths).
-  exec_options exec{};
-  limits lim{};
-};
-
-/// What write() did.
-struct write_result {
-  Layout layout;
-  std::vector<TensorSpec> specs;  ///< the stored tensors (after dedupe and cast), as given to layout()
-  std::vector<std::pair<std::string, std::string>> aliases;
-  std::optional<std::map<std::string, std::string>> metadata;  ///< the `__metadata__` written
-};
-
-namespace detail {
-
-/// The output dtype of an input under `cast`.
-inline statedict::dtype out_dtype(statedict::dtype t, const std::optional<statedict::dtype>& cast) {
-  return cast && is_floating(t) ? *cast : t;
-}
-
-struct prepared {
-  std::vector<std::size_t> stored;  // indices of inputs to store
-  std::vector<TensorSpec> specs;    // their output specs, same order
-  std::vector<std::pair<std::string, std::string>> aliases;
-  std::optional<std::map<std::string, std::string>> metadata;
-};
-
-inline prepared prepare(std::span<const Input> inputs, const write_options& opt) {
-  prepared p;
-  if (opt.cast && !is_floating(*opt.cast))
-    throw_error(errors::st_write_input, "cast to " + std::string(name(*opt.cast)), "only floating dtypes are cast targets");
-  p.aliases = opt.aliases;
-  std::unordered_map<const std::byte*, std::vector<std::size_t>> by_ptr;
-  for (std::size_t i = 0; i < inputs.size(); ++i) {
-    const Input& in = inputs[i];
-    if (in.source == nullptr && (in.view.dtype() != in.dtype || in.view.shape() != in.shape))
-      throw_error(errors::st_write_input, safetensors::detail::where_tensor(in.name), "dtype/shape differ from its view's");
-    // With a skeleton, ties are the skeleton's business (its alias nodes): store what is given.
-    if (opt.dedupe_views && opt.skeleton.is_null() && in.source == nullptr && in.view.numel() != 0) {
-      auto& seen = by_ptr[in.view.data()];
-      bool dup = false;
-      for (std::size_t j : seen)
-        if (same_view(inputs[j].view, in.view)) {
-          p.aliases.emplace_back(in.name, inputs[j].name);
-          dup = true;
-          break;
-        }
-      if (dup) continue;
-      seen.push_back(i);
-    }
-    if (opt.cast) check_cast(in.dtype, out_dtype(in.dtype, opt.cast));
-    p.stored.push_back(i);
-    p.specs.push_back(TensorSpec{in.name, out_dtype(in.dtype, opt.cast), in.shape});
-  }
-  p.metadata = opt.metadata;
-  if (p.metadata)
-    for (const auto& [k, v] : *p.metadata)
-      if (k == aliases_key || k == skeleton_key)
-        throw_error(errors::st_write_metadata, "__metadata__ key " + quote(k), "reserved for statedict");
-  if (!p.aliases.empty()) {
-    std::unordered_set<std::string_view> stored;
-    for (const auto& s : p.specs) stored.insert(s.name);
-    nlohmann::ordered_json j = nlohmann::ordered_json::object();
-    for (const auto& [alias, target] : p.aliases) {
-      if (!stored.count(target))
-        throw_error(errors::st_write_input, "alias " + quote(alias), "refers to " + quote(target) + ", which is not written");
-      if (stored.count(alias) || j.contains(alias))
-        throw_error(errors::st_write_name, "alias " + quote(alias), "the name appears twice");
-      if (!safetensors::detail::valid_utf8(alias)) throw_error(errors::st_write_name, "alias " + quote(alias), "the name is not UTF-8");
-      j[alias] = target;
-    }
-    if (!p.metadata) p.metadata.emplace();
-    p.metadata->emplace(std::string(aliases_key), j.dump());
-  }
-  if (!opt.skeleton.is_null()) {
-    if (!p.metadata) p.metadata.emplace();
-    if (opt.cast) {
-      nlohmann::json sk = opt.skeleton;
-      safetensors::detail::cast_skeleton(sk, *opt.cast);
-      p.metadata->emplace(std::string(skeleton_key), sk.dump());
+  for (const auto& [name, k] : index.listed) {
+    listed_file.emplace(name, k);
+    shard_content& s = shards[k];
+    if (auto it = s.tensor.find(name); it != s.tensor.end()) {
+      TensorInfo t = std::move(s.ck.tensors[it->second]);
+      for (Chunk& c : t.chunks) c.at.source += first_source[k];
+      out.tensors.push_back(std::move(t));
+    } else if (auto a = s.alias.find(name); a != s.alias.end()) {
+      aliases.emplace_back(name, a->second);
     } else {
-      p.metadata->emplace(std::string(skeleton_key), opt.skeleton.dump());
+      throw_error(errors::hf_missing_tensor, where + ": tensor " + quote(name),
+                  "the index puts it in " + quote(index.files[k]) + ", which does not contain it");
     }
   }
-  return p;
+  for (std::size_t k = 0; k < shards.size(); ++k) {
+    auto check = [&](const std::string& name) {
+      auto it = listed_file.find(name);
+      if (it == listed_file.end())
+        throw_error(errors::hf_unlisted_tensor, where + ": tensor " + quote(name),
+                    "is in " + quote(index.files[k]) + " but not in the index's weight_map");
+      if (it->second != k)
+        throw_error(errors::hf_tensor_in_two_files, where + ": tensor " + quote(name),
+                    "is in both " + quote(index.files[it->second]) + " and " + quote(index.files[k]));
+    };
+    for (const auto& [name, i] : shards[k].tensor) check(name);
+    for (const auto& [name, target] : shards[k].alias) {
+      check(name);
+      if (listed_file.count(target) == 0)  // the tie's target must be stored too
+        throw_error(errors::hf_unlisted_tensor, where + ": tensor " + quote(target),
+                    "is in " + quote(index.files[k]) + " (as the target of " + quote(name) + ") but not in the index's weight_map");
+    }
+  }
+  if (!aliases.empty()) out.skeleton = safetensors::File::flat_skeleton_with_aliases(out.tensors, aliases);
+  for (const auto& [k, v] : index.metadata.items()) out.metadata[k] = v.is_string() ? v.get<std::string>() : v.dump();
+  return out;
 }
 
-}  // namespace detail
-
-}  // namespace safetensors
-
-}  // namespace statedict::inline v0
+}  // namespace statedict::inline v0::hf::detail
 
 namespace statedict::inline v0 {
 
@@ -22278,6 +26768,7 @@ namespace formats {
 /// written, each atomically, into `dir`; with `opt.index_only`, only the index. Returns the names
 /// of the files written.
 inline std::vector<std::string> write_hf(const ShardedCheckpoint& ck, const std::filesystem::path& dir, const save_options& opt = {}) {
+  check_consistent(ck);
   const hf::ShardPlan sp = detail::shard_plan_of(ck, opt);
   detail::hf_output o{ck, sp, {}, {}};
   for (std::size_t k = 0; k < sp.shards.size(); ++k)
@@ -22373,9 +26864,45 @@ inline write_result write_sharded(const std::filesystem::path& dir, std::span<co
   return r;
 }
 
-/// Hugging Face checkpoint directories (a `model.safetensors.index.json` and its shards, or one
-/// `model.safetensors`) and index files: read, validated against the shards; written with
-/// huggingface_hub's split rule.
+/// Describes a Hugging Face checkpoint: a directory (`model.safetensors.index.json`,
+/// `pytorch_model.bin.index.json`, `model.safetensors` or `pytorch_model.bin`, looked for in that
+/// order) or an index file. An index whose shards are all safetensors files is hf::Checkpoint;
+/// otherwise each shard is read by its own format (torch.save `.bin` shards, as transformers
+/// writes them) and the shards merged (detail::describe_mixed_index).
+inline ShardedCheckpoint describe_checkpoint(const std::filesystem::path& path, const open_options& o, const torch::load_options& topt) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::path index_path = path;
+  if (fs::is_directory(path, ec)) {
+    if (fs::exists(path / index_name, ec)) return Checkpoint::open(path, o).describe();
+    if (fs::exists(path / bin_index_name, ec)) {
+      index_path = path / bin_index_name;
+    } else if (fs::exists(path / single_name, ec)) {
+      return Checkpoint::open(path, o).describe();
+    } else if (fs::exists(path / bin_single_name, ec)) {
+      ShardedCheckpoint ck = torch::describe(InputFile::open(path / bin_single_name, o.mode), topt);
+      ck.format = "hf_sharded";
+      return ck;
+    } else {
+      throw_error(errors::hf_not_a_checkpoint, "directory " + quote(path.string()),
+                  "has none of " + std::string(index_name) + ", " + std::string(bin_index_name) + ", " + std::string(single_name) +
+                      ", " + std::string(bin_single_name));
+    }
+  }
+  const Index index = read_index(index_path, o, "checkpoint " + quote(index_path.string()));
+  const fs::path dir = statedict::detail::parent_or_dot(index_path);
+  bool all_safetensors = true;
+  for (const std::string& fn : index.files) {
+    if (!fs::is_regular_file(dir / fn, ec)) continue;  // the reader names the missing shard
+    all_safetensors = all_safetensors && !detail::is_torch_file(*InputFile::open(dir / fn, read_mode::pread));
+  }
+  if (all_safetensors) return Checkpoint::open(index_path, o).describe();
+  return detail::describe_mixed_index(index_path, index, o, topt);
+}
+
+/// Hugging Face checkpoint directories (an index and its shards, safetensors or transformers'
+/// torch.save `.bin` shards, or one `model.safetensors` / `pytorch_model.bin`) and index files:
+/// read, validated against the shards; written (safetensors) with huggingface_hub's split rule.
 class format final : public formats::Format {
  public:
   [[nodiscard]] std::string_view name() const noexcept override { return "hf"; }
@@ -22388,14 +26915,19 @@ class format final : public formats::Format {
       if (formats::detail::ends_with(in.filename(), ".index.json")) return formats::Detection::match("Hugging Face index file");
       return formats::Detection::not_applicable();
     }
-    if (fs::exists(in.path() / index_name, ec)) return formats::Detection::match("Hugging Face sharded: " + std::string(index_name));
-    if (fs::exists(in.path() / single_name, ec)) return formats::Detection::match("Hugging Face single file: " + std::string(single_name));
-    return formats::Detection::miss("neither " + std::string(index_name) + " nor " + std::string(single_name) + " is in the directory");
+    for (const std::string_view f : {index_name, bin_index_name})
+      if (fs::exists(in.path() / f, ec)) return formats::Detection::match("Hugging Face sharded: " + std::string(f));
+    for (const std::string_view f : {single_name, bin_single_name})
+      if (fs::exists(in.path() / f, ec)) return formats::Detection::match("Hugging Face single file: " + std::string(f));
+    return formats::Detection::miss("none of " + std::string(index_name) + ", " + std::string(bin_index_name) + ", " +
+                                    std::string(single_name) + ", " + std::string(bin_single_name) + " is in the directory");
   }
   [[nodiscard]] ShardedCheckpoint describe(const formats::Input& in, const formats::open_options& opt) const override {
     open_options o = opt.settings.get<open_options>();
     o.mode = opt.mode;
-    return Checkpoint::open(in.path(), o).describe();
+    torch::load_options t = opt.settings.get<torch::load_options>();  // the settings the torch format reads its files with
+    t.mode = opt.mode;
+    return describe_checkpoint(in.path(), o, t);
   }
 
   [[nodiscard]] bool can_write() const noexcept override { return true; }
@@ -22411,6 +26943,1273 @@ class format final : public formats::Format {
 };
 
 }  // namespace hf
+}  // namespace statedict::inline v0
+// ---- statedict/formats/objects.hpp ----
+// statedict: objects as data in outputs. A checkpoint read from a file that pickled objects
+// (argparse.Namespace args, config classes, enums, whole nn.Modules) holds them as object nodes
+// of its skeleton; before it is written, each object whose class torch.load(weights_only=True)
+// would not accept becomes its data, so that no output of statedict can run code when loaded.
+// SPDX-License-Identifier: MIT
+//
+// The rule is io/pickle_write.hpp's (the pickler applies it to every tree it writes; this header
+// applies it to skeletons, which safetensors, Hugging Face and DCP outputs store):
+//   {"object": {module, name, how: reduce|newobj, args: [], state: [{"dict": [[str, NODE]...]}], items: []}}
+//        -> {"dict": [[str, NODE]...], "class": "module.name"}       (the attributes: vars(obj))
+//   {"object": {module, name, how: reduce|newobj, args, state, items}} otherwise
+//        -> {"dict": [["args", {"tuple": args}], ["state", STATE], ["items", {"list": items}]],
+//            "class": "module.name"}   (only the parts it has; STATE is the state, or a tuple of them)
+//   {"object": {module, name, how: global, ...}} -> "module.name"
+// "class" is a member readers ignore (docs/flatten.md): unflatten gives the plain dict, and the
+// skeleton still says where it came from. Tensor nodes keep their names. Classes in
+// `keep_classes`, and those torch's weights_only list has (torch.device, storages, the rebuild
+// functions of sparse and quantized tensors), stay objects.
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+
+namespace statedict::inline v0::formats {
+
+/// What objects_as_data did with one class.
+struct ObjectNote {
+  std::string cls;                ///< "argparse.Namespace"
+  std::uint64_t instances = 0;    ///< objects written as data
+  std::uint64_t references = 0;   ///< references to the class itself, written as its name
+  bool all_attributes = true;     ///< every instance became the dict of its attributes
+  /// One line saying what was done ("argparse.Namespace: 1 object written as the dict of its
+  /// attributes").
+  [[nodiscard]] std::string describe() const {
+    std::string s = cls + ": ";
+    if (instances) {
+      s += std::to_string(instances) + (instances == 1 ? " object" : " objects") + " written as " +
+           (all_attributes ? "the dict of its attributes" : "a dict of its args, state and items");
+    }
+    if (references) {
+      s += std::string(instances ? "; " : "") + std::to_string(references) + (references == 1 ? " reference" : " references") +
+           " to the class written as its name";
+    }
+    return s;
+  }
+};
+
+namespace detail {
+
+/// A skeleton string (JSON string or {"str_bytes": base64}) as its bytes; false if it is neither.
+inline bool skeleton_text(const nlohmann::json& j, std::string& out) {
+  if (j.is_string()) {
+    out = j.get<std::string>();
+    return true;
+  }
+  if (j.is_object() && j.size() == 1 && j.contains("str_bytes") && j["str_bytes"].is_string()) {
+    std::vector<std::uint8_t> raw;
+    if (!statedict::detail::base64_decode(j["str_bytes"].get<std::string>(), raw)) return false;
+    out.assign(raw.begin(), raw.end());
+    return true;
+  }
+  return false;
+}
+
+/// A str node of `s`: a JSON string, or {"str_bytes"} when it is not UTF-8.
+inline nlohmann::json skeleton_str(const std::string& s) {
+  if (statedict::detail::first_invalid_utf8(s, statedict::detail::utf8_surrogates::allowed) == std::string::npos) return s;
+  return nlohmann::json{{"str_bytes", statedict::detail::base64_encode(s)}};
+}
+
+/// Whether a skeleton dict node's keys are all strings (attribute names).
+inline bool str_keyed(const nlohmann::json& node) {
+  if (!node.is_object() || node.size() < 1 || !node.contains("dict") || !node["dict"].is_array()) return false;
+  for (const auto& kv : node["dict"]) {
+    if (!kv.is_array() || kv.size() != 2) return false;
+    std::string ignored;
+    if (!skeleton_text(kv[0], ignored)) return false;
+  }
+  return true;
+}
+
+/// The data node of the object node body `o` (module, name, how, args, state, items), or
+/// nothing when `o` is not a well-formed object body or may stay an object.
+inline bool object_data(nlohmann::json& node, const std::vector<std::string>& keep, std::map<std::string, ObjectNote>& notes) {
+  nlohmann::json& o = node["object"];
+  std::string module, name;
+  if (!o.is_object() || !o.contains("module") || !o.contains("name") || !o.contains("how") || !skeleton_text(o["module"], module) ||
+      !skeleton_text(o["name"], name) || !o["how"].is_string())
+    return false;
+  for (const char* part : {"args", "state", "items"})
+    if (!o.contains(part) || !o[part].is_array()) return false;
+  const std::string q = module + "." + name;
+  if (pickle::writable_as_itself(q, keep)) return false;
+  ObjectNote& note = notes[q];
+  note.cls = q;
+  if (o["how"] == "global") {
+    ++note.references;
+    node = skeleton_str(q);
+    return true;
+  }
+  ++note.instances;
+  nlohmann::json args = std::move(o["args"]), state = std::move(o["state"]), items = std::move(o["items"]);
+  nlohmann::json out(nlohmann::json::value_t::object);
+  if (args.empty() && items.empty() && state.size() == 1 && str_keyed(state[0])) {
+    out["dict"] = std::move(state[0]["dict"]);
+  } else {
+    note.all_attributes = false;
+    nlohmann::json pairs = nlohmann::json::array();
+    if (!args.empty()) pairs.push_back(nlohmann::json::array({"args", nlohmann::json{{"tuple", std::move(args)}}}));
+    if (!state.empty())
+      pairs.push_back(nlohmann::json::array({"state", state.size() == 1 ? std::move(state[0]) : nlohmann::json{{"tuple", std::move(state)}}}));
+    if (!items.empty()) pairs.push_back(nlohmann::json::array({"items", nlohmann::json{{"list", std::move(items)}}}));
+    out["dict"] = std::move(pairs);
+  }
+  out["class"] = skeleton_str(q);
+  node = std::move(out);
+  return true;
+}
+
+/// Whether a skeleton has an object node anywhere (from its compact form when it has one).
+inline bool holds_objects(const Skeleton& s) {
+  if (s.is_null()) return false;
+  if (const auto* tape = s.tape()) {
+    for (const auto& n : tape->nodes)
+      if (n.kind == statedict::detail::snode::object) return true;
+    return false;
+  }
+  return true;  // a document: walked to tell
+}
+
+}  // namespace detail
+
+/// Rewrites the object nodes of `skeleton` as their data (see the top of this file) and says, per
+/// class, what it did. Iterative: a skeleton of any depth.
+inline std::vector<ObjectNote> objects_as_data(nlohmann::json& skeleton, const std::vector<std::string>& keep_classes) {
+  std::map<std::string, ObjectNote> notes;
+  std::vector<nlohmann::json*> work;
+  if (skeleton.is_object() && skeleton.contains("root")) work.push_back(&skeleton["root"]);
+  while (!work.empty()) {
+    nlohmann::json& n = *work.back();
+    work.pop_back();
+    if (!n.is_object()) continue;
+    if (n.size() == 1 && n.contains("object")) (void)detail::object_data(n, keep_classes, notes);
+    if (!n.is_object()) continue;  // a class reference became its name
+    const auto children = [&](const char* key) {
+      if (const auto it = n.find(key); it != n.end() && it->is_array())
+        for (auto c = it->rbegin(); c != it->rend(); ++c) work.push_back(&*c);
+    };
+    if (const auto it = n.find("dict"); it != n.end() && it->is_array()) {
+      for (auto kv = it->rbegin(); kv != it->rend(); ++kv)
+        if (kv->is_array() && kv->size() == 2) work.push_back(&(*kv)[1]);
+    } else if (n.contains("list")) {
+      children("list");
+    } else if (n.contains("tuple")) {
+      children("tuple");
+    } else if (const auto ob = n.find("object"); ob != n.end() && ob->is_object()) {
+      nlohmann::json& body = *ob;
+      for (const char* part : {"items", "state", "args"})
+        if (const auto p = body.find(part); p != body.end() && p->is_array())
+          for (auto c = p->rbegin(); c != p->rend(); ++c) work.push_back(&*c);
+    }
+  }
+  std::vector<ObjectNote> out;
+  out.reserve(notes.size());
+  for (auto& [k, v] : notes) out.push_back(std::move(v));
+  return out;
+}
+
+/// The same for a checkpoint's skeleton; a skeleton without objects is left as it is (its
+/// compact form kept).
+inline std::vector<ObjectNote> objects_as_data(ShardedCheckpoint& ck, const std::vector<std::string>& keep_classes) {
+  if (!detail::holds_objects(ck.skeleton)) return {};
+  return objects_as_data(ck.skeleton.mutable_json(), keep_classes);
+}
+
+}  // namespace statedict::inline v0::formats
+// ---- statedict/formats/olmo_safetensors.hpp ----
+// statedict: OLMo's "mapped" safetensors files: a nested state dict (model, or optimizer state with
+// int parameter ids and param_groups, and any scalar) stored as one safetensors file. Read and
+// written.
+// SPDX-License-Identifier: MIT
+//
+// OLMo's olmo/safetensors_util.py walks the dict: a tensor leaf is stored under the name
+// `urlsafe_b64(pickle((key_path, False)))`, any other leaf that is not a dict (numbers, strings,
+// lists, tuples, None) is pickled into a 1-D U8 tensor stored under `urlsafe_b64(pickle((key_path,
+// True)))`. `olmo_safetensors::describe` gives the nested tree back with its real keys (int keys stay
+// ints), tensors zero-copy, pickled values unpickled by the safe unpickler (a value naming code to
+// run is refused, never run; other classes are kept as data). Detection is by content: names that
+// decode to such keys. `olmo_safetensors::write` (`convert --to olmo`) writes a file that OLMo's
+// `safetensors_file_to_state_dict` turns back into the same nested dict: names and pickles as
+// CPython writes them at protocol 4 (formats/detail/olmo_pickle.hpp), the reference safetensors
+// layout, no `__metadata__`.
+//
+// Where OLMo's own loader is wrong, statedict refuses instead (docs/formats/olmo-safetensors.md):
+// a key path stored twice (OLMo keeps the last), a path through a leaf (OLMo writes into a pickled
+// list or replaces a None), an empty path, a pickled entry that is not 1-D U8, names that mix OLMo
+// keys and plain names. A dict the file does not record (an empty one) is absent, as in OLMo.
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <unordered_set>
+#include <utility>
+#include <variant>
+#include <vector>
+
+// ---- statedict/formats/detail/olmo_pickle.hpp ----
+// statedict: the pieces of OLMo's mapped safetensors names and values: urlsafe base64, the
+// (key path, value_is_pickled) pickle each name encodes, and a protocol-4 pickler that writes what
+// CPython's `pickle.dumps(obj, protocol=4)` writes for the same data.
+// SPDX-License-Identifier: MIT
+//
+// A name is `urlsafe_b64encode(pickle.dumps((keys, value_is_pickled)))` (olmo/safetensors_util.py
+// encode_key); docs/formats/olmo-safetensors.md lists the bytes. Names are decoded with the safe
+// unpickler and an empty allow-list: a name that names any global is refused, never resolved.
+//
+// The pickler follows CPython's C pickler (Modules/_pickle.c, protocol 4): PROTO 4; one FRAME per
+// 64 KiB of opcodes (a frame of fewer than 4 bytes gets no FRAME opcode), bytes and str payloads of
+// 64 KiB or more written outside any frame; MEMOIZE after every str, bytes, list, dict, non-empty
+// tuple, global and call; the smallest int opcode; SHORT_BINUNICODE / BINUNICODE / BINUNICODE8;
+// SHORT_BINBYTES / BINBYTES / BINBYTES8; EMPTY_LIST / EMPTY_DICT then APPEND(S) / SETITEM(S) in
+// batches of 1000; STACK_GLOBAL for classes; EMPTY_SET / ADDITEMS and FROZENSET. CPython memoizes
+// by object identity, which a Value does not carry. Equal strings are memoized (CPython's interned
+// strings: OLMo's literal keys, dict keys of param groups), and so are equal tuples of numbers and
+// strings (constants and optimizer defaults such as `betas`, one object in every param group);
+// lists, dicts and other objects never share a memo entry. Decoding either form gives the same
+// data.
+
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <utility>
+#include <variant>
+#include <vector>
+
+
+namespace statedict::inline v0::formats::detail::olmo {
+
+// ---------------------------------------------------------------------------------------------
+// urlsafe base64 (RFC 4648 section 5, '=' padding kept)
+
+inline std::string b64_encode(std::span<const std::byte> in) {
+  static constexpr char abc[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+  std::string out;
+  out.reserve((in.size() + 2) / 3 * 4);
+  std::size_t i = 0;
+  for (; i + 3 <= in.size(); i += 3) {
+    const auto v = (std::to_integer<std::uint32_t>(in[i]) << 16) | (std::to_integer<std::uint32_t>(in[i + 1]) << 8) |
+                   std::to_integer<std::uint32_t>(in[i + 2]);
+    for (int s = 18; s >= 0; s -= 6) out += abc[(v >> s) & 63U];
+  }
+  if (const std::size_t rest = in.size() - i; rest > 0) {
+    std::uint32_t v = std::to_integer<std::uint32_t>(in[i]) << 16;
+    if (rest == 2) v |= std::to_integer<std::uint32_t>(in[i + 1]) << 8;
+    out += abc[(v >> 18) & 63U];
+    out += abc[(v >> 12) & 63U];
+    out += rest == 2 ? abc[(v >> 6) & 63U] : '=';
+    out += '=';
+  }
+  return out;
+}
+
+/// Decodes canonical urlsafe base64 (what b64_encode gives: length a multiple of 4, '=' only as
+/// padding, unused bits zero); nullopt for anything else.
+inline std::optional<std::vector<std::byte>> b64_decode(std::string_view s) {
+  auto val = [](char c) -> int {
+    if (c >= 'A' && c <= 'Z') return c - 'A';
+    if (c >= 'a' && c <= 'z') return c - 'a' + 26;
+    if (c >= '0' && c <= '9') return c - '0' + 52;
+    if (c == '-') return 62;
+    if (c == '_') return 63;
+    return -1;
+  };
+  if (s.empty() || s.size() % 4 != 0) return std::nullopt;
+  std::size_t pad = 0;
+  if (s.back() == '=') pad = s[s.size() - 2] == '=' ? 2 : 1;
+  std::vector<std::byte> out;
+  out.reserve(s.size() / 4 * 3);
+  for (std::size_t i = 0; i < s.size(); i += 4) {
+    const bool last = i + 4 == s.size();
+    std::uint32_t v = 0;
+    for (std::size_t k = 0; k < 4; ++k) {
+      const bool padding = last && k >= 4 - pad;
+      const int d = padding ? 0 : val(s[i + k]);
+      if (d < 0 || (padding && s[i + k] != '=')) return std::nullopt;
+      v = (v << 6) | static_cast<std::uint32_t>(d);
+    }
+    const std::size_t n = last ? 3 - pad : 3;
+    if (last && pad > 0 && (v & ((pad == 1 ? 0xFFU : 0xFFFFU))) != 0) return std::nullopt;  // non-canonical bits
+    for (std::size_t k = 0; k < n; ++k) out.push_back(static_cast<std::byte>((v >> (16 - 8 * k)) & 0xFFU));
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The protocol-4 pickler
+
+/// Writes Values as CPython's pickle.dumps(obj, protocol=4) writes the equivalent objects (see the
+/// top of this file). Throws `unwritable` (with the path of the value) for a tensor, which has no
+/// encoding without torch.save.
+class P4Writer {
+ public:
+  P4Writer(const error_id& unwritable, std::string what) : unwritable_(unwritable), what_(std::move(what)) {}
+
+  /// PROTO 4, the value, STOP, with CPython's framing.
+  std::vector<std::byte> dumps(const Value& v) {
+    out_.clear();
+    out_.push_back(std::byte{0x80});
+    out_.push_back(std::byte{4});
+    open_frame();
+    save(v, 0);
+    op(0x2e);  // STOP
+    commit_frame();
+    return std::move(out_);
+  }
+
+  /// Maximum nesting written (the writer recurses).
+  std::size_t max_depth = 1000;
+
+ private:
+  static constexpr std::size_t frame_target = 64 * 1024;
+  static constexpr std::size_t frame_min = 4;
+  static constexpr std::size_t frame_header = 9;
+
+  void op(unsigned char c) { out_.push_back(static_cast<std::byte>(c)); }
+  void le(std::uint64_t v, int n) {
+    for (int i = 0; i < n; ++i) out_.push_back(static_cast<std::byte>((v >> (8 * i)) & 0xFFU));
+  }
+  void raw(std::span<const std::byte> b) { out_.insert(out_.end(), b.begin(), b.end()); }
+  void raw(std::string_view s) {
+    for (char c : s) out_.push_back(static_cast<std::byte>(c));
+  }
+
+  // Frames: 9 bytes are reserved where a frame starts; commit fills them in or removes them.
+  void open_frame() {
+    frame_start_ = out_.size() + frame_header;
+    out_.resize(frame_start_);
+    framing_ = true;
+  }
+  void commit_frame() {
+    if (!framing_) return;
+    const std::size_t len = out_.size() - frame_start_;
+    const std::size_t at = frame_start_ - frame_header;
+    if (len >= frame_min) {
+      out_[at] = std::byte{0x95};
+      for (int i = 0; i < 8; ++i) out_[at + 1 + static_cast<std::size_t>(i)] = static_cast<std::byte>((len >> (8 * i)) & 0xFFU);
+    } else {
+      out_.erase(out_.begin() + static_cast<std::ptrdiff_t>(at), out_.begin() + static_cast<std::ptrdiff_t>(frame_start_));
+    }
+    framing_ = false;
+  }
+  /// Before every object: a frame that reached 64 KiB is closed and a new one opened.
+  void boundary() {
+    if (framing_ && out_.size() - frame_start_ >= frame_target) {
+      commit_frame();
+      open_frame();
+    }
+  }
+  /// A str or bytes payload: outside any frame when it is 64 KiB or more.
+  void payload(std::span<const std::byte> header, std::span<const std::byte> data) {
+    if (data.size() >= frame_target) {
+      commit_frame();
+      raw(header);
+      raw(data);
+      open_frame();
+      return;
+    }
+    raw(header);
+    raw(data);
+  }
+
+  void memoize() {
+    op(0x94);
+    ++memo_count_;
+  }
+  void get(std::uint64_t idx) {
+    if (idx < 256) {
+      op(0x68);  // BINGET
+      op(static_cast<unsigned char>(idx));
+    } else {
+      op(0x6a);  // LONG_BINGET
+      le(idx, 4);
+    }
+  }
+
+  void integer(std::int64_t v) {
+    if (v >= 0 && v <= 0xFF) {
+      op(0x4b);
+      op(static_cast<unsigned char>(v));
+    } else if (v >= 0 && v <= 0xFFFF) {
+      op(0x4d);
+      le(static_cast<std::uint64_t>(v), 2);
+    } else if (v >= INT32_MIN && v <= INT32_MAX) {
+      op(0x4a);
+      le(static_cast<std::uint32_t>(static_cast<std::int32_t>(v)), 4);
+    } else {
+      std::vector<std::uint8_t> b;
+      const auto u = static_cast<std::uint64_t>(v);
+      for (int i = 0; i < 8; ++i) b.push_back(static_cast<std::uint8_t>((u >> (8 * i)) & 0xFFU));
+      std::int64_t ignored = 0;
+      (void)pickle::detail::normalise_long(b, ignored);
+      long_bytes(b);
+    }
+  }
+  void long_bytes(const std::vector<std::uint8_t>& b) {
+    if (b.size() < 256) {
+      op(0x8a);
+      op(static_cast<unsigned char>(b.size()));
+    } else {
+      op(0x8b);
+      le(b.size(), 4);
+    }
+    for (auto c : b) out_.push_back(static_cast<std::byte>(c));
+  }
+  void floating(double d) {
+    op(0x47);
+    const auto bits = std::bit_cast<std::uint64_t>(d);
+    for (int i = 7; i >= 0; --i) out_.push_back(static_cast<std::byte>((bits >> (8 * i)) & 0xFFU));
+  }
+  void str(std::string_view s) {
+    if (auto it = strings_.find(std::string(s)); it != strings_.end()) {
+      get(it->second);
+      return;
+    }
+    std::vector<std::byte> h;
+    auto put = [&](unsigned char c, std::uint64_t n, int width) {
+      h.push_back(static_cast<std::byte>(c));
+      for (int i = 0; i < width; ++i) h.push_back(static_cast<std::byte>((n >> (8 * i)) & 0xFFU));
+    };
+    if (s.size() <= 0xFF) put(0x8c, s.size(), 1);
+    else if (s.size() > 0xFFFFFFFFULL) put(0x8d, s.size(), 8);
+    else put(0x58, s.size(), 4);
+    payload(h, std::as_bytes(std::span<const char>(s.data(), s.size())));
+    strings_.emplace(std::string(s), memo_count_);
+    memoize();
+  }
+  void bytes(std::span<const std::uint8_t> b) {
+    std::vector<std::byte> h;
+    auto put = [&](unsigned char c, std::uint64_t n, int width) {
+      h.push_back(static_cast<std::byte>(c));
+      for (int i = 0; i < width; ++i) h.push_back(static_cast<std::byte>((n >> (8 * i)) & 0xFFU));
+    };
+    if (b.size() <= 0xFF) put(0x43, b.size(), 1);
+    else if (b.size() > 0xFFFFFFFFULL) put(0x8e, b.size(), 8);
+    else put(0x42, b.size(), 4);
+    payload(h, std::as_bytes(b));
+    memoize();
+  }
+  /// STACK_GLOBAL of module and name, memoized by qualified name (one class object).
+  void global(const std::string& module, const std::string& name) {
+    const std::string q = module + "\n" + name;
+    if (auto it = globals_.find(q); it != globals_.end()) {
+      get(it->second);
+      return;
+    }
+    boundary();
+    str(module);
+    boundary();
+    str(name);
+    op(0x93);
+    globals_.emplace(q, memo_count_);
+    memoize();
+  }
+
+  /// Items written in batches of 1000. `exact`: a plain list or dict (one item alone uses
+  /// APPEND/SETITEM, every other batch MARK ... APPENDS/SETITEMS); otherwise items from an
+  /// iterator (an object's listitems / dictitems), where any batch of one uses APPEND/SETITEM.
+  template <class F>
+  void batches(std::size_t n, F&& item, unsigned char one, unsigned char many, bool exact) {
+    if (exact && n == 1) {
+      item(0);
+      op(one);
+      return;
+    }
+    for (std::size_t start = 0; start < n; start += 1000) {
+      const std::size_t end = std::min(n, start + 1000);
+      if (!exact && end - start == 1) {
+        item(start);
+        op(one);
+        continue;
+      }
+      op(0x28);
+      for (std::size_t i = start; i < end; ++i) item(i);
+      op(many);
+    }
+  }
+
+  /// A key for a tuple of atoms (None, bool, int, float, str), equal for equal tuples; nullopt
+  /// for a tuple holding anything else.
+  static std::optional<std::string> atom_tuple_key(const List& l) {
+    std::string k;
+    for (const Value& x : l) {
+      switch (x.kind()) {
+        case value_kind::none: k += 'N'; break;
+        case value_kind::boolean: k += x.as_bool() ? 'T' : 'F'; break;
+        case value_kind::integer: k += 'i' + std::to_string(x.as_int()) + ';'; break;
+        case value_kind::floating: k += 'f' + std::to_string(std::bit_cast<std::uint64_t>(x.as_double())) + ';'; break;
+        case value_kind::string: k += 's' + std::to_string(x.as_string().size()) + ':' + x.as_string(); break;
+        default: return std::nullopt;
+      }
+    }
+    return k;
+  }
+
+  void tuple(const List& l, std::size_t depth) {
+    if (l.empty()) {
+      op(0x29);
+      return;
+    }
+    const auto shared = atom_tuple_key(l);
+    if (shared) {
+      if (auto it = tuples_.find(*shared); it != tuples_.end()) {
+        get(it->second);
+        return;
+      }
+    }
+    if (l.size() > 3) op(0x28);
+    for (const Value& x : l) save(x, depth + 1);
+    static constexpr unsigned char code[] = {0, 0x85, 0x86, 0x87};
+    op(l.size() > 3 ? 0x74 : code[l.size()]);
+    if (shared) tuples_.emplace(*shared, memo_count_);
+    memoize();
+  }
+
+  void key(const Key& k) {
+    boundary();
+    if (k.is_int()) integer(k.as_int());
+    else str(k.as_string());
+  }
+
+  void save(const Value& v, std::size_t depth) {
+    if (depth > max_depth)
+      throw_error(unwritable_, what_, "a value nested deeper than " + std::to_string(max_depth) + " levels");
+    boundary();
+    switch (v.kind()) {
+      case value_kind::none: op(0x4e); return;
+      case value_kind::boolean: op(v.as_bool() ? 0x88 : 0x89); return;
+      case value_kind::integer: integer(v.as_int()); return;
+      case value_kind::floating: floating(v.as_double()); return;
+      case value_kind::string: str(v.as_string()); return;
+      case value_kind::bytes: bytes(v.as_bytes().data); return;
+      case value_kind::tensor:
+        throw_error(unwritable_, what_, "a tensor inside a value (pickling it would need a whole torch.save blob)");
+      case value_kind::tuple: tuple(v.as_list(), depth); return;
+      case value_kind::list: {
+        op(0x5d);
+        memoize();
+        const List& l = v.as_list();
+        batches(l.size(), [&](std::size_t i) { save(l[i], depth + 1); }, 0x61, 0x65, true);
+        return;
+      }
+      case value_kind::dict: {
+        op(0x7d);
+        memoize();
+        const auto& items = v.as_dict().items();
+        batches(items.size(), [&](std::size_t i) {
+          key(items[i].first);
+          save(items[i].second, depth + 1);
+        }, 0x73, 0x75, true);
+        return;
+      }
+      case value_kind::object: object(v.as_object(), depth); return;
+    }
+  }
+
+  void pairs(const Object& o, std::size_t depth, bool exact) {
+    batches(o.items.size(), [&](std::size_t i) {
+      const List& kv = o.items[i].as_list();
+      save(kv[0], depth + 1);
+      save(kv[1], depth + 1);
+    }, 0x73, 0x75, exact);
+  }
+  static bool all_pairs(const Object& o) {
+    if (o.items.empty()) return false;
+    for (const Value& it : o.items)
+      if (!it.is_tuple() || it.as_list().size() != 2) return false;
+    return true;
+  }
+
+  void object(const Object& o, std::size_t depth) {
+    const std::string q = o.qualified();
+    const bool plain_call = o.how == object_build::reduce && o.args.empty() && o.state.empty();
+    if (q == "builtins.int" && o.how == object_build::reduce && o.args.size() == 1 && o.args[0].is_bytes() &&
+        o.items.empty() && o.state.empty()) {
+      long_bytes(o.args[0].as_bytes().data);
+      return;
+    }
+    if (q == "builtins.set" && plain_call) {
+      op(0x8f);  // EMPTY_SET
+      memoize();
+      for (std::size_t start = 0; start < o.items.size(); start += 1000) {
+        op(0x28);
+        for (std::size_t i = start; i < std::min(o.items.size(), start + 1000); ++i) save(o.items[i], depth + 1);
+        op(0x90);  // ADDITEMS
+      }
+      return;
+    }
+    if (q == "builtins.frozenset" && plain_call) {
+      op(0x28);
+      for (const Value& x : o.items) save(x, depth + 1);
+      op(0x91);  // FROZENSET
+      memoize();
+      return;
+    }
+    if (q == "builtins.dict" && plain_call && (o.items.empty() || all_pairs(o))) {
+      op(0x7d);
+      memoize();
+      pairs(o, depth, true);
+      return;
+    }
+    if (o.how == object_build::global) {
+      if (!o.args.empty() || !o.items.empty() || !o.state.empty())
+        throw_error(unwritable_, what_, "object " + quote(q) + " is a global reference with arguments, items or state");
+      global(o.module, o.name);
+      return;
+    }
+    // A call: cls(*args) (REDUCE) or cls.__new__(cls, *args) (NEWOBJ), then items and state.
+    boundary();
+    global(o.module, o.name);
+    boundary();
+    tuple(o.args, depth);
+    op(o.how == object_build::newobj ? 0x81 : 0x52);
+    memoize();
+    if (all_pairs(o)) {
+      pairs(o, depth, false);
+    } else {
+      batches(o.items.size(), [&](std::size_t i) { save(o.items[i], depth + 1); }, 0x61, 0x65, false);
+    }
+    for (const Value& s : o.state) {
+      save(s, depth + 1);
+      op(0x62);  // BUILD
+    }
+  }
+
+  const error_id& unwritable_;
+  std::string what_;
+  std::vector<std::byte> out_;
+  bool framing_ = false;
+  std::size_t frame_start_ = 0;
+  std::uint64_t memo_count_ = 0;
+  std::unordered_map<std::string, std::uint64_t> strings_;
+  std::unordered_map<std::string, std::uint64_t> globals_;
+  std::unordered_map<std::string, std::uint64_t> tuples_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Names
+
+/// One decoded name: the key path (str and int elements) and whether the value is pickled.
+struct DecodedKey {
+  Path keys;
+  bool pickled = false;
+};
+
+/// What a name is when it is not an OLMo key (for messages and detection).
+struct KeyProblem {
+  bool base64 = false;  ///< true: valid base64, the pickle inside is the problem
+  std::string detail;
+};
+
+/// Decodes `name` as OLMo's encode_key does in reverse, refusing every global (empty allow-list)
+/// and trailing bytes after STOP. Returns the key or what is wrong.
+inline std::variant<DecodedKey, KeyProblem> decode_key(std::string_view name, const pickle::limits& lim, std::size_t max_depth) {
+  const auto raw = b64_decode(name);
+  if (!raw) return KeyProblem{false, "is not canonical urlsafe base64"};
+  static const pickle::Registry nothing;
+  pickle::options po;
+  po.limits = lim;
+  po.registry = &nothing;
+  pickle::Result r;
+  try {
+    r = pickle::load(*raw, po);
+  } catch (const error& e) {
+    return KeyProblem{true, "its base64 decodes to no readable key pickle: " + std::string(e.what())};
+  }
+  if (r.consumed != raw->size())
+    return KeyProblem{true, "its pickle is followed by " + std::to_string(raw->size() - r.consumed) + " stray bytes"};
+  const Value& v = r.value;
+  if (!v.is_tuple() || v.as_list().size() != 2 || !v.as_list()[0].is_tuple() || !v.as_list()[1].is_bool())
+    return KeyProblem{true, "its pickle is not a (key tuple, value_is_pickled) pair"};
+  DecodedKey k;
+  k.pickled = v.as_list()[1].as_bool();
+  const List& keys = v.as_list()[0].as_list();
+  if (keys.empty()) return KeyProblem{true, "decodes to an empty key path"};
+  if (keys.size() > max_depth)
+    return KeyProblem{true, "decodes to a key path of " + std::to_string(keys.size()) + " elements, more than limits::max_key_depth"};
+  for (const Value& e : keys) {
+    if (e.is_int()) k.keys.emplace_back(e.as_int());
+    else if (e.is_string()) k.keys.emplace_back(e.as_string());
+    else return KeyProblem{true, "has a key element that is a " + std::string(to_string(e.kind())) + " (only str and int keys are read)"};
+  }
+  return k;
+}
+
+/// The name OLMo's encode_key gives `keys` when equal strings of the path are one object: the
+/// pickle of (keys, pickled) at protocol 4, urlsafe base64.
+inline std::string encode_key(const Path& keys, bool pickled, const error_id& unwritable) {
+  List elems;
+  elems.reserve(keys.size());
+  for (const Key& k : keys) {
+    if (k.is_int()) elems.emplace_back(k.as_int());
+    else elems.emplace_back(k.as_string());
+  }
+  List pair;
+  pair.push_back(Value::tuple(std::move(elems)));
+  pair.emplace_back(pickled);
+  P4Writer w(unwritable, "key " + quote(dotted(keys)));
+  const auto bytes = w.dumps(Value::tuple(std::move(pair)));
+  return b64_encode(bytes);
+}
+
+}  // namespace statedict::inline v0::formats::detail::olmo
+// ---- statedict/formats/safetensors.hpp ----
+// statedict: safetensors files as a format plug-in: detection, description, and the writers (a
+// described checkpoint, or a list of tensors and byte ranges), all through the planner and the
+// streaming executor.
+// SPDX-License-Identifier: MIT
+//
+// The reader and the header layout are io/safetensors.hpp; this file writes. The output is
+// byte-identical to the reference writer's (`serialize_to_file`) for the same tensors and
+// metadata, appears atomically (temporary name, fsync, rename), and is streamed in bounded memory,
+// casting floating tensors on the fly when asked.
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+
+namespace statedict::inline v0 {
+
+namespace formats {
+
+/// Writes one .safetensors file. Tensors the skeleton ties (aliases, views) are stored once.
+inline void write_safetensors(const ShardedCheckpoint& ck, const std::filesystem::path& path, const save_options& opt = {}) {
+  check_consistent(ck);
+  (void)detail::write_safetensors_file(ck, detail::safetensors_metadata(ck, true), path, opt.exec, opt.plan);
+}
+
+}  // namespace formats
+
+// ---------------------------------------------------------------------------------------------
+// Writing tensors and byte ranges (no description needed)
+
+namespace safetensors {
+
+/// Writes a .safetensors file atomically (temporary name, fsync, rename), streaming every tensor
+/// from its view or byte source through the executor (casting on the fly when asked).
+inline write_result write(const std::filesystem::path& path, std::span<const Input> inputs, const write_options& opt = {}) {
+  detail::prepared p = detail::prepare(inputs, opt);
+  ShardedCheckpoint ck;
+  ck.format = "memory";
+  for (std::size_t k = 0; k < p.stored.size(); ++k) {
+    const Input& in = inputs[p.stored[k]];
+    TensorInfo& t = in.source ? add_stored(ck, in.name, in.dtype, in.shape, in.source, in.offset) : add_view(ck, in.name, in.view);
+    t.dtype = p.specs[k].dtype;  // the executor casts from the stored dtype
+  }
+  write_result r;
+  r.layout = formats::detail::write_safetensors_file(ck, p.metadata, path, opt.exec, plan_options{}, opt.lim);
+  r.specs = std::move(p.specs);
+  r.aliases = std::move(p.aliases);
+  r.metadata = std::move(p.metadata);
+  return r;
+}
+
+/// Inputs for every tensor of a ShardedCheckpoint whose elements lie in one contiguous,
+/// row-major chunk of one source (what every safetensors file and HF shard is). Throws
+/// errors::st_write_input for a tensor split over several chunks (formats::write_safetensors
+/// writes those).
+inline std::vector<Input> inputs_of(const ShardedCheckpoint& c) {
+  std::vector<Input> out;
+  out.reserve(c.tensors.size());
+  for (const TensorInfo& t : c.tensors) {
+    const bool whole = t.chunks.size() == 1 && t.chunks[0].at.strides.empty() && t.chunks[0].at.stored == t.dtype &&
+                       covers_whole(t.chunks[0].region, t.shape);
+    if (!whole)
+      throw_error(errors::st_write_input, detail::where_tensor(t.name), "is not one contiguous chunk of one source");
+    out.push_back(Input::from_source(t.name, t.dtype, t.shape, c.sources.at(t.chunks[0].at.source), t.chunks[0].at.byte_offset));
+  }
+  return out;
+}
+
+/// True when `state` is a plain dict {string name: tensor}, what a safetensors file holds without
+/// a skeleton.
+inline bool is_flat_tensor_dict(const Value& state) {
+  if (!state.is_dict()) return false;
+  for (const auto& [k, v] : state.as_dict())
+    if (!k.is_string() || !v.is_tensor()) return false;
+  return true;
+}
+
+/// Writes a whole state (model + optimizer + scalars + strings: any Value tree) into one file. A
+/// plain {name: tensor} dict becomes a plain file (entries that are the same view are written once
+/// and recorded as aliases); any other tree is flattened (core/flatten.hpp) and its skeleton stored
+/// under "statedict.skeleton", next to the user's metadata. `read_state` gives back an equal tree.
+inline write_result write_state(const std::filesystem::path& path, const Value& state, write_options opt = {}) {
+  std::vector<Input> in;
+  if (is_flat_tensor_dict(state)) {
+    in.reserve(state.as_dict().size());
+    for (const auto& [k, v] : state.as_dict()) in.push_back(Input::of(k.as_string(), v.as_tensor()));
+    return write(path, in, opt);
+  }
+  FlatStateDict flat = flatten(state);
+  in.reserve(flat.tensors.size());
+  for (const auto& [n, v] : flat.tensors) in.push_back(Input::of(n, v));
+  opt.skeleton = std::move(flat.skeleton).take_json();
+  opt.dedupe_views = false;  // ties are alias nodes of the skeleton already
+  return write(path, in, opt);
+}
+
+}  // namespace safetensors
+
+// ---------------------------------------------------------------------------------------------
+// The plug-in
+
+namespace safetensors {
+
+namespace detail {
+/// A safetensors file starts with a little-endian header length that fits the file, followed by
+/// a JSON object ('{', after optional spaces).
+inline bool looks_like_file(std::span<const std::byte> head, std::uint64_t size, std::string& found) {
+  if (size < 9 || head.size() < 9) {
+    found = "the file has " + std::to_string(size) + " bytes, fewer than a safetensors header needs";
+    return false;
+  }
+  std::uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | std::to_integer<std::uint64_t>(head[static_cast<std::size_t>(i)]);
+  if (n > size - 8) {
+    found = "the first 8 bytes (" + std::to_string(n) + " as a header length) exceed the file";
+    return false;
+  }
+  for (std::uint64_t i = 8; i < 8 + n && i < 8 + 64 && i < head.size(); ++i) {
+    const auto ch = std::to_integer<char>(head[static_cast<std::size_t>(i)]);
+    if (ch == ' ' || ch == '\t' || ch == '\n' || ch == '\r') continue;
+    if (ch == '{') return true;
+    break;
+  }
+  found = "no JSON object after the header length";
+  return false;
+}
+}  // namespace detail
+
+/// safetensors files: read zero-copy with the reference's validation, written byte-identical to
+/// the reference writer. `--to safetensors` with an output not named *.safetensors writes a
+/// Hugging Face directory (formats/hf.hpp).
+class format final : public formats::Format {
+ public:
+  [[nodiscard]] std::string_view name() const noexcept override { return "safetensors"; }
+  [[nodiscard]] std::string_view title() const noexcept override { return "safetensors"; }
+
+  [[nodiscard]] formats::Detection detect(const formats::Input& in, const formats::open_options&) const override {
+    if (in.is_directory()) return formats::Detection::not_applicable();
+    std::string found;
+    if (detail::looks_like_file(in.head(), in.file()->size(), found))
+      return formats::Detection::match("safetensors: little-endian header length followed by a JSON object");
+    // Named like one, or a header length followed by a JSON object whatever the length says: a
+    // damaged safetensors file (truncated, or its length lies), which the reader explains.
+    const auto h = in.head();
+    if (formats::detail::ends_with(in.filename(), ".safetensors") || (h.size() >= 9 && std::to_integer<char>(h[8]) == '{'))
+      return formats::Detection::named_like(found);
+    return formats::Detection::miss(found);
+  }
+  [[nodiscard]] ShardedCheckpoint describe(const formats::Input& in, const formats::open_options& opt) const override {
+    return File::open(in.file(), opt.settings.get<open_options>().lim).describe();
+  }
+
+  [[nodiscard]] bool can_write() const noexcept override { return true; }
+  [[nodiscard]] formats::output_claim claims_output(const std::filesystem::path& out, const formats::save_options&) const override {
+    return formats::detail::has_extension(out, ".safetensors") ? formats::output_claim::by_name : formats::output_claim::none;
+  }
+  void check_output(const std::filesystem::path& out, const formats::save_options& opt) const override {
+    formats::detail::refuse_option(opt.world_size.has_value(), "--world-size", "safetensors", "it is for DCP output");
+    if (claims_output(out, opt) != formats::output_claim::by_name) return;  // a Hugging Face directory
+    formats::detail::refuse_option(opt.max_shard_size.has_value(), "--max-shard-size", "a single .safetensors file",
+                                   "it writes a directory of shards: name the output without .safetensors");
+    formats::detail::refuse_option(opt.part.has_value() || opt.index_only, "--part", "a single file",
+                                   "parts split outputs of several files (Hugging Face shards, DCP)");
+  }
+  std::vector<std::string> save(const ShardedCheckpoint& ck, const std::filesystem::path& out, const formats::save_options& opt) const override {
+    if (claims_output(out, opt) != formats::output_claim::by_name) return formats::write_hf(ck, out, opt);
+    formats::write_safetensors(ck, out, opt);
+    return {out.filename().string()};
+  }
+};
+
+}  // namespace safetensors
+}  // namespace statedict::inline v0
+
+namespace statedict::inline v0 {
+
+namespace errors {
+// clang-format off
+inline constexpr error_id olmo_bad_name      {900, error_kind::format, "olmo.bad_name"};
+inline constexpr error_id olmo_bad_key       {901, error_kind::format, "olmo.bad_key"};
+inline constexpr error_id olmo_path_conflict {902, error_kind::format, "olmo.path_conflict"};
+inline constexpr error_id olmo_pickled_value {903, error_kind::format, "olmo.pickled_value"};
+inline constexpr error_id olmo_mixed_names   {904, error_kind::format, "olmo.mixed_names"};
+inline constexpr error_id olmo_unwritable    {905, error_kind::usage,  "olmo.unwritable"};
+inline constexpr error_id olmo_limit         {906, error_kind::limit,  "olmo.limit"};
+// clang-format on
+}  // namespace errors
+
+namespace olmo_safetensors {
+
+/// Caps on hostile input; each error names the field to raise.
+struct limits {
+  /// Limits of the safetensors header parser.
+  safetensors::limits safetensors{};
+  /// Limits of the unpickler, for names and values.
+  pickle::limits pickle{};
+  /// Elements of one key path.
+  std::size_t max_key_depth = 1000;
+  /// Bytes of one pickled value (read into memory to unpickle).
+  std::uint64_t max_value_bytes = std::uint64_t{1} << 30;
+};
+
+struct options {
+  olmo_safetensors::limits limits{};
+};
+
+/// One entry of the file: its stored name, the key path it decodes to, whether it is pickled.
+struct Entry {
+  std::string name;
+  Path keys;
+  bool pickled = false;
+  std::size_t index = 0;  ///< position in safetensors::File::entries() (file offset order)
+};
+
+namespace detail {
+
+namespace ol = formats::detail::olmo;
+
+inline std::string where_file(const safetensors::File& f) { return "file " + quote(f.name()); }
+inline std::string where_entry(const safetensors::File& f, const Path& keys) {
+  return where_file(f) + ": key path " + quote(dotted(keys));
+}
+
+/// How many names of `f` decode to OLMo keys, and the first name that does not (for detection).
+struct name_census {
+  std::size_t decoded = 0;
+  std::size_t total = 0;
+  std::string first_bad;
+};
+inline name_census census(const safetensors::File& f, const limits& lim) {
+  name_census c;
+  for (const auto& e : f.entries()) {
+    ++c.total;
+    if (std::holds_alternative<ol::DecodedKey>(ol::decode_key(e.name, lim.pickle, lim.max_key_depth))) ++c.decoded;
+    else if (c.first_bad.empty()) c.first_bad = e.name;
+  }
+  return c;
+}
+
+/// Whether any string of the safetensors header of `src` begins like urlsafe base64 of a pickle
+/// ("gA", the PROTO opcode): a scan of the header bytes, no JSON parsed. False rules the file out;
+/// true (or a header that does not fit the file: the reader explains) means it is worth decoding.
+inline bool may_hold_keys(const ByteSource& src, const safetensors::limits& lim) {
+  if (src.size() < 8) return false;
+  std::byte len[8];
+  src.read(0, len);
+  std::uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | std::to_integer<std::uint64_t>(len[static_cast<std::size_t>(i)]);
+  if (n > src.size() - 8 || n > lim.max_header_bytes) return true;
+  std::string_view text;
+  std::vector<char> copy;
+  if (const std::byte* d = src.data()) {
+    text = std::string_view(reinterpret_cast<const char*>(d) + 8, static_cast<std::size_t>(n));
+  } else {
+    copy.resize(static_cast<std::size_t>(n));
+    src.read(8, std::as_writable_bytes(std::span<char>(copy.data(), copy.size())));
+    text = std::string_view(copy.data(), copy.size());
+  }
+  return text.find("\"gA") != std::string_view::npos;
+}
+
+/// Places `leaf` at `keys` in `root`, creating dicts; refuses what OLMo would overwrite or corrupt.
+inline void place(Value& root, const Path& keys, Value leaf, const std::string& where) {
+  Value* cur = &root;
+  for (std::size_t i = 0; i + 1 < keys.size(); ++i) {
+    Dict& d = cur->as_dict();
+    Value* next = d.find(keys[i]);
+    if (!next) {
+      next = &d.append_unchecked(keys[i], Value(Dict{}));
+    } else if (!next->is_dict()) {
+      Path head(keys.begin(), keys.begin() + static_cast<std::ptrdiff_t>(i) + 1);
+      throw_error(errors::olmo_path_conflict, where,
+                  "goes through " + quote(dotted(head)) + ", which is a stored value, not a dict");
+    }
+    cur = next;
+  }
+  Dict& d = cur->as_dict();
+  if (const Value* ex = d.find(keys.back()))
+    throw_error(errors::olmo_path_conflict, where,
+                ex->is_dict() ? std::string("is a dict of other entries and also an entry of its own")
+                              : std::string("is stored twice (two names decode to this key path)"));
+  d.append_unchecked(keys.back(), std::move(leaf));
+}
+
+/// Unpickles the pickled value of entry `e` (1-D U8, at most limits::max_value_bytes).
+inline Value unpickle_value(const safetensors::File& f, const safetensors::TensorEntry& e, const Path& keys, const limits& lim) {
+  const std::string where = where_entry(f, keys);
+  if (e.dtype_name != "U8" || e.shape.size() != 1)
+    throw_error(errors::olmo_pickled_value, where,
+                "a pickled value must be a 1-D U8 tensor, found " + std::string(e.dtype_name) + " of shape " + to_string(e.shape));
+  if (e.nbytes() > lim.max_value_bytes)
+    throw_error(errors::olmo_limit, where,
+                "pickled value of " + std::to_string(e.nbytes()) + " bytes, more than limits::max_value_bytes");
+  std::vector<std::byte> bytes(static_cast<std::size_t>(e.nbytes()));
+  if (!bytes.empty()) f.source()->read(checked_add(f.data_offset(), e.begin, "offset"), bytes);
+  pickle::options po;
+  po.limits = lim.pickle;
+  po.keep_unknown_objects = true;  // numpy scalars, config objects: kept as data, never called
+  pickle::Result r;
+  try {
+    r = pickle::load(bytes, po);
+  } catch (error& err) {
+    err.add_context(where);
+    throw;
+  }
+  if (r.consumed != bytes.size())
+    throw_error(errors::olmo_pickled_value, where,
+                "the pickle ends " + std::to_string(bytes.size() - r.consumed) + " bytes before the tensor does");
+  if (r.value.is_dict())
+    throw_error(errors::olmo_pickled_value, where, "holds a pickled dict (OLMo walks dicts into entries, it never pickles one)");
+  return std::move(r.value);
+}
+
+}  // namespace detail
+
+/// Every entry of `f` with its decoded key path, in file offset order. Throws errors::olmo_bad_key
+/// for a name that is base64 of something other than an OLMo key, olmo_mixed_names when some names
+/// decode and others are not base64 at all, olmo_bad_name when no name decodes.
+inline std::vector<Entry> entries(const safetensors::File& f, const limits& lim = {}) {
+  namespace ol = formats::detail::olmo;
+  std::vector<Entry> out;
+  const std::string* plain = nullptr;
+  for (std::size_t i = 0; i < f.entries().size(); ++i) {
+    const auto& e = f.entries()[i];
+    auto d = ol::decode_key(e.name, lim.pickle, lim.max_key_depth);
+    if (auto* k = std::get_if<ol::DecodedKey>(&d)) {
+      out.push_back(Entry{e.name, std::move(k->keys), k->pickled, i});
+      continue;
+    }
+    const auto& p = std::get<ol::KeyProblem>(d);
+    if (p.base64) throw_error(errors::olmo_bad_key, detail::where_file(f) + ": tensor " + quote(e.name), p.detail);
+    if (!plain) plain = &e.name;
+  }
+  if (plain && out.empty())
+    throw_error(errors::olmo_bad_name, detail::where_file(f),
+                "no tensor name is an OLMo key (urlsafe base64 of a pickled (key path, value_is_pickled)); " + quote(*plain) +
+                    " is not: read it as plain safetensors");
+  if (plain)
+    throw_error(errors::olmo_mixed_names, detail::where_file(f) + ": tensor " + quote(*plain),
+                "is a plain name, but " + std::to_string(out.size()) + " other names are OLMo keys (" +
+                    quote(dotted(out.front().keys)) + ", ...): the file is neither OLMo's layout nor plain safetensors");
+  return out;
+}
+
+/// Describes an OLMo mapped safetensors file: the nested tree with real keys, tensors in the file
+/// (no byte read), pickled values unpickled into the skeleton. Format "olmo_safetensors"; entries in
+/// file offset order (what safetensors >= 0.6 gives OLMo's loader).
+inline ShardedCheckpoint describe(const safetensors::File& f, const options& opt = {}) {
+  namespace tr = statedict::detail::torch_refs;
+  const limits& lim = opt.limits;
+  const std::vector<Entry> es = entries(f, lim);
+  const ShardedCheckpoint plain = f.describe();  // one whole chunk per stored tensor, file order
+  std::vector<TensorInfo> described;
+  Value root{Dict{}};
+  for (const Entry& e : es) {
+    const std::string where = detail::where_entry(f, e.keys);
+    Value leaf;
+    if (e.pickled) {
+      leaf = detail::unpickle_value(f, f.entries()[e.index], e.keys, lim);
+    } else {
+      described.push_back(plain.tensors[e.index]);
+      leaf = tr::make_ref(described.size() - 1);
+    }
+    detail::place(root, e.keys, std::move(leaf), where);
+  }
+  auto fin = statedict::detail::describe_tree::finish(root, described);
+  ShardedCheckpoint ck;
+  ck.format = "olmo_safetensors";
+  ck.sources = plain.sources;
+  ck.tensors = std::move(fin.tensors);
+  ck.skeleton = std::move(fin.skeleton);
+  ck.metadata = plain.metadata;
+  return ck;
+}
+
+inline ShardedCheckpoint describe(const std::filesystem::path& path, const options& opt = {}, read_mode mode = read_mode::mmap) {
+  return describe(safetensors::File::open(path, safetensors::open_options{mode, opt.limits.safetensors}), opt);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Writing
+
+namespace detail {
+
+/// One entry to write: a tensor of the checkpoint, or a pickled value.
+struct out_entry {
+  Path keys;
+  std::optional<std::size_t> tensor;  ///< index into the checkpoint's tensors
+  std::vector<std::byte> pickle;      ///< the pickled value otherwise
+};
+
+/// Walks `d` as OLMo's flatten_dict does: dicts are walked (an empty one gives nothing), tensors
+/// are entries, anything else is pickled whole.
+template <class TensorIndex>
+void walk(const Dict& d, Path& path, std::vector<out_entry>& out, TensorIndex&& tensor_index, std::size_t depth) {
+  if (depth > 1000) throw_error(errors::olmo_unwritable, "key path " + quote(dotted(path)), "dicts nested deeper than 1000 levels");
+  for (const auto& [k, v] : d) {
+    path.push_back(k);
+    if (v.is_dict()) {
+      walk(v.as_dict(), path, out, tensor_index, depth + 1);
+    } else if (v.is_tensor()) {
+      out.push_back(out_entry{path, tensor_index(v.as_tensor(), path), {}});
+    } else {
+      formats::detail::olmo::P4Writer w(errors::olmo_unwritable, "value at " + quote(dotted(path)));
+      out.push_back(out_entry{path, std::nullopt, w.dumps(v)});
+    }
+    path.pop_back();
+  }
+}
+
+}  // namespace detail
+
+/// Writes `ck` as an OLMo mapped safetensors file at `path`, atomically: each tensor under its key
+/// path's name, each other leaf pickled, the reference safetensors layout without `__metadata__`.
+/// Throws errors::olmo_unwritable for what the layout cannot hold: a tree that is not a dict, tied
+/// tensors or views (safetensors stores no tensor twice), a tensor inside a non-dict value.
+inline void write(const ShardedCheckpoint& ck, const std::filesystem::path& path, const exec_options& exec = {},
+                  const plan_options& popt = {}) {
+  // The tree the description stands for, with placeholder views (reserved address space, never read).
+  const std::size_t n = ck.tensors.size();
+  std::vector<std::uint64_t> start(n);
+  std::uint64_t total = 16;
+  for (std::size_t i = 0; i < n; ++i) {
+    start[i] = total;
+    total = checked_add(total, checked_add(byte_size(ck.tensors[i].shape, itemsize(ck.tensors[i].dtype)), 31, "reservation") / 16 * 16,
+                        "reservation");
+  }
+  auto space = std::make_shared<torch::detail::reservation>(total);
+  NamedTensors named;
+  named.reserve(n);
+  for (std::size_t i = 0; i < n; ++i)
+    named.emplace_back(ck.tensors[i].name, TensorView::contiguous(ck.tensors[i].dtype, ck.tensors[i].shape, space->base() + start[i], space));
+  const Value tree = unflatten(named, ck.skeleton);
+  if (!tree.is_dict())
+    throw_error(errors::olmo_unwritable, "output " + quote(path.string()),
+                "the checkpoint is a " + std::string(to_string(tree.kind())) + ", and an OLMo file holds a dict");
+
+  std::vector<std::optional<Path>> used(n);
+  auto tensor_index = [&](const TensorView& v, const Path& at) -> std::size_t {
+    const auto off = static_cast<std::uint64_t>(v.data() - space->base());
+    const auto it = std::lower_bound(start.begin(), start.end(), off);
+    const auto i = static_cast<std::size_t>(it - start.begin());
+    if (it == start.end() || *it != off || v.dtype() != ck.tensors[i].dtype || v.shape() != ck.tensors[i].shape || !v.is_contiguous())
+      throw_error(errors::olmo_unwritable, "key path " + quote(dotted(at)),
+                  "is a view into another tensor's elements; safetensors stores every tensor on its own");
+    if (used[i])
+      throw_error(errors::olmo_unwritable, "key path " + quote(dotted(at)),
+                  "is the same tensor as " + quote(dotted(*used[i])) + " (tied); safetensors cannot store a tensor twice");
+    used[i] = at;
+    return i;
+  };
+  std::vector<detail::out_entry> entries;
+  Path p;
+  detail::walk(tree.as_dict(), p, entries, tensor_index, 0);
+
+  // The tensors as stored: the checkpoint's under their names, the pickles from memory.
+  ShardedCheckpoint src;
+  src.format = ck.format;
+  src.sources = ck.sources;
+  std::unordered_set<std::string> names;
+  for (auto& e : entries) {
+    std::string name = formats::detail::olmo::encode_key(e.keys, !e.tensor, errors::olmo_unwritable);
+    if (!names.insert(name).second)
+      throw_error(errors::olmo_unwritable, "key path " + quote(dotted(e.keys)), "its name is written twice");
+    if (e.tensor) {
+      TensorInfo t = ck.tensors[*e.tensor];
+      t.name = std::move(name);
+      src.tensors.push_back(std::move(t));
+    } else {
+      auto buf = std::make_shared<std::vector<std::byte>>(std::move(e.pickle));
+      const auto len = static_cast<dim_t>(buf->size());
+      auto mem = std::make_shared<MemorySource>("pickle of " + dotted(e.keys), buf->data(), buf->size(), buf);
+      (void)add_stored(src, std::move(name), dtype::U8, shape_t{len}, std::move(mem), 0);
+    }
+  }
+  (void)formats::detail::write_safetensors_file(src, std::nullopt, path, exec, popt);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The plug-in
+
+/// OLMo mapped safetensors files: detected when tensor names decode to OLMo's key pickles; written
+/// with `--to olmo`.
+class format final : public formats::Format {
+ public:
+  [[nodiscard]] std::string_view name() const noexcept override { return "olmo"; }
+  [[nodiscard]] std::string_view title() const noexcept override { return "OLMo mapped safetensors"; }
+
+  [[nodiscard]] formats::Detection detect(const formats::Input& in, const formats::open_options& opt) const override {
+    if (in.is_directory()) return formats::Detection::not_applicable();
+    std::string found;
+    if (!safetensors::detail::looks_like_file(in.head(), in.file()->size(), found)) return formats::Detection::not_applicable();
+    const limits& lim = opt.settings.get<options>().limits;
+    if (!detail::may_hold_keys(*in.file(), lim.safetensors))
+      return formats::Detection::miss("no tensor name begins like urlsafe base64 of a pickle");
+    std::optional<safetensors::File> f;
+    try {
+      f = safetensors::File::open(in.file(), lim.safetensors);
+    } catch (const error&) {
+      return formats::Detection::not_applicable();  // the safetensors reader explains what is wrong
+    }
+    const detail::name_census c = detail::census(*f, lim);
+    if (c.decoded == 0) return formats::Detection::miss("no tensor name is urlsafe base64 of a pickled (key path, value_is_pickled)");
+    // Any decodable name claims the file: a mix is refused by describe(), not read as plain names.
+    return formats::Detection::match("OLMo mapped safetensors: " + std::to_string(c.decoded) + " of " + std::to_string(c.total) +
+                                     " tensor names are urlsafe base64 of a pickled (key path, value_is_pickled)");
+  }
+  [[nodiscard]] ShardedCheckpoint describe(const formats::Input& in, const formats::open_options& opt) const override {
+    const options& o = opt.settings.get<options>();
+    return olmo_safetensors::describe(safetensors::File::open(in.file(), o.limits.safetensors), o);
+  }
+
+  [[nodiscard]] bool can_write() const noexcept override { return true; }
+  void check_output(const std::filesystem::path&, const formats::save_options& opt) const override {
+    formats::detail::refuse_option(opt.world_size.has_value(), "--world-size", "an OLMo mapped safetensors file", "it is one file");
+    formats::detail::refuse_option(opt.max_shard_size.has_value(), "--max-shard-size", "an OLMo mapped safetensors file", "it is one file");
+    formats::detail::refuse_option(opt.part.has_value() || opt.index_only, "--part", "a single file",
+                                   "parts split outputs of several files (Hugging Face shards, DCP, ColossalAI)");
+  }
+  std::vector<std::string> save(const ShardedCheckpoint& ck, const std::filesystem::path& out, const formats::save_options& opt) const override {
+    write(ck, out, opt.exec, opt.plan);
+    return {out.filename().string()};
+  }
+};
+
+}  // namespace olmo_safetensors
 }  // namespace statedict::inline v0
 // ---- statedict/formats/megatron.hpp ----
 // statedict: Megatron-LM checkpoints: the legacy per-rank layout (tensor- and pipeline-parallel
@@ -24930,7 +30729,7 @@ class format final : public formats::Format {
   [[nodiscard]] bool can_write() const noexcept override { return true; }
   [[nodiscard]] formats::output_claim claims_output(const std::filesystem::path&, const formats::save_options& opt) const override {
     const write_options& w = opt.settings.get<write_options>();
-    return w.tp || w.pp ? formats::output_claim::by_options : formats::output_claim::none;
+    return w.tp || w.pp || w.vpp ? formats::output_claim::by_options : formats::output_claim::none;
   }
   void check_output(const std::filesystem::path&, const formats::save_options& opt) const override {
     formats::detail::refuse_option(opt.max_shard_size.has_value(), "--max-shard-size", "a Megatron-LM checkpoint", "its files are one per rank");
@@ -24947,190 +30746,6 @@ class format final : public formats::Format {
 };
 
 }  // namespace statedict::inline v0::megatron
-// ---- statedict/formats/safetensors.hpp ----
-// statedict: safetensors files as a format plug-in: detection, description, and the writers (a
-// described checkpoint, or a list of tensors and byte ranges), all through the planner and the
-// streaming executor.
-// SPDX-License-Identifier: MIT
-//
-// The reader and the header layout are io/safetensors.hpp; this file writes. The output is
-// byte-identical to the reference writer's (`serialize_to_file`) for the same tensors and
-// metadata, appears atomically (temporary name, fsync, rename), and is streamed in bounded memory,
-// casting floating tensors on the fly when asked.
-
-#include <cstdint>
-#include <filesystem>
-#include <map>
-#include <memory>
-#include <optional>
-#include <span>
-#include <string>
-#include <string_view>
-#include <unordered_map>
-#include <unordered_set>
-#include <utility>
-#include <vector>
-
-#include <nlohmann/json.hpp>
-
-
-namespace statedict::inline v0 {
-
-namespace formats {
-
-/// Writes one .safetensors file. Tensors the skeleton ties (aliases, views) are stored once.
-inline void write_safetensors(const ShardedCheckpoint& ck, const std::filesystem::path& path, const save_options& opt = {}) {
-  (void)detail::write_safetensors_file(ck, detail::safetensors_metadata(ck, true), path, opt.exec, opt.plan);
-}
-
-}  // namespace formats
-
-// ---------------------------------------------------------------------------------------------
-// Writing tensors and byte ranges (no description needed)
-
-namespace safetensors {
-
-/// Writes a .safetensors file atomically (temporary name, fsync, rename), streaming every tensor
-/// from its view or byte source through the executor (casting on the fly when asked).
-inline write_result write(const std::filesystem::path& path, std::span<const Input> inputs, const write_options& opt = {}) {
-  detail::prepared p = detail::prepare(inputs, opt);
-  ShardedCheckpoint ck;
-  ck.format = "memory";
-  for (std::size_t k = 0; k < p.stored.size(); ++k) {
-    const Input& in = inputs[p.stored[k]];
-    TensorInfo& t = in.source ? add_stored(ck, in.name, in.dtype, in.shape, in.source, in.offset) : add_view(ck, in.name, in.view);
-    t.dtype = p.specs[k].dtype;  // the executor casts from the stored dtype
-  }
-  write_result r;
-  r.layout = formats::detail::write_safetensors_file(ck, p.metadata, path, opt.exec, plan_options{}, opt.lim);
-  r.specs = std::move(p.specs);
-  r.aliases = std::move(p.aliases);
-  r.metadata = std::move(p.metadata);
-  return r;
-}
-
-/// Inputs for every tensor of a ShardedCheckpoint whose elements lie in one contiguous,
-/// row-major chunk of one source (what every safetensors file and HF shard is). Throws
-/// errors::st_write_input for a tensor split over several chunks (formats::write_safetensors
-/// writes those).
-inline std::vector<Input> inputs_of(const ShardedCheckpoint& c) {
-  std::vector<Input> out;
-  out.reserve(c.tensors.size());
-  for (const TensorInfo& t : c.tensors) {
-    const bool whole = t.chunks.size() == 1 && t.chunks[0].at.strides.empty() && t.chunks[0].at.stored == t.dtype &&
-                       covers_whole(t.chunks[0].region, t.shape);
-    if (!whole)
-      throw_error(errors::st_write_input, detail::where_tensor(t.name), "is not one contiguous chunk of one source");
-    out.push_back(Input::from_source(t.name, t.dtype, t.shape, c.sources.at(t.chunks[0].at.source), t.chunks[0].at.byte_offset));
-  }
-  return out;
-}
-
-/// True when `state` is a plain dict {string name: tensor}, what a safetensors file holds without
-/// a skeleton.
-inline bool is_flat_tensor_dict(const Value& state) {
-  if (!state.is_dict()) return false;
-  for (const auto& [k, v] : state.as_dict())
-    if (!k.is_string() || !v.is_tensor()) return false;
-  return true;
-}
-
-/// Writes a whole state (model + optimizer + scalars + strings: any Value tree) into one file. A
-/// plain {name: tensor} dict becomes a plain file (entries that are the same view are written once
-/// and recorded as aliases); any other tree is flattened (core/flatten.hpp) and its skeleton stored
-/// under "statedict.skeleton", next to the user's metadata. `read_state` gives back an equal tree.
-inline write_result write_state(const std::filesystem::path& path, const Value& state, write_options opt = {}) {
-  std::vector<Input> in;
-  if (is_flat_tensor_dict(state)) {
-    in.reserve(state.as_dict().size());
-    for (const auto& [k, v] : state.as_dict()) in.push_back(Input::of(k.as_string(), v.as_tensor()));
-    return write(path, in, opt);
-  }
-  FlatStateDict flat = flatten(state);
-  in.reserve(flat.tensors.size());
-  for (const auto& [n, v] : flat.tensors) in.push_back(Input::of(n, v));
-  opt.skeleton = std::move(flat.skeleton).take_json();
-  opt.dedupe_views = false;  // ties are alias nodes of the skeleton already
-  return write(path, in, opt);
-}
-
-}  // namespace safetensors
-
-// ---------------------------------------------------------------------------------------------
-// The plug-in
-
-namespace safetensors {
-
-namespace detail {
-/// A safetensors file starts with a little-endian header length that fits the file, followed by
-/// a JSON object ('{', after optional spaces).
-inline bool looks_like_file(std::span<const std::byte> head, std::uint64_t size, std::string& found) {
-  if (size < 9 || head.size() < 9) {
-    found = "the file has " + std::to_string(size) + " bytes, fewer than a safetensors header needs";
-    return false;
-  }
-  std::uint64_t n = 0;
-  for (int i = 7; i >= 0; --i) n = (n << 8) | std::to_integer<std::uint64_t>(head[static_cast<std::size_t>(i)]);
-  if (n > size - 8) {
-    found = "the first 8 bytes (" + std::to_string(n) + " as a header length) exceed the file";
-    return false;
-  }
-  for (std::uint64_t i = 8; i < 8 + n && i < 8 + 64 && i < head.size(); ++i) {
-    const auto ch = std::to_integer<char>(head[static_cast<std::size_t>(i)]);
-    if (ch == ' ' || ch == '\t' || ch == '\n' || ch == '\r') continue;
-    if (ch == '{') return true;
-    break;
-  }
-  found = "no JSON object after the header length";
-  return false;
-}
-}  // namespace detail
-
-/// safetensors files: read zero-copy with the reference's validation, written byte-identical to
-/// the reference writer. `--to safetensors` with an output not named *.safetensors writes a
-/// Hugging Face directory (formats/hf.hpp).
-class format final : public formats::Format {
- public:
-  [[nodiscard]] std::string_view name() const noexcept override { return "safetensors"; }
-  [[nodiscard]] std::string_view title() const noexcept override { return "safetensors"; }
-
-  [[nodiscard]] formats::Detection detect(const formats::Input& in, const formats::open_options&) const override {
-    if (in.is_directory()) return formats::Detection::not_applicable();
-    std::string found;
-    if (detail::looks_like_file(in.head(), in.file()->size(), found))
-      return formats::Detection::match("safetensors: little-endian header length followed by a JSON object");
-    // Named like one, or a header length followed by a JSON object whatever the length says: a
-    // damaged safetensors file (truncated, or its length lies), which the reader explains.
-    const auto h = in.head();
-    if (formats::detail::ends_with(in.filename(), ".safetensors") || (h.size() >= 9 && std::to_integer<char>(h[8]) == '{'))
-      return formats::Detection::named_like(found);
-    return formats::Detection::miss(found);
-  }
-  [[nodiscard]] ShardedCheckpoint describe(const formats::Input& in, const formats::open_options& opt) const override {
-    return File::open(in.file(), opt.settings.get<open_options>().lim).describe();
-  }
-
-  [[nodiscard]] bool can_write() const noexcept override { return true; }
-  [[nodiscard]] formats::output_claim claims_output(const std::filesystem::path& out, const formats::save_options&) const override {
-    return formats::detail::has_extension(out, ".safetensors") ? formats::output_claim::by_name : formats::output_claim::none;
-  }
-  void check_output(const std::filesystem::path& out, const formats::save_options& opt) const override {
-    formats::detail::refuse_option(opt.world_size.has_value(), "--world-size", "safetensors", "it is for DCP output");
-    if (claims_output(out, opt) != formats::output_claim::by_name) return;  // a Hugging Face directory
-    formats::detail::refuse_option(opt.max_shard_size.has_value(), "--max-shard-size", "a single .safetensors file",
-                                   "it writes a directory of shards: name the output without .safetensors");
-    formats::detail::refuse_option(opt.part.has_value() || opt.index_only, "--part", "a single file",
-                                   "parts split outputs of several files (Hugging Face shards, DCP)");
-  }
-  std::vector<std::string> save(const ShardedCheckpoint& ck, const std::filesystem::path& out, const formats::save_options& opt) const override {
-    if (claims_output(out, opt) != formats::output_claim::by_name) return formats::write_hf(ck, out, opt);
-    formats::write_safetensors(ck, out, opt);
-    return {out.filename().string()};
-  }
-};
-
-}  // namespace safetensors
-}  // namespace statedict::inline v0
 // ---- statedict/formats/sharded_tensor.hpp ----
 // statedict: directories of ShardedTensor rank files (`rank<N>.pt`, OLMo's legacy sharded
 // checkpointer): detect and describe.
@@ -25742,8 +31357,10 @@ namespace formats {
 /// Writes a torch.save file that torch.load reads back as the checkpoint's tree (its skeleton;
 /// a flat dict when it has none). Storage CRCs are computed as the bytes are written.
 inline void write_torch(const ShardedCheckpoint& ck, const std::filesystem::path& path, const save_options& opt = {}) {
+  check_consistent(ck);
   torch::save_options so;
   so.archive_name = torch::archive_name_for(path.filename());
+  so.pickle.keep_classes = opt.keep_classes;  // every other object is pickled as its data
   torch::SavePlan sp = torch::plan_save(ck, so);
   const Destination dst = sp.destination(path.filename().string());
   torch::detail::write_planned(std::move(sp), ck, dst, path, opt.exec, opt.plan);
@@ -25768,7 +31385,7 @@ class format final : public formats::Format {
       case file_kind::legacy_tar: return formats::Detection::match("torch.save: legacy (pre-1.6) format");
       case file_kind::unknown: break;
     }
-    return formats::Detection::miss("neither a zip archive (PK\\x03\\x04) nor a pickle (\\x80\\x02)");
+    return formats::Detection::miss("neither a zip archive (PK\\x03\\x04) nor the legacy magic number pickled at protocol 0-5");
   }
   [[nodiscard]] ShardedCheckpoint describe(const formats::Input& in, const formats::open_options& opt) const override {
     load_options o = opt.settings.get<load_options>();
@@ -25808,7 +31425,10 @@ inline std::vector<std::shared_ptr<const Format>> builtin_formats() {
       std::make_shared<deepspeed::format>(),
       std::make_shared<fsdp::format>(),
       std::make_shared<sharded_tensor::format>(),
+      std::make_shared<colossalai::format>(),
+      std::make_shared<fairscale::format>(),
       std::make_shared<hf::format>(),
+      std::make_shared<olmo_safetensors::format>(),
       std::make_shared<safetensors::format>(),
       std::make_shared<torch::format>(),
   };
@@ -25826,7 +31446,7 @@ inline registry_state& registry_instance() {
 }  // namespace detail
 
 /// The registered formats, in detection order (a copy: safe while another thread adds one).
-inline std::vector<std::shared_ptr<const Format>> registered_formats() {
+STATEDICT_API std::vector<std::shared_ptr<const Format>> registered_formats() {
   auto& r = detail::registry_instance();
   std::lock_guard<std::mutex> lock(r.mutex);
   return r.formats;
@@ -25834,7 +31454,7 @@ inline std::vector<std::shared_ptr<const Format>> registered_formats() {
 
 /// Registers a format of the program's own. It is tried before the built-in ones (so it can claim
 /// inputs they would misread); a format with the same name replaces the registered one.
-inline void add_format(std::shared_ptr<const Format> f) {
+STATEDICT_API void add_format(std::shared_ptr<const Format> f) {
   auto& r = detail::registry_instance();
   std::lock_guard<std::mutex> lock(r.mutex);
   std::erase_if(r.formats, [&](const auto& g) { return g->name() == f->name(); });
@@ -25842,7 +31462,7 @@ inline void add_format(std::shared_ptr<const Format> f) {
 }
 
 /// The registered format named `name`; throws errors::no_such_format listing the names.
-inline std::shared_ptr<const Format> find_format(std::string_view name) {
+STATEDICT_API std::shared_ptr<const Format> find_format(std::string_view name) {
   const auto all = registered_formats();
   for (const auto& f : all)
     if (f->name() == name) return f;
@@ -25851,18 +31471,10 @@ inline std::shared_ptr<const Format> find_format(std::string_view name) {
   throw_error(errors::no_such_format, "format " + quote(name), "is not one of: " + names);
 }
 
-/// A checkpoint and how it was recognised.
-struct Opened {
-  ShardedCheckpoint checkpoint;
-  /// The detection rule that matched, in words.
-  std::string rule;
-  /// The format that read it.
-  std::shared_ptr<const Format> format;
-};
 
 /// Opens `path` (a file or a directory) as a ShardedCheckpoint, detecting its format from content
 /// (or reading it as `opt.format`), and applies `opt.dtype` to every floating tensor.
-inline Opened open(const std::filesystem::path& path, const open_options& opt = {}) {
+STATEDICT_API Opened open(const std::filesystem::path& path, const open_options& opt = {}) {
   std::error_code ec;
   const std::string where = quote(path.string());
   if (!std::filesystem::exists(path, ec)) throw_error(errors::no_such_path, where, "no such file or directory");
@@ -25893,14 +31505,14 @@ inline Opened open(const std::filesystem::path& path, const open_options& opt = 
     }
   }
   out.checkpoint = out.format->describe(in, opt);
-  if (opt.dtype && !out.format->applies_dtype()) cast(out.checkpoint, *opt.dtype);
+  if (opt.dtype && !out.format->applies_dtype()) cast(out.checkpoint, *opt.dtype, cast_options{opt.cast_integer_origin});
   return out;
 }
 
 /// The format an output at `out` is written in: `opt.format`, else the registered format that
 /// claims the path most strongly (its extension over its options; the first among equals); its
 /// options are checked (usage errors) before anything is read.
-inline std::shared_ptr<const Format> choose_output(const std::filesystem::path& out, const save_options& opt) {
+STATEDICT_API std::shared_ptr<const Format> choose_output(const std::filesystem::path& out, const save_options& opt) {
   std::shared_ptr<const Format> f;
   if (!opt.format.empty()) {
     f = find_format(opt.format);
@@ -25925,9 +31537,94 @@ inline std::shared_ptr<const Format> choose_output(const std::filesystem::path& 
   return f;
 }
 
-/// Writes `ck` at `out` in the chosen format (choose_output); returns the files written.
-inline std::vector<std::string> save(const ShardedCheckpoint& ck, const std::filesystem::path& out, const save_options& opt = {}) {
-  return choose_output(out, opt)->save(ck, out, opt);
+/// Writes `ck` at `out` in the chosen format (choose_output), its objects as data (objects_as_data,
+/// sparing opt.keep_classes); returns the files written.
+STATEDICT_API std::vector<std::string> save(const ShardedCheckpoint& ck, const std::filesystem::path& out, const save_options& opt = {}) {
+  const auto f = choose_output(out, opt);
+  if (!detail::holds_objects(ck.skeleton)) return f->save(ck, out, opt);
+  ShardedCheckpoint data = ck;
+  (void)objects_as_data(data, opt.keep_classes);
+  return f->save(data, out, opt);
 }
 
 }  // namespace statedict::inline v0::formats
+// ---- statedict/convert.hpp ----
+// statedict: the facade's conveniences: convert (open, transform, save in one call), load (any
+// checkpoint as a tree) and save (any tree as a checkpoint). api.hpp has the types.
+//
+//   statedict::convert_options o;
+//   o.input.dtype = statedict::dtype::BF16;                        // how IN is read
+//   o.transforms.push_back(statedict::renamed(statedict::formats::strip_prefix("module.")));
+//   o.output.max_shard_size = 5'000'000'000;                       // how OUT is written
+//   statedict::convert("ckpt/", "hf/", o);                         // a Hugging Face directory
+//
+// or step by step: statedict::open (formats/registry.hpp), the transforms of
+// formats/transform.hpp, statedict::save. Nothing is read but headers and metadata until save()
+// streams the bytes, in bounded memory, into files that appear atomically.
+// SPDX-License-Identifier: MIT
+
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+
+namespace statedict::inline v0 {
+
+/// Converts the checkpoint at `in` into `out`: open, transform, save. The output's format and
+/// options are checked before the input is read.
+STATEDICT_API conversion convert(const std::filesystem::path& in, const std::filesystem::path& out, const convert_options& opt = {}) {
+  const auto writer = formats::choose_output(out, opt.output);
+  formats::Opened opened = formats::open(in, opt.input);
+  ShardedCheckpoint ck = std::move(opened.checkpoint);
+  for (const transform_fn& t : opt.transforms) ck = t(ck);
+  conversion r;
+  r.input_format = std::string(opened.format->name());
+  r.rule = std::move(opened.rule);
+  r.output_format = std::string(writer->name());
+  r.tensors = ck.tensors.size();
+  for (const TensorInfo& t : ck.tensors) r.bytes += byte_size(t.shape, itemsize(t.dtype));
+  if (const auto parent = out.parent_path(); !parent.empty()) std::filesystem::create_directories(parent);
+  r.files = writer->save(ck, out, opt.output);
+  return r;
+}
+
+/// The checkpoint at `path` (any format) as its tree, as torch.load gives it: tensors held in one
+/// contiguous piece of a mapped file are views into the mapping (no copy); the others (sharded,
+/// strided, pread, cast) are read into tensors of their own.
+STATEDICT_API Value load(const std::filesystem::path& path, const formats::open_options& opt = {}) {
+  formats::Opened in = formats::open(path, opt);
+  const ShardedCheckpoint& ck = in.checkpoint;
+  NamedTensors named;
+  named.reserve(ck.tensors.size());
+  for (const TensorInfo& t : ck.tensors) {
+    const Chunk* c = t.chunks.size() == 1 ? &t.chunks[0] : nullptr;
+    const ByteSource* src = c && c->at.source < ck.sources.size() ? ck.sources[c->at.source].get() : nullptr;
+    if (c && src && src->data() && c->at.strides.empty() && c->at.stored == t.dtype && covers_whole(c->region, t.shape) &&
+        c->at.byte_offset <= src->size() && byte_size(t.shape, itemsize(t.dtype)) <= src->size() - c->at.byte_offset) {
+      named.emplace_back(t.name, TensorView::contiguous(t.dtype, t.shape, src->data() + c->at.byte_offset, src->owner()));
+      continue;
+    }
+    named.emplace_back(t.name, read_tensor(ck, t.name).view());  // the view keeps the tensor alive
+  }
+  return unflatten(named, ck.skeleton);
+}
+
+/// Writes any tree of tensors and values (a state dict, an optimizer state, ...) as a checkpoint
+/// at `out` in any format (save_options::format, or from the name): the tree is flattened and its
+/// tensors streamed from their memory.
+STATEDICT_API std::vector<std::string> save(const Value& tree, const std::filesystem::path& out, const formats::save_options& opt = {}) {
+  FlatStateDict flat = flatten(tree);
+  ShardedCheckpoint ck = describe_views(flat.tensors);
+  // A plain {name: tensor} dict of distinct tensors needs no skeleton (a flat safetensors file).
+  const bool plain = safetensors::is_flat_tensor_dict(tree) && tree.as_dict().size() == flat.tensors.size();
+  if (!plain) ck.skeleton = std::move(flat.skeleton);
+  return formats::save(ck, out, opt);
+}
+
+}  // namespace statedict::inline v0
+
+#endif

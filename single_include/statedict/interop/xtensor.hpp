@@ -11,6 +11,11 @@
 //   xt::xarray<double> y = ...;
 //   TensorView w = statedict::tensor_view_of(y);        // a view of y's elements (y must outlive w)
 //
+//   TensorView h = ...;                                  // BF16, F16 (or F8_E4M3, F8_E5M2)
+//   auto f = statedict::xt_as_float(h);                  // a lazy xtensor expression of float:
+//   float x = f(0, 1);                                   // each element converted when it is read
+//   xt::xarray<float> all = f;                           // or all of them, once
+//
 // xt_adapt checks the dtype against T, keeps the view's strides (in elements, as in xtensor; the
 // adaptor makes those of size-1 dimensions 0, which its broadcasting relies on), and refuses data
 // that is not aligned for T: xtensor would dereference a misaligned T*, which is undefined
@@ -31,6 +36,7 @@
 
 #include <xtensor/xadapt.hpp>
 #include <xtensor/xarray.hpp>
+#include <xtensor/xmath.hpp>
 #include <xtensor/xtensor.hpp>
 #include <xtensor/xutils.hpp>
 
@@ -149,6 +155,45 @@ auto xt_adapt(const TensorSpan& v) {
 template <element_type T, std::size_t N>
 auto xt_adapt(const Tensor& t) {
   return detail::xt_bridge::adapt_fixed<T, N>(t.span());
+}
+
+namespace detail::xt_bridge {
+/// The view's bytes as unsigned integers of the same width (bits, not values).
+template <class U>
+TensorView as_bits(const TensorView& v) {
+  return TensorView(dtype_of<U>, v.shape(), v.strides(), v.data(), v.owner());
+}
+}  // namespace detail::xt_bridge
+
+/// A lazy xtensor expression of float over a BF16, F16, F8_E4M3 or F8_E5M2 view (any strides): no
+/// copy, each element converted exactly (these formats are subsets of float) when it is read, as
+/// PyTorch's `.float()` does (for F32 views, use xt_adapt<float>). Throws
+/// type_error (105) for other dtypes, usage_error (106) for data misaligned for its width.
+inline auto xt_as_float(const TensorView& v) {
+  using detail::float_codec;
+  using detail::xt_bridge::as_bits;
+  switch (v.dtype()) {
+    case dtype::BF16:
+    case dtype::F16: {
+      const bool bf = v.dtype() == dtype::BF16;
+      return xt::make_lambda_xfunction(
+          [bf](std::uint16_t x) { return bf ? float_codec<dtype::BF16>::widen(x) : float_codec<dtype::F16>::widen(x); },
+          xt_adapt<std::uint16_t>(as_bits<std::uint16_t>(v)));
+    }
+    default: break;
+  }
+  throw_error(errors::dtype_mismatch, "xt_as_float: tensor is " + std::string(name(v.dtype())) + ", expected BF16 or F16");
+}
+
+/// xt_as_float for the 8-bit floats (F8_E4M3, F8_E5M2).
+inline auto xt_as_float8(const TensorView& v) {
+  using detail::float_codec;
+  if (v.dtype() != dtype::F8_E4M3 && v.dtype() != dtype::F8_E5M2)
+    throw_error(errors::dtype_mismatch, "xt_as_float8: tensor is " + std::string(name(v.dtype())) + ", expected F8_E4M3 or F8_E5M2");
+  const bool e4 = v.dtype() == dtype::F8_E4M3;
+  return xt::make_lambda_xfunction(
+      [e4](std::uint8_t x) { return e4 ? float_codec<dtype::F8_E4M3>::widen(x) : float_codec<dtype::F8_E5M2>::widen(x); },
+      xt_adapt<std::uint8_t>(detail::xt_bridge::as_bits<std::uint8_t>(v)));
 }
 
 /// A TensorView of the elements of an xtensor container, adaptor or strided view (anything with a
