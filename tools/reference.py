@@ -37,6 +37,7 @@ ENABLE_PREPROCESSING = YES
 MACRO_EXPANSION = YES
 EXPAND_ONLY_PREDEF = YES
 PREDEFINED = STATEDICT_API=inline
+INPUT_FILTER = "sed -e 's/::inline v0//'"
 JAVADOC_AUTOBRIEF = YES
 QUIET = YES
 WARNINGS = NO
@@ -61,7 +62,9 @@ def describe(m) -> str:
 
 
 def qualified(name: str) -> str:
-    """Doxygen names `namespace statedict::inline v0` v0: the user writes statedict::."""
+    """Doxygen 1.9 loses the inner namespace of `namespace statedict::inline v0::megatron`, and
+    names `namespace statedict::inline v0` v0; INPUT_FILTER drops `::inline v0` (the user writes
+    statedict:: either way) and this maps any v0 that is left."""
     return re.sub(r"^v0(::|$)", r"statedict\1", name or "")
 
 

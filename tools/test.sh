@@ -26,7 +26,7 @@ fuzz_seed=${STATEDICT_FUZZ_SEED:-1}
 jobs=${STATEDICT_JOBS:-$(nproc)}
 
 packages="cmake make g++ clang python3 nlohmann-json3-dev zlib1g-dev doctest-dev libxtensor-dev libboost1.81-dev \
-libbenchmark-dev python3-torch python3-numpy libfuzzer-14-dev libclang-rt-14-dev debootstrap"
+libbenchmark-dev python3-torch python3-numpy libfuzzer-14-dev libclang-rt-14-dev debootstrap doxygen"
 missing=""
 for p in $packages; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
@@ -64,10 +64,11 @@ run_suite() {  # name, build dir, optimization flags, cmake options...
 
 mkdir -p build
 if stage check; then
-  echo "== check: single header and error ids"
+  echo "== check: single header, error ids, documentation snippets and reference"
   python3 tools/amalgamate.py --check
   python3 tools/check_error_ids.py
   python3 tools/doc_includes.py --check
+  python3 tools/reference.py --check
 fi
 if stage gcc; then
   # Today's PyTorch (2.x with safetensors, transformers, huggingface_hub) from a Debian sid root,
