@@ -25,6 +25,14 @@ namespace fs = std::filesystem;
 
 namespace {
 
+/// torch::save with every object pickled as it is (as PyTorch would write these trees), not as
+/// the data statedict's outputs carry.
+void save_as_written(const fs::path& path, const Value& tree) {
+  torch::save_options so;
+  so.pickle.objects = pickle::write_options::objects_policy::as_written;
+  torch::save(path, tree, so);
+}
+
 int error_of(const std::function<void()>& f) {
   try {
     f();
@@ -164,7 +172,7 @@ struct synthetic {
         char dir[64];
         std::snprintf(dir, sizeof dir, pp > 1 ? "mp_rank_%02d_%03d" : "mp_rank_%02d", static_cast<int>(r), static_cast<int>(p));
         fs::create_directories(root / "iter_0000007" / dir);
-        torch::save(root / "iter_0000007" / dir / "model_optim_rng.pt", Value(std::move(top)));
+        save_as_written(root / "iter_0000007" / dir / "model_optim_rng.pt", Value(std::move(top)));
       }
     return root;
   }

@@ -250,12 +250,17 @@ struct facts {
 
 namespace po = statedict::detail::pyobj;
 
-/// Reads `args`: an argparse.Namespace (NEWOBJ + BUILD of its __dict__). `where` names the file.
+/// Reads `args`: an argparse.Namespace (NEWOBJ + BUILD of its __dict__), or the dict of its
+/// attributes (how a Namespace is written as data: formats/objects.hpp). `where` names the file.
 class args_reader {
  public:
   args_reader(const Value& args, std::string where) : where_(std::move(where)) {
+    if (args.is_dict()) {
+      attrs_ = args.as_dict();
+      return;
+    }
     if (!po::is_class(args, {"argparse.Namespace"}))
-      throw_error(errors::mg_bad_args, where_, "'args' is " + po::kind_of(args) + ", expected an argparse.Namespace");
+      throw_error(errors::mg_bad_args, where_, "'args' is " + po::kind_of(args) + ", expected an argparse.Namespace (or the dict of its attributes)");
     auto a = po::attributes(args.as_object());
     if (!a) throw_error(errors::mg_bad_args, where_, "'args' has no attribute dict (BUILD state)");
     attrs_ = std::move(*a);

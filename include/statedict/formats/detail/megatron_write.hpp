@@ -129,6 +129,14 @@ inline write_input prepare(const ShardedCheckpoint& ck, const write_options& o, 
 /// args with the new parallel sizes and vocabulary.
 inline Value new_args(const Value& args, std::uint64_t tp, std::uint64_t pp, std::optional<std::uint64_t> vpp, std::uint64_t vocab) {
   Value a = args;
+  if (a.is_dict()) {  // a Namespace written as data: Megatron's loader reads attributes (getattr)
+    Object ns;
+    ns.module = "argparse";
+    ns.name = "Namespace";
+    ns.how = object_build::newobj;
+    ns.state.push_back(std::move(a));
+    a = Value(std::move(ns));
+  }
   Object& o = a.as_object();
   if (o.state.size() != 1 || !o.state[0].is_dict()) throw_error(errors::mg_write_input, "args", "is not an argparse.Namespace with a plain attribute dict");
   Dict& d = o.state[0].as_dict();
@@ -287,6 +295,9 @@ inline std::vector<std::string> write(const ShardedCheckpoint& ck, const std::fi
       rp.tree = Value(std::move(top));
       torch::save_options so;
       so.archive_name = "model_optim_rng";
+      // Megatron's loader reads args by attribute (getattr), so it stays an argparse.Namespace:
+      // a class that runs no code of its own when unpickled.
+      so.pickle.keep_classes = {"argparse.Namespace"};
       rp.plan = torch::plan_save(rp.tree, so);
       plans.push_back(std::move(rp));
     }
