@@ -102,6 +102,11 @@ inline bool object_data(nlohmann::json& node, const std::vector<std::string>& ke
     if (!o.contains(part) || !o[part].is_array()) return false;
   const std::string q = module + "." + name;
   if (pickle::writable_as_itself(q, keep)) return false;
+  // Python's own values that the reader keeps as objects (ints beyond int64, sets, dicts with
+  // attributes): the pickle writer writes them as those values, never as a call of a class.
+  if (o["how"] == "reduce" && (q == "builtins.int" || q == "builtins.set" || q == "builtins.frozenset" || q == "builtins.dict" ||
+                               q == "collections.OrderedDict"))
+    return false;
   ObjectNote& note = notes[q];
   note.cls = q;
   if (o["how"] == "global") {
