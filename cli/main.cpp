@@ -475,6 +475,7 @@ int cmd_convert(const std::vector<std::string>& argv) {
     auto& m = w.settings.set<sd::megatron::write_options>();
     m.rules = megatron_rules(a);
     m.true_vocab_size = true_vocab_size(a);
+    w.keep_classes.emplace_back("argparse.Namespace");  // Megatron's loader reads args by attribute
   }
   if (auto l = a.value("--dcp-layout")) {
     if (format->name() != "dcp") a.fail(cli::errors::bad_value, "--dcp-layout applies to DCP output (--to dcp) only");
@@ -540,8 +541,12 @@ int cmd_verify(const std::vector<std::string>& argv) {
   vo.atol = num("--atol");
   vo.exec = exec_options_from(a);
   vo.exec.progress = {};
-  const auto A = open_input(a.positional()[0], a);
-  const auto B = open_input(a.positional()[1], a);
+  auto A = open_input(a.positional()[0], a);
+  auto B = open_input(a.positional()[1], a);
+  // Objects are compared as the data convert writes them as (an argparse.Namespace read from A
+  // equals the dict of its attributes in B, statedict's output).
+  (void)sd::formats::objects_as_data(A.checkpoint, {});
+  (void)sd::formats::objects_as_data(B.checkpoint, {});
   const sd::comparison r = sd::compare(sd::formats::expand_ties(A.checkpoint), sd::formats::expand_ties(B.checkpoint), vo);
   for (const auto& d : r.differences) std::cout << d << "\n";
   if (r.omitted) std::cout << "... and " << r.omitted << " more differences\n";
