@@ -10,6 +10,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -22,9 +23,8 @@ namespace {
 // Replaces the F32 tensor `name` of `flat` by one with `rows` rows: its rows first, then new rows
 // (zeros, or the mean of the old rows).
 void grow(sd::FlatStateDict& flat, const std::string& name, std::size_t rows, bool mean) {
-  for (auto& [n, view] : flat.tensors) {
-    if (n != name) continue;
-    const sd::Tensor old = sd::Tensor::copy_of(view, sd::dtype::F32);
+  if (const std::optional<sd::TensorView> view = flat.find(name)) {
+    const sd::Tensor old = sd::Tensor::copy_of(*view, sd::dtype::F32);
     const std::span<const float> src = old.values<float>();
     const std::size_t old_rows = static_cast<std::size_t>(old.shape()[0]), cols = src.size() / old_rows;
     sd::shape_t shape = old.shape();
@@ -37,7 +37,7 @@ void grow(sd::FlatStateDict& flat, const std::string& name, std::size_t rows, bo
       for (std::size_t r = 0; r < old_rows; ++r) sum += static_cast<double>(src[r * cols + c]);
       for (std::size_t r = old_rows; r < rows; ++r) dst[r * cols + c] = static_cast<float>(sum / static_cast<double>(old_rows));
     }
-    view = grown.view();  // the view keeps the new buffer alive
+    flat.replace(name, grown.view());  // the view keeps the new buffer alive; ties follow
     return;
   }
   throw std::runtime_error("no tensor named " + name);

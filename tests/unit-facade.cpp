@@ -23,6 +23,15 @@ fs::path tmp(const std::string& name) {
   return d / name;
 }
 
+int error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const error& e) {
+    return e.code().id;
+  }
+  return 0;
+}
+
 Tensor iota(std::initializer_list<dim_t> shape, float from = 0) {
   Tensor t(dtype::F32, shape_t(shape));
   for (float& v : t.values<float>()) v = from++;
@@ -108,6 +117,31 @@ TEST_CASE("FlatStateDict::find: by hash, through aliases and views; find_dotted 
   REQUIRE(find_dotted(tree, "cfg.x.y"));
   CHECK(*find_dotted(tree, "cfg.x.y") == Value(4));
   CHECK(find_dotted(tree, "cfg.x") == nullptr);
+}
+
+TEST_CASE("FlatStateDict::replace: a tensor of another shape; its aliases follow, views refuse") {
+  const Tensor base = iota({6});
+  Dict sd;
+  sd.set("emb", base.view());
+  sd.set("lm_head", base.view());
+  sd.set("step", 3);
+  FlatStateDict flat = flatten(Value(sd));
+  const Tensor grown = iota({8});
+  flat.replace("emb", grown.view());
+  CHECK(flat.find("lm_head")->shape() == shape_t{8});  // the alias sees the new tensor
+  const Value back = unflatten(flat);                    // the skeleton agrees with the tensor map
+  CHECK(back["emb"].as_tensor().shape() == shape_t{8});
+  CHECK(back["lm_head"].as_tensor().data() == grown.data());
+  CHECK(back["step"] == Value(3));
+  CHECK(error_of([&] { flat.replace("lm_head", grown.view()); }) == errors::flat_missing_tensor.id);  // a tie
+
+  Dict with_view;
+  with_view.set("w", base.view());
+  with_view.set("half", base.view().narrow(0, 3, 3));
+  FlatStateDict v = flatten(Value(with_view));
+  CHECK(error_of([&] { v.replace("w", grown.view()); }) == errors::flat_tensor_shape.id);
+  v.replace("w", iota({6}).view());  // same dtype and shape: allowed, the view reads the new one
+  CHECK(equal_bytes(*v.find("half"), iota({6}).view().narrow(0, 3, 3)));
 }
 
 TEST_CASE("accessors of a temporary Value return its parts, alive") {

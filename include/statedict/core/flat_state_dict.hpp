@@ -2,6 +2,7 @@
 // SPDX-License-Identifier: MIT
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -12,7 +13,10 @@
 #include <utility>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "config.hpp"
+#include "error.hpp"
 #include "hash_index.hpp"
 #include "skeleton.hpp"
 #include "tensor.hpp"
@@ -69,6 +73,44 @@ struct FlatStateDict {
   }
   /// Drops the index find() builds (after changing `tensors` or `skeleton` in place).
   void reset_index() const noexcept { delete cache_.exchange(nullptr); }
+
+  /// Puts `t` in place of the stored tensor `name`, of any dtype and shape (a grown embedding):
+  /// its skeleton node follows, and the names tied to it as aliases see the new tensor. Throws
+  /// errors::flat_missing_tensor when `name` is not a stored tensor of this dict (a tie: replace
+  /// its target), errors::flat_tensor_shape when a view_of node reads into it and the dtype or
+  /// shape changes (the view would read other elements).
+  void replace(std::string_view name, TensorView t) {
+    auto it = std::find_if(tensors.begin(), tensors.end(), [&](const auto& e) { return e.first == name; });
+    if (it == tensors.end())
+      throw_error(errors::flat_missing_tensor, "tensor " + quote(name), "is not a stored tensor of the flat dict (a tie is replaced through its target)");
+    const bool same = it->second.dtype() == t.dtype() && it->second.shape() == t.shape();
+    if (!skeleton.is_null() && !same) {
+      nlohmann::json& root = skeleton.mutable_json();
+      std::vector<nlohmann::json*> work{&root};
+      while (!work.empty()) {
+        nlohmann::json& n = *work.back();
+        work.pop_back();
+        if (n.is_array()) {
+          for (auto& c : n) work.push_back(&c);
+          continue;
+        }
+        if (!n.is_object()) continue;
+        if (const auto v = n.find("view_of"); v != n.end() && v->is_string() && *v == name)
+          throw_error(errors::flat_tensor_shape, "tensor " + quote(name),
+                      "has a view into it in the skeleton: its dtype and shape cannot change");
+        if (const auto tn = n.find("tensor"); tn != n.end() && tn->is_string() && *tn == name) {
+          n["dtype"] = std::string(statedict::name(t.dtype()));
+          nlohmann::json dims = nlohmann::json::array();
+          for (const auto d : t.shape()) dims.push_back(d);
+          n["shape"] = std::move(dims);
+          continue;
+        }
+        for (auto& c : n) work.push_back(&c);
+      }
+    }
+    it->second = std::move(t);
+    reset_index();
+  }
 
  private:
   struct lookup {
