@@ -42,10 +42,11 @@ TEST_CASE("examples/to_hf: DeepSpeed ZeRO-3 and a torch.save checkpoint to Huggi
   REQUIRE_MESSAGE(b.code == 0, b.describe());
   CHECK(b.out.find("tied to emb.weight") != std::string::npos);
   json rename = json::object();
-  for (const auto& [n, t] : load_json(fixture_root / "gen_torch_files" / "model_optim.manifest.json")["tensors"].items())
+  const json manifest = load_json(fixture_root / "gen_torch_files" / "model_optim.manifest.json");
+  for (const auto& [n, t] : manifest["tensors"].items())
     rename[n] = n.rfind("model.", 0) == 0 ? json(n.substr(6)) : json(nullptr);
   for (const char* v : {"epoch", "loss"}) rename[v] = nullptr;
-  for (const auto& [n, v] : load_json(fixture_root / "gen_torch_files" / "model_optim.manifest.json")["values"].items())
+  for (const auto& [n, v] : manifest["values"].items())
     if (n.rfind("model.", 0) != 0) rename[n] = nullptr;
   rename["model.head.weight"] = "lm_head.weight";
   jobs.push_back({{"kind", "cast"}, {"orig", model_optim.string()}, {"cast", (work / "hf-pt").string()}, {"dtype", "BF16"},

@@ -92,7 +92,8 @@ inline transform_case transform_for(const json& m, const std::set<std::string>& 
     c.rename[kv.key()] = renamed(kv.key());
     c.want["tensors"][renamed(kv.key())] = t;
   }
-  for (const auto& kv : m.value("values", json::object()).items()) {
+  const json values = m.value("values", json::object());  // a copy: items() of a temporary dangles
+  for (const auto& kv : values.items()) {
     c.rename[kv.key()] = renamed(kv.key());
     c.want["values"][renamed(kv.key())] = kv.value();
   }
@@ -122,7 +123,8 @@ inline convert_counts check_convert(const std::vector<std::string>& generators, 
       const bool torch_ok = torch113_loads(f.manifest);
       // Tensors the reader made floating from integers (DeepSpeed's buffers): --dtype leaves them.
       std::set<std::string> integer_origin;
-      for (const auto& [t, e] : inspect(f.path)["tensors"].items())
+      const json described = inspect(f.path);
+      for (const auto& [t, e] : described["tensors"].items())
         if (e.contains("converted_from") && !is_floating_name(e["converted_from"])) integer_origin.insert(t);
       bool st_ok = true;  // safetensors has no C128
       for (const auto& [t, e] : f.manifest["tensors"].items())
@@ -241,8 +243,8 @@ inline convert_counts check_convert(const std::vector<std::string>& generators, 
         compare_options o;
         o.hashes = false;
         for (const char* ext : {".pt", ".safetensors"}) {
-          const bool st = std::string(ext) == ".safetensors";
-          if (st && !st_ok) continue;
+          const bool to_st = std::string(ext) == ".safetensors";
+          if (to_st && !st_ok) continue;
           const fs::path out = dir / (std::string("transformed") + ext);
           std::vector<std::string> args = {out.string()};
           args.insert(args.end(), tc.args.begin(), tc.args.end());

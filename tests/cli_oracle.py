@@ -54,8 +54,11 @@ def manifest_of(job):
 
 
 def safetensors_leaves(path):
-    if os.path.isdir(path):  # a Hugging Face sharded directory: every shard its index names
-        with open(os.path.join(path, "model.safetensors.index.json")) as f:
+    if os.path.isdir(path):  # a Hugging Face directory: every shard its index names, or one file
+        index = os.path.join(path, "model.safetensors.index.json")
+        if not os.path.exists(index):
+            return safetensors_leaves(os.path.join(path, "model.safetensors"))
+        with open(index) as f:
             files = sorted(set(json.load(f)["weight_map"].values()))
         out = {}
         for name in files:

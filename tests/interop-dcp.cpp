@@ -184,6 +184,7 @@ TEST_CASE("dcp_w4 resharded by statedict loads in PyTorch 1.13's DCP reader at 2
     const fs::path out = fs::path(STATEDICT_TEST_TMP) / "interop-dcp" / ("w4_to_" + std::to_string(world));
     fs::create_directories(out.parent_path());
     dcp::write_options o;
+    o.classes = dcp::class_names::torch_1_13;  // checked by PyTorch 1.13's DCP reader
     o.world_size = world;
     o.exec.memory_budget = 1 << 20;
     dcp::write(src, out, o);
@@ -207,6 +208,7 @@ TEST_CASE("a corrupted item is caught by PyTorch's checker too (the oracle can f
   const fs::path out = fs::path(STATEDICT_TEST_TMP) / "interop-dcp" / "corrupt";
   const fs::path manifest = fixtures / "dcp_w3.manifest.json";
   dcp::write_options o;
+  o.classes = dcp::class_names::torch_1_13;  // checked by PyTorch 1.13's DCP reader
   o.world_size = 2;
   dcp::write(dcp::describe(fixtures / "dcp_w3"), out, o);
   // flip one byte inside model.embed.weight's first chunk data

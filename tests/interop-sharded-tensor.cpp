@@ -130,6 +130,7 @@ TEST_CASE("rank files converted to DCP for 2 ranks load in PyTorch 1.13's DCP re
   const fs::path out = fs::path(STATEDICT_TEST_TMP) / "interop-sharded-tensor" / "w3_to_dcp2";
   fs::create_directories(out.parent_path());
   dcp::write_options o;
+  o.classes = dcp::class_names::torch_1_13;  // checked by PyTorch 1.13's DCP reader
   o.world_size = 2;
   dcp::write(c, out, o);
   const std::string checker = std::string(STATEDICT_SOURCE_DIR) + "/tests/python/dcp_load_check.py";

@@ -612,7 +612,9 @@ TEST_CASE("deepspeed: detect from content") {
   CHECK(d.rule.find("0 *_model_states.pt") != std::string::npos);
   write(root / "global_step5" / "mp_rank_00_model_states.pt", std::string("PK\x03\x04", 4) + "rest");
   write(root / "global_step5" / "zero_pp_rank_1_mp_rank_00_optim_states.pt", std::string("PK\x03\x04", 4));
-  write(root / "global_step5" / "zero_pp_rank_0_mp_rank_00_optim_states.pt", std::string("\x80\x02\x8a\x0a", 4));
+  // A legacy file begins with torch's magic number pickled alone (PROTO 2, LONG1 of 10 bytes, STOP).
+  write(root / "global_step5" / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        std::string("\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19.", 15));
   d = ds::detect(root);
   REQUIRE(d.found);
   CHECK(d.tag == "global_step5");

@@ -237,7 +237,8 @@ TEST_CASE("olmo: pickled values must be 1-D U8 pickles of non-dicts, within the 
   o.limits.max_value_bytes = 4;
   const fs::path big = write("bigvalue.safetensors", {{key({"a"}, true), pickled(Value("a long string"))}});
   CHECK(id_of([&] { (void)olmo_safetensors::describe(big, o); }) == errors::olmo_limit.id);
-  // kept unknown classes are data (a numpy-like scalar), written back as they were
+  // unknown classes are read as data (a numpy-like scalar); written back as themselves only when
+  // the caller keeps their class, else as their data (no global of theirs in the output)
   const auto np = bytes_of({0x80, 0x04, 0x95, 0x20, 0, 0, 0, 0, 0, 0, 0, 0x8c, 0x05, 'n', 'u', 'm', 'p', 'y', 0x94, 0x8c, 0x05,
                             'f', 'l', 'o', 'a', 't', 0x94, 0x93, 0x94, 'G', 0x3f, 0xf8, 0, 0, 0, 0, 0, 0, 0x85, 0x94, 'R', 0x94, 0x2e});
   Tensor n(dtype::U8, shape_t{static_cast<dim_t>(np.size())});
@@ -250,11 +251,24 @@ TEST_CASE("olmo: pickled values must be 1-D U8 pickles of non-dicts, within the 
   const fs::path back = tmp("np-again.safetensors");
   formats::save_options so;
   so.format = "olmo";
+  so.keep_classes = {"numpy.float"};
   (void)formats::save(ck, back, so);
   const auto f = safetensors::File::open(back);
   REQUIRE(f.entries().size() == 1);
   const auto v = f.view(f.entries()[0]);
+  REQUIRE(v.nbytes() == np.size());
   CHECK(std::memcmp(v.data(), np.data(), np.size()) == 0);
+  const fs::path data = tmp("np-data.safetensors");
+  so.keep_classes.clear();
+  (void)formats::save(ck, data, so);
+  const auto g = safetensors::File::open(data);
+  REQUIRE(g.entries().size() == 1);
+  const auto w = g.view(g.entries()[0]);
+  const std::string_view text(reinterpret_cast<const char*>(w.data()), static_cast<std::size_t>(w.nbytes()));
+  CHECK(text.find("numpy") == std::string_view::npos);
+  const auto again = skeleton_values(formats::open(data).checkpoint.skeleton);
+  REQUIRE(again.size() == 1);
+  CHECK_FALSE(again[0].second.is_object());
 }
 
 TEST_CASE("olmo: the writer refuses what a mapped file cannot hold") {

@@ -24,6 +24,14 @@ namespace fs = std::filesystem;
 
 namespace {
 
+/// torch::save with every object pickled as it is (as PyTorch would write these trees), not as
+/// the data statedict's outputs carry.
+void save_as_written(const fs::path& path, const Value& tree) {
+  torch::save_options so;
+  so.pickle.objects = pickle::write_options::objects_policy::as_written;
+  torch::save(path, tree, so);
+}
+
 fs::path tmp_dir(const std::string& sub) {
   fs::path d = fs::path(STATEDICT_TEST_TMP) / "unit-sharded-tensor" / sub;
   fs::remove_all(d);
@@ -184,7 +192,7 @@ Value rank_tree(const Model& m, std::uint32_t world, std::uint32_t rank) {
 }
 
 void write_ranks(const fs::path& dir, std::uint32_t world, const std::function<Value(std::uint32_t)>& tree_of) {
-  for (std::uint32_t r = 0; r < world; ++r) torch::save(dir / ("rank" + std::to_string(r) + ".pt"), tree_of(r));
+  for (std::uint32_t r = 0; r < world; ++r) save_as_written(dir / ("rank" + std::to_string(r) + ".pt"), tree_of(r));
 }
 
 std::map<std::string, std::string> hashes(const ShardedCheckpoint& c) {
@@ -258,8 +266,8 @@ TEST_CASE("rank file errors: one id each") {
     const fs::path d = tmp_dir("none");
     CHECK(error_of([&] { (void)sharded_tensor::describe(d); }) == errors::st_no_rank_files.id);
     CHECK_FALSE(sharded_tensor::detect(d).found);
-    torch::save(d / "rank0.pt", rank_tree(m, 3, 0));
-    torch::save(d / "rank2.pt", rank_tree(m, 3, 2));
+    save_as_written(d / "rank0.pt", rank_tree(m, 3, 0));
+    save_as_written(d / "rank2.pt", rank_tree(m, 3, 2));
     CHECK(error_of([&] { (void)sharded_tensor::describe(d); }) == errors::st_bad_rank_set.id);
     sharded_tensor::options o;
     o.limits.max_ranks = 1;

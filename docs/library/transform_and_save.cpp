@@ -32,7 +32,10 @@ int main() {
   f::cast(ck, sd::dtype::BF16);
 
   // Hugging Face shards: model.safetensors.index.json and the shard files, written atomically.
-  const auto files = sd::save(ck, dir / "hf", {.format = "hf", .max_shard_size = 16});
+  sd::formats::save_options hf;
+  hf.format = "hf";
+  hf.max_shard_size = 16;  // bytes: a tiny model still makes several shards
+  const auto files = sd::save(ck, dir / "hf", hf);
   std::printf("%zu files:", files.size());
   for (const auto& file : files) std::printf(" %s", file.c_str());
   std::printf("\n");

@@ -7,7 +7,7 @@
 //   statedict::ShardedCheckpoint ck = statedict::formats::rename(in.checkpoint,
 //                                         statedict::formats::strip_prefix("module."));
 //   statedict::formats::cast(ck, statedict::dtype::BF16);
-//   statedict::save(ck, "hf/", {.max_shard_size = 5'000'000'000});  // streamed, atomic
+//   statedict::save(ck, "model.safetensors");                       // streamed, atomic
 //   statedict::Tensor w = statedict::read_tensor(ck, "lm_head.weight");
 //
 // Header-only (the default), this header gives the types; <statedict/statedict.hpp> defines

@@ -70,7 +70,10 @@ def surgery(orig_path, grown_path, rows):
 
 
 def typed_config(path):
-    d = torch.load(path, map_location="cpu", weights_only=True)
+    # torch 1.13's weights_only unpickler has no BINFLOAT (opcode 'G'), which its own torch.save
+    # writes for every float: there the file is read with the full unpickler (it has no objects).
+    weights_only = int(torch.__version__.split(".")[0]) >= 2
+    d = torch.load(path, map_location="cpu", weights_only=weights_only)
     want = {"model": "tiny", "layers": 2, "hidden": [16, 32],
             "optimizer": {"name": "adamw", "lr": 3e-4, "betas": (0.9, 0.95), "weight_decay": None}}
     problems = [f"{k}: {d.get(k)!r}, expected {v!r}" for k, v in want.items() if d.get(k) != v]

@@ -386,7 +386,7 @@ def check_t2(bin_, fixdir, work):
         if case.startswith("legacy_p"):
             rc, so, se = run([bin_, "inspect", "--json", "--hash", path])
             if not m.get("torch_load", {}).get("loads", True):
-                if rc != 2 or "statedict.format_error.512" not in se:
+                if rc != 2 or "statedict.format_error.513" not in se:
                     problems.append(f"{case}: torch cannot load it; statedict: exit {rc}: {se.strip()[:200]}")
                 continue
             problems += corpus_check.compare(m, json.loads(so), case) if rc == 0 else [f"{case}: inspect: exit {rc}: {se.strip()[:300]}"]

@@ -31,7 +31,7 @@ TEST_CASE("separate compilation: open, transform, save, read and compare through
 
   statedict::Opened back = statedict::open(dir / "out.safetensors");
   const statedict::Tensor w = statedict::read_tensor(back.checkpoint, "layer.weight", statedict::dtype::F32);
-  CHECK(w.shape() == statedict::Shape{2, 3});
+  CHECK(w.shape() == statedict::shape_t{2, 3});
   CHECK(w.values<float>()[5] == 5.0F);
   CHECK(statedict::compare(ck, back.checkpoint).equal());
 
@@ -39,9 +39,12 @@ TEST_CASE("separate compilation: open, transform, save, read and compare through
   opt.transforms.push_back([](const statedict::ShardedCheckpoint& c) {
     return statedict::formats::drop(c, [](std::string_view n) { return n.ends_with(".bias"); });
   });
+  opt.output.format = "hf";
   const statedict::conversion done = statedict::convert(pt, dir / "hf", opt);
   CHECK(done.input_format == "torch");
+  CHECK(done.output_format == "hf");
   CHECK(done.tensors == 1);
+  CHECK(statedict::open(dir / "hf").checkpoint.tensors.size() == 1);
 
   const statedict::Value tree = statedict::load(dir / "out.safetensors");
   const statedict::FlatStateDict flat = statedict::flatten(tree);
