@@ -98,7 +98,7 @@ UNITS = [
     ("statedict.hpp, header-only", "#include <statedict/statedict.hpp>\n"
      "int main(int, char** v) { return static_cast<int>(statedict::open(v[0]).checkpoint.tensors.size()); }\n", []),
     ("formats/safetensors.hpp, header-only", "#include <statedict/formats/safetensors.hpp>\n"
-     "int main(int, char** v) { return static_cast<int>(statedict::safetensors::File::open(v[0]).header().size()); }\n", []),
+     "int main(int, char** v) { return static_cast<int>(statedict::safetensors::File::open(v[0]).size()); }\n", []),
     ("io/torch_file.hpp, header-only", "#include <statedict/io/torch_file.hpp>\n"
      "int main(int, char** v) { return static_cast<int>(statedict::torch::load(v[0]).is_dict()); }\n", []),
 ]
