@@ -7,6 +7,8 @@
 // .to(torch.bfloat16)).
 #pragma once
 
+#include <regex>
+
 #include "cli_util.hpp"
 
 namespace cli_test {
@@ -61,22 +63,54 @@ inline std::string regex_quote(const std::string& name) {
 struct transform_case {
   std::vector<std::string> args;
   json rename = json::object();
+  json values = json::object();  ///< new name -> new value, for values the renaming changes (param names)
   json want;
 };
 
 inline transform_case transform_for(const json& m, const std::set<std::string>& integer_origin) {
   transform_case c;
   const std::string p = only_prefix(m) + ".";
-  auto renamed = [&](const std::string& n) { return "net." + (n.rfind(p, 0) == 0 && n.size() > p.size() ? n.substr(p.size()) : n); };
+  auto name_map = [&](const std::string& n) { return "net." + (n.rfind(p, 0) == 0 && n.size() > p.size() ? n.substr(p.size()) : n); };
+  // An optimizer state keyed by parameter names (OPT.param_groups.G.params.I are names) is
+  // re-keyed by the same renaming: OPT.state.<param>.<key> -> OPT.state.<new param>.<key>.
+  const json values = m.value("values", json::object());  // a copy: items() of a temporary dangles
+  std::vector<std::pair<std::string, std::string>> params;  // (OPT.state.<param>., new one)
+  static const std::regex group_param(R"((.*)\.param_groups\.\d+\.params\.\d+)");
+  for (const auto& kv : values.items()) {
+    std::smatch g;
+    if (kv.value().is_string() && std::regex_match(kv.key(), g, group_param)) {
+      const std::string param = kv.value().get<std::string>();
+      params.emplace_back(g[1].str() + ".state." + param + ".", name_map(g[1].str() + ".state." + name_map(param) + "."));
+      c.values[name_map(kv.key())] = name_map(param);
+    }
+  }
+  auto renamed = [&](const std::string& n) {
+    for (const auto& [from, to] : params)
+      if (n.rfind(from, 0) == 0) return to + n.substr(from.size());
+    return name_map(n);
+  };
   const json aliases = m.value("aliases", json::object());
   std::set<std::string> targets;
   for (const auto& kv : aliases.items()) targets.insert(kv.value().get<std::string>());
+  // The tensor dropped: the last stored one that nothing ties to and that no list or tuple holds
+  // below the prefix (a dropped element before a kept one becomes None: unit-transform checks that).
+  auto in_sequence = [&](const std::string& n) {
+    const std::string rest = n.rfind(p, 0) == 0 ? n.substr(p.size()) : n;
+    std::size_t start = 0;
+    while (start <= rest.size()) {
+      const std::size_t dot = std::min(rest.find('.', start), rest.size());
+      const std::string seg = rest.substr(start, dot - start);
+      if (!seg.empty() && std::all_of(seg.begin(), seg.end(), [](char ch) { return ch >= '0' && ch <= '9'; })) return true;
+      start = dot + 1;
+    }
+    return false;
+  };
   std::string dropped;
   std::size_t stored = 0;
   for (const auto& kv : m["tensors"].items())
     if (!aliases.contains(kv.key())) {
       ++stored;
-      if (!targets.count(kv.key())) dropped = kv.key();
+      if (!targets.count(kv.key()) && !in_sequence(kv.key())) dropped = kv.key();
     }
   if (stored < 2) dropped.clear();
   if (!dropped.empty()) c.args = {"--drop", regex_quote(dropped)};
@@ -92,10 +126,9 @@ inline transform_case transform_for(const json& m, const std::set<std::string>& 
     c.rename[kv.key()] = renamed(kv.key());
     c.want["tensors"][renamed(kv.key())] = t;
   }
-  const json values = m.value("values", json::object());  // a copy: items() of a temporary dangles
   for (const auto& kv : values.items()) {
     c.rename[kv.key()] = renamed(kv.key());
-    c.want["values"][renamed(kv.key())] = kv.value();
+    c.want["values"][renamed(kv.key())] = c.values.contains(renamed(kv.key())) ? c.values[renamed(kv.key())] : kv.value();
   }
   for (const auto& kv : aliases.items()) c.want["aliases"][renamed(kv.key())] = renamed(kv.value().get<std::string>());
   return c;
@@ -254,7 +287,8 @@ inline convert_counts check_convert(const std::vector<std::string>& generators, 
           ++n.transformed;
           if (torch_ok && fs::exists(pt))
             add_job({{"kind", "cast"}, {"orig", pt.string()}, {"cast", out.string()}, {"dtype", "BF16"}, {"rename", tc.rename},
-                     {"aliases", tc.want["aliases"]}, {"keep", integer_origin}},
+                     {"aliases", tc.want["aliases"]}, {"keep", integer_origin},
+                     {"renamed_values", tc.values}},
                     f.label() + " transformed" + ext);
         }
       }

@@ -83,6 +83,8 @@ def check_cast(job):
         to = rename.get(n, n)
         if to is not None:
             la[to] = x
+    # Values the renaming changes (an optimizer's parameter names in param_groups).
+    la.update(job.get("renamed_values", {}))
     problems = []
     if job["cast"].endswith(".safetensors") or os.path.isdir(job["cast"]):
         lb = safetensors_leaves(job["cast"])

@@ -176,6 +176,19 @@ TEST_CASE("filter and drop: a tie whose tensor is dropped becomes the tensor; vi
   CHECK(tr["m.head"].as_tensor().data() == tr["m.emb"].as_tensor().data());
 }
 
+TEST_CASE("drop: a list element before a kept one becomes None, so kept ones keep their index; trailing ones go") {
+  Dict sd;
+  Dict holder;
+  holder.set("x", iota({1}, 5).view());
+  sd.set("seq", Value::list({Value(iota({2}).view()), Value(std::move(holder)), Value(iota({3}, 10).view()), Value(iota({1}).view())}));
+  const ShardedCheckpoint ck = described(Value(sd), "seq");
+  const Value t = round_trip(formats::drop(ck, formats::regex_matches(R"(seq\.(0|1\.x|3))")), "seq-drop");
+  REQUIRE(t["seq"].as_list().size() == 3);
+  CHECK(t["seq"].as_list()[0].is_none());
+  CHECK(t["seq"].as_list()[1].is_none());  // the dict its only tensor left went
+  CHECK(equal_bytes(t["seq"].as_list()[2].as_tensor(), iota({3}, 10).view()));
+}
+
 TEST_CASE("split and concat are placements: parts read the same bytes, joined again they equal the tensor") {
   const Tensor qkv = iota({6, 4});
   Dict sd;

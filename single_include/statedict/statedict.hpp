@@ -22,7 +22,7 @@
 //   statedict::ShardedCheckpoint ck = statedict::formats::rename(in.checkpoint,
 //                                         statedict::formats::strip_prefix("module."));
 //   statedict::formats::cast(ck, statedict::dtype::BF16);
-//   statedict::save(ck, "hf/", {.max_shard_size = 5'000'000'000});  // streamed, atomic
+//   statedict::save(ck, "model.safetensors");                       // streamed, atomic
 //   statedict::Tensor w = statedict::read_tensor(ck, "lm_head.weight");
 //
 // Header-only (the default), this header gives the types; <statedict/statedict.hpp> defines
@@ -719,6 +719,7 @@ constexpr float f32_from_f8e8m0(std::uint8_t x) noexcept {
 // statedict: FlatStateDict, what flatten() returns: the tensors by name and the skeleton.
 // SPDX-License-Identifier: MIT
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -728,6 +729,8 @@ constexpr float f32_from_f8e8m0(std::uint8_t x) noexcept {
 #include <string_view>
 #include <utility>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 // ---- statedict/core/hash_index.hpp ----
 // statedict: an index that finds items kept in the caller's own vector, without copying keys.
@@ -3190,6 +3193,44 @@ struct FlatStateDict {
   }
   /// Drops the index find() builds (after changing `tensors` or `skeleton` in place).
   void reset_index() const noexcept { delete cache_.exchange(nullptr); }
+
+  /// Puts `t` in place of the stored tensor `name`, of any dtype and shape (a grown embedding):
+  /// its skeleton node follows, and the names tied to it as aliases see the new tensor. Throws
+  /// errors::flat_missing_tensor when `name` is not a stored tensor of this dict (a tie: replace
+  /// its target), errors::flat_tensor_shape when a view_of node reads into it and the dtype or
+  /// shape changes (the view would read other elements).
+  void replace(std::string_view name, TensorView t) {
+    auto it = std::find_if(tensors.begin(), tensors.end(), [&](const auto& e) { return e.first == name; });
+    if (it == tensors.end())
+      throw_error(errors::flat_missing_tensor, "tensor " + quote(name), "is not a stored tensor of the flat dict (a tie is replaced through its target)");
+    const bool same = it->second.dtype() == t.dtype() && it->second.shape() == t.shape();
+    if (!skeleton.is_null() && !same) {
+      nlohmann::json& root = skeleton.mutable_json();
+      std::vector<nlohmann::json*> work{&root};
+      while (!work.empty()) {
+        nlohmann::json& n = *work.back();
+        work.pop_back();
+        if (n.is_array()) {
+          for (auto& c : n) work.push_back(&c);
+          continue;
+        }
+        if (!n.is_object()) continue;
+        if (const auto v = n.find("view_of"); v != n.end() && v->is_string() && *v == name)
+          throw_error(errors::flat_tensor_shape, "tensor " + quote(name),
+                      "has a view into it in the skeleton: its dtype and shape cannot change");
+        if (const auto tn = n.find("tensor"); tn != n.end() && tn->is_string() && *tn == name) {
+          n["dtype"] = std::string(statedict::name(t.dtype()));
+          nlohmann::json dims = nlohmann::json::array();
+          for (const auto d : t.shape()) dims.push_back(d);
+          n["shape"] = std::move(dims);
+          continue;
+        }
+        for (auto& c : n) work.push_back(&c);
+      }
+    }
+    it->second = std::move(t);
+    reset_index();
+  }
 
  private:
   struct lookup {
@@ -19093,8 +19134,9 @@ STATEDICT_API comparison compare(const ShardedCheckpoint& A, const ShardedCheckp
 //                           name; optimizer states keyed by parameter names are re-keyed by f too.
 //                           Name functions: strip_prefix, add_prefix, rename_prefix, rename_map;
 //                           formats/transform_regex.hpp adds rename_regex.
-//   filter(ck, keep)        the leaves whose names `keep` accepts (drop: the others); select(ck,
-//                           prefixes) is the filter of `--only`
+//   filter(ck, keep)        the leaves whose names `keep` accepts (drop: the others; a dropped
+//                           list element before a kept one becomes None, so kept ones keep their
+//                           index); select(ck, prefixes) is the filter of `--only`
 //   cast(ck, dtype)         every floating tensor's dtype (cast_options: also integer-origin buffers)
 //   split(ck, name, ...)    a tensor cut along a dimension into named parts
 //   concat(ck, names, ...)  tensors joined along a dimension into one
@@ -27044,6 +27086,11 @@ inline bool object_data(nlohmann::json& node, const std::vector<std::string>& ke
     if (!o.contains(part) || !o[part].is_array()) return false;
   const std::string q = module + "." + name;
   if (pickle::writable_as_itself(q, keep)) return false;
+  // Python's own values that the reader keeps as objects (ints beyond int64, sets, dicts with
+  // attributes): the pickle writer writes them as those values, never as a call of a class.
+  if (o["how"] == "reduce" && (q == "builtins.int" || q == "builtins.set" || q == "builtins.frozenset" || q == "builtins.dict" ||
+                               q == "collections.OrderedDict"))
+    return false;
   ObjectNote& note = notes[q];
   note.cls = q;
   if (o["how"] == "global") {
@@ -28563,12 +28610,17 @@ struct facts {
 
 namespace po = statedict::detail::pyobj;
 
-/// Reads `args`: an argparse.Namespace (NEWOBJ + BUILD of its __dict__). `where` names the file.
+/// Reads `args`: an argparse.Namespace (NEWOBJ + BUILD of its __dict__), or the dict of its
+/// attributes (how a Namespace is written as data: formats/objects.hpp). `where` names the file.
 class args_reader {
  public:
   args_reader(const Value& args, std::string where) : where_(std::move(where)) {
+    if (args.is_dict()) {
+      attrs_ = args.as_dict();
+      return;
+    }
     if (!po::is_class(args, {"argparse.Namespace"}))
-      throw_error(errors::mg_bad_args, where_, "'args' is " + po::kind_of(args) + ", expected an argparse.Namespace");
+      throw_error(errors::mg_bad_args, where_, "'args' is " + po::kind_of(args) + ", expected an argparse.Namespace (or the dict of its attributes)");
     auto a = po::attributes(args.as_object());
     if (!a) throw_error(errors::mg_bad_args, where_, "'args' has no attribute dict (BUILD state)");
     attrs_ = std::move(*a);
@@ -30125,6 +30177,14 @@ inline write_input prepare(const ShardedCheckpoint& ck, const write_options& o, 
 /// args with the new parallel sizes and vocabulary.
 inline Value new_args(const Value& args, std::uint64_t tp, std::uint64_t pp, std::optional<std::uint64_t> vpp, std::uint64_t vocab) {
   Value a = args;
+  if (a.is_dict()) {  // a Namespace written as data: Megatron's loader reads attributes (getattr)
+    Object ns;
+    ns.module = "argparse";
+    ns.name = "Namespace";
+    ns.how = object_build::newobj;
+    ns.state.push_back(std::move(a));
+    a = Value(std::move(ns));
+  }
   Object& o = a.as_object();
   if (o.state.size() != 1 || !o.state[0].is_dict()) throw_error(errors::mg_write_input, "args", "is not an argparse.Namespace with a plain attribute dict");
   Dict& d = o.state[0].as_dict();
@@ -30283,6 +30343,9 @@ inline std::vector<std::string> write(const ShardedCheckpoint& ck, const std::fi
       rp.tree = Value(std::move(top));
       torch::save_options so;
       so.archive_name = "model_optim_rng";
+      // Megatron's loader reads args by attribute (getattr), so it stays an argparse.Namespace:
+      // a class that runs no code of its own when unpickled.
+      so.pickle.keep_classes = {"argparse.Namespace"};
       rp.plan = torch::plan_save(rp.tree, so);
       plans.push_back(std::move(rp));
     }

@@ -24,11 +24,15 @@ import torch  # noqa: E402
 
 import torch_check  # noqa: E402
 
+# torch 1.13's weights_only unpickler has no BINFLOAT (opcode 'G'), which pickle writes for every
+# float (torch.save too): there the files, which hold no objects, are read with the full unpickler.
+WEIGHTS_ONLY = int(torch.__version__.split(".")[0]) >= 2
+
 
 def surgery(orig_path, grown_path, rows):
     problems = []
     a = torch.load(orig_path, map_location="cpu")
-    b = torch.load(grown_path, map_location="cpu", weights_only=True)
+    b = torch.load(grown_path, map_location="cpu", weights_only=WEIGHTS_ONLY)
     emb_a, emb_b = a["model"]["emb.weight"], b["model"]["emb.weight"]
     old = emb_a.shape[0]
     if list(emb_b.shape) != [rows, emb_a.shape[1]]:
@@ -70,10 +74,7 @@ def surgery(orig_path, grown_path, rows):
 
 
 def typed_config(path):
-    # torch 1.13's weights_only unpickler has no BINFLOAT (opcode 'G'), which its own torch.save
-    # writes for every float: there the file is read with the full unpickler (it has no objects).
-    weights_only = int(torch.__version__.split(".")[0]) >= 2
-    d = torch.load(path, map_location="cpu", weights_only=weights_only)
+    d = torch.load(path, map_location="cpu", weights_only=WEIGHTS_ONLY)
     want = {"model": "tiny", "layers": 2, "hidden": [16, 32],
             "optimizer": {"name": "adamw", "lr": 3e-4, "betas": (0.9, 0.95), "weight_decay": None}}
     problems = [f"{k}: {d.get(k)!r}, expected {v!r}" for k, v in want.items() if d.get(k) != v]

@@ -6,8 +6,9 @@
 //                           name; optimizer states keyed by parameter names are re-keyed by f too.
 //                           Name functions: strip_prefix, add_prefix, rename_prefix, rename_map;
 //                           formats/transform_regex.hpp adds rename_regex.
-//   filter(ck, keep)        the leaves whose names `keep` accepts (drop: the others); select(ck,
-//                           prefixes) is the filter of `--only`
+//   filter(ck, keep)        the leaves whose names `keep` accepts (drop: the others; a dropped
+//                           list element before a kept one becomes None, so kept ones keep their
+//                           index); select(ck, prefixes) is the filter of `--only`
 //   cast(ck, dtype)         every floating tensor's dtype (cast_options: also integer-origin buffers)
 //   split(ck, name, ...)    a tensor cut along a dimension into named parts
 //   concat(ck, names, ...)  tensors joined along a dimension into one
