@@ -199,7 +199,9 @@ inline void apply_moves(Value& tree, std::vector<leaf_move>& moves) {
     for (std::size_t k = m.from.size() - 1; k > m.depth; --k) emptied.push_back(prefix(m.from, k));
   }
   // Attach: the arrivals of an entry take its place, before what is left of it.
-  for (auto& [path, t] : targets) {
+  for (auto& entry : targets) {
+    const auto& path = entry.first;  // not a structured binding: clang 14 lambdas cannot capture one
+    auto& t = entry.second;
     Value& node = *find_path(tree, path);
     Dict& d = node.as_dict();
     Dict rebuilt;
