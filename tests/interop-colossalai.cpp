@@ -266,7 +266,8 @@ TEST_CASE("colossalai interop: ColossalAI M=3 -> DCP 2 -> ColossalAI M=4 keeps e
     // every split is an even split on one dim, as ColossalAI's search_tp_partition_dim requires
     const json meta = cli_test::load_json(dst / "pytorch_model-meta-dist-00003.index.json");
     for (const auto& [n, item] : meta["metadata"].items()) {
-      CAPTURE(n);
+      const std::string param_name = n;  // CAPTURE is a lambda: clang 14 cannot capture a structured binding
+      CAPTURE(param_name);
       int split = 0;
       for (std::size_t d = 0; d < item["global_shape"].size(); ++d)
         if (item["lengths"][d] != item["global_shape"][d]) {
@@ -293,7 +294,8 @@ TEST_CASE("colossalai interop: ColossalAI to ColossalAI keeps the split dims; se
     const json a = cli_test::load_json(colo_dir / c / ("pytorch_model-meta-dist-0000" + std::to_string(r) + ".json"));
     const json b = cli_test::load_json(out / "same" / ("pytorch_model-meta-dist-0000" + std::to_string(r) + ".index.json"));
     for (const auto& [n, item] : a["metadata"].items()) {
-      CAPTURE(n);
+      const std::string param_name = n;  // CAPTURE is a lambda: clang 14 cannot capture a structured binding
+      CAPTURE(param_name);
       REQUIRE(b["metadata"].contains(n));
       CHECK(b["metadata"][n]["offsets"] == item["offsets"]);
       CHECK(b["metadata"][n]["lengths"] == item["lengths"]);

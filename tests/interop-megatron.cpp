@@ -178,7 +178,8 @@ TEST_CASE("megatron interop: the writer's checkpoints are what the reference sav
       {"gpt2_tp2_pp2_fp16_2306", {{1, 1, {}}, {2, 4, {}}}},
   };
   for (const auto& [name, steps] : plans) {
-    CAPTURE(name);
+    const std::string fixture_name = name;  // CAPTURE is a lambda: clang 14 cannot capture a structured binding
+    CAPTURE(fixture_name);
     const fs::path manifest = fixtures / (name + ".manifest.json");
     const json m = read_json(manifest);
     fs::path from = fixtures / name;

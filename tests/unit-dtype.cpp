@@ -209,7 +209,8 @@ TEST_CASE("fnuz and e8m0 conversions at their edges, as PyTorch 2.x") {
       {0.0F, 0x00}, {-1.0F, 0x7f}, {std::numeric_limits<float>::infinity(), 0xff}, {0x1p127F, 0xfe}, {0x1.8p127F, 0xff},
       {0x1p-127F, 0x00}, {0x1p-128F, 0x00}};
   for (const auto& [x, code] : e8m0) {
-    CAPTURE(x);
+    const float x_in = x;  // CAPTURE is a lambda: clang 14 cannot capture a structured binding
+    CAPTURE(x_in);
     CHECK(f8e8m0_from_f32(x) == code);
   }
   CHECK(bits(f32_from_f8e8m0(0)) == 0x00400000);

@@ -484,9 +484,10 @@ TEST_CASE("megatron: the writer's options and inputs") {
     std::map<std::string, std::string> ha, hb;
     for (auto& [n, h] : sha256_tensors(a)) ha.emplace(n, h);
     for (auto& [n, h] : sha256_tensors(b)) hb.emplace(n, h);
-    for (const auto& [n, h] : ha) {
+    for (const auto& kv : ha) {  // not a structured binding: CAPTURE is a lambda, clang 14 cannot capture one
+      const std::string& n = kv.first;
       CAPTURE(n);
-      CHECK(hb.at(n) == h);
+      CHECK(hb.at(n) == kv.second);
     }
   }
 }

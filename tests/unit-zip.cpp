@@ -725,7 +725,6 @@ TEST_CASE("torch: an archive whose records another zip tool deflated reads as th
     const auto h0 = sha256_tensors(torch::describe(path));
     CHECK(h == h0);
   }
-  zip::read_options tiny;
   torch::load_options lo;
   lo.limits.zip.max_inflated_bytes = 30;
   expect_error([&] { (void)torch::read(mem(deflated, "deflated.pt"), lo); }, errors::zip_inflate_limit);
