@@ -7001,7 +7001,9 @@ STATEDICT_API std::vector<std::string> save(const Value& tree, const std::filesy
 }  // namespace statedict::inline v0
 
 #ifdef STATEDICT_DECLARATIONS_ONLY
-// ---- statedict/detail/facade_names.hpp ----
+// ---- statedict/detail/facade_names.hpp (guarded: first included under #if) ----
+#ifndef STATEDICT_AMALGAMATED_STATEDICT_DETAIL_FACADE_NAMES_HPP
+#define STATEDICT_AMALGAMATED_STATEDICT_DETAIL_FACADE_NAMES_HPP
 // statedict: the facade's names in statedict:: (statedict::open, statedict::save, the transform
 // makers), once the functions are declared (api.hpp) or defined (convert.hpp).
 // SPDX-License-Identifier: MIT
@@ -7036,6 +7038,7 @@ inline transform_fn selected(std::vector<std::string> prefixes) {
 }
 
 }  // namespace statedict::inline v0
+#endif  // STATEDICT_AMALGAMATED_STATEDICT_DETAIL_FACADE_NAMES_HPP
 #endif
 
 #ifndef STATEDICT_DECLARATIONS_ONLY
@@ -31692,4 +31695,42 @@ STATEDICT_API std::vector<std::string> save(const Value& tree, const std::filesy
 
 }  // namespace statedict::inline v0
 
+// ---- statedict/detail/facade_names.hpp (guarded: first included under #if) ----
+#ifndef STATEDICT_AMALGAMATED_STATEDICT_DETAIL_FACADE_NAMES_HPP
+#define STATEDICT_AMALGAMATED_STATEDICT_DETAIL_FACADE_NAMES_HPP
+// statedict: the facade's names in statedict:: (statedict::open, statedict::save, the transform
+// makers), once the functions are declared (api.hpp) or defined (convert.hpp).
+// SPDX-License-Identifier: MIT
+
+#include <functional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+
+namespace statedict::inline v0 {
+
+// The facade's names in statedict:: (statedict::open, statedict::save, ...).
+using formats::open;
+using formats::open_options;
+using formats::Opened;
+using formats::save;
+using formats::save_options;
+
+/// The transform that renames by `f` (formats::rename).
+inline transform_fn renamed(formats::name_map f) {
+  return [f = std::move(f)](const ShardedCheckpoint& ck) { return formats::rename(ck, f); };
+}
+/// The transform that keeps the names `keep` accepts (formats::filter).
+inline transform_fn filtered(std::function<bool(std::string_view)> keep) {
+  return [keep = std::move(keep)](const ShardedCheckpoint& ck) { return formats::filter(ck, keep); };
+}
+/// The transform that keeps the dotted-name prefixes given (formats::select, `--only`).
+inline transform_fn selected(std::vector<std::string> prefixes) {
+  return [p = std::move(prefixes)](const ShardedCheckpoint& ck) { return formats::select(ck, p); };
+}
+
+}  // namespace statedict::inline v0
+#endif  // STATEDICT_AMALGAMATED_STATEDICT_DETAIL_FACADE_NAMES_HPP
 #endif
