@@ -241,8 +241,8 @@ inline convert_counts check_convert(const std::vector<std::string>& generators, 
         compare_options o;
         o.hashes = false;
         for (const char* ext : {".pt", ".safetensors"}) {
-          const bool st = std::string(ext) == ".safetensors";
-          if (st && !st_ok) continue;
+          const bool to_st = std::string(ext) == ".safetensors";
+          if (to_st && !st_ok) continue;
           const fs::path out = dir / (std::string("transformed") + ext);
           std::vector<std::string> args = {out.string()};
           args.insert(args.end(), tc.args.begin(), tc.args.end());
