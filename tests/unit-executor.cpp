@@ -212,6 +212,27 @@ TEST_CASE("default copy path: plain runs of mapped files are written from the ma
   }
 }
 
+TEST_CASE("FileSink starts writeback every write_behind bytes, and writes the same bytes") {
+  for (std::uint64_t pace : {std::uint64_t{0}, std::uint64_t{1} << 20}) {
+    CAPTURE(pace);
+    const fs::path d = scratch("write-behind");
+    OutputFile f = OutputFile::create(d / "out");
+    FileSink sink(f);
+    sink.write_behind(pace);
+    bytes chunk(std::size_t{256} << 10);
+    bytes want;
+    for (std::size_t i = 0; i < 16; ++i) {  // 4 MiB, back to front
+      std::fill(chunk.begin(), chunk.end(), static_cast<std::byte>(i));
+      sink.write((15 - i) * chunk.size(), chunk);
+    }
+    for (std::size_t i = 16; i-- > 0;) want.insert(want.end(), chunk.size(), static_cast<std::byte>(i));
+    sink.finish();
+    f.commit();
+    CHECK(sink.writebacks_started() == (pace ? 4U : 0U));
+    CHECK(read_file(d / "out") == want);
+  }
+}
+
 TEST_CASE("memory budget: the executor's buffers never exceed it") {
   const Model m = make_model(3);
   const auto src = m.checkpoint();
