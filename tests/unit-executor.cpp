@@ -170,6 +170,69 @@ TEST_CASE("zero-copy paths: copy_file_range and writes from the mapping") {
   for (const auto& n : c2.names) CHECK(read_file(existing("c2") / n) == read_file(existing("c2map") / n));
 }
 
+TEST_CASE("default copy path: plain runs of mapped files are written from the mapping, pread sources through the buffers") {
+  const Model m = make_model(5);
+  const fs::path d1 = scratch("path-one");
+  const Destination one = layout::single(m.tensors, "one");
+  (void)write_files(m.checkpoint(), one, d1, exec_options{});
+  std::vector<int> dims{0, 0, 0, 0, -1, -1};
+  const Destination c2 = layout::chunked(m.tensors, dims, 2);
+  // Mapped sources with the default options: every run of 64 KiB or more is one pwrite straight
+  // from the mapping (one copy instead of pread + pwrite), whatever the threads and the budget.
+  std::vector<bytes> reference;
+  for (unsigned threads : {1U, 2U, 3U})
+    for (std::uint64_t budget : {std::uint64_t{1} << 19, default_memory_budget}) {
+      CAPTURE(threads);
+      CAPTURE(budget);
+      exec_options opt;
+      opt.threads = threads;
+      opt.memory_budget = budget;
+      const fs::path out = scratch("path-map");
+      const exec_stats st = write_files(open_files(one, d1, read_mode::mmap), c2, out, opt);
+      CHECK(st.bytes_in_kernel == 0);
+      CHECK(st.bytes_from_mapping >= (std::uint64_t{1000} * 384 + std::uint64_t{384} * 700) * 4);  // embed, w1
+      std::vector<bytes> got;
+      for (const auto& n : c2.names) got.push_back(read_file(out / n));
+      if (reference.empty()) reference = got;
+      CHECK(got == reference);
+    }
+  // Sources read with pread (--io pread) and mapped sources with pread_files: through the buffers,
+  // the same bytes.
+  for (bool pread_files : {false, true}) {
+    exec_options opt;
+    opt.threads = 2;
+    opt.pread_files = pread_files;
+    const fs::path out = scratch("path-pread");
+    const exec_stats st = write_files(open_files(one, d1, pread_files ? read_mode::mmap : read_mode::pread), c2, out, opt);
+    CHECK(st.bytes_from_mapping == 0);
+    CHECK(st.bytes_in_kernel == 0);
+    std::vector<bytes> got;
+    for (const auto& n : c2.names) got.push_back(read_file(out / n));
+    CHECK(got == reference);
+  }
+}
+
+TEST_CASE("FileSink starts writeback every write_behind bytes, and writes the same bytes") {
+  for (std::uint64_t pace : {std::uint64_t{0}, std::uint64_t{1} << 20}) {
+    CAPTURE(pace);
+    const fs::path d = scratch("write-behind");
+    OutputFile f = OutputFile::create(d / "out");
+    FileSink sink(f);
+    sink.write_behind(pace);
+    bytes chunk(std::size_t{256} << 10);
+    bytes want;
+    for (std::size_t i = 0; i < 16; ++i) {  // 4 MiB, back to front
+      std::fill(chunk.begin(), chunk.end(), static_cast<std::byte>(i));
+      sink.write((15 - i) * chunk.size(), chunk);
+    }
+    for (std::size_t i = 16; i-- > 0;) want.insert(want.end(), chunk.size(), static_cast<std::byte>(i));
+    sink.finish();
+    f.commit();
+    CHECK(sink.writebacks_started() == (pace ? 4U : 0U));
+    CHECK(read_file(d / "out") == want);
+  }
+}
+
 TEST_CASE("memory budget: the executor's buffers never exceed it") {
   const Model m = make_model(3);
   const auto src = m.checkpoint();

@@ -5857,7 +5857,8 @@ struct exec_options {
   /// folios cost more than the copy it saves. `.pt` -> `.safetensors`, 3 GiB, 10,005 tensors,
   /// system-wide cycles including writeback: 9.0-11.3 G with it, 6.7-6.9 G with pread + pwrite in
   /// blocks, 6.3-6.8 G for `cp` + `sync` of the same bytes (perf: memcpy_orig, filemap_get_folios_tag,
-  /// folio start/end writeback, ext4_finish_bio).
+  /// folio start/end writeback, ext4_finish_bio). Measured again with 1-64 MiB per call against
+  /// the mapping path: no better in CPU time or wall time (docs/planner.md).
   bool copy_file_range = false;
   /// Smallest run handed to copy_file_range.
   std::uint64_t copy_file_range_min = std::uint64_t{1} << 20;
@@ -5866,11 +5867,14 @@ struct exec_options {
   /// Release the pages of mapped sources once an item has used them.
   bool release_source_pages = true;
   /// Read sources that have a file descriptor with pread, even when they are mapped, rather than
-  /// copying or writing from the mapping. Faulting a mapping in page by page inside pwrite cost more
-  /// than the extra copy (ZeRO-3 -> DCP, 3 GiB, 2 threads, warm cache: 1.3-2.3 s of system time and
-  /// 5-8 s wall from the mapping, 0.9-1.0 s and 3.7-3.9 s with pread; perf: copy_folio_from_iter_atomic,
-  /// fault_in_readable and page faults under the paravirtualized MMU of the benchmark machine).
-  bool pread_files = true;
+  /// writing from or casting out of the mapping (two copies of each byte instead of one). Off: a
+  /// pwrite straight from the mapping, after MADV_POPULATE_READ has mapped the run's pages in one
+  /// call, cost 0.8-0.9x the CPU time of pread + pwrite when the source is cached in large folios
+  /// (as a file read from disk is), the same when it is cached in 4 KiB folios (docs/planner.md
+  /// has the figures). Without the populate call, the pages faulted in one by one inside pwrite,
+  /// and that cost more than the copy it saved (ZeRO-3 -> DCP, 2 threads: 1.3-2.3 s of system time
+  /// from the mapping, 0.9-1.0 s with pread), which is why pread was the default before.
+  bool pread_files = false;
   /// Largest buffer per thread and direction. 1 MiB: a block read with pread is still in the
   /// core's cache when pwrite copies it out. Warm cache, 2 threads, whole command, medians of 6-8
   /// runs interleaved with `cp` + `sync` of the output bytes:
@@ -6019,7 +6023,9 @@ enum class read_mode : std::uint8_t {
 };
 
 /// Access pattern hints for a range of a mapped file.
-enum class access_hint : std::uint8_t { normal, sequential, random, willneed, dontneed };
+/// `populate` maps the range's pages in one call (MADV_POPULATE_READ, Linux 5.14; ignored before),
+/// reading them in if needed, so that later accesses take no page faults.
+enum class access_hint : std::uint8_t { normal, sequential, random, willneed, dontneed, populate };
 
 /// A regular file opened for reading.
 class InputFile final : public ByteSource {
@@ -6082,6 +6088,7 @@ class InputFile final : public ByteSource {
       case access_hint::random: advice = MADV_RANDOM; break;
       case access_hint::willneed: advice = MADV_WILLNEED; break;
       case access_hint::dontneed: advice = MADV_DONTNEED; break;
+      case access_hint::populate: advice = 22; break;  // MADV_POPULATE_READ, absent from older headers
     }
     (void)::madvise(static_cast<char*>(h_->map) + begin, static_cast<std::size_t>(end - begin), advice);
   }
@@ -9839,8 +9846,8 @@ class Checkpoint {
 // lets threads checksum the regions they write, in any order, and the zip writer combine them.
 //
 // Speed: on x86-64 CPUs with PCLMULQDQ (every x86-64 CPU since 2010) the bulk of the data is folded
-// 64 bytes at a time with carry-less multiplication (detected at run time); elsewhere a
-// slice-by-16 table loop is used. bench/bench-torch.cpp measures both.
+// 64 bytes at a time with carry-less multiplication (detected at run time), 256 bytes at a time on
+// CPUs with VPCLMULQDQ and AVX-512F; elsewhere a slice-by-16 table loop is used. bench/bench-torch.cpp measures both.
 
 #include <array>
 #include <cstddef>
@@ -9997,12 +10004,80 @@ inline bool have_clmul() noexcept {
   static const bool ok = __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1");
   return ok;
 }
+
+// The same folding four 512-bit registers at a time (256 bytes per step) with VPCLMULQDQ, on CPUs
+// that have it with AVX-512F. Each 128-bit lane folds like the registers above; at the end the
+// four registers fold into one (512 bits apart) and its four lanes into one 128-bit register (384,
+// 256, 128 bits apart), which the 128-bit code then continues. 3-4x the 128-bit speed: it is what
+// zip writers pay per output byte (`convert --to dcp` checksums every record).
+inline constexpr std::uint64_t k2048_lo = clmul_constant(2048 + 63);
+inline constexpr std::uint64_t k2048_hi = clmul_constant(2048 - 1);
+inline constexpr std::uint64_t k384_lo = clmul_constant(384 + 63);
+inline constexpr std::uint64_t k384_hi = clmul_constant(384 - 1);
+inline constexpr std::uint64_t k256_lo = clmul_constant(256 + 63);
+inline constexpr std::uint64_t k256_hi = clmul_constant(256 - 1);
+
+#define STATEDICT_CRC32_VCLMUL_TARGET __attribute__((target("pclmul,sse4.1,avx512f,vpclmulqdq")))
+
+STATEDICT_CRC32_VCLMUL_TARGET inline __m512i vclmul_fold(__m512i acc, __m512i k, __m512i next) noexcept {
+  const __m512i lo = _mm512_clmulepi64_epi128(acc, k, 0x00);
+  const __m512i hi = _mm512_clmulepi64_epi128(acc, k, 0x11);
+  return _mm512_ternarylogic_epi64(lo, hi, next, 0x96);  // lo ^ hi ^ next
+}
+
+/// Raw register update over n >= 256 bytes, like crc_update_clmul.
+STATEDICT_CRC32_VCLMUL_TARGET inline std::uint32_t crc_update_vclmul(std::uint32_t c, const unsigned char* p, std::size_t n,
+                                                                      std::size_t& done) noexcept {
+  const __m128i k1 = _mm_set_epi64x(static_cast<long long>(k128_hi), static_cast<long long>(k128_lo));
+  const __m128i k2 = _mm_set_epi64x(static_cast<long long>(k256_hi), static_cast<long long>(k256_lo));
+  const __m128i k3 = _mm_set_epi64x(static_cast<long long>(k384_hi), static_cast<long long>(k384_lo));
+  // (set, store and load rather than broadcast and extract: GCC 12's versions of those warn.)
+  const auto h4 = static_cast<long long>(k512_hi), l4 = static_cast<long long>(k512_lo);
+  const auto h16 = static_cast<long long>(k2048_hi), l16 = static_cast<long long>(k2048_lo);
+  const __m512i k4 = _mm512_set_epi64(h4, l4, h4, l4, h4, l4, h4, l4);
+  const __m512i k16 = _mm512_set_epi64(h16, l16, h16, l16, h16, l16, h16, l16);
+  __m512i a0 = _mm512_xor_si512(_mm512_loadu_si512(p), _mm512_set_epi64(0, 0, 0, 0, 0, 0, 0, static_cast<long long>(c)));
+  __m512i a1 = _mm512_loadu_si512(p + 64);
+  __m512i a2 = _mm512_loadu_si512(p + 128);
+  __m512i a3 = _mm512_loadu_si512(p + 192);
+  std::size_t i = 256;
+  for (; i + 256 <= n; i += 256) {
+    a0 = vclmul_fold(a0, k16, _mm512_loadu_si512(p + i));
+    a1 = vclmul_fold(a1, k16, _mm512_loadu_si512(p + i + 64));
+    a2 = vclmul_fold(a2, k16, _mm512_loadu_si512(p + i + 128));
+    a3 = vclmul_fold(a3, k16, _mm512_loadu_si512(p + i + 192));
+  }
+  __m512i a = vclmul_fold(a0, k4, a1);
+  a = vclmul_fold(a, k4, a2);
+  a = vclmul_fold(a, k4, a3);
+  alignas(64) __m128i lane[4];
+  _mm512_store_si512(lane, a);
+  __m128i r = _mm_xor_si128(clmul_fold(lane[0], k3), clmul_fold(lane[1], k2));
+  r = _mm_xor_si128(r, clmul_fold(lane[2], k1));
+  r = _mm_xor_si128(r, lane[3]);
+  for (; i + 16 <= n; i += 16) r = _mm_xor_si128(clmul_fold(r, k1), _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i)));
+  alignas(16) unsigned char buf[16];
+  _mm_store_si128(reinterpret_cast<__m128i*>(buf), r);
+  done = i;
+  return crc_update_table(0, buf, 16);
+}
+#undef STATEDICT_CRC32_VCLMUL_TARGET
+
+inline bool have_vclmul() noexcept {
+  static const bool ok = have_clmul() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("vpclmulqdq");
+  return ok;
+}
 #endif
 
 /// Raw register update, fastest available implementation.
 inline std::uint32_t crc_update(std::uint32_t c, const unsigned char* p, std::size_t n, bool allow_simd = true) noexcept {
 #ifdef STATEDICT_CRC32_CLMUL
-  if (allow_simd && n >= 256 && have_clmul()) {
+  if (allow_simd && n >= 1024 && have_vclmul()) {
+    std::size_t done = 0;
+    c = crc_update_vclmul(c, p, n, done);
+    p += done;
+    n -= done;
+  } else if (allow_simd && n >= 256 && have_clmul()) {
     std::size_t done = 0;
     c = crc_update_clmul(c, p, n, done);
     p += done;
@@ -17807,7 +17882,8 @@ inline ShardedCheckpoint describe_views(const NamedTensors& tensors) {
 // SPDX-License-Identifier: MIT
 //
 //   FileSink      an OutputFile (io/file.hpp), optionally at a base offset (after a header);
-//                 copy_file_range fast path; optional CRC-32 of byte regions (zip records),
+//                 copy_file_range fast path; writeback started every 64 MiB written (write_behind);
+//                 optional CRC-32 of byte regions (zip records),
 //                 computed from whatever order the pieces are written in (crc32_combine)
 //   MemorySink    a growable in-memory buffer (tests, small outputs)
 //   SpanSink      a caller's buffer of fixed size (exec/read.hpp)
@@ -17819,7 +17895,10 @@ inline ShardedCheckpoint describe_views(const NamedTensors& tensors) {
 // writes bytes. Bytes no write covers read as zero (a fresh file, a fresh buffer), and hashing
 // sinks count them as zeros too.
 
+#include <fcntl.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -17946,6 +18025,7 @@ class FileSink final : public Sink {
   void write(std::uint64_t offset, std::span<const std::byte> bytes) override {
     file_.pwrite(base_ + offset, bytes);
     if (crc_.active()) crc_.add(offset, bytes);
+    if (pace_) write_behind_step(bytes.size());
   }
   void reserve(std::uint64_t size) override { size_ = size; }
   /// Extends the file to base + size when the writes stopped short of it (trailing padding). Done
@@ -17960,6 +18040,15 @@ class FileSink final : public Sink {
   [[nodiscard]] std::uint64_t fd_offset() const noexcept override { return base_; }
   [[nodiscard]] bool needs_bytes() const noexcept override { return crc_.active(); }
 
+  /// Starts writeback of the file's dirty pages (sync_file_range, SYNC_FILE_RANGE_WRITE: it does
+  /// not wait for it) each time another `bytes` have been written through this sink, so that the
+  /// disk writes while the copy goes on and the commit's fsync finds little left; 0: never.
+  /// 64 MiB by default (docs/planner.md: the whole command's wall time against writing everything
+  /// first and fsyncing it at the end).
+  void write_behind(std::uint64_t bytes) noexcept { pace_ = bytes; }
+  /// How many times write_behind started writeback.
+  [[nodiscard]] std::uint64_t writebacks_started() const noexcept { return kicks_.load(); }
+
   /// Computes the CRC-32 of each region (offsets relative to this sink, non-overlapping), e.g. the
   /// data of each zip record. Call before execute; read crc32(i) after it (regions sorted by start).
   void track_crc32(std::vector<FlatRange> regions) { crc_.set(std::move(regions)); }
@@ -17967,11 +18056,21 @@ class FileSink final : public Sink {
   [[nodiscard]] const std::vector<FlatRange>& crc_regions() const noexcept { return crc_.regions(); }
 
  private:
+  void write_behind_step(std::uint64_t n) noexcept {
+    const std::uint64_t w = written_.fetch_add(n) + n;
+    std::uint64_t k = kicked_.load();
+    if (w - k < pace_ || !kicked_.compare_exchange_strong(k, w)) return;  // another thread kicks
+    (void)::sync_file_range(file_.fd(), 0, 0, SYNC_FILE_RANGE_WRITE);     // a hint: errors surface at fsync
+    kicks_.fetch_add(1);
+  }
+
   OutputFile& file_;
   std::uint64_t base_;
   std::uint64_t size_ = 0;
   std::string name_;
   detail::crc_regions crc_;
+  std::uint64_t pace_ = std::uint64_t{64} << 20;
+  std::atomic<std::uint64_t> written_{0}, kicked_{0}, kicks_{0};
 };
 
 namespace detail {
@@ -18095,22 +18194,23 @@ class Sha256Sink final : public Sink {
 // Memory: every buffer the executor allocates is counted (exec_stats::buffer_bytes) and the total
 // stays within exec_options::memory_budget whatever the plan: per thread one read buffer and one
 // write buffer of `block` bytes plus two 64 KiB conversion buffers, with
-// block = (budget / threads - 128 KiB) / 2, at most 1 MiB. Sources with a file descriptor are
-// read with pread; mapped sources without one (pread_files off) are read in place and the pages an
-// item has consumed are released (MADV_DONTNEED), so file-backed memory does not accumulate either.
+// block = (budget / threads - 128 KiB) / 2, at most 1 MiB. Mapped sources are read in place and
+// the pages an item has consumed are released (MADV_DONTNEED), so file-backed memory does not
+// accumulate either; sources without a mapping (`--io pread`) are read with pread.
 //
 // Copy paths for runs that need no conversion, in the order they are tried:
 //   * copy_file_range between the source file and the destination file (when asked for:
 //     exec_options::copy_file_range; runs >= 1 MiB, plain files, sinks that need not see the
 //     bytes); the kernel copies page cache to page cache;
-//   * runs of a source that has a file descriptor are read with pread into the write buffer
-//     (exec_options::pread_files), gathered with the runs before them when contiguous, and
-//     written in blocks;
-//   * one positioned write straight from the source mapping (runs >= 64 KiB) for sources without
-//     a descriptor, or with pread_files off;
+//   * one positioned write straight from the source mapping (runs >= 64 KiB), after one
+//     MADV_POPULATE_READ has mapped the run's pages: each byte is copied once, by the kernel, from
+//     the source's page cache into the destination's, and the write takes no page faults;
+//   * runs of a source without a mapping (or with exec_options::pread_files) are read with pread
+//     into the write buffer, gathered with the runs before them when contiguous, and written in
+//     blocks (two copies, as `cp` makes);
 //   * small runs are gathered into the write buffer and written together when contiguous.
-// Conversions read with pread (or from the mapping) and cast into the write buffer with
-// core/cast.hpp's exact rounding.
+// Conversions read from the mapping (or pread into the read buffer) and cast into the write buffer
+// with core/cast.hpp's exact rounding. docs/planner.md has what each path cost.
 //
 // Threads take work items (at most one block of bytes each, or a batch of small operations of one
 // destination) in plan order, so each source is read front to back, except that a thread skips
@@ -18295,6 +18395,16 @@ inline void release_pages(const ByteSource& s, std::uint64_t offset, std::uint64
   }
 }
 
+/// Maps the pages of [offset, offset + length) of a mapped file source in one call, so that the
+/// copy out of the mapping (a pwrite from it, or a cast) takes no page faults.
+inline void populate_pages(const ByteSource& s, std::uint64_t offset, std::uint64_t length) {
+  if (const auto* f = dynamic_cast<const InputFile*>(&s)) {
+    f->advise(offset, length, access_hint::populate);
+  } else if (const auto* sl = dynamic_cast<const SliceSource*>(&s)) {
+    populate_pages(*sl->base(), sl->offset() + offset, length);
+  }
+}
+
 inline void advise_sequential(const ByteSource& s) {
   if (const auto* f = dynamic_cast<const InputFile*>(&s)) f->advise(0, f->size(), access_hint::sequential);
 }
@@ -18414,7 +18524,11 @@ class exec_worker {
   }
 
   void run(const CopyOp& o, const ByteSource& src, Sink& dst, std::uint64_t so, std::uint64_t doff, std::uint64_t n) {
-    if (mapping(src)) touch(o.src, so, n * itemsize(o.src_dtype));
+    if (mapping(src)) {
+      const std::uint64_t bytes = n * itemsize(o.src_dtype);
+      touch(o.src, so, bytes);
+      if (bytes >= s_.opt.direct_write_min) populate_pages(src, so, bytes);
+    }
     if (o.plain())
       plain(src, dst, so, doff, n * itemsize(o.src_dtype));
     else

@@ -5,22 +5,23 @@
 // Memory: every buffer the executor allocates is counted (exec_stats::buffer_bytes) and the total
 // stays within exec_options::memory_budget whatever the plan: per thread one read buffer and one
 // write buffer of `block` bytes plus two 64 KiB conversion buffers, with
-// block = (budget / threads - 128 KiB) / 2, at most 1 MiB. Sources with a file descriptor are
-// read with pread; mapped sources without one (pread_files off) are read in place and the pages an
-// item has consumed are released (MADV_DONTNEED), so file-backed memory does not accumulate either.
+// block = (budget / threads - 128 KiB) / 2, at most 1 MiB. Mapped sources are read in place and
+// the pages an item has consumed are released (MADV_DONTNEED), so file-backed memory does not
+// accumulate either; sources without a mapping (`--io pread`) are read with pread.
 //
 // Copy paths for runs that need no conversion, in the order they are tried:
 //   * copy_file_range between the source file and the destination file (when asked for:
 //     exec_options::copy_file_range; runs >= 1 MiB, plain files, sinks that need not see the
 //     bytes); the kernel copies page cache to page cache;
-//   * runs of a source that has a file descriptor are read with pread into the write buffer
-//     (exec_options::pread_files), gathered with the runs before them when contiguous, and
-//     written in blocks;
-//   * one positioned write straight from the source mapping (runs >= 64 KiB) for sources without
-//     a descriptor, or with pread_files off;
+//   * one positioned write straight from the source mapping (runs >= 64 KiB), after one
+//     MADV_POPULATE_READ has mapped the run's pages: each byte is copied once, by the kernel, from
+//     the source's page cache into the destination's, and the write takes no page faults;
+//   * runs of a source without a mapping (or with exec_options::pread_files) are read with pread
+//     into the write buffer, gathered with the runs before them when contiguous, and written in
+//     blocks (two copies, as `cp` makes);
 //   * small runs are gathered into the write buffer and written together when contiguous.
-// Conversions read with pread (or from the mapping) and cast into the write buffer with
-// core/cast.hpp's exact rounding.
+// Conversions read from the mapping (or pread into the read buffer) and cast into the write buffer
+// with core/cast.hpp's exact rounding. docs/planner.md has what each path cost.
 //
 // Threads take work items (at most one block of bytes each, or a batch of small operations of one
 // destination) in plan order, so each source is read front to back, except that a thread skips
@@ -213,6 +214,16 @@ inline void release_pages(const ByteSource& s, std::uint64_t offset, std::uint64
   }
 }
 
+/// Maps the pages of [offset, offset + length) of a mapped file source in one call, so that the
+/// copy out of the mapping (a pwrite from it, or a cast) takes no page faults.
+inline void populate_pages(const ByteSource& s, std::uint64_t offset, std::uint64_t length) {
+  if (const auto* f = dynamic_cast<const InputFile*>(&s)) {
+    f->advise(offset, length, access_hint::populate);
+  } else if (const auto* sl = dynamic_cast<const SliceSource*>(&s)) {
+    populate_pages(*sl->base(), sl->offset() + offset, length);
+  }
+}
+
 inline void advise_sequential(const ByteSource& s) {
   if (const auto* f = dynamic_cast<const InputFile*>(&s)) f->advise(0, f->size(), access_hint::sequential);
 }
@@ -332,7 +343,11 @@ class exec_worker {
   }
 
   void run(const CopyOp& o, const ByteSource& src, Sink& dst, std::uint64_t so, std::uint64_t doff, std::uint64_t n) {
-    if (mapping(src)) touch(o.src, so, n * itemsize(o.src_dtype));
+    if (mapping(src)) {
+      const std::uint64_t bytes = n * itemsize(o.src_dtype);
+      touch(o.src, so, bytes);
+      if (bytes >= s_.opt.direct_write_min) populate_pages(src, so, bytes);
+    }
     if (o.plain())
       plain(src, dst, so, doff, n * itemsize(o.src_dtype));
     else

@@ -30,7 +30,8 @@ struct exec_options {
   /// folios cost more than the copy it saves. `.pt` -> `.safetensors`, 3 GiB, 10,005 tensors,
   /// system-wide cycles including writeback: 9.0-11.3 G with it, 6.7-6.9 G with pread + pwrite in
   /// blocks, 6.3-6.8 G for `cp` + `sync` of the same bytes (perf: memcpy_orig, filemap_get_folios_tag,
-  /// folio start/end writeback, ext4_finish_bio).
+  /// folio start/end writeback, ext4_finish_bio). Measured again with 1-64 MiB per call against
+  /// the mapping path: no better in CPU time or wall time (docs/planner.md).
   bool copy_file_range = false;
   /// Smallest run handed to copy_file_range.
   std::uint64_t copy_file_range_min = std::uint64_t{1} << 20;
@@ -39,11 +40,14 @@ struct exec_options {
   /// Release the pages of mapped sources once an item has used them.
   bool release_source_pages = true;
   /// Read sources that have a file descriptor with pread, even when they are mapped, rather than
-  /// copying or writing from the mapping. Faulting a mapping in page by page inside pwrite cost more
-  /// than the extra copy (ZeRO-3 -> DCP, 3 GiB, 2 threads, warm cache: 1.3-2.3 s of system time and
-  /// 5-8 s wall from the mapping, 0.9-1.0 s and 3.7-3.9 s with pread; perf: copy_folio_from_iter_atomic,
-  /// fault_in_readable and page faults under the paravirtualized MMU of the benchmark machine).
-  bool pread_files = true;
+  /// writing from or casting out of the mapping (two copies of each byte instead of one). Off: a
+  /// pwrite straight from the mapping, after MADV_POPULATE_READ has mapped the run's pages in one
+  /// call, cost 0.8-0.9x the CPU time of pread + pwrite when the source is cached in large folios
+  /// (as a file read from disk is), the same when it is cached in 4 KiB folios (docs/planner.md
+  /// has the figures). Without the populate call, the pages faulted in one by one inside pwrite,
+  /// and that cost more than the copy it saved (ZeRO-3 -> DCP, 2 threads: 1.3-2.3 s of system time
+  /// from the mapping, 0.9-1.0 s with pread), which is why pread was the default before.
+  bool pread_files = false;
   /// Largest buffer per thread and direction. 1 MiB: a block read with pread is still in the
   /// core's cache when pwrite copies it out. Warm cache, 2 threads, whole command, medians of 6-8
   /// runs interleaved with `cp` + `sync` of the output bytes:
