@@ -6,8 +6,8 @@
 
 statedict.hpp (everything that needs only the standard library and nlohmann/json) becomes one file:
 every relative `#include "..."` is inlined once, in include order, and `#pragma once` lines of
-inlined files are dropped. The bridge headers (reflect.hpp, interop/*.hpp), which need Boost or
-xtensor, become single files of their own that include the amalgamated statedict.hpp instead of
+inlined files are dropped. The bridge headers (reflect.hpp, interop/xtensor.hpp and
+formats/transform_regex.hpp), which need Boost, xtensor or <regex>, become single files of their own that include the amalgamated statedict.hpp instead of
 the core headers it already contains.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 SRC = ROOT / "include" / "statedict"
 DST = ROOT / "single_include" / "statedict"
 MAIN = "statedict.hpp"
-BRIDGES = ["reflect.hpp", "interop/xtensor.hpp"]
+BRIDGES = ["reflect.hpp", "interop/xtensor.hpp", "formats/transform_regex.hpp"]
 
 INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 PRAGMA_ONCE_RE = re.compile(r"^\s*#\s*pragma\s+once\s*$")

@@ -95,11 +95,12 @@ fi
 if stage asan; then
   # Sanitized builds abort on the first report; detect_leaks catches leaks too.
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
-    CXX=clang++ run_suite "clang + ASan/UBSan" build/asan "-O1 -gline-tables-only" -DSTATEDICT_SANITIZE=ON
+    CXX=clang++ run_suite "clang + ASan/UBSan" build/asan "-O1 -gline-tables-only" -DSTATEDICT_SANITIZE=ON \
+    -DSTATEDICT_TEST_CONSUMERS=OFF
 fi
 if stage single; then
   CXX=g++ run_suite "single header, Release" build/single "-O2 -DNDEBUG" -DSTATEDICT_TEST_SINGLE_HEADER=ON -DSTATEDICT_BUILD_EXAMPLES=OFF \
-    -DSTATEDICT_BUILD_CLI=OFF
+    -DSTATEDICT_BUILD_CLI=OFF -DSTATEDICT_TEST_CONSUMERS=OFF
 fi
 if stage fuzz && [ -f tests/fuzz/CMakeLists.txt ]; then
   echo "== fuzz: build (clang, libFuzzer, ASan + UBSan)"
