@@ -1,5 +1,6 @@
 """The library's cases: B8 (lazy random access) and B9 (compile time). See bench/README.md."""
 import os
+import re
 import resource
 import statistics
 import subprocess
@@ -49,8 +50,13 @@ def b8(ctx, runner):
     root, ref = ctx.zero(ctx.args.zero_gib)
     dcp = _dcp_of(ctx, root)
     # The tensor: the one nearest 64 MiB; checked once against the reference before timing.
-    probe = subprocess.run([binary, root, "--sha256"], capture_output=True, text=True, check=True).stdout.split()
-    name, nbytes, sha = probe[0], int(probe[3]), probe[-1]
+    # "NAME DTYPE [d0, d1] BYTES bytes; open ... ; sha256 HEX" (the shape has spaces in it)
+    out_probe = subprocess.run([binary, root, "--sha256"], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"(\d+) bytes;", out_probe)
+    if m is None:
+        raise RuntimeError(f"bench-read printed {out_probe!r}")
+    probe = out_probe.split()
+    name, nbytes, sha = probe[0], int(m.group(1)), probe[-1]
     want = _reference_hash(ref, name)
     problems = []
     if sha != want:
