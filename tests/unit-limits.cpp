@@ -17,6 +17,8 @@
 #include <functional>
 #include <string>
 
+#include "error_of.hpp"
+
 using namespace statedict;
 namespace fs = std::filesystem;
 
@@ -45,15 +47,7 @@ fs::path st_file(const std::string& name, const std::string& header, const std::
   return p;
 }
 
-int error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const error& e) {
-    MESSAGE(std::string(e.what()));
-    return e.id();
-  }
-  return 0;
-}
+using statedict_test::error_of;
 
 std::span<const std::byte> bytes_of(const std::string& s) { return std::as_bytes(std::span<const char>(s.data(), s.size())); }
 
@@ -152,6 +146,22 @@ TEST_CASE("pickle: max_nodes and max_depth, raised") {
   o = {};
   o.limits.max_depth = 5000;
   CHECK(pickle::load(bytes_of(deep), o).value.is_list());
+
+  // Dicts nest through more functions than lists do: 1500 levels, each {"k": ...}, fit the stack
+  // of the sanitizer build at -O0 as well.
+  std::string dicts = "\x80\x02";
+  for (int i = 0; i < 1500; ++i) dicts += "}U\x01k";
+  dicts += "N" + std::string(1500, 's') + ".";
+  CHECK(error_of([&] { (void)pickle::load(bytes_of(dicts)); }) == errors::pk_depth_limit.id);
+  const Value nested = pickle::load(bytes_of(dicts), o).value;
+  const Value* at = &nested;
+  int levels = 0;
+  while (at->is_dict()) {
+    at = &(*at)["k"];
+    ++levels;
+  }
+  CHECK(levels == 1500);
+  CHECK(at->is_none());
 }
 
 TEST_CASE("torch: max_rank raised; formats::open passes torch and safetensors limits") {

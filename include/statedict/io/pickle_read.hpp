@@ -98,7 +98,9 @@ namespace pickle {
 /// Caps on hostile pickles. Defaults fit any real checkpoint by a wide margin; raise them when a
 /// legitimate file needs it (each error names the field).
 struct limits {
-  /// Nesting of containers in the result, and of MARKs while parsing.
+  /// Nesting of containers in the result, and of MARKs while parsing. The conversion recurses
+  /// once per level: about 1 KiB of stack a level in an unoptimised build (more under ASan), so
+  /// raise it by thousands only on a thread with the stack for it.
   std::size_t max_depth = 1000;
   /// Distinct memo entries (torch.save uses about a dozen per tensor).
   std::uint64_t max_memo = std::uint64_t{1} << 24;
