@@ -26,6 +26,8 @@
 #include <string>
 #include <vector>
 
+#include "error_of.hpp"
+
 using namespace statedict;
 namespace fs = std::filesystem;
 
@@ -74,16 +76,7 @@ std::uint64_t get(const std::string& s, std::size_t at, int n) {
   return v;
 }
 
-/// The id a call throws, or 0.
-int error_of(const std::function<void()>& f, std::string* what = nullptr) {
-  try {
-    f();
-  } catch (const error& e) {
-    if (what) *what = e.what();
-    return e.id();
-  }
-  return 0;
-}
+using statedict_test::error_of;
 
 // ---- the command-line tool ------------------------------------------------------------------
 

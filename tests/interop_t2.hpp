@@ -5,6 +5,7 @@
 #pragma once
 
 #include "cli_util.hpp"
+#include "error_of.hpp"
 
 #include <statedict/statedict.hpp>
 
@@ -44,15 +45,7 @@ inline json describe_json(const sd::ShardedCheckpoint& opened) {
   return j;
 }
 
-/// The error id an action throws (0: none).
-inline int error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const sd::error& e) {
-    return e.id();
-  }
-  return 0;
-}
+using statedict_test::error_of;
 
 /// Runs the torch 2.x oracle on a job list (t2_oracle.py's jobs); one list of problems per job.
 inline std::vector<std::vector<std::string>> t2_oracle(const json& jobs, const fs::path& workdir) {

@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "error_of.hpp"
+
 using namespace statedict;
 namespace fs = std::filesystem;
 
@@ -27,14 +29,7 @@ std::string read_all(const fs::path& p) {
   return std::string(std::istreambuf_iterator<char>(f), {});
 }
 
-int error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const error& e) {
-    return e.code().id;
-  }
-  return 0;
-}
+using statedict_test::error_of;
 
 /// A safetensors file of six 1000-element F32 tensors (4000 bytes each), two of them under "b.".
 fs::path sample_file() {

@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "error_of.hpp"
+
 using namespace statedict;
 namespace fs = std::filesystem;
 
@@ -129,16 +131,7 @@ std::map<std::string, std::string> value_texts(const nlohmann::json& skeleton) {
   return m;
 }
 
-/// Runs f and returns the id of the statedict error it throws (0 when it does not throw).
-int error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const error& e) {
-    MESSAGE(std::string(e.what()));
-    return e.id();
-  }
-  return 0;
-}
+using statedict_test::error_of;
 
 // ---- .metadata as a Value, for mutation
 

@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "error_of.hpp"
+
 using namespace statedict;
 namespace ds = statedict::deepspeed;
 namespace os = statedict::optim_shard;
@@ -86,16 +88,7 @@ std::map<std::string, std::string> hashes(const ShardedCheckpoint& c) {
   return {h.begin(), h.end()};
 }
 
-/// The id of the error `f` raises, or 0.
-int error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const error& e) {
-    MESSAGE(std::string(e.what()));
-    return e.id();
-  }
-  return 0;
-}
+using statedict_test::error_of;
 
 // ---------------------------------------------------------------------------------------------
 // A ZeRO-2 checkpoint over 2 ranks:

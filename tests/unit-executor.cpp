@@ -18,6 +18,8 @@
 #include <thread>
 #include <vector>
 
+#include "error_of.hpp"
+
 using namespace statedict;
 namespace fs = std::filesystem;
 
@@ -89,14 +91,7 @@ Model make_model(std::uint64_t seed) {
   return m;
 }
 
-int error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const error& e) {
-    return e.id();
-  }
-  return 0;
-}
+using statedict_test::error_of;
 
 }  // namespace
 

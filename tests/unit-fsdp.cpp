@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "error_of.hpp"
+
 using namespace statedict;
 namespace fsdp = statedict::fsdp;
 namespace os = statedict::optim_shard;
@@ -76,15 +78,7 @@ std::map<std::string, std::string> hashes(const ShardedCheckpoint& c) {
   return {h.begin(), h.end()};
 }
 
-int error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const error& e) {
-    MESSAGE(std::string(e.what()));
-    return e.id();
-  }
-  return 0;
-}
+using statedict_test::error_of;
 
 enum class form { legacy, infos, aligned };
 

@@ -19,6 +19,8 @@
 #include <string>
 #include <vector>
 
+#include "error_of.hpp"
+
 using namespace statedict;
 namespace mg = statedict::megatron;
 namespace fs = std::filesystem;
@@ -33,15 +35,7 @@ void save_as_written(const fs::path& path, const Value& tree) {
   torch::save(path, tree, so);
 }
 
-int error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const error& e) {
-    MESSAGE(std::string(e.what()));
-    return e.id();
-  }
-  return 0;
-}
+using statedict_test::error_of;
 
 std::string message_of(const std::function<void()>& f) {
   try {

@@ -14,6 +14,8 @@
 #include <string>
 #include <vector>
 
+#include "error_of.hpp"
+
 using namespace statedict;
 
 namespace {
@@ -54,16 +56,7 @@ Written write(const ShardedCheckpoint& src, const Destination& dst, unsigned thr
   return w;
 }
 
-/// The error id of f(), or 0; `what` receives the message.
-int error_of(const std::function<void()>& f, std::string* what = nullptr) {
-  try {
-    f();
-  } catch (const error& e) {
-    if (what) *what = e.what();
-    return e.id();
-  }
-  return 0;
-}
+using statedict_test::error_of;
 
 std::vector<TensorInfo> random_tensors(std::mt19937_64& rng) {
   static const dtype kinds[] = {dtype::F32, dtype::BF16, dtype::F16, dtype::I32, dtype::F64, dtype::U8, dtype::I64};

@@ -19,6 +19,8 @@
 #include <string>
 #include <vector>
 
+#include "error_of.hpp"
+
 using namespace statedict;
 namespace fs = std::filesystem;
 
@@ -39,15 +41,7 @@ fs::path tmp_dir(const std::string& sub) {
   return d;
 }
 
-int error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const error& e) {
-    MESSAGE(std::string(e.what()));
-    return e.id();
-  }
-  return 0;
-}
+using statedict_test::error_of;
 
 Value global(const std::string& m, const std::string& n) { return Value(Object{m, n, object_build::global, {}, {}, {}}); }
 Value call(const std::string& m, const std::string& n, List args) { return Value(Object{m, n, object_build::reduce, std::move(args), {}, {}}); }

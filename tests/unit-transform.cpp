@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "error_of.hpp"
+
 using namespace statedict;
 namespace fs = std::filesystem;
 
@@ -23,14 +25,7 @@ fs::path tmp(const std::string& name) {
   return d / name;
 }
 
-int error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const error& e) {
-    return e.code().id;
-  }
-  return 0;
-}
+using statedict_test::error_of;
 
 Tensor iota(std::initializer_list<dim_t> shape, float from = 0) {
   Tensor t(dtype::F32, shape_t(shape));
