@@ -11391,7 +11391,9 @@ namespace pickle {
 /// Caps on hostile pickles. Defaults fit any real checkpoint by a wide margin; raise them when a
 /// legitimate file needs it (each error names the field).
 struct limits {
-  /// Nesting of containers in the result, and of MARKs while parsing.
+  /// Nesting of containers in the result, and of MARKs while parsing. The conversion recurses
+  /// once per level: about 1 KiB of stack a level in an unoptimised build (more under ASan), so
+  /// raise it by thousands only on a thread with the stack for it.
   std::size_t max_depth = 1000;
   /// Distinct memo entries (torch.save uses about a dozen per tensor).
   std::uint64_t max_memo = std::uint64_t{1} << 24;
@@ -12344,9 +12346,28 @@ class Reader {
   /// `sole`: only in the result's conversion, for a node that no other path reaches (its leaves
   /// are moved, not copied).
   Value to_value(std::uint32_t n, std::size_t depth, const PathLink* path, bool tracked = false, bool sole = false) {
+    // One level of nesting costs a frame of this function and one of the container's: the other
+    // cases have functions of their own, so that an unoptimised build (whose frames hold every
+    // local of every case) does not run out of stack on input nested as deep as max_depth allows.
     count_node();
     if (visiting_.size() < nodes_.size()) visiting_.resize(nodes_.size(), 0);
-    const Node node = nodes_[n];
+    const nk kind = nodes_[n].kind;
+    if (kind != nk::list && kind != nk::tuple && kind != nk::dict && kind != nk::object) return leaf_value(nodes_[n], depth, sole);
+    if (depth >= opts_.limits.max_depth) depth_exceeded();
+    if (visiting_[n]) contains_itself();
+    visiting_[n] = 1;
+    const std::uint32_t index = nodes_[n].index;
+    Value out = kind == nk::dict     ? dict_value(index, depth, path, tracked, sole)
+                : kind == nk::object ? object_value(index, depth, sole)
+                                     : seq_value(kind == nk::list, index, depth, path, tracked, sole);
+    visiting_[n] = 0;
+    return out;
+  }
+
+  [[noreturn]] void contains_itself() { fail(errors::pk_recursive, "the pickle contains a container that contains itself"); }
+
+  /// A node that holds no other node of the graph (a leaf may hold a tree built while parsing).
+  Value leaf_value(const Node node, std::size_t depth, bool sole) {
     switch (node.kind) {
       case nk::none: return Value();
       case nk::boolean: return Value(node.u.i != 0);
@@ -12386,42 +12407,31 @@ class Reader {
         count_node(ls.values - 1);
         return v;
       }
-      default: break;
+      default: return Value();  // containers: to_value's
     }
-    if (depth >= opts_.limits.max_depth) depth_exceeded();
-    if (visiting_[n]) fail(errors::pk_recursive, "the pickle contains a container that contains itself");
-    visiting_[n] = 1;
-    Value out;
-    switch (node.kind) {
-      case nk::list:
-      case nk::tuple: {
-        const auto items = seq(node.index);
-        List l;
-        l.reserve(items.size());
-        for (std::size_t i = 0; i < items.size(); ++i) {
-          PathLink link{path, nullptr, static_cast<std::int64_t>(i)};
-          l.push_back(to_value(items[i], depth + 1, path || tracked ? &link : nullptr, path || tracked, sole_child(sole, items[i])));
-        }
-        out = node.kind == nk::list ? Value::list(std::move(l)) : Value::tuple(std::move(l));
-        break;
-      }
-      case nk::dict: out = dict_value(node.index, depth, path, tracked, sole); break;
-      case nk::object: {
-        const ObjData& od = objects_[node.index];
-        Object o{globals_[od.global].module, globals_[od.global].name, od.how, {}, {}, {}};
-        if (od.args != npos) {
-          Value a = to_value(od.args, depth + 1, nullptr, false, sole_child(sole, od.args));
-          o.args = std::move(a.as_list());
-        }
-        for (std::uint32_t s : od.state) o.state.push_back(to_value(s, depth + 1, nullptr, false, sole_child(sole, s)));
-        for (std::uint32_t it : od.items) o.items.push_back(to_value(it, depth + 1, nullptr, false, sole_child(sole, it)));
-        out = Value(std::move(o));
-        break;
-      }
-      default: break;
+  }
+
+  Value seq_value(bool is_list, std::uint32_t si, std::size_t depth, const PathLink* path, bool tracked, bool sole) {
+    const auto items = seq(si);
+    List l;
+    l.reserve(items.size());
+    for (std::size_t i = 0; i < items.size(); ++i) {
+      PathLink link{path, nullptr, static_cast<std::int64_t>(i)};
+      l.push_back(to_value(items[i], depth + 1, path || tracked ? &link : nullptr, path || tracked, sole_child(sole, items[i])));
     }
-    visiting_[n] = 0;
-    return out;
+    return is_list ? Value::list(std::move(l)) : Value::tuple(std::move(l));
+  }
+
+  Value object_value(std::uint32_t oi, std::size_t depth, bool sole) {
+    const ObjData& od = objects_[oi];
+    Object o{globals_[od.global].module, globals_[od.global].name, od.how, {}, {}, {}};
+    if (od.args != npos) {
+      Value a = to_value(od.args, depth + 1, nullptr, false, sole_child(sole, od.args));
+      o.args = std::move(a.as_list());
+    }
+    for (std::uint32_t s : od.state) o.state.push_back(to_value(s, depth + 1, nullptr, false, sole_child(sole, s)));
+    for (std::uint32_t it : od.items) o.items.push_back(to_value(it, depth + 1, nullptr, false, sole_child(sole, it)));
+    return Value(std::move(o));
   }
 
   /// The distinct int/str keys of dict `d` (pairs of d.kv): `firsts` the pair of each key's first
@@ -12501,38 +12511,57 @@ class Reader {
     for (std::uint32_t s : d.state) states.push_back(to_value(s, depth + 1, nullptr, false, sole_child(sole, s)));
     if (attrs_ok)
       for (const Value& sv : states) attrs_ok = attrs_ok && !holds_tensor(sv);
-    if (plain_keys && (d.state.empty() || attrs_ok)) {
-      // Reported in pre-order (a dict before the dicts inside it), as the writer visits them.
-      std::size_t slot = 0;
-      if (!d.state.empty()) {
-        slot = attributes_.size();
-        attributes_.push_back(Attributes{materialise(path), Dict{}});
-      }
-      // A key set twice keeps its first place and its last value, as in Python; only that value
-      // is converted (a replaced dict must not leave its attributes behind in the result).
-      std::vector<std::uint32_t> firsts, value_of;
-      distinct_keys(d, firsts, value_of);
-      count_node(d.kv.size() / 2);
-      Dict out;
-      out.reserve(firsts.size());
-      for (std::uint32_t p : firsts) {
-        const Node& kn = nodes_[d.kv[2 * std::size_t{p}]];
-        out.append_unchecked(kn.kind == nk::integer ? Key(kn.u.i) : Key(view(kn.u.off, kn.index)), Value());
-      }
-      std::size_t j = 0;
-      for (auto& [key, v] : out) {
-        const std::uint32_t value_node = d.kv[2 * std::size_t{value_of[j++]} + 1];
-        PathLink link{path, &key, 0};
-        v = to_value(value_node, depth + 1, tracked ? &link : nullptr, tracked, sole_child(sole, value_node));
-      }
-      if (!d.state.empty()) {
-        Dict attrs;
-        for (Value& sv : states)
-          for (auto& [k, v] : sv.as_dict()) attrs.set(k, std::move(v));
-        attributes_[slot].attributes = std::move(attrs);
-      }
-      return Value(std::move(out));
+    if (plain_keys && (d.state.empty() || attrs_ok)) return plain_dict_value(d, states, path, depth, tracked, sole);
+    return dict_object_value(d, states, depth, sole);
+  }
+
+  /// A dict with int/str keys (and attributes, if any, reported by path): a Dict.
+  Value plain_dict_value(const DictData& d, std::vector<Value>& states, const PathLink* path, std::size_t depth, bool tracked,
+                         bool sole) {
+    // Reported in pre-order (a dict before the dicts inside it), as the writer visits them.
+    const std::size_t slot = d.state.empty() ? 0 : open_attributes(path);
+    // A key set twice keeps its first place and its last value, as in Python; only that value
+    // is converted (a replaced dict must not leave its attributes behind in the result).
+    std::vector<std::uint32_t> value_of;
+    Dict out = dict_keys(d, value_of);
+    std::size_t j = 0;
+    for (auto& [key, v] : out) {
+      const std::uint32_t value_node = d.kv[2 * std::size_t{value_of[j++]} + 1];
+      PathLink link{path, &key, 0};
+      v = to_value(value_node, depth + 1, tracked ? &link : nullptr, tracked, sole_child(sole, value_node));
     }
+    if (!d.state.empty()) close_attributes(slot, states);
+    return Value(std::move(out));
+  }
+
+  std::size_t open_attributes(const PathLink* path) {
+    attributes_.push_back(Attributes{materialise(path), Dict{}});
+    return attributes_.size() - 1;
+  }
+  void close_attributes(std::size_t slot, std::vector<Value>& states) {
+    Dict attrs;
+    for (Value& sv : states)
+      for (auto& [k, v] : sv.as_dict()) attrs.set(k, std::move(v));
+    attributes_[slot].attributes = std::move(attrs);
+  }
+
+  /// The distinct keys of `d` in their first places, each with a None value; `value_of` the pair
+  /// that sets each one's value.
+  Dict dict_keys(const DictData& d, std::vector<std::uint32_t>& value_of) {
+    std::vector<std::uint32_t> firsts;
+    distinct_keys(d, firsts, value_of);
+    count_node(d.kv.size() / 2);
+    Dict out;
+    out.reserve(firsts.size());
+    for (std::uint32_t p : firsts) {
+      const Node& kn = nodes_[d.kv[2 * std::size_t{p}]];
+      out.append_unchecked(kn.kind == nk::integer ? Key(kn.u.i) : Key(view(kn.u.off, kn.index)), Value());
+    }
+    return out;
+  }
+
+  /// Any other dict: a builtins.dict or collections.OrderedDict object of (key, value) items.
+  Value dict_object_value(const DictData& d, std::vector<Value>& states, std::size_t depth, bool sole) {
     Object o{d.ordered ? "collections" : "builtins", d.ordered ? "OrderedDict" : "dict", object_build::reduce, {}, {}, {}};
     for (std::size_t i = 0; i < d.kv.size(); i += 2) {
       List pair;
