@@ -14,14 +14,14 @@
 #   5. builds the unit tests against the single header in a Release build (-O2) and runs them;
 #   6. builds the libFuzzer targets (clang, ASan + UBSan) and runs each for a while.
 # STATEDICT_STAGES picks stages (default "check gcc slurm asan single fuzz"); STATEDICT_FUZZ_SECONDS sets
-# the time per fuzzer (default 30), STATEDICT_FUZZ_SEED its libFuzzer seed (default 1, so that a
+# the time per fuzzer (default 20), STATEDICT_FUZZ_SEED its libFuzzer seed (default 1, so that a
 # red fuzz stage replays; 0 for a random one). Build trees go under build/.
 set -eu
 
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"
 stages=${STATEDICT_STAGES:-check gcc slurm asan single fuzz}
-fuzz_seconds=${STATEDICT_FUZZ_SECONDS:-30}
+fuzz_seconds=${STATEDICT_FUZZ_SECONDS:-20}
 fuzz_seed=${STATEDICT_FUZZ_SEED:-1}
 jobs=${STATEDICT_JOBS:-$(nproc)}
 
@@ -102,12 +102,12 @@ if stage asan; then
 fi
 if stage single; then
   CXX=g++ run_suite "single header, Release" build/single "-O2 -DNDEBUG" -DSTATEDICT_TEST_SINGLE_HEADER=ON -DSTATEDICT_BUILD_EXAMPLES=OFF \
-    -DSTATEDICT_BUILD_CLI=OFF -DSTATEDICT_TEST_CONSUMERS=OFF
+    -DSTATEDICT_BUILD_CLI=OFF -DSTATEDICT_BUILD_COMPILED=OFF -DSTATEDICT_TEST_CONSUMERS=OFF
 fi
 if stage fuzz && [ -f tests/fuzz/CMakeLists.txt ]; then
   echo "== fuzz: build (clang, libFuzzer, ASan + UBSan)"
   CXX=clang++ cmake -S . -B build/fuzz -DCMAKE_BUILD_TYPE=CI "-DCMAKE_CXX_FLAGS_CI=-O1 -gline-tables-only" -DSTATEDICT_BUILD_FUZZERS=ON \
-    -DSTATEDICT_BUILD_TESTS=OFF -DSTATEDICT_BUILD_EXAMPLES=OFF -DSTATEDICT_BUILD_CLI=OFF -DSTATEDICT_WERROR=ON >build/fuzz.configure.log 2>&1 || {
+    -DSTATEDICT_BUILD_TESTS=OFF -DSTATEDICT_BUILD_EXAMPLES=OFF -DSTATEDICT_BUILD_CLI=OFF -DSTATEDICT_BUILD_COMPILED=OFF -DSTATEDICT_WERROR=ON >build/fuzz.configure.log 2>&1 || {
     cat build/fuzz.configure.log
     exit 1
   }
