@@ -3,97 +3,37 @@
 // target is the one the executable's name says (argv[0], "fuzz-zip" -> zip), or the
 // STATEDICT_FUZZ_TARGET environment variable when it is called statedict-fuzz.
 //
-// Each fuzz_<name>.cpp sits in a namespace of its own; every header they include is included here
-// first, so their own #include lines (all #pragma once) add nothing inside the namespace.
+// The targets themselves are compiled in two translation units, fuzz_all_1.cpp and fuzz_all_2.cpp,
+// each fuzz_<name>.cpp in a namespace of its own.
 // SPDX-License-Identifier: MIT
-#define STATEDICT_FUZZ_ALL 1
-
-#include <statedict/exec/digest.hpp>
-#include <statedict/formats/colossalai.hpp>
-#include <statedict/formats/dcp.hpp>
-#include <statedict/formats/deepspeed.hpp>
-#include <statedict/formats/fairscale.hpp>
-#include <statedict/formats/fsdp.hpp>
-#include <statedict/formats/megatron.hpp>
-#include <statedict/formats/olmo_safetensors.hpp>
-#include <statedict/formats/registry.hpp>
-#include <statedict/formats/sharded_tensor.hpp>
-#include <statedict/io/hf_sharded.hpp>
-#include <statedict/io/inflate.hpp>
-#include <statedict/io/pickle_read.hpp>
-#include <statedict/io/pickle_write.hpp>
-#include <statedict/io/safetensors.hpp>
-#include <statedict/io/torch_file.hpp>
-#include <statedict/io/zip.hpp>
-
-#include <algorithm>
+// clang-format off
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
+#include <cstddef>
 #include <string>
 #include <string_view>
 
-#include "fuzz_common.hpp"
-#include "fuzz_limits.hpp"
-
-// clang-format off
-namespace fuzz_safetensors {
-#include "fuzz_safetensors.cpp"
-}
-namespace fuzz_safetensors_roundtrip {
-#include "fuzz_safetensors_roundtrip.cpp"
-}
-namespace fuzz_hf_index {
-#include "fuzz_hf_index.cpp"
-}
-namespace fuzz_zip {
-#include "fuzz_zip.cpp"
-}
-namespace fuzz_inflate {
-#include "fuzz_inflate.cpp"
-}
-namespace fuzz_pickle {
-#include "fuzz_pickle.cpp"
-}
-namespace fuzz_pickle_roundtrip {
-#include "fuzz_pickle_roundtrip.cpp"
-}
-namespace fuzz_torch {
-#include "fuzz_torch.cpp"
-}
-namespace fuzz_torch_roundtrip {
-#include "fuzz_torch_roundtrip.cpp"
-}
-namespace fuzz_dcp_metadata {
-#include "fuzz_dcp_metadata.cpp"
-}
-namespace fuzz_dcp {
-#include "fuzz_dcp.cpp"
-}
-namespace fuzz_deepspeed {
-#include "fuzz_deepspeed.cpp"
-}
-namespace fuzz_fsdp {
-#include "fuzz_fsdp.cpp"
-}
-namespace fuzz_megatron {
-#include "fuzz_megatron.cpp"
-}
-namespace fuzz_sharded_tensor {
-#include "fuzz_sharded_tensor.cpp"
-}
-namespace fuzz_open {
-#include "fuzz_open.cpp"
-}
-namespace fuzz_olmo {
-#include "fuzz_olmo.cpp"
-}
-namespace fuzz_colossalai {
-#include "fuzz_colossalai.cpp"
-}
-namespace fuzz_fairscale {
-#include "fuzz_fairscale.cpp"
-}
+// The targets, defined in fuzz_all_1.cpp and fuzz_all_2.cpp.
+namespace fuzz_safetensors { int test_one_input(const std::uint8_t* data, std::size_t size); }
+namespace fuzz_safetensors_roundtrip { int test_one_input(const std::uint8_t* data, std::size_t size); }
+namespace fuzz_hf_index { int test_one_input(const std::uint8_t* data, std::size_t size); }
+namespace fuzz_zip { int test_one_input(const std::uint8_t* data, std::size_t size); }
+namespace fuzz_inflate { int test_one_input(const std::uint8_t* data, std::size_t size); }
+namespace fuzz_pickle { int test_one_input(const std::uint8_t* data, std::size_t size); }
+namespace fuzz_pickle_roundtrip { int test_one_input(const std::uint8_t* data, std::size_t size); }
+namespace fuzz_torch { int test_one_input(const std::uint8_t* data, std::size_t size); }
+namespace fuzz_torch_roundtrip { int test_one_input(const std::uint8_t* data, std::size_t size); }
+namespace fuzz_dcp_metadata { int test_one_input(const std::uint8_t* data, std::size_t size); }
+namespace fuzz_dcp { int test_one_input(const std::uint8_t* data, std::size_t size); }
+namespace fuzz_deepspeed { int test_one_input(const std::uint8_t* data, std::size_t size); }
+namespace fuzz_fsdp { int test_one_input(const std::uint8_t* data, std::size_t size); }
+namespace fuzz_megatron { int test_one_input(const std::uint8_t* data, std::size_t size); }
+namespace fuzz_sharded_tensor { int test_one_input(const std::uint8_t* data, std::size_t size); }
+namespace fuzz_open { int test_one_input(const std::uint8_t* data, std::size_t size); }
+namespace fuzz_olmo { int test_one_input(const std::uint8_t* data, std::size_t size); }
+namespace fuzz_colossalai { int test_one_input(const std::uint8_t* data, std::size_t size); }
+namespace fuzz_fairscale { int test_one_input(const std::uint8_t* data, std::size_t size); }
 // clang-format on
 
 namespace {

@@ -33,10 +33,12 @@
 #include <statedict/core/source.hpp>
 
 // A target's entry point. Each fuzz_<name>.cpp is built on its own as a libFuzzer executable, or
-// (STATEDICT_FUZZ_ALL, what tests/fuzz/CMakeLists.txt does) all of them into one executable,
-// fuzz_all.cpp, that runs the target its name names: one sanitized build instead of fourteen.
+// (STATEDICT_FUZZ_ALL, what tests/fuzz/CMakeLists.txt does) all of them into one executable whose
+// fuzz_all.cpp runs the target its name names: one sanitized build instead of nineteen.
 #ifdef STATEDICT_FUZZ_ALL
-#define STATEDICT_FUZZ_TARGET(data, size) int test_one_input(const std::uint8_t* data, std::size_t size)
+#define STATEDICT_FUZZ_TARGET(data, size)                          \
+  int test_one_input(const std::uint8_t* data, std::size_t size); \
+  int test_one_input(const std::uint8_t* data, std::size_t size)
 #else
 #define STATEDICT_FUZZ_TARGET(data, size) extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size)
 #endif
