@@ -25,13 +25,13 @@ int main(int argc, char** argv) try {
     std::printf("  %-34s %-5s %zu dims, %zu chunk(s)\n", t.name.c_str(), std::string(sd::name(t.dtype)).c_str(),
                 t.shape.size(), t.chunks.size());
 
-  // Plan (every output element covered exactly once, proven before writing) and stream it out:
-  // fixed memory, written under a temporary name, fsynced, renamed.
-  sd::formats::write_safetensors(in.checkpoint, argv[2]);
+  // Plan (every output element covered exactly once, proven before writing) and stream it out
+  // in the format the name says: fixed memory, written under a temporary name, fsynced, renamed.
+  sd::save(in.checkpoint, argv[2]);
 
-  // The same file read back: every tensor is a zero-copy view into the mapped file; copy() casts.
-  const sd::safetensors::File file = sd::safetensors::File::open(argv[2]);
-  const sd::FlatStateDict flat = sd::flatten(sd::safetensors::read_state(file));
+  // The same file read back as a tree and flattened: every tensor is a zero-copy view into the
+  // mapped file; copy() casts.
+  const sd::FlatStateDict flat = sd::flatten(sd::load(argv[2]));
   if (const std::optional<sd::TensorView> w = flat.find("embed.weight")) {
     sd::Tensor f32(sd::dtype::F32, w->shape());
     sd::copy(*w, f32.span());  // bf16 -> f32, exact

@@ -100,7 +100,9 @@ STATEDICT_API void check_consistent(const ShardedCheckpoint& ck);
 // core/flatten.hpp
 STATEDICT_API FlatStateDict flatten(const Value& tree);
 STATEDICT_API Value unflatten(const FlatStateDict& flat);
+STATEDICT_API Value unflatten(const NamedTensors& tensors, const nlohmann::json& skeleton);
 STATEDICT_API std::vector<std::pair<std::string, Value>> skeleton_values(const Skeleton& skeleton);
+STATEDICT_API std::vector<std::pair<std::string, std::string>> skeleton_aliases(const Skeleton& skeleton);
 
 namespace optim {
 // core/optim.hpp

@@ -5528,6 +5528,11 @@ Value unflatten(const Tensors& tensors, const S& skeleton) {
 
 STATEDICT_API Value unflatten(const FlatStateDict& flat) { return unflatten(flat.tensors, flat.skeleton); }
 
+/// unflatten of a name -> tensor list and a skeleton's JSON document (a skeleton read from a file).
+STATEDICT_API Value unflatten(const NamedTensors& tensors, const nlohmann::json& skeleton) {
+  return unflatten<NamedTensors>(tensors, skeleton);
+}
+
 /// The skeleton of a flat dict of named tensors in order: what a plain safetensors file is.
 /// Elements are (name, TensorView-or-Tensor) pairs, or records with `.name`, `.dtype` and `.shape`
 /// (such as ShardedCheckpoint's TensorInfo). No alias detection: build a Dict and flatten it for that.
@@ -5599,6 +5604,11 @@ inline std::vector<std::pair<std::string, std::string>> skeleton_aliases(const n
   for (auto& t : detail::list_tensorish(skeleton))
     if (t.kind != detail::snode::tensor) out.emplace_back(std::move(t.name), std::move(t.target));
   return out;
+}
+
+/// skeleton_aliases of a Skeleton's JSON document.
+STATEDICT_API std::vector<std::pair<std::string, std::string>> skeleton_aliases(const Skeleton& skeleton) {
+  return skeleton_aliases(skeleton.json());
 }
 
 /// The non-tensor leaves of a skeleton as (name, value) pairs in pre-order: None, bool, int,
@@ -6976,7 +6986,9 @@ STATEDICT_API void check_consistent(const ShardedCheckpoint& ck);
 // core/flatten.hpp
 STATEDICT_API FlatStateDict flatten(const Value& tree);
 STATEDICT_API Value unflatten(const FlatStateDict& flat);
+STATEDICT_API Value unflatten(const NamedTensors& tensors, const nlohmann::json& skeleton);
 STATEDICT_API std::vector<std::pair<std::string, Value>> skeleton_values(const Skeleton& skeleton);
+STATEDICT_API std::vector<std::pair<std::string, std::string>> skeleton_aliases(const Skeleton& skeleton);
 
 namespace optim {
 // core/optim.hpp
@@ -18237,7 +18249,11 @@ class Sha256Sink final : public Sink {
 //   * runs of a source without a mapping (or with exec_options::pread_files) are read with pread
 //     into the write buffer, gathered with the runs before them when contiguous, and written in
 //     blocks (two copies, as `cp` makes);
-//   * small runs are gathered into the write buffer and written together when contiguous.
+//   * small runs are gathered into the write buffer and written together when contiguous. Small
+//     runs of several operations that interleave in one destination, row by row (a tensor split
+//     along a dimension other than the first: Megatron-LM's row-parallel weights, dim-1 DCP
+//     chunks), are walked row by row across the operations, so the destination is written front to
+//     back in blocks rather than one write per run.
 // Conversions read from the mapping (or pread into the read buffer) and cast into the write buffer
 // with core/cast.hpp's exact rounding. docs/planner.md has what each path cost.
 //
@@ -18269,6 +18285,7 @@ class Sha256Sink final : public Sink {
 #include <span>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 
@@ -18327,10 +18344,10 @@ class exec_buffer {
 };
 
 struct exec_item {
-  enum class kind : std::uint8_t { ops, lane, compare };
+  enum class kind : std::uint8_t { ops, lane, compare, rows };
   kind what = kind::ops;
-  std::uint32_t begin = 0, end = 0;  ///< ops / checks [begin, end); lane: index of the lane
-  std::uint64_t e0 = 0, e1 = 0;      ///< element range of op `begin` when sliced (e1 > 0)
+  std::uint32_t begin = 0, end = 0;  ///< ops / checks [begin, end); lane, rows: index of the lane / group
+  std::uint64_t e0 = 0, e1 = 0;      ///< element range of op `begin` when sliced (e1 > 0); rows: [e0, e1)
   std::uint32_t dst = no_dst;        ///< the one destination an ops item writes
   bool converts = false;             ///< some of its operations cast (CPU work outside the write)
   static constexpr std::uint32_t no_dst = 0xffffffffU;
@@ -18446,6 +18463,7 @@ struct exec_shared {
   std::uint64_t block = 0;
   std::vector<exec_item> items;
   std::vector<std::vector<std::uint32_t>> lanes;
+  std::vector<std::vector<std::uint32_t>> groups;  ///< interleaved operations, in destination order
   exec_ledger ledger;
   exec_scheduler scheduler;
   std::atomic<bool> stop{false};
@@ -18513,6 +18531,7 @@ class exec_worker {
         }
         break;
       case exec_item::kind::lane: do_lane(s_.lanes[it.begin]); break;
+      case exec_item::kind::rows: do_rows(s_.groups[it.begin], it.e0, it.e1); break;
       case exec_item::kind::compare:
         for (std::uint32_t k = it.begin; k < it.end; ++k) do_compare(s_.plan.checks[k]);
         break;
@@ -18550,6 +18569,34 @@ class exec_worker {
                                   run(o, *s_.sources[o.src], *s_.sinks[o.dst], o.src_offset + rep * o.src_step, start, o.count);
                                   return true;
                                 });
+  }
+
+  /// Rows [r0, r1) of a group of interleaved operations (same destination, repetitions and
+  /// destination step; their runs side by side in each row): row after row, each operation's run
+  /// in destination order, so consecutive runs continue each other in the write buffer.
+  void do_rows(const std::vector<std::uint32_t>& group, std::uint64_t r0, std::uint64_t r1) {
+    for (std::uint32_t k : group) {  // each operation's source rows at once: one populate, not a fault a page
+      const CopyOp& o = s_.plan.ops[k];
+      const ByteSource& src = *s_.sources[o.src];
+      if (!mapping(src)) continue;
+      const std::uint64_t so = o.src_offset + r0 * o.src_step;
+      const std::uint64_t bytes = (r1 - r0 - 1) * o.src_step + o.count * itemsize(o.src_dtype);
+      touch(o.src, so, bytes);
+      if (bytes <= 2 * s_.block) populate_pages(src, so, bytes);
+    }
+    for (std::uint64_t r = r0; r < r1; ++r) {
+      if (s_.stop.load()) return;
+      for (std::uint32_t k : group) {
+        const CopyOp& o = s_.plan.ops[k];
+        const ByteSource& src = *s_.sources[o.src];
+        Sink& dst = *s_.sinks[o.dst];
+        const std::uint64_t so = o.src_offset + r * o.src_step, doff = o.dst_offset + r * o.dst_step;
+        if (o.plain())
+          plain(src, dst, so, doff, o.count * itemsize(o.src_dtype));
+        else
+          converted(o, src, dst, so, doff, o.count);
+      }
+    }
   }
 
   void run(const CopyOp& o, const ByteSource& src, Sink& dst, std::uint64_t so, std::uint64_t doff, std::uint64_t n) {
@@ -18880,6 +18927,42 @@ inline exec_stats execute(const Plan& plan, std::span<const std::shared_ptr<cons
     }
     s.lanes[static_cast<std::size_t>(lane_of[d])].push_back(k);
   }
+  // Interleaved groups: operations of one destination with the same repetitions and destination
+  // step whose runs (each below direct_write_min) sit side by side within one step. Their items
+  // are rows of the whole group, each about one block of destination bytes.
+  std::vector<std::uint32_t> group_of(plan.ops.size(), detail::exec_item::no_dst);
+  {
+    std::vector<std::uint32_t> cand;
+    for (std::uint32_t k = 0; k < plan.ops.size(); ++k) {
+      const CopyOp& o = plan.ops[k];
+      const std::uint64_t run = o.count * itemsize(o.dst_dtype);
+      if (o.reps > 1 && !sinks[o.dst]->ordered() && run < opt.direct_write_min && o.dst_step > run) cand.push_back(k);
+    }
+    std::sort(cand.begin(), cand.end(), [&](std::uint32_t a, std::uint32_t b) {
+      const CopyOp &x = plan.ops[a], &y = plan.ops[b];
+      return std::tie(x.dst, x.dst_step, x.reps, x.dst_offset) < std::tie(y.dst, y.dst_step, y.reps, y.dst_offset);
+    });
+    for (std::size_t i = 0; i < cand.size();) {
+      const CopyOp& first = plan.ops[cand[i]];
+      std::uint64_t end = first.dst_offset + first.count * itemsize(first.dst_dtype);
+      std::size_t j = i + 1;
+      for (; j < cand.size(); ++j) {
+        const CopyOp& o = plan.ops[cand[j]];
+        const std::uint64_t o_end = o.dst_offset + o.count * itemsize(o.dst_dtype);
+        if (o.dst != first.dst || o.dst_step != first.dst_step || o.reps != first.reps || o.dst_offset < end ||
+            o_end > first.dst_offset + first.dst_step)
+          break;
+        end = o_end;
+      }
+      if (j - i >= 2) {
+        for (std::size_t g = i; g < j; ++g) group_of[cand[g]] = static_cast<std::uint32_t>(s.groups.size());
+        s.groups.emplace_back(cand.begin() + static_cast<std::ptrdiff_t>(i), cand.begin() + static_cast<std::ptrdiff_t>(j));
+      }
+      i = j;
+    }
+  }
+  std::vector<std::uint32_t> group_first;  // a group's items go where its first operation is
+  for (const auto& g : s.groups) group_first.push_back(*std::min_element(g.begin(), g.end()));
   {
     std::uint32_t batch_begin = 0, batch_end = 0;
     std::uint64_t batch_bytes = 0;
@@ -18894,6 +18977,24 @@ inline exec_stats execute(const Plan& plan, std::span<const std::shared_ptr<cons
     for (std::uint32_t k = 0; k < plan.ops.size(); ++k) {
       const CopyOp& o = plan.ops[k];
       if (sinks[o.dst]->ordered()) continue;
+      if (group_of[k] != detail::exec_item::no_dst) {  // the group's rows, where its first operation is
+        const auto& g = s.groups[group_of[k]];
+        if (group_first[group_of[k]] != k) continue;
+        close_batch();
+        batch_begin = batch_end = k + 1;
+        std::uint64_t row = 0;
+        bool converts = false;
+        for (std::uint32_t m : g) {
+          const CopyOp& p = plan.ops[m];
+          row += p.count * std::max(itemsize(p.src_dtype), itemsize(p.dst_dtype));
+          converts = converts || !p.plain();
+        }
+        const std::uint64_t rows = std::max<std::uint64_t>(1, s.block / row);
+        for (std::uint64_t r = 0; r < o.reps; r += rows)
+          s.items.push_back(detail::exec_item{detail::exec_item::kind::rows, group_of[k], 0, r, std::min(o.reps, r + rows), o.dst,
+                                              converts});
+        continue;
+      }
       const std::uint64_t per_elem = std::max(itemsize(o.src_dtype), itemsize(o.dst_dtype));
       const std::uint64_t bytes = o.elements() * per_elem;
       if (bytes > s.block) {

@@ -78,6 +78,11 @@ Value unflatten(const Tensors& tensors, const S& skeleton) {
 
 STATEDICT_API Value unflatten(const FlatStateDict& flat) { return unflatten(flat.tensors, flat.skeleton); }
 
+/// unflatten of a name -> tensor list and a skeleton's JSON document (a skeleton read from a file).
+STATEDICT_API Value unflatten(const NamedTensors& tensors, const nlohmann::json& skeleton) {
+  return unflatten<NamedTensors>(tensors, skeleton);
+}
+
 /// The skeleton of a flat dict of named tensors in order: what a plain safetensors file is.
 /// Elements are (name, TensorView-or-Tensor) pairs, or records with `.name`, `.dtype` and `.shape`
 /// (such as ShardedCheckpoint's TensorInfo). No alias detection: build a Dict and flatten it for that.
@@ -149,6 +154,11 @@ inline std::vector<std::pair<std::string, std::string>> skeleton_aliases(const n
   for (auto& t : detail::list_tensorish(skeleton))
     if (t.kind != detail::snode::tensor) out.emplace_back(std::move(t.name), std::move(t.target));
   return out;
+}
+
+/// skeleton_aliases of a Skeleton's JSON document.
+STATEDICT_API std::vector<std::pair<std::string, std::string>> skeleton_aliases(const Skeleton& skeleton) {
+  return skeleton_aliases(skeleton.json());
 }
 
 /// The non-tensor leaves of a skeleton as (name, value) pairs in pre-order: None, bool, int,
