@@ -101,18 +101,36 @@ if stage asan; then
     CXX=clang++ run_suite "clang + ASan/UBSan" build/asan "-O0 -gline-tables-only" -DSTATEDICT_SANITIZE=ON \
     -DSTATEDICT_TEST_CONSUMERS=OFF -DSTATEDICT_BUILD_EXAMPLES=OFF -DSTATEDICT_BUILD_COMPILED=OFF
 fi
+fuzz_build() {
+  CXX=clang++ cmake -S . -B build/fuzz -DCMAKE_BUILD_TYPE=CI "-DCMAKE_CXX_FLAGS_CI=-O1 -gline-tables-only" -DSTATEDICT_BUILD_FUZZERS=ON \
+    -DSTATEDICT_BUILD_TESTS=OFF -DSTATEDICT_BUILD_EXAMPLES=OFF -DSTATEDICT_BUILD_CLI=OFF -DSTATEDICT_BUILD_COMPILED=OFF \
+    -DSTATEDICT_WERROR=ON && cmake --build build/fuzz -j "$jobs"
+}
+fuzz_pid=""
+run_fuzz=""
+stage fuzz && [ -f tests/fuzz/CMakeLists.txt ] && run_fuzz=1
+if [ -n "$run_fuzz" ] && stage single; then
+  # The single-header build spends minutes on one translation unit while the other core idles;
+  # the fuzzers' build fills it.
+  echo "== fuzz: build (clang, libFuzzer, ASan + UBSan), beside the single-header stage: build/fuzz.build.log"
+  fuzz_build >build/fuzz.build.log 2>&1 &
+  fuzz_pid=$!
+fi
 if stage single; then
   CXX=g++ run_suite "single header, Release" build/single "-O2 -DNDEBUG" -DSTATEDICT_TEST_SINGLE_HEADER=ON -DSTATEDICT_BUILD_EXAMPLES=OFF \
     -DSTATEDICT_BUILD_CLI=OFF -DSTATEDICT_BUILD_COMPILED=OFF -DSTATEDICT_TEST_CONSUMERS=OFF
 fi
-if stage fuzz && [ -f tests/fuzz/CMakeLists.txt ]; then
-  echo "== fuzz: build (clang, libFuzzer, ASan + UBSan)"
-  CXX=clang++ cmake -S . -B build/fuzz -DCMAKE_BUILD_TYPE=CI "-DCMAKE_CXX_FLAGS_CI=-O1 -gline-tables-only" -DSTATEDICT_BUILD_FUZZERS=ON \
-    -DSTATEDICT_BUILD_TESTS=OFF -DSTATEDICT_BUILD_EXAMPLES=OFF -DSTATEDICT_BUILD_CLI=OFF -DSTATEDICT_BUILD_COMPILED=OFF -DSTATEDICT_WERROR=ON >build/fuzz.configure.log 2>&1 || {
-    cat build/fuzz.configure.log
-    exit 1
-  }
-  cmake --build build/fuzz -j "$jobs"
+if [ -n "$run_fuzz" ]; then
+  if [ -n "$fuzz_pid" ]; then
+    echo "== fuzz: waiting for the build"
+    wait "$fuzz_pid" || {
+      tail -n 100 build/fuzz.build.log
+      exit 1
+    }
+  else
+    echo "== fuzz: build (clang, libFuzzer, ASan + UBSan)"
+    fuzz_build
+  fi
   python3 tests/fuzz/run_all.py --build build/fuzz --seconds "$fuzz_seconds" --jobs "$jobs" --seed "$fuzz_seed"
   elapsed
 fi
