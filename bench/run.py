@@ -73,6 +73,9 @@ def parse_args(argv):
     a("--chart", default=env_default("chart", ""), help="chart path (default bench/chart.png)")
     a("--quick", action="store_true", help="small sizes and few repetitions; writes into bench/data/quick-*")
     a("--report-only", action="store_true", help="rewrite results.md and chart.png from the JSON")
+    a("--merge", action="store_true",
+      help="run the --cases given and put them into the existing JSON in place of their earlier results "
+           "(marked as rerun, with their date and git); the other cases stay as they were")
     a("--selftest", action="store_true", help="check the sampler and the cold-cache method, then exit")
     args = ap.parse_args(argv)
     if args.quick:
@@ -286,6 +289,16 @@ def main(argv=None):
             "cases": results,
             "json": os.path.relpath(args.json, REPO),
         }
+        if args.merge and os.path.exists(args.json):
+            with open(args.json) as f:
+                old = json.load(f)
+            la = " / ".join(f"{x:.2f}" for x in facts["loadavg_start"])
+            for cid, c in results.items():
+                c["rerun"] = {"date": facts["date"], "git": facts["git"], "loadavg": la}
+            merged = {cid: results.get(cid, old["cases"].get(cid)) for cid in cases.ALL
+                      if cid in results or cid in old["cases"]}
+            old["cases"] = merged
+            doc = old
         with open(args.json + ".tmp", "w") as f:
             json.dump(doc, f, indent=1)
         os.replace(args.json + ".tmp", args.json)

@@ -64,7 +64,8 @@ def write(doc, path, chart_rel):
     L.append("| case | what | target | result | detail |")
     L.append("|---|---|---|---|---|")
     for cid, c in doc["cases"].items():
-        L.append(f"| {cid} | {c['title']} | {c['target']} | **{c['verdict']}** | {c['detail']} |")
+        again = f" (rerun {c['rerun']['date']}, git {c['rerun']['git']})" if c.get("rerun") else ""
+        L.append(f"| {cid} | {c['title']} | {c['target']} | **{c['verdict']}** | {c['detail']}{again} |")
     L.append("")
     L.append("PASS/MISS is judged on the warm medians; the suite reports a MISS, it never fails because of one. "
              "n/a: the statedict build does not support the case yet (the binary is missing or exits 2 with "
@@ -75,6 +76,12 @@ def write(doc, path, chart_rel):
     L.append(f"- bench/data: {m['filesystem']}; block device: {m['block_device'] or '?'}")
     L.append(f"- peers: {m['python_peers']} (/usr/bin/python3); {m['cp']}; compiler: {m['compiler']}")
     L.append(f"- statedict: {m.get('statedict') or 'not built'} ({doc['build']}); git {m['git']}")
+    for cid, c in doc["cases"].items():
+        if c.get("rerun"):
+            r = c["rerun"]
+            L.append(f"- {cid} was run again on {r['date']} with statedict at git {r['git']} "
+                     f"(`bench/run.py --cases {cid} --merge`), load average {r.get('loadavg', '?')} when it "
+                     "started; the other cases are from the run above")
     L.append(f"- repetitions: {cfg['reps']} warm, {cfg['cold_reps']} cold for statedict and cp (B6: {cfg['scale_reps']} "
              f"warm per size); the Python peers (20-80 s a run at these sizes) take part in the first "
              f"{min(cfg.get('peer_reps', cfg['reps']), cfg['reps'])} warm and "
@@ -119,6 +126,9 @@ def write(doc, path, chart_rel):
     L.append("")
     for cid, c in doc["cases"].items():
         L.append(f"## {cid}: {c['title']}\n")
+        if c.get("rerun"):
+            L.append(f"Run again on {c['rerun']['date']} at git {c['rerun']['git']} (the other cases: "
+                     f"{m['date']}, git {m['git']}).\n")
         L.append(f"Input: {c['input']}.  ")
         L.append(f"Target: {c['target']}. Result: **{c['verdict']}**: {c['detail']}.\n")
         if cid == "B5":
