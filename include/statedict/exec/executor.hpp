@@ -210,10 +210,23 @@ class exec_scheduler {
   std::vector<std::uint8_t> taken_;
 };
 
-/// Releases the pages of [offset, offset + length) of a mapped file source.
+/// The kernel's fault-around window (vm fault_around_bytes, 64 KiB by default): a page fault, and
+/// MADV_POPULATE_READ, map the cached pages of the whole aligned window around the page needed.
+inline constexpr std::uint64_t fault_around_window = std::uint64_t{64} << 10;
+
+/// Releases the pages of [offset, offset + length) of a mapped file source, widened to the
+/// fault-around windows it touches: the pages just before and after a range are mapped with it,
+/// and released with the range alone, those whose own range had been released already stayed
+/// mapped (about 4% of the bytes a job copied, so the mapped inputs' RSS grew with the job). A
+/// page of a neighbouring range released early is mapped again when it is used.
 inline void release_pages(const ByteSource& s, std::uint64_t offset, std::uint64_t length) {
   if (const auto* f = dynamic_cast<const InputFile*>(&s)) {
-    f->advise(offset, length, access_hint::dontneed);
+    const auto base = reinterpret_cast<std::uintptr_t>(f->data());  // windows are aligned in memory
+    const std::uint64_t w = fault_around_window;
+    const std::uint64_t lo = offset - std::min<std::uint64_t>(offset, (base + offset) % w);
+    const std::uint64_t end = std::min(f->size(), offset + length);
+    const std::uint64_t hi = std::min(f->size(), end + (w - (base + end) % w) % w);
+    if (hi > lo) f->advise(lo, hi - lo, access_hint::dontneed);
   } else if (const auto* sl = dynamic_cast<const SliceSource*>(&s)) {
     release_pages(*sl->base(), sl->offset() + offset, length);
   }
