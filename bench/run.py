@@ -57,8 +57,8 @@ def parse_args(argv):
     a("--zero-gib", type=float, default=float(env_default("zero_gib", 3.0)),
       help="B1/B4 ZeRO-3 size: fp32 params + exp_avg + exp_avg_sq, GiB (default 3)")
     a("--zero-ranks", type=int, default=int(env_default("zero_ranks", 8)))
-    a("--scale-gib", type=floats, default=floats(env_default("scale_gib", "0.5,1.5,3")),
-      help="B6 sizes, GiB (default 0.5,1.5,3)")
+    a("--scale-gib", type=floats, default=floats(env_default("scale_gib", "0.5,1.5,3,6")),
+      help="B6 sizes, GiB on disk (default 0.5,1.5,3,6; 6 GiB holds 2 GiB of parameters)")
     a("--megatron-gib", type=float, default=float(env_default("megatron_gib", 3.0)),
       help="B7 Megatron-LM checkpoint size, bf16 weights, GiB (default 3)")
     a("--megatron-tp", type=int, default=int(env_default("megatron_tp", 4)))

@@ -2,6 +2,9 @@
 // budget, the zero-copy paths taken, the executor's own buffers within the budget, casts from
 // mapped and pread sources, CRC-32 / SHA-256 sinks, progress, errors.
 #include <doctest/doctest.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <statedict/exec/digest.hpp>
 #include <statedict/exec/executor.hpp>
@@ -12,6 +15,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <memory>
 #include <random>
 #include <string>
@@ -279,7 +283,118 @@ std::uint64_t rss_file_kib() {
     if (line.rfind("RssFile:", 0) == 0) return std::stoull(line.substr(8));
   return 0;
 }
+
+/// Drops a file's clean pages from the page cache; false when some stayed (mincore).
+bool evict(const fs::path& p) {
+  const int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  (void)::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+  const auto size = static_cast<std::size_t>(fs::file_size(p));
+  void* m = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+  ::close(fd);
+  if (m == MAP_FAILED) return false;
+  std::vector<unsigned char> in((size + 4095) / 4096);
+  const bool ok = ::mincore(m, size, in.data()) == 0 &&
+                  std::none_of(in.begin(), in.end(), [](unsigned char c) { return (c & 1) != 0; });
+  ::munmap(m, size);
+  return ok;
+}
+
+/// Pages of a file's cached bytes that sit in folios of 2 MiB or more, and all its pages; nullopt
+/// when the kernel does not tell (/proc/kpageflags and the pagemap's frame numbers need
+/// CAP_SYS_ADMIN). Maps the file and its cached pages only: nothing is read in.
+std::optional<std::pair<std::size_t, std::size_t>> pages_in_large_folios(const fs::path& p) {
+  const auto size = static_cast<std::size_t>(fs::file_size(p));
+  const std::size_t pages = (size + 4095) / 4096;
+  const int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return std::nullopt;
+  void* m = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+  ::close(fd);
+  if (m == MAP_FAILED) return std::nullopt;
+  std::vector<unsigned char> in(pages);
+  (void)::mincore(m, size, in.data());
+  volatile unsigned char sink = 0;
+  for (std::size_t i = 0; i < pages; ++i)
+    if (in[i] & 1) sink = static_cast<unsigned char>(sink + static_cast<const unsigned char*>(m)[i * 4096]);
+  const int pm = ::open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC), kf = ::open("/proc/kpageflags", O_RDONLY | O_CLOEXEC);
+  std::optional<std::pair<std::size_t, std::size_t>> out;
+  std::vector<std::uint64_t> entries(pages);
+  const auto at = static_cast<off_t>(reinterpret_cast<std::uintptr_t>(m) / 4096 * 8);
+  if (pm >= 0 && kf >= 0 && ::pread(pm, entries.data(), pages * 8, at) == static_cast<ssize_t>(pages * 8)) {
+    std::size_t large = 0, run = 0, seen = 0;
+    bool frames = true;
+    for (std::size_t i = 0; i <= pages; ++i) {
+      std::uint64_t f = 0;
+      const bool present = i < pages && (entries[i] >> 63) != 0;
+      if (present) {
+        const std::uint64_t pfn = entries[i] & ((std::uint64_t{1} << 55) - 1);
+        frames = frames && pfn != 0 && ::pread(kf, &f, 8, static_cast<off_t>(pfn * 8)) == 8;
+        ++seen;
+      }
+      const bool tail = present && (f >> 16 & 1) != 0;  // KPF_COMPOUND_TAIL
+      if (!tail) {  // a folio ends here
+        if (run >= 512) large += run;
+        run = present && (f >> 15 & 1) != 0 ? 1 : 0;  // KPF_COMPOUND_HEAD starts one
+      } else if (run) {
+        ++run;
+      }
+    }
+    if (frames && seen) out = std::pair{large, seen};
+  }
+  if (pm >= 0) ::close(pm);
+  if (kf >= 0) ::close(kf);
+  ::munmap(m, size);
+  return out;
+}
+
+/// Whether transparent huge pages are on for regions that ask (madvise) or for all.
+bool thp_on_request() {
+  std::ifstream f("/sys/kernel/mm/transparent_hugepage/enabled");
+  std::string s;
+  std::getline(f, s);
+  return s.find("[madvise]") != std::string::npos || s.find("[always]") != std::string::npos;
+}
 }  // namespace
+
+TEST_CASE("mapped sources are read into the page cache in 2 MiB folios (exec_options::large_folios)") {
+  // Read in through a mapping without MADV_HUGEPAGE, a file is cached in 4 KiB folios, and every
+  // later copy out of it pays a page-table entry (and a lookup) per 4 KiB.
+  std::vector<TensorInfo> tensors;
+  for (int i = 0; i < 32; ++i) tensors.push_back({"t" + std::to_string(i), dtype::F32, {std::uint64_t{1} << 19}, {}});
+  const Destination one = layout::single(tensors, "one");
+  bytes data(static_cast<std::size_t>(one.sizes[0]));
+  std::mt19937_64 rng(11);
+  for (auto& b : data) b = static_cast<std::byte>(rng());
+  const ShardedCheckpoint mem = layout::as_checkpoint(one, {MemorySource::copy_of("one", data)});
+  std::vector<std::vector<std::size_t>> groups(1);
+  for (std::size_t i = 0; i < tensors.size(); ++i) groups[0].push_back(i);
+  const Destination z4 = layout::zero3(tensors, groups, 4);
+  const fs::path d4 = scratch("folios-z4");
+  (void)write_files(mem, z4, d4, exec_options{});  // 4 rank files of 16 MiB
+  const auto probe = pages_in_large_folios(d4 / z4.names[0]);  // cached: just written
+  bool evicted = true;
+  for (const auto& name : z4.names) evicted = evict(d4 / name) && evicted;
+  if (!thp_on_request() || !evicted || !probe) {
+    MESSAGE("not checked here: transparent huge pages on request " << thp_on_request() << ", rank files evicted "
+                                                                    << evicted << ", /proc/kpageflags readable " << probe.has_value());
+    return;
+  }
+  const ShardedCheckpoint src = open_files(z4, d4, read_mode::mmap);
+  const fs::path out = scratch("folios-one");
+  (void)write_files(src, one, out, exec_options{});
+  CHECK(read_file(out / "one") == data);
+  std::size_t large = 0, cached = 0;
+  for (const auto& name : z4.names) {
+    const auto f = pages_in_large_folios(d4 / name);
+    REQUIRE(f);
+    large += f->first;
+    cached += f->second;
+  }
+  CAPTURE(large);
+  CAPTURE(cached);
+  CHECK(cached >= 4 * 4096 - 64);  // every rank file was read in whole (64 MiB in 4 KiB pages)
+  CHECK(large * 2 >= cached);  // at least half of it in 2 MiB folios (none without the advice)
+}
 
 TEST_CASE("mapped sources: every page a copy mapped is released again, fault-around windows included") {
   // 8 ZeRO-3 ranks of a 24 MB model consolidated into one file: each rank's runs are ranges of

@@ -7,7 +7,9 @@
 // write buffer of `block` bytes plus two 64 KiB conversion buffers, with
 // block = (budget / threads - 128 KiB) / 2, at most 1 MiB. Mapped sources are read in place and
 // the pages an item has consumed are released (MADV_DONTNEED), so file-backed memory does not
-// accumulate either; sources without a mapping (`--io pread`) are read with pread.
+// accumulate either; sources without a mapping (`--io pread`) are read with pread. Mapped files
+// are advised MADV_SEQUENTIAL and MADV_HUGEPAGE (exec_options::large_folios): what the copy reads
+// in from disk is cached in 2 MiB folios, which later copies map with one entry each.
 //
 // Copy paths for runs that need no conversion, in the order they are tried:
 //   * copy_file_range between the source file and the destination file (when asked for:
@@ -242,8 +244,25 @@ inline void populate_pages(const ByteSource& s, std::uint64_t offset, std::uint6
   }
 }
 
-inline void advise_sequential(const ByteSource& s) {
-  if (const auto* f = dynamic_cast<const InputFile*>(&s)) f->advise(0, f->size(), access_hint::sequential);
+/// The mapped file under a source (itself, or the file a slice of it is cut from), or nullptr.
+inline const InputFile* mapped_file(const ByteSource& s) noexcept {
+  if (const auto* f = dynamic_cast<const InputFile*>(&s)) return f->data() ? f : nullptr;
+  if (const auto* sl = dynamic_cast<const SliceSource*>(&s)) return mapped_file(*sl->base());
+  return nullptr;
+}
+
+/// Advises every mapped file under the sources, once each: read front to back, and (large_folios)
+/// in 2 MiB folios.
+inline void advise_sources(std::span<const std::shared_ptr<const ByteSource>> sources, bool large_folios) {
+  std::vector<const InputFile*> files;
+  for (const auto& src : sources)
+    if (const InputFile* f = src ? mapped_file(*src) : nullptr) files.push_back(f);
+  std::sort(files.begin(), files.end());
+  files.erase(std::unique(files.begin(), files.end()), files.end());
+  for (const InputFile* f : files) {
+    f->advise(0, f->size(), access_hint::sequential);
+    if (large_folios) f->advise(0, f->size(), access_hint::large_folios);
+  }
 }
 
 struct exec_shared {
@@ -810,8 +829,7 @@ inline exec_stats execute(const Plan& plan, std::span<const std::shared_ptr<cons
 
   for (std::size_t d = 0; d < sinks.size(); ++d)
     if (sinks[d]) sinks[d]->reserve(plan.destination_sizes[d]);
-  if (opt.release_source_pages)
-    for (const auto& src : sources) detail::advise_sequential(*src);
+  if (opt.release_source_pages) detail::advise_sources(sources, opt.large_folios);
 
   s.total = plan.bytes();
   s.progress_step = std::max<std::uint64_t>(s.total / 1000, 1);

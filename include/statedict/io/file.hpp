@@ -78,7 +78,10 @@ enum class read_mode : std::uint8_t {
 /// Access pattern hints for a range of a mapped file.
 /// `populate` maps the range's pages in one call (MADV_POPULATE_READ, Linux 5.14; ignored before),
 /// reading them in if needed, so that later accesses take no page faults.
-enum class access_hint : std::uint8_t { normal, sequential, random, willneed, dontneed, populate };
+/// `large_folios` (MADV_HUGEPAGE) asks that what faults read in comes in 2 MiB folios, mapped whole,
+/// where transparent huge pages are enabled ("madvise" or "always"); without it a file read in
+/// through a mapping lands in the page cache in 4 KiB folios, one page-table entry each.
+enum class access_hint : std::uint8_t { normal, sequential, random, willneed, dontneed, populate, large_folios };
 
 /// A regular file opened for reading.
 class InputFile final : public ByteSource {
@@ -142,6 +145,7 @@ class InputFile final : public ByteSource {
       case access_hint::willneed: advice = MADV_WILLNEED; break;
       case access_hint::dontneed: advice = MADV_DONTNEED; break;
       case access_hint::populate: advice = 22; break;  // MADV_POPULATE_READ, absent from older headers
+      case access_hint::large_folios: advice = MADV_HUGEPAGE; break;
     }
     (void)::madvise(static_cast<char*>(h_->map) + begin, static_cast<std::size_t>(end - begin), advice);
   }
