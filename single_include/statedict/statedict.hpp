@@ -5880,9 +5880,11 @@ struct exec_options {
   /// Ask that mapped sources be read into the page cache in 2 MiB folios and mapped whole
   /// (MADV_HUGEPAGE; takes effect where transparent huge pages are "madvise" or "always"). Read in
   /// through a mapping without it, a file is cached in 4 KiB folios, and every later copy out of it
-  /// pays a page-table entry per 4 KiB (populate and release) and a page-cache lookup per 4 KiB for
-  /// pread: ZeRO-3 8 ranks -> one .safetensors (1 GiB), inputs read in by the previous run, CPU
-  /// time 0.44 s with it against 0.49 s without (`cp` + `sync` of the output 0.42 s; docs/planner.md).
+  /// pays a page-table entry per 4 KiB (populate and release). Warm runs whose inputs the previous
+  /// run read in, CPU time with / without (`cp` + `sync` of the output): ZeRO-3 8 ranks -> one
+  /// .safetensors 0.44 / 0.49 s (0.42 s), -> DCP 3 ranks 0.59 / 0.68 s (0.50 s), Megatron-LM
+  /// TP 4 x PP 2 merge 1.82 / 2.01 s (1.28 s); cold, wall: 1.66 / 2.17 s, 2.10 / 2.28 s,
+  /// 6.00 / 6.77 s (docs/planner.md).
   bool large_folios = true;
   /// Read sources that have a file descriptor with pread, even when they are mapped, rather than
   /// writing from or casting out of the mapping (two copies of each byte instead of one). Off: a
@@ -18449,22 +18451,27 @@ class exec_scheduler {
 /// The kernel's fault-around window (vm fault_around_bytes, 64 KiB by default): a page fault, and
 /// MADV_POPULATE_READ, map the cached pages of the whole aligned window around the page needed.
 inline constexpr std::uint64_t fault_around_window = std::uint64_t{64} << 10;
+/// What one entry maps of a 2 MiB folio (a PMD on x86-64 and arm64 with 4 KiB pages).
+inline constexpr std::uint64_t large_folio_window = std::uint64_t{2} << 20;
 
 /// Releases the pages of [offset, offset + length) of a mapped file source, widened to the
-/// fault-around windows it touches: the pages just before and after a range are mapped with it,
-/// and released with the range alone, those whose own range had been released already stayed
-/// mapped (about 4% of the bytes a job copied, so the mapped inputs' RSS grew with the job). A
-/// page of a neighbouring range released early is mapped again when it is used.
-inline void release_pages(const ByteSource& s, std::uint64_t offset, std::uint64_t length) {
+/// windows it touches: `window` is what one fault maps (the fault-around window, or a whole
+/// 2 MiB folio where they are mapped whole). Released by the range alone, the pages just before
+/// and after it, mapped with it, stayed mapped once their own range had been released (about 4%
+/// of the bytes a job copied, so the mapped inputs' RSS grew with the job); and a range that ends
+/// inside a 2 MiB mapping splits it into 512 entries first. A page of a neighbouring range
+/// released early is mapped again when it is used.
+inline void release_pages(const ByteSource& s, std::uint64_t offset, std::uint64_t length,
+                          std::uint64_t window = fault_around_window) {
   if (const auto* f = dynamic_cast<const InputFile*>(&s)) {
     const auto base = reinterpret_cast<std::uintptr_t>(f->data());  // windows are aligned in memory
-    const std::uint64_t w = fault_around_window;
+    const std::uint64_t w = window;
     const std::uint64_t lo = offset - std::min<std::uint64_t>(offset, (base + offset) % w);
     const std::uint64_t end = std::min(f->size(), offset + length);
     const std::uint64_t hi = std::min(f->size(), end + (w - (base + end) % w) % w);
     if (hi > lo) f->advise(lo, hi - lo, access_hint::dontneed);
   } else if (const auto* sl = dynamic_cast<const SliceSource*>(&s)) {
-    release_pages(*sl->base(), sl->offset() + offset, length);
+    release_pages(*sl->base(), sl->offset() + offset, length, window);
   }
 }
 
@@ -18832,7 +18839,8 @@ class exec_worker {
     touched_.push_back({src, off, off + len});
   }
   void release() {
-    for (const auto& t : touched_) release_pages(*s_.sources[t.src], t.lo, t.hi - t.lo);
+    const std::uint64_t window = s_.opt.large_folios ? large_folio_window : fault_around_window;
+    for (const auto& t : touched_) release_pages(*s_.sources[t.src], t.lo, t.hi - t.lo, window);
     touched_.clear();
   }
 

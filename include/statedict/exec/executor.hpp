@@ -215,22 +215,27 @@ class exec_scheduler {
 /// The kernel's fault-around window (vm fault_around_bytes, 64 KiB by default): a page fault, and
 /// MADV_POPULATE_READ, map the cached pages of the whole aligned window around the page needed.
 inline constexpr std::uint64_t fault_around_window = std::uint64_t{64} << 10;
+/// What one entry maps of a 2 MiB folio (a PMD on x86-64 and arm64 with 4 KiB pages).
+inline constexpr std::uint64_t large_folio_window = std::uint64_t{2} << 20;
 
 /// Releases the pages of [offset, offset + length) of a mapped file source, widened to the
-/// fault-around windows it touches: the pages just before and after a range are mapped with it,
-/// and released with the range alone, those whose own range had been released already stayed
-/// mapped (about 4% of the bytes a job copied, so the mapped inputs' RSS grew with the job). A
-/// page of a neighbouring range released early is mapped again when it is used.
-inline void release_pages(const ByteSource& s, std::uint64_t offset, std::uint64_t length) {
+/// windows it touches: `window` is what one fault maps (the fault-around window, or a whole
+/// 2 MiB folio where they are mapped whole). Released by the range alone, the pages just before
+/// and after it, mapped with it, stayed mapped once their own range had been released (about 4%
+/// of the bytes a job copied, so the mapped inputs' RSS grew with the job); and a range that ends
+/// inside a 2 MiB mapping splits it into 512 entries first. A page of a neighbouring range
+/// released early is mapped again when it is used.
+inline void release_pages(const ByteSource& s, std::uint64_t offset, std::uint64_t length,
+                          std::uint64_t window = fault_around_window) {
   if (const auto* f = dynamic_cast<const InputFile*>(&s)) {
     const auto base = reinterpret_cast<std::uintptr_t>(f->data());  // windows are aligned in memory
-    const std::uint64_t w = fault_around_window;
+    const std::uint64_t w = window;
     const std::uint64_t lo = offset - std::min<std::uint64_t>(offset, (base + offset) % w);
     const std::uint64_t end = std::min(f->size(), offset + length);
     const std::uint64_t hi = std::min(f->size(), end + (w - (base + end) % w) % w);
     if (hi > lo) f->advise(lo, hi - lo, access_hint::dontneed);
   } else if (const auto* sl = dynamic_cast<const SliceSource*>(&s)) {
-    release_pages(*sl->base(), sl->offset() + offset, length);
+    release_pages(*sl->base(), sl->offset() + offset, length, window);
   }
 }
 
@@ -598,7 +603,8 @@ class exec_worker {
     touched_.push_back({src, off, off + len});
   }
   void release() {
-    for (const auto& t : touched_) release_pages(*s_.sources[t.src], t.lo, t.hi - t.lo);
+    const std::uint64_t window = s_.opt.large_folios ? large_folio_window : fault_around_window;
+    for (const auto& t : touched_) release_pages(*s_.sources[t.src], t.lo, t.hi - t.lo, window);
     touched_.clear();
   }
 
