@@ -92,8 +92,10 @@ def write(doc, path, chart_rel):
               "drop_caches": "`sync; echo 3 > /proc/sys/vm/drop_caches` (global: libraries and other users' files "
                              "are evicted too)",
               "none": "no cold runs"}.get(cfg["cold_method"], cfg["cold_method"])
-    L.append("- page cache: **warm** = the inputs were just read by the warm-up run (the fraction of their bytes in "
-             "the page cache, from mincore before every warm run, is shown as 'inputs resident'); **cold** = before "
+    L.append("- page cache: **warm** = the inputs were evicted once before the case's warm-up runs and read in by "
+             "them, so each case starts from the same state whatever ran before (how a file came into the page cache, "
+             "in 2 MiB or 4 KiB folios, changes what copying out of it costs); the fraction of their bytes in "
+             "the page cache, from mincore before every warm run, is shown as 'inputs resident'; **cold** = before "
              f"every run the inputs are evicted with {method}, then mincore confirms what is still resident "
              "('resident after eviction'). "
              f"`echo 3 > /proc/sys/vm/drop_caches`: {m.get('drop_caches', '?')}"
