@@ -379,21 +379,30 @@ TEST_CASE("mapped sources are read into the page cache in 2 MiB folios (exec_opt
                                                                     << evicted << ", /proc/kpageflags readable " << probe.has_value());
     return;
   }
-  const ShardedCheckpoint src = open_files(z4, d4, read_mode::mmap);
-  const fs::path out = scratch("folios-one");
-  (void)write_files(src, one, out, exec_options{});
-  CHECK(read_file(out / "one") == data);
+  // A 2 MiB folio needs 2 MiB of free memory in one piece, which the kernel tries once to make
+  // (compaction) and otherwise falls back to small folios: up to three tries, each from a cold
+  // cache. Without the advice every try finds no page in a 2 MiB folio.
   std::size_t large = 0, cached = 0;
-  for (const auto& name : z4.names) {
-    const auto f = pages_in_large_folios(d4 / name);
-    REQUIRE(f);
-    large += f->first;
-    cached += f->second;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    if (attempt > 0)
+      for (const auto& name : z4.names) REQUIRE(evict(d4 / name));
+    const ShardedCheckpoint src = open_files(z4, d4, read_mode::mmap);
+    const fs::path out = scratch("folios-one");
+    (void)write_files(src, one, out, exec_options{});
+    CHECK(read_file(out / "one") == data);
+    large = cached = 0;
+    for (const auto& name : z4.names) {
+      const auto f = pages_in_large_folios(d4 / name);
+      REQUIRE(f);
+      large += f->first;
+      cached += f->second;
+    }
+    if (large * 2 >= cached) break;
   }
   CAPTURE(large);
   CAPTURE(cached);
   CHECK(cached >= 4 * 4096 - 64);  // every rank file was read in whole (64 MiB in 4 KiB pages)
-  CHECK(large * 2 >= cached);  // at least half of it in 2 MiB folios (none without the advice)
+  CHECK(large * 2 >= cached);  // at least half of it in 2 MiB folios
 }
 
 TEST_CASE("mapped sources: every page a copy mapped is released again, fault-around windows included") {
