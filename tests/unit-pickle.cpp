@@ -701,6 +701,31 @@ TEST_CASE("a value the result holds in several places is whole in each") {
   }
 }
 
+TEST_CASE("a registry extending the shared one: its own rules first, then the base's; the base unchanged") {
+  const pickle::Registry& base = pickle::Registry::shared();
+  CHECK(&base == &pickle::Registry::shared());
+  pickle::Registry ext(&base);
+  CHECK(ext.size() == base.size());
+  ext.function("mod.f", [](pickle::Call& c) -> Value { return Value(static_cast<std::int64_t>(c.args.size())); });
+  ext.function("_codecs.encode", [](pickle::Call&) -> Value { return Value("mine"); });  // overrides the base's
+  CHECK(ext.size() == base.size() + 2);
+  CHECK(base.find("mod.f") == nullptr);
+  pickle::options o = strict();
+  o.registry = &ext;
+  // mod.f(1, 2), an OrderedDict (a base rule) and _codecs.encode (overridden) in one pickle.
+  const std::string p = P2 + global("mod", "f") + "K\x01K\x02\x86R" + global("collections", "OrderedDict") + ")R" +
+                        global("_codecs", "encode") + binunicode("a") + binunicode("latin1") + "\x86R\x87.";
+  const Value v = val(p, o);
+  REQUIRE(v.is_tuple());
+  CHECK(v.as_list().at(0) == Value(std::int64_t{2}));
+  CHECK(v.as_list().at(1).is_dict());
+  CHECK(v.as_list().at(2) == Value("mine"));
+  // The base alone still encodes, and does not know mod.f.
+  o.registry = &base;
+  CHECK(val(P2 + global("_codecs", "encode") + binunicode("a") + binunicode("latin1") + "\x86R.", o).is_bytes());
+  expect_error_p(P2 + global("mod", "f") + ")R.", errors::pk_forbidden_global, o);
+}
+
 TEST_CASE("fast forms: tried first, handed over on nullopt, their errors placed like the general path's") {
   pickle::Registry reg = pickle::Registry::weights_only();
   int fast_calls = 0, slow_calls = 0;

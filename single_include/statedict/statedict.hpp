@@ -11491,6 +11491,12 @@ struct Rule {
 /// The allow-list: qualified global name ("torch._utils._rebuild_tensor_v2") -> Rule.
 class Registry {
  public:
+  Registry() = default;
+  /// A registry that extends `base`: find() looks in its own rules first, then in base's. `base`
+  /// must outlive it. Building weights_only() takes about as long as reading a small pickle, so
+  /// readers of many small pickles (DCP's byte items) extend the one shared() copy instead.
+  explicit Registry(const Registry* base) noexcept : base_(base) {}
+
   Registry& add(std::string qualified, Rule rule) {
     rules_[std::move(qualified)] = std::move(rule);
     return *this;
@@ -11501,18 +11507,26 @@ class Registry {
   }
   [[nodiscard]] const Rule* find(const std::string& qualified) const {
     auto it = rules_.find(qualified);
-    return it == rules_.end() ? nullptr : &it->second;
+    if (it != rules_.end()) return &it->second;
+    return base_ ? base_->find(qualified) : nullptr;
   }
-  [[nodiscard]] std::size_t size() const noexcept { return rules_.size(); }
+  /// Rules of its own, and of the base (rules it overrides counted twice).
+  [[nodiscard]] std::size_t size() const noexcept { return rules_.size() + (base_ ? base_->size() : 0); }
 
   /// Globals torch.load(weights_only=True) accepts (PyTorch 1.13 and 2.x), with the generic
   /// conversions listed at the top of this file, and the data rules beyond that list (numpy,
   /// copyreg; Rule::beyond_weights_only). Tensor rebuild functions are allowed here but only
   /// interpreted once io/torch_file.hpp registers them; without that they become Objects.
   static Registry weights_only();
+  /// One weights_only() registry, built on first use (thread-safe) and never changed.
+  static const Registry& shared() {
+    static const Registry r = weights_only();
+    return r;
+  }
 
  private:
   std::unordered_map<std::string, Rule> rules_;
+  const Registry* base_ = nullptr;
 };
 
 struct options {
@@ -11724,7 +11738,7 @@ class Reader {
  public:
   Reader(std::span<const std::byte> bytes, const options& opts)
       : in_(reinterpret_cast<const unsigned char*>(bytes.data())), size_(bytes.size()), opts_(opts),
-        registry_(opts.registry ? opts.registry : &default_registry()) {}
+        registry_(opts.registry ? opts.registry : &Registry::shared()) {}
 
   Result run();
 
@@ -11747,11 +11761,6 @@ class Reader {
   [[nodiscard]] const options& opts() const noexcept { return opts_; }
 
  private:
-  static const Registry& default_registry() {
-    static const Registry r = Registry::weights_only();
-    return r;
-  }
-
   // ------------------------------------------------------------------------------------------
   // The object graph built while parsing. Containers are mutable until the end (pickle fills
   // them after memoizing them); scalars and strings are small inline nodes (strings are views of
@@ -13593,9 +13602,8 @@ struct write_options {
 /// functions torch.load(weights_only=True) accepts (Registry::weights_only() without the rules
 /// beyond it), or one of `keep`.
 inline bool writable_as_itself(std::string_view qualified, const std::vector<std::string>& keep) {
-  static const Registry allowed = Registry::weights_only();
   const std::string q(qualified);
-  if (const Rule* r = allowed.find(q); r && !r->beyond_weights_only) return true;
+  if (const Rule* r = Registry::shared().find(q); r && !r->beyond_weights_only) return true;
   return std::find(keep.begin(), keep.end(), q) != keep.end();
 }
 
@@ -14424,7 +14432,7 @@ inline const Object& storage_arg(const Value& v) {
 
 /// Registers the tensor rebuild functions torch.save uses.
 inline pickle::Registry torch_registry(const read_context& ctx) {
-  pickle::Registry r = pickle::Registry::weights_only();
+  pickle::Registry r(&pickle::Registry::shared());
   const std::size_t max_rank = ctx.opts->limits.max_rank;
   auto v2 = [&ctx, max_rank](pickle::Call& c, bool v3, bool v1) -> Value {
     const List& a = c.args;
@@ -22780,7 +22788,7 @@ inline Value rebuild(State& st, pickle::Call& c, bool v3) {
 }
 
 inline pickle::Registry registry(State& st) {
-  pickle::Registry r = pickle::Registry::weights_only();
+  pickle::Registry r(&pickle::Registry::shared());
   r.function("torch._utils._rebuild_tensor_v2", [&st](pickle::Call& c) { return rebuild(st, c, false); });
   r.function("torch._utils._rebuild_tensor", [&st](pickle::Call& c) { return rebuild(st, c, false); });
   r.function("torch._utils._rebuild_tensor_v3", [&st](pickle::Call& c) { return rebuild(st, c, true); });

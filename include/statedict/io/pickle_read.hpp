@@ -172,6 +172,12 @@ struct Rule {
 /// The allow-list: qualified global name ("torch._utils._rebuild_tensor_v2") -> Rule.
 class Registry {
  public:
+  Registry() = default;
+  /// A registry that extends `base`: find() looks in its own rules first, then in base's. `base`
+  /// must outlive it. Building weights_only() takes about as long as reading a small pickle, so
+  /// readers of many small pickles (DCP's byte items) extend the one shared() copy instead.
+  explicit Registry(const Registry* base) noexcept : base_(base) {}
+
   Registry& add(std::string qualified, Rule rule) {
     rules_[std::move(qualified)] = std::move(rule);
     return *this;
@@ -182,18 +188,26 @@ class Registry {
   }
   [[nodiscard]] const Rule* find(const std::string& qualified) const {
     auto it = rules_.find(qualified);
-    return it == rules_.end() ? nullptr : &it->second;
+    if (it != rules_.end()) return &it->second;
+    return base_ ? base_->find(qualified) : nullptr;
   }
-  [[nodiscard]] std::size_t size() const noexcept { return rules_.size(); }
+  /// Rules of its own, and of the base (rules it overrides counted twice).
+  [[nodiscard]] std::size_t size() const noexcept { return rules_.size() + (base_ ? base_->size() : 0); }
 
   /// Globals torch.load(weights_only=True) accepts (PyTorch 1.13 and 2.x), with the generic
   /// conversions listed at the top of this file, and the data rules beyond that list (numpy,
   /// copyreg; Rule::beyond_weights_only). Tensor rebuild functions are allowed here but only
   /// interpreted once io/torch_file.hpp registers them; without that they become Objects.
   static Registry weights_only();
+  /// One weights_only() registry, built on first use (thread-safe) and never changed.
+  static const Registry& shared() {
+    static const Registry r = weights_only();
+    return r;
+  }
 
  private:
   std::unordered_map<std::string, Rule> rules_;
+  const Registry* base_ = nullptr;
 };
 
 struct options {

@@ -70,9 +70,8 @@ struct write_options {
 /// functions torch.load(weights_only=True) accepts (Registry::weights_only() without the rules
 /// beyond it), or one of `keep`.
 inline bool writable_as_itself(std::string_view qualified, const std::vector<std::string>& keep) {
-  static const Registry allowed = Registry::weights_only();
   const std::string q(qualified);
-  if (const Rule* r = allowed.find(q); r && !r->beyond_weights_only) return true;
+  if (const Rule* r = Registry::shared().find(q); r && !r->beyond_weights_only) return true;
   return std::find(keep.begin(), keep.end(), q) != keep.end();
 }
 

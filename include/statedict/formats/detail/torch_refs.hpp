@@ -214,7 +214,7 @@ inline Value rebuild(State& st, pickle::Call& c, bool v3) {
 }
 
 inline pickle::Registry registry(State& st) {
-  pickle::Registry r = pickle::Registry::weights_only();
+  pickle::Registry r(&pickle::Registry::shared());
   r.function("torch._utils._rebuild_tensor_v2", [&st](pickle::Call& c) { return rebuild(st, c, false); });
   r.function("torch._utils._rebuild_tensor", [&st](pickle::Call& c) { return rebuild(st, c, false); });
   r.function("torch._utils._rebuild_tensor_v3", [&st](pickle::Call& c) { return rebuild(st, c, true); });

@@ -81,7 +81,7 @@ class Reader {
  public:
   Reader(std::span<const std::byte> bytes, const options& opts)
       : in_(reinterpret_cast<const unsigned char*>(bytes.data())), size_(bytes.size()), opts_(opts),
-        registry_(opts.registry ? opts.registry : &default_registry()) {}
+        registry_(opts.registry ? opts.registry : &Registry::shared()) {}
 
   Result run();
 
@@ -104,11 +104,6 @@ class Reader {
   [[nodiscard]] const options& opts() const noexcept { return opts_; }
 
  private:
-  static const Registry& default_registry() {
-    static const Registry r = Registry::weights_only();
-    return r;
-  }
-
   // ------------------------------------------------------------------------------------------
   // The object graph built while parsing. Containers are mutable until the end (pickle fills
   // them after memoizing them); scalars and strings are small inline nodes (strings are views of

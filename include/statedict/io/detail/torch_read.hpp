@@ -215,7 +215,7 @@ inline const Object& storage_arg(const Value& v) {
 
 /// Registers the tensor rebuild functions torch.save uses.
 inline pickle::Registry torch_registry(const read_context& ctx) {
-  pickle::Registry r = pickle::Registry::weights_only();
+  pickle::Registry r(&pickle::Registry::shared());
   const std::size_t max_rank = ctx.opts->limits.max_rank;
   auto v2 = [&ctx, max_rank](pickle::Call& c, bool v3, bool v1) -> Value {
     const List& a = c.args;
