@@ -3,6 +3,8 @@
 
 #include <statedict/io/file.hpp>
 
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -100,6 +102,82 @@ TEST_CASE("InputFile in pread mode reads without mapping") {
   // A file that shrank after it was opened.
   CHECK(::truncate((d / "a.bin").c_str(), 4) == 0);
   CHECK(id_of([&] { f->read(6, buf); }) == 386);
+}
+
+TEST_CASE("InputFile: drop_sparse_blocks drops the blocks with a few pages cached; read_ahead and cached") {
+  // 8 blocks of 2 MiB. After eviction: block 1 gets three scattered pages read (as a format's
+  // headers are read with pread), block 2 is read whole, block 3 gets 300 of its 512 pages, block 5
+  // a few pages like block 1. Only block 1 is dropped when blocks 0-3 are asked for.
+  const fs::path d = tmp_dir("sparse");
+  constexpr std::uint64_t block = std::uint64_t{2} << 20, page = 4096;
+  std::string content(static_cast<std::size_t>(8 * block), '\0');
+  for (std::size_t i = 0; i < content.size(); ++i) content[i] = static_cast<char>(i * 7 + i / 4096);
+  write_all(d / "f.bin", content);
+  const int fd = ::open((d / "f.bin").c_str(), O_RDONLY | O_CLOEXEC);
+  REQUIRE(fd >= 0);
+  (void)::fdatasync(fd);
+  (void)::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+  auto f = InputFile::open(d / "f.bin");
+  auto count = [&](std::uint64_t from, std::uint64_t pages) {
+    std::vector<unsigned char> in(static_cast<std::size_t>(pages));
+    REQUIRE(::mincore(const_cast<std::byte*>(f->data()) + from, static_cast<std::size_t>(pages * page), in.data()) == 0);
+    std::uint64_t n = 0;
+    for (unsigned char c : in) n += c & 1U;
+    return n;
+  };
+  if (count(0, 8 * block / page) != 0) {
+    MESSAGE("not checked here: the file system keeps the file cached after POSIX_FADV_DONTNEED");
+    ::close(fd);
+    return;
+  }
+  (void)::posix_fadvise(fd, 0, 0, POSIX_FADV_RANDOM);  // each pread reads its own pages only
+  std::vector<char> buf(static_cast<std::size_t>(block));
+  for (std::uint64_t at : {block + 5 * page + 100, block + 200 * page, block + 511 * page, 5 * block + 9 * page})
+    REQUIRE(::pread(fd, buf.data(), 64, static_cast<off_t>(at)) == 64);
+  REQUIRE(::pread(fd, buf.data(), buf.size(), static_cast<off_t>(2 * block)) == static_cast<ssize_t>(block));
+  REQUIRE(::pread(fd, buf.data(), 300 * page, static_cast<off_t>(3 * block)) == static_cast<ssize_t>(300 * page));
+  const std::uint64_t sparse = count(block, 512), partial = count(3 * block, 512);
+  CAPTURE(sparse);
+  REQUIRE(count(0, 512) == 0);
+  REQUIRE(sparse >= 3);
+  REQUIRE(sparse <= 64);
+  REQUIRE(count(2 * block, 512) == 512);
+  REQUIRE(partial >= 300);
+  REQUIRE(count(5 * block, 512) >= 1);
+  CHECK(f->cached(2 * block, block));
+  CHECK_FALSE(f->cached(block, block));
+
+  CHECK(f->drop_sparse_blocks(block / 2, 3 * block, block, 64) == 1);  // blocks 0-3 overlap the range
+  CHECK(count(block, 512) == 0);
+  CHECK(count(2 * block, 512) == 512);
+  CHECK(count(3 * block, 512) == partial);
+  CHECK(count(5 * block, 512) >= 1);  // outside the range
+  CHECK(f->drop_sparse_blocks(0, 4 * block, block, 64) == 0);
+  CHECK(str(std::span<const std::byte>(f->data() + block + 5 * page + 100, 3)) == content.substr(block + 5 * page + 100, 3));
+
+  // read_ahead: the range is cached afterwards, and not mapped in the file's own mapping.
+  auto rss_file_kib = [] {
+    std::ifstream st("/proc/self/status");
+    std::string line;
+    while (std::getline(st, line))
+      if (line.rfind("RssFile:", 0) == 0) return std::stoull(line.substr(8));
+    return 0ULL;
+  };
+  CHECK_FALSE(f->cached(6 * block + 100, block));
+  const auto rss_before = rss_file_kib();
+  CHECK(f->read_ahead(6 * block + 100, block, true));
+  CHECK(rss_file_kib() < rss_before + 1024);  // KiB: the 2 MiB read in is not left mapped
+  CHECK(f->cached(6 * block + 100, block));
+
+  // Unmapped files, empty ranges and blocks that are not whole pages: nothing to do.
+  const auto unmapped = InputFile::open(d / "f.bin", read_mode::pread);
+  CHECK(unmapped->drop_sparse_blocks(0, 8 * block, block, 64) == 0);
+  CHECK_FALSE(unmapped->read_ahead(0, block, true));
+  CHECK_FALSE(unmapped->cached(2 * block, block));
+  CHECK(f->drop_sparse_blocks(0, 8 * block, block + 1, 64) == 0);
+  CHECK(f->drop_sparse_blocks(8 * block, block, block, 64) == 0);
+  CHECK_FALSE(f->read_ahead(8 * block, block, true));
+  ::close(fd);
 }
 
 TEST_CASE("InputFile refuses what it cannot open") {

@@ -20,6 +20,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdint>
@@ -148,6 +149,66 @@ class InputFile final : public ByteSource {
       case access_hint::large_folios: advice = MADV_HUGEPAGE; break;
     }
     (void)::madvise(static_cast<char*>(h_->map) + begin, static_cast<std::size_t>(end - begin), advice);
+  }
+
+  /// Drops the cached pages of each aligned `block`-byte block overlapping [offset, offset +
+  /// length) that has some, but at most `max_cached`, of its pages cached (mapped files only;
+  /// pages mapped or dirty stay). A few 4 KiB pages cached inside a block, as reading a format's
+  /// headers with pread leaves them, keep the block from being read into one large folio later
+  /// (the kernel forms a folio only over pages not yet cached); a copy through the mapping then
+  /// pays a page-table entry per 4 KiB of the block, on every warm run after. Returns the number
+  /// of blocks dropped.
+  std::uint64_t drop_sparse_blocks(std::uint64_t offset, std::uint64_t length, std::uint64_t block,
+                                   std::uint64_t max_cached) const {
+    const auto page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+    if (!h_->map || page == 0 || block < page || block % page != 0 || offset >= h_->size || length == 0) return 0;
+    const std::uint64_t per_block = block / page;
+    const std::uint64_t chunk = block * 32;  // mincore 32 blocks at a time: 16 KiB of state for 2 MiB blocks
+    std::vector<unsigned char> cached(static_cast<std::size_t>(chunk / page));
+    const std::uint64_t end = std::min(h_->size, offset + std::min(length, h_->size - offset));
+    std::uint64_t dropped = 0;
+    for (std::uint64_t at = offset / block * block; at < end; at += chunk) {
+      const std::uint64_t len = std::min({chunk, h_->size - at, (end - at + block - 1) / block * block});
+      if (::mincore(static_cast<char*>(h_->map) + at, static_cast<std::size_t>(len), cached.data()) != 0) return dropped;
+      const std::uint64_t pages = (len + page - 1) / page;
+      for (std::uint64_t b = 0; b < pages; b += per_block) {
+        const std::uint64_t n = std::min(per_block, pages - b);
+        std::uint64_t in = 0;
+        for (std::uint64_t i = b; i < b + n; ++i) in += cached[static_cast<std::size_t>(i)] & 1U;
+        if (in == 0 || in == n || in > max_cached) continue;
+        (void)::posix_fadvise(h_->fd, static_cast<off_t>(at + b * page), static_cast<off_t>(n * page), POSIX_FADV_DONTNEED);
+        ++dropped;
+      }
+    }
+    return dropped;
+  }
+
+  /// Whether every page of [offset, offset + length) is in the page cache (mapped files only;
+  /// false when the kernel does not tell). At most 64 MiB at a time.
+  bool cached(std::uint64_t offset, std::uint64_t length) const {
+    const auto page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+    if (!h_->map || page == 0 || offset >= h_->size || length == 0 || length > (std::uint64_t{64} << 20)) return false;
+    const std::uint64_t lo = offset / page * page, hi = std::min(h_->size, offset + length);
+    std::vector<unsigned char> in(static_cast<std::size_t>((hi - lo + page - 1) / page));
+    return ::mincore(static_cast<char*>(h_->map) + lo, static_cast<std::size_t>(hi - lo), in.data()) == 0 &&
+           std::all_of(in.begin(), in.end(), [](unsigned char c) { return (c & 1U) != 0; });
+  }
+
+  /// Reads [offset, offset + length) into the page cache through a mapping of its own (with
+  /// large_folios, advised MADV_HUGEPAGE: read in 2 MiB folios) that is gone again on return, so
+  /// nothing stays mapped in this file's mapping. Mapped files only; false when it could not map.
+  /// The kernel's own readahead (POSIX_FADV_WILLNEED) reads in 4 KiB folios.
+  bool read_ahead(std::uint64_t offset, std::uint64_t length, bool large_folios) const {
+    constexpr std::uint64_t align = std::uint64_t{2} << 20;
+    if (!h_->map || offset >= h_->size || length == 0) return false;
+    const std::uint64_t lo = offset / align * align;
+    const std::uint64_t hi = std::min(h_->size, offset + std::min(length, h_->size - offset));
+    void* p = ::mmap(nullptr, static_cast<std::size_t>(hi - lo), PROT_READ, MAP_SHARED, h_->fd, static_cast<off_t>(lo));
+    if (p == MAP_FAILED) return false;
+    if (large_folios) (void)::madvise(p, static_cast<std::size_t>(hi - lo), MADV_HUGEPAGE);
+    (void)::madvise(p, static_cast<std::size_t>(hi - lo), 22);  // MADV_POPULATE_READ
+    ::munmap(p, static_cast<std::size_t>(hi - lo));
+    return true;
   }
 
  private:
