@@ -356,7 +356,7 @@ bool thp_on_request() {
 }
 }  // namespace
 
-TEST_CASE("mapped sources are read into the page cache in 2 MiB folios (exec_options::large_folios)") {
+TEST_CASE("mapped sources are read into the page cache in 2 MiB folios (exec_options::large_folios), pages read with pread before or not") {
   // Read in through a mapping without MADV_HUGEPAGE, a file is cached in 4 KiB folios, and every
   // later copy out of it pays a page-table entry (and a lookup) per 4 KiB.
   std::vector<TensorInfo> tensors;
@@ -382,10 +382,24 @@ TEST_CASE("mapped sources are read into the page cache in 2 MiB folios (exec_opt
   // A 2 MiB folio needs 2 MiB of free memory in one piece, which the kernel tries once to make
   // (compaction) and otherwise falls back to small folios: up to three tries, each from a cold
   // cache. Without the advice every try finds no page in a 2 MiB folio.
+  // Before each copy, one 4 KiB page every 300 KB of each rank file is read with pread, as a
+  // reader of a format's headers does (a .pt has a zip header per storage): a 2 MiB folio cannot
+  // be formed over a cached page, so without dropping those pages again first the copy would read
+  // the whole file in 4 KiB folios.
+  auto read_headers = [&](const fs::path& p) {
+    const int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
+    REQUIRE(fd >= 0);
+    (void)::posix_fadvise(fd, 0, 0, POSIX_FADV_RANDOM);
+    char b[64];
+    for (std::uint64_t at = 4096; at + sizeof b < fs::file_size(p); at += 300 << 10)
+      REQUIRE(::pread(fd, b, sizeof b, static_cast<off_t>(at)) == static_cast<ssize_t>(sizeof b));
+    ::close(fd);
+  };
   std::size_t large = 0, cached = 0;
   for (int attempt = 0; attempt < 3; ++attempt) {
     if (attempt > 0)
       for (const auto& name : z4.names) REQUIRE(evict(d4 / name));
+    for (const auto& name : z4.names) read_headers(d4 / name);
     const ShardedCheckpoint src = open_files(z4, d4, read_mode::mmap);
     const fs::path out = scratch("folios-one");
     (void)write_files(src, one, out, exec_options{});
@@ -403,6 +417,49 @@ TEST_CASE("mapped sources are read into the page cache in 2 MiB folios (exec_opt
   CAPTURE(cached);
   CHECK(cached >= 4 * 4096 - 64);  // every rank file was read in whole (64 MiB in 4 KiB pages)
   CHECK(large * 2 >= cached);  // at least half of it in 2 MiB folios
+}
+
+TEST_CASE("exec_options::read_ahead: cold mapped sources are read ahead of the copy, cached ones not") {
+  std::vector<TensorInfo> tensors;
+  for (int i = 0; i < 16; ++i) tensors.push_back({"t" + std::to_string(i), dtype::F32, {std::uint64_t{1} << 19}, {}});
+  const Destination one = layout::single(tensors, "one");
+  bytes data(static_cast<std::size_t>(one.sizes[0]));
+  std::mt19937_64 rng(5);
+  for (auto& b : data) b = static_cast<std::byte>(rng());
+  const ShardedCheckpoint mem = layout::as_checkpoint(one, {MemorySource::copy_of("one", data)});
+  std::vector<std::vector<std::size_t>> groups(1);
+  for (std::size_t i = 0; i < tensors.size(); ++i) groups[0].push_back(i);
+  const Destination z2 = layout::zero3(tensors, groups, 2);
+  const fs::path d2 = scratch("ahead-z2");
+  (void)write_files(mem, z2, d2, exec_options{});  // 2 rank files of 16 MiB
+  bool evicted = true;
+  for (const auto& name : z2.names) evicted = evict(d2 / name) && evicted;
+  if (!evicted) {
+    MESSAGE("not checked here: the rank files stay cached after POSIX_FADV_DONTNEED");
+    return;
+  }
+  auto consolidate = [&](std::uint64_t ahead, unsigned threads) {
+    const ShardedCheckpoint src = open_files(z2, d2, read_mode::mmap);
+    exec_options opt;
+    opt.read_ahead = ahead;
+    opt.threads = threads;
+    const fs::path out = scratch("ahead-one");
+    const exec_stats st = write_files(src, one, out, opt);
+    CHECK(read_file(out / "one") == data);
+    return st.bytes_read_ahead;
+  };
+  CHECK(consolidate(0, 2) == 0);  // off
+  // The helper starts before the copy and reads its first 8 MiB step at once; a machine too busy
+  // to run it before the copy is done gets three tries.
+  std::uint64_t cold = 0;
+  for (int attempt = 0; attempt < 3 && cold == 0; ++attempt) {
+    for (const auto& name : z2.names) REQUIRE(evict(d2 / name));
+    cold = consolidate(std::uint64_t{4} << 20, 1);
+  }
+  CAPTURE(cold);
+  CHECK(cold > 0);
+  CHECK(cold <= 32 * (std::uint64_t{1} << 20));
+  CHECK(consolidate(std::uint64_t{64} << 20, 2) == 0);  // all cached now: nothing to read
 }
 
 TEST_CASE("mapped sources: every page a copy mapped is released again, fault-around windows included") {

@@ -9,7 +9,10 @@
 // the pages an item has consumed are released (MADV_DONTNEED), so file-backed memory does not
 // accumulate either; sources without a mapping (`--io pread`) are read with pread. Mapped files
 // are advised MADV_SEQUENTIAL and MADV_HUGEPAGE (exec_options::large_folios): what the copy reads
-// in from disk is cached in 2 MiB folios, which later copies map with one entry each.
+// in from disk is cached in 2 MiB folios, which later copies map with one entry each. Before the
+// copy, blocks of 2 MiB it reads that hold only a few cached pages (a format's headers, read with
+// pread) are dropped, so they too can be read in whole; and a helper thread reads the ranges the
+// plan reads ahead of the copy (exec_options::read_ahead), skipping what is cached.
 //
 // Copy paths for runs that need no conversion, in the order they are tried:
 //   * copy_file_range between the source file and the destination file (when asked for:
@@ -46,6 +49,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cerrno>
 #include <cstdint>
@@ -270,6 +274,40 @@ inline void advise_sources(std::span<const std::shared_ptr<const ByteSource>> so
   }
 }
 
+/// A byte range of a mapped file that the plan reads.
+struct file_extent {
+  const InputFile* file = nullptr;
+  std::uint64_t lo = 0, hi = 0;
+};
+
+/// The mapped file and range under [offset, offset + length) of a source, if it has one.
+inline std::optional<file_extent> extent_of(const ByteSource& s, std::uint64_t offset, std::uint64_t length) {
+  if (const auto* f = dynamic_cast<const InputFile*>(&s)) {
+    if (!f->data() || offset >= f->size()) return std::nullopt;
+    return file_extent{f, offset, offset + std::min(length, f->size() - offset)};
+  }
+  if (const auto* sl = dynamic_cast<const SliceSource*>(&s)) return extent_of(*sl->base(), sl->offset() + offset, length);
+  return std::nullopt;
+}
+
+/// The mapped ranges the plan's operations read, in plan order, neighbours less than 64 KiB
+/// apart in one file joined.
+inline std::vector<file_extent> read_extents(const Plan& plan, std::span<const std::shared_ptr<const ByteSource>> sources) {
+  std::vector<file_extent> out;
+  for (const CopyOp& o : plan.ops) {
+    if (o.src >= sources.size() || !sources[o.src] || o.reps == 0 || o.count == 0) continue;
+    const std::uint64_t len = (o.reps - 1) * o.src_step + o.count * itemsize(o.src_dtype);
+    const auto e = extent_of(*sources[o.src], o.src_offset, len);
+    if (!e) continue;
+    if (!out.empty() && out.back().file == e->file && e->lo >= out.back().lo && e->lo <= out.back().hi + (64 << 10)) {
+      out.back().hi = std::max(out.back().hi, e->hi);
+    } else {
+      out.push_back(*e);
+    }
+  }
+  return out;
+}
+
 struct exec_shared {
   const Plan& plan;
   std::span<const std::shared_ptr<const ByteSource>> sources;
@@ -286,6 +324,9 @@ struct exec_shared {
   std::mutex error_mutex;
   std::exception_ptr error;
   std::atomic<std::uint64_t> done{0}, in_kernel{0}, from_mapping{0}, converted{0}, compared{0};
+  std::atomic<std::uint64_t> consumed{0};  ///< bytes of mapped sources the copy has used (paces read_ahead)
+  std::atomic<bool> copied{false};         ///< the workers are done
+  std::atomic<std::uint64_t> read_ahead_bytes{0};
   std::uint64_t total = 0;
   std::uint64_t progress_step = 1;
   std::atomic<std::uint64_t> next_report{0};
@@ -307,6 +348,30 @@ struct exec_shared {
     opt.progress(std::min(done.load(), total), total);
   }
 };
+
+/// Reads the plan's mapped ranges into the page cache ahead of the workers, 8 MiB at a time,
+/// at most opt.read_ahead bytes ahead of what they have used. Best effort: what it cannot read
+/// (no memory for a mapping, an I/O error) is left to the copy's own faults, which report it.
+inline void read_ahead(exec_shared& s, const std::vector<file_extent>& extents) noexcept try {
+  constexpr std::uint64_t step = std::uint64_t{8} << 20;
+  std::uint64_t issued = 0;
+  for (const file_extent& e : extents) {
+    for (std::uint64_t at = e.lo; at < e.hi;) {
+      const std::uint64_t n = std::min(step, e.hi - at);
+      if (s.copied.load() || s.stop.load()) return;
+      if (!e.file->cached(at, n)) {  // what is cached costs no wait: a warm run passes straight through
+        while (issued > s.consumed.load(std::memory_order_relaxed) + s.opt.read_ahead) {
+          if (s.copied.load() || s.stop.load()) return;
+          std::this_thread::sleep_for(std::chrono::milliseconds(2));
+        }
+        if (e.file->read_ahead(at, n, s.opt.large_folios)) s.read_ahead_bytes.fetch_add(n);
+      }
+      issued += n;
+      at += n;
+    }
+  }
+} catch (...) {
+}
 
 class exec_worker {
  public:
@@ -591,6 +656,7 @@ class exec_worker {
 
   void touch(std::uint32_t src, std::uint64_t off, std::uint64_t len) {
     if (!s_.opt.release_source_pages || !s_.sources[src]->data()) return;
+    s_.consumed.fetch_add(len, std::memory_order_relaxed);
     if (!touched_.empty()) {
       auto& t = touched_.back();
       if (t.src == src && off <= t.hi && off + len >= t.lo) {
@@ -844,10 +910,22 @@ inline exec_stats execute(const Plan& plan, std::span<const std::shared_ptr<cons
   {
     std::vector<std::unique_ptr<detail::exec_worker>> workers;
     for (unsigned t = 0; t < threads; ++t) workers.push_back(std::make_unique<detail::exec_worker>(s));
+    std::thread ahead;
+    if (opt.release_source_pages && opt.large_folios) {
+      std::vector<detail::file_extent> extents = detail::read_extents(plan, sources);
+      // A few pages cached in a 2 MiB block the copy reads (a format's headers, read with pread)
+      // would keep the whole block in 4 KiB folios: they are dropped first (docs/planner.md).
+      for (const detail::file_extent& e : extents)
+        (void)e.file->drop_sparse_blocks(e.lo, e.hi - e.lo, detail::large_folio_window, detail::large_folio_window / 4096 / 8);
+      if (opt.read_ahead > 0 && !extents.empty())
+        ahead = std::thread([&s, extents = std::move(extents)] { detail::read_ahead(s, extents); });
+    }
     std::vector<std::thread> pool;
     for (unsigned t = 1; t < threads; ++t) pool.emplace_back([&, t] { workers[t]->run(); });
     workers[0]->run();
     for (auto& th : pool) th.join();
+    s.copied.store(true);
+    if (ahead.joinable()) ahead.join();
   }
   if (s.error) std::rethrow_exception(s.error);
   for (std::size_t d = 0; d < sinks.size(); ++d)
@@ -860,6 +938,7 @@ inline exec_stats execute(const Plan& plan, std::span<const std::shared_ptr<cons
   st.bytes_from_mapping = s.from_mapping.load();
   st.bytes_converted = s.converted.load();
   st.elements_compared = s.compared.load();
+  st.bytes_read_ahead = s.read_ahead_bytes.load();
   st.buffer_bytes = s.ledger.peak();
   st.block_bytes = s.block;
   st.work_items = s.items.size();
