@@ -5888,10 +5888,12 @@ struct exec_options {
   bool large_folios = true;
   /// Bytes of mapped sources a helper thread reads into the page cache ahead of the copy (0: none;
   /// with large_folios and release_source_pages only): the ranges the plan reads, in plan order,
-  /// 8 MiB at a time, what is cached already skipped, in 2 MiB folios. Without it a cold source
-  /// in 2 MiB folios is read by the copy's own faults, each waited for. Cold runs against the code
-  /// without it: `.pt` -> `.safetensors` (3 GiB, 10,005 tensors) 4.57 s against 5.31 s (`cp` +
-  /// `sync` 5.01 s), ZeRO-3 8 ranks -> one `.safetensors` 1.42 s against 1.67 s (docs/planner.md).
+  /// 8 MiB at a time, what is cached already skipped, in 2 MiB folios; for jobs that read 16 MiB
+  /// or more (a thread for each small read_tensor() would cost more than it saves). Without it a
+  /// cold source in 2 MiB folios is read by the copy's own faults, each waited for. Cold runs
+  /// against the code without it: `.pt` -> `.safetensors` (3 GiB, 10,005 tensors) 4.57 s against
+  /// 5.31 s (`cp` + `sync` 5.01 s), ZeRO-3 8 ranks -> one `.safetensors` 1.42 s against 1.67 s
+  /// (docs/planner.md).
   std::uint64_t read_ahead = std::uint64_t{64} << 20;
   /// Read sources that have a file descriptor with pread, even when they are mapped, rather than
   /// writing from or casting out of the mapping (two copies of each byte instead of one). Off: a
@@ -18662,11 +18664,14 @@ struct exec_shared {
   }
 };
 
+/// What the read-ahead helper reads at a time.
+inline constexpr std::uint64_t read_ahead_step = std::uint64_t{8} << 20;
+
 /// Reads the plan's mapped ranges into the page cache ahead of the workers, 8 MiB at a time,
 /// at most opt.read_ahead bytes ahead of what they have used. Best effort: what it cannot read
 /// (no memory for a mapping, an I/O error) is left to the copy's own faults, which report it.
 inline void read_ahead(exec_shared& s, const std::vector<file_extent>& extents) noexcept try {
-  constexpr std::uint64_t step = std::uint64_t{8} << 20;
+  constexpr std::uint64_t step = read_ahead_step;
   std::uint64_t issued = 0;
   for (const file_extent& e : extents) {
     for (std::uint64_t at = e.lo; at < e.hi;) {
@@ -19230,7 +19235,11 @@ inline exec_stats execute(const Plan& plan, std::span<const std::shared_ptr<cons
       // would keep the whole block in 4 KiB folios: they are dropped first (docs/planner.md).
       for (const detail::file_extent& e : extents)
         (void)e.file->drop_sparse_blocks(e.lo, e.hi - e.lo, detail::large_folio_window, detail::large_folio_window / 4096 / 8);
-      if (opt.read_ahead > 0 && !extents.empty())
+      // A small job (a tensor read with read_tensor) is left to the faults' own 4 MiB readahead:
+      // no thread is started for fewer bytes than two of the helper's steps.
+      std::uint64_t reads = 0;
+      for (const detail::file_extent& e : extents) reads += e.hi - e.lo;
+      if (opt.read_ahead > 0 && reads >= 2 * detail::read_ahead_step)
         ahead = std::thread([&s, extents = std::move(extents)] { detail::read_ahead(s, extents); });
     }
     std::vector<std::thread> pool;

@@ -349,11 +349,14 @@ struct exec_shared {
   }
 };
 
+/// What the read-ahead helper reads at a time.
+inline constexpr std::uint64_t read_ahead_step = std::uint64_t{8} << 20;
+
 /// Reads the plan's mapped ranges into the page cache ahead of the workers, 8 MiB at a time,
 /// at most opt.read_ahead bytes ahead of what they have used. Best effort: what it cannot read
 /// (no memory for a mapping, an I/O error) is left to the copy's own faults, which report it.
 inline void read_ahead(exec_shared& s, const std::vector<file_extent>& extents) noexcept try {
-  constexpr std::uint64_t step = std::uint64_t{8} << 20;
+  constexpr std::uint64_t step = read_ahead_step;
   std::uint64_t issued = 0;
   for (const file_extent& e : extents) {
     for (std::uint64_t at = e.lo; at < e.hi;) {
@@ -917,7 +920,11 @@ inline exec_stats execute(const Plan& plan, std::span<const std::shared_ptr<cons
       // would keep the whole block in 4 KiB folios: they are dropped first (docs/planner.md).
       for (const detail::file_extent& e : extents)
         (void)e.file->drop_sparse_blocks(e.lo, e.hi - e.lo, detail::large_folio_window, detail::large_folio_window / 4096 / 8);
-      if (opt.read_ahead > 0 && !extents.empty())
+      // A small job (a tensor read with read_tensor) is left to the faults' own 4 MiB readahead:
+      // no thread is started for fewer bytes than two of the helper's steps.
+      std::uint64_t reads = 0;
+      for (const detail::file_extent& e : extents) reads += e.hi - e.lo;
+      if (opt.read_ahead > 0 && reads >= 2 * detail::read_ahead_step)
         ahead = std::thread([&s, extents = std::move(extents)] { detail::read_ahead(s, extents); });
     }
     std::vector<std::thread> pool;

@@ -51,10 +51,12 @@ struct exec_options {
   bool large_folios = true;
   /// Bytes of mapped sources a helper thread reads into the page cache ahead of the copy (0: none;
   /// with large_folios and release_source_pages only): the ranges the plan reads, in plan order,
-  /// 8 MiB at a time, what is cached already skipped, in 2 MiB folios. Without it a cold source
-  /// in 2 MiB folios is read by the copy's own faults, each waited for. Cold runs against the code
-  /// without it: `.pt` -> `.safetensors` (3 GiB, 10,005 tensors) 4.57 s against 5.31 s (`cp` +
-  /// `sync` 5.01 s), ZeRO-3 8 ranks -> one `.safetensors` 1.42 s against 1.67 s (docs/planner.md).
+  /// 8 MiB at a time, what is cached already skipped, in 2 MiB folios; for jobs that read 16 MiB
+  /// or more (a thread for each small read_tensor() would cost more than it saves). Without it a
+  /// cold source in 2 MiB folios is read by the copy's own faults, each waited for. Cold runs
+  /// against the code without it: `.pt` -> `.safetensors` (3 GiB, 10,005 tensors) 4.57 s against
+  /// 5.31 s (`cp` + `sync` 5.01 s), ZeRO-3 8 ranks -> one `.safetensors` 1.42 s against 1.67 s
+  /// (docs/planner.md).
   std::uint64_t read_ahead = std::uint64_t{64} << 20;
   /// Read sources that have a file descriptor with pread, even when they are mapped, rather than
   /// writing from or casting out of the mapping (two copies of each byte instead of one). Off: a
