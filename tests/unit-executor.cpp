@@ -483,16 +483,26 @@ TEST_CASE("mapped sources: every page a copy mapped is released again, fault-aro
   const fs::path d8 = scratch("rss-z8");
   (void)write_files(mem, z8, d8, exec_options{});
   for (unsigned threads : {1U, 2U}) {
-    CAPTURE(threads);
-    const ShardedCheckpoint src = open_files(z8, d8, read_mode::mmap);
-    const std::uint64_t before = rss_file_kib();
-    exec_options opt;
-    opt.threads = threads;
-    const fs::path out = scratch("rss-one");
-    (void)write_files(src, one, out, opt);
-    const std::uint64_t after = rss_file_kib();
-    CHECK(after <= before + 512);  // KiB: what a copy of 24 MB leaves mapped
-    CHECK(read_file(out / "one") == data);
+    for (std::uint64_t release_after : {std::uint64_t{0}, exec_options{}.release_after}) {
+      CAPTURE(threads);
+      CAPTURE(release_after);
+      const ShardedCheckpoint src = open_files(z8, d8, read_mode::mmap);
+      const std::uint64_t before = rss_file_kib();
+      exec_options opt;
+      opt.threads = threads;
+      opt.release_after = release_after;
+      const fs::path out = scratch("rss-one");
+      const exec_stats st = write_files(src, one, out, opt);
+      const std::uint64_t after = rss_file_kib();
+      CHECK(after <= before + 512);  // KiB: what a copy of 24 MB leaves mapped
+      CHECK(read_file(out / "one") == data);
+      // Each work item is a piece of one rank file. Released after every item, that is a range
+      // per item; held until 8 MiB, the pieces of a rank in a row are one range.
+      if (release_after == 0)
+        CHECK(st.ranges_released >= st.work_items);
+      else
+        CHECK(st.ranges_released <= 8 * (one.sizes[0] / release_after + 2 * threads));
+    }
   }
 }
 

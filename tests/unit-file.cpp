@@ -155,6 +155,19 @@ TEST_CASE("InputFile: drop_sparse_blocks drops the blocks with a few pages cache
   CHECK(f->drop_sparse_blocks(0, 4 * block, block, 64) == 0);
   CHECK(str(std::span<const std::byte>(f->data() + block + 5 * page + 100, 3)) == content.substr(block + 5 * page + 100, 3));
 
+  // cached(..., sample_every) asks about the sampled pages and the last one only; a block whose
+  // sampled pages are cached but not the rest is still found sparse and dropped.
+  for (std::uint64_t p : std::array<std::uint64_t, 3>{0, 256, 511}) REQUIRE(::pread(fd, buf.data(), 64, static_cast<off_t>(4 * block + p * page)) == 64);
+  REQUIRE(count(4 * block, 512) == 3);
+  CHECK_FALSE(f->cached(4 * block, block));
+  CHECK(f->cached(4 * block, block, 256 * page));
+  CHECK_FALSE(f->cached(4 * block, block, 128 * page));  // page 128 is not cached
+  CHECK(f->cached(4 * block + 100, 256 * page, 256 * page));  // pages 0 and 256
+  CHECK(f->cached(2 * block, block, 64 * page));
+  CHECK_FALSE(f->cached(5 * block, block, 64 * page));
+  CHECK(f->drop_sparse_blocks(4 * block, block, block, 64) == 1);
+  CHECK(count(4 * block, 512) == 0);
+
   // read_ahead: the range is cached afterwards, and not mapped in the file's own mapping.
   auto rss_file_kib = [] {
     std::ifstream st("/proc/self/status");

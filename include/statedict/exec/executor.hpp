@@ -327,6 +327,7 @@ struct exec_shared {
   std::atomic<std::uint64_t> consumed{0};  ///< bytes of mapped sources the copy has used (paces read_ahead)
   std::atomic<bool> copied{false};         ///< the workers are done
   std::atomic<std::uint64_t> read_ahead_bytes{0};
+  std::atomic<std::uint64_t> ranges_released{0};
   std::uint64_t total = 0;
   std::uint64_t progress_step = 1;
   std::atomic<std::uint64_t> next_report{0};
@@ -362,7 +363,9 @@ inline void read_ahead(exec_shared& s, const std::vector<file_extent>& extents) 
     for (std::uint64_t at = e.lo; at < e.hi;) {
       const std::uint64_t n = std::min(step, e.hi - at);
       if (s.copied.load() || s.stop.load()) return;
-      if (!e.file->cached(at, n)) {  // what is cached costs no wait: a warm run passes straight through
+      // What is cached costs no wait: a warm run passes straight through. A page per MiB is asked
+      // about (mincore looks up every page it is given): this helper reads whole steps.
+      if (!e.file->cached(at, n, std::uint64_t{1} << 20)) {
         while (issued > s.consumed.load(std::memory_order_relaxed) + s.opt.read_ahead) {
           if (s.copied.load() || s.stop.load()) return;
           std::this_thread::sleep_for(std::chrono::milliseconds(2));
@@ -385,12 +388,13 @@ class exec_worker {
     try {
       std::uint32_t prev = exec_item::no_dst;
       for (;;) {
-        if (s_.stop.load()) return;
+        if (s_.stop.load()) break;
         const std::size_t i = s_.scheduler.take(s_.items, prev, s_.stop);
-        if (i >= s_.items.size()) return;
+        if (i >= s_.items.size()) break;
         do_item(s_.items[i]);
         prev = s_.items[i].dst;
       }
+      release();
     } catch (...) {
       {
         std::lock_guard<std::mutex> lock(s_.error_mutex);
@@ -420,7 +424,7 @@ class exec_worker {
         break;
     }
     flush();
-    release();
+    release_some();
   }
 
   // ---- copies --------------------------------------------------------------------------------
@@ -657,24 +661,36 @@ class exec_worker {
 
   // ---- pages of mapped sources ----------------------------------------------------------------
 
+  /// Notes that [off, off + len) of mapped source `src` is being used; released once the ranges
+  /// this thread holds reach opt.release_after bytes. A range within one release window of
+  /// another of the same source extends it (the windows around them would overlap anyway).
   void touch(std::uint32_t src, std::uint64_t off, std::uint64_t len) {
     if (!s_.opt.release_source_pages || !s_.sources[src]->data()) return;
     s_.consumed.fetch_add(len, std::memory_order_relaxed);
-    if (!touched_.empty()) {
-      auto& t = touched_.back();
-      if (t.src == src && off <= t.hi && off + len >= t.lo) {
-        t.lo = std::min(t.lo, off);
-        t.hi = std::max(t.hi, off + len);
-        return;
-      }
+    const std::uint64_t gap = release_window();
+    for (auto& t : touched_) {
+      if (t.src != src || off > t.hi + gap || off + len + gap < t.lo) continue;
+      touched_bytes_ -= t.hi - t.lo;
+      t.lo = std::min(t.lo, off);
+      t.hi = std::max(t.hi, off + len);
+      touched_bytes_ += t.hi - t.lo;
+      return;
     }
     if (touched_.size() >= 64) release();
     touched_.push_back({src, off, off + len});
+    touched_bytes_ += len;
+  }
+  void release_some() {
+    if (touched_bytes_ >= s_.opt.release_after) release();
   }
   void release() {
-    const std::uint64_t window = s_.opt.large_folios ? large_folio_window : fault_around_window;
-    for (const auto& t : touched_) release_pages(*s_.sources[t.src], t.lo, t.hi - t.lo, window);
+    for (const auto& t : touched_) release_pages(*s_.sources[t.src], t.lo, t.hi - t.lo, release_window());
+    s_.ranges_released.fetch_add(touched_.size(), std::memory_order_relaxed);
     touched_.clear();
+    touched_bytes_ = 0;
+  }
+  [[nodiscard]] std::uint64_t release_window() const noexcept {
+    return s_.opt.large_folios ? large_folio_window : fault_around_window;
   }
 
   // ---- replica checks --------------------------------------------------------------------------
@@ -749,6 +765,7 @@ class exec_worker {
   Sink* acc_sink_ = nullptr;
   std::uint64_t acc_off_ = 0, acc_len_ = 0;
   std::vector<range> touched_;
+  std::uint64_t touched_bytes_ = 0;
 };
 
 }  // namespace detail
@@ -946,6 +963,7 @@ inline exec_stats execute(const Plan& plan, std::span<const std::shared_ptr<cons
   st.bytes_converted = s.converted.load();
   st.elements_compared = s.compared.load();
   st.bytes_read_ahead = s.read_ahead_bytes.load();
+  st.ranges_released = s.ranges_released.load();
   st.buffer_bytes = s.ledger.peak();
   st.block_bytes = s.block;
   st.work_items = s.items.size();

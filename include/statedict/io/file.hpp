@@ -163,32 +163,34 @@ class InputFile final : public ByteSource {
     const auto page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
     if (!h_->map || page == 0 || block < page || block % page != 0 || offset >= h_->size || length == 0) return 0;
     const std::uint64_t per_block = block / page;
-    const std::uint64_t chunk = block * 32;  // mincore 32 blocks at a time: 16 KiB of state for 2 MiB blocks
-    std::vector<unsigned char> cached(static_cast<std::size_t>(chunk / page));
+    std::vector<unsigned char> cached(static_cast<std::size_t>(per_block));
     const std::uint64_t end = std::min(h_->size, offset + std::min(length, h_->size - offset));
     std::uint64_t dropped = 0;
-    for (std::uint64_t at = offset / block * block; at < end; at += chunk) {
-      const std::uint64_t len = std::min({chunk, h_->size - at, (end - at + block - 1) / block * block});
+    for (std::uint64_t at = offset / block * block; at < end; at += block) {
+      const std::uint64_t len = std::min(block, h_->size - at);
+      // mincore looks up every page it is asked about: a block whose sampled pages are all cached
+      // (every block of a warm run) is taken as whole without asking about its other pages.
+      if (sampled_cached(at, len, std::max(page, block / 4 / page * page))) continue;
       if (::mincore(static_cast<char*>(h_->map) + at, static_cast<std::size_t>(len), cached.data()) != 0) return dropped;
-      const std::uint64_t pages = (len + page - 1) / page;
-      for (std::uint64_t b = 0; b < pages; b += per_block) {
-        const std::uint64_t n = std::min(per_block, pages - b);
-        std::uint64_t in = 0;
-        for (std::uint64_t i = b; i < b + n; ++i) in += cached[static_cast<std::size_t>(i)] & 1U;
-        if (in == 0 || in == n || in > max_cached) continue;
-        (void)::posix_fadvise(h_->fd, static_cast<off_t>(at + b * page), static_cast<off_t>(n * page), POSIX_FADV_DONTNEED);
-        ++dropped;
-      }
+      const std::uint64_t n = (len + page - 1) / page;
+      std::uint64_t in = 0;
+      for (std::uint64_t i = 0; i < n; ++i) in += cached[static_cast<std::size_t>(i)] & 1U;
+      if (in == 0 || in == n || in > max_cached) continue;
+      (void)::posix_fadvise(h_->fd, static_cast<off_t>(at), static_cast<off_t>(n * page), POSIX_FADV_DONTNEED);
+      ++dropped;
     }
     return dropped;
   }
 
   /// Whether every page of [offset, offset + length) is in the page cache (mapped files only;
-  /// false when the kernel does not tell). At most 64 MiB at a time.
-  bool cached(std::uint64_t offset, std::uint64_t length) const {
+  /// false when the kernel does not tell). At most 64 MiB at a time. With `sample_every` (a
+  /// multiple of the page size), only the pages at offset, offset + sample_every, ... and the last
+  /// one are asked about: a few lookups in the kernel where every page costs one.
+  bool cached(std::uint64_t offset, std::uint64_t length, std::uint64_t sample_every = 0) const {
     const auto page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
     if (!h_->map || page == 0 || offset >= h_->size || length == 0 || length > (std::uint64_t{64} << 20)) return false;
     const std::uint64_t lo = offset / page * page, hi = std::min(h_->size, offset + length);
+    if (sample_every >= page && sample_every % page == 0) return sampled_cached(lo, hi - lo, sample_every);
     std::vector<unsigned char> in(static_cast<std::size_t>((hi - lo + page - 1) / page));
     return ::mincore(static_cast<char*>(h_->map) + lo, static_cast<std::size_t>(hi - lo), in.data()) == 0 &&
            std::all_of(in.begin(), in.end(), [](unsigned char c) { return (c & 1U) != 0; });
@@ -212,6 +214,18 @@ class InputFile final : public ByteSource {
   }
 
  private:
+  /// Whether the pages at `lo` (page-aligned), lo + stride, ... below lo + length, and the range's
+  /// last page, are all cached (mapped files only).
+  bool sampled_cached(std::uint64_t lo, std::uint64_t length, std::uint64_t stride) const noexcept {
+    const auto page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+    const std::uint64_t last = (lo + length - 1) / page * page;
+    unsigned char in = 0;
+    for (std::uint64_t at = lo;; at = std::min(at + stride, last)) {
+      if (::mincore(static_cast<char*>(h_->map) + at, static_cast<std::size_t>(page), &in) != 0 || (in & 1U) == 0) return false;
+      if (at == last) return true;
+    }
+  }
+
   void pread_all(std::uint64_t offset, std::span<std::byte> dst) const {
     std::size_t done = 0;
     while (done < dst.size()) {
