@@ -3,7 +3,11 @@
 #include <statedict/statedict.hpp>
 
 #include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
 #include <numeric>
+#include <string>
 #include <span>
 #include <utility>
 #include <vector>
@@ -145,3 +149,57 @@ TEST_CASE("bf16/f16 round trips and rounding ties") {
     if (g == g) CHECK_EQ(bf16_from_f32(g), x);
   }
 }
+
+#if defined(__linux__)
+namespace {
+/// AnonHugePages (KiB) of the mapping that holds `p`, from /proc/self/smaps; -1 when not found.
+long long anon_huge_kib(const void* p) {
+  std::ifstream smaps("/proc/self/smaps");
+  std::string line;
+  const auto at = static_cast<unsigned long long>(reinterpret_cast<std::uintptr_t>(p));
+  bool in = false;
+  while (std::getline(smaps, line)) {
+    const char c = line.empty() ? ' ' : line[0];
+    if ((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f')) {  // "lo-hi perms offset dev inode [name]"
+      unsigned long long lo = 0, hi = 0;
+      in = std::sscanf(line.c_str(), "%llx-%llx", &lo, &hi) == 2 && at >= lo && at < hi;
+    } else if (in && line.rfind("AnonHugePages:", 0) == 0) {
+      return std::stoll(line.substr(14));
+    }
+  }
+  return -1;
+}
+
+std::string thp_mode() {
+  std::ifstream f("/sys/kernel/mm/transparent_hugepage/enabled");
+  std::string all;
+  std::getline(f, all);
+  const auto b = all.find('['), e = all.find(']');
+  return b == std::string::npos || e == std::string::npos ? "" : all.substr(b + 1, e - b - 1);
+}
+}  // namespace
+
+TEST_CASE("large Tensors are 2 MiB-aligned mappings of their own, filled in 2 MiB pages where the kernel allows") {
+  // 24 MiB + 100 bytes: a buffer of at least detail::huge_buffer_min bytes.
+  const Tensor t(dtype::U8, shape_t{(std::int64_t{24} << 20) + 100});
+  CHECK(reinterpret_cast<std::uintptr_t>(t.data()) % (std::uintptr_t{2} << 20) == 0);
+  std::memset(t.data(), 0x5A, static_cast<std::size_t>(t.nbytes()));
+  CHECK(t.values<std::uint8_t>()[t.numel() - 1] == 0x5A);
+  const std::string mode = thp_mode();
+  if (mode == "madvise" || mode == "always") {
+    CAPTURE(mode);
+    CHECK(anon_huge_kib(t.data()) >= 2048);  // the kernel may fall back to 4 KiB pages for some
+  } else {
+    MESSAGE("transparent huge pages are '" << mode << "' here: the 2 MiB pages are not checked");
+  }
+  // Copies share the mapping; it is unmapped with the last of them.
+  const void* where = t.data();
+  {
+    const Tensor u = t;  // NOLINT(performance-unnecessary-copy-initialization)
+    CHECK(u.data() == where);
+  }
+  // Small tensors stay on the heap, aligned to tensor_alignment.
+  const Tensor small(dtype::F32, shape_t{1000});
+  CHECK(reinterpret_cast<std::uintptr_t>(small.data()) % tensor_alignment == 0);
+}
+#endif

@@ -24,6 +24,11 @@
 #include <utility>
 #include <vector>
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#include <unistd.h>
+#endif
+
 #include "cast.hpp"
 #include "dtype.hpp"
 #include "error.hpp"
@@ -248,6 +253,42 @@ inline void copy(const TensorView& src, const TensorSpan& dst) {
   });
 }
 
+namespace detail {
+
+/// Buffers of at least this many bytes get a mapping of their own (Linux), 2 MiB-aligned and
+/// advised MADV_HUGEPAGE: the first write into one (reading a tensor into it) then takes a page
+/// fault per 2 MiB where transparent huge pages are "madvise" or "always", not one per 4 KiB, each
+/// with its own allocation and accounting.
+inline constexpr std::size_t huge_buffer_min = std::size_t{8} << 20;
+
+/// An uninitialised buffer of `bytes` (> 0) bytes, aligned to at least tensor_alignment.
+inline std::shared_ptr<std::byte> tensor_buffer(std::size_t bytes) {
+#if defined(__linux__)
+  const long page = ::sysconf(_SC_PAGESIZE);
+  if (bytes >= huge_buffer_min && page > 0) {
+    constexpr std::size_t huge = std::size_t{2} << 20;
+    const auto pg = static_cast<std::size_t>(page);
+    const std::size_t len = (bytes + pg - 1) / pg * pg;
+    if (len <= SIZE_MAX - huge) {
+      void* m = ::mmap(nullptr, len + huge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (m != MAP_FAILED) {
+        auto* base = static_cast<std::byte*>(m);
+        const std::size_t head = (huge - reinterpret_cast<std::uintptr_t>(base) % huge) % huge;
+        if (head) ::munmap(base, head);
+        if (huge - head) ::munmap(base + head + len, huge - head);
+        std::byte* p = base + head;
+        (void)::madvise(p, len, MADV_HUGEPAGE);
+        return std::shared_ptr<std::byte>(p, [len](std::byte* q) { ::munmap(q, len); });  // on failure, unmaps it
+      }
+    }
+  }
+#endif
+  auto* p = static_cast<std::byte*>(::operator new(bytes, std::align_val_t{tensor_alignment}));
+  return std::shared_ptr<std::byte>(p, [](std::byte* q) { ::operator delete(q, std::align_val_t{tensor_alignment}); });
+}
+
+}  // namespace detail
+
 /// Owning, contiguous, 64-byte-aligned tensor. Copies share the buffer (like a shared_ptr); use
 /// `clone()` for a deep copy.
 class Tensor {
@@ -259,9 +300,8 @@ class Tensor {
     const std::uint64_t bytes = byte_size(shape, statedict::itemsize(t));
     const std::size_t alloc = static_cast<std::size_t>((std::max<std::uint64_t>(bytes, 1) + tensor_alignment - 1) /
                                                        tensor_alignment * tensor_alignment);
-    auto* p = static_cast<std::byte*>(::operator new(alloc, std::align_val_t{tensor_alignment}));
-    buffer_ = std::shared_ptr<std::byte>(p, [](std::byte* q) { ::operator delete(q, std::align_val_t{tensor_alignment}); });
-    view_ = TensorSpan::contiguous(t, std::move(shape), p, buffer_);
+    buffer_ = detail::tensor_buffer(alloc);
+    view_ = TensorSpan::contiguous(t, std::move(shape), buffer_.get(), buffer_);
   }
 
   static Tensor zeros(statedict::dtype t, shape_t shape) {
