@@ -222,6 +222,25 @@ inline constexpr std::uint64_t fault_around_window = std::uint64_t{64} << 10;
 /// What one entry maps of a 2 MiB folio (a PMD on x86-64 and arm64 with 4 KiB pages).
 inline constexpr std::uint64_t large_folio_window = std::uint64_t{2} << 20;
 
+/// A byte range of a mapped file.
+struct file_extent {
+  const InputFile* file = nullptr;
+  std::uint64_t lo = 0, hi = 0;
+};
+
+/// The mapped file under [offset, offset + length) of a source (itself, or the file a slice of
+/// it is cut from) and the range there, clipped to the file; nothing when there is none.
+inline std::optional<file_extent> extent_of(const ByteSource& s, std::uint64_t offset, std::uint64_t length) {
+  const ByteSource* p = &s;
+  while (const auto* sl = dynamic_cast<const SliceSource*>(p)) {
+    offset += sl->offset();
+    p = sl->base().get();
+  }
+  const auto* f = dynamic_cast<const InputFile*>(p);
+  if (!f || !f->data() || offset >= f->size()) return std::nullopt;
+  return file_extent{f, offset, offset + std::min(length, f->size() - offset)};
+}
+
 /// Releases the pages of [offset, offset + length) of a mapped file source, widened to the
 /// windows it touches: `window` is what one fault maps (the fault-around window, or a whole
 /// 2 MiB folio where they are mapped whole). Released by the range alone, the pages just before
@@ -231,33 +250,18 @@ inline constexpr std::uint64_t large_folio_window = std::uint64_t{2} << 20;
 /// released early is mapped again when it is used.
 inline void release_pages(const ByteSource& s, std::uint64_t offset, std::uint64_t length,
                           std::uint64_t window = fault_around_window) {
-  if (const auto* f = dynamic_cast<const InputFile*>(&s)) {
-    const auto base = reinterpret_cast<std::uintptr_t>(f->data());  // windows are aligned in memory
-    const std::uint64_t w = window;
-    const std::uint64_t lo = offset - std::min<std::uint64_t>(offset, (base + offset) % w);
-    const std::uint64_t end = std::min(f->size(), offset + length);
-    const std::uint64_t hi = std::min(f->size(), end + (w - (base + end) % w) % w);
-    if (hi > lo) f->advise(lo, hi - lo, access_hint::dontneed);
-  } else if (const auto* sl = dynamic_cast<const SliceSource*>(&s)) {
-    release_pages(*sl->base(), sl->offset() + offset, length, window);
-  }
+  const auto e = extent_of(s, offset, length);
+  if (!e) return;
+  const auto base = reinterpret_cast<std::uintptr_t>(e->file->data());  // windows are aligned in memory
+  const std::uint64_t lo = e->lo - std::min<std::uint64_t>(e->lo, (base + e->lo) % window);
+  const std::uint64_t hi = std::min(e->file->size(), e->hi + (window - (base + e->hi) % window) % window);
+  if (hi > lo) e->file->advise(lo, hi - lo, access_hint::dontneed);
 }
 
 /// Maps the pages of [offset, offset + length) of a mapped file source in one call, so that the
 /// copy out of the mapping (a pwrite from it, or a cast) takes no page faults.
 inline void populate_pages(const ByteSource& s, std::uint64_t offset, std::uint64_t length) {
-  if (const auto* f = dynamic_cast<const InputFile*>(&s)) {
-    f->advise(offset, length, access_hint::populate);
-  } else if (const auto* sl = dynamic_cast<const SliceSource*>(&s)) {
-    populate_pages(*sl->base(), sl->offset() + offset, length);
-  }
-}
-
-/// The mapped file under a source (itself, or the file a slice of it is cut from), or nullptr.
-inline const InputFile* mapped_file(const ByteSource& s) noexcept {
-  if (const auto* f = dynamic_cast<const InputFile*>(&s)) return f->data() ? f : nullptr;
-  if (const auto* sl = dynamic_cast<const SliceSource*>(&s)) return mapped_file(*sl->base());
-  return nullptr;
+  if (const auto e = extent_of(s, offset, length)) e->file->advise(e->lo, e->hi - e->lo, access_hint::populate);
 }
 
 /// Advises every mapped file under the sources, once each: read front to back, and (large_folios)
@@ -265,29 +269,13 @@ inline const InputFile* mapped_file(const ByteSource& s) noexcept {
 inline void advise_sources(std::span<const std::shared_ptr<const ByteSource>> sources, bool large_folios) {
   std::vector<const InputFile*> files;
   for (const auto& src : sources)
-    if (const InputFile* f = src ? mapped_file(*src) : nullptr) files.push_back(f);
+    if (const auto e = src ? extent_of(*src, 0, 0) : std::nullopt) files.push_back(e->file);
   std::sort(files.begin(), files.end());
   files.erase(std::unique(files.begin(), files.end()), files.end());
   for (const InputFile* f : files) {
     f->advise(0, f->size(), access_hint::sequential);
     if (large_folios) f->advise(0, f->size(), access_hint::large_folios);
   }
-}
-
-/// A byte range of a mapped file that the plan reads.
-struct file_extent {
-  const InputFile* file = nullptr;
-  std::uint64_t lo = 0, hi = 0;
-};
-
-/// The mapped file and range under [offset, offset + length) of a source, if it has one.
-inline std::optional<file_extent> extent_of(const ByteSource& s, std::uint64_t offset, std::uint64_t length) {
-  if (const auto* f = dynamic_cast<const InputFile*>(&s)) {
-    if (!f->data() || offset >= f->size()) return std::nullopt;
-    return file_extent{f, offset, offset + std::min(length, f->size() - offset)};
-  }
-  if (const auto* sl = dynamic_cast<const SliceSource*>(&s)) return extent_of(*sl->base(), sl->offset() + offset, length);
-  return std::nullopt;
 }
 
 /// The mapped ranges the plan's operations read, in plan order, neighbours less than 64 KiB
