@@ -1252,6 +1252,11 @@ inline bool is_contiguous(std::span<const dim_t> shape, std::span<const dim_t> s
 #include <utility>
 #include <vector>
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#include <unistd.h>
+#endif
+
 // ---- statedict/core/cast.hpp ----
 // statedict: element-wise dtype casts over runs of (possibly misaligned) bytes.
 // SPDX-License-Identifier: MIT
@@ -1717,6 +1722,42 @@ inline void copy(const TensorView& src, const TensorSpan& dst) {
   });
 }
 
+namespace detail {
+
+/// Buffers of at least this many bytes get a mapping of their own (Linux), 2 MiB-aligned and
+/// advised MADV_HUGEPAGE: the first write into one (reading a tensor into it) then takes a page
+/// fault per 2 MiB where transparent huge pages are "madvise" or "always", not one per 4 KiB, each
+/// with its own allocation and accounting.
+inline constexpr std::size_t huge_buffer_min = std::size_t{8} << 20;
+
+/// An uninitialised buffer of `bytes` (> 0) bytes, aligned to at least tensor_alignment.
+inline std::shared_ptr<std::byte> tensor_buffer(std::size_t bytes) {
+#if defined(__linux__)
+  const long page = ::sysconf(_SC_PAGESIZE);
+  if (bytes >= huge_buffer_min && page > 0) {
+    constexpr std::size_t huge = std::size_t{2} << 20;
+    const auto pg = static_cast<std::size_t>(page);
+    const std::size_t len = (bytes + pg - 1) / pg * pg;
+    if (len <= SIZE_MAX - huge) {
+      void* m = ::mmap(nullptr, len + huge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (m != MAP_FAILED) {
+        auto* base = static_cast<std::byte*>(m);
+        const std::size_t head = (huge - reinterpret_cast<std::uintptr_t>(base) % huge) % huge;
+        if (head) ::munmap(base, head);
+        if (huge - head) ::munmap(base + head + len, huge - head);
+        std::byte* p = base + head;
+        (void)::madvise(p, len, MADV_HUGEPAGE);
+        return std::shared_ptr<std::byte>(p, [len](std::byte* q) { ::munmap(q, len); });  // on failure, unmaps it
+      }
+    }
+  }
+#endif
+  auto* p = static_cast<std::byte*>(::operator new(bytes, std::align_val_t{tensor_alignment}));
+  return std::shared_ptr<std::byte>(p, [](std::byte* q) { ::operator delete(q, std::align_val_t{tensor_alignment}); });
+}
+
+}  // namespace detail
+
 /// Owning, contiguous, 64-byte-aligned tensor. Copies share the buffer (like a shared_ptr); use
 /// `clone()` for a deep copy.
 class Tensor {
@@ -1728,9 +1769,8 @@ class Tensor {
     const std::uint64_t bytes = byte_size(shape, statedict::itemsize(t));
     const std::size_t alloc = static_cast<std::size_t>((std::max<std::uint64_t>(bytes, 1) + tensor_alignment - 1) /
                                                        tensor_alignment * tensor_alignment);
-    auto* p = static_cast<std::byte*>(::operator new(alloc, std::align_val_t{tensor_alignment}));
-    buffer_ = std::shared_ptr<std::byte>(p, [](std::byte* q) { ::operator delete(q, std::align_val_t{tensor_alignment}); });
-    view_ = TensorSpan::contiguous(t, std::move(shape), p, buffer_);
+    buffer_ = detail::tensor_buffer(alloc);
+    view_ = TensorSpan::contiguous(t, std::move(shape), buffer_.get(), buffer_);
   }
 
   static Tensor zeros(statedict::dtype t, shape_t shape) {
@@ -18561,6 +18601,25 @@ inline constexpr std::uint64_t fault_around_window = std::uint64_t{64} << 10;
 /// What one entry maps of a 2 MiB folio (a PMD on x86-64 and arm64 with 4 KiB pages).
 inline constexpr std::uint64_t large_folio_window = std::uint64_t{2} << 20;
 
+/// A byte range of a mapped file.
+struct file_extent {
+  const InputFile* file = nullptr;
+  std::uint64_t lo = 0, hi = 0;
+};
+
+/// The mapped file under [offset, offset + length) of a source (itself, or the file a slice of
+/// it is cut from) and the range there, clipped to the file; nothing when there is none.
+inline std::optional<file_extent> extent_of(const ByteSource& s, std::uint64_t offset, std::uint64_t length) {
+  const ByteSource* p = &s;
+  while (const auto* sl = dynamic_cast<const SliceSource*>(p)) {
+    offset += sl->offset();
+    p = sl->base().get();
+  }
+  const auto* f = dynamic_cast<const InputFile*>(p);
+  if (!f || !f->data() || offset >= f->size()) return std::nullopt;
+  return file_extent{f, offset, offset + std::min(length, f->size() - offset)};
+}
+
 /// Releases the pages of [offset, offset + length) of a mapped file source, widened to the
 /// windows it touches: `window` is what one fault maps (the fault-around window, or a whole
 /// 2 MiB folio where they are mapped whole). Released by the range alone, the pages just before
@@ -18570,33 +18629,18 @@ inline constexpr std::uint64_t large_folio_window = std::uint64_t{2} << 20;
 /// released early is mapped again when it is used.
 inline void release_pages(const ByteSource& s, std::uint64_t offset, std::uint64_t length,
                           std::uint64_t window = fault_around_window) {
-  if (const auto* f = dynamic_cast<const InputFile*>(&s)) {
-    const auto base = reinterpret_cast<std::uintptr_t>(f->data());  // windows are aligned in memory
-    const std::uint64_t w = window;
-    const std::uint64_t lo = offset - std::min<std::uint64_t>(offset, (base + offset) % w);
-    const std::uint64_t end = std::min(f->size(), offset + length);
-    const std::uint64_t hi = std::min(f->size(), end + (w - (base + end) % w) % w);
-    if (hi > lo) f->advise(lo, hi - lo, access_hint::dontneed);
-  } else if (const auto* sl = dynamic_cast<const SliceSource*>(&s)) {
-    release_pages(*sl->base(), sl->offset() + offset, length, window);
-  }
+  const auto e = extent_of(s, offset, length);
+  if (!e) return;
+  const auto base = reinterpret_cast<std::uintptr_t>(e->file->data());  // windows are aligned in memory
+  const std::uint64_t lo = e->lo - std::min<std::uint64_t>(e->lo, (base + e->lo) % window);
+  const std::uint64_t hi = std::min(e->file->size(), e->hi + (window - (base + e->hi) % window) % window);
+  if (hi > lo) e->file->advise(lo, hi - lo, access_hint::dontneed);
 }
 
 /// Maps the pages of [offset, offset + length) of a mapped file source in one call, so that the
 /// copy out of the mapping (a pwrite from it, or a cast) takes no page faults.
 inline void populate_pages(const ByteSource& s, std::uint64_t offset, std::uint64_t length) {
-  if (const auto* f = dynamic_cast<const InputFile*>(&s)) {
-    f->advise(offset, length, access_hint::populate);
-  } else if (const auto* sl = dynamic_cast<const SliceSource*>(&s)) {
-    populate_pages(*sl->base(), sl->offset() + offset, length);
-  }
-}
-
-/// The mapped file under a source (itself, or the file a slice of it is cut from), or nullptr.
-inline const InputFile* mapped_file(const ByteSource& s) noexcept {
-  if (const auto* f = dynamic_cast<const InputFile*>(&s)) return f->data() ? f : nullptr;
-  if (const auto* sl = dynamic_cast<const SliceSource*>(&s)) return mapped_file(*sl->base());
-  return nullptr;
+  if (const auto e = extent_of(s, offset, length)) e->file->advise(e->lo, e->hi - e->lo, access_hint::populate);
 }
 
 /// Advises every mapped file under the sources, once each: read front to back, and (large_folios)
@@ -18604,29 +18648,13 @@ inline const InputFile* mapped_file(const ByteSource& s) noexcept {
 inline void advise_sources(std::span<const std::shared_ptr<const ByteSource>> sources, bool large_folios) {
   std::vector<const InputFile*> files;
   for (const auto& src : sources)
-    if (const InputFile* f = src ? mapped_file(*src) : nullptr) files.push_back(f);
+    if (const auto e = src ? extent_of(*src, 0, 0) : std::nullopt) files.push_back(e->file);
   std::sort(files.begin(), files.end());
   files.erase(std::unique(files.begin(), files.end()), files.end());
   for (const InputFile* f : files) {
     f->advise(0, f->size(), access_hint::sequential);
     if (large_folios) f->advise(0, f->size(), access_hint::large_folios);
   }
-}
-
-/// A byte range of a mapped file that the plan reads.
-struct file_extent {
-  const InputFile* file = nullptr;
-  std::uint64_t lo = 0, hi = 0;
-};
-
-/// The mapped file and range under [offset, offset + length) of a source, if it has one.
-inline std::optional<file_extent> extent_of(const ByteSource& s, std::uint64_t offset, std::uint64_t length) {
-  if (const auto* f = dynamic_cast<const InputFile*>(&s)) {
-    if (!f->data() || offset >= f->size()) return std::nullopt;
-    return file_extent{f, offset, offset + std::min(length, f->size() - offset)};
-  }
-  if (const auto* sl = dynamic_cast<const SliceSource*>(&s)) return extent_of(*sl->base(), sl->offset() + offset, length);
-  return std::nullopt;
 }
 
 /// The mapped ranges the plan's operations read, in plan order, neighbours less than 64 KiB
@@ -23277,22 +23305,58 @@ inline std::optional<Dict> attributes(const Object& o) {
   return out;
 }
 
-/// The attribute dict of an object of an expected class; throws `id` when the object has none.
-inline Dict require_attributes(const error_id& id, const Where& w, const Value& v, std::string_view what) {
-  auto a = attributes(v.as_object());
+/// The attributes of an object, read in place: the dicts of its BUILD state, a key of a later one
+/// (slots) taking precedence over the same key of an earlier one, as attributes() merges them.
+/// Refers into the object, which must outlive it.
+class AttrView {
+ public:
+  AttrView() = default;
+  /// The attributes of `o`, or nullopt when it has no dict-shaped state (as attributes()).
+  static std::optional<AttrView> of(const Object& o) {
+    AttrView a;
+    for (const Value& s : o.state) {
+      if (s.is_dict()) {
+        a.add(s.as_dict());
+      } else if (s.is_tuple() && s.as_list().size() == 2 && (s.as_list()[0].is_none() || s.as_list()[0].is_dict()) &&
+                 s.as_list()[1].is_dict()) {
+        if (s.as_list()[0].is_dict()) a.add(s.as_list()[0].as_dict());
+        a.add(s.as_list()[1].as_dict());
+      } else {
+        return std::nullopt;
+      }
+    }
+    if (a.dicts_.empty()) return std::nullopt;
+    return a;
+  }
+  [[nodiscard]] const Value* find(const Key& k) const {
+    for (auto it = dicts_.rbegin(); it != dicts_.rend(); ++it)
+      if (const Value* v = (*it)->find(k)) return v;
+    return nullptr;
+  }
+
+ private:
+  void add(const Dict& d) { dicts_.push_back(&d); }
+  std::vector<const Dict*> dicts_;
+};
+
+/// The attributes of an object of an expected class, in place; throws `id` when it has none.
+inline AttrView require_attributes(const error_id& id, const Where& w, const Value& v, std::string_view what) {
+  auto a = AttrView::of(v.as_object());
   if (!a) throw_error(id, w.text(), std::string(what) + " object has no attribute state (BUILD with a dict)");
-  return std::move(*a);
+  return *a;
 }
 
-/// A field of an attribute dict; throws `id` when missing.
-inline const Value& field(const error_id& id, const Where& w, const Dict& attrs, std::string_view name) {
+/// A field of an object's attributes (a Dict or an AttrView); throws `id` when missing.
+template <class Attrs>
+const Value& field(const error_id& id, const Where& w, const Attrs& attrs, std::string_view name) {
   const Value* v = attrs.find(Key(std::string(name)));
   if (!v) throw_error(id, (w / name).text(), "missing field " + quote(name));
   return *v;
 }
 
 /// An optional field: nullptr when missing.
-inline const Value* optional_field(const Dict& attrs, std::string_view name) {
+template <class Attrs>
+const Value* optional_field(const Attrs& attrs, std::string_view name) {
   return attrs.find(Key(std::string(name)));
 }
 
@@ -23502,7 +23566,7 @@ inline std::pair<dtype, bool> tensor_properties(const po::Where& w, const Value&
   const Value* dt = nullptr;
   const Value* layout = nullptr;
   const Value* rg = nullptr;
-  Dict attrs;
+  po::AttrView attrs;
   if (o.state.size() == 1 && o.state[0].is_tuple()) {
     const List& s = o.state[0].as_list();
     if (s.size() != 5)
@@ -23545,7 +23609,7 @@ inline shape_t sizes_field(const po::Where& w, const Value& v, const limits& lim
 }
 
 inline TensorMeta tensor_meta(const po::Where& w, const Value& v, const limits& lim, std::uint64_t& chunk_budget) {
-  const Dict a = po::require_attributes(errors::dcp_bad_field, w, v, "TensorStorageMetadata");
+  const po::AttrView a = po::require_attributes(errors::dcp_bad_field, w, v, "TensorStorageMetadata");
   TensorMeta t;
   std::tie(t.dtype, t.requires_grad) = tensor_properties(w / "properties", po::field(errors::dcp_bad_field, w, a, "properties"));
   t.size = sizes_field(w / "size", po::field(errors::dcp_bad_field, w, a, "size"), lim);
@@ -23562,7 +23626,7 @@ inline TensorMeta tensor_meta(const po::Where& w, const Value& v, const limits& 
   for (std::size_t i = 0; i < cl.size(); ++i) {
     const po::Where cw = w / "chunks" / i;
     if (!is_md_class(cl[i], "ChunkStorageMetadata")) po::expected(errors::dcp_bad_field, cw, "a ChunkStorageMetadata object", cl[i]);
-    const Dict ca = po::require_attributes(errors::dcp_bad_field, cw, cl[i], "ChunkStorageMetadata");
+    const po::AttrView ca = po::require_attributes(errors::dcp_bad_field, cw, cl[i], "ChunkStorageMetadata");
     ChunkMeta c;
     c.offsets = sizes_field(cw / "offsets", po::field(errors::dcp_bad_field, cw, ca, "offsets"), lim);
     c.sizes = sizes_field(cw / "sizes", po::field(errors::dcp_bad_field, cw, ca, "sizes"), lim);
@@ -23588,7 +23652,7 @@ inline TensorMeta tensor_meta(const po::Where& w, const Value& v, const limits& 
 /// A `storage_data` key: MetadataIndex(fqn, offset, index).
 inline StorageIndex storage_index(const po::Where& w, const Value& v, const limits& lim) {
   if (!is_md_class(v, "MetadataIndex")) po::expected(errors::dcp_bad_storage_key, w, "a MetadataIndex object", v);
-  const Dict a = po::require_attributes(errors::dcp_bad_storage_key, w, v, "MetadataIndex");
+  const po::AttrView a = po::require_attributes(errors::dcp_bad_storage_key, w, v, "MetadataIndex");
   StorageIndex k;
   k.fqn = po::as_str(errors::dcp_bad_storage_key, w / "fqn", po::field(errors::dcp_bad_storage_key, w, a, "fqn"));
   if (const Value* off = po::optional_field(a, "offset"); off && !off->is_none()) {
@@ -23625,7 +23689,7 @@ inline StorageInfo storage_info(const po::Where& w, const Value& v) {
   if (!v.is_object() || v.as_object().name != "_StorageInfo" ||
       (v.as_object().module != fs_113 && v.as_object().module != fs_2))
     po::expected(errors::dcp_bad_storage_info, w, "a _StorageInfo object", v);
-  const Dict a = po::require_attributes(errors::dcp_bad_storage_info, w, v, "_StorageInfo");
+  const po::AttrView a = po::require_attributes(errors::dcp_bad_storage_info, w, v, "_StorageInfo");
   StorageInfo s;
   s.relative_path = po::as_str(errors::dcp_bad_storage_info, w / "relative_path",
                                po::field(errors::dcp_bad_storage_info, w, a, "relative_path"));
@@ -23690,7 +23754,7 @@ inline Metadata parse_metadata(const Value& root, const limits& lim = {}, std::s
                 "expected a pickled torch.distributed.checkpoint Metadata object, found " + po::kind_of(root));
   Metadata md;
   md.classes = root.as_object().module == detail::mod_2 ? class_names::torch_2 : class_names::torch_1_13;
-  const Dict a = po::require_attributes(errors::dcp_bad_field, w, root, "Metadata");
+  const po::AttrView a = po::require_attributes(errors::dcp_bad_field, w, root, "Metadata");
 
   // state_dict_metadata
   const Value& sdm = po::field(errors::dcp_bad_field, w, a, "state_dict_metadata");
@@ -31443,7 +31507,7 @@ inline shape_t dims(const po::Where& w, const Value& v, const limits& lim) {
 inline ShardMeta shard_meta(const po::Where& w, const Value& v, const limits& lim) {
   if (!po::is_class(v, {"torch.distributed._shard.metadata.ShardMetadata"}))
     po::expected(errors::st_bad_object, w, "a ShardMetadata object", v);
-  const Dict a = po::require_attributes(errors::st_bad_object, w, v, "ShardMetadata");
+  const po::AttrView a = po::require_attributes(errors::st_bad_object, w, v, "ShardMetadata");
   ShardMeta m;
   m.offsets = dims(w / "shard_offsets", po::field(errors::st_bad_object, w, a, "shard_offsets"), lim);
   m.sizes = dims(w / "shard_sizes", po::field(errors::st_bad_object, w, a, "shard_sizes"), lim);
@@ -31451,7 +31515,7 @@ inline ShardMeta shard_meta(const po::Where& w, const Value& v, const limits& li
   const po::Where pw = w / "placement";
   if (!po::is_class(pl, {"torch.distributed.remote_device._remote_device"}))
     po::expected(errors::st_bad_object, pw, "a _remote_device object", pl);
-  const Dict pa = po::require_attributes(errors::st_bad_object, pw, pl, "_remote_device");
+  const po::AttrView pa = po::require_attributes(errors::st_bad_object, pw, pl, "_remote_device");
   const Value& rank = po::field(errors::st_bad_object, pw, pa, "_rank");
   if (rank.is_none())
     throw_error(errors::st_bad_object, (pw / "_rank").text(), "placement by worker name is not supported (no rank)");
@@ -31466,7 +31530,7 @@ inline std::optional<dtype> properties_dtype(const po::Where& w, const Value& v,
   const Object& o = v.as_object();
   if (o.state.size() == 1 && o.state[0].is_tuple() && !o.state[0].as_list().empty())
     return po::torch_dtype(errors::st_bad_object, w / "dtype", o.state[0].as_list()[0], &tname);
-  const Dict a = po::require_attributes(errors::st_bad_object, w, v, "TensorProperties");
+  const po::AttrView a = po::require_attributes(errors::st_bad_object, w, v, "TensorProperties");
   return po::torch_dtype(errors::st_bad_object, w / "dtype", po::field(errors::st_bad_object, w, a, "dtype"), &tname);
 }
 
@@ -31487,7 +31551,7 @@ inline Parsed parse(const po::Where& w, const Value& v, const tr::Tree& tree, st
   const po::Where mw = w / "state" / "metadata";
   if (!po::is_class(md, {"torch.distributed._shard.sharded_tensor.metadata.ShardedTensorMetadata"}))
     po::expected(errors::st_bad_object, mw, "a ShardedTensorMetadata object", md);
-  const Dict ma = po::require_attributes(errors::st_bad_object, mw, md, "ShardedTensorMetadata");
+  const po::AttrView ma = po::require_attributes(errors::st_bad_object, mw, md, "ShardedTensorMetadata");
   Parsed p;
   p.size = dims(mw / "size", po::field(errors::st_bad_object, mw, ma, "size"), lim);
   (void)numel(p.size);
@@ -31523,7 +31587,7 @@ inline Parsed parse(const po::Where& w, const Value& v, const tr::Tree& tree, st
     const Value& s = ls.as_list()[i];
     if (!po::is_class(s, {"torch.distributed._shard.sharded_tensor.shard.Shard"}))
       po::expected(errors::st_bad_object, sw, "a Shard object", s);
-    const Dict sa = po::require_attributes(errors::st_bad_object, sw, s, "Shard");
+    const po::AttrView sa = po::require_attributes(errors::st_bad_object, sw, s, "Shard");
     const Value& t = po::field(errors::st_bad_object, sw, sa, "tensor");
     if (!tr::is_ref(t)) po::expected(errors::st_bad_object, sw / "tensor", "a saved tensor", t);
     ShardMeta m = shard_meta(sw / "metadata", po::field(errors::st_bad_object, sw, sa, "metadata"), lim);

@@ -142,7 +142,7 @@ inline shape_t dims(const po::Where& w, const Value& v, const limits& lim) {
 inline ShardMeta shard_meta(const po::Where& w, const Value& v, const limits& lim) {
   if (!po::is_class(v, {"torch.distributed._shard.metadata.ShardMetadata"}))
     po::expected(errors::st_bad_object, w, "a ShardMetadata object", v);
-  const Dict a = po::require_attributes(errors::st_bad_object, w, v, "ShardMetadata");
+  const po::AttrView a = po::require_attributes(errors::st_bad_object, w, v, "ShardMetadata");
   ShardMeta m;
   m.offsets = dims(w / "shard_offsets", po::field(errors::st_bad_object, w, a, "shard_offsets"), lim);
   m.sizes = dims(w / "shard_sizes", po::field(errors::st_bad_object, w, a, "shard_sizes"), lim);
@@ -150,7 +150,7 @@ inline ShardMeta shard_meta(const po::Where& w, const Value& v, const limits& li
   const po::Where pw = w / "placement";
   if (!po::is_class(pl, {"torch.distributed.remote_device._remote_device"}))
     po::expected(errors::st_bad_object, pw, "a _remote_device object", pl);
-  const Dict pa = po::require_attributes(errors::st_bad_object, pw, pl, "_remote_device");
+  const po::AttrView pa = po::require_attributes(errors::st_bad_object, pw, pl, "_remote_device");
   const Value& rank = po::field(errors::st_bad_object, pw, pa, "_rank");
   if (rank.is_none())
     throw_error(errors::st_bad_object, (pw / "_rank").text(), "placement by worker name is not supported (no rank)");
@@ -165,7 +165,7 @@ inline std::optional<dtype> properties_dtype(const po::Where& w, const Value& v,
   const Object& o = v.as_object();
   if (o.state.size() == 1 && o.state[0].is_tuple() && !o.state[0].as_list().empty())
     return po::torch_dtype(errors::st_bad_object, w / "dtype", o.state[0].as_list()[0], &tname);
-  const Dict a = po::require_attributes(errors::st_bad_object, w, v, "TensorProperties");
+  const po::AttrView a = po::require_attributes(errors::st_bad_object, w, v, "TensorProperties");
   return po::torch_dtype(errors::st_bad_object, w / "dtype", po::field(errors::st_bad_object, w, a, "dtype"), &tname);
 }
 
@@ -186,7 +186,7 @@ inline Parsed parse(const po::Where& w, const Value& v, const tr::Tree& tree, st
   const po::Where mw = w / "state" / "metadata";
   if (!po::is_class(md, {"torch.distributed._shard.sharded_tensor.metadata.ShardedTensorMetadata"}))
     po::expected(errors::st_bad_object, mw, "a ShardedTensorMetadata object", md);
-  const Dict ma = po::require_attributes(errors::st_bad_object, mw, md, "ShardedTensorMetadata");
+  const po::AttrView ma = po::require_attributes(errors::st_bad_object, mw, md, "ShardedTensorMetadata");
   Parsed p;
   p.size = dims(mw / "size", po::field(errors::st_bad_object, mw, ma, "size"), lim);
   (void)numel(p.size);
@@ -222,7 +222,7 @@ inline Parsed parse(const po::Where& w, const Value& v, const tr::Tree& tree, st
     const Value& s = ls.as_list()[i];
     if (!po::is_class(s, {"torch.distributed._shard.sharded_tensor.shard.Shard"}))
       po::expected(errors::st_bad_object, sw, "a Shard object", s);
-    const Dict sa = po::require_attributes(errors::st_bad_object, sw, s, "Shard");
+    const po::AttrView sa = po::require_attributes(errors::st_bad_object, sw, s, "Shard");
     const Value& t = po::field(errors::st_bad_object, sw, sa, "tensor");
     if (!tr::is_ref(t)) po::expected(errors::st_bad_object, sw / "tensor", "a saved tensor", t);
     ShardMeta m = shard_meta(sw / "metadata", po::field(errors::st_bad_object, sw, sa, "metadata"), lim);

@@ -190,7 +190,7 @@ inline std::pair<dtype, bool> tensor_properties(const po::Where& w, const Value&
   const Value* dt = nullptr;
   const Value* layout = nullptr;
   const Value* rg = nullptr;
-  Dict attrs;
+  po::AttrView attrs;
   if (o.state.size() == 1 && o.state[0].is_tuple()) {
     const List& s = o.state[0].as_list();
     if (s.size() != 5)
@@ -233,7 +233,7 @@ inline shape_t sizes_field(const po::Where& w, const Value& v, const limits& lim
 }
 
 inline TensorMeta tensor_meta(const po::Where& w, const Value& v, const limits& lim, std::uint64_t& chunk_budget) {
-  const Dict a = po::require_attributes(errors::dcp_bad_field, w, v, "TensorStorageMetadata");
+  const po::AttrView a = po::require_attributes(errors::dcp_bad_field, w, v, "TensorStorageMetadata");
   TensorMeta t;
   std::tie(t.dtype, t.requires_grad) = tensor_properties(w / "properties", po::field(errors::dcp_bad_field, w, a, "properties"));
   t.size = sizes_field(w / "size", po::field(errors::dcp_bad_field, w, a, "size"), lim);
@@ -250,7 +250,7 @@ inline TensorMeta tensor_meta(const po::Where& w, const Value& v, const limits& 
   for (std::size_t i = 0; i < cl.size(); ++i) {
     const po::Where cw = w / "chunks" / i;
     if (!is_md_class(cl[i], "ChunkStorageMetadata")) po::expected(errors::dcp_bad_field, cw, "a ChunkStorageMetadata object", cl[i]);
-    const Dict ca = po::require_attributes(errors::dcp_bad_field, cw, cl[i], "ChunkStorageMetadata");
+    const po::AttrView ca = po::require_attributes(errors::dcp_bad_field, cw, cl[i], "ChunkStorageMetadata");
     ChunkMeta c;
     c.offsets = sizes_field(cw / "offsets", po::field(errors::dcp_bad_field, cw, ca, "offsets"), lim);
     c.sizes = sizes_field(cw / "sizes", po::field(errors::dcp_bad_field, cw, ca, "sizes"), lim);
@@ -276,7 +276,7 @@ inline TensorMeta tensor_meta(const po::Where& w, const Value& v, const limits& 
 /// A `storage_data` key: MetadataIndex(fqn, offset, index).
 inline StorageIndex storage_index(const po::Where& w, const Value& v, const limits& lim) {
   if (!is_md_class(v, "MetadataIndex")) po::expected(errors::dcp_bad_storage_key, w, "a MetadataIndex object", v);
-  const Dict a = po::require_attributes(errors::dcp_bad_storage_key, w, v, "MetadataIndex");
+  const po::AttrView a = po::require_attributes(errors::dcp_bad_storage_key, w, v, "MetadataIndex");
   StorageIndex k;
   k.fqn = po::as_str(errors::dcp_bad_storage_key, w / "fqn", po::field(errors::dcp_bad_storage_key, w, a, "fqn"));
   if (const Value* off = po::optional_field(a, "offset"); off && !off->is_none()) {
@@ -313,7 +313,7 @@ inline StorageInfo storage_info(const po::Where& w, const Value& v) {
   if (!v.is_object() || v.as_object().name != "_StorageInfo" ||
       (v.as_object().module != fs_113 && v.as_object().module != fs_2))
     po::expected(errors::dcp_bad_storage_info, w, "a _StorageInfo object", v);
-  const Dict a = po::require_attributes(errors::dcp_bad_storage_info, w, v, "_StorageInfo");
+  const po::AttrView a = po::require_attributes(errors::dcp_bad_storage_info, w, v, "_StorageInfo");
   StorageInfo s;
   s.relative_path = po::as_str(errors::dcp_bad_storage_info, w / "relative_path",
                                po::field(errors::dcp_bad_storage_info, w, a, "relative_path"));
@@ -378,7 +378,7 @@ inline Metadata parse_metadata(const Value& root, const limits& lim = {}, std::s
                 "expected a pickled torch.distributed.checkpoint Metadata object, found " + po::kind_of(root));
   Metadata md;
   md.classes = root.as_object().module == detail::mod_2 ? class_names::torch_2 : class_names::torch_1_13;
-  const Dict a = po::require_attributes(errors::dcp_bad_field, w, root, "Metadata");
+  const po::AttrView a = po::require_attributes(errors::dcp_bad_field, w, root, "Metadata");
 
   // state_dict_metadata
   const Value& sdm = po::field(errors::dcp_bad_field, w, a, "state_dict_metadata");

@@ -98,22 +98,58 @@ inline std::optional<Dict> attributes(const Object& o) {
   return out;
 }
 
-/// The attribute dict of an object of an expected class; throws `id` when the object has none.
-inline Dict require_attributes(const error_id& id, const Where& w, const Value& v, std::string_view what) {
-  auto a = attributes(v.as_object());
+/// The attributes of an object, read in place: the dicts of its BUILD state, a key of a later one
+/// (slots) taking precedence over the same key of an earlier one, as attributes() merges them.
+/// Refers into the object, which must outlive it.
+class AttrView {
+ public:
+  AttrView() = default;
+  /// The attributes of `o`, or nullopt when it has no dict-shaped state (as attributes()).
+  static std::optional<AttrView> of(const Object& o) {
+    AttrView a;
+    for (const Value& s : o.state) {
+      if (s.is_dict()) {
+        a.add(s.as_dict());
+      } else if (s.is_tuple() && s.as_list().size() == 2 && (s.as_list()[0].is_none() || s.as_list()[0].is_dict()) &&
+                 s.as_list()[1].is_dict()) {
+        if (s.as_list()[0].is_dict()) a.add(s.as_list()[0].as_dict());
+        a.add(s.as_list()[1].as_dict());
+      } else {
+        return std::nullopt;
+      }
+    }
+    if (a.dicts_.empty()) return std::nullopt;
+    return a;
+  }
+  [[nodiscard]] const Value* find(const Key& k) const {
+    for (auto it = dicts_.rbegin(); it != dicts_.rend(); ++it)
+      if (const Value* v = (*it)->find(k)) return v;
+    return nullptr;
+  }
+
+ private:
+  void add(const Dict& d) { dicts_.push_back(&d); }
+  std::vector<const Dict*> dicts_;
+};
+
+/// The attributes of an object of an expected class, in place; throws `id` when it has none.
+inline AttrView require_attributes(const error_id& id, const Where& w, const Value& v, std::string_view what) {
+  auto a = AttrView::of(v.as_object());
   if (!a) throw_error(id, w.text(), std::string(what) + " object has no attribute state (BUILD with a dict)");
-  return std::move(*a);
+  return *a;
 }
 
-/// A field of an attribute dict; throws `id` when missing.
-inline const Value& field(const error_id& id, const Where& w, const Dict& attrs, std::string_view name) {
+/// A field of an object's attributes (a Dict or an AttrView); throws `id` when missing.
+template <class Attrs>
+const Value& field(const error_id& id, const Where& w, const Attrs& attrs, std::string_view name) {
   const Value* v = attrs.find(Key(std::string(name)));
   if (!v) throw_error(id, (w / name).text(), "missing field " + quote(name));
   return *v;
 }
 
 /// An optional field: nullptr when missing.
-inline const Value* optional_field(const Dict& attrs, std::string_view name) {
+template <class Attrs>
+const Value* optional_field(const Attrs& attrs, std::string_view name) {
   return attrs.find(Key(std::string(name)));
 }
 
