@@ -1758,7 +1758,8 @@ inline std::shared_ptr<std::byte> tensor_buffer(std::size_t bytes) {
 
 }  // namespace detail
 
-/// Owning, contiguous, 64-byte-aligned tensor. Copies share the buffer (like a shared_ptr); use
+/// Owning, contiguous, 64-byte-aligned tensor (from 8 MiB up, a 2 MiB-aligned mapping of its own
+/// in huge pages: detail::tensor_buffer). Copies share the buffer (like a shared_ptr); use
 /// `clone()` for a deep copy.
 class Tensor {
  public:
@@ -23277,41 +23278,14 @@ inline bool is_global(const Value& v, std::string_view module, std::string_view 
          v.as_object().name == name;
 }
 
-/// The attribute dict of an object built from a BUILD state that is a dict, `(dict, slots)` or
-/// `(None, slots)`. Attributes are copied into one Dict (slots last). Returns nullopt when the
-/// object has no dict-shaped state (no BUILD, or a `__getstate__` tuple).
-inline std::optional<Dict> attributes(const Object& o) {
-  if (o.state.empty()) return std::nullopt;
-  Dict out;
-  bool any = false;
-  auto merge = [&](const Value& d) {
-    if (!d.is_dict()) return false;
-    for (const auto& [k, v] : d.as_dict()) out.set(k, v);
-    return true;
-  };
-  for (const Value& s : o.state) {
-    if (s.is_dict()) {
-      any = merge(s) || any;
-    } else if (s.is_tuple() && s.as_list().size() == 2 && (s.as_list()[0].is_none() || s.as_list()[0].is_dict()) &&
-               s.as_list()[1].is_dict()) {
-      if (s.as_list()[0].is_dict()) merge(s.as_list()[0]);
-      merge(s.as_list()[1]);
-      any = true;
-    } else {
-      return std::nullopt;
-    }
-  }
-  if (!any) return std::nullopt;
-  return out;
-}
-
-/// The attributes of an object, read in place: the dicts of its BUILD state, a key of a later one
-/// (slots) taking precedence over the same key of an earlier one, as attributes() merges them.
-/// Refers into the object, which must outlive it.
+/// The attributes of an object, read in place: the dicts of an object built from a BUILD state
+/// that is a dict, `(dict, slots)` or `(None, slots)`, a key of a later one (slots) taking
+/// precedence over the same key of an earlier one. Refers into the object, which must outlive it.
 class AttrView {
  public:
   AttrView() = default;
-  /// The attributes of `o`, or nullopt when it has no dict-shaped state (as attributes()).
+  /// The attributes of `o`, or nullopt when it has no dict-shaped state (no BUILD, or a
+  /// `__getstate__` tuple).
   static std::optional<AttrView> of(const Object& o) {
     AttrView a;
     for (const Value& s : o.state) {
@@ -23333,11 +23307,23 @@ class AttrView {
       if (const Value* v = (*it)->find(k)) return v;
     return nullptr;
   }
+  /// The dicts, in the order BUILD applied them.
+  [[nodiscard]] const std::vector<const Dict*>& dicts() const noexcept { return dicts_; }
 
  private:
   void add(const Dict& d) { dicts_.push_back(&d); }
   std::vector<const Dict*> dicts_;
 };
+
+/// The attributes of an object (AttrView::of) copied into one Dict, later dicts' keys last.
+inline std::optional<Dict> attributes(const Object& o) {
+  const auto view = AttrView::of(o);
+  if (!view) return std::nullopt;
+  Dict out;
+  for (const Dict* d : view->dicts())
+    for (const auto& [k, v] : *d) out.set(k, v);
+  return out;
+}
 
 /// The attributes of an object of an expected class, in place; throws `id` when it has none.
 inline AttrView require_attributes(const error_id& id, const Where& w, const Value& v, std::string_view what) {

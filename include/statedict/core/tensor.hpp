@@ -289,7 +289,8 @@ inline std::shared_ptr<std::byte> tensor_buffer(std::size_t bytes) {
 
 }  // namespace detail
 
-/// Owning, contiguous, 64-byte-aligned tensor. Copies share the buffer (like a shared_ptr); use
+/// Owning, contiguous, 64-byte-aligned tensor (from 8 MiB up, a 2 MiB-aligned mapping of its own
+/// in huge pages: detail::tensor_buffer). Copies share the buffer (like a shared_ptr); use
 /// `clone()` for a deep copy.
 class Tensor {
  public:
