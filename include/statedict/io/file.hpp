@@ -162,8 +162,7 @@ class InputFile final : public ByteSource {
                                    std::uint64_t max_cached) const {
     const auto page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
     if (!h_->map || page == 0 || block < page || block % page != 0 || offset >= h_->size || length == 0) return 0;
-    const std::uint64_t per_block = block / page;
-    std::vector<unsigned char> cached(static_cast<std::size_t>(per_block));
+    std::vector<unsigned char> in;
     const std::uint64_t end = std::min(h_->size, offset + std::min(length, h_->size - offset));
     std::uint64_t dropped = 0;
     for (std::uint64_t at = offset / block * block; at < end; at += block) {
@@ -171,11 +170,9 @@ class InputFile final : public ByteSource {
       // mincore looks up every page it is asked about: a block whose sampled pages are all cached
       // (every block of a warm run) is taken as whole without asking about its other pages.
       if (sampled_cached(at, len, std::max(page, block / 4 / page * page))) continue;
-      if (::mincore(static_cast<char*>(h_->map) + at, static_cast<std::size_t>(len), cached.data()) != 0) return dropped;
-      const std::uint64_t n = (len + page - 1) / page;
-      std::uint64_t in = 0;
-      for (std::uint64_t i = 0; i < n; ++i) in += cached[static_cast<std::size_t>(i)] & 1U;
-      if (in == 0 || in == n || in > max_cached) continue;
+      const std::uint64_t n = (len + page - 1) / page, k = cached_pages(at, len, page, in);
+      if (k == unknown) return dropped;
+      if (k == 0 || k == n || k > max_cached) continue;
       (void)::posix_fadvise(h_->fd, static_cast<off_t>(at), static_cast<off_t>(n * page), POSIX_FADV_DONTNEED);
       ++dropped;
     }
@@ -191,9 +188,8 @@ class InputFile final : public ByteSource {
     if (!h_->map || page == 0 || offset >= h_->size || length == 0 || length > (std::uint64_t{64} << 20)) return false;
     const std::uint64_t lo = offset / page * page, hi = std::min(h_->size, offset + length);
     if (sample_every >= page && sample_every % page == 0) return sampled_cached(lo, hi - lo, sample_every);
-    std::vector<unsigned char> in(static_cast<std::size_t>((hi - lo + page - 1) / page));
-    return ::mincore(static_cast<char*>(h_->map) + lo, static_cast<std::size_t>(hi - lo), in.data()) == 0 &&
-           std::all_of(in.begin(), in.end(), [](unsigned char c) { return (c & 1U) != 0; });
+    std::vector<unsigned char> in;
+    return cached_pages(lo, hi - lo, page, in) == (hi - lo + page - 1) / page;
   }
 
   /// Reads [offset, offset + length) into the page cache through a mapping of its own (with
@@ -214,6 +210,19 @@ class InputFile final : public ByteSource {
   }
 
  private:
+  static constexpr std::uint64_t unknown = ~std::uint64_t{0};
+
+  /// How many pages of [lo, lo + length) (lo page-aligned, mapped files only) are cached, from one
+  /// mincore call with `in` as its vector; `unknown` when the kernel does not tell.
+  std::uint64_t cached_pages(std::uint64_t lo, std::uint64_t length, std::uint64_t page, std::vector<unsigned char>& in) const {
+    const std::uint64_t n = (length + page - 1) / page;
+    in.resize(static_cast<std::size_t>(n));
+    if (::mincore(static_cast<char*>(h_->map) + lo, static_cast<std::size_t>(length), in.data()) != 0) return unknown;
+    std::uint64_t k = 0;
+    for (unsigned char c : in) k += c & 1U;
+    return k;
+  }
+
   /// Whether the pages at `lo` (page-aligned), lo + stride, ... below lo + length, and the range's
   /// last page, are all cached (mapped files only).
   bool sampled_cached(std::uint64_t lo, std::uint64_t length, std::uint64_t stride) const noexcept {
