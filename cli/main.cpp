@@ -44,7 +44,7 @@ usage:
                     [--only NAME_PREFIX]... [--drop REGEX]... [--strip-prefix P]... [--add-prefix P]...
                     [--rename FROM=TO]... [--rename-regex REGEX=REPLACEMENT]... [--map NAMES.json]...
                     [--with-optimizer] [--threads N] [--memory-budget 256MiB]
-                    [--part k/K | --part index] [--check-replicas] [--io mmap|pread]
+                    [--part k/K | --part index] [--check-replicas] [--io mmap|pread] [--write direct|cached]
                     [--keep-class MODULE.CLASS]... [--tp N] [--pp M] [--vpp V]
   statedict verify A B [--rtol R] [--atol A] [--with-optimizer] [--from FORMAT] [--io mmap|pread]
   statedict --version
@@ -434,7 +434,7 @@ int cmd_convert(const std::vector<std::string>& argv) {
                {"--world-size", true}, {"--only", true, true}, {"--drop", true, true}, {"--strip-prefix", true, true},
                {"--add-prefix", true, true}, {"--rename", true, true}, {"--rename-regex", true, true}, {"--map", true, true},
                {"--with-optimizer", false}, {"--threads", true}, {"--memory-budget", true}, {"--part", true},
-               {"--check-replicas", false}, {"--io", true}, {"--dcp-layout", true},
+               {"--check-replicas", false}, {"--io", true}, {"--write", true}, {"--dcp-layout", true},
                {"--keep-class", true, true}, {"--tp", true}, {"--pp", true}, {"--vpp", true}}),
               2, 2, "convert");
   const std::string in = a.positional()[0], out = a.positional()[1];
@@ -443,6 +443,10 @@ int cmd_convert(const std::vector<std::string>& argv) {
   sd::formats::save_options w;
   w.format = a.value("--to").value_or("");
   w.exec = exec_options_from(a);
+  if (auto v = a.value("--write")) {
+    if (*v == "cached") w.exec.direct_io = false;
+    else if (*v != "direct") a.fail(cli::errors::bad_value, "--write takes direct or cached, not " + sd::quote(*v));
+  }
   w.plan.check_replicas = a.flag("--check-replicas");
   if (auto m = a.value("--max-shard-size")) w.max_shard_size = sd::hf::parse_max_shard_size(*m);
   if (auto m = a.value("--world-size")) w.world_size = static_cast<std::uint32_t>(parse_count(*m, "--world-size", 1, 1U << 16));

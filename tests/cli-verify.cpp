@@ -46,6 +46,11 @@ TEST_CASE("verify: every fixture equals its conversions; a flipped byte is found
         CHECK_MESSAGE(v.code == 0, "verify fixture .pt: " << v.describe());
         CHECK(v.out.rfind("equal: ", 0) == 0);
         ++equal_checked;
+        // Written through the page cache instead of with direct I/O: the same bytes.
+        const fs::path cached = dir / "cached.pt";
+        const run_result cc = cli({"convert", f.path.string(), cached.string(), "--write", "cached"});
+        REQUIRE_MESSAGE(cc.code == 0, cc.describe());
+        CHECK_MESSAGE(read_file(cached) == read_file(pt), "--write cached wrote other bytes than direct I/O");
       }
       if (has_c128(f.manifest)) continue;
       const fs::path st = dir / "c.safetensors";
@@ -55,6 +60,10 @@ TEST_CASE("verify: every fixture equals its conversions; a flipped byte is found
       CHECK_MESSAGE(v.code == 0, "verify fixture .safetensors: " << v.describe());
       const run_result v2 = cli({"verify", st.string(), f.path.string(), "--io", "pread"});
       CHECK_MESSAGE(v2.code == 0, "verify .safetensors fixture --io pread: " << v2.describe());
+      const fs::path st_cached = dir / "cached.safetensors";
+      const run_result sc = cli({"convert", f.path.string(), st_cached.string(), "--write", "cached", "--threads", "3"});
+      REQUIRE_MESSAGE(sc.code == 0, sc.describe());
+      CHECK_MESSAGE(read_file(st_cached) == read_file(st), "--write cached wrote other bytes than direct I/O");
 
       // Flip one byte in the middle of the largest tensor's data; nothing else ties to it unless
       // the manifest says so.
@@ -160,6 +169,7 @@ TEST_CASE("bad input and usage: exit 2, one line on stderr naming the path") {
   check_usage_error(cli({"inspect"}), "inspect");
   check_usage_error(cli({"inspect", good, "--io", "carrier-pigeon"}), "--io");
   check_usage_error(cli({"convert", good}), "convert");
+  check_usage_error(cli({"convert", good, (work / "o.pt").string(), "--write", "sideways"}), "--write");
   check_usage_error(cli({"convert", good, (work / "out.unknown").string()}), "out.unknown");
   check_usage_error(cli({"convert", good, (work / "o.pt").string(), "--dtype", "I32"}), "--dtype");
   check_usage_error(cli({"convert", good, (work / "o.pt").string(), "--world-size", "2"}), "--world-size");

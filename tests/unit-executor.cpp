@@ -59,6 +59,7 @@ exec_stats write_files(const ShardedCheckpoint& src, const Destination& dst, con
   for (const auto& n : dst.names) {
     files.push_back(OutputFile::create(dir / n));
     sinks.push_back(std::make_unique<FileSink>(files.back()));
+    if (opt.direct_io) (void)sinks.back()->use_direct_io();
     ptrs.push_back(sinks.back().get());
   }
   const exec_stats st = execute(plan, src, ptrs, opt);
@@ -119,6 +120,7 @@ TEST_CASE("resharding real files gives identical bytes for 1..4 threads and any 
         const fs::path out = scratch("c3");
         opt.threads = threads;
         opt.memory_budget = budget;
+        opt.direct_io = budget != default_memory_budget;  // both ways of writing the files
         const exec_stats st = write_files(open_files(z8, d8, mode), c3, out, opt);
         CHECK(st.buffer_bytes <= budget);
         CHECK(st.bytes_written == make_plan(open_files(z8, d8, mode), c3).bytes());
@@ -527,6 +529,69 @@ TEST_CASE("FileSink starts writeback every write_behind bytes, and writes the sa
   }
 }
 
+TEST_CASE("FileSink with direct I/O: pieces in any order and from several threads, a header before, holes") {
+  const fs::path d = scratch("direct");
+  {
+    OutputFile probe = OutputFile::create(d / "probe");
+    FileSink s(probe);
+    if (!s.use_direct_io()) {
+      MESSAGE("no direct I/O under " STATEDICT_TEST_TMP " (tmpfs?): skipped");
+      return;
+    }
+  }
+  // 1000 header bytes written through the page cache first, then 151,651 bytes cut into pieces
+  // at random points, within pages and across them; every seventh piece is never written (a
+  // hole: zeros), the last one too. The sink starts mid-page: the header's last page is shared.
+  std::mt19937_64 rng(11);
+  const std::uint64_t header = 1000, size = 37 * 4096 + 100;
+  std::vector<std::uint64_t> cuts{0, size};
+  for (int i = 0; i < 300; ++i) cuts.push_back(rng() % size);
+  for (std::uint64_t c : {std::uint64_t{4096 * 3}, std::uint64_t{4096 * 3 + 1}, std::uint64_t{4096 * 20 - 1}}) cuts.push_back(c);
+  std::sort(cuts.begin(), cuts.end());
+  cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+  bytes want(header + size, std::byte{0});
+  for (std::size_t i = 0; i < header; ++i) want[i] = static_cast<std::byte>(i * 7 + 1);
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> pieces;  // [begin, end) within the sink
+  for (std::size_t i = 0; i + 1 < cuts.size(); ++i) {
+    if (i % 7 == 3) continue;
+    pieces.emplace_back(cuts[i], cuts[i + 1]);
+    for (std::uint64_t k = cuts[i]; k < cuts[i + 1]; ++k) want[header + k] = static_cast<std::byte>(rng() | 1);
+  }
+  for (unsigned threads : {1U, 4U}) {
+    CAPTURE(threads);
+    std::shuffle(pieces.begin(), pieces.end(), rng);
+    OutputFile f = OutputFile::create(d / "out");
+    f.write(std::span<const std::byte>(want).first(header));
+    FileSink sink(f, header);
+    REQUIRE(sink.use_direct_io(8192));  // 2-page staging: long pieces take several writes
+    CHECK(sink.fd() < 0);               // no copy_file_range into it
+    CHECK(sink.concurrent_writes());
+    sink.track_crc32({FlatRange{0, size}});
+    sink.reserve(size);
+    std::vector<std::thread> pool;
+    for (unsigned t = 0; t < threads; ++t)
+      pool.emplace_back([&, t] {
+        for (std::size_t i = t; i < pieces.size(); i += threads) {
+          const auto [b, e] = pieces[i];
+          sink.write(b, std::span<const std::byte>(want).subspan(static_cast<std::size_t>(header + b), static_cast<std::size_t>(e - b)));
+        }
+      });
+    for (auto& th : pool) th.join();
+    CHECK(sink.pending_pages() > 0);  // the header's page and the holes' pages wait for finish()
+    sink.finish();
+    CHECK(sink.pending_pages() == 0);
+    CHECK(sink.crc32(0) == zip::crc32(std::span<const std::byte>(want).subspan(header)));
+    // Whole pages went past the page cache: after the write, the file's middle is not cached
+    // (written through the page cache, every page of it would be).
+    {
+      const auto in = InputFile::open(f.temp_path(), read_mode::mmap);
+      CHECK_FALSE(in->cached(8 * 4096, 16 * 4096));
+    }
+    f.commit();
+    CHECK(read_file(d / "out") == want);
+  }
+}
+
 TEST_CASE("memory budget: the executor's buffers never exceed it") {
   const Model m = make_model(3);
   const auto src = m.checkpoint();
@@ -780,7 +845,7 @@ TEST_CASE("scheduler: items in order, a thread moves to a destination nobody is 
     // Destinations 0 0 0 1 1 2, a compare item (no destination), then a cast into 0.
     std::vector<exec_item> items{item(0), item(0), item(0), item(1), item(1), item(2), exec_item{exec_item::kind::compare, 0, 1, 0, 0}, item(0, true)};
     detail::exec_scheduler s;
-    s.init(items, 3);
+    s.init(items, 3, {});
     CHECK(s.take(items, none, stop) == 0);  // thread A writes destination 0
     CHECK(s.take(items, none, stop) == 3);  // thread B: 0 is busy, first item of 1
     CHECK(s.take(items, 0, stop) == 1);     // A finished its item of 0: the next in order is 0 again
@@ -795,7 +860,7 @@ TEST_CASE("scheduler: items in order, a thread moves to a destination nobody is 
   SUBCASE("a plain copy into a busy file waits until the file is free") {
     std::vector<exec_item> items{item(0), item(0), item(0)};
     detail::exec_scheduler s;
-    s.init(items, 1);
+    s.init(items, 1, {});
     CHECK(s.take(items, none, stop) == 0);  // A
     std::atomic<std::size_t> got{99};
     std::thread b([&] { got = s.take(items, none, stop); });
@@ -809,10 +874,20 @@ TEST_CASE("scheduler: items in order, a thread moves to a destination nobody is 
     b.join();
     CHECK(got.load() == items.size());
   }
+  SUBCASE("a file that takes concurrent writes (direct I/O) is written by two threads at once") {
+    std::vector<exec_item> items{item(0), item(0), item(1), item(0)};
+    detail::exec_scheduler s;
+    s.init(items, 2, {1, 0});
+    CHECK(s.take(items, none, stop) == 0);  // A writes 0
+    CHECK(s.take(items, none, stop) == 2);  // B still prefers the file nobody writes
+    CHECK(s.take(items, 1, stop) == 1);     // B: 0 is busy (A) but shared: no waiting
+    CHECK(s.take(items, 0, stop) == 3);
+    CHECK(s.take(items, 0, stop) == items.size());
+  }
   SUBCASE("a waiting thread gives up when the run stops") {
     std::vector<exec_item> items{item(0), item(0)};
     detail::exec_scheduler s;
-    s.init(items, 1);
+    s.init(items, 1, {});
     std::atomic<bool> stopping{false};
     CHECK(s.take(items, none, stopping) == 0);
     std::atomic<std::size_t> got{99};

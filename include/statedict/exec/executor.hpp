@@ -38,7 +38,9 @@
 // waits rather than copy into a file another thread is writing (casts excepted: their work is
 // CPU outside the write). Writes into one file serialize on its inode lock, and two threads
 // writing the same file spent a fifth of their time spinning on it (ZeRO-3 8 ranks -> DCP 3
-// ranks, perf: rwsem_spin_on_owner 17%; one .safetensors output: 26%). Writes never overlap (the
+// ranks, perf: rwsem_spin_on_owner 17%; one .safetensors output: 26%). Sinks that write with
+// direct I/O (Sink::concurrent_writes) are shared: there one thread copies while another waits
+// for the disk. Writes never overlap (the
 // plan is proven), so the output bytes do not depend on the thread count or on timing. Ordered
 // sinks (Sha256Sink) are written by one thread, in increasing offsets: their operations form one
 // work item that walks them in destination order.
@@ -141,7 +143,10 @@ struct exec_item {
 /// thread is writing. Items are at most a block each, so one lock per item costs nothing.
 class exec_scheduler {
  public:
-  void init(const std::vector<exec_item>& items, std::size_t destinations) {
+  /// `shared[d]`: destination d takes writes from several threads at once (Sink::concurrent_writes).
+  void init(const std::vector<exec_item>& items, std::size_t destinations, std::vector<std::uint8_t> shared) {
+    shared_ = std::move(shared);
+    shared_.resize(destinations + 1, 0);
     // One queue per destination, and a last one for items that write no file (never busy).
     const std::size_t queues = destinations + 1;
     next_.assign(queues, 0);
@@ -185,7 +190,7 @@ class exec_scheduler {
         if (best < items.size()) pick = best;
       }
       const exec_item& it = items[pick];
-      if (it.dst != exec_item::no_dst && busy_[it.dst] > 0 && !it.converts) {
+      if (it.dst != exec_item::no_dst && busy_[it.dst] > 0 && !it.converts && !shared_[it.dst]) {
         freed_.wait(lock);  // woken when a thread finishes an item (or stops)
         continue;
       }
@@ -213,7 +218,7 @@ class exec_scheduler {
   std::vector<std::vector<std::uint32_t>> queue_;
   std::vector<std::size_t> next_;
   std::vector<std::uint32_t> busy_, open_;
-  std::vector<std::uint8_t> taken_;
+  std::vector<std::uint8_t> taken_, shared_;
 };
 
 /// The kernel's fault-around window (vm fault_around_bytes, 64 KiB by default): a page fault, and
@@ -914,7 +919,9 @@ inline exec_stats execute(const Plan& plan, std::span<const std::shared_ptr<cons
   s.total = plan.bytes();
   s.progress_step = std::max<std::uint64_t>(s.total / 1000, 1);
   threads = static_cast<unsigned>(std::min<std::size_t>(threads, std::max<std::size_t>(s.items.size(), 1)));
-  s.scheduler.init(s.items, sinks.size());
+  std::vector<std::uint8_t> shared(sinks.size(), 0);
+  for (std::size_t d = 0; d < sinks.size(); ++d) shared[d] = sinks[d] && sinks[d]->concurrent_writes() ? 1 : 0;
+  s.scheduler.init(s.items, sinks.size(), std::move(shared));
   {
     std::vector<std::unique_ptr<detail::exec_worker>> workers;
     for (unsigned t = 0; t < threads; ++t) workers.push_back(std::make_unique<detail::exec_worker>(s));

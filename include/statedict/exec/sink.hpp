@@ -2,7 +2,8 @@
 // SPDX-License-Identifier: MIT
 //
 //   FileSink      an OutputFile (io/file.hpp), optionally at a base offset (after a header);
-//                 copy_file_range fast path; writeback started every 64 MiB written (write_behind);
+//                 direct I/O past the page cache where the file system has it (use_direct_io);
+//                 otherwise copy_file_range fast path, writeback started every 64 MiB (write_behind);
 //                 optional CRC-32 of byte regions (zip records),
 //                 computed from whatever order the pieces are written in (crc32_combine)
 //   MemorySink    a growable in-memory buffer (tests, small outputs)
@@ -22,11 +23,15 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <span>
 #include <string>
 #include <sys/stat.h>
+#include <unistd.h>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -71,9 +76,185 @@ class Sink {
   [[nodiscard]] virtual bool needs_bytes() const noexcept { return false; }
   /// True when writes must come from one thread in increasing offsets (a streaming hash).
   [[nodiscard]] virtual bool ordered() const noexcept { return false; }
+  /// True when several threads writing at once is faster than their taking turns. False by
+  /// default: writes into one file through the page cache serialize on the file's lock, where
+  /// threads spin (exec/executor.hpp); a direct-I/O FileSink waits for the disk instead.
+  [[nodiscard]] virtual bool concurrent_writes() const noexcept { return false; }
 };
 
 namespace detail {
+/// Writes a file's whole pages with O_DIRECT: from the device's point of view the bytes go from an
+/// aligned buffer straight to the disk, and nothing of the file passes through the page cache.
+/// The bytes of each write() that fill whole pages are copied into a staging buffer (the one copy
+/// through the CPU) and written from it. The bytes of pages a write covers only in part wait in
+/// memory until other writes complete the page, which is then written the same way; what is left
+/// when finish() is called (a page shared with bytes the caller writes itself, such as a header,
+/// or with a hole) is written there with ordinary writes. So no page is written both ways, and
+/// while direct writes are under way nothing is written through the page cache (the kernel keeps
+/// the two coherent only when they do not race on one page). docs/planner.md has the figures.
+class direct_writer {
+ public:
+  direct_writer() = default;
+  direct_writer(const direct_writer&) = delete;
+  direct_writer& operator=(const direct_writer&) = delete;
+  ~direct_writer() { close(); }
+
+  /// Opens a second descriptor of `fd`'s file with O_DIRECT when the file system reports direct
+  /// I/O alignments (statx STATX_DIOALIGN) that a page satisfies; false otherwise (tmpfs, older
+  /// kernels), and the writer stays inactive. `staging`: bytes per direct write.
+  bool open(int fd, std::uint64_t staging) {
+#if defined(STATX_DIOALIGN) && defined(O_DIRECT)
+    close();
+    struct statx sx {};
+    const long page = ::sysconf(_SC_PAGESIZE);
+    if (page <= 0 || ::statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &sx) != 0 || (sx.stx_mask & STATX_DIOALIGN) == 0) return false;
+    page_ = static_cast<std::uint64_t>(page);
+    if (sx.stx_dio_offset_align == 0 || sx.stx_dio_offset_align > page_ || page_ % sx.stx_dio_offset_align != 0 ||
+        sx.stx_dio_mem_align == 0 || sx.stx_dio_mem_align > page_)
+      return false;
+    const std::string self = "/proc/self/fd/" + std::to_string(fd);
+    dfd_ = ::open(self.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC);
+    staging_ = std::max(page_, staging / page_ * page_);
+    return dfd_ >= 0;
+#else
+    (void)fd;
+    (void)staging;
+    return false;
+#endif
+  }
+  [[nodiscard]] bool active() const noexcept { return dfd_ >= 0; }
+
+  /// Writes `bytes` at file offset `pos` (disjoint from every other write; any thread); calls
+  /// `seen(offset, piece)` for every piece of them, once each, in no particular order (a hash).
+  template <class Seen>
+  void write(std::uint64_t pos, std::span<const std::byte> bytes, const std::string& name, Seen&& seen) {
+    const std::uint64_t end = pos + bytes.size();
+    const std::uint64_t a = (pos + page_ - 1) / page_ * page_, b = end / page_ * page_;
+    if (a >= b) {
+      partial(pos, bytes, name, seen);
+      return;
+    }
+    if (a > pos) partial(pos, bytes.first(static_cast<std::size_t>(a - pos)), name, seen);
+    if (end > b) partial(b, bytes.subspan(static_cast<std::size_t>(b - pos)), name, seen);
+    buffer buf = take();
+    for (std::uint64_t at = a; at < b;) {
+      const std::uint64_t n = std::min(staging_, b - at);
+      std::memcpy(buf.get(), bytes.data() + (at - pos), static_cast<std::size_t>(n));
+      seen(at, std::span<const std::byte>(buf.get(), static_cast<std::size_t>(n)));  // while in the cache
+      write_direct(buf.get(), n, at, name);
+      at += n;
+    }
+    give(std::move(buf));
+  }
+
+  /// Writes what is left of the partial pages (only the bytes written into them) with ordinary
+  /// writes, and closes the direct descriptor. Call once every write() has returned.
+  void finish(const OutputFile& file) {
+    std::vector<std::pair<std::uint64_t, pending>> left(std::make_move_iterator(pending_.begin()), std::make_move_iterator(pending_.end()));
+    pending_.clear();
+    close();
+    std::sort(left.begin(), left.end(), [](const auto& x, const auto& y) { return x.first < y.first; });
+    for (auto& [at, pg] : left) {
+      std::sort(pg.ranges.begin(), pg.ranges.end());
+      for (std::size_t i = 0; i < pg.ranges.size();) {
+        std::size_t j = i + 1;
+        std::uint32_t hi = pg.ranges[i].second;
+        while (j < pg.ranges.size() && pg.ranges[j].first == hi) hi = pg.ranges[j++].second;
+        const std::uint32_t lo = pg.ranges[i].first;
+        file.pwrite(at + lo, std::span<const std::byte>(pg.bytes.get() + lo, hi - lo));
+        i = j;
+      }
+    }
+  }
+  /// Partial pages waiting for the rest of their bytes.
+  [[nodiscard]] std::size_t pending_pages() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return pending_.size();
+  }
+
+ private:
+  struct free_deleter {
+    void operator()(std::byte* p) const noexcept { std::free(p); }
+  };
+  using buffer = std::unique_ptr<std::byte, free_deleter>;
+  struct pending {
+    buffer bytes;
+    std::uint64_t filled = 0;
+    std::vector<std::pair<std::uint32_t, std::uint32_t>> ranges;  // [lo, hi) within the page
+  };
+
+  buffer allocate(std::uint64_t n) const {
+    auto* p = static_cast<std::byte*>(std::aligned_alloc(static_cast<std::size_t>(page_), static_cast<std::size_t>(n)));
+    if (!p) throw std::bad_alloc();
+    return buffer(p);
+  }
+  buffer take() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!free_.empty()) {
+        buffer b = std::move(free_.back());
+        free_.pop_back();
+        return b;
+      }
+    }
+    return allocate(staging_);
+  }
+  void give(buffer b) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    free_.push_back(std::move(b));
+  }
+
+  /// Bytes within one or more pages that the write does not cover whole.
+  template <class Seen>
+  void partial(std::uint64_t pos, std::span<const std::byte> bytes, const std::string& name, Seen& seen) {
+    while (!bytes.empty()) {
+      const std::uint64_t at = pos / page_ * page_;
+      const auto lo = static_cast<std::uint32_t>(pos - at);
+      const auto n = static_cast<std::uint32_t>(std::min<std::uint64_t>(bytes.size(), page_ - lo));
+      seen(pos, bytes.first(n));
+      buffer full;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        auto it = pending_.find(at);
+        if (it == pending_.end()) it = pending_.emplace(at, pending{allocate(page_), 0, {}}).first;
+        std::memcpy(it->second.bytes.get() + lo, bytes.data(), n);
+        it->second.ranges.emplace_back(lo, lo + n);
+        it->second.filled += n;
+        if (it->second.filled == page_) {  // writes are disjoint: every byte of the page is there
+          full = std::move(it->second.bytes);
+          pending_.erase(it);
+        }
+      }
+      if (full) write_direct(full.get(), page_, at, name);
+      pos += n;
+      bytes = bytes.subspan(n);
+    }
+  }
+
+  void write_direct(const std::byte* p, std::uint64_t n, std::uint64_t at, const std::string& name) const {
+    while (n) {
+      const ssize_t w = ::pwrite(dfd_, p, static_cast<std::size_t>(n), static_cast<off_t>(at));
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0 || static_cast<std::uint64_t>(w) % page_ != 0)
+        throw_error(errors::write_failed, "file " + quote(name),
+                    w < 0 ? "direct write failed: " + errno_text(errno) : "direct write stopped after " + std::to_string(w) + " bytes");
+      p += w;
+      n -= static_cast<std::uint64_t>(w);
+      at += static_cast<std::uint64_t>(w);
+    }
+  }
+
+  void close() noexcept {
+    if (dfd_ >= 0) ::close(std::exchange(dfd_, -1));
+  }
+
+  int dfd_ = -1;
+  std::uint64_t page_ = 4096, staging_ = 0;
+  mutable std::mutex mutex_;
+  std::vector<buffer> free_;
+  std::unordered_map<std::uint64_t, pending> pending_;
+};
+
 /// CRC-32 of byte regions of a sink, from pieces written in any order and by any thread.
 class crc_regions {
  public:
@@ -149,22 +330,46 @@ class FileSink final : public Sink {
 
   [[nodiscard]] const std::string& name() const noexcept override { return name_; }
   void write(std::uint64_t offset, std::span<const std::byte> bytes) override {
+    if (direct_.active()) {
+      direct_.write(base_ + offset, bytes, name_, [this](std::uint64_t pos, std::span<const std::byte> piece) {
+        if (crc_.active()) crc_.add(pos - base_, piece);
+      });
+      return;
+    }
     file_.pwrite(base_ + offset, bytes);
     if (crc_.active()) crc_.add(offset, bytes);
     if (pace_) write_behind_step(bytes.size());
   }
-  void reserve(std::uint64_t size) override { size_ = size; }
+  void reserve(std::uint64_t size) override {
+    size_ = size;
+    // With direct I/O, the blocks are allocated up front: the writes then fill allocated space,
+    // which ext4 lets several threads do at once (writes that allocate, or that extend the
+    // file, hold the inode's lock while the disk writes). Where it is not supported, they allocate.
+    if (direct_.active() && size) (void)::fallocate(file_.fd(), 0, static_cast<off_t>(base_), static_cast<off_t>(size));
+  }
   /// Extends the file to base + size when the writes stopped short of it (trailing padding). Done
   /// at the end, not up front: filling a sparse hole is slower than writing at the end on ext4.
   void finish() override {
+    if (direct_.active()) direct_.finish(file_);
     struct stat st {};
     if (::fstat(file_.fd(), &st) == 0 && static_cast<std::uint64_t>(st.st_size) < base_ + size_)
       file_.resize(base_ + size_);
     if (crc_.active()) crc_.finish();
   }
-  [[nodiscard]] int fd() const noexcept override { return file_.fd(); }
+  /// -1 with direct I/O: the executor must not copy_file_range into the page cache meanwhile.
+  [[nodiscard]] int fd() const noexcept override { return direct_.active() ? -1 : file_.fd(); }
+  /// With direct I/O, one thread copies while another waits for the disk.
+  [[nodiscard]] bool concurrent_writes() const noexcept override { return direct_.active(); }
   [[nodiscard]] std::uint64_t fd_offset() const noexcept override { return base_; }
   [[nodiscard]] bool needs_bytes() const noexcept override { return crc_.active(); }
+
+  /// Writes the bytes the executor hands over with direct I/O, past the page cache (see
+  /// detail::direct_writer), `staging` bytes per write; call before execute. False when the file
+  /// system does not support it (the sink then writes through the page cache as before).
+  bool use_direct_io(std::uint64_t staging = std::uint64_t{1} << 20) { return direct_.open(file_.fd(), staging); }
+  [[nodiscard]] bool direct_io() const noexcept { return direct_.active(); }
+  /// Partial pages held in memory (direct I/O) until their other bytes arrive or finish().
+  [[nodiscard]] std::size_t pending_pages() const { return direct_.pending_pages(); }
 
   /// Starts writeback of the file's dirty pages (sync_file_range, SYNC_FILE_RANGE_WRITE: it does
   /// not wait for it) each time another `bytes` have been written through this sink, so that the
@@ -195,6 +400,7 @@ class FileSink final : public Sink {
   std::uint64_t size_ = 0;
   std::string name_;
   detail::crc_regions crc_;
+  detail::direct_writer direct_;
   std::uint64_t pace_ = std::uint64_t{64} << 20;
   std::atomic<std::uint64_t> written_{0}, kicked_{0}, kicks_{0};
 };

@@ -47,6 +47,7 @@ inline void write_planned(SavePlan sp, const ShardedCheckpoint& src, const Desti
   PlannedWriter w(path, std::move(sp));
   try {
     FileSink sink(w.file());
+    if (exec.direct_io) (void)sink.use_direct_io();
     sink.track_crc32(regions);
     std::vector<Sink*> sinks{&sink};
     (void)execute(plan, src, sinks, exec);

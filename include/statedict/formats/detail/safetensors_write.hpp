@@ -72,6 +72,7 @@ inline safetensors::Layout write_safetensors_file(const ShardedCheckpoint& ck, c
   try {
     out.write(lay.header);
     FileSink sink(out);
+    if (exec.direct_io) (void)sink.use_direct_io();
     std::vector<Sink*> sinks{&sink};
     (void)execute(plan, ck, sinks, exec);
   } catch (error& e) {

@@ -82,6 +82,7 @@ inline std::vector<std::string> write_file_set(const ShardedCheckpoint& src, con
     const std::string& name = files.dst.names[d];
     outs[d] = std::make_unique<OutputFile>(out ? out->create_file(name) : OutputFile::create(dir / name));
     sinks[d] = std::make_unique<FileSink>(*outs[d]);
+    if (opt.exec.direct_io) (void)sinks[d]->use_direct_io();
     if (files.prepare) files.prepare(d, *outs[d], *sinks[d]);
     ptrs[d] = sinks[d].get();
   }
