@@ -14,14 +14,14 @@
 #   5. builds the unit tests against the single header in a Release build (-O2) and runs them;
 #   6. builds the libFuzzer targets (clang, ASan + UBSan) and runs each for a while.
 # STATEDICT_STAGES picks stages (default "check gcc slurm asan single fuzz"); STATEDICT_FUZZ_SECONDS sets
-# the time per fuzzer (default 20), STATEDICT_FUZZ_SEED its libFuzzer seed (default 1, so that a
+# the time per fuzzer (default 12), STATEDICT_FUZZ_SEED its libFuzzer seed (default 1, so that a
 # red fuzz stage replays; 0 for a random one). Build trees go under build/.
 set -eu
 
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"
 stages=${STATEDICT_STAGES:-check gcc slurm asan single fuzz}
-fuzz_seconds=${STATEDICT_FUZZ_SECONDS:-20}
+fuzz_seconds=${STATEDICT_FUZZ_SECONDS:-12}
 fuzz_seed=${STATEDICT_FUZZ_SEED:-1}
 jobs=${STATEDICT_JOBS:-$(nproc)}
 
