@@ -154,8 +154,13 @@ class direct_writer {
     for (std::uint64_t at = a; at < b;) {
       const std::uint64_t n = std::min(staging_, b - at);
       buffer buf = take();
-      std::memcpy(buf.get(), bytes.data() + (at - pos), static_cast<std::size_t>(n));
-      seen(at, std::span<const std::byte>(buf.get(), static_cast<std::size_t>(n)));  // while in the cache
+      try {
+        std::memcpy(buf.get(), bytes.data() + (at - pos), static_cast<std::size_t>(n));
+        seen(at, std::span<const std::byte>(buf.get(), static_cast<std::size_t>(n)));  // while in the cache
+      } catch (...) {
+        give(std::move(buf));
+        throw;
+      }
       submit(job{std::move(buf), n, at, true});
       at += n;
     }
@@ -227,11 +232,27 @@ class direct_writer {
       returned_.wait(lock);
     }
   }
+  /// Returns a staging buffer that was not queued (mutex_ not held).
+  void give(buffer b) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    free_.push_back(std::move(b));
+    returned_.notify_all();
+  }
   /// Queues a direct write (mutex_ held), starting the I/O threads on the first one: a file the
   /// run never writes costs no thread.
   void enqueue(job j) {
-    if (io_.empty())
-      for (std::size_t t = 0; t < io_threads; ++t) io_.emplace_back([this] { io_loop(); });
+    if (io_.empty()) {
+      try {
+        for (std::size_t t = 0; t < io_threads; ++t) io_.emplace_back([this] { io_loop(); });
+      } catch (...) {
+        if (io_.empty()) {  // no thread will return buffers: writers must not wait for one
+          error_ = 1;
+          error_text_ = "cannot start a thread for direct writes";
+          returned_.notify_all();
+          throw;
+        }  // fewer threads than asked for: they will do
+      }
+    }
     queue_.push_back(std::move(j));
     queued_.notify_one();
   }
