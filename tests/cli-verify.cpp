@@ -46,8 +46,10 @@ TEST_CASE("verify: every fixture equals its conversions; a flipped byte is found
         CHECK_MESSAGE(v.code == 0, "verify fixture .pt: " << v.describe());
         CHECK(v.out.rfind("equal: ", 0) == 0);
         ++equal_checked;
-        // Written through the page cache instead of with direct I/O: the same bytes.
-        const fs::path cached = dir / "cached.pt";
+        // Written through the page cache instead of with direct I/O: the same bytes (same file
+        // name: a .pt's archive folder is named after it).
+        fs::create_directories(dir / "cached");
+        const fs::path cached = dir / "cached" / "c.pt";
         const run_result cc = cli({"convert", f.path.string(), cached.string(), "--write", "cached"});
         REQUIRE_MESSAGE(cc.code == 0, cc.describe());
         CHECK_MESSAGE(read_file(cached) == read_file(pt), "--write cached wrote other bytes than direct I/O");
@@ -60,7 +62,7 @@ TEST_CASE("verify: every fixture equals its conversions; a flipped byte is found
       CHECK_MESSAGE(v.code == 0, "verify fixture .safetensors: " << v.describe());
       const run_result v2 = cli({"verify", st.string(), f.path.string(), "--io", "pread"});
       CHECK_MESSAGE(v2.code == 0, "verify .safetensors fixture --io pread: " << v2.describe());
-      const fs::path st_cached = dir / "cached.safetensors";
+      const fs::path st_cached = dir / "cached" / "c.safetensors";
       const run_result sc = cli({"convert", f.path.string(), st_cached.string(), "--write", "cached", "--threads", "3"});
       REQUIRE_MESSAGE(sc.code == 0, sc.describe());
       CHECK_MESSAGE(read_file(st_cached) == read_file(st), "--write cached wrote other bytes than direct I/O");
