@@ -5968,9 +5968,10 @@ struct exec_options {
   /// being copied into the page cache, tracked there block by block and written back. Warm cache,
   /// medians of 12 runs interleaved with `cp` + `sync` of the same bytes, CPU time direct / through
   /// the cache / cp: ZeRO-3 8 ranks -> one .safetensors 0.195 / 0.390 / 0.278 s, -> DCP 3 ranks
-  /// 0.248 / 0.420 / 0.321 s; .pt (10,005 tensors) -> .safetensors 0.660 / 1.451 / 0.794 s; wall
-  /// within 0.94-1.11x cp (docs/planner.md). Off: through the page cache, with writeback started
-  /// every 64 MiB.
+  /// 0.248 / 0.420 / 0.321 s; .pt (10,005 tensors) -> .safetensors 0.660 / 1.451 / 0.794 s. In
+  /// `make bench`, wall / CPU against cp: 0.98x / 0.92x, 0.85x / 0.80x, 1.06x / 0.98x
+  /// (docs/planner.md; a cold .pt on a busy disk is faster through the cache). Off: through the
+  /// page cache, with writeback started every 64 MiB.
   bool direct_io = true;
 };
 
