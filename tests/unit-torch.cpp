@@ -288,6 +288,40 @@ TEST_CASE("wrappers and objects: Parameters stay Parameters when asked") {
   CHECK(ft["t"].as_tensor().numel() == 2);
 }
 
+TEST_CASE("_rebuild_from_type_v2 with attributes: a tensor with data attributes is its tensor (DeepSpeed ZeRO-3's ds_id)") {
+  // torch.save of a tensor with Python attributes (DeepSpeed >= 0.14.5 sets ds_id on each ZeRO-3
+  // fp32 partition): _rebuild_from_type_v2(_rebuild_tensor_v2, Tensor, args, {'ds_id': 7}).
+  auto wrapped = [](const std::string& type_module, const std::string& type_name, const std::string& state) {
+    return "}" + str("t") + glob("torch._tensor", "_rebuild_from_type_v2") + "(" + glob("torch._utils", "_rebuild_tensor_v2") +
+           glob(type_module, type_name) + "((" + str("storage") + glob("torch", "FloatStorage") + str("0") + str("cpu") +
+           integer(2) + "tQ" + integer(0) + tuple({2}) + tuple({1}) + "\x89" + glob("collections", "OrderedDict") + ")Rt" +
+           state + "tRs";
+  };
+  const std::string ds_id = "}" + str("ds_id") + integer(7) + "s";
+  const auto path = torch_zip("ds_id.pt", pkl(wrapped("torch", "Tensor", ds_id)), {{"0", floats({1, 2})}});
+  const Value plain = torch::load(path);
+  REQUIRE(plain["t"].is_tensor());
+  CHECK(plain["t"].as_tensor().numel() == 2);
+  CHECK(plain["t"] == Value(Tensor::from<float>({1, 2}, {2})));
+  // The (attributes, slots) pair form, and a Parameter, the same way.
+  const std::string pair = "(" + ds_id + "Nt";
+  CHECK(torch::load(torch_zip("ds_id2.pt", pkl(wrapped("torch", "Tensor", pair)), {{"0", floats({1, 2})}}))["t"].is_tensor());
+  CHECK(torch::load(torch_zip("ds_id3.pt", pkl(wrapped("torch.nn.parameter", "Parameter", ds_id)), {{"0", floats({1, 2})}}))["t"].is_tensor());
+  // keep_wrappers keeps the call, so that the attribute is written back.
+  torch::load_options o;
+  o.keep_wrappers = true;
+  const Value kept = torch::load(path, o);
+  REQUIRE(kept["t"].is_object());
+  CHECK(kept["t"].as_object().args.at(3) == Value(Dict{{"ds_id", 7}}));
+  torch::save(tmp("ds_id_back.pt"), kept);
+  CHECK(torch::load(tmp("ds_id_back.pt"), o) == kept);
+  CHECK(torch::load(tmp("ds_id_back.pt"))["t"].is_tensor());
+  // An attribute that is a tensor, or a subclass, stays the call: its tensors stay in the tree.
+  const std::string tensor_attr = "}" + str("extra") + tensor_v2("FloatStorage", "0", 2, 0, {1}, {1}) + "s";
+  CHECK(torch::load(torch_zip("ds_id4.pt", pkl(wrapped("torch", "Tensor", tensor_attr)), {{"0", floats({1, 2})}}))["t"].is_object());
+  CHECK(torch::load(torch_zip("ds_id5.pt", pkl(wrapped("my.module", "MyTensor", ds_id)), {{"0", floats({1, 2})}}))["t"].is_object());
+}
+
 TEST_CASE("hostile files: one error id each") {
   const std::string ok_tensor = tensor_v2("FloatStorage", "0", 4, 0, {4}, {1});
   SUBCASE("a valid file first") {

@@ -14671,8 +14671,11 @@ inline pickle::Registry torch_registry(const read_context& ctx) {
     }
     return c.args[0];
   });
-  // _rebuild_from_type_v2(func, new_type, args, state): a plain Tensor or Parameter without state
-  // is func(*args); anything else (a subclass, attributes) stays as the call.
+  // _rebuild_from_type_v2(func, new_type, args, state): torch.load gives func(*args) with the
+  // Python attributes in `state` set on it (DeepSpeed ZeRO-3 sets `ds_id` on its fp32 partitions).
+  // A plain Tensor or Parameter whose attributes are data (no tensor among them) is its tensor;
+  // with keep_wrappers a Tensor with attributes stays the call, so that writing it back keeps them.
+  // A subclass, or attributes holding tensors, stays the call (its tensors are tensors of the tree).
   r.function("torch._tensor._rebuild_from_type_v2", [&ctx, keep_call](pickle::Call& c) -> Value {
     if (c.args.size() != 4) throw_error(errors::pt_bad_tensor, "_rebuild_from_type_v2 with " + std::to_string(c.args.size()) + " arguments");
     if (ctx.dry_run) return Value();
@@ -14683,9 +14686,20 @@ inline pickle::Registry torch_registry(const read_context& ctx) {
                             (type.as_object().qualified() == "torch.Tensor" ||
                              type.as_object().qualified() == "torch.nn.parameter.Parameter");
     const bool no_state = state.is_none() || (state.is_dict() && state.as_dict().empty());
-    if (plain_type && no_state && func.is_object() && c.args[2].is_tuple()) {
+    // _set_obj_state takes a dict of attributes, or a (dict | None, slots dict | None) pair.
+    const auto is_attrs = [](const Value& v) { return v.is_none() || v.is_dict(); };
+    const bool attrs = !no_state && (state.is_dict() || (state.is_tuple() && state.as_list().size() == 2 &&
+                                                          is_attrs(state.as_list()[0]) && is_attrs(state.as_list()[1])));
+    bool data_only = true;
+    if (attrs)
+      visit(state, [&](const Path&, const Value& v) {
+        if (!v.is_tensor()) return visit_control::descend;
+        data_only = false;
+        return visit_control::stop;
+      });
+    if (plain_type && (no_state || (attrs && data_only)) && func.is_object() && c.args[2].is_tuple()) {
       Value t = c.reader.call(func.as_object(), c.args[2].as_list());
-      if (t.is_tensor() && (!ctx.opts->keep_wrappers || type.as_object().name == "Tensor")) return t;
+      if (t.is_tensor() && (!ctx.opts->keep_wrappers || (type.as_object().name == "Tensor" && no_state))) return t;
     }
     return keep_call(c);
   });
