@@ -39,16 +39,17 @@ constexpr const char* usage_text = R"(statedict: read, convert and verify ML che
 
 usage:
   statedict inspect PATH [--json] [--hash] [--with-optimizer] [--from FORMAT] [--io mmap|pread]
-  statedict convert IN OUT [--to safetensors|hf|torch|dcp|olmo|colossalai|megatron] [--from FORMAT] [--dtype F32|BF16|F16]
+  statedict convert IN OUT [--to safetensors|hf|torch|dcp|olmo|colossalai|megatron|deepspeed] [--from FORMAT] [--dtype F32|BF16|F16]
                     [--cast-integer-buffers] [--max-shard-size 5GB] [--world-size M] [--dcp-layout 2|1.13]
                     [--only NAME_PREFIX]... [--drop REGEX]... [--strip-prefix P]... [--add-prefix P]...
                     [--rename FROM=TO]... [--rename-regex REGEX=REPLACEMENT]... [--map NAMES.json]...
                     [--with-optimizer] [--threads N] [--memory-budget 256MiB]
                     [--part k/K | --part index] [--check-replicas] [--io mmap|pread] [--write direct|cached]
-                    [--keep-class MODULE.CLASS]... [--tp N] [--pp M] [--vpp V]
+                    [--keep-class MODULE.CLASS]... [--tp N] [--pp M] [--vpp V] [--zero-stage 1|2|3]
   statedict verify A B [--rtol R] [--atol A] [--with-optimizer] [--from FORMAT] [--io mmap|pread]
   statedict --version
 Megatron-LM (all commands): [--megatron-rule PATTERN=KIND]... [--true-vocab-size N]
+DeepSpeed (all commands): [--frozen-from-module] (stage 1: frozen parameters from module)
 
 PATH, IN, A, B: a .safetensors file, a torch.save file (.pt, .bin, any name), a Hugging Face
 sharded directory or index, a torch.distributed.checkpoint directory, a DeepSpeed ZeRO 1/2/3
@@ -137,7 +138,8 @@ sd::exec_options exec_options_from(const cli::Args& a) {
 }
 
 /// The Megatron-LM options every command takes (docs/formats/megatron.md).
-const std::vector<cli::OptionSpec> megatron_options{{"--megatron-rule", true, true}, {"--true-vocab-size", true}};
+const std::vector<cli::OptionSpec> megatron_options{{"--megatron-rule", true, true}, {"--true-vocab-size", true},
+                                                    {"--frozen-from-module", false}};
 
 std::vector<sd::megatron::rule> megatron_rules(const cli::Args& a) {
   std::vector<sd::megatron::rule> r;
@@ -168,7 +170,11 @@ sd::formats::Opened open_input(const std::string& path, const cli::Args& a, std:
     m.rules = megatron_rules(a);
     if (!megatron_output) m.true_vocab_size = true_vocab_size(a);
   }
+  if (a.flag("--frozen-from-module")) o.settings.set<sd::deepspeed::options>().frozen_from_module = true;
   auto opened = sd::formats::open(path, o);
+  if (a.flag("--frozen-from-module") && opened.format->name() != "deepspeed")
+    a.fail(cli::errors::bad_option, "--frozen-from-module applies to DeepSpeed checkpoints; " + sd::quote(path) + " is " +
+                                        std::string(opened.format->title()));
   if (megatron && !megatron_output && opened.format->name() != "megatron")
     a.fail(cli::errors::bad_option, "--megatron-rule and --true-vocab-size apply to Megatron-LM checkpoints; " + sd::quote(path) + " is " +
                                         std::string(opened.format->title()));
@@ -435,7 +441,7 @@ int cmd_convert(const std::vector<std::string>& argv) {
                {"--add-prefix", true, true}, {"--rename", true, true}, {"--rename-regex", true, true}, {"--map", true, true},
                {"--with-optimizer", false}, {"--threads", true}, {"--memory-budget", true}, {"--part", true},
                {"--check-replicas", false}, {"--io", true}, {"--write", true}, {"--dcp-layout", true},
-               {"--keep-class", true, true}, {"--tp", true}, {"--pp", true}, {"--vpp", true}}),
+               {"--keep-class", true, true}, {"--tp", true}, {"--pp", true}, {"--vpp", true}, {"--zero-stage", true}}),
               2, 2, "convert");
   const std::string in = a.positional()[0], out = a.positional()[1];
   const auto dtype = parse_dtype(a);
@@ -480,6 +486,10 @@ int cmd_convert(const std::vector<std::string>& argv) {
     m.rules = megatron_rules(a);
     m.true_vocab_size = true_vocab_size(a);
     w.keep_classes.emplace_back("argparse.Namespace");  // Megatron's loader reads args by attribute
+  }
+  if (auto z = a.value("--zero-stage")) {
+    if (format->name() != "deepspeed") a.fail(cli::errors::bad_option, "--zero-stage applies to DeepSpeed output (--to deepspeed)");
+    w.settings.set<sd::deepspeed::write_options>().zero_stage = static_cast<int>(parse_count(*z, "--zero-stage", 1, 3));
   }
   if (auto l = a.value("--dcp-layout")) {
     if (format->name() != "dcp") a.fail(cli::errors::bad_value, "--dcp-layout applies to DCP output (--to dcp) only");

@@ -22766,6 +22766,7 @@ inline prepared prepare(std::span<const Input> inputs, const write_options& opt)
 // save_options::index_only only the index, after checking that every planned file exists with its
 // planned size. The directory is complete when its index exists (docs/slurm.md).
 
+#include <algorithm>
 #include <cstdint>
 #include <filesystem>
 #include <functional>
@@ -22846,6 +22847,46 @@ inline std::vector<std::string> write_file_set(const ShardedCheckpoint& src, con
   if (!files.index_name.empty()) written.push_back(files.index_name);
   out->commit();
   return written;
+}
+
+/// The tree of `ck` with its tensors as placeholders (address space reserved, never read): what a
+/// writer that lays out files of its own reads the checkpoint's non-tensor values from.
+inline Value source_tree(const ShardedCheckpoint& ck, std::shared_ptr<torch::detail::reservation>& space) {
+  std::uint64_t total = 16;
+  std::vector<std::uint64_t> at;
+  for (const TensorInfo& t : ck.tensors) {
+    at.push_back(total);
+    total = checked_add(total, checked_add(byte_size(t.shape, itemsize(t.dtype)), 79, "reservation") / 64 * 64, "reservation");
+  }
+  space = std::make_shared<torch::detail::reservation>(total);
+  NamedTensors named;
+  for (std::size_t i = 0; i < ck.tensors.size(); ++i)
+    named.emplace_back(ck.tensors[i].name, TensorView::contiguous(ck.tensors[i].dtype, ck.tensors[i].shape, space->base() + at[i], space));
+  return unflatten(named, ck.skeleton);
+}
+
+/// Writes the zip framing of a planned torch.save file around its storages, whose bytes the
+/// executor wrote (their CRCs from the sink, which tracked the storages' byte ranges).
+inline void write_torch_framing(const torch::SavePlan& plan, OutputFile& file, const FileSink& sink) {
+  WriteCoalescer f(file);
+  const auto& regs = sink.crc_regions();
+  const auto& L = plan.layout;
+  std::vector<std::uint32_t> crcs(plan.records.size(), 0);
+  for (std::size_t e = 0; e < plan.records.size(); ++e) {
+    const auto& rec = plan.records[e];
+    if (!rec.storage) {
+      crcs[e] = zip::crc32(rec.bytes);
+    } else if (plan.storages[*rec.storage].nbytes > 0) {
+      const std::uint64_t data = L.entries[e].data_offset;
+      const auto pos = std::lower_bound(regs.begin(), regs.end(), data, [](const FlatRange& a, std::uint64_t x) { return a.begin < x; });
+      crcs[e] = sink.crc32(static_cast<std::size_t>(pos - regs.begin()));
+    }
+    f.write(L.entries[e].header_offset, zip::local_header_bytes(L.entries[e], L.options));
+    if (!rec.storage) f.write(L.entries[e].data_offset, rec.bytes);
+    f.write(L.entries[e].descriptor_offset, zip::descriptor_bytes(L.entries[e], crcs[e]));
+  }
+  f.write(L.central_offset, zip::tail_bytes(L, crcs));
+  f.flush();
 }
 
 }  // namespace statedict::inline v0::formats::detail
@@ -25105,6 +25146,8 @@ inline constexpr error_id ds_world_size       {716, error_kind::format,      "de
 inline constexpr error_id ds_optim_state      {717, error_kind::format,      "deepspeed.optimizer_state"};
 inline constexpr error_id ds_limit            {718, error_kind::limit,       "deepspeed.limit"};
 inline constexpr error_id ds_bad_option       {719, error_kind::usage,       "deepspeed.bad_option"};
+inline constexpr error_id ds_write_input      {725, error_kind::format,      "deepspeed.write_input"};
+inline constexpr error_id ds_write_option     {726, error_kind::usage,       "deepspeed.write_option"};
 // clang-format on
 }  // namespace errors
 
@@ -25147,6 +25190,21 @@ struct options {
   std::string tag;
   read_mode mode = read_mode::mmap;
   deepspeed::limits limits{};
+};
+
+/// How write() lays a checkpoint out.
+struct write_options {
+  /// Data-parallel ranks to write for (save_options::world_size, --world-size).
+  std::uint32_t world_size = 1;
+  /// ZeRO stage; unset: the input's (deepspeed.zero_stage).
+  std::optional<int> zero_stage;
+  /// The engine's module dtype (BF16 for a bf16 run: file names get the bf16_ prefix, the module
+  /// and frozen parameters are in it); unset: the input's, else F32.
+  std::optional<statedict::dtype> model_dtype;
+  /// The tag folder; empty: the input's tag, else global_step<global_steps>.
+  std::string tag;
+  exec_options exec{};
+  plan_options plan{};
 };
 
 /// What detect() found.
@@ -25384,6 +25442,9 @@ struct optim_file {
   const Dict* osd = nullptr;  ///< optimizer_state_dict
   int stage = 0;
   std::vector<std::int64_t> partition_count;
+  /// DeepSpeed's BF16_Optimizer (bf16 with fp32 gradient accumulation, stage 0/1): no zero_stage,
+  /// the stage-1 flat partitions saved whole, all padding recorded on the last rank.
+  bool bf16_optimizer = false;
 };
 
 /// One model-states file, parsed.
@@ -25459,8 +25520,20 @@ inline optim_file parse_optim(const optim_shard::LoadedFile& f) {
                 "mixture-of-experts checkpoint");
   o.osd = &a.dict(a.at(top, "optimizer_state_dict", "the optim states (not a DeepSpeed ZeRO optim-states file?)"),
                   "optimizer_state_dict");
-  // zero_to_fp32 parse_optim_states: "is not a zero checkpoint" without zero_stage.
-  o.stage = zero_stage(a.at(*o.osd, "zero_stage", "optimizer_state_dict (not a ZeRO checkpoint?)"), a);
+  // zero_to_fp32 parse_optim_states: "is not a zero checkpoint" without zero_stage. The
+  // BF16_Optimizer (runtime/bf16_optimizer.py state_dict) saves no zero_stage but the stage-1
+  // keys; zero_to_fp32 refuses it, ds_to_universal.py reads it, and so does this reader.
+  if (const Value* zs = Access::opt(*o.osd, "zero_stage")) {
+    o.stage = zero_stage(*zs, a);
+  } else if (o.osd->contains("single_partition_of_fp32_groups") && o.osd->contains("base_optimizer_state") &&
+             o.osd->contains("group_paddings") && !o.osd->contains("loss_scaler")) {
+    o.stage = 1;
+    o.bf16_optimizer = true;
+  } else {
+    a.fail("optimizer_state_dict has no zero_stage (a ZeRO optimizer's files have it) and is not DeepSpeed's "
+           "BF16_Optimizer layout either (single_partition_of_fp32_groups, base_optimizer_state, group_paddings): "
+           "not a ZeRO checkpoint?");
+  }
   const Value& pc = a.at(*o.osd, "partition_count", "optimizer_state_dict");
   if (pc.is_int()) {
     o.partition_count.push_back(pc.as_int());
@@ -25700,8 +25773,10 @@ inline trainable add_trainable12(builder& b, const model_file& m, const std::vec
       const layout::Span part = z.parts[r];
       const std::uint64_t real = N > part.offset ? std::min(part.size, N - part.offset) : 0;
       // DeepSpeed saves the partition with its padding cut off (_get_groups_without_padding); older
-      // versions recorded all padding on the last rank only, so accept [real, size].
-      if (t.numel() < real || t.numel() > part.size)
+      // versions recorded all padding on the last rank only, so accept [real, size]. The
+      // BF16_Optimizer saves it whole and records the group's whole padding on the last rank.
+      const bool bf16 = optims[r].bf16_optimizer;
+      if (t.numel() < (bf16 ? part.size : real) || t.numel() > part.size)
         throw_error(errors::ds_partition_size, where,
                     "group " + std::to_string(g) + ": single_partition_of_fp32_groups[" + std::to_string(g) + "] has " +
                         std::to_string(t.numel()) + " elements; the group's " + std::to_string(N) +
@@ -25710,11 +25785,13 @@ inline trainable add_trainable12(builder& b, const model_file& m, const std::vec
                         std::to_string(part.size) + " holding " + std::to_string(real) + " real elements");
       if (const Value* gp = Access::opt(*optims[r].osd, "group_paddings")) {
         const Value* pad = gp->is_sequence() && g < gp->as_list().size() ? &gp->as_list()[g] : nullptr;
-        if (!pad || !pad->is_int() || static_cast<std::uint64_t>(pad->as_int()) != part.size - t.numel())
+        const std::uint64_t want = !bf16 ? part.size - t.numel() : r + 1 == W ? z.padded_numel - N : 0;
+        if (!pad || !pad->is_int() || static_cast<std::uint64_t>(pad->as_int()) != want)
           throw_error(errors::ds_partition_size, where,
-                      "group_paddings[" + std::to_string(g) + "] is not " + std::to_string(part.size - t.numel()) +
-                          " (the partition of " + std::to_string(part.size) + " minus the " + std::to_string(t.numel()) +
-                          " elements saved)");
+                      "group_paddings[" + std::to_string(g) + "] is not " + std::to_string(want) +
+                          (bf16 ? std::string(" (BF16_Optimizer: the group's padding on the last rank, 0 elsewhere)")
+                                : " (the partition of " + std::to_string(part.size) + " minus the " +
+                                      std::to_string(t.numel()) + " elements saved)"));
       }
       if (dt && *dt != t.dtype())
         throw_error(errors::ds_dtype, where, "group " + std::to_string(g) + " partition is " +
@@ -25902,6 +25979,61 @@ inline void add_optimizer12(builder& b, const trainable& tr, const std::vector<o
     add_group_values(b, g, elastic ? Value() : groups[0]->as_list()[g], tr.group_names[g]);
 }
 
+/// What a writer needs to write the engine's files again (formats/detail/deepspeed_write.hpp),
+/// as the skeleton JSON of a tree without tensors: the model-states values the consolidated state
+/// does not hold (engine counters, scheduler, data sampler, client state, ds_config, ds_version),
+/// the ZeRO optimizer's loss scaler and flags, the module's entries with their dtypes (in order),
+/// buffer_names, and the config switches the layout depends on. Values holding tensors (a client
+/// state with tensors) are not carried; their keys are listed under "not_carried".
+inline std::string engine_state(const model_file& m, const optim_file& o) {
+  Dict carried;
+  List skipped;
+  static const std::set<std::string> layout_keys{"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes",
+                                                 "shared_params", "frozen_param_fragments", "dp_world_size", "mp_world_size"};
+  auto has_tensor = [](const Value& v) {
+    bool found = false;
+    visit(v, [&](const Path&, const Value& x) {
+      if (!x.is_tensor()) return visit_control::descend;
+      found = true;
+      return visit_control::stop;
+    });
+    return found;
+  };
+  for (const auto& [k, v] : *m.top) {
+    if (k.is_string() && layout_keys.count(k.as_string())) continue;
+    if (has_tensor(v)) skipped.emplace_back(k.str());
+    else carried.set(k, v);
+  }
+  Dict optimizer;
+  for (const char* k : {"loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad"})
+    if (const Value* v = Access::opt(*o.osd, k); v && !has_tensor(*v)) optimizer.set(k, *v);
+  List module;
+  for (const auto& [k, v] : *m.module)
+    if (k.is_string() && v.is_tensor()) module.emplace_back(Value::list(List{Value(k.as_string()), Value(std::string(statedict::name(v.as_tensor().dtype())))}));
+  List buffers;
+  for (const auto& n : m.buffer_names) buffers.emplace_back(n);
+  Dict e;
+  e.set("model_states", Value(std::move(carried)));
+  e.set("optimizer", Value(std::move(optimizer)));
+  e.set("module", Value::list(std::move(module)));
+  e.set("buffer_names", Value::list(std::move(buffers)));
+  if (!m.module->empty())
+    for (const auto& [k, v] : *m.module)
+      if (k.is_string() && v.is_tensor() && is_floating(v.as_tensor().dtype()) && std::find(m.buffer_names.begin(), m.buffer_names.end(), k.as_string()) == m.buffer_names.end()) {
+        e.set("model_dtype", std::string(statedict::name(v.as_tensor().dtype())));
+        break;
+      }
+  // The ZeRO switches the layout depends on, from the config the run was saved with.
+  if (const Value* cfg = Access::opt(*m.top, "ds_config"); cfg && cfg->is_dict())
+    if (const Value* z = cfg->as_dict().find(Key(std::string("zero_optimization"))); z && z->is_dict()) {
+      if (const Value* rr = z->as_dict().find(Key(std::string("round_robin_gradients"))); rr && rr->is_bool()) e.set("round_robin", *rr);
+      if (const Value* sg = z->as_dict().find(Key(std::string("sub_group_size"))); sg && (sg->is_int() || sg->is_double()))
+        e.set("sub_group_size", static_cast<std::int64_t>(sg->as_number()));
+    }
+  if (!skipped.empty()) e.set("not_carried", Value::list(std::move(skipped)));
+  return flatten(Value(std::move(e))).skeleton.dump();
+}
+
 /// Stage 3 optimizer state: optimizer_state_dict is the torch optimizer's state_dict over the
 /// sub-group flats (ids 0..K-1 in sub-group order, listed by their param group).
 inline void add_optimizer3(builder& b, const trainable& tr, const model_file& m, const std::vector<optim_file>& optims,
@@ -25951,6 +26083,704 @@ inline void add_optimizer3(builder& b, const trainable& tr, const model_file& m,
 }
 
 }  // namespace statedict::inline v0::deepspeed::detail
+// ---- statedict/formats/detail/deepspeed_write.hpp ----
+// statedict: writing DeepSpeed ZeRO checkpoints for any data-parallel world size (formats/deepspeed.hpp
+// is the public header): the model-states and optim-states files `engine.save_checkpoint` writes
+// for M ranks, from a consolidated checkpoint with its optimizer state keyed by name.
+// SPDX-License-Identifier: MIT
+//
+// Every rank file is a torch.save file planned up front (io/torch_save.hpp) around placeholder
+// tensors; each placeholder is a run of flat pieces of the logical tensors (a parameter's
+// partition, a group's flat partition of moments), so the whole checkpoint is one Destination that
+// make_plan + execute fill from the source in bounded memory. Padding is not covered by any piece
+// and is written as zeros, as the engine writes it after a resharded load. The folder appears
+// atomically, `latest` last.
+//
+// The layout rules are the reader's (shard/layout.hpp zero12_partitions, zero3_partitioned_param_info),
+// applied for the new world size exactly as the engine computes them (DeepSpeed 0.16.5
+// runtime/zero/stage_1_and_2.py __init__, _round_robin_reorder, _get_groups_without_padding,
+// _create_param_mapping; runtime/bf16_optimizer.py _setup_for_real_optimizer, state_dict;
+// runtime/zero/stage3.py _create_fp16_sub_groups, _rigid_state_dict; runtime/engine.py
+// _save_checkpoint, _save_zero_checkpoint, _get_zero_param_shapes). docs/formats/deepspeed.md
+// ("Writing") says what each file holds and where each value comes from.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <variant>
+#include <vector>
+
+
+namespace statedict::inline v0::deepspeed::detail {
+
+/// One parameter the optimizer trains, and where its tensors are in the source.
+struct w_param {
+  std::string name;
+  std::size_t tensor = 0;  ///< index of its fp32 master in the source
+  shape_t shape;
+  std::uint64_t numel = 0;
+  std::map<std::string, std::size_t> state;  ///< optimizer state key -> source tensor index
+};
+
+/// One optimizer param group: its hyperparameters (everything but `params`) and parameters.
+struct w_group {
+  Value hyper;                     ///< a Dict
+  std::vector<std::size_t> params;  ///< indices into write_input::params, in the engine's original order
+  std::vector<std::string> keys;    ///< state keys with a tensor per parameter (exp_avg, ...), in order
+  std::vector<std::string> scalar_keys;  ///< 0-dim state (step), the same for the whole group
+};
+
+struct write_input {
+  std::shared_ptr<torch::detail::reservation> space;
+  Value root;  ///< the source tree, tensors as placeholders (never read)
+  std::vector<w_param> params;
+  std::vector<w_group> groups;
+  std::vector<std::size_t> frozen;   ///< source tensor indices, in module order
+  std::vector<std::size_t> buffers;  ///< source tensor indices, in module order
+  std::vector<std::pair<std::string, std::string>> aliases;  ///< (alias, owner)
+  std::vector<std::pair<std::string, dtype>> module;  ///< module entries in order, with their dtype
+  std::vector<std::string> buffer_names;
+  dtype model = dtype::F32;  ///< the engine's module dtype
+  Dict carried;              ///< model-states values carried over (engine counters, scheduler, client state, config)
+  Dict optimizer;            ///< loss scaler and flags of the ZeRO optimizer
+  std::string version = "0.16.5";
+  bool round_robin = false;
+  std::uint64_t sub_group_size = 1000000000;
+  std::uint32_t source_world = 1;
+  std::string tag;
+};
+
+/// The value at `key` of a dict, or nullptr.
+inline const Value* child(const Dict& d, std::string_view key) { return d.find(Key(std::string(key))); }
+inline const Value* child(const Value& v, std::string_view key) { return v.is_dict() ? child(v.as_dict(), key) : nullptr; }
+
+/// The items of a container the skeleton builder made (a dict keyed "0", "1", ...) or a list.
+inline std::vector<const Value*> items(const Value& v) {
+  std::vector<const Value*> out;
+  if (v.is_sequence()) {
+    for (const Value& x : v.as_list()) out.push_back(&x);
+  } else if (v.is_dict()) {
+    for (const auto& [k, x] : v.as_dict()) out.push_back(&x);
+  }
+  return out;
+}
+
+/// DeepSpeed's _round_robin_reorder: element i goes to bucket i % W, buckets concatenated.
+inline std::vector<std::size_t> round_robin_order(std::size_t n, std::uint64_t w) {
+  std::vector<std::size_t> out;
+  out.reserve(n);
+  for (std::uint64_t b = 0; b < w; ++b)
+    for (std::size_t i = static_cast<std::size_t>(b); i < n; i += static_cast<std::size_t>(w)) out.push_back(i);
+  return out;
+}
+
+/// Reads what the writer needs from `ck` (see deepspeed::write).
+inline write_input prepare(const ShardedCheckpoint& ck, const write_options& o) {
+  write_input in;
+  in.root = formats::detail::source_tree(ck, in.space);
+  const Value* optim = child(in.root, "optim");
+  const Value* pgs = optim ? child(*optim, "param_groups") : nullptr;
+  if (!pgs)
+    throw_error(errors::ds_write_input, "the checkpoint",
+                "has no optimizer param groups (optim.param_groups): a DeepSpeed checkpoint is written from one read with "
+                "its optimizer state (--with-optimizer)");
+  const Value* states = child(*optim, "state");
+  std::unordered_map<std::string, std::size_t> index;
+  for (std::size_t i = 0; i < ck.tensors.size(); ++i) index.emplace(ck.tensors[i].name, i);
+  for (const auto& [a, t] : skeleton_aliases(ck.skeleton)) in.aliases.emplace_back(a, t);
+  std::set<std::string> alias_names;
+  for (const auto& [a, t] : in.aliases) alias_names.insert(a);
+
+  // The engine's own facts, when the input is a DeepSpeed checkpoint (deepspeed.engine metadata).
+  Value engine;
+  if (auto it = ck.metadata.find("deepspeed.engine"); it != ck.metadata.end()) {
+    nlohmann::json j = nlohmann::json::parse(it->second, nullptr, false);
+    if (j.is_discarded()) throw_error(errors::ds_write_input, "metadata deepspeed.engine", "is not JSON");
+    engine = unflatten(NamedTensors{}, j);
+  }
+  if (const Value* v = child(engine, "model_states"); v && v->is_dict()) in.carried = v->as_dict();
+  if (const Value* v = child(engine, "optimizer"); v && v->is_dict()) in.optimizer = v->as_dict();
+  if (const Value* v = child(engine, "round_robin"); v && v->is_bool()) in.round_robin = v->as_bool();
+  if (const Value* v = child(engine, "sub_group_size"); v && v->is_int() && v->as_int() > 0)
+    in.sub_group_size = static_cast<std::uint64_t>(v->as_int());
+  if (const Value* v = child(in.carried, "ds_version"); v && v->is_string()) in.version = v->as_string();
+  if (auto it = ck.metadata.find("deepspeed.world_size"); it != ck.metadata.end())
+    in.source_world = static_cast<std::uint32_t>(std::stoul("0" + it->second));
+  if (auto it = ck.metadata.find("deepspeed.tag"); it != ck.metadata.end()) in.tag = it->second;
+  if (o.model_dtype) {
+    in.model = *o.model_dtype;
+  } else if (const Value* v = child(engine, "model_dtype"); v && v->is_string()) {
+    in.model = dtype_from_name(v->as_string()).value_or(dtype::F32);
+  }
+  if (!is_floating(in.model))
+    throw_error(errors::ds_write_option, "model dtype", std::string(name(in.model)) + " is not a floating dtype");
+
+  // Param groups and the optimizer state of each parameter.
+  std::set<std::string> trained;
+  for (const Value* g : items(*pgs)) {
+    w_group grp;
+    Dict hyper;
+    const Value* names = nullptr;
+    if (g->is_dict())
+      for (const auto& [k, v] : g->as_dict()) {
+        if (k.is_string() && k.as_string() == "params") names = &v;
+        else hyper.set(k, v);
+      }
+    if (!names) throw_error(errors::ds_write_input, "optim.param_groups", "a group has no params");
+    grp.hyper = Value(std::move(hyper));
+    std::vector<std::size_t> listed;
+    for (const Value* n : items(*names)) {
+      if (!n->is_string())
+        throw_error(errors::ds_write_input, "optim.param_groups", "lists a parameter that is not a name (read the input with its names, as statedict reads DeepSpeed, FSDP and DCP optimizer state)");
+      const std::string& name = n->as_string();
+      auto it = index.find(name);
+      if (it == index.end())
+        throw_error(errors::ds_write_input, "parameter " + quote(name), "is listed by optim.param_groups but is not a tensor of the checkpoint");
+      if (!trained.insert(name).second) throw_error(errors::ds_write_input, "parameter " + quote(name), "is listed by two param groups");
+      const TensorInfo& t = ck.tensors[it->second];
+      if (!is_floating(t.dtype)) throw_error(errors::ds_write_input, "parameter " + quote(name), "is " + std::string(statedict::name(t.dtype)) + ", not floating");
+      w_param p{name, it->second, t.shape, numel(t.shape), {}};
+      if (const Value* st = states ? child(*states, name) : nullptr; st && st->is_dict())
+        for (const auto& [k, v] : st->as_dict()) {
+          const std::string key = k.str();
+          auto si = index.find("optim.state." + name + "." + key);
+          if (!v.is_tensor() || si == index.end())
+            throw_error(errors::ds_write_input, "optim.state." + name + "." + key, "is not a tensor (only tensor optimizer state is written)");
+          const TensorInfo& s = ck.tensors[si->second];
+          if (!s.shape.empty() && s.shape != t.shape)
+            throw_error(errors::ds_write_input, "optim.state." + name + "." + key,
+                        "has shape " + to_string(s.shape) + "; element-wise state has the parameter's shape " + to_string(t.shape) + ", step-like state none");
+          p.state.emplace(key, si->second);
+        }
+      listed.push_back(in.params.size());
+      in.params.push_back(std::move(p));
+    }
+    if (listed.empty()) continue;  // the engine drops groups with no trainable parameter
+    // The group's state keys: every parameter has the same ones (or none: a fresh optimizer).
+    const w_param& first = in.params[listed[0]];
+    for (const auto& [k, i] : first.state) (ck.tensors[i].shape.empty() ? grp.scalar_keys : grp.keys).push_back(k);
+    for (std::size_t i : listed) {
+      const w_param& p = in.params[i];
+      if (p.state.size() != first.state.size() ||
+          !std::equal(p.state.begin(), p.state.end(), first.state.begin(), [](const auto& a, const auto& b) { return a.first == b.first; }))
+        throw_error(errors::ds_write_input, "parameter " + quote(p.name),
+                    "has other optimizer state keys than " + quote(first.name) + " of the same group (a flat partition holds one set)");
+    }
+    // The order the engine flattens the group in is its original order; a round-robin checkpoint
+    // lists it in the round-robin order of its own world size, which is undone here.
+    if (in.round_robin && in.source_world > 1) {
+      const auto rr = round_robin_order(listed.size(), in.source_world);
+      std::vector<std::size_t> original(listed.size());
+      for (std::size_t k = 0; k < rr.size(); ++k) original[rr[k]] = listed[k];
+      listed = std::move(original);
+    }
+    grp.params = std::move(listed);
+    in.groups.push_back(std::move(grp));
+  }
+  if (in.groups.empty()) throw_error(errors::ds_write_input, "optim.param_groups", "no group lists a parameter");
+
+  // Buffers and frozen parameters: the other model tensors.
+  if (const Value* v = child(engine, "buffer_names"); v && v->is_sequence())
+    for (const Value& n : v->as_list())
+      if (n.is_string()) in.buffer_names.push_back(n.as_string());
+  const std::set<std::string> buffer_set(in.buffer_names.begin(), in.buffer_names.end());
+  if (const Value* v = child(engine, "module"); v && v->is_sequence())
+    for (const Value& e : v->as_list())
+      if (e.is_sequence() && e.as_list().size() == 2 && e.as_list()[0].is_string() && e.as_list()[1].is_string())
+        in.module.emplace_back(e.as_list()[0].as_string(), dtype_from_name(e.as_list()[1].as_string()).value_or(in.model));
+  std::set<std::string> in_module;
+  for (const auto& [n, d] : in.module) in_module.insert(n);
+  for (std::size_t i = 0; i < ck.tensors.size(); ++i) {
+    const TensorInfo& t = ck.tensors[i];
+    if (t.name.rfind("optim.", 0) == 0 || trained.count(t.name)) continue;
+    if (buffer_set.count(t.name)) {
+      in.buffers.push_back(i);
+    } else {
+      if (!is_floating(t.dtype)) throw_error(errors::ds_write_input, "tensor " + quote(t.name), "is neither a trained parameter, a buffer (buffer_names) nor a floating frozen parameter");
+      in.frozen.push_back(i);
+    }
+    if (!in_module.count(t.name)) in.module.emplace_back(t.name, t.converted_from.value_or(in.model));
+  }
+  for (const auto& p : in.params)
+    if (!in_module.count(p.name)) in.module.emplace_back(p.name, in.model);
+  for (const auto& [a, t] : in.aliases)
+    if (!in_module.count(a)) in.module.emplace_back(a, in.model);
+  // Every module entry the engine had must be there to write (strict load_state_dict).
+  for (const auto& [n, d] : in.module)
+    if (!index.count(n) && !alias_names.count(n))
+      throw_error(errors::ds_write_input, "module entry " + quote(n),
+                  "is not in the checkpoint: DeepSpeed's module must be complete for the engine's strict load (stage 1 keeps frozen "
+                  "parameters only in module: read it with deepspeed::options::frozen_from_module, --frozen-from-module)");
+  return in;
+}
+
+/// A rank file being planned: its tree, and which source pieces each placeholder holds.
+struct rank_file {
+  std::string name;
+  Value tree;
+  struct piece {
+    std::size_t tensor;      ///< source tensor index
+    std::variant<Box, FlatRange> region;
+    const std::byte* data;   ///< the placeholder
+    std::uint64_t element;   ///< first element of the piece in the placeholder
+    dtype stored;
+  };
+  std::vector<piece> pieces;
+  torch::SavePlan plan;
+};
+
+/// Placeholders in a reservation: one contiguous tensor each, 64-byte aligned.
+struct arena {
+  std::shared_ptr<torch::detail::reservation> space;
+  std::uint64_t capacity = 0, used = 0;
+  TensorView make(dtype d, shape_t shape) {
+    const std::uint64_t size = checked_add(byte_size(shape, itemsize(d)), 63, "placeholder") / 64 * 64 + 64;
+    if (size > capacity - used) throw_error(errors::ds_write_input, "the checkpoint", "its rank files outgrow the space reserved for their placeholders");
+    const std::byte* at = space->base() + used;
+    used += size;
+    return TensorView::contiguous(d, std::move(shape), at, space);
+  }
+};
+
+inline Value torch_size(const shape_t& s) {
+  List dims;
+  for (dim_t d : s) dims.emplace_back(static_cast<std::int64_t>(d));
+  Object o{"torch", "Size", object_build::reduce, {Value::tuple(std::move(dims))}, {}, {}};
+  return Value(std::move(o));
+}
+
+inline Value zero_stage_enum(int stage) {
+  Object o{"deepspeed.runtime.zero.config", "ZeroStageEnum", object_build::reduce, {Value(stage)}, {}, {}};
+  return Value(std::move(o));
+}
+
+inline Value fragment_address(std::uint64_t n, std::uint64_t start) {
+  Object o{"deepspeed.utils.tensor_fragment", "fragment_address", object_build::newobj, {}, {}, {}};
+  o.state.emplace_back(Dict{{"numel", static_cast<std::int64_t>(n)}, {"start", static_cast<std::int64_t>(start)}});
+  return Value(std::move(o));
+}
+
+inline Value default_loss_scaler() {
+  Object o{"deepspeed.runtime.fp16.loss_scaler", "LossScaler", object_build::newobj, {}, {}, {}};
+  o.state.emplace_back(Dict{{"cur_scale", 1.0}, {"dynamic", false}});
+  return Value(std::move(o));
+}
+
+/// The classes a DeepSpeed checkpoint pickles and the engine needs as themselves.
+inline std::vector<std::string> engine_classes() {
+  return {"deepspeed.runtime.fp16.loss_scaler.LossScaler", "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+          "deepspeed.utils.tensor_fragment.fragment_address", "deepspeed.runtime.zero.config.ZeroStageEnum", "builtins.set"};
+}
+
+inline Value carried_or(const Dict& d, std::string_view key, Value fallback) {
+  if (const Value* v = d.find(Key(std::string(key)))) return *v;
+  return fallback;
+}
+
+/// Plans the rank files: their trees with placeholders, and the pieces each placeholder holds.
+struct planner {
+  const ShardedCheckpoint& ck;
+  const write_input& in;
+  std::uint32_t M;
+  int stage;
+  bool bf16_optimizer;
+  arena space;
+  std::vector<rank_file> files;
+
+  rank_file* cur = nullptr;
+
+  /// A placeholder of `shape` in `stored`, filled from pieces added with piece().
+  Value holder(dtype stored, shape_t shape) { return Value(space.make(stored, std::move(shape))); }
+  void piece(const Value& h, std::size_t tensor, std::variant<Box, FlatRange> region, std::uint64_t element) {
+    cur->pieces.push_back(rank_file::piece{tensor, std::move(region), h.as_tensor().data(), element, h.as_tensor().dtype()});
+  }
+  /// A whole source tensor as a placeholder of its own, in `stored`.
+  Value whole(std::size_t tensor, dtype stored) {
+    const TensorInfo& t = ck.tensors[tensor];
+    Value h = holder(stored, t.shape);
+    if (numel(t.shape) > 0) piece(h, tensor, full_box(t.shape), 0);
+    return h;
+  }
+  const TensorInfo& info(std::size_t i) const { return ck.tensors[i]; }
+  dtype state_dtype(std::size_t g, const std::string& key) const {
+    return info(in.params[in.groups[g].params[0]].state.at(key)).dtype;
+  }
+  /// The scalar state of a group (step): its first parameter's, as a placeholder.
+  Value scalar(std::size_t g, const std::string& key) { return whole(in.params[in.groups[g].params[0]].state.at(key), state_dtype(g, key)); }
+
+  /// The module: every entry in the engine's order, trained parameters from their fp32 masters in
+  /// the module dtype (as the engine's bit16 copies are), ties sharing their owner's tensor.
+  Value module(bool placeholders_for_params) {
+    std::unordered_map<std::string, std::size_t> index;
+    for (std::size_t i = 0; i < ck.tensors.size(); ++i) index.emplace(ck.tensors[i].name, i);
+    std::map<std::string, std::string> alias_of(in.aliases.begin(), in.aliases.end());
+    Dict m;
+    std::map<std::string, Value> made;
+    for (const auto& [n, d] : in.module) {
+      if (alias_of.count(n)) continue;
+      const std::size_t i = index.at(n);
+      // Stage 3 keeps every parameter (trained or frozen) as an empty tensor in the module.
+      const bool buffer = std::find(in.buffers.begin(), in.buffers.end(), i) != in.buffers.end();
+      made.emplace(n, placeholders_for_params && !buffer ? holder(d, shape_t{0}) : whole(i, d));
+    }
+    for (const auto& [n, d] : in.module) {
+      auto a = alias_of.find(n);
+      const std::string& owner = a == alias_of.end() ? n : a->second;
+      auto it = made.find(owner);
+      if (it == made.end()) throw_error(errors::ds_write_input, "tied name " + quote(n), "names " + quote(owner) + ", which is not in the module");
+      m.set(n, it->second);
+    }
+    return Value(std::move(m));
+  }
+
+  Dict model_states_head(Value module, Value param_shapes, bool frozen_keys, Value frozen_shapes, Value frozen_fragments, bool shared) {
+    Dict top;
+    top.set("module", std::move(module));
+    List bn;
+    for (const auto& n : in.buffer_names) bn.emplace_back(n);
+    top.set("buffer_names", Value::list(std::move(bn)));
+    top.set("optimizer", Value());
+    top.set("param_shapes", std::move(param_shapes));
+    top.set("frozen_param_shapes", frozen_keys ? std::move(frozen_shapes) : Value());
+    Dict sp;
+    if (shared)
+      for (const auto& [a, t] : in.aliases) sp.set(a, t);
+    top.set("shared_params", Value(std::move(sp)));
+    top.set("frozen_param_fragments", frozen_keys ? std::move(frozen_fragments) : Value());
+    const Dict& c = in.carried;
+    top.set("lr_scheduler", carried_or(c, "lr_scheduler", Value()));
+    top.set("data_sampler", carried_or(c, "data_sampler", Value()));
+    top.set("random_ltd", carried_or(c, "random_ltd", Value()));
+    top.set("sparse_tensor_module_names",
+            carried_or(c, "sparse_tensor_module_names", Value(Object{"builtins", "set", object_build::reduce, {Value::list()}, {}, {}})));
+    top.set("skipped_steps", carried_or(c, "skipped_steps", Value(0)));
+    top.set("global_steps", carried_or(c, "global_steps", Value(0)));
+    top.set("global_samples", carried_or(c, "global_samples", Value(0)));
+    top.set("dp_world_size", static_cast<std::int64_t>(M));
+    top.set("mp_world_size", 1);
+    top.set("ds_config", carried_or(c, "ds_config", Value(Dict{{"zero_optimization", Dict{{"stage", stage}}},
+                                                               {"bf16", Dict{{"enabled", in.model == dtype::BF16}}}})));
+    top.set("ds_version", in.version);
+    for (const auto& [k, v] : c)  // client state: every other key, as the engine merges it at the top level
+      if (!top.contains(k)) top.set(k, v);
+    return top;
+  }
+
+  Dict optim_file(Dict osd) {
+    Dict top;
+    top.set("optimizer_state_dict", Value(std::move(osd)));
+    top.set("ds_config", carried_or(in.carried, "ds_config", Value(Dict{{"zero_optimization", Dict{{"stage", stage}}}})));
+    top.set("ds_version", in.version);
+    return top;
+  }
+
+  std::string prefix() const { return in.model == dtype::BF16 ? "bf16_" : ""; }
+
+  void add(std::string name, Value tree) {
+    cur->name = std::move(name);
+    cur->tree = std::move(tree);
+  }
+  void begin() {
+    files.emplace_back();
+    cur = &files.back();
+  }
+
+  /// Stage 1 and 2 (and the BF16_Optimizer): one model-states file, one optim file per rank.
+  void plan12(const std::string& tag) {
+    const std::size_t G = in.groups.size();
+    std::vector<std::vector<std::size_t>> flat(G);  // params in flat order
+    std::vector<layout::Zero12Partitions> z;
+    std::vector<std::vector<std::vector<layout::FlatPiece>>> pieces;
+    for (std::size_t g = 0; g < G; ++g) {
+      const auto& order = in.groups[g].params;
+      if (in.round_robin && !bf16_optimizer)
+        for (std::size_t k : round_robin_order(order.size(), M)) flat[g].push_back(order[k]);
+      else
+        flat[g] = order;
+      std::vector<std::uint64_t> numels;
+      for (std::size_t i : flat[g]) numels.push_back(in.params[i].numel);
+      z.push_back(layout::zero12_partitions(layout::detail::sum_checked(numels), M));
+      pieces.push_back(layout::zero12_pieces(numels, M));
+    }
+    // Model states: the whole module, the param shapes in flat order, frozen parameters whole (stage 2).
+    begin();
+    List shapes;
+    for (std::size_t g = 0; g < G; ++g) {
+      Dict d;
+      for (std::size_t i : flat[g]) d.set(in.params[i].name, torch_size(in.params[i].shape));
+      shapes.emplace_back(std::move(d));
+    }
+    // Frozen parameters are saved apart only when gradients are partitioned (engine
+    // _save_checkpoint: zero_optimization_partition_gradients()).
+    const bool frozen_keys = stage >= 2 && !bf16_optimizer;
+    Dict fshapes, ffrags;
+    std::map<std::string, dtype> mod(in.module.begin(), in.module.end());
+    if (frozen_keys)
+      for (std::size_t i : in.frozen) {
+        fshapes.set(info(i).name, torch_size(info(i).shape));
+        ffrags.set(info(i).name, whole(i, mod.count(info(i).name) ? mod.at(info(i).name) : in.model));
+      }
+    Value module = this->module(false);
+    add(tag + "/mp_rank_00_model_states.pt", Value(model_states_head(std::move(module), Value::list(std::move(shapes)), frozen_keys,
+                                                                     Value(std::move(fshapes)), Value(std::move(ffrags)), true)));
+    for (std::uint32_t r = 0; r < M; ++r) {
+      begin();
+      List parts, paddings, counts, mappings;
+      Dict state;
+      List groups;
+      for (std::size_t g = 0; g < G; ++g) {
+        const layout::Span part = z[g].parts[r];
+        const std::uint64_t N = z[g].numel;
+        const std::uint64_t real = N > part.offset ? std::min(part.size, N - part.offset) : 0;
+        const std::uint64_t saved = bf16_optimizer ? part.size : real;
+        Value fp32 = holder(dtype::F32, shape_t{static_cast<dim_t>(saved)});
+        std::map<std::string, Value> moments;
+        for (const auto& k : in.groups[g].keys) moments.emplace(k, holder(state_dtype(g, k), shape_t{static_cast<dim_t>(part.size)}));
+        for (std::size_t j = 0; j < flat[g].size(); ++j)
+          for (const layout::FlatPiece& fp : pieces[g][j]) {
+            if (fp.rank != r) continue;
+            const w_param& p = in.params[flat[g][j]];
+            piece(fp32, p.tensor, fp.range, fp.offset);
+            for (const auto& k : in.groups[g].keys) piece(moments.at(k), p.state.at(k), fp.range, fp.offset);
+          }
+        parts.push_back(std::move(fp32));
+        paddings.emplace_back(static_cast<std::int64_t>(bf16_optimizer ? (r + 1 == M ? z[g].padded_numel - N : 0) : part.size - saved));
+        counts.emplace_back(static_cast<std::int64_t>(M));
+        // param_slice_mappings walk the group in its original order (DeepSpeed _create_param_mapping).
+        Dict mapping;
+        std::uint64_t off = 0;
+        for (std::size_t i : in.groups[g].params) {
+          const w_param& p = in.params[i];
+          const std::uint64_t lo = std::max(off, part.offset), hi = std::min(off + p.numel, part.offset + part.size);
+          if (lo < hi) mapping.set(p.name, fragment_address(hi - lo, lo - part.offset));
+          off += p.numel;
+        }
+        mappings.emplace_back(std::move(mapping));
+        if (!in.groups[g].keys.empty() || !in.groups[g].scalar_keys.empty()) {
+          Dict st;
+          for (const auto& k : in.groups[g].scalar_keys) st.set(k, scalar(g, k));
+          for (const auto& k : in.groups[g].keys) st.set(k, moments.at(k));
+          state.set(static_cast<std::int64_t>(g), Value(std::move(st)));
+        }
+        Dict grp = in.groups[g].hyper.as_dict();
+        grp.set("params", Value::list(List{Value(static_cast<std::int64_t>(g))}));
+        groups.emplace_back(std::move(grp));
+      }
+      Dict base;
+      base.set("state", Value(std::move(state)));
+      base.set("param_groups", Value::list(std::move(groups)));
+      Dict osd;
+      if (!bf16_optimizer) {
+        osd.set("loss_scaler", carried_or(in.optimizer, "loss_scaler", default_loss_scaler()));
+        osd.set("dynamic_loss_scale", carried_or(in.optimizer, "dynamic_loss_scale", Value(false)));
+        osd.set("overflow", carried_or(in.optimizer, "overflow", Value(false)));
+      }
+      osd.set("clip_grad", carried_or(in.optimizer, "clip_grad", Value(0.0)));
+      osd.set("base_optimizer_state", Value(std::move(base)));
+      osd.set("single_partition_of_fp32_groups", Value::list(std::move(parts)));
+      if (!bf16_optimizer) osd.set("zero_stage", zero_stage_enum(stage));
+      osd.set("group_paddings", Value::list(std::move(paddings)));
+      osd.set("partition_count", Value::list(std::move(counts)));
+      osd.set("ds_version", in.version);
+      osd.set("param_slice_mappings", Value::list(std::move(mappings)));
+      add(tag + "/" + prefix() + "zero_pp_rank_" + std::to_string(r) + "_mp_rank_00_optim_states.pt", Value(optim_file(std::move(osd))));
+    }
+  }
+
+  /// Stage 3: a model-states and an optim file per rank; every parameter partitioned on its own,
+  /// the partitions of each sub-group concatenated.
+  void plan3(const std::string& tag) {
+    // Sub-groups: each param group split greedily on its partitions' sizes (stage3.py _create_fp16_sub_groups).
+    struct sub_group {
+      std::size_t group;
+      std::vector<std::size_t> params;
+      std::vector<std::uint64_t> offset;  ///< each parameter's partition in the sub-group's flat
+      std::uint64_t size = 0;
+    };
+    std::vector<sub_group> subs;
+    for (std::size_t g = 0; g < in.groups.size(); ++g) {
+      std::uint64_t total = 0;
+      for (std::size_t i : in.groups[g].params) total += layout::zero3_partitioned_param_info(in.params[i].numel, M).partitioned_numel;
+      sub_group s{g, {}, {}, 0};
+      for (std::size_t k = 0; k < in.groups[g].params.size(); ++k) {
+        const std::size_t i = in.groups[g].params[k];
+        const std::uint64_t pn = layout::zero3_partitioned_param_info(in.params[i].numel, M).partitioned_numel;
+        s.params.push_back(i);
+        s.offset.push_back(s.size);
+        s.size += pn;
+        if ((in.sub_group_size < total && s.size >= in.sub_group_size) || k + 1 == in.groups[g].params.size()) {
+          subs.push_back(std::move(s));
+          s = sub_group{g, {}, {}, 0};
+        }
+      }
+    }
+    std::map<std::string, dtype> mod(in.module.begin(), in.module.end());
+    for (std::uint32_t r = 0; r < M; ++r) {
+      // Model states of rank r: the module's parameters as empty placeholders, buffers whole,
+      // this rank's partition of every frozen parameter.
+      begin();
+      List shapes;
+      for (const auto& s : subs) {
+        Dict d;
+        for (std::size_t i : s.params) d.set(in.params[i].name, torch_size(in.params[i].shape));
+        shapes.emplace_back(std::move(d));
+      }
+      Dict fshapes, ffrags;
+      for (std::size_t i : in.frozen) {
+        const std::uint64_t n = numel(info(i).shape);
+        const std::uint64_t pn = layout::zero3_partitioned_param_info(n, M).partitioned_numel;
+        fshapes.set(info(i).name, torch_size(info(i).shape));
+        Value h = holder(mod.count(info(i).name) ? mod.at(info(i).name) : in.model, shape_t{static_cast<dim_t>(pn)});
+        if (r * pn < n) piece(h, i, FlatRange{r * pn, std::min(n, (r + 1) * pn)}, 0);
+        ffrags.set(info(i).name, std::move(h));
+      }
+      // shared_params: the engine finds ties through ds_id on rank 0 only (its other ranks save {}).
+      Value module = this->module(true);
+      add(tag + "/zero_pp_rank_" + std::to_string(r) + "_mp_rank_00_model_states.pt",
+          Value(model_states_head(std::move(module), Value::list(std::move(shapes)), true, Value(std::move(fshapes)), Value(std::move(ffrags)), r == 0)));
+      // Optim states of rank r.
+      begin();
+      List flats;
+      Dict state;
+      std::vector<List> group_ids(in.groups.size());
+      for (std::size_t k = 0; k < subs.size(); ++k) {
+        const sub_group& s = subs[k];
+        const std::size_t g = s.group;
+        Value fp32 = holder(dtype::F32, shape_t{static_cast<dim_t>(s.size)});
+        std::map<std::string, Value> moments;
+        for (const auto& key : in.groups[g].keys) moments.emplace(key, holder(state_dtype(g, key), shape_t{static_cast<dim_t>(s.size)}));
+        for (std::size_t j = 0; j < s.params.size(); ++j) {
+          const w_param& p = in.params[s.params[j]];
+          const std::uint64_t pn = layout::zero3_partitioned_param_info(p.numel, M).partitioned_numel;
+          if (r * pn >= p.numel) continue;
+          const FlatRange range{r * pn, std::min(p.numel, (r + 1) * pn)};
+          piece(fp32, p.tensor, range, s.offset[j]);
+          for (const auto& key : in.groups[g].keys) piece(moments.at(key), p.state.at(key), range, s.offset[j]);
+        }
+        flats.push_back(std::move(fp32));
+        if (!in.groups[g].keys.empty() || !in.groups[g].scalar_keys.empty()) {
+          Dict st;
+          for (const auto& key : in.groups[g].scalar_keys) st.set(key, scalar(g, key));
+          for (const auto& key : in.groups[g].keys) st.set(key, moments.at(key));
+          state.set(static_cast<std::int64_t>(k), Value(std::move(st)));
+        }
+        group_ids[g].emplace_back(static_cast<std::int64_t>(k));
+      }
+      List groups;
+      for (std::size_t g = 0; g < in.groups.size(); ++g) {
+        Dict grp = in.groups[g].hyper.as_dict();
+        grp.set("params", Value::list(std::move(group_ids[g])));
+        groups.emplace_back(std::move(grp));
+      }
+      Dict inner;
+      inner.set("state", Value(std::move(state)));
+      inner.set("param_groups", Value::list(std::move(groups)));
+      Dict osd;
+      osd.set("zero_stage", zero_stage_enum(3));
+      osd.set("loss_scaler", carried_or(in.optimizer, "loss_scaler", default_loss_scaler()));
+      osd.set("dynamic_loss_scale", carried_or(in.optimizer, "dynamic_loss_scale", Value(false)));
+      osd.set("overflow", carried_or(in.optimizer, "overflow", Value(false)));
+      osd.set("partition_count", static_cast<std::int64_t>(M));
+      osd.set("optimizer_state_dict", Value(std::move(inner)));
+      osd.set("fp32_flat_groups", Value::list(std::move(flats)));
+      add(tag + "/" + prefix() + "zero_pp_rank_" + std::to_string(r) + "_mp_rank_00_optim_states.pt", Value(optim_file(std::move(osd))));
+    }
+  }
+};
+
+}  // namespace statedict::inline v0::deepspeed::detail
+
+namespace statedict::inline v0::deepspeed {
+
+/// Writes `ck` (a consolidated checkpoint with its optimizer state keyed by parameter name, as
+/// statedict reads DeepSpeed with `with_optimizer`) as the checkpoint DeepSpeed's engine saves for
+/// `o.world_size` data-parallel ranks, into `dir` (replaced atomically): `latest` and
+/// `<tag>/...model_states.pt`, `<tag>/...optim_states.pt`. Returns the files written.
+inline std::vector<std::string> write(const ShardedCheckpoint& ck, const std::filesystem::path& dir, const write_options& o) {
+  if (o.world_size == 0 || o.world_size > (1U << 16))
+    throw_error(errors::ds_write_option, "--world-size " + std::to_string(o.world_size), "expected 1 to 65536 data-parallel ranks");
+  detail::write_input in = detail::prepare(ck, o);
+  int stage = o.zero_stage.value_or(0);
+  if (!stage)
+    if (auto it = ck.metadata.find("deepspeed.zero_stage"); it != ck.metadata.end()) stage = std::stoi("0" + it->second);
+  if (stage < 1 || stage > 3)
+    throw_error(errors::ds_write_option, "--zero-stage", stage ? std::to_string(stage) + " is not a ZeRO stage 1, 2 or 3"
+                                                               : std::string("is needed: the input is not a DeepSpeed checkpoint that names its stage"));
+  const auto bf16o = ck.metadata.find("deepspeed.optimizer");
+  const bool bf16_optimizer = bf16o != ck.metadata.end() && bf16o->second == "BF16_Optimizer" && stage == 1 && !o.zero_stage;
+  std::string tag = o.tag.empty() ? in.tag : o.tag;
+  if (tag.empty()) {
+    const Value* gs = in.carried.find(Key(std::string("global_steps")));
+    tag = "global_step" + std::to_string(gs && gs->is_int() ? gs->as_int() : 0);
+  }
+  if (!detail::valid_tag(tag)) throw_error(errors::ds_write_option, "tag " + quote(tag), "is not a folder name");
+
+  // Placeholders: each file holds at most the model once in its pieces, plus its state keys.
+  std::uint64_t bytes = 4096;
+  std::size_t keys = 2;
+  for (const auto& g : in.groups) keys = std::max(keys, g.keys.size() + g.scalar_keys.size() + 2);
+  for (const TensorInfo& t : ck.tensors) bytes = checked_add(bytes, checked_add(byte_size(t.shape, 8), 256, "size"), "size");
+  const std::uint64_t capacity =
+      checked_add(checked_mul(bytes, keys + 2, "size"),
+                  checked_mul(checked_mul(static_cast<std::uint64_t>(o.world_size) + 1, ck.tensors.size() + in.groups.size() * 4 + 8, "size"), 256, "size"),
+                  "size");
+  detail::planner pl{ck, in, o.world_size, stage, bf16_optimizer, detail::arena{std::make_shared<torch::detail::reservation>(capacity), capacity}, {}};
+  pl.files.reserve(static_cast<std::size_t>(o.world_size) * 2 + 1);
+  if (stage <= 2) pl.plan12(tag);
+  else pl.plan3(tag);
+
+  formats::detail::file_set files;
+  std::unordered_map<std::size_t, std::size_t> dst_of;
+  std::vector<std::vector<FlatRange>> crc(pl.files.size());
+  for (std::size_t k = 0; k < pl.files.size(); ++k) {
+    detail::rank_file& rf = pl.files[k];
+    torch::save_options so;
+    so.archive_name = torch::archive_name_for(rf.name);
+    so.pickle.keep_classes = detail::engine_classes();
+    rf.plan = torch::plan_save(rf.tree, so);
+    const torch::SavePlan& sp = rf.plan;
+    files.dst.names.push_back(rf.name);
+    files.dst.sizes.push_back(sp.file_size());
+    for (const FlatRange& fr : sp.storage_ranges())
+      if (fr.size() > 0) crc[k].push_back(fr);
+    std::sort(crc[k].begin(), crc[k].end(), [](const FlatRange& a, const FlatRange& b) { return a.begin < b.begin; });
+    std::unordered_map<const std::byte*, std::size_t> storage_of;
+    for (std::size_t s = 0; s < sp.storages.size(); ++s) storage_of.emplace(sp.storages[s].source, s);
+    for (const auto& p : rf.pieces) {
+      const auto s = storage_of.find(p.data);
+      if (s == storage_of.end())
+        throw_error(errors::ds_write_input, "tensor " + quote(ck.tensors[p.tensor].name), "has no storage in the planned file " + quote(rf.name));
+      auto [it, fresh] = dst_of.emplace(p.tensor, files.dst.tensors.size());
+      if (fresh) files.dst.tensors.push_back(TensorInfo{ck.tensors[p.tensor].name, ck.tensors[p.tensor].dtype, ck.tensors[p.tensor].shape, {}});
+      files.dst.tensors[it->second].chunks.push_back(
+          Chunk{p.region, Placement{static_cast<std::uint32_t>(k),
+                                    checked_add(sp.storage_offset(s->second), checked_mul(p.element, itemsize(p.stored), "offset"), "offset"), {}, p.stored}});
+    }
+  }
+  files.prepare = [&](std::size_t k, OutputFile&, FileSink& sink) { sink.track_crc32(crc[k]); };
+  files.finish = [&](std::size_t k, OutputFile& f, FileSink& sink) { formats::detail::write_torch_framing(pl.files[k].plan, f, sink); };
+  files.index_name = "latest";
+  files.index_bytes = [&] {
+    const auto* b = reinterpret_cast<const std::byte*>(tag.data());
+    return std::vector<std::byte>(b, b + tag.size());
+  };
+  files.what = "DeepSpeed checkpoint";
+  files.file_kind = "rank file";
+  formats::save_options so;
+  so.exec = o.exec;
+  so.plan = o.plan;
+  return formats::detail::write_file_set(ck, files, dir, so);
+}
+
+}  // namespace statedict::inline v0::deepspeed
 
 namespace statedict::inline v0 {
 namespace deepspeed {
@@ -25982,6 +26812,10 @@ inline ShardedCheckpoint describe(const Inputs& in, const options& opt = {}) {
       throw_error(errors::ds_stage, file_ctx(*o.file), "zero_stage is " + std::to_string(o.stage) + ", " +
                                                           quote(base_name(optims[0].file->name)) + " says " +
                                                           std::to_string(stage));
+    if (o.bf16_optimizer != optims[0].bf16_optimizer)
+      throw_error(errors::ds_stage, file_ctx(*o.file), std::string(o.bf16_optimizer ? "is" : "is not") +
+                                                          " a BF16_Optimizer file (no zero_stage), unlike " +
+                                                          quote(base_name(optims[0].file->name)));
     if (o.partition_count != optims[0].partition_count)
       throw_error(errors::ds_world_size, file_ctx(*o.file), "partition_count differs from the first file's");
     for (std::int64_t c : o.partition_count)
@@ -26061,8 +26895,10 @@ inline ShardedCheckpoint describe(const Inputs& in, const options& opt = {}) {
   b.ckpt.sources = b.table.take();
   b.ckpt.metadata["deepspeed.zero_stage"] = std::to_string(stage);
   b.ckpt.metadata["deepspeed.world_size"] = std::to_string(W);
+  if (optims[0].bf16_optimizer) b.ckpt.metadata["deepspeed.optimizer"] = "BF16_Optimizer";
   if (!in.tag.empty()) b.ckpt.metadata["deepspeed.tag"] = in.tag;
   if (const Value* v = Access::opt(*m0.top, "ds_version"); v && v->is_string()) b.ckpt.metadata["deepspeed.version"] = v->as_string();
+  if (opt.with_optimizer) b.ckpt.metadata["deepspeed.engine"] = engine_state(m0, optims[0]);
   return std::move(b.ckpt);
 }
 
@@ -26111,6 +26947,26 @@ class format final : public formats::Format {
     return deepspeed::describe(in.path(), o);
   }
   [[nodiscard]] bool applies_dtype() const noexcept override { return true; }
+
+  [[nodiscard]] bool can_write() const noexcept override { return true; }
+  void check_output(const std::filesystem::path& out, const formats::save_options& opt) const override {
+    if (!opt.world_size)
+      throw_error(errors::ds_write_option, "output " + quote(out.string()), "DeepSpeed output needs the data-parallel world size (--world-size M)");
+    if (*opt.world_size == 0 || *opt.world_size > (1U << 16))
+      throw_error(errors::ds_write_option, "--world-size " + std::to_string(*opt.world_size), "expected 1 to 65536 data-parallel ranks");
+    if (opt.max_shard_size)
+      throw_error(errors::bad_save_option, "--max-shard-size", "does not apply to DeepSpeed output: each rank's state is one file");
+    if (opt.part || opt.index_only)
+      throw_error(errors::bad_save_option, "--part", "does not apply to DeepSpeed output: its rank files are written by one process");
+  }
+  std::vector<std::string> save(const ShardedCheckpoint& ck, const std::filesystem::path& out, const formats::save_options& opt) const override {
+    check_output(out, opt);
+    write_options o = opt.settings.get<write_options>();
+    o.world_size = *opt.world_size;
+    o.exec = opt.exec;
+    o.plan = opt.plan;
+    return deepspeed::write(ck, out, o);
+  }
 };
 
 }  // namespace deepspeed
@@ -30845,21 +31701,6 @@ inline void check(const write_options& o) {
 
 namespace detail {
 
-/// The source's tree (tensors as placeholders, never read) for its non-tensor values.
-inline Value source_tree(const ShardedCheckpoint& ck, std::shared_ptr<torch::detail::reservation>& space) {
-  std::uint64_t total = 16;
-  std::vector<std::uint64_t> at;
-  for (const TensorInfo& t : ck.tensors) {
-    at.push_back(total);
-    total = checked_add(total, checked_add(byte_size(t.shape, itemsize(t.dtype)), 79, "reservation") / 64 * 64, "reservation");
-  }
-  space = std::make_shared<torch::detail::reservation>(total);
-  NamedTensors named;
-  for (std::size_t i = 0; i < ck.tensors.size(); ++i)
-    named.emplace_back(ck.tensors[i].name, TensorView::contiguous(ck.tensors[i].dtype, ck.tensors[i].shape, space->base() + at[i], space));
-  return unflatten(named, ck.skeleton);
-}
-
 /// One tensor to write: its rule and where it goes.
 struct out_tensor {
   std::size_t index = 0;  ///< in the (working) source
@@ -31038,7 +31879,7 @@ inline out_tensor classify(const TensorInfo& t, std::size_t i, const facts& f) {
 /// Reads the input: its args, every tensor's place and rule, the vocabulary re-padded.
 inline write_input prepare(const ShardedCheckpoint& ck, const write_options& o, std::uint64_t tp, std::uint64_t stages) {
   write_input in;
-  in.root = source_tree(ck, in.space);
+  in.root = formats::detail::source_tree(ck, in.space);
   const Value* args = in.root.is_dict() ? in.root.as_dict().find("args") : nullptr;
   if (!args)
     throw_error(errors::mg_write_input, "the checkpoint", "has no 'args' (argparse.Namespace): the writer needs Megatron's model arguments, as read from a Megatron checkpoint");
@@ -31182,29 +32023,6 @@ inline Value chunk_tree(const write_input& in, piece_maker& pm, std::uint64_t p,
   return Value(std::move(chunk));
 }
 
-/// Writes the zip framing of a rank file around its storages (CRCs from the sink).
-inline void write_framing(const torch::SavePlan& plan, OutputFile& file, const FileSink& sink) {
-  WriteCoalescer f(file);
-  const auto& regs = sink.crc_regions();
-  const auto& L = plan.layout;
-  std::vector<std::uint32_t> crcs(plan.records.size(), 0);
-  for (std::size_t e = 0; e < plan.records.size(); ++e) {
-    const auto& rec = plan.records[e];
-    if (!rec.storage) {
-      crcs[e] = zip::crc32(rec.bytes);
-    } else if (plan.storages[*rec.storage].nbytes > 0) {
-      const std::uint64_t data = L.entries[e].data_offset;
-      const auto pos = std::lower_bound(regs.begin(), regs.end(), data, [](const FlatRange& a, std::uint64_t x) { return a.begin < x; });
-      crcs[e] = sink.crc32(static_cast<std::size_t>(pos - regs.begin()));
-    }
-    f.write(L.entries[e].header_offset, zip::local_header_bytes(L.entries[e], L.options));
-    if (!rec.storage) f.write(L.entries[e].data_offset, rec.bytes);
-    f.write(L.entries[e].descriptor_offset, zip::descriptor_bytes(L.entries[e], crcs[e]));
-  }
-  f.write(L.central_offset, zip::tail_bytes(L, crcs));
-  f.flush();
-}
-
 }  // namespace detail
 
 /// Writes `ck` (a full Megatron-LM GPT model with canonical names and its `args`, as describe()
@@ -31285,7 +32103,7 @@ inline std::vector<std::string> write(const ShardedCheckpoint& ck, const std::fi
     }
   }
   files.prepare = [&](std::size_t k, OutputFile&, FileSink& sink) { sink.track_crc32(crc[k]); };
-  files.finish = [&](std::size_t k, OutputFile& f, FileSink& sink) { detail::write_framing(plans[k].plan, f, sink); };
+  files.finish = [&](std::size_t k, OutputFile& f, FileSink& sink) { formats::detail::write_torch_framing(plans[k].plan, f, sink); };
   files.index_name = "latest_checkpointed_iteration.txt";
   files.index_bytes = [&] {
     const std::string text = release ? std::string("release") : std::to_string(iv->as_int());

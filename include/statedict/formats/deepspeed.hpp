@@ -81,6 +81,8 @@ inline constexpr error_id ds_world_size       {716, error_kind::format,      "de
 inline constexpr error_id ds_optim_state      {717, error_kind::format,      "deepspeed.optimizer_state"};
 inline constexpr error_id ds_limit            {718, error_kind::limit,       "deepspeed.limit"};
 inline constexpr error_id ds_bad_option       {719, error_kind::usage,       "deepspeed.bad_option"};
+inline constexpr error_id ds_write_input      {725, error_kind::format,      "deepspeed.write_input"};
+inline constexpr error_id ds_write_option     {726, error_kind::usage,       "deepspeed.write_option"};
 // clang-format on
 }  // namespace errors
 
@@ -123,6 +125,21 @@ struct options {
   std::string tag;
   read_mode mode = read_mode::mmap;
   deepspeed::limits limits{};
+};
+
+/// How write() lays a checkpoint out.
+struct write_options {
+  /// Data-parallel ranks to write for (save_options::world_size, --world-size).
+  std::uint32_t world_size = 1;
+  /// ZeRO stage; unset: the input's (deepspeed.zero_stage).
+  std::optional<int> zero_stage;
+  /// The engine's module dtype (BF16 for a bf16 run: file names get the bf16_ prefix, the module
+  /// and frozen parameters are in it); unset: the input's, else F32.
+  std::optional<statedict::dtype> model_dtype;
+  /// The tag folder; empty: the input's tag, else global_step<global_steps>.
+  std::string tag;
+  exec_options exec{};
+  plan_options plan{};
 };
 
 /// What detect() found.
@@ -273,6 +290,7 @@ struct Inputs {
 
 // Parsing the rank files and placing every tensor, which need the types above.
 #include "detail/deepspeed_describe.hpp"
+#include "detail/deepspeed_write.hpp"
 
 namespace statedict::inline v0 {
 namespace deepspeed {
@@ -304,6 +322,10 @@ inline ShardedCheckpoint describe(const Inputs& in, const options& opt = {}) {
       throw_error(errors::ds_stage, file_ctx(*o.file), "zero_stage is " + std::to_string(o.stage) + ", " +
                                                           quote(base_name(optims[0].file->name)) + " says " +
                                                           std::to_string(stage));
+    if (o.bf16_optimizer != optims[0].bf16_optimizer)
+      throw_error(errors::ds_stage, file_ctx(*o.file), std::string(o.bf16_optimizer ? "is" : "is not") +
+                                                          " a BF16_Optimizer file (no zero_stage), unlike " +
+                                                          quote(base_name(optims[0].file->name)));
     if (o.partition_count != optims[0].partition_count)
       throw_error(errors::ds_world_size, file_ctx(*o.file), "partition_count differs from the first file's");
     for (std::int64_t c : o.partition_count)
@@ -383,8 +405,10 @@ inline ShardedCheckpoint describe(const Inputs& in, const options& opt = {}) {
   b.ckpt.sources = b.table.take();
   b.ckpt.metadata["deepspeed.zero_stage"] = std::to_string(stage);
   b.ckpt.metadata["deepspeed.world_size"] = std::to_string(W);
+  if (optims[0].bf16_optimizer) b.ckpt.metadata["deepspeed.optimizer"] = "BF16_Optimizer";
   if (!in.tag.empty()) b.ckpt.metadata["deepspeed.tag"] = in.tag;
   if (const Value* v = Access::opt(*m0.top, "ds_version"); v && v->is_string()) b.ckpt.metadata["deepspeed.version"] = v->as_string();
+  if (opt.with_optimizer) b.ckpt.metadata["deepspeed.engine"] = engine_state(m0, optims[0]);
   return std::move(b.ckpt);
 }
 
@@ -433,6 +457,26 @@ class format final : public formats::Format {
     return deepspeed::describe(in.path(), o);
   }
   [[nodiscard]] bool applies_dtype() const noexcept override { return true; }
+
+  [[nodiscard]] bool can_write() const noexcept override { return true; }
+  void check_output(const std::filesystem::path& out, const formats::save_options& opt) const override {
+    if (!opt.world_size)
+      throw_error(errors::ds_write_option, "output " + quote(out.string()), "DeepSpeed output needs the data-parallel world size (--world-size M)");
+    if (*opt.world_size == 0 || *opt.world_size > (1U << 16))
+      throw_error(errors::ds_write_option, "--world-size " + std::to_string(*opt.world_size), "expected 1 to 65536 data-parallel ranks");
+    if (opt.max_shard_size)
+      throw_error(errors::bad_save_option, "--max-shard-size", "does not apply to DeepSpeed output: each rank's state is one file");
+    if (opt.part || opt.index_only)
+      throw_error(errors::bad_save_option, "--part", "does not apply to DeepSpeed output: its rank files are written by one process");
+  }
+  std::vector<std::string> save(const ShardedCheckpoint& ck, const std::filesystem::path& out, const formats::save_options& opt) const override {
+    check_output(out, opt);
+    write_options o = opt.settings.get<write_options>();
+    o.world_size = *opt.world_size;
+    o.exec = opt.exec;
+    o.plan = opt.plan;
+    return deepspeed::write(ck, out, o);
+  }
 };
 
 }  // namespace deepspeed

@@ -25,6 +25,7 @@
 #include "../../core/shape.hpp"
 #include "../../core/tensor.hpp"
 #include "../../core/value.hpp"
+#include "../../core/visit.hpp"
 #include "../../io/file.hpp"
 #include "../../io/torch_file.hpp"
 #include "../../shard/checkpoint.hpp"
@@ -99,6 +100,9 @@ struct optim_file {
   const Dict* osd = nullptr;  ///< optimizer_state_dict
   int stage = 0;
   std::vector<std::int64_t> partition_count;
+  /// DeepSpeed's BF16_Optimizer (bf16 with fp32 gradient accumulation, stage 0/1): no zero_stage,
+  /// the stage-1 flat partitions saved whole, all padding recorded on the last rank.
+  bool bf16_optimizer = false;
 };
 
 /// One model-states file, parsed.
@@ -174,8 +178,20 @@ inline optim_file parse_optim(const optim_shard::LoadedFile& f) {
                 "mixture-of-experts checkpoint");
   o.osd = &a.dict(a.at(top, "optimizer_state_dict", "the optim states (not a DeepSpeed ZeRO optim-states file?)"),
                   "optimizer_state_dict");
-  // zero_to_fp32 parse_optim_states: "is not a zero checkpoint" without zero_stage.
-  o.stage = zero_stage(a.at(*o.osd, "zero_stage", "optimizer_state_dict (not a ZeRO checkpoint?)"), a);
+  // zero_to_fp32 parse_optim_states: "is not a zero checkpoint" without zero_stage. The
+  // BF16_Optimizer (runtime/bf16_optimizer.py state_dict) saves no zero_stage but the stage-1
+  // keys; zero_to_fp32 refuses it, ds_to_universal.py reads it, and so does this reader.
+  if (const Value* zs = Access::opt(*o.osd, "zero_stage")) {
+    o.stage = zero_stage(*zs, a);
+  } else if (o.osd->contains("single_partition_of_fp32_groups") && o.osd->contains("base_optimizer_state") &&
+             o.osd->contains("group_paddings") && !o.osd->contains("loss_scaler")) {
+    o.stage = 1;
+    o.bf16_optimizer = true;
+  } else {
+    a.fail("optimizer_state_dict has no zero_stage (a ZeRO optimizer's files have it) and is not DeepSpeed's "
+           "BF16_Optimizer layout either (single_partition_of_fp32_groups, base_optimizer_state, group_paddings): "
+           "not a ZeRO checkpoint?");
+  }
   const Value& pc = a.at(*o.osd, "partition_count", "optimizer_state_dict");
   if (pc.is_int()) {
     o.partition_count.push_back(pc.as_int());
@@ -415,8 +431,10 @@ inline trainable add_trainable12(builder& b, const model_file& m, const std::vec
       const layout::Span part = z.parts[r];
       const std::uint64_t real = N > part.offset ? std::min(part.size, N - part.offset) : 0;
       // DeepSpeed saves the partition with its padding cut off (_get_groups_without_padding); older
-      // versions recorded all padding on the last rank only, so accept [real, size].
-      if (t.numel() < real || t.numel() > part.size)
+      // versions recorded all padding on the last rank only, so accept [real, size]. The
+      // BF16_Optimizer saves it whole and records the group's whole padding on the last rank.
+      const bool bf16 = optims[r].bf16_optimizer;
+      if (t.numel() < (bf16 ? part.size : real) || t.numel() > part.size)
         throw_error(errors::ds_partition_size, where,
                     "group " + std::to_string(g) + ": single_partition_of_fp32_groups[" + std::to_string(g) + "] has " +
                         std::to_string(t.numel()) + " elements; the group's " + std::to_string(N) +
@@ -425,11 +443,13 @@ inline trainable add_trainable12(builder& b, const model_file& m, const std::vec
                         std::to_string(part.size) + " holding " + std::to_string(real) + " real elements");
       if (const Value* gp = Access::opt(*optims[r].osd, "group_paddings")) {
         const Value* pad = gp->is_sequence() && g < gp->as_list().size() ? &gp->as_list()[g] : nullptr;
-        if (!pad || !pad->is_int() || static_cast<std::uint64_t>(pad->as_int()) != part.size - t.numel())
+        const std::uint64_t want = !bf16 ? part.size - t.numel() : r + 1 == W ? z.padded_numel - N : 0;
+        if (!pad || !pad->is_int() || static_cast<std::uint64_t>(pad->as_int()) != want)
           throw_error(errors::ds_partition_size, where,
-                      "group_paddings[" + std::to_string(g) + "] is not " + std::to_string(part.size - t.numel()) +
-                          " (the partition of " + std::to_string(part.size) + " minus the " + std::to_string(t.numel()) +
-                          " elements saved)");
+                      "group_paddings[" + std::to_string(g) + "] is not " + std::to_string(want) +
+                          (bf16 ? std::string(" (BF16_Optimizer: the group's padding on the last rank, 0 elsewhere)")
+                                : " (the partition of " + std::to_string(part.size) + " minus the " +
+                                      std::to_string(t.numel()) + " elements saved)"));
       }
       if (dt && *dt != t.dtype())
         throw_error(errors::ds_dtype, where, "group " + std::to_string(g) + " partition is " +
@@ -615,6 +635,61 @@ inline void add_optimizer12(builder& b, const trainable& tr, const std::vector<o
   add_merged_state(b, optim_shard::merge_state(tr.params, fams, b.table));
   for (std::size_t g = 0; g < G; ++g)
     add_group_values(b, g, elastic ? Value() : groups[0]->as_list()[g], tr.group_names[g]);
+}
+
+/// What a writer needs to write the engine's files again (formats/detail/deepspeed_write.hpp),
+/// as the skeleton JSON of a tree without tensors: the model-states values the consolidated state
+/// does not hold (engine counters, scheduler, data sampler, client state, ds_config, ds_version),
+/// the ZeRO optimizer's loss scaler and flags, the module's entries with their dtypes (in order),
+/// buffer_names, and the config switches the layout depends on. Values holding tensors (a client
+/// state with tensors) are not carried; their keys are listed under "not_carried".
+inline std::string engine_state(const model_file& m, const optim_file& o) {
+  Dict carried;
+  List skipped;
+  static const std::set<std::string> layout_keys{"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes",
+                                                 "shared_params", "frozen_param_fragments", "dp_world_size", "mp_world_size"};
+  auto has_tensor = [](const Value& v) {
+    bool found = false;
+    visit(v, [&](const Path&, const Value& x) {
+      if (!x.is_tensor()) return visit_control::descend;
+      found = true;
+      return visit_control::stop;
+    });
+    return found;
+  };
+  for (const auto& [k, v] : *m.top) {
+    if (k.is_string() && layout_keys.count(k.as_string())) continue;
+    if (has_tensor(v)) skipped.emplace_back(k.str());
+    else carried.set(k, v);
+  }
+  Dict optimizer;
+  for (const char* k : {"loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad"})
+    if (const Value* v = Access::opt(*o.osd, k); v && !has_tensor(*v)) optimizer.set(k, *v);
+  List module;
+  for (const auto& [k, v] : *m.module)
+    if (k.is_string() && v.is_tensor()) module.emplace_back(Value::list(List{Value(k.as_string()), Value(std::string(statedict::name(v.as_tensor().dtype())))}));
+  List buffers;
+  for (const auto& n : m.buffer_names) buffers.emplace_back(n);
+  Dict e;
+  e.set("model_states", Value(std::move(carried)));
+  e.set("optimizer", Value(std::move(optimizer)));
+  e.set("module", Value::list(std::move(module)));
+  e.set("buffer_names", Value::list(std::move(buffers)));
+  if (!m.module->empty())
+    for (const auto& [k, v] : *m.module)
+      if (k.is_string() && v.is_tensor() && is_floating(v.as_tensor().dtype()) && std::find(m.buffer_names.begin(), m.buffer_names.end(), k.as_string()) == m.buffer_names.end()) {
+        e.set("model_dtype", std::string(statedict::name(v.as_tensor().dtype())));
+        break;
+      }
+  // The ZeRO switches the layout depends on, from the config the run was saved with.
+  if (const Value* cfg = Access::opt(*m.top, "ds_config"); cfg && cfg->is_dict())
+    if (const Value* z = cfg->as_dict().find(Key(std::string("zero_optimization"))); z && z->is_dict()) {
+      if (const Value* rr = z->as_dict().find(Key(std::string("round_robin_gradients"))); rr && rr->is_bool()) e.set("round_robin", *rr);
+      if (const Value* sg = z->as_dict().find(Key(std::string("sub_group_size"))); sg && (sg->is_int() || sg->is_double()))
+        e.set("sub_group_size", static_cast<std::int64_t>(sg->as_number()));
+    }
+  if (!skipped.empty()) e.set("not_carried", Value::list(std::move(skipped)));
+  return flatten(Value(std::move(e))).skeleton.dump();
 }
 
 /// Stage 3 optimizer state: optimizer_state_dict is the torch optimizer's state_dict over the

@@ -85,7 +85,7 @@ inline out_tensor classify(const TensorInfo& t, std::size_t i, const facts& f) {
 /// Reads the input: its args, every tensor's place and rule, the vocabulary re-padded.
 inline write_input prepare(const ShardedCheckpoint& ck, const write_options& o, std::uint64_t tp, std::uint64_t stages) {
   write_input in;
-  in.root = source_tree(ck, in.space);
+  in.root = formats::detail::source_tree(ck, in.space);
   const Value* args = in.root.is_dict() ? in.root.as_dict().find("args") : nullptr;
   if (!args)
     throw_error(errors::mg_write_input, "the checkpoint", "has no 'args' (argparse.Namespace): the writer needs Megatron's model arguments, as read from a Megatron checkpoint");
@@ -229,29 +229,6 @@ inline Value chunk_tree(const write_input& in, piece_maker& pm, std::uint64_t p,
   return Value(std::move(chunk));
 }
 
-/// Writes the zip framing of a rank file around its storages (CRCs from the sink).
-inline void write_framing(const torch::SavePlan& plan, OutputFile& file, const FileSink& sink) {
-  WriteCoalescer f(file);
-  const auto& regs = sink.crc_regions();
-  const auto& L = plan.layout;
-  std::vector<std::uint32_t> crcs(plan.records.size(), 0);
-  for (std::size_t e = 0; e < plan.records.size(); ++e) {
-    const auto& rec = plan.records[e];
-    if (!rec.storage) {
-      crcs[e] = zip::crc32(rec.bytes);
-    } else if (plan.storages[*rec.storage].nbytes > 0) {
-      const std::uint64_t data = L.entries[e].data_offset;
-      const auto pos = std::lower_bound(regs.begin(), regs.end(), data, [](const FlatRange& a, std::uint64_t x) { return a.begin < x; });
-      crcs[e] = sink.crc32(static_cast<std::size_t>(pos - regs.begin()));
-    }
-    f.write(L.entries[e].header_offset, zip::local_header_bytes(L.entries[e], L.options));
-    if (!rec.storage) f.write(L.entries[e].data_offset, rec.bytes);
-    f.write(L.entries[e].descriptor_offset, zip::descriptor_bytes(L.entries[e], crcs[e]));
-  }
-  f.write(L.central_offset, zip::tail_bytes(L, crcs));
-  f.flush();
-}
-
 }  // namespace detail
 
 /// Writes `ck` (a full Megatron-LM GPT model with canonical names and its `args`, as describe()
@@ -332,7 +309,7 @@ inline std::vector<std::string> write(const ShardedCheckpoint& ck, const std::fi
     }
   }
   files.prepare = [&](std::size_t k, OutputFile&, FileSink& sink) { sink.track_crc32(crc[k]); };
-  files.finish = [&](std::size_t k, OutputFile& f, FileSink& sink) { detail::write_framing(plans[k].plan, f, sink); };
+  files.finish = [&](std::size_t k, OutputFile& f, FileSink& sink) { formats::detail::write_torch_framing(plans[k].plan, f, sink); };
   files.index_name = "latest_checkpointed_iteration.txt";
   files.index_bytes = [&] {
     const std::string text = release ? std::string("release") : std::to_string(iv->as_int());

@@ -67,21 +67,6 @@ inline void check(const write_options& o) {
 
 namespace detail {
 
-/// The source's tree (tensors as placeholders, never read) for its non-tensor values.
-inline Value source_tree(const ShardedCheckpoint& ck, std::shared_ptr<torch::detail::reservation>& space) {
-  std::uint64_t total = 16;
-  std::vector<std::uint64_t> at;
-  for (const TensorInfo& t : ck.tensors) {
-    at.push_back(total);
-    total = checked_add(total, checked_add(byte_size(t.shape, itemsize(t.dtype)), 79, "reservation") / 64 * 64, "reservation");
-  }
-  space = std::make_shared<torch::detail::reservation>(total);
-  NamedTensors named;
-  for (std::size_t i = 0; i < ck.tensors.size(); ++i)
-    named.emplace_back(ck.tensors[i].name, TensorView::contiguous(ck.tensors[i].dtype, ck.tensors[i].shape, space->base() + at[i], space));
-  return unflatten(named, ck.skeleton);
-}
-
 /// One tensor to write: its rule and where it goes.
 struct out_tensor {
   std::size_t index = 0;  ///< in the (working) source

@@ -12,6 +12,7 @@
 // planned size. The directory is complete when its index exists (docs/slurm.md).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <filesystem>
 #include <functional>
@@ -22,9 +23,12 @@
 #include <vector>
 
 #include "../../core/error.hpp"
+#include "../../core/flatten.hpp"
 #include "../../exec/executor.hpp"
 #include "../../exec/sink.hpp"
 #include "../../io/file.hpp"
+#include "../../io/torch_save.hpp"
+#include "../../io/zip.hpp"
 #include "../../shard/checkpoint.hpp"
 #include "../../shard/plan.hpp"
 #include "../format.hpp"
@@ -99,6 +103,46 @@ inline std::vector<std::string> write_file_set(const ShardedCheckpoint& src, con
   if (!files.index_name.empty()) written.push_back(files.index_name);
   out->commit();
   return written;
+}
+
+/// The tree of `ck` with its tensors as placeholders (address space reserved, never read): what a
+/// writer that lays out files of its own reads the checkpoint's non-tensor values from.
+inline Value source_tree(const ShardedCheckpoint& ck, std::shared_ptr<torch::detail::reservation>& space) {
+  std::uint64_t total = 16;
+  std::vector<std::uint64_t> at;
+  for (const TensorInfo& t : ck.tensors) {
+    at.push_back(total);
+    total = checked_add(total, checked_add(byte_size(t.shape, itemsize(t.dtype)), 79, "reservation") / 64 * 64, "reservation");
+  }
+  space = std::make_shared<torch::detail::reservation>(total);
+  NamedTensors named;
+  for (std::size_t i = 0; i < ck.tensors.size(); ++i)
+    named.emplace_back(ck.tensors[i].name, TensorView::contiguous(ck.tensors[i].dtype, ck.tensors[i].shape, space->base() + at[i], space));
+  return unflatten(named, ck.skeleton);
+}
+
+/// Writes the zip framing of a planned torch.save file around its storages, whose bytes the
+/// executor wrote (their CRCs from the sink, which tracked the storages' byte ranges).
+inline void write_torch_framing(const torch::SavePlan& plan, OutputFile& file, const FileSink& sink) {
+  WriteCoalescer f(file);
+  const auto& regs = sink.crc_regions();
+  const auto& L = plan.layout;
+  std::vector<std::uint32_t> crcs(plan.records.size(), 0);
+  for (std::size_t e = 0; e < plan.records.size(); ++e) {
+    const auto& rec = plan.records[e];
+    if (!rec.storage) {
+      crcs[e] = zip::crc32(rec.bytes);
+    } else if (plan.storages[*rec.storage].nbytes > 0) {
+      const std::uint64_t data = L.entries[e].data_offset;
+      const auto pos = std::lower_bound(regs.begin(), regs.end(), data, [](const FlatRange& a, std::uint64_t x) { return a.begin < x; });
+      crcs[e] = sink.crc32(static_cast<std::size_t>(pos - regs.begin()));
+    }
+    f.write(L.entries[e].header_offset, zip::local_header_bytes(L.entries[e], L.options));
+    if (!rec.storage) f.write(L.entries[e].data_offset, rec.bytes);
+    f.write(L.entries[e].descriptor_offset, zip::descriptor_bytes(L.entries[e], crcs[e]));
+  }
+  f.write(L.central_offset, zip::tail_bytes(L, crcs));
+  f.flush();
 }
 
 }  // namespace statedict::inline v0::formats::detail
