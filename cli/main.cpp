@@ -39,7 +39,7 @@ constexpr const char* usage_text = R"(statedict: read, convert and verify ML che
 
 usage:
   statedict inspect PATH [--json] [--hash] [--with-optimizer] [--from FORMAT] [--io mmap|pread]
-  statedict convert IN OUT [--to safetensors|hf|torch|dcp|olmo|colossalai|megatron|deepspeed] [--from FORMAT] [--dtype F32|BF16|F16]
+  statedict convert IN OUT [--to safetensors|hf|torch|dcp|olmo|colossalai|megatron|deepspeed|deepspeed-universal] [--from FORMAT] [--dtype F32|BF16|F16]
                     [--cast-integer-buffers] [--max-shard-size 5GB] [--world-size M] [--dcp-layout 2|1.13]
                     [--only NAME_PREFIX]... [--drop REGEX]... [--strip-prefix P]... [--add-prefix P]...
                     [--rename FROM=TO]... [--rename-regex REGEX=REPLACEMENT]... [--map NAMES.json]...

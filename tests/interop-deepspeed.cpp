@@ -49,6 +49,11 @@ std::vector<std::string> zero_cases() {
   return out;
 }
 
+std::string read_all_text(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
+}
+
 /// A non-tensor Value equal to a manifest's JSON value.
 bool same_value(const nlohmann::ordered_json& j, const Value& v) {
   if (j.is_null()) return v.is_none();
@@ -475,4 +480,46 @@ TEST_CASE("deepspeed writer: every real engine checkpoint written for 1 to 4 ran
     }
   }
   CHECK(n >= 36);
+}
+
+TEST_CASE("deepspeed writer: the universal checkpoint is what ds_to_universal.py makes of the same files") {
+  // universal_zero2_ws2_fp32: DeepSpeed's ds_to_universal.py --inject_missing_state output for
+  // zero2_ws2_fp32 (tests/data/deepspeed-engine/README.md).
+  const fs::path engine = fs::path(STATEDICT_SOURCE_DIR) / "tests/data/deepspeed-engine";
+  const fs::path truth = engine / "universal_zero2_ws2_fp32";
+  ds::options o;
+  o.with_optimizer = true;
+  const ShardedCheckpoint src = ds::describe(engine / "zero2_ws2_fp32", o);
+  const fs::path out = fs::path(STATEDICT_TEST_TMP) / "ds-universal";
+  ds::write_options w;
+  w.world_size = 2;
+  w.universal = true;
+  const auto written = ds::write(src, out, w);
+  CHECK(written.back() == "latest_universal");
+  auto files = [](const fs::path& root) {
+    std::set<std::string> s;
+    for (const auto& e : fs::recursive_directory_iterator(root))
+      if (e.is_regular_file()) s.insert(fs::relative(e.path(), root).string());
+    return s;
+  };
+  const auto mine = files(out), theirs = files(truth);
+  CHECK(mine == theirs);
+  CHECK(mine.count("global_step2/zero/embed.weight/exp_avg_sq.pt") == 1);
+  CHECK(read_all_text(out / "latest_universal") == read_all_text(truth / "latest_universal"));
+  for (const auto& f : mine) {
+    if (f == "latest_universal" || !theirs.count(f)) continue;
+    same_tree(torch::load(out / f), torch::load(truth / f), {"ds_config", "zero_stage"}, f);
+  }
+  // The same for a ZeRO-3 checkpoint: flat per-parameter tensors, no step file, rank 0's state.
+  const fs::path out3 = fs::path(STATEDICT_TEST_TMP) / "ds-universal3";
+  w.world_size = 3;
+  (void)ds::write(ds::describe(engine / "zero3_ws3_bf16", o), out3, w);
+  const Value fp32 = torch::load(out3 / "global_step2/zero/blocks.0.fc1.weight/fp32.pt");
+  REQUIRE(fp32.is_tensor());
+  CHECK(fp32.as_tensor().shape() == shape_t{37 * 24});
+  CHECK_FALSE(fs::exists(out3 / "global_step2/zero/blocks.0.fc1.weight/step.pt"));
+  CHECK(fs::exists(out3 / "global_step2/zero_pp_rank_2_mp_rank_00_model_states.pt"));
+  const Value common = torch::load(out3 / "global_step2/zero/optimizer_state.pt");
+  CHECK(common.as_dict().contains(Key(std::string("param_groups"))));
+  CHECK(common.as_dict().contains(Key(std::string("fp32_flat_groups"))));
 }

@@ -138,6 +138,10 @@ struct write_options {
   std::optional<statedict::dtype> model_dtype;
   /// The tag folder; empty: the input's tag, else global_step<global_steps>.
   std::string tag;
+  /// DeepSpeed's universal checkpoint (ds_to_universal.py's layout, loaded with
+  /// `"checkpoint": {"load_universal": true}` at any world size) instead of the rank files; its
+  /// model-states files are those of `world_size` ranks.
+  bool universal = false;
   exec_options exec{};
   plan_options plan{};
 };
@@ -473,6 +477,39 @@ class format final : public formats::Format {
     check_output(out, opt);
     write_options o = opt.settings.get<write_options>();
     o.world_size = *opt.world_size;
+    o.exec = opt.exec;
+    o.plan = opt.plan;
+    return deepspeed::write(ck, out, o);
+  }
+};
+
+/// DeepSpeed's universal checkpoint, written (`--to deepspeed-universal`): what ds_to_universal.py
+/// makes of a ZeRO checkpoint, for the engine's `load_universal` at any world size.
+class universal_format final : public formats::Format {
+ public:
+  [[nodiscard]] std::string_view name() const noexcept override { return "deepspeed-universal"; }
+  [[nodiscard]] std::string_view title() const noexcept override { return "DeepSpeed universal"; }
+  [[nodiscard]] formats::Detection detect(const formats::Input&, const formats::open_options&) const override {
+    return formats::Detection::not_applicable();
+  }
+  [[nodiscard]] ShardedCheckpoint describe(const formats::Input& in, const formats::open_options&) const override {
+    throw_error(errors::cannot_write, "input " + quote(in.path().string()), "DeepSpeed universal checkpoints are written, not read");
+  }
+  [[nodiscard]] bool can_write() const noexcept override { return true; }
+  void check_output(const std::filesystem::path&, const formats::save_options& opt) const override {
+    if (opt.world_size && (*opt.world_size == 0 || *opt.world_size > (1U << 16)))
+      throw_error(errors::ds_write_option, "--world-size " + std::to_string(*opt.world_size), "expected 1 to 65536 data-parallel ranks");
+    if (opt.max_shard_size) throw_error(errors::bad_save_option, "--max-shard-size", "does not apply to DeepSpeed output");
+    if (opt.part || opt.index_only) throw_error(errors::bad_save_option, "--part", "does not apply to DeepSpeed output");
+  }
+  std::vector<std::string> save(const ShardedCheckpoint& ck, const std::filesystem::path& out, const formats::save_options& opt) const override {
+    check_output(out, opt);
+    write_options o = opt.settings.get<write_options>();
+    o.universal = true;
+    // The model-states files are the input's world size's (ds_to_universal copies them), unless asked.
+    o.world_size = 1;
+    if (opt.world_size) o.world_size = *opt.world_size;
+    else if (auto it = ck.metadata.find("deepspeed.world_size"); it != ck.metadata.end()) o.world_size = static_cast<std::uint32_t>(std::stoul("0" + it->second));
     o.exec = opt.exec;
     o.plan = opt.plan;
     return deepspeed::write(ck, out, o);

@@ -49,6 +49,7 @@ inline std::vector<std::shared_ptr<const Format>> builtin_formats() {
       std::make_shared<megatron::format>(),
       std::make_shared<dcp::format>(),
       std::make_shared<deepspeed::format>(),
+      std::make_shared<deepspeed::universal_format>(),
       std::make_shared<fsdp::format>(),
       std::make_shared<sharded_tensor::format>(),
       std::make_shared<colossalai::format>(),

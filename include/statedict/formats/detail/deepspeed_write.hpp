@@ -317,6 +317,7 @@ struct planner {
   int stage;
   bool bf16_optimizer;
   arena space;
+  bool universal = false;  ///< DeepSpeed's universal checkpoint instead of the rank files
   std::vector<rank_file> files;
 
   rank_file* cur = nullptr;
@@ -515,8 +516,49 @@ struct planner {
       osd.set("partition_count", Value::list(std::move(counts)));
       osd.set("ds_version", in.version);
       osd.set("param_slice_mappings", Value::list(std::move(mappings)));
+      if (universal) {
+        // zero/optimizer_state.pt: rank 0's values that are not partitions, and the param groups
+        // (ds_to_universal.py _save_optimizer_state); the partitions go to the per-parameter files.
+        Dict common;
+        for (const auto& [k, v] : osd)
+          if (k.str() != "base_optimizer_state" && k.str() != "param_slice_mappings" && k.str() != "single_partition_of_fp32_groups") common.set(k, v);
+        common.set("param_groups", osd.at("base_optimizer_state").as_dict().at("param_groups"));
+        cur->pieces.clear();
+        add(tag + "/zero/optimizer_state.pt", Value(std::move(common)));
+        break;
+      }
       add(tag + "/" + prefix() + "zero_pp_rank_" + std::to_string(r) + "_mp_rank_00_optim_states.pt", Value(optim_file(std::move(osd))));
     }
+  }
+
+  /// The universal checkpoint's per-parameter files (ds_to_universal.py merge_tp_slices,
+  /// merge_zero3_slices): zero/<name>/fp32.pt and one file per optimizer state key, the whole
+  /// tensor as {'cat_dim': 0, 'param': tensor} (stages 1/2; 0-dim state such as step bare), or
+  /// flat and bare (stage 3, which has no file for 0-dim state).
+  void plan_universal_params(const std::string& tag) {
+    for (std::size_t g = 0; g < in.groups.size(); ++g)
+      for (std::size_t i : in.groups[g].params) {
+        const w_param& p = in.params[i];
+        if (p.name.empty() || p.name == "." || p.name == ".." || p.name.find('/') != std::string::npos || p.name.find('\0') != std::string::npos)
+          throw_error(errors::ds_write_input, "parameter " + quote(p.name), "cannot name a folder of a universal checkpoint (zero/<name>/)");
+        auto file = [&](const std::string& key, std::size_t tensor, bool scalar) {
+          begin();
+          const TensorInfo& t = info(tensor);
+          Value v;
+          if (stage <= 2) {
+            v = whole(tensor, t.dtype);
+            if (!scalar) v = Value(Dict{{"cat_dim", 0}, {"param", std::move(v)}});
+          } else {
+            v = holder(t.dtype, shape_t{static_cast<dim_t>(p.numel)});
+            if (p.numel > 0) piece(v, tensor, FlatRange{0, p.numel}, 0);
+          }
+          add(tag + "/zero/" + p.name + "/" + key + ".pt", std::move(v));
+        };
+        file("fp32", p.tensor, false);
+        for (const auto& k : in.groups[g].keys) file(k, p.state.at(k), false);
+        if (stage <= 2)
+          for (const auto& k : in.groups[g].scalar_keys) file(k, p.state.at(k), true);
+      }
   }
 
   /// Stage 3: a model-states and an optim file per rank; every parameter partitioned on its own,
@@ -570,7 +612,9 @@ struct planner {
       Value module = this->module(true);
       add(tag + "/zero_pp_rank_" + std::to_string(r) + "_mp_rank_00_model_states.pt",
           Value(model_states_head(std::move(module), Value::list(std::move(shapes)), true, Value(std::move(fshapes)), Value(std::move(ffrags)), r == 0)));
-      // Optim states of rank r.
+      // Optim states of rank r (universal: rank 0's as zero/optimizer_state.pt, with the param
+      // groups; ds_to_universal.py _save_optimizer_state_stage3).
+      if (universal && r > 0) continue;
       begin();
       List flats;
       Dict state;
@@ -615,6 +659,11 @@ struct planner {
       osd.set("partition_count", static_cast<std::int64_t>(M));
       osd.set("optimizer_state_dict", Value(std::move(inner)));
       osd.set("fp32_flat_groups", Value::list(std::move(flats)));
+      if (universal) {
+        osd.set("param_groups", osd.at("optimizer_state_dict").as_dict().at("param_groups"));
+        add(tag + "/zero/optimizer_state.pt", Value(std::move(osd)));
+        continue;
+      }
       add(tag + "/" + prefix() + "zero_pp_rank_" + std::to_string(r) + "_mp_rank_00_optim_states.pt", Value(optim_file(std::move(osd))));
     }
   }
@@ -627,7 +676,10 @@ namespace statedict::inline v0::deepspeed {
 /// Writes `ck` (a consolidated checkpoint with its optimizer state keyed by parameter name, as
 /// statedict reads DeepSpeed with `with_optimizer`) as the checkpoint DeepSpeed's engine saves for
 /// `o.world_size` data-parallel ranks, into `dir` (replaced atomically): `latest` and
-/// `<tag>/...model_states.pt`, `<tag>/...optim_states.pt`. Returns the files written.
+/// `<tag>/...model_states.pt`, `<tag>/...optim_states.pt`. With `o.universal`, DeepSpeed's
+/// universal checkpoint instead (what ds_to_universal.py makes of those files): `latest_universal`,
+/// the model-states files, `<tag>/zero/optimizer_state.pt` and `<tag>/zero/<name>/<state>.pt` per
+/// parameter. Returns the files written.
 inline std::vector<std::string> write(const ShardedCheckpoint& ck, const std::filesystem::path& dir, const write_options& o) {
   if (o.world_size == 0 || o.world_size > (1U << 16))
     throw_error(errors::ds_write_option, "--world-size " + std::to_string(o.world_size), "expected 1 to 65536 data-parallel ranks");
@@ -656,10 +708,11 @@ inline std::vector<std::string> write(const ShardedCheckpoint& ck, const std::fi
       checked_add(checked_mul(bytes, keys + 2, "size"),
                   checked_mul(checked_mul(static_cast<std::uint64_t>(o.world_size) + 1, ck.tensors.size() + in.groups.size() * 4 + 8, "size"), 256, "size"),
                   "size");
-  detail::planner pl{ck, in, o.world_size, stage, bf16_optimizer, detail::arena{std::make_shared<torch::detail::reservation>(capacity), capacity}, {}};
-  pl.files.reserve(static_cast<std::size_t>(o.world_size) * 2 + 1);
+  detail::planner pl{ck, in, o.world_size, stage, bf16_optimizer,
+                     detail::arena{std::make_shared<torch::detail::reservation>(capacity), capacity, 0}, o.universal, {}, nullptr};
   if (stage <= 2) pl.plan12(tag);
   else pl.plan3(tag);
+  if (o.universal) pl.plan_universal_params(tag);
 
   formats::detail::file_set files;
   std::unordered_map<std::size_t, std::size_t> dst_of;
@@ -691,7 +744,7 @@ inline std::vector<std::string> write(const ShardedCheckpoint& ck, const std::fi
   }
   files.prepare = [&](std::size_t k, OutputFile&, FileSink& sink) { sink.track_crc32(crc[k]); };
   files.finish = [&](std::size_t k, OutputFile& f, FileSink& sink) { formats::detail::write_torch_framing(pl.files[k].plan, f, sink); };
-  files.index_name = "latest";
+  files.index_name = o.universal ? "latest_universal" : "latest";
   files.index_bytes = [&] {
     const auto* b = reinterpret_cast<const std::byte*>(tag.data());
     return std::vector<std::byte>(b, b + tag.size());
