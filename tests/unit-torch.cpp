@@ -370,9 +370,6 @@ TEST_CASE("hostile files: one error id each") {
                  errors::pk_forbidden_global);
     expect_error([&] { (void)torch::load(torch_zip("cls2.pt", pkl(tensor_v2("NopeStorage", "0", 1, 0, {1}, {1})), {{"0", floats({1})}})); },
                  errors::pt_bad_storage);
-    // Quantized storages hold the integer representation: QInt8 -> I8, QUInt8 -> U8, QInt32 -> I32.
-    CHECK(torch::load(torch_zip("q.pt", pkl(tensor_v2("QInt8Storage", "0", 1, 0, {1}, {1})), {{"0", "x"}})).as_tensor().dtype() == dtype::I8);
-    CHECK(torch::load(torch_zip("q2.pt", pkl(tensor_v2("QInt32Storage", "0", 1, 0, {1}, {1})), {{"0", "xyzw"}})).as_tensor().dtype() == dtype::I32);
     expect_error([&] { (void)torch::load(torch_zip("pid.pt", pkl("(" + str("module") + "tQ"))); }, errors::pt_bad_storage);
     expect_error([&] { (void)torch::load(torch_zip("pid2.pt", pkl("(" + str("storage") + glob("torch", "FloatStorage") + integer(0) + str("cpu") + integer(1) + "tQ"))); },
                  errors::pt_bad_storage);
@@ -436,6 +433,46 @@ TEST_CASE("hostile files: one error id each") {
     CHECK_FALSE(torch::read(make_zip("little.pt", {{"a/data.pkl", pkl("N")}, {"a/byteorder", "little"}})).big_endian);
     expect_error([&] { (void)torch::load(make_zip("mid.pt", {{"a/data.pkl", pkl("N")}, {"a/byteorder", "middle"}})); }, errors::pt_bad_byteorder);
     expect_error([&] { (void)torch::load(make_zip("ver.pt", {{"a/data.pkl", pkl("N")}, {"a/version", "x1"}})); }, errors::pt_bad_version);
+  }
+  SUBCASE("quantized storages: only inside _rebuild_qtensor, never plain integers") {
+    // torch 2.14 reads _rebuild_tensor_v2 of a QInt8Storage as a 0-d qint8 tensor (quantizer
+    // unknown), and a bare QInt8Storage as a TypedStorage of dtype qint8.
+    torch::load_options slow;
+    slow.fast_paths = false;
+    for (const char* cls : {"QInt8Storage", "QUInt8Storage", "QUInt4x2Storage", "QUInt2x4Storage"}) {
+      const auto p = torch_zip("q.pt", pkl(tensor_v2(cls, "0", 1, 0, {1}, {1})), {{"0", "x"}});
+      expect_error([&] { (void)torch::load(p); }, errors::pt_quantized_storage);
+      expect_error([&] { (void)torch::load(p, slow); }, errors::pt_quantized_storage);
+      expect_error([&] { (void)torch::describe(p); }, errors::pt_quantized_storage);
+    }
+    expect_error([&] { (void)torch::load(torch_zip("q2.pt", pkl(tensor_v2("QInt32Storage", "0", 1, 0, {1}, {1})), {{"0", "xyzw"}})); },
+                 errors::pt_quantized_storage);
+    const std::string qpid = "(" + str("storage") + glob("torch", "QInt8Storage") + str("0") + str("cpu") + integer(4) + "tQ";
+    // _rebuild_tensor (1.x) and a bare storage.
+    expect_error([&] { (void)torch::load(torch_zip("q3.pt", pkl(glob("torch._utils", "_rebuild_tensor") + "(" + qpid + integer(0) + tuple({4}) + tuple({1}) + "tR"), {{"0", "abcd"}})); },
+                 errors::pt_quantized_storage);
+    for (const bool fast : {true, false}) {
+      torch::load_options opts;
+      opts.fast_paths = fast;
+      expect_error([&] { (void)torch::load(torch_zip("q4.pt", pkl("}" + str("s") + qpid + "s"), {{"0", "abcd"}}), opts); },
+                   errors::pt_quantized_storage);
+    }
+    // _rebuild_qtensor(storage, offset, size, stride, (qscheme, scale, zero_point), requires_grad, hooks): read.
+    const std::string qt = glob("torch._utils", "_rebuild_qtensor") + "(" + qpid + "q\x01" + integer(0) + tuple({4}) + tuple({1}) + "(" +
+                           glob("torch", "per_tensor_affine") + "G\x3f\xb9\x99\x99\x99\x99\x99\x9a"_b + integer(3) + "t" + "\x89" +
+                           glob("collections", "OrderedDict") + ")RtR";
+    const Value q = torch::load(torch_zip("q5.pt", pkl(qt), {{"0", "abcd"}}));
+    REQUIRE(q.is_object());
+    CHECK(q.as_object().name == "_rebuild_qtensor");
+    CHECK(q.as_object().args.at(0).as_object().args.at(0).as_tensor().dtype() == dtype::I8);
+    CHECK(torch::describe(torch_zip("q5.pt", pkl(qt), {{"0", "abcd"}})).tensors.size() == 1);
+    // The same storage also held outside the call (memoized, fetched again): refused.
+    expect_error([&] { (void)torch::load(torch_zip("q6.pt", pkl("(" + qt + "h\x01" "t"), {{"0", "abcd"}})); }, errors::pt_quantized_storage);
+    // Wrapped by _rebuild_from_type_v2 (a quantized tensor with Python attributes): read.
+    const std::string ft = glob("torch._tensor", "_rebuild_from_type_v2") + "(" + glob("torch._utils", "_rebuild_qtensor") +
+                           glob("torch", "Tensor") + "(" + qt.substr(glob("torch._utils", "_rebuild_qtensor").size() + 1, qt.size() - glob("torch._utils", "_rebuild_qtensor").size() - 3) +
+                           "t}tR";
+    CHECK(torch::load(torch_zip("q7.pt", pkl(ft), {{"0", "abcd"}})).as_object().name == "_rebuild_from_type_v2");
   }
   SUBCASE("CRC verification is opt-in") {
     const auto p = torch_zip("crc.pt", pkl(ok_tensor), {{"0", floats({1, 2, 3, 4})}});
@@ -630,6 +667,14 @@ TEST_CASE("legacy format: hand-made file, and its failure modes") {
   expect_error([&] { (void)torch::load(file("l5.pt", magic + version + sys + obj + pkl("]") )); }, errors::pt_bad_legacy);
   expect_error([&] { (void)torch::load(file("l6.pt", magic + version + pkl("}" + str("little_endian") + "\x89s") + obj + keys + data)); },
                errors::pt_big_endian);
+  // A quantized storage rebuilt as a plain tensor (torch.load gives a quantized one), and held bare.
+  std::string qobj = obj;
+  qobj.replace(qobj.find("FloatStorage"), 12, "QInt8Storage");
+  const std::string qdata = "\x03\x00\x00\x00\x00\x00\x00\x00"_b + "abc";
+  expect_error([&] { (void)torch::load(file("lq.pt", magic + version + sys + qobj + keys + qdata)); }, errors::pt_quantized_storage);
+  const std::string qpid = "(" + str("storage") + glob("torch", "QInt8Storage") + str("940") + str("cpu") + integer(3) + "N" + "t";
+  expect_error([&] { (void)torch::load(file("lq2.pt", magic + version + sys + pkl("}" + str("s") + qpid + "Qs") + keys + qdata)); },
+               errors::pt_quantized_storage);
 
   SUBCASE("the magic number at every protocol torch.save writes; detection by content") {
     auto kind = [](const std::string& head) {

@@ -14255,6 +14255,7 @@ inline constexpr error_id pt_big_endian        {510, error_kind::unsupported, "t
 inline constexpr error_id pt_bad_version       {511, error_kind::format,      "torch.bad_version"};
 inline constexpr error_id pt_bad_byteorder     {512, error_kind::format,      "torch.bad_byteorder"};
 inline constexpr error_id pt_protocol_0        {513, error_kind::format,      "torch.pickle_protocol_0"};
+inline constexpr error_id pt_quantized_storage {514, error_kind::format,      "torch.quantized_storage"};
 inline constexpr error_id pt_unwritable        {520, error_kind::usage,       "torch.unwritable"};
 inline constexpr error_id pt_crc_incomplete    {521, error_kind::usage,       "torch.crc_incomplete"};
 inline constexpr error_id pt_bad_name          {522, error_kind::usage,       "torch.bad_archive_name"};
@@ -14464,6 +14465,22 @@ inline statedict::dtype storage_dtype(const Object& cls, bool& untyped) {
   return storage_dtype(cls.module, cls.name, cls.how == object_build::global, untyped);
 }
 
+/// A quantized storage class (torch.QInt8Storage, ...): its bytes are the integer representation of
+/// quantized values, which mean something only with the scale and zero point _rebuild_qtensor gives.
+inline bool is_quantized_storage(std::string_view name) noexcept {
+  return name == "QInt8Storage" || name == "QUInt8Storage" || name == "QInt32Storage" || name == "QUInt4x2Storage" ||
+         name == "QUInt2x4Storage";
+}
+
+/// The refusal of a quantized storage read where it has no quantization parameters: torch.load
+/// gives a quantized tensor (or storage) there, which statedict cannot represent as plain integers.
+[[noreturn]] inline void refuse_quantized(std::string_view cls, std::string_view key, std::string_view used_as) {
+  throw_error(errors::pt_quantized_storage,
+              "storage " + quote(std::string(key)) + " is a torch." + std::string(cls) + " " + std::string(used_as) +
+                  ": torch.load reads it as quantized values, but no quantization parameters (scale, zero point) come "
+                  "with it there (only _rebuild_qtensor gives them); read as plain integers it would mean something else");
+}
+
 /// A storage as a Value: Object{torch.<Class>, how=reduce, args=[1-d view of its bytes (its
 /// dtype, or U8 when untyped), key, location]}. It stays in the tree only when the pickle holds a
 /// bare storage; the writer writes it back as a storage.
@@ -14484,6 +14501,38 @@ inline bool is_storage_object(const Object& o) {
          o.name.size() > 7 && o.name.compare(o.name.size() - 7, 7, "Storage") == 0 && o.how == object_build::reduce &&
          o.args.size() == 3 && o.args[0].is_tensor() && o.args[0].as_tensor().rank() == 1 &&
          o.args[0].as_tensor().is_contiguous() && o.args[1].is_string();
+}
+
+/// Refuses every quantized storage of the tree that is not the storage argument of a
+/// _rebuild_qtensor call (also as the function of _rebuild_from_type_v2): held bare, in a list, as
+/// another call's argument. Called only when the file names a quantized storage class.
+inline void check_quantized_storages(const Value& v, bool in_qtensor = false) {
+  if (v.is_sequence()) {
+    for (const Value& x : v.as_list()) check_quantized_storages(x);
+  } else if (v.is_dict()) {
+    for (const auto& kv : v.as_dict()) check_quantized_storages(kv.second);
+  } else if (v.is_object()) {
+    const Object& o = v.as_object();
+    if (is_storage_object(o)) {
+      if (is_quantized_storage(o.name) && !in_qtensor) refuse_quantized(o.name, o.args[1].as_string(), "held outside _rebuild_qtensor");
+      return;
+    }
+    const bool qtensor = o.module == "torch._utils" && o.name == "_rebuild_qtensor" && o.how == object_build::reduce;
+    // _rebuild_from_type_v2(_rebuild_qtensor, type, args, state): args[0] is the storage.
+    const bool from_type = o.module == "torch._tensor" && o.name == "_rebuild_from_type_v2" && o.args.size() == 4 &&
+                           o.args[0].is_object() && o.args[0].as_object().qualified() == "torch._utils._rebuild_qtensor" &&
+                           o.args[2].is_sequence();
+    for (std::size_t i = 0; i < o.args.size(); ++i) {
+      if (from_type && i == 2) {
+        const List& inner = o.args[2].as_list();
+        for (std::size_t j = 0; j < inner.size(); ++j) check_quantized_storages(inner[j], j == 0);
+      } else {
+        check_quantized_storages(o.args[i], qtensor && i == 0);
+      }
+    }
+    for (const Value& x : o.state) check_quantized_storages(x);
+    for (const Value& x : o.items) check_quantized_storages(x);
+  }
 }
 
 inline std::int64_t int_arg(const Value& v, const char* what) {
@@ -14550,6 +14599,7 @@ struct storage_class {
   std::string name;
   statedict::dtype dtype;
   bool untyped;
+  bool quantized;
 };
 
 /// A storage of a zip archive as read_zip placed it.
@@ -14608,6 +14658,7 @@ inline pickle::Registry torch_registry(const read_context& ctx) {
     } else if (st.name == "UntypedStorage") {
       throw_error(errors::pt_bad_tensor, c.callable.qualified() + " of an UntypedStorage without a dtype");
     }
+    if (is_quantized_storage(st.name)) refuse_quantized(st.name, st.args[1].as_string(), "rebuilt as a plain tensor by " + c.callable.qualified());
     const std::size_t meta = v1 ? 4 : v3 ? 7 : 6;
     if (a.size() > meta && !a[meta].is_none() && !(a[meta].is_dict() && a[meta].as_dict().empty()))
       throw_error(errors::pt_unsupported_tensor, "tensor with metadata (conjugate or negative bit) is not supported");
@@ -14626,11 +14677,13 @@ inline pickle::Registry torch_registry(const read_context& ctx) {
     const zip_storage* zs = nullptr;
     if (handle) {
       const storage_handle h = storage_handle::unpack(a.handle(0));
-      if ((*ctx.classes)[h.cls].untyped) return std::nullopt;
+      if ((*ctx.classes)[h.cls].untyped || (*ctx.classes)[h.cls].quantized) return std::nullopt;
       zs = &(*ctx.storages)[h.storage];
     } else {
       st = &a.value(0);
-      if (!st->is_object() || !is_storage_object(st->as_object()) || st->as_object().name == "UntypedStorage") return std::nullopt;
+      if (!st->is_object() || !is_storage_object(st->as_object()) || st->as_object().name == "UntypedStorage" ||
+          is_quantized_storage(st->as_object().name))
+        return std::nullopt;
     }
     shape_t size, stride;
     if (!a.ints(2, max_rank, size) || !a.ints(3, max_rank, stride)) return std::nullopt;
@@ -14978,7 +15031,8 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
       bool untyped = false;
       const statedict::dtype t = storage_dtype(module, cls_name, global, untyped);  // refuses what is not a storage class
       last_class = static_cast<std::size_t>(std::find_if(classes.begin(), classes.end(), is) - classes.begin());
-      if (last_class == classes.size()) classes.push_back({std::string(module), std::string(cls_name), t, untyped});
+      if (last_class == classes.size())
+        classes.push_back({std::string(module), std::string(cls_name), t, untyped, is_quantized_storage(cls_name)});
       return static_cast<std::uint32_t>(last_class);
     };
     // ('storage', <class cls>, key, location, numel), its fields checked by the caller: the
@@ -15103,6 +15157,8 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
       f.value = std::move(res.value);
       f.attributes = std::move(res.attributes);
       f.pickle_protocol = res.protocol;
+      if (std::any_of(classes.begin(), classes.end(), [](const storage_class& c) { return c.quantized; }))
+        check_quantized_storages(f.value);
     } catch (error& e) {
       e.add_context(where(*src) + ": record " + quote(pkl->name));
       throw;
@@ -15290,6 +15346,8 @@ inline File read_legacy(std::shared_ptr<const ByteSource> src, const load_option
     f.value = std::move(res.value);
     f.attributes = std::move(res.attributes);
     f.pickle_protocol = res.protocol;
+    if (std::any_of(roots.begin(), roots.end(), [](const auto& r) { return is_quantized_storage(r.second.cls.name); }))
+      check_quantized_storages(f.value);
   } catch (error& e) {
     e.add_context(where(*src) + ": legacy object pickle");
     throw;
