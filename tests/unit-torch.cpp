@@ -434,6 +434,16 @@ TEST_CASE("hostile files: one error id each") {
     expect_error([&] { (void)torch::load(make_zip("mid.pt", {{"a/data.pkl", pkl("N")}, {"a/byteorder", "middle"}})); }, errors::pt_bad_byteorder);
     expect_error([&] { (void)torch::load(make_zip("ver.pt", {{"a/data.pkl", pkl("N")}, {"a/version", "x1"}})); }, errors::pt_bad_version);
   }
+  SUBCASE("a storage record longer than its storage") {
+    // torch 2.14 (mmap=False): record size (20 bytes) does not match expected size (16 bytes = 16
+    // elements * 1 bytes/element) for dtype Byte. Shorter records are refused too (above).
+    const auto p = torch_zip("long.pt", pkl(ok_tensor), {{"0", floats({1, 2, 3, 4, 5})}});
+    expect_error([&] { (void)torch::load(p); }, errors::pt_record_too_long);
+    expect_error([&] { (void)torch::describe(p); }, errors::pt_record_too_long);
+    torch::load_options slow;
+    slow.fast_paths = false;
+    expect_error([&] { (void)torch::load(p, slow); }, errors::pt_record_too_long);
+  }
   SUBCASE("quantized storages: only inside _rebuild_qtensor, never plain integers") {
     // torch 2.14 reads _rebuild_tensor_v2 of a QInt8Storage as a 0-d qint8 tensor (quantizer
     // unknown), and a bare QInt8Storage as a TypedStorage of dtype qint8.

@@ -14256,6 +14256,7 @@ inline constexpr error_id pt_bad_version       {511, error_kind::format,      "t
 inline constexpr error_id pt_bad_byteorder     {512, error_kind::format,      "torch.bad_byteorder"};
 inline constexpr error_id pt_protocol_0        {513, error_kind::format,      "torch.pickle_protocol_0"};
 inline constexpr error_id pt_quantized_storage {514, error_kind::format,      "torch.quantized_storage"};
+inline constexpr error_id pt_record_too_long   {515, error_kind::format,      "torch.record_too_long"};
 inline constexpr error_id pt_unwritable        {520, error_kind::usage,       "torch.unwritable"};
 inline constexpr error_id pt_crc_incomplete    {521, error_kind::usage,       "torch.crc_incomplete"};
 inline constexpr error_id pt_bad_name          {522, error_kind::usage,       "torch.bad_archive_name"};
@@ -15105,6 +15106,12 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
         throw_error(errors::pt_bad_storage, "storage " + quote(key) + " of " + std::to_string(numel) + " " + std::string(name(t)) +
                                                 " elements needs " + std::to_string(nbytes) + " bytes; its record holds " +
                                                 std::to_string(c.entry->size));
+      // torch.load (without mmap) refuses a record of another size than its storage's bytes.
+      if (nbytes < c.entry->size)
+        throw_error(errors::pt_record_too_long, "storage " + quote(key) + " of " + std::to_string(numel) + " " + std::string(name(t)) +
+                                                    " elements is " + std::to_string(nbytes) + " bytes; its record " + quote(c.entry->name) +
+                                                    " holds " + std::to_string(c.entry->size) +
+                                                    ", which torch.load refuses (record size does not match expected size)");
       return at;
     };
     // A storage as the tree holds it bare: storage_value of its bytes, as this id names them.

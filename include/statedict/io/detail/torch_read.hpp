@@ -731,6 +731,12 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
         throw_error(errors::pt_bad_storage, "storage " + quote(key) + " of " + std::to_string(numel) + " " + std::string(name(t)) +
                                                 " elements needs " + std::to_string(nbytes) + " bytes; its record holds " +
                                                 std::to_string(c.entry->size));
+      // torch.load (without mmap) refuses a record of another size than its storage's bytes.
+      if (nbytes < c.entry->size)
+        throw_error(errors::pt_record_too_long, "storage " + quote(key) + " of " + std::to_string(numel) + " " + std::string(name(t)) +
+                                                    " elements is " + std::to_string(nbytes) + " bytes; its record " + quote(c.entry->name) +
+                                                    " holds " + std::to_string(c.entry->size) +
+                                                    ", which torch.load refuses (record size does not match expected size)");
       return at;
     };
     // A storage as the tree holds it bare: storage_value of its bytes, as this id names them.
