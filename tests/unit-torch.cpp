@@ -429,10 +429,47 @@ TEST_CASE("hostile files: one error id each") {
     expect_error([&] { (void)torch::load(MemorySource::copy_of("old.tar", tar)); }, errors::pt_legacy_tar);
   }
   SUBCASE("byteorder and version records") {
-    CHECK(torch::read(make_zip("big.pt", {{"a/data.pkl", pkl("N")}, {"a/byteorder", "big"}})).big_endian);
-    CHECK_FALSE(torch::read(make_zip("little.pt", {{"a/data.pkl", pkl("N")}, {"a/byteorder", "little"}})).big_endian);
-    expect_error([&] { (void)torch::load(make_zip("mid.pt", {{"a/data.pkl", pkl("N")}, {"a/byteorder", "middle"}})); }, errors::pt_bad_byteorder);
+    CHECK(torch::read(make_zip("big.pt", {{"a/data.pkl", pkl("N")}, {"a/byteorder", "big"}, {"a/version", "3\n"}})).big_endian);
+    CHECK_FALSE(torch::read(make_zip("little.pt", {{"a/data.pkl", pkl("N")}, {"a/byteorder", "little"}, {"a/version", "3\n"}})).big_endian);
+    expect_error([&] { (void)torch::load(make_zip("mid.pt", {{"a/data.pkl", pkl("N")}, {"a/byteorder", "middle"}, {"a/version", "3\n"}})); },
+                 errors::pt_bad_byteorder);
     expect_error([&] { (void)torch::load(make_zip("ver.pt", {{"a/data.pkl", pkl("N")}, {"a/version", "x1"}})); }, errors::pt_bad_version);
+  }
+  SUBCASE("the version record: required, read as torch's std::stoull reads it, within versions 1 to 10") {
+    // torch 2.14: Expected hasRecord("version") to be true, but got false.
+    expect_error([&] { (void)torch::load(make_zip("nover.pt", {{"a/data.pkl", pkl("N")}})); }, errors::pt_no_version);
+    expect_error([&] { (void)torch::load(make_zip("nover2.pt", {{"a/data.pkl", pkl("N")}, {"a/versiox", "3\n"}})); }, errors::pt_no_version);
+    CHECK(torch::load(make_zip("dotver.pt", {{"a/data.pkl", pkl("N")}, {"a/.data/version", "3\n"}})).is_none());
+    // .data/version wins over version, as in PyTorchStreamReader::init.
+    expect_error([&] { (void)torch::load(make_zip("twover.pt", {{"a/data.pkl", pkl("N")}, {"a/version", "3\n"}, {"a/.data/version", "99"}})); },
+                 errors::pt_bad_version);
+    CHECK(torch::load(make_zip("twover2.pt", {{"a/data.pkl", pkl("N")}, {"a/version", "99"}, {"a/.data/version", "3"}})).is_none());
+    for (const char* v : {"3x", " 3", "+3", "10", "1", "3\0"})
+      CHECK(torch::load(make_zip("verok.pt", {{"a/data.pkl", pkl("N")}, {"a/version", v}})).is_none());
+    // torch: "Attempted to read a PyTorch file with version 0, but the minimum supported version
+    // for reading is 1" / "... version 11, but the maximum supported version for reading is 10";
+    // IndexError: stoull beyond uint64.
+    for (const char* v : {"0", "11", "-1", "0x3", "", "99999999999999999999999"})
+      expect_error([&] { (void)torch::load(make_zip("verbad.pt", {{"a/data.pkl", pkl("N")}, {"a/version", v}})); }, errors::pt_bad_version);
+  }
+  SUBCASE("every record inside the first record's folder") {
+    // torch 2.14: file in archive is not in a subdirectory a/: b/extra
+    expect_error([&] { (void)torch::load(make_zip("out.pt", {{"a/data.pkl", pkl("N")}, {"a/version", "3"}, {"b/extra", "x"}})); },
+                 errors::pt_record_outside);
+    expect_error([&] { (void)torch::load(make_zip("out2.pt", {{"a/data.pkl", pkl("N")}, {"version", "3"}})); }, errors::pt_record_outside);
+    expect_error([&] { (void)torch::describe(make_zip("out3.pt", {{"a/data.pkl", pkl(ok_tensor)}, {"a/data/0", floats({1, 2, 3, 4})}, {"a/version", "3"}, {"b/data/0", "x"}})); },
+                 errors::pt_record_outside);
+    CHECK(torch::load(make_zip("in.pt", {{"a/data.pkl", pkl("N")}, {"a/version", "3"}, {"a/x/y/z", "x"}})).is_none());
+  }
+  SUBCASE(".storage_alignment: refused where Python's int() refuses it, any integer read") {
+    for (const char* v : {"64", " 64\n", "32", "0", "-64", "1_0", "+128"})
+      CHECK(torch::load(make_zip("al.pt", {{"a/data.pkl", pkl("N")}, {"a/.storage_alignment", v}, {"a/version", "3"}})).is_none());
+    // torch 2.14: ValueError: invalid literal for int() with base 10: b'abc'
+    for (const char* v : {"abc", "", "64.0", "0x40", "_64", "6__4", "64_", "\xff", "6 4"})
+      expect_error([&] { (void)torch::load(make_zip("albad.pt", {{"a/data.pkl", pkl("N")}, {"a/.storage_alignment", v}, {"a/version", "3"}})); },
+                   errors::pt_bad_alignment);
+    expect_error([&] { (void)torch::load(make_zip("alnul.pt", {{"a/data.pkl", pkl("N")}, {"a/.storage_alignment", "64\0"_b}, {"a/version", "3"}})); },
+                 errors::pt_bad_alignment);
   }
   SUBCASE("a storage record longer than its storage") {
     // torch 2.14 (mmap=False): record size (20 bytes) does not match expected size (16 bytes = 16

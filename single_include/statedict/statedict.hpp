@@ -14257,6 +14257,9 @@ inline constexpr error_id pt_bad_byteorder     {512, error_kind::format,      "t
 inline constexpr error_id pt_protocol_0        {513, error_kind::format,      "torch.pickle_protocol_0"};
 inline constexpr error_id pt_quantized_storage {514, error_kind::format,      "torch.quantized_storage"};
 inline constexpr error_id pt_record_too_long   {515, error_kind::format,      "torch.record_too_long"};
+inline constexpr error_id pt_no_version        {516, error_kind::format,      "torch.no_version"};
+inline constexpr error_id pt_record_outside    {517, error_kind::format,      "torch.record_outside_archive"};
+inline constexpr error_id pt_bad_alignment     {518, error_kind::format,      "torch.bad_storage_alignment"};
 inline constexpr error_id pt_unwritable        {520, error_kind::usage,       "torch.unwritable"};
 inline constexpr error_id pt_crc_incomplete    {521, error_kind::usage,       "torch.crc_incomplete"};
 inline constexpr error_id pt_bad_name          {522, error_kind::usage,       "torch.bad_archive_name"};
@@ -14872,6 +14875,52 @@ inline void swap_storages(File& f, const std::vector<zip_storage>& seen) {
   f.swapped = true;
 }
 
+/// The `version` record as PyTorchStreamReader reads it (std::stoull): leading white space, a
+/// sign, the longest run of decimal digits, the rest ignored; nullopt where stoull throws (no
+/// digit, or beyond uint64). A minus sign wraps, as stoull's does.
+inline std::optional<std::uint64_t> stoull_prefix(std::string_view s) noexcept {
+  std::size_t i = 0;
+  while (i < s.size() && (s[i] == ' ' || (s[i] >= '\t' && s[i] <= '\r'))) ++i;
+  bool negative = false;
+  if (i < s.size() && (s[i] == '+' || s[i] == '-')) negative = s[i++] == '-';
+  if (i == s.size() || s[i] < '0' || s[i] > '9') return std::nullopt;
+  std::uint64_t v = 0;
+  for (; i < s.size() && s[i] >= '0' && s[i] <= '9'; ++i) {
+    const auto d = static_cast<std::uint64_t>(s[i] - '0');
+    if (v > (UINT64_MAX - d) / 10) return std::nullopt;
+    v = v * 10 + d;
+  }
+  return negative ? 0 - v : v;
+}
+
+/// Whether Python's int() reads `s` (bytes) as a base-10 integer, as torch.load does with the
+/// `.storage_alignment` record: ASCII white space around, a sign, digits with single underscores
+/// between them.
+inline bool python_int_literal(std::string_view s) noexcept {
+  const auto space = [](char c) { return c == ' ' || (c >= '\t' && c <= '\r'); };
+  std::size_t b = 0, e = s.size();
+  while (b < e && space(s[b])) ++b;
+  while (e > b && space(s[e - 1])) --e;
+  if (b < e && (s[b] == '+' || s[b] == '-')) ++b;
+  if (b == e) return false;
+  bool digit_before = false;
+  for (std::size_t i = b; i < e; ++i) {
+    if (s[i] >= '0' && s[i] <= '9') {
+      digit_before = true;
+    } else if (s[i] == '_' && digit_before && i + 1 < e) {
+      digit_before = false;  // the next character must be a digit
+    } else {
+      return false;
+    }
+  }
+  return digit_before;
+}
+
+/// The versions of the zip format torch.load (PyTorch 1.13 to 2.14) reads:
+/// kMinSupportedFileFormatVersion and kMaxSupportedFileFormatVersion of caffe2/serialize.
+inline constexpr std::uint64_t min_file_version = 1;
+inline constexpr std::uint64_t max_file_version = 10;
+
 inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& opts, bool lazy, bool may_overlap = true) {
   File f;
   f.format = "zip";
@@ -14907,6 +14956,12 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
       throw_error(errors::pt_missing_record, where(*src), "first zip entry " + quote(first) + " is not inside a folder");
     f.archive_name = first.substr(0, slash);
     const std::string prefix = f.archive_name + "/";
+    // PyTorchStreamReader refuses an archive with any record outside that folder.
+    for (const zip::Entry& e : ar.entries())
+      if (e.name.compare(0, prefix.size(), prefix) != 0)
+        throw_error(errors::pt_record_outside, where(*src),
+                    "record " + quote(e.name) + " is not in the archive's folder " + quote(prefix) +
+                        " (the first record's), which torch.load refuses: file in archive is not in a subdirectory");
     const zip::Entry* pkl = ar.find(prefix + "data.pkl");
     if (!pkl) throw_error(errors::pt_missing_record, where(*src), "no record " + quote(prefix + "data.pkl") + ": not a torch.save file");
     // torch.jit.save writes data.pkl too, with constants.pkl and code/ beside it: a module
@@ -14929,11 +14984,34 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
       }
       return std::string(reinterpret_cast<const char*>(r.data), static_cast<std::size_t>(r.size));
     };
-    if (const zip::Entry* ver = ar.find(prefix + "version"); ver || (ver = ar.find(prefix + ".data/version"))) {
-      std::string v = text_record(*ver, 32);
-      while (!v.empty() && (v.back() == '\n' || v.back() == '\r' || v.back() == ' ')) v.pop_back();
-      if (v.empty() || v.find_first_not_of("0123456789") != std::string::npos)
+    // The version: `.data/version` when there is one, else `version` (PyTorchStreamReader::init),
+    // read by std::stoull and within the versions torch reads.
+    const zip::Entry* ver = ar.find(prefix + ".data/version");
+    if (!ver) ver = ar.find(prefix + "version");
+    if (!ver)
+      throw_error(errors::pt_no_version, where(*src), "no record " + quote(prefix + "version") + " (nor " + quote(prefix + ".data/version") +
+                                                          "), which torch.load requires: Expected hasRecord(\"version\") to be true");
+    {
+      std::string v = text_record(*ver, 64);
+      const std::optional<std::uint64_t> n = stoull_prefix(v);
+      if (v.size() > 64) v = v.substr(0, 64) + "...";
+      if (!n)
         throw_error(errors::pt_bad_version, where(*src), "record " + quote(ver->name) + " holds " + quote(v) + ", not a version number");
+      if (*n < min_file_version || *n > max_file_version)
+        throw_error(errors::pt_bad_version, where(*src), "record " + quote(ver->name) + " holds " + quote(v) + ": version " +
+                                                             std::to_string(static_cast<std::int64_t>(*n)) + ", torch.load reads versions " +
+                                                             std::to_string(min_file_version) + " to " + std::to_string(max_file_version));
+    }
+    // torch.load reads `.storage_alignment` with int() (and uses it only to predict offsets, which
+    // statedict reads from the headers): a record int() cannot read is refused, any integer is not.
+    if (const zip::Entry* al = ar.find(prefix + ".storage_alignment")) {
+      constexpr std::uint64_t cap = 4096;
+      std::string v = text_record(*al, cap);
+      if (v.size() > cap || !python_int_literal(v))
+        throw_error(errors::pt_bad_alignment, where(*src),
+                    "record " + quote(al->name) + " holds " + quote(v.size() > 64 ? v.substr(0, 64) + "..." : v) +
+                        (v.size() > cap ? " (more than " + std::to_string(cap) + " bytes)" : std::string()) +
+                        ", not an integer: torch.load refuses it (invalid literal for int() with base 10)");
     }
     if (const zip::Entry* bo = ar.find(prefix + "byteorder")) {
       const std::string v = text_record(*bo, 16);
