@@ -513,6 +513,15 @@ TEST_CASE("hostile files: one error id each") {
     CHECK(q.as_object().name == "_rebuild_qtensor");
     CHECK(q.as_object().args.at(0).as_object().args.at(0).as_tensor().dtype() == dtype::I8);
     CHECK(torch::describe(torch_zip("q5.pt", pkl(qt), {{"0", "abcd"}})).tensors.size() == 1);
+    // A view outside its storage: torch's set_ refuses it ("setStorage: sizes [3], strides [48],
+    // storage offset 0, and itemsize 1 requiring a storage size of 97 are out of bounds").
+    std::string oob = qt;
+    oob.replace(oob.find(tuple({1})), tuple({1}).size(), tuple({48}));
+    expect_error([&] { (void)torch::load(torch_zip("q8.pt", pkl(oob), {{"0", "abcd"}})); }, errors::pt_view_out_of_bounds);
+    // Of a storage that is not quantized: torch, "Creation of quantized tensor requires quantized dtype".
+    std::string fq = qt;
+    fq.replace(fq.find("QInt8Storage"), 12, "CharStorage");
+    expect_error([&] { (void)torch::load(torch_zip("q9.pt", pkl(fq), {{"0", "abcd"}})); }, errors::pt_bad_tensor);
     // The same storage also held outside the call (memoized, fetched again): refused.
     expect_error([&] { (void)torch::load(torch_zip("q6.pt", pkl("(" + qt + "h\x01" "t"), {{"0", "abcd"}})); }, errors::pt_quantized_storage);
     // Wrapped by _rebuild_from_type_v2 (a quantized tensor with Python attributes): read.

@@ -386,10 +386,25 @@ inline pickle::Registry torch_registry(const read_context& ctx) {
   // (the integer representation in a quantized storage, per-channel scales and zero points,
   // sparse indices and values) are tensors of the file; written back, it is the same call, which
   // torch.load(weights_only=True) accepts. Meta and subclass tensors the same way.
-  for (const char* f : {"_rebuild_qtensor", "_rebuild_sparse_tensor", "_rebuild_sparse_csr_tensor",
-                        "_rebuild_meta_tensor_no_storage", "_rebuild_wrapper_subclass",
-                        "_rebuild_device_tensor_from_numpy", "_rebuild_device_tensor_from_cpu_tensor"})
+  for (const char* f : {"_rebuild_sparse_tensor", "_rebuild_sparse_csr_tensor", "_rebuild_meta_tensor_no_storage",
+                        "_rebuild_wrapper_subclass", "_rebuild_device_tensor_from_numpy", "_rebuild_device_tensor_from_cpu_tensor"})
     r.function(std::string("torch._utils.") + f, keep_call);
+  // _rebuild_qtensor(storage, offset, size, stride, qparams, requires_grad, hooks): torch sets the
+  // storage with that offset, size and stride (set_), which refuses a view out of the storage's
+  // bounds; so does statedict for the storages of one value per element (not QUInt4x2 / 2x4).
+  r.function("torch._utils._rebuild_qtensor", [&ctx, keep_call, max_rank](pickle::Call& c) -> Value {
+    const List& a = c.args;
+    const bool storage = !ctx.dry_run && !a.empty() && a[0].is_object() && is_storage_object(a[0].as_object());
+    // torch: "Creation of quantized tensor requires quantized dtype like torch.quint8".
+    if (storage && !is_quantized_storage(a[0].as_object().name))
+      throw_error(errors::pt_bad_tensor, "_rebuild_qtensor of storage " + quote(a[0].as_object().args[1].as_string()) + ", a torch." +
+                                             a[0].as_object().name + ", not a quantized storage");
+    if (storage && a.size() >= 4 &&
+        (a[0].as_object().name == "QInt8Storage" || a[0].as_object().name == "QUInt8Storage" || a[0].as_object().name == "QInt32Storage"))
+      (void)make_view(a[0].as_object(), std::nullopt, int_arg(a[1], "storage offset"), dims_arg(a[2], "size", max_rank),
+                      dims_arg(a[3], "stride", max_rank));
+    return keep_call(c);
+  });
   return r;
 }
 
