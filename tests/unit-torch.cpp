@@ -370,9 +370,6 @@ TEST_CASE("hostile files: one error id each") {
                  errors::pk_forbidden_global);
     expect_error([&] { (void)torch::load(torch_zip("cls2.pt", pkl(tensor_v2("NopeStorage", "0", 1, 0, {1}, {1})), {{"0", floats({1})}})); },
                  errors::pt_bad_storage);
-    // Quantized storages hold the integer representation: QInt8 -> I8, QUInt8 -> U8, QInt32 -> I32.
-    CHECK(torch::load(torch_zip("q.pt", pkl(tensor_v2("QInt8Storage", "0", 1, 0, {1}, {1})), {{"0", "x"}})).as_tensor().dtype() == dtype::I8);
-    CHECK(torch::load(torch_zip("q2.pt", pkl(tensor_v2("QInt32Storage", "0", 1, 0, {1}, {1})), {{"0", "xyzw"}})).as_tensor().dtype() == dtype::I32);
     expect_error([&] { (void)torch::load(torch_zip("pid.pt", pkl("(" + str("module") + "tQ"))); }, errors::pt_bad_storage);
     expect_error([&] { (void)torch::load(torch_zip("pid2.pt", pkl("(" + str("storage") + glob("torch", "FloatStorage") + integer(0) + str("cpu") + integer(1) + "tQ"))); },
                  errors::pt_bad_storage);
@@ -432,10 +429,106 @@ TEST_CASE("hostile files: one error id each") {
     expect_error([&] { (void)torch::load(MemorySource::copy_of("old.tar", tar)); }, errors::pt_legacy_tar);
   }
   SUBCASE("byteorder and version records") {
-    CHECK(torch::read(make_zip("big.pt", {{"a/data.pkl", pkl("N")}, {"a/byteorder", "big"}})).big_endian);
-    CHECK_FALSE(torch::read(make_zip("little.pt", {{"a/data.pkl", pkl("N")}, {"a/byteorder", "little"}})).big_endian);
-    expect_error([&] { (void)torch::load(make_zip("mid.pt", {{"a/data.pkl", pkl("N")}, {"a/byteorder", "middle"}})); }, errors::pt_bad_byteorder);
+    CHECK(torch::read(make_zip("big.pt", {{"a/data.pkl", pkl("N")}, {"a/byteorder", "big"}, {"a/version", "3\n"}})).big_endian);
+    CHECK_FALSE(torch::read(make_zip("little.pt", {{"a/data.pkl", pkl("N")}, {"a/byteorder", "little"}, {"a/version", "3\n"}})).big_endian);
+    expect_error([&] { (void)torch::load(make_zip("mid.pt", {{"a/data.pkl", pkl("N")}, {"a/byteorder", "middle"}, {"a/version", "3\n"}})); },
+                 errors::pt_bad_byteorder);
     expect_error([&] { (void)torch::load(make_zip("ver.pt", {{"a/data.pkl", pkl("N")}, {"a/version", "x1"}})); }, errors::pt_bad_version);
+  }
+  SUBCASE("the version record: required, read as torch's std::stoull reads it, within versions 1 to 10") {
+    // torch 2.14: Expected hasRecord("version") to be true, but got false.
+    expect_error([&] { (void)torch::load(make_zip("nover.pt", {{"a/data.pkl", pkl("N")}})); }, errors::pt_no_version);
+    expect_error([&] { (void)torch::load(make_zip("nover2.pt", {{"a/data.pkl", pkl("N")}, {"a/versiox", "3\n"}})); }, errors::pt_no_version);
+    CHECK(torch::load(make_zip("dotver.pt", {{"a/data.pkl", pkl("N")}, {"a/.data/version", "3\n"}})).is_none());
+    // .data/version wins over version, as in PyTorchStreamReader::init.
+    expect_error([&] { (void)torch::load(make_zip("twover.pt", {{"a/data.pkl", pkl("N")}, {"a/version", "3\n"}, {"a/.data/version", "99"}})); },
+                 errors::pt_bad_version);
+    CHECK(torch::load(make_zip("twover2.pt", {{"a/data.pkl", pkl("N")}, {"a/version", "99"}, {"a/.data/version", "3"}})).is_none());
+    for (const char* v : {"3x", " 3", "+3", "10", "1", "3\0"})
+      CHECK(torch::load(make_zip("verok.pt", {{"a/data.pkl", pkl("N")}, {"a/version", v}})).is_none());
+    // torch: "Attempted to read a PyTorch file with version 0, but the minimum supported version
+    // for reading is 1" / "... version 11, but the maximum supported version for reading is 10";
+    // IndexError: stoull beyond uint64.
+    for (const char* v : {"0", "11", "-1", "0x3", "", "99999999999999999999999"})
+      expect_error([&] { (void)torch::load(make_zip("verbad.pt", {{"a/data.pkl", pkl("N")}, {"a/version", v}})); }, errors::pt_bad_version);
+  }
+  SUBCASE("every record inside the first record's folder") {
+    // torch 2.14: file in archive is not in a subdirectory a/: b/extra
+    expect_error([&] { (void)torch::load(make_zip("out.pt", {{"a/data.pkl", pkl("N")}, {"a/version", "3"}, {"b/extra", "x"}})); },
+                 errors::pt_record_outside);
+    expect_error([&] { (void)torch::load(make_zip("out2.pt", {{"a/data.pkl", pkl("N")}, {"version", "3"}})); }, errors::pt_record_outside);
+    expect_error([&] { (void)torch::describe(make_zip("out3.pt", {{"a/data.pkl", pkl(ok_tensor)}, {"a/data/0", floats({1, 2, 3, 4})}, {"a/version", "3"}, {"b/data/0", "x"}})); },
+                 errors::pt_record_outside);
+    CHECK(torch::load(make_zip("in.pt", {{"a/data.pkl", pkl("N")}, {"a/version", "3"}, {"a/x/y/z", "x"}})).is_none());
+  }
+  SUBCASE(".storage_alignment: refused where Python's int() refuses it, any integer read") {
+    for (const char* v : {"64", " 64\n", "32", "0", "-64", "1_0", "+128"})
+      CHECK(torch::load(make_zip("al.pt", {{"a/data.pkl", pkl("N")}, {"a/.storage_alignment", v}, {"a/version", "3"}})).is_none());
+    // torch 2.14: ValueError: invalid literal for int() with base 10: b'abc'
+    for (const char* v : {"abc", "", "64.0", "0x40", "_64", "6__4", "64_", "\xff", "6 4"})
+      expect_error([&] { (void)torch::load(make_zip("albad.pt", {{"a/data.pkl", pkl("N")}, {"a/.storage_alignment", v}, {"a/version", "3"}})); },
+                   errors::pt_bad_alignment);
+    expect_error([&] { (void)torch::load(make_zip("alnul.pt", {{"a/data.pkl", pkl("N")}, {"a/.storage_alignment", "64\0"_b}, {"a/version", "3"}})); },
+                 errors::pt_bad_alignment);
+  }
+  SUBCASE("a storage record longer than its storage") {
+    // torch 2.14 (mmap=False): record size (20 bytes) does not match expected size (16 bytes = 16
+    // elements * 1 bytes/element) for dtype Byte. Shorter records are refused too (above).
+    const auto p = torch_zip("long.pt", pkl(ok_tensor), {{"0", floats({1, 2, 3, 4, 5})}});
+    expect_error([&] { (void)torch::load(p); }, errors::pt_record_too_long);
+    expect_error([&] { (void)torch::describe(p); }, errors::pt_record_too_long);
+    torch::load_options slow;
+    slow.fast_paths = false;
+    expect_error([&] { (void)torch::load(p, slow); }, errors::pt_record_too_long);
+  }
+  SUBCASE("quantized storages: only inside _rebuild_qtensor, never plain integers") {
+    // torch 2.14 reads _rebuild_tensor_v2 of a QInt8Storage as a 0-d qint8 tensor (quantizer
+    // unknown), and a bare QInt8Storage as a TypedStorage of dtype qint8.
+    torch::load_options slow;
+    slow.fast_paths = false;
+    for (const char* cls : {"QInt8Storage", "QUInt8Storage", "QUInt4x2Storage", "QUInt2x4Storage"}) {
+      const auto p = torch_zip("q.pt", pkl(tensor_v2(cls, "0", 1, 0, {1}, {1})), {{"0", "x"}});
+      expect_error([&] { (void)torch::load(p); }, errors::pt_quantized_storage);
+      expect_error([&] { (void)torch::load(p, slow); }, errors::pt_quantized_storage);
+      expect_error([&] { (void)torch::describe(p); }, errors::pt_quantized_storage);
+    }
+    expect_error([&] { (void)torch::load(torch_zip("q2.pt", pkl(tensor_v2("QInt32Storage", "0", 1, 0, {1}, {1})), {{"0", "xyzw"}})); },
+                 errors::pt_quantized_storage);
+    const std::string qpid = "(" + str("storage") + glob("torch", "QInt8Storage") + str("0") + str("cpu") + integer(4) + "tQ";
+    // _rebuild_tensor (1.x) and a bare storage.
+    expect_error([&] { (void)torch::load(torch_zip("q3.pt", pkl(glob("torch._utils", "_rebuild_tensor") + "(" + qpid + integer(0) + tuple({4}) + tuple({1}) + "tR"), {{"0", "abcd"}})); },
+                 errors::pt_quantized_storage);
+    for (const bool fast : {true, false}) {
+      torch::load_options opts;
+      opts.fast_paths = fast;
+      expect_error([&] { (void)torch::load(torch_zip("q4.pt", pkl("}" + str("s") + qpid + "s"), {{"0", "abcd"}}), opts); },
+                   errors::pt_quantized_storage);
+    }
+    // _rebuild_qtensor(storage, offset, size, stride, (qscheme, scale, zero_point), requires_grad, hooks): read.
+    const std::string qt = glob("torch._utils", "_rebuild_qtensor") + "(" + qpid + "q\x01" + integer(0) + tuple({4}) + tuple({1}) + "(" +
+                           glob("torch", "per_tensor_affine") + "G\x3f\xb9\x99\x99\x99\x99\x99\x9a"_b + integer(3) + "t" + "\x89" +
+                           glob("collections", "OrderedDict") + ")RtR";
+    const Value q = torch::load(torch_zip("q5.pt", pkl(qt), {{"0", "abcd"}}));
+    REQUIRE(q.is_object());
+    CHECK(q.as_object().name == "_rebuild_qtensor");
+    CHECK(q.as_object().args.at(0).as_object().args.at(0).as_tensor().dtype() == dtype::I8);
+    CHECK(torch::describe(torch_zip("q5.pt", pkl(qt), {{"0", "abcd"}})).tensors.size() == 1);
+    // A view outside its storage: torch's set_ refuses it ("setStorage: sizes [3], strides [48],
+    // storage offset 0, and itemsize 1 requiring a storage size of 97 are out of bounds").
+    std::string oob = qt;
+    oob.replace(oob.find(tuple({1})), tuple({1}).size(), tuple({48}));
+    expect_error([&] { (void)torch::load(torch_zip("q8.pt", pkl(oob), {{"0", "abcd"}})); }, errors::pt_view_out_of_bounds);
+    // Of a storage that is not quantized: torch, "Creation of quantized tensor requires quantized dtype".
+    std::string fq = qt;
+    fq.replace(fq.find("QInt8Storage"), 12, "CharStorage");
+    expect_error([&] { (void)torch::load(torch_zip("q9.pt", pkl(fq), {{"0", "abcd"}})); }, errors::pt_bad_tensor);
+    // The same storage also held outside the call (memoized, fetched again): refused.
+    expect_error([&] { (void)torch::load(torch_zip("q6.pt", pkl("(" + qt + "h\x01" "t"), {{"0", "abcd"}})); }, errors::pt_quantized_storage);
+    // Wrapped by _rebuild_from_type_v2 (a quantized tensor with Python attributes): read.
+    const std::string ft = glob("torch._tensor", "_rebuild_from_type_v2") + "(" + glob("torch._utils", "_rebuild_qtensor") +
+                           glob("torch", "Tensor") + "(" + qt.substr(glob("torch._utils", "_rebuild_qtensor").size() + 1, qt.size() - glob("torch._utils", "_rebuild_qtensor").size() - 3) +
+                           "t}tR";
+    CHECK(torch::load(torch_zip("q7.pt", pkl(ft), {{"0", "abcd"}})).as_object().name == "_rebuild_from_type_v2");
   }
   SUBCASE("CRC verification is opt-in") {
     const auto p = torch_zip("crc.pt", pkl(ok_tensor), {{"0", floats({1, 2, 3, 4})}});
@@ -630,6 +723,14 @@ TEST_CASE("legacy format: hand-made file, and its failure modes") {
   expect_error([&] { (void)torch::load(file("l5.pt", magic + version + sys + obj + pkl("]") )); }, errors::pt_bad_legacy);
   expect_error([&] { (void)torch::load(file("l6.pt", magic + version + pkl("}" + str("little_endian") + "\x89s") + obj + keys + data)); },
                errors::pt_big_endian);
+  // A quantized storage rebuilt as a plain tensor (torch.load gives a quantized one), and held bare.
+  std::string qobj = obj;
+  qobj.replace(qobj.find("FloatStorage"), 12, "QInt8Storage");
+  const std::string qdata = "\x03\x00\x00\x00\x00\x00\x00\x00"_b + "abc";
+  expect_error([&] { (void)torch::load(file("lq.pt", magic + version + sys + qobj + keys + qdata)); }, errors::pt_quantized_storage);
+  const std::string qpid = "(" + str("storage") + glob("torch", "QInt8Storage") + str("940") + str("cpu") + integer(3) + "N" + "t";
+  expect_error([&] { (void)torch::load(file("lq2.pt", magic + version + sys + pkl("}" + str("s") + qpid + "Qs") + keys + qdata)); },
+               errors::pt_quantized_storage);
 
   SUBCASE("the magic number at every protocol torch.save writes; detection by content") {
     auto kind = [](const std::string& head) {

@@ -75,6 +75,11 @@ inline constexpr error_id pt_big_endian        {510, error_kind::unsupported, "t
 inline constexpr error_id pt_bad_version       {511, error_kind::format,      "torch.bad_version"};
 inline constexpr error_id pt_bad_byteorder     {512, error_kind::format,      "torch.bad_byteorder"};
 inline constexpr error_id pt_protocol_0        {513, error_kind::format,      "torch.pickle_protocol_0"};
+inline constexpr error_id pt_quantized_storage {514, error_kind::format,      "torch.quantized_storage"};
+inline constexpr error_id pt_record_too_long   {515, error_kind::format,      "torch.record_too_long"};
+inline constexpr error_id pt_no_version        {516, error_kind::format,      "torch.no_version"};
+inline constexpr error_id pt_record_outside    {517, error_kind::format,      "torch.record_outside_archive"};
+inline constexpr error_id pt_bad_alignment     {518, error_kind::format,      "torch.bad_storage_alignment"};
 inline constexpr error_id pt_unwritable        {520, error_kind::usage,       "torch.unwritable"};
 inline constexpr error_id pt_crc_incomplete    {521, error_kind::usage,       "torch.crc_incomplete"};
 inline constexpr error_id pt_bad_name          {522, error_kind::usage,       "torch.bad_archive_name"};

@@ -126,9 +126,16 @@ inline Value storage_marker(const Value& pid) {
   } else if (type.module == "torch.storage" && type.name == "UntypedStorage") {
     dt = "U8";
   }
+  const std::string& key = p[2].as_string();
+  // A quantized storage means its values only with _rebuild_qtensor's scale and zero point, which
+  // this reader does not keep: refused wherever it is (torch.load reads quantized values).
+  const std::string& n = type.name;
+  if (dt.empty() && (n == "QInt8Storage" || n == "QUInt8Storage" || n == "QInt32Storage" || n == "QUInt4x2Storage" || n == "QUInt2x4Storage"))
+    throw_error(errors::tr_unsupported, "storage " + quote(key) + " is a " + quote(type.qualified()) +
+                                            ": quantized tensors are not read from these records (torch.load gives quantized "
+                                            "values, which need their quantization parameters)");
   if (dt.empty())
     throw_error(errors::tr_unsupported, "storage type " + quote(type.qualified()) + " is not one statedict reads");
-  const std::string& key = p[2].as_string();
   if (key.empty() || key.size() > 64 || key.find('/') != std::string::npos)
     throw_error(errors::tr_bad_storage_id, "storage key " + quote(key) + " is not a record name");
   Object o{std::string(ref_module), std::string(storage_name), object_build::newobj, {}, {}, {}};

@@ -91,6 +91,22 @@ inline statedict::dtype storage_dtype(const Object& cls, bool& untyped) {
   return storage_dtype(cls.module, cls.name, cls.how == object_build::global, untyped);
 }
 
+/// A quantized storage class (torch.QInt8Storage, ...): its bytes are the integer representation of
+/// quantized values, which mean something only with the scale and zero point _rebuild_qtensor gives.
+inline bool is_quantized_storage(std::string_view name) noexcept {
+  return name == "QInt8Storage" || name == "QUInt8Storage" || name == "QInt32Storage" || name == "QUInt4x2Storage" ||
+         name == "QUInt2x4Storage";
+}
+
+/// The refusal of a quantized storage read where it has no quantization parameters: torch.load
+/// gives a quantized tensor (or storage) there, which statedict cannot represent as plain integers.
+[[noreturn]] inline void refuse_quantized(std::string_view cls, std::string_view key, std::string_view used_as) {
+  throw_error(errors::pt_quantized_storage,
+              "storage " + quote(std::string(key)) + " is a torch." + std::string(cls) + " " + std::string(used_as) +
+                  ": torch.load reads it as quantized values, but no quantization parameters (scale, zero point) come "
+                  "with it there (only _rebuild_qtensor gives them); read as plain integers it would mean something else");
+}
+
 /// A storage as a Value: Object{torch.<Class>, how=reduce, args=[1-d view of its bytes (its
 /// dtype, or U8 when untyped), key, location]}. It stays in the tree only when the pickle holds a
 /// bare storage; the writer writes it back as a storage.
@@ -111,6 +127,38 @@ inline bool is_storage_object(const Object& o) {
          o.name.size() > 7 && o.name.compare(o.name.size() - 7, 7, "Storage") == 0 && o.how == object_build::reduce &&
          o.args.size() == 3 && o.args[0].is_tensor() && o.args[0].as_tensor().rank() == 1 &&
          o.args[0].as_tensor().is_contiguous() && o.args[1].is_string();
+}
+
+/// Refuses every quantized storage of the tree that is not the storage argument of a
+/// _rebuild_qtensor call (also as the function of _rebuild_from_type_v2): held bare, in a list, as
+/// another call's argument. Called only when the file names a quantized storage class.
+inline void check_quantized_storages(const Value& v, bool in_qtensor = false) {
+  if (v.is_sequence()) {
+    for (const Value& x : v.as_list()) check_quantized_storages(x);
+  } else if (v.is_dict()) {
+    for (const auto& kv : v.as_dict()) check_quantized_storages(kv.second);
+  } else if (v.is_object()) {
+    const Object& o = v.as_object();
+    if (is_storage_object(o)) {
+      if (is_quantized_storage(o.name) && !in_qtensor) refuse_quantized(o.name, o.args[1].as_string(), "held outside _rebuild_qtensor");
+      return;
+    }
+    const bool qtensor = o.module == "torch._utils" && o.name == "_rebuild_qtensor" && o.how == object_build::reduce;
+    // _rebuild_from_type_v2(_rebuild_qtensor, type, args, state): args[0] is the storage.
+    const bool from_type = o.module == "torch._tensor" && o.name == "_rebuild_from_type_v2" && o.args.size() == 4 &&
+                           o.args[0].is_object() && o.args[0].as_object().qualified() == "torch._utils._rebuild_qtensor" &&
+                           o.args[2].is_sequence();
+    for (std::size_t i = 0; i < o.args.size(); ++i) {
+      if (from_type && i == 2) {
+        const List& inner = o.args[2].as_list();
+        for (std::size_t j = 0; j < inner.size(); ++j) check_quantized_storages(inner[j], j == 0);
+      } else {
+        check_quantized_storages(o.args[i], qtensor && i == 0);
+      }
+    }
+    for (const Value& x : o.state) check_quantized_storages(x);
+    for (const Value& x : o.items) check_quantized_storages(x);
+  }
 }
 
 inline std::int64_t int_arg(const Value& v, const char* what) {
@@ -177,6 +225,7 @@ struct storage_class {
   std::string name;
   statedict::dtype dtype;
   bool untyped;
+  bool quantized;
 };
 
 /// A storage of a zip archive as read_zip placed it.
@@ -235,6 +284,7 @@ inline pickle::Registry torch_registry(const read_context& ctx) {
     } else if (st.name == "UntypedStorage") {
       throw_error(errors::pt_bad_tensor, c.callable.qualified() + " of an UntypedStorage without a dtype");
     }
+    if (is_quantized_storage(st.name)) refuse_quantized(st.name, st.args[1].as_string(), "rebuilt as a plain tensor by " + c.callable.qualified());
     const std::size_t meta = v1 ? 4 : v3 ? 7 : 6;
     if (a.size() > meta && !a[meta].is_none() && !(a[meta].is_dict() && a[meta].as_dict().empty()))
       throw_error(errors::pt_unsupported_tensor, "tensor with metadata (conjugate or negative bit) is not supported");
@@ -253,11 +303,13 @@ inline pickle::Registry torch_registry(const read_context& ctx) {
     const zip_storage* zs = nullptr;
     if (handle) {
       const storage_handle h = storage_handle::unpack(a.handle(0));
-      if ((*ctx.classes)[h.cls].untyped) return std::nullopt;
+      if ((*ctx.classes)[h.cls].untyped || (*ctx.classes)[h.cls].quantized) return std::nullopt;
       zs = &(*ctx.storages)[h.storage];
     } else {
       st = &a.value(0);
-      if (!st->is_object() || !is_storage_object(st->as_object()) || st->as_object().name == "UntypedStorage") return std::nullopt;
+      if (!st->is_object() || !is_storage_object(st->as_object()) || st->as_object().name == "UntypedStorage" ||
+          is_quantized_storage(st->as_object().name))
+        return std::nullopt;
     }
     shape_t size, stride;
     if (!a.ints(2, max_rank, size) || !a.ints(3, max_rank, stride)) return std::nullopt;
@@ -334,10 +386,25 @@ inline pickle::Registry torch_registry(const read_context& ctx) {
   // (the integer representation in a quantized storage, per-channel scales and zero points,
   // sparse indices and values) are tensors of the file; written back, it is the same call, which
   // torch.load(weights_only=True) accepts. Meta and subclass tensors the same way.
-  for (const char* f : {"_rebuild_qtensor", "_rebuild_sparse_tensor", "_rebuild_sparse_csr_tensor",
-                        "_rebuild_meta_tensor_no_storage", "_rebuild_wrapper_subclass",
-                        "_rebuild_device_tensor_from_numpy", "_rebuild_device_tensor_from_cpu_tensor"})
+  for (const char* f : {"_rebuild_sparse_tensor", "_rebuild_sparse_csr_tensor", "_rebuild_meta_tensor_no_storage",
+                        "_rebuild_wrapper_subclass", "_rebuild_device_tensor_from_numpy", "_rebuild_device_tensor_from_cpu_tensor"})
     r.function(std::string("torch._utils.") + f, keep_call);
+  // _rebuild_qtensor(storage, offset, size, stride, qparams, requires_grad, hooks): torch sets the
+  // storage with that offset, size and stride (set_), which refuses a view out of the storage's
+  // bounds; so does statedict for the storages of one value per element (not QUInt4x2 / 2x4).
+  r.function("torch._utils._rebuild_qtensor", [&ctx, keep_call, max_rank](pickle::Call& c) -> Value {
+    const List& a = c.args;
+    const bool storage = !ctx.dry_run && !a.empty() && a[0].is_object() && is_storage_object(a[0].as_object());
+    // torch: "Creation of quantized tensor requires quantized dtype like torch.quint8".
+    if (storage && !is_quantized_storage(a[0].as_object().name))
+      throw_error(errors::pt_bad_tensor, "_rebuild_qtensor of storage " + quote(a[0].as_object().args[1].as_string()) + ", a torch." +
+                                             a[0].as_object().name + ", not a quantized storage");
+    if (storage && a.size() >= 4 &&
+        (a[0].as_object().name == "QInt8Storage" || a[0].as_object().name == "QUInt8Storage" || a[0].as_object().name == "QInt32Storage"))
+      (void)make_view(a[0].as_object(), std::nullopt, int_arg(a[1], "storage offset"), dims_arg(a[2], "size", max_rank),
+                      dims_arg(a[3], "stride", max_rank));
+    return keep_call(c);
+  });
   return r;
 }
 
@@ -445,6 +512,52 @@ inline void swap_storages(File& f, const std::vector<zip_storage>& seen) {
   f.swapped = true;
 }
 
+/// The `version` record as PyTorchStreamReader reads it (std::stoull): leading white space, a
+/// sign, the longest run of decimal digits, the rest ignored; nullopt where stoull throws (no
+/// digit, or beyond uint64). A minus sign wraps, as stoull's does.
+inline std::optional<std::uint64_t> stoull_prefix(std::string_view s) noexcept {
+  std::size_t i = 0;
+  while (i < s.size() && (s[i] == ' ' || (s[i] >= '\t' && s[i] <= '\r'))) ++i;
+  bool negative = false;
+  if (i < s.size() && (s[i] == '+' || s[i] == '-')) negative = s[i++] == '-';
+  if (i == s.size() || s[i] < '0' || s[i] > '9') return std::nullopt;
+  std::uint64_t v = 0;
+  for (; i < s.size() && s[i] >= '0' && s[i] <= '9'; ++i) {
+    const auto d = static_cast<std::uint64_t>(s[i] - '0');
+    if (v > (UINT64_MAX - d) / 10) return std::nullopt;
+    v = v * 10 + d;
+  }
+  return negative ? 0 - v : v;
+}
+
+/// Whether Python's int() reads `s` (bytes) as a base-10 integer, as torch.load does with the
+/// `.storage_alignment` record: ASCII white space around, a sign, digits with single underscores
+/// between them.
+inline bool python_int_literal(std::string_view s) noexcept {
+  const auto space = [](char c) { return c == ' ' || (c >= '\t' && c <= '\r'); };
+  std::size_t b = 0, e = s.size();
+  while (b < e && space(s[b])) ++b;
+  while (e > b && space(s[e - 1])) --e;
+  if (b < e && (s[b] == '+' || s[b] == '-')) ++b;
+  if (b == e) return false;
+  bool digit_before = false;
+  for (std::size_t i = b; i < e; ++i) {
+    if (s[i] >= '0' && s[i] <= '9') {
+      digit_before = true;
+    } else if (s[i] == '_' && digit_before && i + 1 < e) {
+      digit_before = false;  // the next character must be a digit
+    } else {
+      return false;
+    }
+  }
+  return digit_before;
+}
+
+/// The versions of the zip format torch.load (PyTorch 1.13 to 2.14) reads:
+/// kMinSupportedFileFormatVersion and kMaxSupportedFileFormatVersion of caffe2/serialize.
+inline constexpr std::uint64_t min_file_version = 1;
+inline constexpr std::uint64_t max_file_version = 10;
+
 inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& opts, bool lazy, bool may_overlap = true) {
   File f;
   f.format = "zip";
@@ -480,6 +593,12 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
       throw_error(errors::pt_missing_record, where(*src), "first zip entry " + quote(first) + " is not inside a folder");
     f.archive_name = first.substr(0, slash);
     const std::string prefix = f.archive_name + "/";
+    // PyTorchStreamReader refuses an archive with any record outside that folder.
+    for (const zip::Entry& e : ar.entries())
+      if (e.name.compare(0, prefix.size(), prefix) != 0)
+        throw_error(errors::pt_record_outside, where(*src),
+                    "record " + quote(e.name) + " is not in the archive's folder " + quote(prefix) +
+                        " (the first record's), which torch.load refuses: file in archive is not in a subdirectory");
     const zip::Entry* pkl = ar.find(prefix + "data.pkl");
     if (!pkl) throw_error(errors::pt_missing_record, where(*src), "no record " + quote(prefix + "data.pkl") + ": not a torch.save file");
     // torch.jit.save writes data.pkl too, with constants.pkl and code/ beside it: a module
@@ -502,11 +621,34 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
       }
       return std::string(reinterpret_cast<const char*>(r.data), static_cast<std::size_t>(r.size));
     };
-    if (const zip::Entry* ver = ar.find(prefix + "version"); ver || (ver = ar.find(prefix + ".data/version"))) {
-      std::string v = text_record(*ver, 32);
-      while (!v.empty() && (v.back() == '\n' || v.back() == '\r' || v.back() == ' ')) v.pop_back();
-      if (v.empty() || v.find_first_not_of("0123456789") != std::string::npos)
+    // The version: `.data/version` when there is one, else `version` (PyTorchStreamReader::init),
+    // read by std::stoull and within the versions torch reads.
+    const zip::Entry* ver = ar.find(prefix + ".data/version");
+    if (!ver) ver = ar.find(prefix + "version");
+    if (!ver)
+      throw_error(errors::pt_no_version, where(*src), "no record " + quote(prefix + "version") + " (nor " + quote(prefix + ".data/version") +
+                                                          "), which torch.load requires: Expected hasRecord(\"version\") to be true");
+    {
+      std::string v = text_record(*ver, 64);
+      const std::optional<std::uint64_t> n = stoull_prefix(v);
+      if (v.size() > 64) v = v.substr(0, 64) + "...";
+      if (!n)
         throw_error(errors::pt_bad_version, where(*src), "record " + quote(ver->name) + " holds " + quote(v) + ", not a version number");
+      if (*n < min_file_version || *n > max_file_version)
+        throw_error(errors::pt_bad_version, where(*src), "record " + quote(ver->name) + " holds " + quote(v) + ": version " +
+                                                             std::to_string(static_cast<std::int64_t>(*n)) + ", torch.load reads versions " +
+                                                             std::to_string(min_file_version) + " to " + std::to_string(max_file_version));
+    }
+    // torch.load reads `.storage_alignment` with int() (and uses it only to predict offsets, which
+    // statedict reads from the headers): a record int() cannot read is refused, any integer is not.
+    if (const zip::Entry* al = ar.find(prefix + ".storage_alignment")) {
+      constexpr std::uint64_t cap = 4096;
+      std::string v = text_record(*al, cap);
+      if (v.size() > cap || !python_int_literal(v))
+        throw_error(errors::pt_bad_alignment, where(*src),
+                    "record " + quote(al->name) + " holds " + quote(v.size() > 64 ? v.substr(0, 64) + "..." : v) +
+                        (v.size() > cap ? " (more than " + std::to_string(cap) + " bytes)" : std::string()) +
+                        ", not an integer: torch.load refuses it (invalid literal for int() with base 10)");
     }
     if (const zip::Entry* bo = ar.find(prefix + "byteorder")) {
       const std::string v = text_record(*bo, 16);
@@ -605,7 +747,8 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
       bool untyped = false;
       const statedict::dtype t = storage_dtype(module, cls_name, global, untyped);  // refuses what is not a storage class
       last_class = static_cast<std::size_t>(std::find_if(classes.begin(), classes.end(), is) - classes.begin());
-      if (last_class == classes.size()) classes.push_back({std::string(module), std::string(cls_name), t, untyped});
+      if (last_class == classes.size())
+        classes.push_back({std::string(module), std::string(cls_name), t, untyped, is_quantized_storage(cls_name)});
       return static_cast<std::uint32_t>(last_class);
     };
     // ('storage', <class cls>, key, location, numel), its fields checked by the caller: the
@@ -678,6 +821,12 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
         throw_error(errors::pt_bad_storage, "storage " + quote(key) + " of " + std::to_string(numel) + " " + std::string(name(t)) +
                                                 " elements needs " + std::to_string(nbytes) + " bytes; its record holds " +
                                                 std::to_string(c.entry->size));
+      // torch.load (without mmap) refuses a record of another size than its storage's bytes.
+      if (nbytes < c.entry->size)
+        throw_error(errors::pt_record_too_long, "storage " + quote(key) + " of " + std::to_string(numel) + " " + std::string(name(t)) +
+                                                    " elements is " + std::to_string(nbytes) + " bytes; its record " + quote(c.entry->name) +
+                                                    " holds " + std::to_string(c.entry->size) +
+                                                    ", which torch.load refuses (record size does not match expected size)");
       return at;
     };
     // A storage as the tree holds it bare: storage_value of its bytes, as this id names them.
@@ -730,6 +879,8 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
       f.value = std::move(res.value);
       f.attributes = std::move(res.attributes);
       f.pickle_protocol = res.protocol;
+      if (std::any_of(classes.begin(), classes.end(), [](const storage_class& c) { return c.quantized; }))
+        check_quantized_storages(f.value);
     } catch (error& e) {
       e.add_context(where(*src) + ": record " + quote(pkl->name));
       throw;
@@ -917,6 +1068,8 @@ inline File read_legacy(std::shared_ptr<const ByteSource> src, const load_option
     f.value = std::move(res.value);
     f.attributes = std::move(res.attributes);
     f.pickle_protocol = res.protocol;
+    if (std::any_of(roots.begin(), roots.end(), [](const auto& r) { return is_quantized_storage(r.second.cls.name); }))
+      check_quantized_storages(f.value);
   } catch (error& e) {
     e.add_context(where(*src) + ": legacy object pickle");
     throw;
