@@ -43,7 +43,7 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     a = ap.add_argument
-    a("--cases", default=env_default("cases", ",".join(cases.ALL)), help="comma-separated subset of B1..B9")
+    a("--cases", default=env_default("cases", ",".join(cases.ALL)), help="comma-separated subset of B1..B9, B11")
     a("--reps", type=int, default=int(env_default("reps", 5)), help="warm repetitions per peer (default 5)")
     a("--cold-reps", type=int, default=int(env_default("cold_reps", 2)), help="cold repetitions (default 2)")
     a("--scale-reps", type=int, default=int(env_default("scale_reps", 3)), help="repetitions per B6 size (default 3)")
@@ -55,7 +55,7 @@ def parse_args(argv):
     a("--pt-gib", type=float, default=float(env_default("pt_gib", 3.0)), help="B2/B3 .pt size (default 3)")
     a("--pt-tensors", type=int, default=int(env_default("pt_tensors", 10000)), help="B2/B3 tensor count")
     a("--zero-gib", type=float, default=float(env_default("zero_gib", 3.0)),
-      help="B1/B4 ZeRO-3 size: fp32 params + exp_avg + exp_avg_sq, GiB (default 3)")
+      help="B1/B4/B11 ZeRO-3 size: fp32 params + exp_avg + exp_avg_sq, GiB (default 3)")
     a("--zero-ranks", type=int, default=int(env_default("zero_ranks", 8)))
     a("--scale-gib", type=floats, default=floats(env_default("scale_gib", "0.5,1.5,3,6")),
       help="B6 sizes, GiB on disk (default 0.5,1.5,3,6; 6 GiB holds 2 GiB of parameters)")
@@ -168,7 +168,7 @@ def generate(ctx, selected):
         jobs.append([PY, os.path.join(HERE, "gen", "gen_pt.py"), ctx.pt_dir(),
                      "--gib", str(args.pt_gib), "--tensors", str(args.pt_tensors)])
     sizes = []
-    if {"B1", "B4", "B8"} & selected:
+    if {"B1", "B4", "B8", "B11"} & selected:
         sizes.append(args.zero_gib)
     if "B6" in selected:
         sizes += [g for g in args.scale_gib if g not in sizes]

@@ -6,6 +6,8 @@
 #include <statedict/core/sha256.hpp>
 #include <statedict/exec/digest.hpp>
 #include <statedict/formats/deepspeed.hpp>
+#include <statedict/io/torch_file.hpp>
+#include <statedict/shard/views.hpp>
 
 #include <cstring>
 #include <filesystem>
@@ -630,4 +632,147 @@ TEST_CASE("deepspeed: detect from content") {
   CHECK(error_of([&] { (void)ds::detect(root); }) == 701);
   CHECK(error_of([&] { (void)ds::detect(root, "a/b"); }) == 701);
   fs::remove_all(root);
+}
+
+namespace {
+
+/// A consolidated checkpoint with its optimizer state keyed by name, as any reader gives one
+/// (a torch.save file of {model..., optim: {state, param_groups}}), described from memory.
+ShardedCheckpoint named_optimizer_state(const std::function<void(Dict& root)>& edit = {}) {
+  static std::vector<Tensor> keep;
+  auto t = [](std::vector<float> v, shape_t s) {
+    keep.push_back(Tensor::from<float>(v, s));
+    return Value(keep.back().view());
+  };
+  Dict root;
+  root.set("w", t({1, 2, 3, 4, 5, 6, 7}, {7}));
+  root.set("b", t({0.5F, -1.5F}, {2}));
+  Dict state;
+  for (const char* n : {"w", "b"}) {
+    const std::size_t k = std::string(n) == "w" ? 7 : 2;
+    std::vector<float> m(k), v(k);
+    for (std::size_t i = 0; i < k; ++i) {
+      m[i] = 0.1F * static_cast<float>(i + 1);
+      v[i] = 0.01F * static_cast<float>(i + 3);
+    }
+    state.set(n, Dict{{"step", t({3.0F}, {})}, {"exp_avg", t(m, {static_cast<dim_t>(k)})}, {"exp_avg_sq", t(v, {static_cast<dim_t>(k)})}});
+  }
+  Dict group{{"lr", 0.01}, {"betas", Value::tuple(List{Value(0.9), Value(0.95)})}, {"params", Value::list(List{Value("w"), Value("b")})}};
+  root.set("optim", Dict{{"state", state}, {"param_groups", Value::list(List{Value(group)})}});
+  if (edit) edit(root);
+  FlatStateDict f = flatten(Value(root));
+  ShardedCheckpoint ck = describe_views(f.tensors);
+  ck.skeleton = f.skeleton;
+  return ck;
+}
+
+}  // namespace
+
+TEST_CASE("deepspeed write: a checkpoint with named optimizer state, from any reader, as ZeRO 1, 2 and 3 for 1 to 5 ranks") {
+  const ShardedCheckpoint ck = named_optimizer_state();
+  const auto want = sha256_tensors(ck);
+  for (int stage : {1, 2, 3})
+    for (std::uint32_t M : {1U, 2U, 3U, 5U}) {
+      CAPTURE(stage);
+      CAPTURE(M);
+      const fs::path out = fs::path(STATEDICT_TEST_TMP) / ("ds-write-tree-" + std::to_string(stage) + "-" + std::to_string(M));
+      ds::write_options w;
+      w.world_size = M;
+      w.zero_stage = stage;
+      (void)ds::write(ck, out, w);
+      ds::options o;
+      o.with_optimizer = true;
+      o.frozen_from_module = true;
+      const ShardedCheckpoint back = ds::describe(out, o);
+      CHECK(back.format == "deepspeed_zero" + std::to_string(stage));
+      CHECK(back.metadata.at("deepspeed.world_size") == std::to_string(M));
+      const auto got = sha256_tensors(back);
+      CHECK(std::map<std::string, std::string>(got.begin(), got.end()) == std::map<std::string, std::string>(want.begin(), want.end()));
+    }
+}
+
+TEST_CASE("deepspeed write: non-tensor optimizer state (an int step of torch < 1.12) is carried as the group's value") {
+  const ShardedCheckpoint ck = named_optimizer_state([](Dict& r) {
+    auto& st = r.at(Key(std::string("optim"))).as_dict().at(Key(std::string("state"))).as_dict();
+    for (const char* n : {"w", "b"}) st.at(Key(std::string(n))).as_dict().set("step", 7);
+  });
+  for (int stage : {2, 3}) {
+    CAPTURE(stage);
+    const fs::path out = fs::path(STATEDICT_TEST_TMP) / ("ds-write-intstep-" + std::to_string(stage));
+    ds::write_options w;
+    w.world_size = 2;
+    w.zero_stage = stage;
+    (void)ds::write(ck, out, w);
+    const Value optim = torch::load(out / "global_step0" / "zero_pp_rank_1_mp_rank_00_optim_states.pt");
+    const Dict& osd = optim.as_dict().at(Key(std::string("optimizer_state_dict"))).as_dict();
+    const Dict& sd = (stage == 3 ? osd.at(Key(std::string("optimizer_state_dict"))) : osd.at(Key(std::string("base_optimizer_state")))).as_dict();
+    CHECK(sd.at(Key(std::string("state"))).as_dict().at(Key(std::int64_t{0})).as_dict().at(Key(std::string("step"))) == Value(7));
+  }
+  // Different values in one group cannot share a flat partition.
+  const ShardedCheckpoint bad = named_optimizer_state([](Dict& r) {
+    auto& st = r.at(Key(std::string("optim"))).as_dict().at(Key(std::string("state"))).as_dict();
+    st.at(Key(std::string("w"))).as_dict().set("step", 7);
+    st.at(Key(std::string("b"))).as_dict().set("step", 8);
+  });
+  ds::write_options w;
+  w.world_size = 2;
+  w.zero_stage = 2;
+  CHECK(error_of([&] { (void)ds::write(bad, fs::path(STATEDICT_TEST_TMP) / "ds-write-intstep-bad", w); }) == 725);
+}
+
+TEST_CASE("deepspeed write: what it cannot write is refused before a file appears") {
+  const fs::path out = fs::path(STATEDICT_TEST_TMP) / "ds-write-refused";
+  fs::remove_all(out);
+  ds::write_options w;
+  w.world_size = 2;
+  // No stage: the input is not a DeepSpeed checkpoint that names one.
+  CHECK(error_of([&] { (void)ds::write(named_optimizer_state(), out, w); }) == 726);
+  w.zero_stage = 2;
+  // No optimizer state.
+  CHECK(error_of([&] { (void)ds::write(named_optimizer_state([](Dict& r) { r.erase(Key(std::string("optim"))); }), out, w); }) == 725);
+  // A group naming a tensor the checkpoint lacks.
+  CHECK(error_of([&] {
+          (void)ds::write(named_optimizer_state([](Dict& r) {
+                            r.at(Key(std::string("optim"))).as_dict().at(Key(std::string("param_groups"))).as_list()[0].as_dict().set("params", Value::list(List{Value("w"), Value("nope")}));
+                          }),
+                          out, w);
+        }) == 725);
+  // Parameters of one group with different state keys (one flat partition holds one set).
+  CHECK(error_of([&] {
+          (void)ds::write(named_optimizer_state([](Dict& r) {
+                            r.at(Key(std::string("optim"))).as_dict().at(Key(std::string("state"))).as_dict().at(Key(std::string("b"))).as_dict().erase(Key(std::string("exp_avg_sq")));
+                          }),
+                          out, w);
+        }) == 725);
+  // Element-wise state of another shape than its parameter.
+  CHECK(error_of([&] {
+          (void)ds::write(named_optimizer_state([](Dict& r) {
+                            static const Tensor odd = Tensor::from<float>({1, 2, 3}, {3});
+                            r.at(Key(std::string("optim"))).as_dict().at(Key(std::string("state"))).as_dict().at(Key(std::string("b"))).as_dict().set("exp_avg", Value(odd.view()));
+                          }),
+                          out, w);
+        }) == 725);
+  // A world size of 0, a stage of 4.
+  ds::write_options bad = w;
+  bad.world_size = 0;
+  CHECK(error_of([&] { (void)ds::write(named_optimizer_state(), out, bad); }) == 726);
+  bad = w;
+  bad.zero_stage = 4;
+  CHECK(error_of([&] { (void)ds::write(named_optimizer_state(), out, bad); }) == 726);
+  // A universal checkpoint names a folder after each parameter: "a/b" cannot be one.
+  ds::write_options u = w;
+  u.universal = true;
+  CHECK(error_of([&] {
+          (void)ds::write(named_optimizer_state([](Dict& r) {
+                            r.set("a/b", r.at(Key(std::string("b"))));
+                            r.erase(Key(std::string("b")));
+                            auto& o = r.at(Key(std::string("optim"))).as_dict();
+                            o.at(Key(std::string("param_groups"))).as_list()[0].as_dict().set("params", Value::list(List{Value("w"), Value("a/b")}));
+                            auto& st = o.at(Key(std::string("state"))).as_dict();
+                            st.set("a/b", st.at(Key(std::string("b"))));
+                            st.erase(Key(std::string("b")));
+                          }),
+                          out, u);
+        }) == 725);
+  CHECK_FALSE(fs::exists(out));
 }

@@ -24,6 +24,7 @@ TARGETS = {
           "(max - min <= max(32 MiB, 25% of min)); at the largest size (6 GiB on disk: 2 GiB of parameters) "
           ">= 8x faster than the zero_to_fp32 algorithm",
     "B7": "statedict <= 1.15x cp wall and <= 1.1x cp CPU time (user + sys), peak anonymous RSS <= 256 MiB",
+    "B11": "statedict <= 1.3x cp wall, peak anonymous RSS <= 256 MiB",
 }
 
 
@@ -262,6 +263,61 @@ def b4(ctx, runner):
     }
 
 
+# ------------------------------------------------------------------------------------------ B11
+def verify_equal(ctx, root):
+    """`statedict verify` of the output against its input, optimizer state included."""
+    def check(peer, _stdout):
+        p = subprocess.run([ctx.statedict, "verify", root, peer.output, "--with-optimizer"], capture_output=True,
+                           text=True, timeout=ctx.args.timeout)
+        return None if p.returncode == 0 else f"verify exit {p.returncode}: " + " | ".join((p.stdout + p.stderr).strip().splitlines()[-3:])
+    return check
+
+
+def b11(ctx, runner):
+    """The B1 checkpoint resharded for 3 ranks in DeepSpeed's own layout (what the engine saves at 3
+    ranks, which it loads to resume): every partition and moment re-laid out, cp of the same bytes as
+    the peer. DeepSpeed's own route (ds_to_universal.py + a universal load) needs DeepSpeed and
+    is measured by hand (bench/README.md)."""
+    root, ref = ctx.zero(ctx.args.zero_gib)
+    sd, w = ctx.statedict, ctx.work
+    out_sd = os.path.join(w, "B11-statedict.ds")
+    cp_src = os.path.join(w, "B11-cp-source")
+    out_cp = os.path.join(w, "B11-cp.out")
+    state = {"src": None}
+    if os.path.lexists(cp_src):
+        shutil.rmtree(cp_src)
+
+    def keep_output(peer):  # cp copies exactly what statedict wrote (same files, same bytes)
+        if os.path.isdir(peer.output):
+            os.rename(peer.output, cp_src)
+            state["src"] = cp_src
+
+    def cp_source():
+        return state["src"] or root
+
+    peers = [
+        Peer("statedict", [sd, "convert", root, out_sd, "--to", "deepspeed", "--world-size", "3", "--with-optimizer"],
+             kind="statedict", inputs=[root], output=out_sd, binary=sd, after_warmup=keep_output,
+             validate=verify_equal(ctx, root)),
+        Peer("cp of the output bytes", lambda: cp_argv(cp_source(), out_cp), kind="limit",
+             inputs=lambda: [cp_source()], output=out_cp),
+    ]
+    results = runner.run("B11", peers, ctx.args.reps, ctx.args.cold_reps, ctx.args.cold_method)
+    status, detail = _ratio_verdict(results, 1.3, anon_cap_mib=256)
+    src = cp_source()
+    note = (f"cp copies statedict's own warm-up output ({cache.total_bytes([src]) / GiB:.2f} GiB, "
+            f"{sum(1 for _ in cache.files_under([src]))} files)" if state["src"] else
+            "statedict did not run: cp copies the input checkpoint")
+    if state["src"]:
+        shutil.rmtree(cp_src, ignore_errors=True)
+    return {
+        "title": "reshard 8 -> 3 ranks (ZeRO-3 -> DeepSpeed ZeRO-3, with the optimizer state)",
+        "input": f"the B1 checkpoint ({ctx.args.zero_ranks}-rank ZeRO-3, {cache.total_bytes([root]) / GiB:.2f} GiB); "
+                 f"output: DeepSpeed's rank files for 3 ranks; {note}",
+        "results": results, "verdict": status, "detail": detail,
+    }
+
+
 # ------------------------------------------------------------------------------------------- B5
 def _gbench_figure(benchmarks):
     """(seconds, rule, {name: {"real": s, "cpu": s}}) for flatten + unflatten.  The figure is the
@@ -398,7 +454,7 @@ def b7(ctx, runner):
     }
 
 
-ALL = ["B1", "B2", "B3", "B4", "B5", "B6", "B7", "B8", "B9"]
+ALL = ["B1", "B2", "B3", "B4", "B5", "B6", "B7", "B8", "B9", "B11"]
 TARGETS.update(cases_library.TARGETS)
 
 
@@ -413,7 +469,7 @@ def run_all(ctx, runner, selected):
             out[cid] = b6(ctx, runner, out.get("B1"))
         else:
             out[cid] = {"B1": b1, "B2": b2, "B3": b3, "B4": b4, "B5": b5, "B7": b7, "B8": cases_library.b8,
-                        "B9": cases_library.b9}[cid](ctx, runner)
+                        "B9": cases_library.b9, "B11": b11}[cid](ctx, runner)
         out[cid]["target"] = TARGETS[cid]
         out[cid]["seconds"] = ctx.clock() - t0
         ctx.log(f"   {cid}: {out[cid]['verdict']} -- {out[cid]['detail']}  ({out[cid]['seconds']:.0f}s)")

@@ -26297,6 +26297,7 @@ struct w_param {
   shape_t shape;
   std::uint64_t numel = 0;
   std::map<std::string, std::size_t> state;  ///< optimizer state key -> source tensor index
+  std::map<std::string, Value> values;       ///< state that is not a tensor (an int step of older torch)
 };
 
 /// One optimizer param group: its hyperparameters (everything but `params`) and parameters.
@@ -26305,6 +26306,7 @@ struct w_group {
   std::vector<std::size_t> params;  ///< indices into write_input::params, in the engine's original order
   std::vector<std::string> keys;    ///< state keys with a tensor per parameter (exp_avg, ...), in order
   std::vector<std::string> scalar_keys;  ///< 0-dim state (step), the same for the whole group
+  std::map<std::string, Value> values;   ///< state that is not a tensor, the same for the whole group
 };
 
 struct write_input {
@@ -26416,13 +26418,21 @@ inline write_input prepare(const ShardedCheckpoint& ck, const write_options& o) 
       if (!trained.insert(name).second) throw_error(errors::ds_write_input, "parameter " + quote(name), "is listed by two param groups");
       const TensorInfo& t = ck.tensors[it->second];
       if (!is_floating(t.dtype)) throw_error(errors::ds_write_input, "parameter " + quote(name), "is " + std::string(statedict::name(t.dtype)) + ", not floating");
-      w_param p{name, it->second, t.shape, numel(t.shape), {}};
+      w_param p{name, it->second, t.shape, numel(t.shape), {}, {}};
       if (const Value* st = states ? child(*states, name) : nullptr; st && st->is_dict())
         for (const auto& [k, v] : st->as_dict()) {
           const std::string key = k.str();
+          if (!v.is_tensor()) {
+            bool tensors = false;
+            visit(v, [&](const Path&, const Value& x) { tensors = tensors || x.is_tensor(); });
+            if (tensors)
+              throw_error(errors::ds_write_input, "optim.state." + name + "." + key, "holds tensors inside a container; a flat partition holds tensors or plain values");
+            p.values.emplace(key, v);
+            continue;
+          }
           auto si = index.find("optim.state." + name + "." + key);
-          if (!v.is_tensor() || si == index.end())
-            throw_error(errors::ds_write_input, "optim.state." + name + "." + key, "is not a tensor (only tensor optimizer state is written)");
+          if (si == index.end())
+            throw_error(errors::ds_write_input, "optim.state." + name + "." + key, "is a tensor the checkpoint does not list");
           const TensorInfo& s = ck.tensors[si->second];
           if (!s.shape.empty() && s.shape != t.shape)
             throw_error(errors::ds_write_input, "optim.state." + name + "." + key,
@@ -26436,12 +26446,18 @@ inline write_input prepare(const ShardedCheckpoint& ck, const write_options& o) 
     // The group's state keys: every parameter has the same ones (or none: a fresh optimizer).
     const w_param& first = in.params[listed[0]];
     for (const auto& [k, i] : first.state) (ck.tensors[i].shape.empty() ? grp.scalar_keys : grp.keys).push_back(k);
+    grp.values = first.values;
     for (std::size_t i : listed) {
       const w_param& p = in.params[i];
-      if (p.state.size() != first.state.size() ||
-          !std::equal(p.state.begin(), p.state.end(), first.state.begin(), [](const auto& a, const auto& b) { return a.first == b.first; }))
+      auto same_keys = [](const auto& a, const auto& b) {
+        return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](const auto& x, const auto& y) { return x.first == y.first; });
+      };
+      if (!same_keys(p.state, first.state) || !same_keys(p.values, first.values))
         throw_error(errors::ds_write_input, "parameter " + quote(p.name),
                     "has other optimizer state keys than " + quote(first.name) + " of the same group (a flat partition holds one set)");
+      if (p.values != first.values)
+        throw_error(errors::ds_write_input, "parameter " + quote(p.name),
+                    "has other non-tensor optimizer state than " + quote(first.name) + " of the same group (a flat partition holds one value)");
     }
     // The order the engine flattens the group in is its original order; a round-robin checkpoint
     // lists it in the round-robin order of its own world size, which is undone here.
@@ -26734,8 +26750,9 @@ struct planner {
           off += p.numel;
         }
         mappings.emplace_back(std::move(mapping));
-        if (!in.groups[g].keys.empty() || !in.groups[g].scalar_keys.empty()) {
+        if (!in.groups[g].keys.empty() || !in.groups[g].scalar_keys.empty() || !in.groups[g].values.empty()) {
           Dict st;
+          for (const auto& [k, v] : in.groups[g].values) st.set(k, v);
           for (const auto& k : in.groups[g].scalar_keys) st.set(k, scalar(g, k));
           for (const auto& k : in.groups[g].keys) st.set(k, moments.at(k));
           state.set(static_cast<std::int64_t>(g), Value(std::move(st)));
@@ -26801,8 +26818,13 @@ struct planner {
         };
         file("fp32", p.tensor, false);
         for (const auto& k : in.groups[g].keys) file(k, p.state.at(k), false);
-        if (stage <= 2)
+        if (stage <= 2) {
           for (const auto& k : in.groups[g].scalar_keys) file(k, p.state.at(k), true);
+          for (const auto& [k, v] : in.groups[g].values) {  // a plain value, saved as it is
+            begin();
+            add(tag + "/zero/" + p.name + "/" + k + ".pt", v);
+          }
+        }
       }
   }
 
@@ -26879,8 +26901,9 @@ struct planner {
           for (const auto& key : in.groups[g].keys) piece(moments.at(key), p.state.at(key), range, s.offset[j]);
         }
         flats.push_back(std::move(fp32));
-        if (!in.groups[g].keys.empty() || !in.groups[g].scalar_keys.empty()) {
+        if (!in.groups[g].keys.empty() || !in.groups[g].scalar_keys.empty() || !in.groups[g].values.empty()) {
           Dict st;
+          for (const auto& [key, v] : in.groups[g].values) st.set(key, v);
           for (const auto& key : in.groups[g].scalar_keys) st.set(key, scalar(g, key));
           for (const auto& key : in.groups[g].keys) st.set(key, moments.at(key));
           state.set(static_cast<std::int64_t>(k), Value(std::move(st)));
