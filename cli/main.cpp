@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -40,7 +41,8 @@ constexpr const char* usage_text = R"(statedict: read, convert and verify ML che
 usage:
   statedict inspect PATH [--json] [--hash] [--with-optimizer] [--from FORMAT] [--io mmap|pread]
   statedict convert IN OUT [--to safetensors|hf|torch|dcp|olmo|colossalai|megatron] [--from FORMAT] [--dtype F32|BF16|F16]
-                    [--cast-integer-buffers] [--max-shard-size 5GB] [--world-size M] [--dcp-layout 2|1.13]
+                    [--cast-integer-buffers] [--keep-dtype REGEX]... [--dequantize fp8-block|mxfp4|auto]
+                    [--max-shard-size 5GB] [--world-size M] [--dcp-layout 2|1.13]
                     [--only NAME_PREFIX]... [--drop REGEX]... [--strip-prefix P]... [--add-prefix P]...
                     [--rename FROM=TO]... [--rename-regex REGEX=REPLACEMENT]... [--map NAMES.json]...
                     [--with-optimizer] [--threads N] [--memory-budget 256MiB]
@@ -154,8 +156,7 @@ std::optional<std::uint64_t> true_vocab_size(const cli::Args& a) {
 /// vocabulary; both are refused for any other input, unless the output is Megatron-LM
 /// (`megatron_output`: there --true-vocab-size re-pads the vocabulary instead).
 sd::formats::Opened open_input(const std::string& path, const cli::Args& a, std::optional<sd::dtype> dtype = std::nullopt,
-                               bool megatron_output = false) {
-  sd::formats::open_options o;
+                               bool megatron_output = false, sd::formats::open_options o = {}) {
   o.mode = parse_io(a);
   o.with_optimizer = a.flag("--with-optimizer");
   o.check_replicas = a.flag("--check-replicas");
@@ -430,7 +431,8 @@ std::vector<std::function<sd::ShardedCheckpoint(const sd::ShardedCheckpoint&)>> 
 
 int cmd_convert(const std::vector<std::string>& argv) {
   cli::Args a(argv,
-              with_megatron({{"--to", true}, {"--from", true}, {"--dtype", true}, {"--cast-integer-buffers", false}, {"--max-shard-size", true},
+              with_megatron({{"--to", true}, {"--from", true}, {"--dtype", true}, {"--cast-integer-buffers", false}, {"--keep-dtype", true, true},
+               {"--dequantize", true}, {"--max-shard-size", true},
                {"--world-size", true}, {"--only", true, true}, {"--drop", true, true}, {"--strip-prefix", true, true},
                {"--add-prefix", true, true}, {"--rename", true, true}, {"--rename-regex", true, true}, {"--map", true, true},
                {"--with-optimizer", false}, {"--threads", true}, {"--memory-budget", true}, {"--part", true},
@@ -439,6 +441,24 @@ int cmd_convert(const std::vector<std::string>& argv) {
               2, 2, "convert");
   const std::string in = a.positional()[0], out = a.positional()[1];
   const auto dtype = parse_dtype(a);
+  // --dequantize and --keep-dtype: how the input is read (formats::dequantize, cast_options::keep).
+  sd::formats::open_options how;
+  if (auto v = a.value("--dequantize")) {
+    sd::formats::dequantize_options d;
+    if (*v == "fp8-block") d.scheme = sd::formats::quant_scheme::fp8_block;
+    else if (*v == "mxfp4") d.scheme = sd::formats::quant_scheme::mxfp4;
+    else if (*v != "auto") a.fail(cli::errors::bad_value, "--dequantize takes fp8-block, mxfp4 or auto, not " + sd::quote(*v));
+    if (!dtype) a.fail(cli::errors::bad_option, "--dequantize needs --dtype BF16, F16 or F32: the dtype the dequantized tensors are written in");
+    how.dequantize = d;
+  }
+  if (const auto keep = a.values("--keep-dtype"); !keep.empty()) {
+    if (!dtype) a.fail(cli::errors::bad_option, "--keep-dtype applies with --dtype");
+    std::vector<std::function<bool(std::string_view)>> preds;
+    for (const auto& r : keep) preds.push_back(sd::formats::regex_matches(r));
+    how.keep_dtype = [preds = std::move(preds)](std::string_view n) {
+      return std::any_of(preds.begin(), preds.end(), [&](const auto& p) { return p(n); });
+    };
+  }
 
   sd::formats::save_options w;
   w.format = a.value("--to").value_or("");
@@ -490,7 +510,7 @@ int cmd_convert(const std::vector<std::string>& argv) {
   const auto transforms = name_transforms(a);
 
   const auto t0 = std::chrono::steady_clock::now();
-  auto opened = open_input(in, a, dtype, to_megatron);
+  auto opened = open_input(in, a, dtype, to_megatron, std::move(how));
   sd::ShardedCheckpoint ck = std::move(opened.checkpoint);
   for (const auto& t : transforms) ck = t(ck);
   // Objects are written as their data (classes torch's weights_only list has, and --keep-class
