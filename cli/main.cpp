@@ -429,6 +429,43 @@ std::vector<std::function<sd::ShardedCheckpoint(const sd::ShardedCheckpoint&)>> 
   return out;
 }
 
+/// The small files of a Hugging Face folder that describe the model rather than hold weights.
+constexpr const char* hf_side_files[] = {"config.json",           "generation_config.json", "tokenizer.json",  "tokenizer_config.json",
+                                         "special_tokens_map.json", "tokenizer.model",       "vocab.json",      "merges.txt",
+                                         "added_tokens.json",     "chat_template.jinja"};
+
+/// After `convert --dequantize` of a folder into a Hugging Face folder: the input's config.json
+/// without its quantization_config (and its dtype entry set to the output's), and its other
+/// small files as they are, each written atomically. Files above 64 MiB are left out.
+void copy_hf_side_files(const std::filesystem::path& in, const std::filesystem::path& out, sd::dtype dtype) {
+  for (const char* name : hf_side_files) {
+    std::error_code ec;
+    const auto from = in / name;
+    if (!std::filesystem::is_regular_file(from, ec)) continue;
+    const auto f = sd::InputFile::open(from, sd::read_mode::pread);
+    if (f->size() > (std::uint64_t{64} << 20)) {
+      std::fprintf(stderr, "statedict: %s is larger than 64 MiB: not copied\n", sd::quote(from.string()).c_str());
+      continue;
+    }
+    std::string text(static_cast<std::size_t>(f->size()), '\0');
+    f->read(0, std::as_writable_bytes(std::span<char>(text.data(), text.size())));
+    if (std::string_view(name) == "config.json") {
+      auto j = nlohmann::ordered_json::parse(text, nullptr, false);
+      if (!j.is_object()) {
+        std::fprintf(stderr, "statedict: %s is not a JSON object: not copied\n", sd::quote(from.string()).c_str());
+        continue;
+      }
+      j.erase("quantization_config");
+      for (const char* key : {"torch_dtype", "dtype"})
+        if (j.contains(key)) j[key] = std::string(sd::info(dtype).torch_name);
+      text = j.dump(2) + "\n";
+    }
+    auto o = sd::OutputFile::create(out / name);
+    o.write(text);
+    o.commit();
+  }
+}
+
 int cmd_convert(const std::vector<std::string>& argv) {
   cli::Args a(argv,
               with_megatron({{"--to", true}, {"--from", true}, {"--dtype", true}, {"--cast-integer-buffers", false}, {"--keep-dtype", true, true},
@@ -510,6 +547,7 @@ int cmd_convert(const std::vector<std::string>& argv) {
   const auto transforms = name_transforms(a);
 
   const auto t0 = std::chrono::steady_clock::now();
+  const bool dequantizing = how.dequantize.has_value();
   auto opened = open_input(in, a, dtype, to_megatron, std::move(how));
   sd::ShardedCheckpoint ck = std::move(opened.checkpoint);
   for (const auto& t : transforms) ck = t(ck);
@@ -528,6 +566,7 @@ int cmd_convert(const std::vector<std::string>& argv) {
     if (ec) sd::throw_error(sd::errors::open_failed, "folder " + sd::quote(parent.string()), "cannot create: " + ec.message());
   }
   const auto files = sd::formats::save(ck, out, w);
+  if (dequantizing && format->name() == "hf" && !w.part && std::filesystem::is_directory(in)) copy_hf_side_files(in, out, *dtype);
   std::string what = std::string(format->title()) + " checkpoint";
   if (w.index_only) what = "the index of a " + what;
   if (w.world_size) what += " for " + std::to_string(*w.world_size) + " rank" + (*w.world_size == 1 ? "" : "s");

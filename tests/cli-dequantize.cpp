@@ -73,7 +73,8 @@ TEST_CASE("convert --dequantize fp8-block: a Hugging Face folder of 200 x 300 an
   t.emplace_back("model.norm.weight", sd::Tensor::from({0.5F, 1.25F}, {2}));
   save(t, in / "model.safetensors");
   write_file(in / "config.json",
-             R"({"model_type": "deepseek_v3", "quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 64]}})");
+             R"({"model_type": "deepseek_v3", "torch_dtype": "bfloat16", "quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 64]}})");
+  write_file(in / "tokenizer_config.json", "{}");
 
   // A plain cast refuses, naming the option; nothing is written.
   run_result r = cli({"convert", in.string(), (d / "cast").string(), "--to", "hf", "--dtype", "BF16"});
@@ -100,6 +101,12 @@ TEST_CASE("convert --dequantize fp8-block: a Hugging Face folder of 200 x 300 an
     }
   CHECK(bad == 0);
   CHECK(bf16_of(out, "model.norm.weight", {2}) == std::vector<std::uint16_t>{0x3f00, 0x3fa0});
+  // The folder's config.json comes along without its quantization_config, in the output's dtype.
+  const json config = load_json(d / "out" / "config.json");
+  CHECK(!config.contains("quantization_config"));
+  CHECK(config.value("torch_dtype", "") == "bfloat16");
+  CHECK(config.value("model_type", "") == "deepseek_v3");
+  CHECK(read_file(d / "out" / "tokenizer_config.json") == "{}");
 
   // A NaN scale: exit 2 naming the tensor, no output file.
   std::vector<float> s6(s.begin(), s.begin() + 6);
