@@ -167,6 +167,23 @@ TEST_CASE("block-FP8 with other block sizes, a 3-d expert tensor, and through ca
   CHECK(bad == 0);
 }
 
+TEST_CASE("block-FP8 with BF16 scales: each widened exactly to f32 first") {
+  const auto w = random_bytes(130 * 5, 31, true);
+  const std::vector<std::uint16_t> s = {0x3c23, 0x3b01};  // bf16 scales of rows 0..127 and 128..129
+  NamedTensors t;
+  t.emplace_back("q.weight", bytes_tensor(dtype::F8_E4M3, {130, 5}, w));
+  Tensor st(dtype::BF16, {2, 1});
+  std::memcpy(st.data(), s.data(), 4);
+  t.emplace_back("q.weight_scale_inv", st);
+  const auto got = read_f32(formats::dequantize(describe_views(t)), "q.weight");
+  std::size_t bad = 0;
+  for (std::size_t i = 0; i < 130 * 5; ++i) {
+    const double scale = std::bit_cast<float>(static_cast<std::uint32_t>(s[i / 5 / 128]) << 16);
+    bad += std::bit_cast<std::uint32_t>(got[i]) != std::bit_cast<std::uint32_t>(static_cast<float>(e4m3(w[i]) * scale));
+  }
+  CHECK(bad == 0);
+}
+
 TEST_CASE("MXFP4 [E, N, G, 16] becomes [E, G * 32, N], low nibble first, 2^(e - 127)") {
   constexpr std::size_t E = 2, N = 5, G = 3;
   const auto blocks = random_bytes(E * N * G * 16, 21, false);
@@ -247,7 +264,7 @@ TEST_CASE("hostile pairs: missing, misshapen, mistyped and non-finite scales") {
   CHECK(error_of([&] { (void)formats::dequantize(pair("x.weight", w, "x.weight_scale_inv", Tensor(dtype::F32, {2, 2}))); }, &what) ==
         errors::dequantize_bad_scale.id);
   CHECK(what.find("[2, 3]") != std::string::npos);
-  CHECK(error_of([&] { (void)formats::dequantize(pair("x.weight", w, "x.weight_scale_inv", Tensor(dtype::BF16, {2, 3}))); }) ==
+  CHECK(error_of([&] { (void)formats::dequantize(pair("x.weight", w, "x.weight_scale_inv", Tensor(dtype::I32, {2, 3}))); }) ==
         errors::dequantize_bad_scale.id);
   CHECK(error_of([&] { (void)formats::dequantize(pair("x.weight", Tensor(dtype::BF16, {200, 300}), "x.weight_scale_inv", Tensor(dtype::F32, {2, 3}))); }) ==
         errors::dequantize_bad_blocks.id);

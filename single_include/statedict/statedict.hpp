@@ -20202,16 +20202,16 @@ class computed_source : public ByteSource {
   std::uint64_t size_;
 };
 
-/// Block-FP8 (DeepSeek-V3, Qwen3-FP8): weight F8_E4M3 [..., rows, cols], scale F32
-/// [..., ceil(rows / br), ceil(cols / bc)]; element (i, j) is `float(w) * s[i / br][j / bc]`, the
-/// product rounded once to F32 (what DeepSeek's weight_dequant and transformers compute before
-/// their cast to the model's dtype).
+/// Block-FP8 (DeepSeek-V3, Qwen3-FP8): weight F8_E4M3 [..., rows, cols], scale F32 (or BF16 / F16,
+/// widened exactly) [..., ceil(rows / br), ceil(cols / bc)]; element (i, j) is
+/// `float(w) * float(s[i / br][j / bc])`, the product rounded once to F32 (what DeepSeek's
+/// weight_dequant and transformers compute before their cast to the model's dtype).
 class fp8_block_source final : public computed_source {
  public:
-  fp8_block_source(std::string tensor, std::shared_ptr<const ByteSource> w, std::shared_ptr<const ByteSource> s, const shape_t& shape,
-                   std::uint64_t br, std::uint64_t bc)
+  fp8_block_source(std::string tensor, std::shared_ptr<const ByteSource> w, std::shared_ptr<const ByteSource> s, dtype scale_dtype,
+                   const shape_t& shape, std::uint64_t br, std::uint64_t bc)
       : computed_source("dequantized " + quote(tensor), numel(shape)), tensor_(std::move(tensor)), w_(std::move(w)), s_(std::move(s)),
-        br_(br), bc_(bc) {
+        sdt_(scale_dtype), br_(br), bc_(bc) {
     rows_ = static_cast<std::uint64_t>(shape[shape.size() - 2]);
     cols_ = static_cast<std::uint64_t>(shape.back());
     srows_ = (rows_ + br - 1) / br;
@@ -20232,9 +20232,18 @@ class fp8_block_source final : public computed_source {
       const std::uint64_t c0 = j0 / bc_, c1 = (j0 + run - 1) / bc_;
       const std::uint64_t srow = (mat * srows_ + i / br_) * scols_;
       const auto ns = static_cast<std::size_t>(c1 - c0 + 1);
-      const std::byte* sb = bytes(*s_, (srow + c0) * 4, std::as_writable_bytes(std::span<float>(sbuf, ns)));
+      const std::size_t isz = itemsize(sdt_);
+      const std::byte* sb = bytes(*s_, (srow + c0) * isz, std::span<std::byte>(reinterpret_cast<std::byte*>(sbuf), ns * isz));
       float sv[2048 + 2];
-      std::memcpy(sv, sb, ns * 4);
+      if (sdt_ == dtype::F32) {
+        std::memcpy(sv, sb, ns * 4);
+      } else {
+        for (std::size_t c = 0; c < ns; ++c) {
+          std::uint16_t h = 0;
+          std::memcpy(&h, sb + c * 2, 2);
+          sv[c] = sdt_ == dtype::BF16 ? f32_from_bf16(h) : f32_from_f16(h);
+        }
+      }
       for (std::size_t c = 0; c < ns; ++c)
         if (!std::isfinite(sv[c]))
           throw_error(errors::dequantize_scale_value, "tensor " + quote(tensor_),
@@ -20249,6 +20258,7 @@ class fp8_block_source final : public computed_source {
   }
   std::string tensor_;
   std::shared_ptr<const ByteSource> w_, s_;
+  dtype sdt_;
   std::uint64_t br_, bc_, rows_ = 0, cols_ = 0, srows_ = 0, scols_ = 0;
 };
 
@@ -20914,7 +20924,7 @@ STATEDICT_API ShardedCheckpoint drop(const ShardedCheckpoint& ck, const std::fun
 /// computed tensors of logical dtype F32 that the executor dequantizes while it streams, in its
 /// bounded memory; the scale tensors go, every other tensor stays as it is (cast() then sets the
 /// output dtype: one more rounding, from the F32 product, as the references do).
-///   block-FP8: `N` F8_E4M3 [..., rows, cols] and `N_scale_inv` (`X.weight_scale_inv`) F32
+///   block-FP8: `N` F8_E4M3 [..., rows, cols] and `N_scale_inv` (`X.weight_scale_inv`) F32 (BF16, F16)
 ///     [..., ceil(rows / block_rows), ceil(cols / block_cols)] -> `N` F32, float(w) * scale.
 ///   MXFP4: `X_blocks` U8 [E, N, ..., G, 16] and `X_scales` U8 [E, N, ..., G] -> `X` F32 with the
 ///     values [E, N, ..., G * 32] with dimensions 1 and 2 swapped (transformers' layout).
@@ -20949,10 +20959,10 @@ STATEDICT_API ShardedCheckpoint dequantize(const ShardedCheckpoint& ck, const de
       shape_t want = v->shape;
       want[want.size() - 2] = static_cast<dim_t>((static_cast<std::uint64_t>(want[want.size() - 2]) + opt.block_rows - 1) / opt.block_rows);
       want.back() = static_cast<dim_t>((static_cast<std::uint64_t>(want.back()) + opt.block_cols - 1) / opt.block_cols);
-      if (s->dtype != dtype::F32 || s->shape != want)
+      if ((s->dtype != dtype::F32 && s->dtype != dtype::BF16 && s->dtype != dtype::F16) || s->shape != want)
         throw_error(errors::dequantize_bad_scale, "tensor " + quote(s->name),
                     "is " + std::string(name(s->dtype)) + " " + dims(s->shape) + "; the scales of " + quote(v->name) + " " + dims(v->shape) +
-                        " in blocks of " + std::to_string(opt.block_rows) + " x " + std::to_string(opt.block_cols) + " are F32 " + dims(want));
+                        " in blocks of " + std::to_string(opt.block_rows) + " x " + std::to_string(opt.block_cols) + " are F32 (or BF16, F16) " + dims(want));
     } else {
       if (v->dtype != dtype::U8 || v->shape.size() < 4 || v->shape.back() != 16)
         throw_error(errors::dequantize_bad_blocks, "tensor " + quote(v->name),
@@ -20975,7 +20985,7 @@ STATEDICT_API ShardedCheckpoint dequantize(const ShardedCheckpoint& ck, const de
     std::shared_ptr<const ByteSource> src;
     shape_t shape = v->shape;
     if (fp8) {
-      src = std::make_shared<detail::fp8_block_source>(v->name, std::move(vb), std::move(sb), v->shape, opt.block_rows, opt.block_cols);
+      src = std::make_shared<detail::fp8_block_source>(v->name, std::move(vb), std::move(sb), s->dtype, v->shape, opt.block_rows, opt.block_cols);
     } else {
       auto mx = std::make_shared<detail::mxfp4_source>(p.output, std::move(vb), std::move(sb), values_shape);
       shape = mx->shape();

@@ -238,7 +238,7 @@ STATEDICT_API ShardedCheckpoint drop(const ShardedCheckpoint& ck, const std::fun
 /// computed tensors of logical dtype F32 that the executor dequantizes while it streams, in its
 /// bounded memory; the scale tensors go, every other tensor stays as it is (cast() then sets the
 /// output dtype: one more rounding, from the F32 product, as the references do).
-///   block-FP8: `N` F8_E4M3 [..., rows, cols] and `N_scale_inv` (`X.weight_scale_inv`) F32
+///   block-FP8: `N` F8_E4M3 [..., rows, cols] and `N_scale_inv` (`X.weight_scale_inv`) F32 (BF16, F16)
 ///     [..., ceil(rows / block_rows), ceil(cols / block_cols)] -> `N` F32, float(w) * scale.
 ///   MXFP4: `X_blocks` U8 [E, N, ..., G, 16] and `X_scales` U8 [E, N, ..., G] -> `X` F32 with the
 ///     values [E, N, ..., G * 32] with dimensions 1 and 2 swapped (transformers' layout).
@@ -273,10 +273,10 @@ STATEDICT_API ShardedCheckpoint dequantize(const ShardedCheckpoint& ck, const de
       shape_t want = v->shape;
       want[want.size() - 2] = static_cast<dim_t>((static_cast<std::uint64_t>(want[want.size() - 2]) + opt.block_rows - 1) / opt.block_rows);
       want.back() = static_cast<dim_t>((static_cast<std::uint64_t>(want.back()) + opt.block_cols - 1) / opt.block_cols);
-      if (s->dtype != dtype::F32 || s->shape != want)
+      if ((s->dtype != dtype::F32 && s->dtype != dtype::BF16 && s->dtype != dtype::F16) || s->shape != want)
         throw_error(errors::dequantize_bad_scale, "tensor " + quote(s->name),
                     "is " + std::string(name(s->dtype)) + " " + dims(s->shape) + "; the scales of " + quote(v->name) + " " + dims(v->shape) +
-                        " in blocks of " + std::to_string(opt.block_rows) + " x " + std::to_string(opt.block_cols) + " are F32 " + dims(want));
+                        " in blocks of " + std::to_string(opt.block_rows) + " x " + std::to_string(opt.block_cols) + " are F32 (or BF16, F16) " + dims(want));
     } else {
       if (v->dtype != dtype::U8 || v->shape.size() < 4 || v->shape.back() != 16)
         throw_error(errors::dequantize_bad_blocks, "tensor " + quote(v->name),
@@ -299,7 +299,7 @@ STATEDICT_API ShardedCheckpoint dequantize(const ShardedCheckpoint& ck, const de
     std::shared_ptr<const ByteSource> src;
     shape_t shape = v->shape;
     if (fp8) {
-      src = std::make_shared<detail::fp8_block_source>(v->name, std::move(vb), std::move(sb), v->shape, opt.block_rows, opt.block_cols);
+      src = std::make_shared<detail::fp8_block_source>(v->name, std::move(vb), std::move(sb), s->dtype, v->shape, opt.block_rows, opt.block_cols);
     } else {
       auto mx = std::make_shared<detail::mxfp4_source>(p.output, std::move(vb), std::move(sb), values_shape);
       shape = mx->shape();

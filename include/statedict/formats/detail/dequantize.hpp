@@ -138,16 +138,16 @@ class computed_source : public ByteSource {
   std::uint64_t size_;
 };
 
-/// Block-FP8 (DeepSeek-V3, Qwen3-FP8): weight F8_E4M3 [..., rows, cols], scale F32
-/// [..., ceil(rows / br), ceil(cols / bc)]; element (i, j) is `float(w) * s[i / br][j / bc]`, the
-/// product rounded once to F32 (what DeepSeek's weight_dequant and transformers compute before
-/// their cast to the model's dtype).
+/// Block-FP8 (DeepSeek-V3, Qwen3-FP8): weight F8_E4M3 [..., rows, cols], scale F32 (or BF16 / F16,
+/// widened exactly) [..., ceil(rows / br), ceil(cols / bc)]; element (i, j) is
+/// `float(w) * float(s[i / br][j / bc])`, the product rounded once to F32 (what DeepSeek's
+/// weight_dequant and transformers compute before their cast to the model's dtype).
 class fp8_block_source final : public computed_source {
  public:
-  fp8_block_source(std::string tensor, std::shared_ptr<const ByteSource> w, std::shared_ptr<const ByteSource> s, const shape_t& shape,
-                   std::uint64_t br, std::uint64_t bc)
+  fp8_block_source(std::string tensor, std::shared_ptr<const ByteSource> w, std::shared_ptr<const ByteSource> s, dtype scale_dtype,
+                   const shape_t& shape, std::uint64_t br, std::uint64_t bc)
       : computed_source("dequantized " + quote(tensor), numel(shape)), tensor_(std::move(tensor)), w_(std::move(w)), s_(std::move(s)),
-        br_(br), bc_(bc) {
+        sdt_(scale_dtype), br_(br), bc_(bc) {
     rows_ = static_cast<std::uint64_t>(shape[shape.size() - 2]);
     cols_ = static_cast<std::uint64_t>(shape.back());
     srows_ = (rows_ + br - 1) / br;
@@ -168,9 +168,18 @@ class fp8_block_source final : public computed_source {
       const std::uint64_t c0 = j0 / bc_, c1 = (j0 + run - 1) / bc_;
       const std::uint64_t srow = (mat * srows_ + i / br_) * scols_;
       const auto ns = static_cast<std::size_t>(c1 - c0 + 1);
-      const std::byte* sb = bytes(*s_, (srow + c0) * 4, std::as_writable_bytes(std::span<float>(sbuf, ns)));
+      const std::size_t isz = itemsize(sdt_);
+      const std::byte* sb = bytes(*s_, (srow + c0) * isz, std::span<std::byte>(reinterpret_cast<std::byte*>(sbuf), ns * isz));
       float sv[2048 + 2];
-      std::memcpy(sv, sb, ns * 4);
+      if (sdt_ == dtype::F32) {
+        std::memcpy(sv, sb, ns * 4);
+      } else {
+        for (std::size_t c = 0; c < ns; ++c) {
+          std::uint16_t h = 0;
+          std::memcpy(&h, sb + c * 2, 2);
+          sv[c] = sdt_ == dtype::BF16 ? f32_from_bf16(h) : f32_from_f16(h);
+        }
+      }
       for (std::size_t c = 0; c < ns; ++c)
         if (!std::isfinite(sv[c]))
           throw_error(errors::dequantize_scale_value, "tensor " + quote(tensor_),
@@ -185,6 +194,7 @@ class fp8_block_source final : public computed_source {
   }
   std::string tensor_;
   std::shared_ptr<const ByteSource> w_, s_;
+  dtype sdt_;
   std::uint64_t br_, bc_, rows_ = 0, cols_ = 0, srows_ = 0, scols_ = 0;
 };
 
