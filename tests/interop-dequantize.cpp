@@ -23,7 +23,9 @@ void check_case(const std::string& kase, std::size_t want_tensors) {
   std::ifstream in(dir + kase + ".manifest.json");
   REQUIRE_MESSAGE(in.good(), "missing " << dir << kase << ".manifest.json (run the `fixtures_torch2` test first)");
   const auto m = nlohmann::json::parse(in);
-  for (const auto& [dt, tensors] : m.at("expected").items()) {
+  for (const auto& item : m.at("expected").items()) {
+    const std::string dt = item.key();  // not a structured binding: clang 14 cannot capture those
+    const auto& tensors = item.value();
     CAPTURE(kase);
     CAPTURE(dt);
     formats::open_options o;
@@ -35,7 +37,9 @@ void check_case(const std::string& kase, std::size_t want_tensors) {
     for (auto& [n, h] : sha256_tensors(ck)) got[n] = h;
     CHECK(got.size() == tensors.size());
     CHECK(got.size() == want_tensors);
-    for (const auto& [n, e] : tensors.items()) {
+    for (const auto& entry : tensors.items()) {
+      const std::string n = entry.key();
+      const auto& e = entry.value();
       CAPTURE(n);
       const TensorInfo* t = ck.find(n);
       REQUIRE(t);

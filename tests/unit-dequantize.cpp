@@ -178,7 +178,7 @@ TEST_CASE("block-FP8 with BF16 scales: each widened exactly to f32 first") {
   const auto got = read_f32(formats::dequantize(describe_views(t)), "q.weight");
   std::size_t bad = 0;
   for (std::size_t i = 0; i < 130 * 5; ++i) {
-    const double scale = std::bit_cast<float>(static_cast<std::uint32_t>(s[i / 5 / 128]) << 16);
+    const auto scale = static_cast<double>(std::bit_cast<float>(static_cast<std::uint32_t>(s[i / 5 / 128]) << 16));
     bad += std::bit_cast<std::uint32_t>(got[i]) != std::bit_cast<std::uint32_t>(static_cast<float>(e4m3(w[i]) * scale));
   }
   CHECK(bad == 0);
