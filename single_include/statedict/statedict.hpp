@@ -20191,6 +20191,23 @@ class computed_source : public ByteSource {
  protected:
   /// Elements [first, first + n) (n <= 2048) into out.
   virtual void compute(std::uint64_t first, std::size_t n, float* out) const = 0;
+  /// After a read of [offset, offset + length) of `src` (a mapped file, or a slice of one)
+  /// consumed bytes up to offset + length: the mapped pages of each 2 MiB window of the file that
+  /// the read finished are released, as the executor releases the pages of the sources it copies
+  /// itself, so the file-backed RSS does not grow with the input. A window another thread still
+  /// reads is mapped again where it is used: slower, never wrong.
+  static void release_done(const ByteSource& src, std::uint64_t offset, std::uint64_t length) {
+    constexpr std::uint64_t window = std::uint64_t{2} << 20;
+    const ByteSource* p = &src;
+    while (const auto* sl = dynamic_cast<const SliceSource*>(p)) {
+      offset += sl->offset();
+      p = sl->base().get();
+    }
+    const auto* f = dynamic_cast<const InputFile*>(p);
+    if (!f || !f->data()) return;
+    const std::uint64_t lo = offset / window, hi = (offset + length) / window;
+    if (hi > lo) f->advise(lo * window, (hi - lo) * window, access_hint::dontneed);  // windows lo .. hi - 1 are behind
+  }
   /// Bytes [offset, offset + dst.size()) of `src`: in place when mapped, else read into dst.
   static const std::byte* bytes(const ByteSource& src, std::uint64_t offset, std::span<std::byte> dst) {
     src.check_range(offset, dst.size());
@@ -20220,6 +20237,10 @@ class fp8_block_source final : public computed_source {
 
  private:
   void compute(std::uint64_t first, std::size_t n, float* out) const override {
+    compute_values(first, n, out);
+    release_done(*w_, first, n);
+  }
+  void compute_values(std::uint64_t first, std::size_t n, float* out) const {
     std::byte wbuf[2048];
     float sbuf[2048 + 2];
     std::size_t k = 0;
@@ -20270,6 +20291,9 @@ class mxfp4_source final : public computed_source {
  public:
   mxfp4_source(std::string tensor, std::shared_ptr<const ByteSource> b, std::shared_ptr<const ByteSource> s, const shape_t& values_shape)
       : computed_source("dequantized " + quote(tensor), numel(values_shape)), tensor_(std::move(tensor)), b_(std::move(b)), s_(std::move(s)) {
+    // Every row index computed is below numel / 32, so these bounds make in-place reads safe.
+    b_->check_range(0, size_ / 4 / 2, "MXFP4 blocks");
+    s_->check_range(0, size_ / 4 / 32, "MXFP4 scales");
     const shape_t ts = contiguous_strides(values_shape);
     out_shape_ = values_shape;
     std::swap(out_shape_[1], out_shape_[2]);
@@ -20280,6 +20304,15 @@ class mxfp4_source final : public computed_source {
 
  private:
   void compute(std::uint64_t first, std::size_t n, float* out) const override {
+    compute_values(first, n, out);
+    // Output elements of one expert (dimension 0) read its blocks only: released once passed.
+    const std::uint64_t per = size_ / 4 / static_cast<std::uint64_t>(out_shape_[0]);
+    if (per != 0 && (first + n) / per > first / per) {
+      const std::uint64_t e0 = first / per, e1 = (first + n) / per;  // experts e0 .. e1 - 1 are done
+      release_done(*b_, e0 * (per / 2), (e1 - e0) * (per / 2));
+    }
+  }
+  void compute_values(std::uint64_t first, std::size_t n, float* out) const {
     static constexpr float lut[16] = {0.0F, 0.5F, 1.0F, 1.5F, 2.0F, 3.0F, 4.0F, 6.0F, -0.0F, -0.5F, -1.0F, -1.5F, -2.0F, -3.0F, -4.0F, -6.0F};
     const std::size_t r = out_shape_.size();
     // The output index of `first`, and the values' flat index t it reads.
@@ -20295,11 +20328,14 @@ class mxfp4_source final : public computed_source {
     std::byte blk[16], sc[1];
     const std::byte* b = nullptr;
     float scale = 0;
+    // Mapped sources (checked whole once): read in place without a call per row.
+    const std::byte* bmap = b_->data();
+    const std::byte* smap = s_->data();
     for (std::size_t k = 0; k < n; ++k) {
       if (t / 32 != row) {
         row = t / 32;
-        b = bytes(*b_, row * 16, blk);
-        const auto e = static_cast<std::uint8_t>(*bytes(*s_, row, sc));
+        b = bmap ? bmap + row * 16 : bytes(*b_, row * 16, blk);
+        const auto e = static_cast<std::uint8_t>(smap ? smap[row] : *bytes(*s_, row, sc));
         if (e == 0xff)
           throw_error(errors::dequantize_scale_value, "tensor " + quote(tensor_),
                       "scale " + std::to_string(row) + " (row-major, of " + std::to_string(s_->size()) + ") is 0xff, E8M0's NaN");
