@@ -6,6 +6,7 @@
 
 #include <statedict/exec/read.hpp>
 #include <statedict/formats/registry.hpp>
+#include <statedict/io/torch_save.hpp>
 #include <statedict/shard/views.hpp>
 
 #include <bit>
@@ -300,4 +301,44 @@ TEST_CASE("hostile pairs: missing, misshapen, mistyped and non-finite scales") {
   ShardedCheckpoint mx = pair("b_blocks", bytes_tensor(dtype::U8, {1, 2, 3, 16}, std::vector<std::uint8_t>(96, 0x21)), "b_scales", bytes_tensor(dtype::U8, {1, 2, 3}, e8));
   CHECK(error_of([&] { (void)read_tensor(formats::dequantize(mx), "b"); }, &what) == errors::dequantize_scale_value.id);
   CHECK(what.find("'b'") != std::string::npos);
+}
+
+TEST_CASE("a torch.save tree: the computed tensors take the entries, the scales' entries go, values stay") {
+  auto c = fp8(130, 140, 128, 128, 41);
+  const Tensor w = bytes_tensor(dtype::F8_E4M3, {130, 140}, c.w);
+  const Tensor s = Tensor::from(c.s, {2, 2});
+  const Tensor blocks = bytes_tensor(dtype::U8, {2, 3, 1, 16}, random_bytes(96, 42, false));
+  const Tensor scales = bytes_tensor(dtype::U8, {2, 3, 1}, std::vector<std::uint8_t>(6, 127));
+  Dict model;
+  model.set("a.weight", w.view());
+  model.set("a.weight_scale_inv", s.view());
+  model.set("e.gate_up_proj_blocks", blocks.view());
+  model.set("e.gate_up_proj_scales", scales.view());
+  Dict sd;
+  sd.set("model", Value(model));
+  sd.set("step", 7);
+  const fs::path p = tmp("tree.pt");
+  torch::save(p, Value(sd));
+  const ShardedCheckpoint ck = formats::open(p).checkpoint;
+  REQUIRE(!ck.skeleton.is_null());
+  ShardedCheckpoint d = formats::dequantize(ck);
+  formats::cast(d, dtype::BF16);
+  formats::check_consistent(d);
+  REQUIRE(d.tensors.size() == 2);
+  CHECK(d.find("model.a.weight")->dtype == dtype::BF16);
+  CHECK(d.find("model.e.gate_up_proj")->shape == shape_t{2, 32, 3});
+  const fs::path out = tmp("tree-out.pt");
+  (void)formats::save(d, out);
+  const ShardedCheckpoint back = formats::open(out).checkpoint;
+  const auto values = skeleton_values(back.skeleton);
+  REQUIRE(values.size() == 1);
+  CHECK(values[0].first == "step");
+  Tensor a = read_tensor(back, "model.a.weight", dtype::F32);
+  std::size_t bad = 0;
+  for (std::size_t i = 0; i < 130 * 140; ++i) {
+    const auto ref = static_cast<float>(e4m3(c.w[i]) * static_cast<double>(c.s[(i / 140 / 128) * 2 + (i % 140) / 128]));
+    const auto bf = static_cast<std::uint32_t>(to_bf16(ref)) << 16;
+    bad += std::bit_cast<std::uint32_t>(a.values<float>()[i]) != bf;
+  }
+  CHECK(bad == 0);
 }
