@@ -278,6 +278,8 @@ TEST_CASE("hostile pairs: missing, misshapen, mistyped and non-finite scales") {
         errors::dequantize_bad_blocks.id);
   CHECK(error_of([&] { (void)formats::dequantize(pair("a_scales", Tensor(dtype::U8, {2, 4, 3}), nullptr, Tensor())); }) ==
         errors::dequantize_bad_scale.id);
+  // Tensors merely named like MXFP4 (F32 "_blocks" / "_scales") are not quantized: they pass through.
+  CHECK(formats::dequantize(pair("layer_scales", Tensor::from({1.0F}, {1}), "down_blocks", Tensor::from({2.0F}, {1}))).tensors.size() == 2);
   NamedTensors taken;
   taken.emplace_back("a_blocks", Tensor(dtype::U8, {1, 1, 1, 16}));
   taken.emplace_back("a_scales", Tensor(dtype::U8, {1, 1, 1}));

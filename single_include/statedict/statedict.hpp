@@ -20123,7 +20123,8 @@ inline std::string fp8_scale_name(std::string_view w) { return std::string(w) + 
 
 /// The quantized pairs of `ck` of `scheme` (both for quant_scheme::any), found by name: every
 /// `N_scale_inv` with its `N`, every F8_E4M3 tensor (whose scale may be missing: checked later),
-/// every `X_blocks` / `X_scales`. Nothing is validated here but the names.
+/// every U8 `X_blocks` and every U8 / F8_E8M0 `X_scales` (other tensors so named are not MXFP4:
+/// they pass through). Nothing else is validated here.
 inline std::vector<quant_pair> find_quant_pairs(const ShardedCheckpoint& ck, quant_scheme scheme) {
   std::vector<quant_pair> out;
   const bool fp8 = scheme != quant_scheme::mxfp4, mx = scheme != quant_scheme::fp8_block;
@@ -20133,10 +20134,11 @@ inline std::vector<quant_pair> find_quant_pairs(const ShardedCheckpoint& ck, qua
       out.push_back({quant_scheme::fp8_block, t.name.substr(0, t.name.size() - inv.size()), t.name, t.name.substr(0, t.name.size() - inv.size())});
     } else if (fp8 && t.dtype == dtype::F8_E4M3 && !ck.find(fp8_scale_name(t.name))) {
       out.push_back({quant_scheme::fp8_block, t.name, fp8_scale_name(t.name), t.name});  // a missing scale
-    } else if (mx && quant_ends_with(t.name, blocks)) {
+    } else if (mx && quant_ends_with(t.name, blocks) && t.dtype == dtype::U8) {
       const std::string x = t.name.substr(0, t.name.size() - blocks.size());
       out.push_back({quant_scheme::mxfp4, t.name, x + std::string(scales), x});
-    } else if (mx && quant_ends_with(t.name, scales) && !ck.find(t.name.substr(0, t.name.size() - scales.size()) + std::string(blocks))) {
+    } else if (mx && quant_ends_with(t.name, scales) && (t.dtype == dtype::U8 || t.dtype == dtype::F8_E8M0) &&
+               !ck.find(t.name.substr(0, t.name.size() - scales.size()) + std::string(blocks))) {
       const std::string x = t.name.substr(0, t.name.size() - scales.size());
       out.push_back({quant_scheme::mxfp4, x + std::string(blocks), t.name, x});  // missing blocks
     }
@@ -20166,7 +20168,7 @@ inline std::shared_ptr<const ByteSource> whole_bytes(const ShardedCheckpoint& ck
 /// are thrown from read(), naming the tensor; the executor then fails and commits no file.
 class computed_source : public ByteSource {
  public:
-  computed_source(std::string name, std::uint64_t elements) : name_(std::move(name)), size_(elements * 4) {}
+  computed_source(std::string name, std::uint64_t elements) : name_(std::move(name)), size_(checked_mul(elements, 4, "byte size")) {}
   [[nodiscard]] const std::string& name() const noexcept override { return name_; }
   [[nodiscard]] std::uint64_t size() const noexcept override { return size_; }
   [[nodiscard]] keep_alive owner() const override { return {}; }
