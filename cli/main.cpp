@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -40,7 +41,8 @@ constexpr const char* usage_text = R"(statedict: read, convert and verify ML che
 usage:
   statedict inspect PATH [--json] [--hash] [--with-optimizer] [--from FORMAT] [--io mmap|pread]
   statedict convert IN OUT [--to safetensors|hf|torch|dcp|olmo|colossalai|megatron|deepspeed|deepspeed-universal] [--from FORMAT] [--dtype F32|BF16|F16]
-                    [--cast-integer-buffers] [--max-shard-size 5GB] [--world-size M] [--dcp-layout 2|1.13]
+                    [--cast-integer-buffers] [--keep-dtype REGEX]... [--dequantize fp8-block|mxfp4|auto]
+                    [--max-shard-size 5GB] [--world-size M] [--dcp-layout 2|1.13]
                     [--only NAME_PREFIX]... [--drop REGEX]... [--strip-prefix P]... [--add-prefix P]...
                     [--rename FROM=TO]... [--rename-regex REGEX=REPLACEMENT]... [--map NAMES.json]...
                     [--with-optimizer] [--threads N] [--memory-budget 256MiB]
@@ -156,8 +158,7 @@ std::optional<std::uint64_t> true_vocab_size(const cli::Args& a) {
 /// vocabulary; both are refused for any other input, unless the output is Megatron-LM
 /// (`megatron_output`: there --true-vocab-size re-pads the vocabulary instead).
 sd::formats::Opened open_input(const std::string& path, const cli::Args& a, std::optional<sd::dtype> dtype = std::nullopt,
-                               bool megatron_output = false) {
-  sd::formats::open_options o;
+                               bool megatron_output = false, sd::formats::open_options o = {}) {
   o.mode = parse_io(a);
   o.with_optimizer = a.flag("--with-optimizer");
   o.check_replicas = a.flag("--check-replicas");
@@ -434,9 +435,47 @@ std::vector<std::function<sd::ShardedCheckpoint(const sd::ShardedCheckpoint&)>> 
   return out;
 }
 
+/// The small files of a Hugging Face folder that describe the model rather than hold weights.
+constexpr const char* hf_side_files[] = {"config.json",           "generation_config.json", "tokenizer.json",  "tokenizer_config.json",
+                                         "special_tokens_map.json", "tokenizer.model",       "vocab.json",      "merges.txt",
+                                         "added_tokens.json",     "chat_template.jinja"};
+
+/// After `convert --dequantize` of a folder into a Hugging Face folder: the input's config.json
+/// without its quantization_config (and its dtype entry set to the output's), and its other
+/// small files as they are, each written atomically. Files above 64 MiB are left out.
+void copy_hf_side_files(const std::filesystem::path& in, const std::filesystem::path& out, sd::dtype dtype) {
+  for (const char* name : hf_side_files) {
+    std::error_code ec;
+    const auto from = in / name;
+    if (!std::filesystem::is_regular_file(from, ec)) continue;
+    const auto f = sd::InputFile::open(from, sd::read_mode::pread);
+    if (f->size() > (std::uint64_t{64} << 20)) {
+      std::fprintf(stderr, "statedict: %s is larger than 64 MiB: not copied\n", sd::quote(from.string()).c_str());
+      continue;
+    }
+    std::string text(static_cast<std::size_t>(f->size()), '\0');
+    f->read(0, std::as_writable_bytes(std::span<char>(text.data(), text.size())));
+    if (std::string_view(name) == "config.json") {
+      auto j = nlohmann::ordered_json::parse(text, nullptr, false);
+      if (!j.is_object()) {
+        std::fprintf(stderr, "statedict: %s is not a JSON object: not copied\n", sd::quote(from.string()).c_str());
+        continue;
+      }
+      j.erase("quantization_config");
+      for (const char* key : {"torch_dtype", "dtype"})
+        if (j.contains(key)) j[key] = std::string(sd::info(dtype).torch_name);
+      text = j.dump(2) + "\n";
+    }
+    auto o = sd::OutputFile::create(out / name);
+    o.write(text);
+    o.commit();
+  }
+}
+
 int cmd_convert(const std::vector<std::string>& argv) {
   cli::Args a(argv,
-              with_megatron({{"--to", true}, {"--from", true}, {"--dtype", true}, {"--cast-integer-buffers", false}, {"--max-shard-size", true},
+              with_megatron({{"--to", true}, {"--from", true}, {"--dtype", true}, {"--cast-integer-buffers", false}, {"--keep-dtype", true, true},
+               {"--dequantize", true}, {"--max-shard-size", true},
                {"--world-size", true}, {"--only", true, true}, {"--drop", true, true}, {"--strip-prefix", true, true},
                {"--add-prefix", true, true}, {"--rename", true, true}, {"--rename-regex", true, true}, {"--map", true, true},
                {"--with-optimizer", false}, {"--threads", true}, {"--memory-budget", true}, {"--part", true},
@@ -445,6 +484,24 @@ int cmd_convert(const std::vector<std::string>& argv) {
               2, 2, "convert");
   const std::string in = a.positional()[0], out = a.positional()[1];
   const auto dtype = parse_dtype(a);
+  // --dequantize and --keep-dtype: how the input is read (formats::dequantize, cast_options::keep).
+  sd::formats::open_options how;
+  if (auto v = a.value("--dequantize")) {
+    sd::formats::dequantize_options d;
+    if (*v == "fp8-block") d.scheme = sd::formats::quant_scheme::fp8_block;
+    else if (*v == "mxfp4") d.scheme = sd::formats::quant_scheme::mxfp4;
+    else if (*v != "auto") a.fail(cli::errors::bad_value, "--dequantize takes fp8-block, mxfp4 or auto, not " + sd::quote(*v));
+    if (!dtype) a.fail(cli::errors::bad_option, "--dequantize needs --dtype BF16, F16 or F32: the dtype the dequantized tensors are written in");
+    how.dequantize = d;
+  }
+  if (const auto keep = a.values("--keep-dtype"); !keep.empty()) {
+    if (!dtype) a.fail(cli::errors::bad_option, "--keep-dtype applies with --dtype");
+    std::vector<std::function<bool(std::string_view)>> preds;
+    for (const auto& r : keep) preds.push_back(sd::formats::regex_matches(r));
+    how.keep_dtype = [preds = std::move(preds)](std::string_view n) {
+      return std::any_of(preds.begin(), preds.end(), [&](const auto& p) { return p(n); });
+    };
+  }
 
   sd::formats::save_options w;
   w.format = a.value("--to").value_or("");
@@ -500,7 +557,8 @@ int cmd_convert(const std::vector<std::string>& argv) {
   const auto transforms = name_transforms(a);
 
   const auto t0 = std::chrono::steady_clock::now();
-  auto opened = open_input(in, a, dtype, to_megatron);
+  const bool dequantizing = how.dequantize.has_value();
+  auto opened = open_input(in, a, dtype, to_megatron, std::move(how));
   sd::ShardedCheckpoint ck = std::move(opened.checkpoint);
   for (const auto& t : transforms) ck = t(ck);
   // Objects are written as their data (classes torch's weights_only list has, and --keep-class
@@ -518,6 +576,7 @@ int cmd_convert(const std::vector<std::string>& argv) {
     if (ec) sd::throw_error(sd::errors::open_failed, "folder " + sd::quote(parent.string()), "cannot create: " + ec.message());
   }
   const auto files = sd::formats::save(ck, out, w);
+  if (dequantizing && format->name() == "hf" && !w.part && std::filesystem::is_directory(in)) copy_hf_side_files(in, out, *dtype);
   std::string what = std::string(format->title()) + " checkpoint";
   if (w.index_only) what = "the index of a " + what;
   if (w.world_size) what += " for " + std::to_string(*w.world_size) + " rank" + (*w.world_size == 1 ? "" : "s");

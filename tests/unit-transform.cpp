@@ -227,7 +227,9 @@ TEST_CASE("cast: floating tensors only; integer-origin buffers on request") {
   CHECK(a.find("ids")->dtype == dtype::I64);
   formats::check_consistent(a);
   ShardedCheckpoint b = ck;
-  formats::cast(b, dtype::BF16, formats::cast_options{true});
+  formats::cast_options integer_origin;
+  integer_origin.integer_origin = true;
+  formats::cast(b, dtype::BF16, integer_origin);
   CHECK(b.find("w")->dtype == dtype::BF16);
   formats::check_consistent(b);
   const Value t = round_trip(b, "cast");

@@ -6028,6 +6028,7 @@ struct comparison {
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -6797,6 +6798,102 @@ inline PartSpec parse_part(std::string_view text) {
 }
 
 }  // namespace statedict::inline v0
+// ---- statedict/formats/transform_types.hpp ----
+// statedict: the types of the transforms of formats/transform.hpp (ties, cast options, split
+// parts) and the name functions rename() takes.
+// SPDX-License-Identifier: MIT
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+
+
+namespace statedict::inline v0::formats {
+
+/// A name the skeleton ties to a stored tensor: an alias of it, or a view into its elements.
+struct Tie {
+  std::string name;              ///< the tied name (as listed: dotted)
+  std::string target;            ///< the stored tensor it refers to
+  std::optional<ViewSpec> view;  ///< the elements, for a view; nullopt for an alias
+};
+
+/// What cast() changes besides floating tensors.
+struct cast_options {
+  /// Also cast tensors a reader converted to a floating dtype from an integer one (DeepSpeed's
+  /// buffers, made F32 as zero_to_fp32 makes them: TensorInfo::converted_from). Off by default:
+  /// BF16 or F16 cannot hold every integer (2^8 + 1 and 2^11 + 1 are the first they round).
+  bool integer_origin = false;
+  /// Tensors whose names this accepts keep their dtype (`convert --keep-dtype REGEX`); empty: none.
+  std::function<bool(std::string_view)> keep;
+};
+
+/// The quantization schemes dequantize() knows (docs/formats/quantized.md).
+enum class quant_scheme : std::uint8_t {
+  fp8_block,  ///< `X.weight` F8_E4M3 with `X.weight_scale_inv` F32 per block (DeepSeek-V3, Qwen3-FP8)
+  mxfp4,      ///< `X_blocks` U8 (two E2M1 a byte) with `X_scales` U8 E8M0 exponents (gpt-oss)
+  any,        ///< both, each pair recognised by its names, dtypes and shapes
+};
+
+/// What dequantize() does.
+struct dequantize_options {
+  quant_scheme scheme = quant_scheme::any;
+  /// Block-FP8 block size, rows then columns (a Hugging Face config's
+  /// `quantization_config.weight_block_size`); DeepSeek-V3's 128 x 128 by default.
+  std::uint64_t block_rows = 128;
+  std::uint64_t block_cols = 128;
+};
+
+/// One part of a split: its name and its size along the split dimension.
+struct part {
+  std::string name;
+  dim_t size = 0;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Names
+
+/// A renaming: the new name of a leaf from its dotted name (the name itself: unchanged).
+using name_map = std::function<std::string(std::string_view)>;
+
+/// Names that begin with `prefix` lose it ("module." turns "module.fc.w" into "fc.w").
+inline name_map strip_prefix(std::string prefix) {
+  return [p = std::move(prefix)](std::string_view n) {
+    return n.size() > p.size() && n.substr(0, p.size()) == p ? std::string(n.substr(p.size())) : std::string(n);
+  };
+}
+
+/// Every name gets `prefix` in front.
+inline name_map add_prefix(std::string prefix) {
+  return [p = std::move(prefix)](std::string_view n) { return p + std::string(n); };
+}
+
+/// `from` itself and every name below it (`from.` ...) move to `to` (and `to.` ...).
+inline name_map rename_prefix(std::string from, std::string to) {
+  return [f = std::move(from), t = std::move(to)](std::string_view n) {
+    if (n == f) return t;
+    if (n.size() > f.size() && n.substr(0, f.size()) == f && n[f.size()] == '.') return t + std::string(n.substr(f.size()));
+    return std::string(n);
+  };
+}
+
+/// Names found in `table` (whole names) get its value; the others stay.
+inline name_map rename_map(std::map<std::string, std::string, std::less<>> table) {
+  return [m = std::move(table)](std::string_view n) {
+    const auto it = m.find(n);
+    return it == m.end() ? std::string(n) : it->second;
+  };
+}
+
+/// `first`, then `second`.
+inline name_map then(name_map first, name_map second) {
+  return [a = std::move(first), b = std::move(second)](std::string_view n) { return b(a(n)); };
+}
+
+}  // namespace statedict::inline v0::formats
 
 namespace statedict::inline v0 {
 
@@ -6877,6 +6974,11 @@ struct open_options {
   /// With `dtype`: also cast tensors a reader converted to a floating dtype from an integer one
   /// (DeepSpeed's buffers: TensorInfo::converted_from), which the dtype may not hold exactly.
   bool cast_integer_origin = false;
+  /// With `dtype`: tensors whose names this accepts keep their dtype (`--keep-dtype REGEX`).
+  std::function<bool(std::string_view)> keep_dtype;
+  /// Dequantize block-FP8 / MXFP4 pairs (formats::dequantize) before `dtype` is applied. For a
+  /// directory with a config.json, its `quantization_config.weight_block_size` gives the block.
+  std::optional<dequantize_options> dequantize;
   /// Check that replicated copies agree (ShardedTensor rank files; the planner checks the rest).
   bool check_replicas = false;
   /// Read the input as this format (its registry name) instead of detecting it.
@@ -7022,83 +7124,6 @@ struct Opened {
 
 }  // namespace formats
 }  // namespace statedict::inline v0
-// ---- statedict/formats/transform_types.hpp ----
-// statedict: the types of the transforms of formats/transform.hpp (ties, cast options, split
-// parts) and the name functions rename() takes.
-// SPDX-License-Identifier: MIT
-
-#include <functional>
-#include <map>
-#include <optional>
-#include <string>
-#include <string_view>
-#include <utility>
-
-
-namespace statedict::inline v0::formats {
-
-/// A name the skeleton ties to a stored tensor: an alias of it, or a view into its elements.
-struct Tie {
-  std::string name;              ///< the tied name (as listed: dotted)
-  std::string target;            ///< the stored tensor it refers to
-  std::optional<ViewSpec> view;  ///< the elements, for a view; nullopt for an alias
-};
-
-/// What cast() changes besides floating tensors.
-struct cast_options {
-  /// Also cast tensors a reader converted to a floating dtype from an integer one (DeepSpeed's
-  /// buffers, made F32 as zero_to_fp32 makes them: TensorInfo::converted_from). Off by default:
-  /// BF16 or F16 cannot hold every integer (2^8 + 1 and 2^11 + 1 are the first they round).
-  bool integer_origin = false;
-};
-
-/// One part of a split: its name and its size along the split dimension.
-struct part {
-  std::string name;
-  dim_t size = 0;
-};
-
-// ---------------------------------------------------------------------------------------------
-// Names
-
-/// A renaming: the new name of a leaf from its dotted name (the name itself: unchanged).
-using name_map = std::function<std::string(std::string_view)>;
-
-/// Names that begin with `prefix` lose it ("module." turns "module.fc.w" into "fc.w").
-inline name_map strip_prefix(std::string prefix) {
-  return [p = std::move(prefix)](std::string_view n) {
-    return n.size() > p.size() && n.substr(0, p.size()) == p ? std::string(n.substr(p.size())) : std::string(n);
-  };
-}
-
-/// Every name gets `prefix` in front.
-inline name_map add_prefix(std::string prefix) {
-  return [p = std::move(prefix)](std::string_view n) { return p + std::string(n); };
-}
-
-/// `from` itself and every name below it (`from.` ...) move to `to` (and `to.` ...).
-inline name_map rename_prefix(std::string from, std::string to) {
-  return [f = std::move(from), t = std::move(to)](std::string_view n) {
-    if (n == f) return t;
-    if (n.size() > f.size() && n.substr(0, f.size()) == f && n[f.size()] == '.') return t + std::string(n.substr(f.size()));
-    return std::string(n);
-  };
-}
-
-/// Names found in `table` (whole names) get its value; the others stay.
-inline name_map rename_map(std::map<std::string, std::string, std::less<>> table) {
-  return [m = std::move(table)](std::string_view n) {
-    const auto it = m.find(n);
-    return it == m.end() ? std::string(n) : it->second;
-  };
-}
-
-/// `first`, then `second`.
-inline name_map then(name_map first, name_map second) {
-  return [a = std::move(first), b = std::move(second)](std::string_view n) { return b(a(n)); };
-}
-
-}  // namespace statedict::inline v0::formats
 
 namespace statedict::inline v0 {
 
@@ -7147,6 +7172,7 @@ STATEDICT_API ShardedCheckpoint select(const ShardedCheckpoint& ck, const std::v
 STATEDICT_API ShardedCheckpoint rename(const ShardedCheckpoint& ck, const name_map& f);
 STATEDICT_API ShardedCheckpoint filter(const ShardedCheckpoint& ck, const std::function<bool(std::string_view)>& keep);
 STATEDICT_API ShardedCheckpoint drop(const ShardedCheckpoint& ck, const std::function<bool(std::string_view)>& pred);
+STATEDICT_API ShardedCheckpoint dequantize(const ShardedCheckpoint& ck, const dequantize_options& opt = {});
 STATEDICT_API ShardedCheckpoint split(const ShardedCheckpoint& ck, std::string_view name, std::size_t dim, const std::vector<part>& parts);
 STATEDICT_API ShardedCheckpoint concat(const ShardedCheckpoint& ck, const std::vector<std::string>& names, std::size_t dim,
                                        const std::string& to);
@@ -20175,7 +20201,9 @@ STATEDICT_API comparison compare(const ShardedCheckpoint& A, const ShardedCheckp
 //   filter(ck, keep)        the leaves whose names `keep` accepts (drop: the others; a dropped
 //                           list element before a kept one becomes None, so kept ones keep their
 //                           index); select(ck, prefixes) is the filter of `--only`
-//   cast(ck, dtype)         every floating tensor's dtype (cast_options: also integer-origin buffers)
+//   cast(ck, dtype)         every floating tensor's dtype (cast_options: also integer-origin buffers,
+//                           or keep some); refuses quantized pairs that dequantize() has not replaced
+//   dequantize(ck, opt)     block-FP8 and MXFP4 pairs as computed F32 tensors, scales dropped
 //   split(ck, name, ...)    a tensor cut along a dimension into named parts
 //   concat(ck, names, ...)  tensors joined along a dimension into one
 //   check_consistent(ck)    the skeleton and the tensors agree (every writer checks it first)
@@ -20199,6 +20227,299 @@ STATEDICT_API comparison compare(const ShardedCheckpoint& A, const ShardedCheckp
 
 #include <nlohmann/json.hpp>
 
+// ---- statedict/formats/detail/dequantize.hpp ----
+// statedict: the quantized pairs of a checkpoint (block-FP8 weights with their inverse scales,
+// MXFP4 blocks with their exponents) and the computed byte sources that dequantize them while
+// the executor streams (formats/transform.hpp dequantize; docs/formats/quantized.md).
+// SPDX-License-Identifier: MIT
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+
+namespace statedict::inline v0 {
+
+namespace errors {
+// clang-format off
+inline constexpr error_id dequantize_needed      {860, error_kind::usage,       "dequantize.needed"};
+inline constexpr error_id dequantize_no_scale    {861, error_kind::format,      "dequantize.missing_scale"};
+inline constexpr error_id dequantize_bad_scale   {862, error_kind::format,      "dequantize.bad_scale"};
+inline constexpr error_id dequantize_bad_blocks  {863, error_kind::format,      "dequantize.bad_blocks"};
+inline constexpr error_id dequantize_scale_value {864, error_kind::format,      "dequantize.bad_scale_value"};
+inline constexpr error_id dequantize_layout      {865, error_kind::unsupported, "dequantize.unsupported_layout"};
+inline constexpr error_id dequantize_name_taken  {866, error_kind::key,         "dequantize.name_taken"};
+// clang-format on
+}  // namespace errors
+
+namespace formats::detail {
+
+/// One quantized pair found by its names, dtypes and shapes.
+struct quant_pair {
+  quant_scheme scheme = quant_scheme::fp8_block;
+  std::string values;  ///< the quantized tensor: X.weight (F8_E4M3) or X_blocks (U8)
+  std::string scales;  ///< X.weight_scale_inv (F32) or X_scales (U8 / F8_E8M0)
+  std::string output;  ///< the dequantized tensor's name: X.weight, or X
+};
+
+inline bool quant_ends_with(std::string_view s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
+/// The name of the inverse scale of a block-FP8 tensor: `X.weight` -> `X.weight_scale_inv`, any
+/// other name `N` -> `N_scale_inv` (transformers' finegrained_fp8 rule for expert tensors).
+inline std::string fp8_scale_name(std::string_view w) { return std::string(w) + "_scale_inv"; }
+
+/// The quantized pairs of `ck` of `scheme` (both for quant_scheme::any), found by name: every
+/// `N_scale_inv` with its `N`, every F8_E4M3 tensor (whose scale may be missing: checked later),
+/// every U8 `X_blocks` and every U8 / F8_E8M0 `X_scales` (other tensors so named are not MXFP4:
+/// they pass through). Nothing else is validated here.
+inline std::vector<quant_pair> find_quant_pairs(const ShardedCheckpoint& ck, quant_scheme scheme) {
+  std::vector<quant_pair> out;
+  const bool fp8 = scheme != quant_scheme::mxfp4, mx = scheme != quant_scheme::fp8_block;
+  constexpr std::string_view inv = "_scale_inv", blocks = "_blocks", scales = "_scales";
+  for (const TensorInfo& t : ck.tensors) {
+    if (fp8 && quant_ends_with(t.name, inv)) {
+      out.push_back({quant_scheme::fp8_block, t.name.substr(0, t.name.size() - inv.size()), t.name, t.name.substr(0, t.name.size() - inv.size())});
+    } else if (fp8 && t.dtype == dtype::F8_E4M3 && !ck.find(fp8_scale_name(t.name))) {
+      out.push_back({quant_scheme::fp8_block, t.name, fp8_scale_name(t.name), t.name});  // a missing scale
+    } else if (mx && quant_ends_with(t.name, blocks) && t.dtype == dtype::U8) {
+      const std::string x = t.name.substr(0, t.name.size() - blocks.size());
+      out.push_back({quant_scheme::mxfp4, t.name, x + std::string(scales), x});
+    } else if (mx && quant_ends_with(t.name, scales) && (t.dtype == dtype::U8 || t.dtype == dtype::F8_E8M0) &&
+               !ck.find(t.name.substr(0, t.name.size() - scales.size()) + std::string(blocks))) {
+      const std::string x = t.name.substr(0, t.name.size() - scales.size());
+      out.push_back({quant_scheme::mxfp4, x + std::string(blocks), t.name, x});  // missing blocks
+    }
+  }
+  return out;
+}
+
+/// The bytes of tensor `t` as one source of its own, row-major and little-endian: what a
+/// safetensors or Hugging Face reader describes. Anything else (a sharded or strided tensor) is
+/// refused: the computed sources read the quantized bytes by element index.
+inline std::shared_ptr<const ByteSource> whole_bytes(const ShardedCheckpoint& ck, const TensorInfo& t, std::string_view of) {
+  const auto& c = t.chunks;
+  const bool whole = c.size() == 1 && c[0].at.stored == t.dtype && c[0].at.order == byte_order::little &&
+                     (c[0].at.strides.empty() || c[0].at.strides == contiguous_strides(t.shape)) && covers_whole(c[0].region, t.shape) &&
+                     c[0].at.source < ck.sources.size() && ck.sources[c[0].at.source];
+  if (!whole)
+    throw_error(errors::dequantize_layout, "tensor " + quote(t.name),
+                std::string("is stored in several pieces or strided; dequantizing ") + std::string(of) +
+                    " needs it whole and contiguous (a safetensors or Hugging Face checkpoint)");
+  const std::uint64_t n = byte_size(t.shape, itemsize(t.dtype));
+  return std::make_shared<SliceSource>(ck.sources[c[0].at.source], c[0].at.byte_offset, n, ck.sources[c[0].at.source]->name());
+}
+
+/// A tensor computed from others, element by element, as F32 bytes in row-major order: reading
+/// [offset, offset + n) computes just those elements, in pieces of a few KiB, so the executor
+/// dequantizes in its own blocks and bounded memory. Errors found in the bytes (a NaN scale)
+/// are thrown from read(), naming the tensor; the executor then fails and commits no file.
+class computed_source : public ByteSource {
+ public:
+  computed_source(std::string name, std::uint64_t elements) : name_(std::move(name)), size_(checked_mul(elements, 4, "byte size")) {}
+  [[nodiscard]] const std::string& name() const noexcept override { return name_; }
+  [[nodiscard]] std::uint64_t size() const noexcept override { return size_; }
+  [[nodiscard]] keep_alive owner() const override { return {}; }
+  void read(std::uint64_t offset, std::span<std::byte> dst) const override {
+    check_range(offset, dst.size());
+    constexpr std::size_t piece = 2048;
+    float buf[piece];
+    std::uint64_t at = offset;
+    std::size_t done = 0;
+    while (done < dst.size()) {
+      const std::uint64_t first = at / 4, skip = at % 4;
+      const std::uint64_t left = dst.size() - done;
+      const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(piece, (skip + left + 3) / 4));
+      compute(first, n, buf);
+      const auto take = static_cast<std::size_t>(std::min<std::uint64_t>(n * 4 - skip, left));
+      std::memcpy(dst.data() + done, reinterpret_cast<const std::byte*>(buf) + skip, take);
+      done += take;
+      at += take;
+    }
+  }
+
+ protected:
+  /// Elements [first, first + n) (n <= 2048) into out.
+  virtual void compute(std::uint64_t first, std::size_t n, float* out) const = 0;
+  /// After a read of [offset, offset + length) of `src` (a mapped file, or a slice of one)
+  /// consumed bytes up to offset + length: the mapped pages of each 2 MiB window of the file that
+  /// the read finished are released, as the executor releases the pages of the sources it copies
+  /// itself, so the file-backed RSS does not grow with the input. A window another thread still
+  /// reads is mapped again where it is used: slower, never wrong.
+  static void release_done(const ByteSource& src, std::uint64_t offset, std::uint64_t length) {
+    constexpr std::uint64_t window = std::uint64_t{2} << 20;
+    const ByteSource* p = &src;
+    while (const auto* sl = dynamic_cast<const SliceSource*>(p)) {
+      offset += sl->offset();
+      p = sl->base().get();
+    }
+    const auto* f = dynamic_cast<const InputFile*>(p);
+    if (!f || !f->data()) return;
+    const std::uint64_t lo = offset / window, hi = (offset + length) / window;
+    if (hi > lo) f->advise(lo * window, (hi - lo) * window, access_hint::dontneed);  // windows lo .. hi - 1 are behind
+  }
+  /// Bytes [offset, offset + dst.size()) of `src`: in place when mapped, else read into dst.
+  static const std::byte* bytes(const ByteSource& src, std::uint64_t offset, std::span<std::byte> dst) {
+    src.check_range(offset, dst.size());
+    if (const std::byte* d = src.data()) return d + offset;
+    src.read(offset, dst);
+    return dst.data();
+  }
+  std::string name_;
+  std::uint64_t size_;
+};
+
+/// Block-FP8 (DeepSeek-V3, Qwen3-FP8): weight F8_E4M3 [..., rows, cols], scale F32 (or BF16 / F16,
+/// widened exactly) [..., ceil(rows / br), ceil(cols / bc)]; element (i, j) is
+/// `float(w) * float(s[i / br][j / bc])`, the product rounded once to F32 (what DeepSeek's
+/// weight_dequant and transformers compute before their cast to the model's dtype).
+class fp8_block_source final : public computed_source {
+ public:
+  fp8_block_source(std::string tensor, std::shared_ptr<const ByteSource> w, std::shared_ptr<const ByteSource> s, dtype scale_dtype,
+                   const shape_t& shape, std::uint64_t br, std::uint64_t bc)
+      : computed_source("dequantized " + quote(tensor), numel(shape)), tensor_(std::move(tensor)), w_(std::move(w)), s_(std::move(s)),
+        sdt_(scale_dtype), br_(br), bc_(bc) {
+    rows_ = static_cast<std::uint64_t>(shape[shape.size() - 2]);
+    cols_ = static_cast<std::uint64_t>(shape.back());
+    srows_ = (rows_ + br - 1) / br;
+    scols_ = (cols_ + bc - 1) / bc;
+  }
+
+ private:
+  void compute(std::uint64_t first, std::size_t n, float* out) const override {
+    compute_values(first, n, out);
+    release_done(*w_, first, n);
+  }
+  void compute_values(std::uint64_t first, std::size_t n, float* out) const {
+    std::byte wbuf[2048];
+    float sbuf[2048 + 2];
+    std::size_t k = 0;
+    while (k < n) {
+      const std::uint64_t e = first + k;
+      const std::uint64_t mat = e / (rows_ * cols_), rem = e % (rows_ * cols_);
+      const std::uint64_t i = rem / cols_, j0 = rem % cols_;
+      const auto run = static_cast<std::size_t>(std::min<std::uint64_t>(n - k, cols_ - j0));
+      const std::byte* w = bytes(*w_, e, std::span<std::byte>(wbuf, run));
+      const std::uint64_t c0 = j0 / bc_, c1 = (j0 + run - 1) / bc_;
+      const std::uint64_t srow = (mat * srows_ + i / br_) * scols_;
+      const auto ns = static_cast<std::size_t>(c1 - c0 + 1);
+      const std::size_t isz = itemsize(sdt_);
+      const std::byte* sb = bytes(*s_, (srow + c0) * isz, std::span<std::byte>(reinterpret_cast<std::byte*>(sbuf), ns * isz));
+      float sv[2048 + 2];
+      if (sdt_ == dtype::F32) {
+        std::memcpy(sv, sb, ns * 4);
+      } else {
+        for (std::size_t c = 0; c < ns; ++c) {
+          std::uint16_t h = 0;
+          std::memcpy(&h, sb + c * 2, 2);
+          sv[c] = sdt_ == dtype::BF16 ? f32_from_bf16(h) : f32_from_f16(h);
+        }
+      }
+      for (std::size_t c = 0; c < ns; ++c)
+        if (!std::isfinite(sv[c]))
+          throw_error(errors::dequantize_scale_value, "tensor " + quote(tensor_),
+                      "scale [" + std::to_string(i / br_) + ", " + std::to_string(c0 + c) + "] of its matrix " + std::to_string(mat) +
+                          " is not finite (" + std::to_string(sv[c]) + ")");
+      for (std::size_t x = 0; x < run; ++x) {
+        const float v = f32_from_f8e4m3(static_cast<std::uint8_t>(w[x]));
+        out[k + x] = v * sv[(j0 + x) / bc_ - c0];
+      }
+      k += run;
+    }
+  }
+  std::string tensor_;
+  std::shared_ptr<const ByteSource> w_, s_;
+  dtype sdt_;
+  std::uint64_t br_, bc_, rows_ = 0, cols_ = 0, srows_ = 0, scols_ = 0;
+};
+
+/// MXFP4 (gpt-oss): blocks U8 [p0, p1, ..., G, 16], two E2M1 values a byte (low nibble first),
+/// scales [p0, p1, ..., G] of E8M0 exponents (2^(e - 127)). The values, [p0, p1, ..., G * 32],
+/// are returned with dimensions 1 and 2 swapped, as transformers' convert_moe_packed_tensors
+/// does: gate_up_proj_blocks [E, N, G, 16] gives gate_up_proj [E, G * 32, N].
+class mxfp4_source final : public computed_source {
+ public:
+  mxfp4_source(std::string tensor, std::shared_ptr<const ByteSource> b, std::shared_ptr<const ByteSource> s, const shape_t& values_shape)
+      : computed_source("dequantized " + quote(tensor), numel(values_shape)), tensor_(std::move(tensor)), b_(std::move(b)), s_(std::move(s)) {
+    // Every row index computed is below numel / 32, so these bounds make in-place reads safe.
+    b_->check_range(0, size_ / 4 / 2, "MXFP4 blocks");
+    s_->check_range(0, size_ / 4 / 32, "MXFP4 scales");
+    const shape_t ts = contiguous_strides(values_shape);
+    out_shape_ = values_shape;
+    std::swap(out_shape_[1], out_shape_[2]);
+    step_.assign(ts.begin(), ts.end());
+    std::swap(step_[1], step_[2]);
+  }
+  [[nodiscard]] const shape_t& shape() const noexcept { return out_shape_; }
+
+ private:
+  void compute(std::uint64_t first, std::size_t n, float* out) const override {
+    compute_values(first, n, out);
+    // Output elements of one expert (dimension 0) read its blocks only: released once passed.
+    const std::uint64_t per = size_ / 4 / static_cast<std::uint64_t>(out_shape_[0]);
+    if (per != 0 && (first + n) / per > first / per) {
+      const std::uint64_t e0 = first / per, e1 = (first + n) / per;  // experts e0 .. e1 - 1 are done
+      release_done(*b_, e0 * (per / 2), (e1 - e0) * (per / 2));
+    }
+  }
+  void compute_values(std::uint64_t first, std::size_t n, float* out) const {
+    static constexpr float lut[16] = {0.0F, 0.5F, 1.0F, 1.5F, 2.0F, 3.0F, 4.0F, 6.0F, -0.0F, -0.5F, -1.0F, -1.5F, -2.0F, -3.0F, -4.0F, -6.0F};
+    const std::size_t r = out_shape_.size();
+    // The output index of `first`, and the values' flat index t it reads.
+    std::vector<std::uint64_t> idx(r);
+    std::uint64_t rest = first, t = 0;
+    for (std::size_t d = r; d-- > 0;) {
+      const auto size = static_cast<std::uint64_t>(out_shape_[d]);
+      idx[d] = rest % size;
+      rest /= size;
+      t += idx[d] * static_cast<std::uint64_t>(step_[d]);
+    }
+    std::uint64_t row = ~std::uint64_t{0};
+    std::byte blk[16], sc[1];
+    const std::byte* b = nullptr;
+    float scale = 0;
+    // Mapped sources (checked whole once): read in place without a call per row.
+    const std::byte* bmap = b_->data();
+    const std::byte* smap = s_->data();
+    for (std::size_t k = 0; k < n; ++k) {
+      if (t / 32 != row) {
+        row = t / 32;
+        b = bmap ? bmap + row * 16 : bytes(*b_, row * 16, blk);
+        const auto e = static_cast<std::uint8_t>(smap ? smap[row] : *bytes(*s_, row, sc));
+        if (e == 0xff)
+          throw_error(errors::dequantize_scale_value, "tensor " + quote(tensor_),
+                      "scale " + std::to_string(row) + " (row-major, of " + std::to_string(s_->size()) + ") is 0xff, E8M0's NaN");
+        scale = f32_from_f8e8m0(e);
+      }
+      const std::uint64_t q = t % 32;
+      const auto byte = static_cast<std::uint8_t>(b[q / 2]);
+      out[k] = lut[(q % 2) ? (byte >> 4) : (byte & 0xf)] * scale;
+      // Next output index.
+      for (std::size_t d = r; d-- > 0;) {
+        t += static_cast<std::uint64_t>(step_[d]);
+        if (++idx[d] < static_cast<std::uint64_t>(out_shape_[d])) break;
+        t -= idx[d] * static_cast<std::uint64_t>(step_[d]);
+        idx[d] = 0;
+      }
+    }
+  }
+  std::string tensor_;
+  std::shared_ptr<const ByteSource> b_, s_;
+  shape_t out_shape_, step_;
+};
+
+}  // namespace formats::detail
+}  // namespace statedict::inline v0
 // ---- statedict/formats/detail/rename_tree.hpp ----
 // statedict: renaming the leaves of a state-dict tree (formats/transform.hpp rename()).
 // SPDX-License-Identifier: MIT
@@ -20652,11 +20973,31 @@ STATEDICT_API std::vector<Tie> tied_names(const Skeleton& skeleton) {
 
 /// Sets every floating tensor's logical dtype to `to` (the executor casts exactly, rounding to
 /// nearest even), in the tensors and in the skeleton. Integer, bool and complex tensors keep theirs.
+/// Refuses (errors::dequantize_needed, naming the tensor) to cast a checkpoint holding quantized
+/// pairs (detail/dequantize.hpp): block-FP8 weights cast without their scales, or MXFP4 blocks
+/// left beside tensors of another dtype, would be silently wrong. dequantize() first, or keep
+/// the quantized tensors' dtype (cast_options::keep).
 STATEDICT_API void cast(ShardedCheckpoint& ck, dtype to, const cast_options& opt = {}) {
   if (!is_floating(to)) throw_error(errors::unsupported_cast, "--dtype " + std::string(name(to)), "is not a floating dtype");
-  bool kept = false;  // a floating tensor left as it is (of integer origin)
+  for (const auto& p : detail::find_quant_pairs(ck, quant_scheme::any)) {
+    const TensorInfo* v = ck.find(p.values);
+    const TensorInfo* sc = ck.find(p.scales);
+    if (!v || !sc || (opt.keep && opt.keep(v->name))) continue;
+    const bool quantized = p.scheme == quant_scheme::fp8_block ? v->dtype == dtype::F8_E4M3 : v->dtype == dtype::U8;
+    if (quantized)
+      throw_error(errors::dequantize_needed, "tensor " + quote(v->name),
+                  std::string("is ") + (p.scheme == quant_scheme::fp8_block ? "block-FP8" : "MXFP4") + " quantized (its scales are " +
+                      quote(sc->name) + "): --dtype " + std::string(name(to)) +
+                      " would cast it without them; dequantize it (convert --dequantize " +
+                      (p.scheme == quant_scheme::fp8_block ? "fp8-block" : "mxfp4") + ") or keep its dtype (--keep-dtype)");
+  }
+  bool kept = false;  // a floating tensor left as it is (of integer origin, or asked for)
   for (TensorInfo& t : ck.tensors) {
     if (!is_floating(t.dtype)) continue;
+    if (opt.keep && opt.keep(t.name)) {
+      kept = true;
+      continue;
+    }
     if (t.converted_from && !is_floating(*t.converted_from) && !opt.integer_origin) {
       kept = true;
       continue;
@@ -20924,6 +21265,109 @@ STATEDICT_API ShardedCheckpoint concat(const ShardedCheckpoint& ck, const std::v
   parent = Value(std::move(rebuilt));
   detail::rename_tree(form.tree(), rename_map({{prefix + key, to}}));
   return form.result();
+}
+
+/// The checkpoint with its quantized pairs (opt.scheme; docs/formats/quantized.md) replaced by
+/// computed tensors of logical dtype F32 that the executor dequantizes while it streams, in its
+/// bounded memory; the scale tensors go, every other tensor stays as it is (cast() then sets the
+/// output dtype: one more rounding, from the F32 product, as the references do).
+///   block-FP8: `N` F8_E4M3 [..., rows, cols] and `N_scale_inv` (`X.weight_scale_inv`) F32 (BF16, F16)
+///     [..., ceil(rows / block_rows), ceil(cols / block_cols)] -> `N` F32, float(w) * scale.
+///   MXFP4: `X_blocks` U8 [E, N, ..., G, 16] and `X_scales` U8 [E, N, ..., G] -> `X` F32 with the
+///     values [E, N, ..., G * 32] with dimensions 1 and 2 swapped (transformers' layout).
+/// Shapes, dtypes and names are checked here (a missing or misshapen scale is an error naming the
+/// tensor); a scale that is not finite is found while streaming, and the executor's error names it.
+STATEDICT_API ShardedCheckpoint dequantize(const ShardedCheckpoint& ck, const dequantize_options& opt = {}) {
+  if (opt.block_rows == 0 || opt.block_cols == 0)
+    throw_error(errors::dequantize_bad_scale, "block size", "block-FP8 blocks of " + std::to_string(opt.block_rows) + " x " +
+                                                              std::to_string(opt.block_cols) + " elements: both must be at least 1");
+  const auto pairs = detail::find_quant_pairs(ck, opt.scheme);
+  if (pairs.empty()) return ck;
+  ShardedCheckpoint out = ck;
+  std::map<std::string, std::string, std::less<>> renames;
+  std::vector<std::string> dropped;
+  std::vector<TensorInfo> replaced;
+  auto dims = [](const shape_t& s) { return to_string(s); };
+  for (const auto& p : pairs) {
+    const TensorInfo* v = ck.find(p.values);
+    const TensorInfo* s = ck.find(p.scales);
+    const bool fp8 = p.scheme == quant_scheme::fp8_block;
+    if (!v)
+      throw_error(errors::dequantize_bad_scale, "tensor " + quote(p.scales),
+                  "looks like the scales of " + quote(p.values) + ", which is not in the checkpoint");
+    if (!s)
+      throw_error(errors::dequantize_no_scale, "tensor " + quote(v->name),
+                  std::string("is ") + (fp8 ? "F8_E4M3" : "MXFP4 blocks") + " without its scales " + quote(p.scales) + ": cannot dequantize it");
+    shape_t values_shape;  // MXFP4: the values before the transpose
+    if (fp8) {
+      if (v->dtype != dtype::F8_E4M3 || v->shape.size() < 2)
+        throw_error(errors::dequantize_bad_blocks, "tensor " + quote(v->name),
+                    "is " + std::string(name(v->dtype)) + " " + dims(v->shape) + "; a block-FP8 weight (beside " + quote(s->name) +
+                        ") is F8_E4M3 with at least 2 dimensions");
+      shape_t want = v->shape;
+      want[want.size() - 2] = static_cast<dim_t>((static_cast<std::uint64_t>(want[want.size() - 2]) + opt.block_rows - 1) / opt.block_rows);
+      want.back() = static_cast<dim_t>((static_cast<std::uint64_t>(want.back()) + opt.block_cols - 1) / opt.block_cols);
+      if ((s->dtype != dtype::F32 && s->dtype != dtype::BF16 && s->dtype != dtype::F16) || s->shape != want)
+        throw_error(errors::dequantize_bad_scale, "tensor " + quote(s->name),
+                    "is " + std::string(name(s->dtype)) + " " + dims(s->shape) + "; the scales of " + quote(v->name) + " " + dims(v->shape) +
+                        " in blocks of " + std::to_string(opt.block_rows) + " x " + std::to_string(opt.block_cols) + " are F32 (or BF16, F16) " + dims(want));
+    } else {
+      if (v->dtype != dtype::U8 || v->shape.size() < 4 || v->shape.back() != 16)
+        throw_error(errors::dequantize_bad_blocks, "tensor " + quote(v->name),
+                    "is " + std::string(name(v->dtype)) + " " + dims(v->shape) +
+                        "; MXFP4 blocks are U8 [E, N, ..., G, 16] (the dequantized tensor's dimensions 1 and 2 are swapped, as transformers "
+                        "does, so it needs at least 3)");
+      const shape_t want(v->shape.begin(), v->shape.end() - 1);
+      if ((s->dtype != dtype::U8 && s->dtype != dtype::F8_E8M0) || s->shape != want)
+        throw_error(errors::dequantize_bad_scale, "tensor " + quote(s->name),
+                    "is " + std::string(name(s->dtype)) + " " + dims(s->shape) + "; the scales of " + quote(v->name) + " " + dims(v->shape) +
+                        " are U8 " + dims(want) + " (one E8M0 exponent per block of 32 values)");
+      if (ck.find(p.output))
+        throw_error(errors::dequantize_name_taken, "tensor " + quote(p.output),
+                    "is already in the checkpoint: the dequantized " + quote(v->name) + " would take its name");
+      values_shape = want;
+      values_shape.back() = static_cast<dim_t>(checked_mul(static_cast<std::uint64_t>(want.back()), 32));
+    }
+    auto vb = detail::whole_bytes(ck, *v, "it");
+    auto sb = detail::whole_bytes(ck, *s, "its tensor");
+    std::shared_ptr<const ByteSource> src;
+    shape_t shape = v->shape;
+    if (fp8) {
+      src = std::make_shared<detail::fp8_block_source>(v->name, std::move(vb), std::move(sb), s->dtype, v->shape, opt.block_rows, opt.block_cols);
+    } else {
+      auto mx = std::make_shared<detail::mxfp4_source>(p.output, std::move(vb), std::move(sb), values_shape);
+      shape = mx->shape();
+      src = std::move(mx);
+    }
+    out.sources.push_back(std::move(src));
+    const auto at = static_cast<std::uint32_t>(out.sources.size() - 1);
+    TensorInfo t{v->name, dtype::F32, shape, {Chunk{full_box(shape), Placement{at, 0, {}, dtype::F32}}}};
+    t.converted_from = fp8 ? std::optional<dtype>(v->dtype) : std::nullopt;
+    replaced.push_back(std::move(t));
+    if (p.output != v->name) renames.emplace(v->name, p.output);
+    dropped.push_back(s->name);
+  }
+  if (out.skeleton.is_null()) {
+    for (TensorInfo& t : replaced) out.tensors[static_cast<std::size_t>(out.find(t.name) - out.tensors.data())] = std::move(t);
+    std::sort(dropped.begin(), dropped.end());
+    out = drop(out, [&](std::string_view n) { return std::binary_search(dropped.begin(), dropped.end(), n); });
+  } else {
+    // A tree (a torch.save file): each quantized tensor's entry gets the computed tensor, the
+    // scales' entries go; values, ties to other tensors and the structure stay.
+    detail::tree_form form(out);
+    for (TensorInfo& t : replaced) {
+      const std::string n = t.name;
+      const Path at = detail::entry_of(form.tree(), *form.placeholder(n), n);
+      *find_path(form.tree(), at) = Value(form.add(std::move(t)));
+    }
+    for (const std::string& n : dropped) {
+      const Path at = detail::entry_of(form.tree(), *form.placeholder(n), n);
+      find_path(form.tree(), Path(at.begin(), at.end() - 1))->as_dict().erase(at.back());
+    }
+    out = form.result();
+  }
+  if (!renames.empty()) out = rename(out, rename_map(std::move(renames)));
+  return out;
 }
 
 /// Throws errors::stale_skeleton unless the skeleton and the tensors agree: every tensor node
@@ -33538,6 +33982,31 @@ STATEDICT_API std::shared_ptr<const Format> find_format(std::string_view name) {
 }
 
 
+namespace detail {
+/// A Hugging Face config.json's `quantization_config.weight_block_size` ([rows, cols]) into `d`;
+/// nothing when there is no such file or entry. A file above 16 MiB or a block size that is not
+/// two positive integers is an error.
+inline void block_size_from_config(const std::filesystem::path& config, dequantize_options& d) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(config, ec)) return;
+  const auto f = InputFile::open(config, read_mode::pread);
+  if (f->size() > (std::uint64_t{16} << 20)) throw_error(errors::dequantize_bad_scale, "file " + quote(config.string()), "is larger than 16 MiB");
+  std::string text(static_cast<std::size_t>(f->size()), '\0');
+  f->read(0, std::as_writable_bytes(std::span<char>(text.data(), text.size())));
+  const auto j = nlohmann::json::parse(text, nullptr, false);
+  if (!j.is_object() || !j.contains("quantization_config") || !j["quantization_config"].is_object()) return;
+  const auto& q = j["quantization_config"];
+  if (!q.contains("weight_block_size")) return;
+  const auto& b = q["weight_block_size"];
+  if (!b.is_array() || b.size() != 2 || !b[0].is_number_unsigned() || !b[1].is_number_unsigned() || b[0].get<std::uint64_t>() == 0 ||
+      b[1].get<std::uint64_t>() == 0)
+    throw_error(errors::dequantize_bad_scale, "file " + quote(config.string()),
+                "quantization_config.weight_block_size is " + b.dump() + ", not two positive integers [rows, cols]");
+  d.block_rows = b[0].get<std::uint64_t>();
+  d.block_cols = b[1].get<std::uint64_t>();
+}
+}  // namespace detail
+
 /// Opens `path` (a file or a directory) as a ShardedCheckpoint, detecting its format from content
 /// (or reading it as `opt.format`), and applies `opt.dtype` to every floating tensor.
 STATEDICT_API Opened open(const std::filesystem::path& path, const open_options& opt = {}) {
@@ -33571,7 +34040,12 @@ STATEDICT_API Opened open(const std::filesystem::path& path, const open_options&
     }
   }
   out.checkpoint = out.format->describe(in, opt);
-  if (opt.dtype && !out.format->applies_dtype()) cast(out.checkpoint, *opt.dtype, cast_options{opt.cast_integer_origin});
+  if (opt.dequantize) {
+    dequantize_options d = *opt.dequantize;
+    if (in.is_directory()) detail::block_size_from_config(path / "config.json", d);
+    out.checkpoint = dequantize(out.checkpoint, d);
+  }
+  if (opt.dtype && !out.format->applies_dtype()) cast(out.checkpoint, *opt.dtype, cast_options{opt.cast_integer_origin, opt.keep_dtype});
   return out;
 }
 

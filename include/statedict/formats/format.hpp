@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -30,6 +31,7 @@
 #include "../io/file.hpp"
 #include "../shard/checkpoint.hpp"
 #include "../shard/plan_options.hpp"
+#include "transform_types.hpp"
 
 namespace statedict::inline v0 {
 
@@ -110,6 +112,11 @@ struct open_options {
   /// With `dtype`: also cast tensors a reader converted to a floating dtype from an integer one
   /// (DeepSpeed's buffers: TensorInfo::converted_from), which the dtype may not hold exactly.
   bool cast_integer_origin = false;
+  /// With `dtype`: tensors whose names this accepts keep their dtype (`--keep-dtype REGEX`).
+  std::function<bool(std::string_view)> keep_dtype;
+  /// Dequantize block-FP8 / MXFP4 pairs (formats::dequantize) before `dtype` is applied. For a
+  /// directory with a config.json, its `quantization_config.weight_block_size` gives the block.
+  std::optional<dequantize_options> dequantize;
   /// Check that replicated copies agree (ShardedTensor rank files; the planner checks the rest).
   bool check_replicas = false;
   /// Read the input as this format (its registry name) instead of detecting it.

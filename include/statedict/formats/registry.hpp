@@ -99,6 +99,31 @@ STATEDICT_API std::shared_ptr<const Format> find_format(std::string_view name) {
 }
 
 
+namespace detail {
+/// A Hugging Face config.json's `quantization_config.weight_block_size` ([rows, cols]) into `d`;
+/// nothing when there is no such file or entry. A file above 16 MiB or a block size that is not
+/// two positive integers is an error.
+inline void block_size_from_config(const std::filesystem::path& config, dequantize_options& d) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(config, ec)) return;
+  const auto f = InputFile::open(config, read_mode::pread);
+  if (f->size() > (std::uint64_t{16} << 20)) throw_error(errors::dequantize_bad_scale, "file " + quote(config.string()), "is larger than 16 MiB");
+  std::string text(static_cast<std::size_t>(f->size()), '\0');
+  f->read(0, std::as_writable_bytes(std::span<char>(text.data(), text.size())));
+  const auto j = nlohmann::json::parse(text, nullptr, false);
+  if (!j.is_object() || !j.contains("quantization_config") || !j["quantization_config"].is_object()) return;
+  const auto& q = j["quantization_config"];
+  if (!q.contains("weight_block_size")) return;
+  const auto& b = q["weight_block_size"];
+  if (!b.is_array() || b.size() != 2 || !b[0].is_number_unsigned() || !b[1].is_number_unsigned() || b[0].get<std::uint64_t>() == 0 ||
+      b[1].get<std::uint64_t>() == 0)
+    throw_error(errors::dequantize_bad_scale, "file " + quote(config.string()),
+                "quantization_config.weight_block_size is " + b.dump() + ", not two positive integers [rows, cols]");
+  d.block_rows = b[0].get<std::uint64_t>();
+  d.block_cols = b[1].get<std::uint64_t>();
+}
+}  // namespace detail
+
 /// Opens `path` (a file or a directory) as a ShardedCheckpoint, detecting its format from content
 /// (or reading it as `opt.format`), and applies `opt.dtype` to every floating tensor.
 STATEDICT_API Opened open(const std::filesystem::path& path, const open_options& opt = {}) {
@@ -132,7 +157,12 @@ STATEDICT_API Opened open(const std::filesystem::path& path, const open_options&
     }
   }
   out.checkpoint = out.format->describe(in, opt);
-  if (opt.dtype && !out.format->applies_dtype()) cast(out.checkpoint, *opt.dtype, cast_options{opt.cast_integer_origin});
+  if (opt.dequantize) {
+    dequantize_options d = *opt.dequantize;
+    if (in.is_directory()) detail::block_size_from_config(path / "config.json", d);
+    out.checkpoint = dequantize(out.checkpoint, d);
+  }
+  if (opt.dtype && !out.format->applies_dtype()) cast(out.checkpoint, *opt.dtype, cast_options{opt.cast_integer_origin, opt.keep_dtype});
   return out;
 }
 

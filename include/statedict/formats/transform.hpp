@@ -9,7 +9,9 @@
 //   filter(ck, keep)        the leaves whose names `keep` accepts (drop: the others; a dropped
 //                           list element before a kept one becomes None, so kept ones keep their
 //                           index); select(ck, prefixes) is the filter of `--only`
-//   cast(ck, dtype)         every floating tensor's dtype (cast_options: also integer-origin buffers)
+//   cast(ck, dtype)         every floating tensor's dtype (cast_options: also integer-origin buffers,
+//                           or keep some); refuses quantized pairs that dequantize() has not replaced
+//   dequantize(ck, opt)     block-FP8 and MXFP4 pairs as computed F32 tensors, scales dropped
 //   split(ck, name, ...)    a tensor cut along a dimension into named parts
 //   concat(ck, names, ...)  tensors joined along a dimension into one
 //   check_consistent(ck)    the skeleton and the tensors agree (every writer checks it first)
@@ -42,6 +44,7 @@
 #include "../io/safetensors.hpp"
 #include "../shard/box.hpp"
 #include "../shard/checkpoint.hpp"
+#include "detail/dequantize.hpp"
 #include "detail/rename_tree.hpp"
 #include "transform_types.hpp"
 #include "detail/tree_form.hpp"
@@ -88,11 +91,31 @@ STATEDICT_API std::vector<Tie> tied_names(const Skeleton& skeleton) {
 
 /// Sets every floating tensor's logical dtype to `to` (the executor casts exactly, rounding to
 /// nearest even), in the tensors and in the skeleton. Integer, bool and complex tensors keep theirs.
+/// Refuses (errors::dequantize_needed, naming the tensor) to cast a checkpoint holding quantized
+/// pairs (detail/dequantize.hpp): block-FP8 weights cast without their scales, or MXFP4 blocks
+/// left beside tensors of another dtype, would be silently wrong. dequantize() first, or keep
+/// the quantized tensors' dtype (cast_options::keep).
 STATEDICT_API void cast(ShardedCheckpoint& ck, dtype to, const cast_options& opt = {}) {
   if (!is_floating(to)) throw_error(errors::unsupported_cast, "--dtype " + std::string(name(to)), "is not a floating dtype");
-  bool kept = false;  // a floating tensor left as it is (of integer origin)
+  for (const auto& p : detail::find_quant_pairs(ck, quant_scheme::any)) {
+    const TensorInfo* v = ck.find(p.values);
+    const TensorInfo* sc = ck.find(p.scales);
+    if (!v || !sc || (opt.keep && opt.keep(v->name))) continue;
+    const bool quantized = p.scheme == quant_scheme::fp8_block ? v->dtype == dtype::F8_E4M3 : v->dtype == dtype::U8;
+    if (quantized)
+      throw_error(errors::dequantize_needed, "tensor " + quote(v->name),
+                  std::string("is ") + (p.scheme == quant_scheme::fp8_block ? "block-FP8" : "MXFP4") + " quantized (its scales are " +
+                      quote(sc->name) + "): --dtype " + std::string(name(to)) +
+                      " would cast it without them; dequantize it (convert --dequantize " +
+                      (p.scheme == quant_scheme::fp8_block ? "fp8-block" : "mxfp4") + ") or keep its dtype (--keep-dtype)");
+  }
+  bool kept = false;  // a floating tensor left as it is (of integer origin, or asked for)
   for (TensorInfo& t : ck.tensors) {
     if (!is_floating(t.dtype)) continue;
+    if (opt.keep && opt.keep(t.name)) {
+      kept = true;
+      continue;
+    }
     if (t.converted_from && !is_floating(*t.converted_from) && !opt.integer_origin) {
       kept = true;
       continue;
@@ -360,6 +383,109 @@ STATEDICT_API ShardedCheckpoint concat(const ShardedCheckpoint& ck, const std::v
   parent = Value(std::move(rebuilt));
   detail::rename_tree(form.tree(), rename_map({{prefix + key, to}}));
   return form.result();
+}
+
+/// The checkpoint with its quantized pairs (opt.scheme; docs/formats/quantized.md) replaced by
+/// computed tensors of logical dtype F32 that the executor dequantizes while it streams, in its
+/// bounded memory; the scale tensors go, every other tensor stays as it is (cast() then sets the
+/// output dtype: one more rounding, from the F32 product, as the references do).
+///   block-FP8: `N` F8_E4M3 [..., rows, cols] and `N_scale_inv` (`X.weight_scale_inv`) F32 (BF16, F16)
+///     [..., ceil(rows / block_rows), ceil(cols / block_cols)] -> `N` F32, float(w) * scale.
+///   MXFP4: `X_blocks` U8 [E, N, ..., G, 16] and `X_scales` U8 [E, N, ..., G] -> `X` F32 with the
+///     values [E, N, ..., G * 32] with dimensions 1 and 2 swapped (transformers' layout).
+/// Shapes, dtypes and names are checked here (a missing or misshapen scale is an error naming the
+/// tensor); a scale that is not finite is found while streaming, and the executor's error names it.
+STATEDICT_API ShardedCheckpoint dequantize(const ShardedCheckpoint& ck, const dequantize_options& opt = {}) {
+  if (opt.block_rows == 0 || opt.block_cols == 0)
+    throw_error(errors::dequantize_bad_scale, "block size", "block-FP8 blocks of " + std::to_string(opt.block_rows) + " x " +
+                                                              std::to_string(opt.block_cols) + " elements: both must be at least 1");
+  const auto pairs = detail::find_quant_pairs(ck, opt.scheme);
+  if (pairs.empty()) return ck;
+  ShardedCheckpoint out = ck;
+  std::map<std::string, std::string, std::less<>> renames;
+  std::vector<std::string> dropped;
+  std::vector<TensorInfo> replaced;
+  auto dims = [](const shape_t& s) { return to_string(s); };
+  for (const auto& p : pairs) {
+    const TensorInfo* v = ck.find(p.values);
+    const TensorInfo* s = ck.find(p.scales);
+    const bool fp8 = p.scheme == quant_scheme::fp8_block;
+    if (!v)
+      throw_error(errors::dequantize_bad_scale, "tensor " + quote(p.scales),
+                  "looks like the scales of " + quote(p.values) + ", which is not in the checkpoint");
+    if (!s)
+      throw_error(errors::dequantize_no_scale, "tensor " + quote(v->name),
+                  std::string("is ") + (fp8 ? "F8_E4M3" : "MXFP4 blocks") + " without its scales " + quote(p.scales) + ": cannot dequantize it");
+    shape_t values_shape;  // MXFP4: the values before the transpose
+    if (fp8) {
+      if (v->dtype != dtype::F8_E4M3 || v->shape.size() < 2)
+        throw_error(errors::dequantize_bad_blocks, "tensor " + quote(v->name),
+                    "is " + std::string(name(v->dtype)) + " " + dims(v->shape) + "; a block-FP8 weight (beside " + quote(s->name) +
+                        ") is F8_E4M3 with at least 2 dimensions");
+      shape_t want = v->shape;
+      want[want.size() - 2] = static_cast<dim_t>((static_cast<std::uint64_t>(want[want.size() - 2]) + opt.block_rows - 1) / opt.block_rows);
+      want.back() = static_cast<dim_t>((static_cast<std::uint64_t>(want.back()) + opt.block_cols - 1) / opt.block_cols);
+      if ((s->dtype != dtype::F32 && s->dtype != dtype::BF16 && s->dtype != dtype::F16) || s->shape != want)
+        throw_error(errors::dequantize_bad_scale, "tensor " + quote(s->name),
+                    "is " + std::string(name(s->dtype)) + " " + dims(s->shape) + "; the scales of " + quote(v->name) + " " + dims(v->shape) +
+                        " in blocks of " + std::to_string(opt.block_rows) + " x " + std::to_string(opt.block_cols) + " are F32 (or BF16, F16) " + dims(want));
+    } else {
+      if (v->dtype != dtype::U8 || v->shape.size() < 4 || v->shape.back() != 16)
+        throw_error(errors::dequantize_bad_blocks, "tensor " + quote(v->name),
+                    "is " + std::string(name(v->dtype)) + " " + dims(v->shape) +
+                        "; MXFP4 blocks are U8 [E, N, ..., G, 16] (the dequantized tensor's dimensions 1 and 2 are swapped, as transformers "
+                        "does, so it needs at least 3)");
+      const shape_t want(v->shape.begin(), v->shape.end() - 1);
+      if ((s->dtype != dtype::U8 && s->dtype != dtype::F8_E8M0) || s->shape != want)
+        throw_error(errors::dequantize_bad_scale, "tensor " + quote(s->name),
+                    "is " + std::string(name(s->dtype)) + " " + dims(s->shape) + "; the scales of " + quote(v->name) + " " + dims(v->shape) +
+                        " are U8 " + dims(want) + " (one E8M0 exponent per block of 32 values)");
+      if (ck.find(p.output))
+        throw_error(errors::dequantize_name_taken, "tensor " + quote(p.output),
+                    "is already in the checkpoint: the dequantized " + quote(v->name) + " would take its name");
+      values_shape = want;
+      values_shape.back() = static_cast<dim_t>(checked_mul(static_cast<std::uint64_t>(want.back()), 32));
+    }
+    auto vb = detail::whole_bytes(ck, *v, "it");
+    auto sb = detail::whole_bytes(ck, *s, "its tensor");
+    std::shared_ptr<const ByteSource> src;
+    shape_t shape = v->shape;
+    if (fp8) {
+      src = std::make_shared<detail::fp8_block_source>(v->name, std::move(vb), std::move(sb), s->dtype, v->shape, opt.block_rows, opt.block_cols);
+    } else {
+      auto mx = std::make_shared<detail::mxfp4_source>(p.output, std::move(vb), std::move(sb), values_shape);
+      shape = mx->shape();
+      src = std::move(mx);
+    }
+    out.sources.push_back(std::move(src));
+    const auto at = static_cast<std::uint32_t>(out.sources.size() - 1);
+    TensorInfo t{v->name, dtype::F32, shape, {Chunk{full_box(shape), Placement{at, 0, {}, dtype::F32}}}};
+    t.converted_from = fp8 ? std::optional<dtype>(v->dtype) : std::nullopt;
+    replaced.push_back(std::move(t));
+    if (p.output != v->name) renames.emplace(v->name, p.output);
+    dropped.push_back(s->name);
+  }
+  if (out.skeleton.is_null()) {
+    for (TensorInfo& t : replaced) out.tensors[static_cast<std::size_t>(out.find(t.name) - out.tensors.data())] = std::move(t);
+    std::sort(dropped.begin(), dropped.end());
+    out = drop(out, [&](std::string_view n) { return std::binary_search(dropped.begin(), dropped.end(), n); });
+  } else {
+    // A tree (a torch.save file): each quantized tensor's entry gets the computed tensor, the
+    // scales' entries go; values, ties to other tensors and the structure stay.
+    detail::tree_form form(out);
+    for (TensorInfo& t : replaced) {
+      const std::string n = t.name;
+      const Path at = detail::entry_of(form.tree(), *form.placeholder(n), n);
+      *find_path(form.tree(), at) = Value(form.add(std::move(t)));
+    }
+    for (const std::string& n : dropped) {
+      const Path at = detail::entry_of(form.tree(), *form.placeholder(n), n);
+      find_path(form.tree(), Path(at.begin(), at.end() - 1))->as_dict().erase(at.back());
+    }
+    out = form.result();
+  }
+  if (!renames.empty()) out = rename(out, rename_map(std::move(renames)));
+  return out;
 }
 
 /// Throws errors::stale_skeleton unless the skeleton and the tensors agree: every tensor node

@@ -3,6 +3,7 @@
 // SPDX-License-Identifier: MIT
 #pragma once
 
+#include <cstdint>
 #include <functional>
 #include <map>
 #include <optional>
@@ -28,6 +29,24 @@ struct cast_options {
   /// buffers, made F32 as zero_to_fp32 makes them: TensorInfo::converted_from). Off by default:
   /// BF16 or F16 cannot hold every integer (2^8 + 1 and 2^11 + 1 are the first they round).
   bool integer_origin = false;
+  /// Tensors whose names this accepts keep their dtype (`convert --keep-dtype REGEX`); empty: none.
+  std::function<bool(std::string_view)> keep;
+};
+
+/// The quantization schemes dequantize() knows (docs/formats/quantized.md).
+enum class quant_scheme : std::uint8_t {
+  fp8_block,  ///< `X.weight` F8_E4M3 with `X.weight_scale_inv` F32 per block (DeepSeek-V3, Qwen3-FP8)
+  mxfp4,      ///< `X_blocks` U8 (two E2M1 a byte) with `X_scales` U8 E8M0 exponents (gpt-oss)
+  any,        ///< both, each pair recognised by its names, dtypes and shapes
+};
+
+/// What dequantize() does.
+struct dequantize_options {
+  quant_scheme scheme = quant_scheme::any;
+  /// Block-FP8 block size, rows then columns (a Hugging Face config's
+  /// `quantization_config.weight_block_size`); DeepSeek-V3's 128 x 128 by default.
+  std::uint64_t block_rows = 128;
+  std::uint64_t block_cols = 128;
 };
 
 /// One part of a split: its name and its size along the split dimension.
