@@ -219,12 +219,14 @@ def b3(ctx, runner):
 
 
 # ------------------------------------------------------------------------------------------- B4
-def b4(ctx, runner):
+def reshard_case(ctx, runner, cid, args, validate, ratio, title, output, cpu_limit=None, anon_cap_mib=None):
+    """The B1 checkpoint converted by `statedict convert ROOT OUT ARGS...` into a directory of
+    rank files, against `cp` of exactly the bytes statedict wrote (its warm-up output, kept aside)."""
     root, ref = ctx.zero(ctx.args.zero_gib)
     sd, w = ctx.statedict, ctx.work
-    out_sd = os.path.join(w, "B4-statedict.dcp")
-    cp_src = os.path.join(w, "B4-cp-source")
-    out_cp = os.path.join(w, "B4-cp.out")
+    out_sd = os.path.join(w, f"{cid}-statedict.out")
+    cp_src = os.path.join(w, f"{cid}-cp-source")
+    out_cp = os.path.join(w, f"{cid}-cp.out")
     state = {"src": None}
     if os.path.lexists(cp_src):
         shutil.rmtree(cp_src)
@@ -238,29 +240,33 @@ def b4(ctx, runner):
         return state["src"] or ref
 
     peers = [
-        # --dcp-layout 1.13: the output is checked with torch 1.13's own DCP reader (dcp_equal), which
-        # cannot unpickle the 2.x class names statedict writes by default; the data files are the same.
-        Peer("statedict", [sd, "convert", root, out_sd, "--to", "dcp", "--world-size", "3", "--dcp-layout", "1.13"],
-             kind="statedict",
-             inputs=[root], output=out_sd, binary=sd, after_warmup=keep_output, validate=dcp_equal(ctx, ref)),
+        Peer("statedict", [sd, "convert", root, out_sd] + args, kind="statedict", inputs=[root], output=out_sd,
+             binary=sd, after_warmup=keep_output, validate=validate(root, ref)),
         Peer("cp of the output bytes", lambda: cp_argv(cp_source(), out_cp), kind="limit",
              inputs=lambda: [cp_source()], output=out_cp),
     ]
-    results = runner.run("B4", peers, ctx.args.reps, ctx.args.cold_reps, ctx.args.cold_method)
-    status, detail = _ratio_verdict(results, 1.3, cpu_limit=1.1)
+    results = runner.run(cid, peers, ctx.args.reps, ctx.args.cold_reps, ctx.args.cold_method)
+    status, detail = _ratio_verdict(results, ratio, cpu_limit=cpu_limit, anon_cap_mib=anon_cap_mib)
     src = cp_source()
     note = (f"cp copies statedict's own warm-up output ({cache.total_bytes([src]) / GiB:.2f} GiB, "
             f"{sum(1 for _ in cache.files_under([src]))} files)" if state["src"] else
-            f"statedict did not run: cp copies the consolidated weights ({os.path.getsize(ref) / GiB:.2f} GiB), "
-            "the expected size of a weights-only output")
+            f"statedict did not run: cp copies the consolidated weights ({os.path.getsize(ref) / GiB:.2f} GiB)")
     if state["src"]:
         shutil.rmtree(cp_src, ignore_errors=True)
     return {
-        "title": "reshard 8 -> 3 ranks (ZeRO-3 -> DCP)",
+        "title": title,
         "input": f"the B1 checkpoint ({ctx.args.zero_ranks}-rank ZeRO-3, {cache.total_bytes([root]) / GiB:.2f} GiB); "
-                 f"output: torch.distributed.checkpoint directory for 3 ranks; {note}",
+                 f"output: {output}; {note}",
         "results": results, "verdict": status, "detail": detail,
     }
+
+
+def b4(ctx, runner):
+    # --dcp-layout 1.13: the output is checked with torch 1.13's own DCP reader (dcp_equal), which
+    # cannot unpickle the 2.x class names statedict writes by default; the data files are the same.
+    return reshard_case(ctx, runner, "B4", ["--to", "dcp", "--world-size", "3", "--dcp-layout", "1.13"],
+                        lambda root, ref: dcp_equal(ctx, ref), 1.3, "reshard 8 -> 3 ranks (ZeRO-3 -> DCP)",
+                        "torch.distributed.checkpoint directory for 3 ranks", cpu_limit=1.1)
 
 
 # ------------------------------------------------------------------------------------------ B11
@@ -275,47 +281,12 @@ def verify_equal(ctx, root):
 
 def b11(ctx, runner):
     """The B1 checkpoint resharded for 3 ranks in DeepSpeed's own layout (what the engine saves at 3
-    ranks, which it loads to resume): every partition and moment re-laid out, cp of the same bytes as
-    the peer. DeepSpeed's own route (ds_to_universal.py + a universal load) needs DeepSpeed and
-    is measured by hand (bench/README.md)."""
-    root, ref = ctx.zero(ctx.args.zero_gib)
-    sd, w = ctx.statedict, ctx.work
-    out_sd = os.path.join(w, "B11-statedict.ds")
-    cp_src = os.path.join(w, "B11-cp-source")
-    out_cp = os.path.join(w, "B11-cp.out")
-    state = {"src": None}
-    if os.path.lexists(cp_src):
-        shutil.rmtree(cp_src)
-
-    def keep_output(peer):  # cp copies exactly what statedict wrote (same files, same bytes)
-        if os.path.isdir(peer.output):
-            os.rename(peer.output, cp_src)
-            state["src"] = cp_src
-
-    def cp_source():
-        return state["src"] or root
-
-    peers = [
-        Peer("statedict", [sd, "convert", root, out_sd, "--to", "deepspeed", "--world-size", "3", "--with-optimizer"],
-             kind="statedict", inputs=[root], output=out_sd, binary=sd, after_warmup=keep_output,
-             validate=verify_equal(ctx, root)),
-        Peer("cp of the output bytes", lambda: cp_argv(cp_source(), out_cp), kind="limit",
-             inputs=lambda: [cp_source()], output=out_cp),
-    ]
-    results = runner.run("B11", peers, ctx.args.reps, ctx.args.cold_reps, ctx.args.cold_method)
-    status, detail = _ratio_verdict(results, 1.3, anon_cap_mib=256)
-    src = cp_source()
-    note = (f"cp copies statedict's own warm-up output ({cache.total_bytes([src]) / GiB:.2f} GiB, "
-            f"{sum(1 for _ in cache.files_under([src]))} files)" if state["src"] else
-            "statedict did not run: cp copies the input checkpoint")
-    if state["src"]:
-        shutil.rmtree(cp_src, ignore_errors=True)
-    return {
-        "title": "reshard 8 -> 3 ranks (ZeRO-3 -> DeepSpeed ZeRO-3, with the optimizer state)",
-        "input": f"the B1 checkpoint ({ctx.args.zero_ranks}-rank ZeRO-3, {cache.total_bytes([root]) / GiB:.2f} GiB); "
-                 f"output: DeepSpeed's rank files for 3 ranks; {note}",
-        "results": results, "verdict": status, "detail": detail,
-    }
+    ranks, which it loads to resume): every partition and moment re-laid out. DeepSpeed's own route
+    (ds_to_universal.py + a universal load) needs DeepSpeed and is measured by hand (bench/README.md)."""
+    return reshard_case(ctx, runner, "B11", ["--to", "deepspeed", "--world-size", "3", "--with-optimizer"],
+                        lambda root, ref: verify_equal(ctx, root), 1.3,
+                        "reshard 8 -> 3 ranks (ZeRO-3 -> DeepSpeed ZeRO-3, with the optimizer state)",
+                        "DeepSpeed's rank files for 3 ranks", anon_cap_mib=256)
 
 
 # ------------------------------------------------------------------------------------------- B5

@@ -23491,6 +23491,34 @@ inline void write_torch_framing(const torch::SavePlan& plan, OutputFile& file, c
   f.flush();
 }
 
+/// Makes `files` write the planned torch.save files `plans` (names relative to the directory, in
+/// this order as its destinations): each file's storages are checksummed by its sink while the
+/// executor writes them, and its zip framing is written after them. The plans must outlive the write.
+inline void add_torch_files(file_set& files, const std::vector<std::pair<std::string, const torch::SavePlan*>>& plans) {
+  auto crc = std::make_shared<std::vector<std::vector<FlatRange>>>(plans.size());
+  std::vector<const torch::SavePlan*> ps;
+  for (std::size_t k = 0; k < plans.size(); ++k) {
+    const torch::SavePlan& sp = *plans[k].second;
+    ps.push_back(&sp);
+    files.dst.names.push_back(plans[k].first);
+    files.dst.sizes.push_back(sp.file_size());
+    for (const FlatRange& r : sp.storage_ranges())
+      if (r.size() > 0) (*crc)[k].push_back(r);
+    std::sort((*crc)[k].begin(), (*crc)[k].end(), [](const FlatRange& a, const FlatRange& b) { return a.begin < b.begin; });
+  }
+  files.prepare = [crc](std::size_t k, OutputFile&, FileSink& sink) { sink.track_crc32((*crc)[k]); };
+  files.finish = [ps](std::size_t k, OutputFile& f, FileSink& sink) { write_torch_framing(*ps[k], f, sink); };
+}
+
+/// The index of `files`: the file `name` holding `text`.
+inline void text_index(file_set& files, std::string name, std::string text) {
+  files.index_name = std::move(name);
+  files.index_bytes = [text = std::move(text)] {
+    const auto* b = reinterpret_cast<const std::byte*>(text.data());
+    return std::vector<std::byte>(b, b + text.size());
+  };
+}
+
 }  // namespace statedict::inline v0::formats::detail
 
 namespace statedict::inline v0::colossalai {
@@ -27427,20 +27455,20 @@ inline std::vector<std::string> write(const ShardedCheckpoint& ck, const std::fi
   if (o.universal) pl.plan_universal_params(tag);
 
   formats::detail::file_set files;
-  std::unordered_map<std::size_t, std::size_t> dst_of;
-  std::vector<std::vector<FlatRange>> crc(pl.files.size());
-  for (std::size_t k = 0; k < pl.files.size(); ++k) {
-    detail::rank_file& rf = pl.files[k];
+  std::vector<std::pair<std::string, const torch::SavePlan*>> planned;
+  for (detail::rank_file& rf : pl.files) {
     torch::save_options so;
     so.archive_name = torch::archive_name_for(rf.name);
     so.pickle.keep_classes = detail::engine_classes();
     rf.plan = torch::plan_save(rf.tree, so);
+    planned.emplace_back(rf.name, &rf.plan);
+  }
+  formats::detail::add_torch_files(files, planned);
+  // Every piece's place: the storage that holds its placeholder in its file, and where in it.
+  std::unordered_map<std::size_t, std::size_t> dst_of;
+  for (std::size_t k = 0; k < pl.files.size(); ++k) {
+    const detail::rank_file& rf = pl.files[k];
     const torch::SavePlan& sp = rf.plan;
-    files.dst.names.push_back(rf.name);
-    files.dst.sizes.push_back(sp.file_size());
-    for (const FlatRange& fr : sp.storage_ranges())
-      if (fr.size() > 0) crc[k].push_back(fr);
-    std::sort(crc[k].begin(), crc[k].end(), [](const FlatRange& a, const FlatRange& b) { return a.begin < b.begin; });
     std::unordered_map<const std::byte*, std::size_t> storage_of;
     for (std::size_t s = 0; s < sp.storages.size(); ++s) storage_of.emplace(sp.storages[s].source, s);
     for (const auto& p : rf.pieces) {
@@ -27454,13 +27482,7 @@ inline std::vector<std::string> write(const ShardedCheckpoint& ck, const std::fi
                                     checked_add(sp.storage_offset(s->second), checked_mul(p.element, itemsize(p.stored), "offset"), "offset"), {}, p.stored}});
     }
   }
-  files.prepare = [&](std::size_t k, OutputFile&, FileSink& sink) { sink.track_crc32(crc[k]); };
-  files.finish = [&](std::size_t k, OutputFile& f, FileSink& sink) { formats::detail::write_torch_framing(pl.files[k].plan, f, sink); };
-  files.index_name = o.universal ? "latest_universal" : "latest";
-  files.index_bytes = [&] {
-    const auto* b = reinterpret_cast<const std::byte*>(tag.data());
-    return std::vector<std::byte>(b, b + tag.size());
-  };
+  formats::detail::text_index(files, o.universal ? "latest_universal" : "latest", tag);
   files.what = "DeepSpeed checkpoint";
   files.file_kind = "rank file";
   formats::save_options so;
@@ -32801,17 +32823,13 @@ inline std::vector<std::string> write(const ShardedCheckpoint& ck, const std::fi
     const TensorInfo& t = in.work.tensors[in.outs[i].index];
     files.dst.tensors[i] = TensorInfo{t.name, t.dtype, t.shape, {}};
   }
-  std::vector<std::vector<FlatRange>> crc(plans.size());
+  std::vector<std::pair<std::string, const torch::SavePlan*>> planned;
+  for (const auto& rp : plans) planned.emplace_back(rp.name, &rp.plan);
+  formats::detail::add_torch_files(files, planned);
   for (std::size_t k = 0; k < plans.size(); ++k) {
     const torch::SavePlan& sp = plans[k].plan;
-    files.dst.names.push_back(plans[k].name);
-    files.dst.sizes.push_back(sp.file_size());
     std::map<const std::byte*, std::size_t> storage_of;
-    for (std::size_t s = 0; s < sp.storages.size(); ++s) {
-      storage_of.emplace(sp.storages[s].source, s);
-      if (sp.storages[s].nbytes) crc[k].push_back(FlatRange{sp.storage_offset(s), sp.storage_offset(s) + sp.storages[s].nbytes});
-    }
-    std::sort(crc[k].begin(), crc[k].end(), [](const FlatRange& a, const FlatRange& b) { return a.begin < b.begin; });
+    for (std::size_t s = 0; s < sp.storages.size(); ++s) storage_of.emplace(sp.storages[s].source, s);
     for (const auto& slot : plans[k].slots) {
       TensorInfo& d = files.dst.tensors[slot.tensor];
       const auto [shape, boxes] = detail::split_piece(in.work.tensors[in.outs[slot.tensor].index], in.outs[slot.tensor].how, slot.r, tp, in.f);
@@ -32824,14 +32842,7 @@ inline std::vector<std::string> write(const ShardedCheckpoint& ck, const std::fi
                                                 checked_add(sp.storage_offset(s->second), checked_mul(first_row * row, itemsize(d.dtype), "offset"), "offset"), {}, d.dtype}});
     }
   }
-  files.prepare = [&](std::size_t k, OutputFile&, FileSink& sink) { sink.track_crc32(crc[k]); };
-  files.finish = [&](std::size_t k, OutputFile& f, FileSink& sink) { formats::detail::write_torch_framing(plans[k].plan, f, sink); };
-  files.index_name = "latest_checkpointed_iteration.txt";
-  files.index_bytes = [&] {
-    const std::string text = release ? std::string("release") : std::to_string(iv->as_int());
-    const auto* b = reinterpret_cast<const std::byte*>(text.data());
-    return std::vector<std::byte>(b, b + text.size());
-  };
+  formats::detail::text_index(files, "latest_checkpointed_iteration.txt", release ? std::string("release") : std::to_string(iv->as_int()));
   files.what = "Megatron-LM checkpoint";
   files.file_kind = "rank file";
   formats::save_options so;

@@ -739,20 +739,20 @@ inline std::vector<std::string> write(const ShardedCheckpoint& ck, const std::fi
   if (o.universal) pl.plan_universal_params(tag);
 
   formats::detail::file_set files;
-  std::unordered_map<std::size_t, std::size_t> dst_of;
-  std::vector<std::vector<FlatRange>> crc(pl.files.size());
-  for (std::size_t k = 0; k < pl.files.size(); ++k) {
-    detail::rank_file& rf = pl.files[k];
+  std::vector<std::pair<std::string, const torch::SavePlan*>> planned;
+  for (detail::rank_file& rf : pl.files) {
     torch::save_options so;
     so.archive_name = torch::archive_name_for(rf.name);
     so.pickle.keep_classes = detail::engine_classes();
     rf.plan = torch::plan_save(rf.tree, so);
+    planned.emplace_back(rf.name, &rf.plan);
+  }
+  formats::detail::add_torch_files(files, planned);
+  // Every piece's place: the storage that holds its placeholder in its file, and where in it.
+  std::unordered_map<std::size_t, std::size_t> dst_of;
+  for (std::size_t k = 0; k < pl.files.size(); ++k) {
+    const detail::rank_file& rf = pl.files[k];
     const torch::SavePlan& sp = rf.plan;
-    files.dst.names.push_back(rf.name);
-    files.dst.sizes.push_back(sp.file_size());
-    for (const FlatRange& fr : sp.storage_ranges())
-      if (fr.size() > 0) crc[k].push_back(fr);
-    std::sort(crc[k].begin(), crc[k].end(), [](const FlatRange& a, const FlatRange& b) { return a.begin < b.begin; });
     std::unordered_map<const std::byte*, std::size_t> storage_of;
     for (std::size_t s = 0; s < sp.storages.size(); ++s) storage_of.emplace(sp.storages[s].source, s);
     for (const auto& p : rf.pieces) {
@@ -766,13 +766,7 @@ inline std::vector<std::string> write(const ShardedCheckpoint& ck, const std::fi
                                     checked_add(sp.storage_offset(s->second), checked_mul(p.element, itemsize(p.stored), "offset"), "offset"), {}, p.stored}});
     }
   }
-  files.prepare = [&](std::size_t k, OutputFile&, FileSink& sink) { sink.track_crc32(crc[k]); };
-  files.finish = [&](std::size_t k, OutputFile& f, FileSink& sink) { formats::detail::write_torch_framing(pl.files[k].plan, f, sink); };
-  files.index_name = o.universal ? "latest_universal" : "latest";
-  files.index_bytes = [&] {
-    const auto* b = reinterpret_cast<const std::byte*>(tag.data());
-    return std::vector<std::byte>(b, b + tag.size());
-  };
+  formats::detail::text_index(files, o.universal ? "latest_universal" : "latest", tag);
   files.what = "DeepSpeed checkpoint";
   files.file_kind = "rank file";
   formats::save_options so;

@@ -285,17 +285,13 @@ inline std::vector<std::string> write(const ShardedCheckpoint& ck, const std::fi
     const TensorInfo& t = in.work.tensors[in.outs[i].index];
     files.dst.tensors[i] = TensorInfo{t.name, t.dtype, t.shape, {}};
   }
-  std::vector<std::vector<FlatRange>> crc(plans.size());
+  std::vector<std::pair<std::string, const torch::SavePlan*>> planned;
+  for (const auto& rp : plans) planned.emplace_back(rp.name, &rp.plan);
+  formats::detail::add_torch_files(files, planned);
   for (std::size_t k = 0; k < plans.size(); ++k) {
     const torch::SavePlan& sp = plans[k].plan;
-    files.dst.names.push_back(plans[k].name);
-    files.dst.sizes.push_back(sp.file_size());
     std::map<const std::byte*, std::size_t> storage_of;
-    for (std::size_t s = 0; s < sp.storages.size(); ++s) {
-      storage_of.emplace(sp.storages[s].source, s);
-      if (sp.storages[s].nbytes) crc[k].push_back(FlatRange{sp.storage_offset(s), sp.storage_offset(s) + sp.storages[s].nbytes});
-    }
-    std::sort(crc[k].begin(), crc[k].end(), [](const FlatRange& a, const FlatRange& b) { return a.begin < b.begin; });
+    for (std::size_t s = 0; s < sp.storages.size(); ++s) storage_of.emplace(sp.storages[s].source, s);
     for (const auto& slot : plans[k].slots) {
       TensorInfo& d = files.dst.tensors[slot.tensor];
       const auto [shape, boxes] = detail::split_piece(in.work.tensors[in.outs[slot.tensor].index], in.outs[slot.tensor].how, slot.r, tp, in.f);
@@ -308,14 +304,7 @@ inline std::vector<std::string> write(const ShardedCheckpoint& ck, const std::fi
                                                 checked_add(sp.storage_offset(s->second), checked_mul(first_row * row, itemsize(d.dtype), "offset"), "offset"), {}, d.dtype}});
     }
   }
-  files.prepare = [&](std::size_t k, OutputFile&, FileSink& sink) { sink.track_crc32(crc[k]); };
-  files.finish = [&](std::size_t k, OutputFile& f, FileSink& sink) { formats::detail::write_torch_framing(plans[k].plan, f, sink); };
-  files.index_name = "latest_checkpointed_iteration.txt";
-  files.index_bytes = [&] {
-    const std::string text = release ? std::string("release") : std::to_string(iv->as_int());
-    const auto* b = reinterpret_cast<const std::byte*>(text.data());
-    return std::vector<std::byte>(b, b + text.size());
-  };
+  formats::detail::text_index(files, "latest_checkpointed_iteration.txt", release ? std::string("release") : std::to_string(iv->as_int()));
   files.what = "Megatron-LM checkpoint";
   files.file_kind = "rank file";
   formats::save_options so;

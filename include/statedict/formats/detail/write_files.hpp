@@ -145,4 +145,32 @@ inline void write_torch_framing(const torch::SavePlan& plan, OutputFile& file, c
   f.flush();
 }
 
+/// Makes `files` write the planned torch.save files `plans` (names relative to the directory, in
+/// this order as its destinations): each file's storages are checksummed by its sink while the
+/// executor writes them, and its zip framing is written after them. The plans must outlive the write.
+inline void add_torch_files(file_set& files, const std::vector<std::pair<std::string, const torch::SavePlan*>>& plans) {
+  auto crc = std::make_shared<std::vector<std::vector<FlatRange>>>(plans.size());
+  std::vector<const torch::SavePlan*> ps;
+  for (std::size_t k = 0; k < plans.size(); ++k) {
+    const torch::SavePlan& sp = *plans[k].second;
+    ps.push_back(&sp);
+    files.dst.names.push_back(plans[k].first);
+    files.dst.sizes.push_back(sp.file_size());
+    for (const FlatRange& r : sp.storage_ranges())
+      if (r.size() > 0) (*crc)[k].push_back(r);
+    std::sort((*crc)[k].begin(), (*crc)[k].end(), [](const FlatRange& a, const FlatRange& b) { return a.begin < b.begin; });
+  }
+  files.prepare = [crc](std::size_t k, OutputFile&, FileSink& sink) { sink.track_crc32((*crc)[k]); };
+  files.finish = [ps](std::size_t k, OutputFile& f, FileSink& sink) { write_torch_framing(*ps[k], f, sink); };
+}
+
+/// The index of `files`: the file `name` holding `text`.
+inline void text_index(file_set& files, std::string name, std::string text) {
+  files.index_name = std::move(name);
+  files.index_bytes = [text = std::move(text)] {
+    const auto* b = reinterpret_cast<const std::byte*>(text.data());
+    return std::vector<std::byte>(b, b + text.size());
+  };
+}
+
 }  // namespace statedict::inline v0::formats::detail
