@@ -27439,15 +27439,19 @@ inline std::vector<std::string> write(const ShardedCheckpoint& ck, const std::fi
   }
   if (!detail::valid_tag(tag)) throw_error(errors::ds_write_option, "tag " + quote(tag), "is not a folder name");
 
-  // Placeholders: each file holds at most the model once in its pieces, plus its state keys.
-  std::uint64_t bytes = 4096;
+  // Placeholders (address space only, never touched): the files hold the model a few times over
+  // in their pieces (module, masters, each state key, universal copies), every stage-3 rank file
+  // the buffers whole, and per rank a placeholder and its padding for each tensor.
+  std::uint64_t bytes = 4096, buffers = 0;
   std::size_t keys = 2;
-  for (const auto& g : in.groups) keys = std::max(keys, g.keys.size() + g.scalar_keys.size() + 2);
+  for (const auto& g : in.groups) keys = std::max(keys, g.keys.size() + g.scalar_keys.size() + g.values.size() + 2);
   for (const TensorInfo& t : ck.tensors) bytes = checked_add(bytes, checked_add(byte_size(t.shape, 8), 256, "size"), "size");
-  const std::uint64_t capacity =
-      checked_add(checked_mul(bytes, keys + 2, "size"),
-                  checked_mul(checked_mul(static_cast<std::uint64_t>(o.world_size) + 1, ck.tensors.size() + in.groups.size() * 4 + 8, "size"), 256, "size"),
-                  "size");
+  for (std::size_t i : in.buffers) buffers = checked_add(buffers, checked_add(byte_size(ck.tensors[i].shape, 8), 256, "size"), "size");
+  const std::uint64_t ranks = static_cast<std::uint64_t>(o.world_size) + 1;
+  const std::uint64_t capacity = checked_add(
+      checked_mul(bytes, keys + 3, "size"),
+      checked_mul(ranks, checked_add(buffers, checked_mul(ck.tensors.size() + in.groups.size() * 4 + 8, 256 * (keys + 1), "size"), "size"), "size"),
+      "size");
   detail::planner pl{ck, in, o.world_size, stage, bf16_optimizer,
                      detail::arena{std::make_shared<torch::detail::reservation>(capacity), capacity, 0}, o.universal, {}, nullptr};
   if (stage <= 2) pl.plan12(tag);

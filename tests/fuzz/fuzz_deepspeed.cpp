@@ -2,9 +2,18 @@
 // (fuzz_common.hpp: `latest`, `global_step2/mp_rank_00_model_states.pt`,
 // `global_step2/zero_pp_rank_0_mp_rank_00_optim_states.pt`, ...) written to a scratch directory,
 // then deepspeed::detect and deepspeed::describe.
-// Flags: bit 0 with_optimizer, bit 1 frozen_from_module, bit 2 pread, bit 3 dtype BF16.
+// Flags: bit 0 with_optimizer, bit 1 frozen_from_module, bit 2 pread, bit 3 dtype BF16; bit 4
+// (with bit 0): write what was described again for 1 + bits 5-6 ranks (deepspeed::write) and
+// read it back: the same tensors, or an error, never a crash (abort when the bytes differ).
 // SPDX-License-Identifier: MIT
+#include <statedict/exec/digest.hpp>
 #include <statedict/formats/deepspeed.hpp>
+
+#include <algorithm>
+#include <filesystem>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "fuzz_common.hpp"
 #include "fuzz_limits.hpp"
@@ -25,11 +34,36 @@ STATEDICT_FUZZ_TARGET(data, size) {
   o.frozen_from_module = (files->flags & 2) != 0;
   o.mode = (files->flags & 4) ? statedict::read_mode::pread : statedict::read_mode::mmap;
   if (files->flags & 8) o.dtype = statedict::dtype::BF16;
+  statedict::ShardedCheckpoint ck;
   try {
     (void)ds::detect(*dir, {}, o.limits);
-    (void)ds::describe(*dir, o);
+    ck = ds::describe(*dir, o);
   } catch (const statedict::error& e) {
     fuzz::note(e);
+    return 0;
   }
+  if ((files->flags & 17) != 17 || o.dtype) return 0;
+  std::vector<std::pair<std::string, std::string>> want;
+  try {
+    want = statedict::sha256_tensors(ck);
+  } catch (const statedict::error& e) {
+    fuzz::note(e);  // a description whose bytes do not read (a piece outside its file)
+    return 0;
+  }
+  ds::write_options w;
+  w.world_size = 1 + ((files->flags >> 5) & 3);
+  const auto out = fuzz::scratch_root() / "deepspeed-out";
+  std::error_code ec;
+  std::filesystem::remove_all(out, ec);
+  try {
+    (void)ds::write(ck, out, w);
+  } catch (const statedict::error& e) {
+    fuzz::note(e);
+    return 0;
+  }
+  auto got = statedict::sha256_tensors(ds::describe(out, o));
+  std::sort(want.begin(), want.end());
+  std::sort(got.begin(), got.end());
+  if (got != want) std::abort();
   return 0;
 }

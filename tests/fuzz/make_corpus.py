@@ -210,6 +210,15 @@ def main():
         add("deepspeed", d + "_optim", multi(1, files))
         if d == "zero1_ws1_fp32":
             add("open", d, multi(1, files))
+    # Files the real DeepSpeed engine wrote (tests/data/deepspeed-engine): ZeRO-3 partitions with
+    # their ds_id attribute, the BF16_Optimizer's files; read with the optimizer, written again for
+    # 2 ranks (flags 1 | 16 | 1 << 5) and read back.
+    engine = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tests", "data",
+                          "deepspeed-engine")
+    for d, flags in (("zero3_ws2_fp32", 1 | 16 | 32), ("bf16opt_ws2", 1 | 2 | 16 | 32)):
+        p = os.path.join(engine, d)
+        if os.path.isdir(p):
+            add_large("deepspeed", "engine_" + d, multi(flags, tree(p)), 128 * 1024)
     for d in ("olmo_fsdp_torch21_flat_ws2", "olmo_fsdp_torch20_ws2"):
         p = os.path.join(zf, d, "step2")
         if not os.path.isdir(p):
