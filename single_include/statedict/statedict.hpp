@@ -27073,6 +27073,23 @@ struct planner {
   }
   /// The scalar state of a group (step): its first parameter's, as a placeholder.
   Value scalar(std::size_t g, const std::string& key) { return whole(in.params[in.groups[g].params[0]].state.at(key), state_dtype(g, key)); }
+  /// Placeholders of `n` elements for group g's element-wise state keys (exp_avg, ...).
+  std::map<std::string, Value> moments_of(std::size_t g, std::uint64_t n) {
+    std::map<std::string, Value> m;
+    for (const auto& k : in.groups[g].keys) m.emplace(k, holder(state_dtype(g, k), shape_t{static_cast<dim_t>(n)}));
+    return m;
+  }
+  /// The torch optimizer's state entry `id` for one flat of group g: its plain values, 0-dim state
+  /// and moments; none for a group without state (a fresh optimizer).
+  void add_state(Dict& state, std::int64_t id, std::size_t g, const std::map<std::string, Value>& moments) {
+    const w_group& grp = in.groups[g];
+    if (grp.keys.empty() && grp.scalar_keys.empty() && grp.values.empty()) return;
+    Dict st;
+    for (const auto& [k, v] : grp.values) st.set(k, v);
+    for (const auto& k : grp.scalar_keys) st.set(k, scalar(g, k));
+    for (const auto& k : grp.keys) st.set(k, moments.at(k));
+    state.set(id, Value(std::move(st)));
+  }
 
   /// The module: every entry in the engine's order, trained parameters from their fp32 masters in
   /// the module dtype (as the engine's bit16 copies are), ties sharing their owner's tensor.
@@ -27200,8 +27217,7 @@ struct planner {
         const std::uint64_t real = N > part.offset ? std::min(part.size, N - part.offset) : 0;
         const std::uint64_t saved = bf16_optimizer ? part.size : real;
         Value fp32 = holder(dtype::F32, shape_t{static_cast<dim_t>(saved)});
-        std::map<std::string, Value> moments;
-        for (const auto& k : in.groups[g].keys) moments.emplace(k, holder(state_dtype(g, k), shape_t{static_cast<dim_t>(part.size)}));
+        const std::map<std::string, Value> moments = moments_of(g, part.size);
         for (std::size_t j = 0; j < flat[g].size(); ++j)
           for (const layout::FlatPiece& fp : pieces[g][j]) {
             if (fp.rank != r) continue;
@@ -27222,13 +27238,7 @@ struct planner {
           off += p.numel;
         }
         mappings.emplace_back(std::move(mapping));
-        if (!in.groups[g].keys.empty() || !in.groups[g].scalar_keys.empty() || !in.groups[g].values.empty()) {
-          Dict st;
-          for (const auto& [k, v] : in.groups[g].values) st.set(k, v);
-          for (const auto& k : in.groups[g].scalar_keys) st.set(k, scalar(g, k));
-          for (const auto& k : in.groups[g].keys) st.set(k, moments.at(k));
-          state.set(static_cast<std::int64_t>(g), Value(std::move(st)));
-        }
+        add_state(state, static_cast<std::int64_t>(g), g, moments);
         Dict grp = in.groups[g].hyper.as_dict();
         grp.set("params", Value::list(List{Value(static_cast<std::int64_t>(g))}));
         groups.emplace_back(std::move(grp));
@@ -27362,8 +27372,7 @@ struct planner {
         const sub_group& s = subs[k];
         const std::size_t g = s.group;
         Value fp32 = holder(dtype::F32, shape_t{static_cast<dim_t>(s.size)});
-        std::map<std::string, Value> moments;
-        for (const auto& key : in.groups[g].keys) moments.emplace(key, holder(state_dtype(g, key), shape_t{static_cast<dim_t>(s.size)}));
+        const std::map<std::string, Value> moments = moments_of(g, s.size);
         for (std::size_t j = 0; j < s.params.size(); ++j) {
           const w_param& p = in.params[s.params[j]];
           const std::uint64_t pn = layout::zero3_partitioned_param_info(p.numel, M).partitioned_numel;
@@ -27373,13 +27382,7 @@ struct planner {
           for (const auto& key : in.groups[g].keys) piece(moments.at(key), p.state.at(key), range, s.offset[j]);
         }
         flats.push_back(std::move(fp32));
-        if (!in.groups[g].keys.empty() || !in.groups[g].scalar_keys.empty() || !in.groups[g].values.empty()) {
-          Dict st;
-          for (const auto& [key, v] : in.groups[g].values) st.set(key, v);
-          for (const auto& key : in.groups[g].scalar_keys) st.set(key, scalar(g, key));
-          for (const auto& key : in.groups[g].keys) st.set(key, moments.at(key));
-          state.set(static_cast<std::int64_t>(k), Value(std::move(st)));
-        }
+        add_state(state, static_cast<std::int64_t>(k), g, moments);
         group_ids[g].emplace_back(static_cast<std::int64_t>(k));
       }
       List groups;
