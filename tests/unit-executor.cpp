@@ -11,6 +11,7 @@
 #include <statedict/io/file.hpp>
 #include <statedict/shard/layout.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <filesystem>
@@ -18,6 +19,7 @@
 #include <optional>
 #include <memory>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -812,15 +814,23 @@ TEST_CASE("progress, padding and usage errors") {
   const Destination fs7 = layout::fsdp(f32, std::vector<std::vector<std::size_t>>{{0, 1, 2, 3, 4}}, 7, true);
   const fs::path dir = scratch("fsdp");
   std::vector<std::pair<std::uint64_t, std::uint64_t>> calls;
+  std::set<std::string> files;
   exec_options opt;
   opt.threads = 3;
-  opt.progress = [&](std::uint64_t done, std::uint64_t total) { calls.emplace_back(done, total); };
+  opt.progress = [&](const progress_event& e) {
+    CHECK(e.phase == progress_phase::copying);
+    calls.emplace_back(e.done, e.total);
+    if (!e.file.empty()) files.emplace(e.file);
+  };
   (void)write_files(src, fs7, dir, opt);
   for (std::size_t r = 0; r < 7; ++r) CHECK(fs::file_size(dir / fs7.names[r]) == fs7.sizes[r]);
   REQUIRE(!calls.empty());
   for (std::size_t i = 1; i < calls.size(); ++i) CHECK(calls[i].first >= calls[i - 1].first);
   CHECK(calls.back().first == calls.back().second);
   CHECK(calls.size() < 2100);
+  // Each report names the destination the bytes went to: every rank file written is named.
+  for (const auto& f : files) CHECK(std::find(fs7.names.begin(), fs7.names.end(), f) != fs7.names.end());
+  CHECK(files.size() >= 2);
 
   const Plan plan = make_plan(src, layout::single(m.tensors, "x"));
   MemorySink sink("x");

@@ -5885,6 +5885,7 @@ inline Region read_region(const ByteSource& src, std::uint64_t offset, std::uint
 #include <cstddef>
 #include <functional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace statedict::inline v0 {
@@ -5892,15 +5893,36 @@ namespace statedict::inline v0 {
 /// 256 MiB.
 inline constexpr std::uint64_t default_memory_budget = std::uint64_t{256} << 20;
 
+/// What a job is doing when it reports progress (exec_options::progress).
+enum class progress_phase : std::uint8_t {
+  reading,   ///< reading the input's description (headers, metadata): convert() reports it
+  planning,  ///< working out where every byte goes (make_plan), before the copy
+  copying,   ///< the executor writes the planned bytes
+  syncing,   ///< the output files are flushed to disk and moved into place
+};
+
+/// One progress report.
+struct progress_event {
+  progress_phase phase = progress_phase::copying;
+  /// Bytes the copy has written, and will write in all (0 before the copy is planned).
+  std::uint64_t done = 0, total = 0;
+  /// The file the job is on (empty when not known; valid during the call only): reading, the
+  /// input; copying, the destination the last bytes went to (its name in the plan); syncing, the
+  /// output file being flushed.
+  std::string_view file;
+};
+
 /// How to run a plan.
 struct exec_options {
   /// Bytes of buffers the executor may allocate in all (threads included).
   std::uint64_t memory_budget = default_memory_budget;
   /// Worker threads (the calling thread is one of them); 0 means one per CPU.
   unsigned threads = 1;
-  /// Called with (bytes written, total bytes) from worker threads, one call at a time, at most
-  /// about a thousand times per run, and once at the end.
-  std::function<void(std::uint64_t done, std::uint64_t total)> progress;
+  /// Called with what the job is doing, one call at a time: while copying from worker threads,
+  /// at most about a thousand times per run and once at the end; the writers also report planning
+  /// before the copy and syncing after it, and convert() reading before them. Rendering (and
+  /// throttling to a screen's pace) is the caller's.
+  std::function<void(const progress_event&)> progress;
   /// Allow writes straight from source mappings (and copy_file_range, when that is on too).
   bool zero_copy = true;
   /// Let the kernel copy plain runs between files (copy_file_range). Off by default: on ext4 with
@@ -18973,6 +18995,7 @@ class Sha256Sink final : public Sink {
 #include <mutex>
 #include <span>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <tuple>
 #include <vector>
@@ -19204,6 +19227,12 @@ inline std::vector<file_extent> read_extents(const Plan& plan, std::span<const s
   return out;
 }
 
+/// Reports `phase` to opt.progress, when there is one.
+inline void report_progress(const exec_options& opt, progress_phase phase, std::uint64_t done = 0, std::uint64_t total = 0,
+                            std::string_view file = {}) {
+  if (opt.progress) opt.progress(progress_event{phase, done, total, file});
+}
+
 struct exec_shared {
   const Plan& plan;
   std::span<const std::shared_ptr<const ByteSource>> sources;
@@ -19233,7 +19262,8 @@ struct exec_shared {
               const exec_options& o)
       : plan(p), sources(s), sinks(k), opt(o) {}
 
-  void progress(std::uint64_t n) {
+  /// Counts `n` bytes written into `to`; reports progress every progress_step bytes.
+  void progress(std::uint64_t n, const Sink* to) {
     const std::uint64_t d = done.fetch_add(n) + n;
     if (!opt.progress) return;
     std::uint64_t due = next_report.load();
@@ -19242,7 +19272,13 @@ struct exec_shared {
     due = next_report.load();
     if (d < due && d < total) return;
     next_report.store(d + progress_step);
-    opt.progress(std::min(done.load(), total), total);
+    std::string_view file;
+    for (std::size_t k = 0; k < sinks.size() && k < plan.destination_names.size(); ++k)
+      if (sinks[k] == to) {
+        file = plan.destination_names[k];
+        break;
+      }
+    opt.progress(progress_event{progress_phase::copying, std::min(done.load(), total), total, file});
   }
 };
 
@@ -19400,7 +19436,7 @@ class exec_worker {
       flush();
       const std::uint64_t k = kernel_copy(src, so, dst, doff, len);
       s_.in_kernel.fetch_add(k);
-      s_.progress(k);
+      s_.progress(k, &dst);
       so += k;
       doff += k;
       len -= k;
@@ -19412,7 +19448,7 @@ class exec_worker {
       src.check_range(so, len);
       dst.write(doff, std::span<const std::byte>(map + so, static_cast<std::size_t>(len)));
       s_.from_mapping.fetch_add(len);
-      s_.progress(len);
+      s_.progress(len, &dst);
       return;
     }
     while (len) {
@@ -19552,7 +19588,7 @@ class exec_worker {
     const std::uint64_t n = acc_len_;
     acc_len_ = 0;
     acc_sink_->write(acc_off_, std::span<const std::byte>(wbuf_.get(), static_cast<std::size_t>(n)));
-    s_.progress(n);
+    s_.progress(n, acc_sink_);
   }
 
   // ---- pages of mapped sources ----------------------------------------------------------------
@@ -19852,7 +19888,7 @@ inline exec_stats execute(const Plan& plan, std::span<const std::shared_ptr<cons
   if (s.error) std::rethrow_exception(s.error);
   for (std::size_t d = 0; d < sinks.size(); ++d)
     if (sinks[d]) sinks[d]->finish();
-  if (opt.progress) opt.progress(s.total, s.total);
+  if (opt.progress) opt.progress(progress_event{progress_phase::copying, s.total, s.total, {}});
 
   exec_stats st;
   st.bytes_written = s.done.load();
@@ -23183,6 +23219,7 @@ inline safetensors::Layout write_safetensors_file(const ShardedCheckpoint& ck, c
                                                   const safetensors::limits& lim = {}) {
   safetensors::Layout lay = safetensors::layout(specs_of(ck.tensors), metadata, lim);
   const Destination dst = safetensors_destination(ck.tensors, lay, path.filename().string());
+  statedict::detail::report_progress(exec, progress_phase::planning);
   const Plan plan = make_plan(ck, dst, popt);
   OutputFile out = OutputFile::create(path);
   try {
@@ -23195,6 +23232,7 @@ inline safetensors::Layout write_safetensors_file(const ShardedCheckpoint& ck, c
     e.add_context("file " + quote(path.string()));
     throw;
   }
+  statedict::detail::report_progress(exec, progress_phase::syncing, plan.bytes(), plan.bytes(), dst.names[0]);
   out.commit();
   return lay;
 }
@@ -23414,6 +23452,7 @@ inline std::vector<std::string> write_file_set(const ShardedCheckpoint& src, con
     write_index([&](const std::string& name) { return OutputFile::create(dir / name); });
     return {files.index_name};
   }
+  statedict::detail::report_progress(opt.exec, progress_phase::planning);
   Plan plan = make_plan(src, files.dst, opt.plan);
   std::vector<bool> mine(n, true);
   if (opt.part) {
@@ -23437,16 +23476,19 @@ inline std::vector<std::string> write_file_set(const ShardedCheckpoint& src, con
     ptrs[d] = sinks[d].get();
   }
   (void)execute(plan, src, ptrs, opt.exec);
+  const std::uint64_t bytes = plan.bytes();
   std::vector<std::string> written;
   for (std::size_t d = 0; d < n; ++d) {
     if (!outs[d]) continue;
     if (files.finish) files.finish(d, *outs[d], *sinks[d]);
+    statedict::detail::report_progress(opt.exec, progress_phase::syncing, bytes, bytes, files.dst.names[d]);
     outs[d]->commit();
     written.push_back(files.dst.names[d]);
   }
   if (!out) return written;  // a part: the index step writes the index
   write_index([&](const std::string& name) { return out->create_file(name); });
   if (!files.index_name.empty()) written.push_back(files.index_name);
+  statedict::detail::report_progress(opt.exec, progress_phase::syncing, bytes, bytes, files.index_name);
   out->commit();
   return written;
 }
@@ -33829,6 +33871,7 @@ inline void write_planned(SavePlan sp, const ShardedCheckpoint& src, const Desti
                           const exec_options& exec, const plan_options& popt) {
   std::vector<FlatRange> regions = sp.storage_ranges();
   std::sort(regions.begin(), regions.end(), [](const FlatRange& a, const FlatRange& b) { return a.begin < b.begin; });
+  statedict::detail::report_progress(exec, progress_phase::planning);
   const Plan plan = make_plan(src, dst, popt);
   PlannedWriter w(path, std::move(sp));
   try {
@@ -33839,6 +33882,7 @@ inline void write_planned(SavePlan sp, const ShardedCheckpoint& src, const Desti
     (void)execute(plan, src, sinks, exec);
     for (std::size_t i = 0; i < regions.size(); ++i)
       if (regions[i].size()) w.report_file_crc(regions[i].begin, regions[i].size(), sink.crc32(i));
+    statedict::detail::report_progress(exec, progress_phase::syncing, plan.bytes(), plan.bytes(), path.filename().string());
     w.finish();
   } catch (error& e) {
     e.add_context("file " + quote(path.string()));
@@ -34136,6 +34180,7 @@ namespace statedict::inline v0 {
 /// options are checked before the input is read.
 STATEDICT_API conversion convert(const std::filesystem::path& in, const std::filesystem::path& out, const convert_options& opt = {}) {
   const auto writer = formats::choose_output(out, opt.output);
+  detail::report_progress(opt.output.exec, progress_phase::reading, 0, 0, in.string());
   formats::Opened opened = formats::open(in, opt.input);
   ShardedCheckpoint ck = std::move(opened.checkpoint);
   for (const transform_fn& t : opt.transforms) ck = t(ck);

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <functional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace statedict::inline v0 {
@@ -14,15 +15,36 @@ namespace statedict::inline v0 {
 /// 256 MiB.
 inline constexpr std::uint64_t default_memory_budget = std::uint64_t{256} << 20;
 
+/// What a job is doing when it reports progress (exec_options::progress).
+enum class progress_phase : std::uint8_t {
+  reading,   ///< reading the input's description (headers, metadata): convert() reports it
+  planning,  ///< working out where every byte goes (make_plan), before the copy
+  copying,   ///< the executor writes the planned bytes
+  syncing,   ///< the output files are flushed to disk and moved into place
+};
+
+/// One progress report.
+struct progress_event {
+  progress_phase phase = progress_phase::copying;
+  /// Bytes the copy has written, and will write in all (0 before the copy is planned).
+  std::uint64_t done = 0, total = 0;
+  /// The file the job is on (empty when not known; valid during the call only): reading, the
+  /// input; copying, the destination the last bytes went to (its name in the plan); syncing, the
+  /// output file being flushed.
+  std::string_view file;
+};
+
 /// How to run a plan.
 struct exec_options {
   /// Bytes of buffers the executor may allocate in all (threads included).
   std::uint64_t memory_budget = default_memory_budget;
   /// Worker threads (the calling thread is one of them); 0 means one per CPU.
   unsigned threads = 1;
-  /// Called with (bytes written, total bytes) from worker threads, one call at a time, at most
-  /// about a thousand times per run, and once at the end.
-  std::function<void(std::uint64_t done, std::uint64_t total)> progress;
+  /// Called with what the job is doing, one call at a time: while copying from worker threads,
+  /// at most about a thousand times per run and once at the end; the writers also report planning
+  /// before the copy and syncing after it, and convert() reading before them. Rendering (and
+  /// throttling to a screen's pace) is the caller's.
+  std::function<void(const progress_event&)> progress;
   /// Allow writes straight from source mappings (and copy_file_range, when that is on too).
   bool zero_copy = true;
   /// Let the kernel copy plain runs between files (copy_file_range). Off by default: on ext4 with
