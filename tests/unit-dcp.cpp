@@ -19,29 +19,18 @@
 #include <string>
 #include <vector>
 
-#include "error_of.hpp"
+#include "test_util.hpp"
 
 using namespace statedict;
 namespace fs = std::filesystem;
 
 namespace {
 
-fs::path tmp_dir(const std::string& sub) {
-  fs::path d = fs::path(STATEDICT_TEST_TMP) / "unit-dcp" / sub;
-  fs::remove_all(d);
-  fs::create_directories(d.parent_path());
-  return d;
-}
+fs::path tmp_dir(const std::string& sub) { return statedict_test::fresh_path("unit-dcp", sub); }
 
-std::string read_all(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(f), {});
-}
+using statedict_test::read_all;
 
-void write_all(const fs::path& p, std::span<const std::byte> b) {
-  std::ofstream f(p, std::ios::binary | std::ios::trunc);
-  f.write(reinterpret_cast<const char*>(b.data()), static_cast<std::streamsize>(b.size()));
-}
+using statedict_test::write_all;
 
 /// A ShardedCheckpoint over in-memory tensors: flatten(tree), one source per tensor.
 ShardedCheckpoint from_tree(const Value& tree) {
