@@ -12152,6 +12152,17 @@ class Reader {
     pos_ += n + 1;
     return s;
   }
+  /// A module or class name line of GLOBAL / INST: strict UTF-8, surrogates refused (Python's
+  /// unpicklers decode these lines with errors='strict'; strings with 'surrogatepass').
+  std::string_view global_line(std::string_view op) {
+    const std::size_t at = pos_;
+    const std::string_view s = line();
+    if (const std::size_t bad = statedict::detail::first_invalid_utf8(s, statedict::detail::utf8_surrogates::refused);
+        bad != std::string_view::npos)
+      fail(errors::pk_bad_utf8, std::string(op) + " name at byte " + std::to_string(at) + " is not valid UTF-8 (byte " +
+                                    std::to_string(bad) + " of the line)");
+    return s;
+  }
   std::string_view view(std::uint64_t off, std::uint64_t len) const {
     if (off >= size_) [[unlikely]]  // decoded text (protocol 0 escapes)
       return std::string_view(text_pool_).substr(static_cast<std::size_t>(off - size_), static_cast<std::size_t>(len));
@@ -13291,8 +13302,8 @@ inline Result Reader::run() {
       }
       // --- globals and calls
       case 'c': {  // GLOBAL
-        const std::string_view module = line();
-        const std::string_view name = line();
+        const std::string_view module = global_line("GLOBAL");
+        const std::string_view name = global_line("GLOBAL");
         push(resolve_global(module, name));
         break;
       }
@@ -13324,8 +13335,8 @@ inline Result Reader::run() {
         break;
       }
       case 'i': {  // INST: module, name, then args from the mark
-        const std::string_view module = line();
-        const std::string_view name = line();
+        const std::string_view module = global_line("INST");
+        const std::string_view name = global_line("INST");
         const auto& items = pop_mark();
         const std::uint32_t g = resolve_global(module, name);
         push(apply(g, add_seq(nk::tuple, items), object_build::reduce));
@@ -17855,11 +17866,12 @@ inline void merge_ops(std::vector<CopyOp>& ops) {
   std::sort(ops.begin(), ops.end(), [](const CopyOp& a, const CopyOp& b) {
     return std::tie(a.src, a.src_offset, a.dst, a.dst_offset) < std::tie(b.src, b.src_offset, b.dst, b.dst_offset);
   });
-  std::vector<CopyOp> out;
-  out.reserve(ops.size());
-  for (const CopyOp& o : ops) {
-    if (!out.empty()) {
-      CopyOp& p = out.back();
+  // Merged in place (a plan of millions of ops is not copied): ops[0, w) are the merged ones.
+  std::size_t w = 0;
+  for (std::size_t i = 0; i < ops.size(); ++i) {
+    const CopyOp& o = ops[i];
+    if (w > 0) {
+      CopyOp& p = ops[w - 1];
       const bool same = p.src == o.src && p.dst == o.dst && p.src_dtype == o.src_dtype && p.dst_dtype == o.dst_dtype &&
                         p.nvia == o.nvia && p.via == o.via && p.swap == o.swap;
       if (same && p.reps == 1 && o.reps == 1 && o.src_offset == p.src_offset + p.count * itemsize(p.src_dtype) &&
@@ -17874,9 +17886,10 @@ inline void merge_ops(std::vector<CopyOp>& ops) {
         continue;
       }
     }
-    out.push_back(o);
+    if (w != i) ops[w] = o;
+    ++w;
   }
-  ops.swap(out);
+  ops.resize(w);
 }
 
 }  // namespace detail
@@ -21535,6 +21548,7 @@ STATEDICT_API void check_consistent(const ShardedCheckpoint& ck) {
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <optional>
 #include <span>
@@ -21730,9 +21744,11 @@ class SourceTable {
   /// a lazy reader placed the views in.
   std::uint32_t add(std::shared_ptr<const ByteSource> s, const std::byte* base = nullptr) {
     if (base == nullptr) base = s->data();
+    const auto index = static_cast<std::uint32_t>(sources_.size());
     entries_.push_back(entry{base, s->size()});
+    if (base != nullptr) by_base_.emplace(reinterpret_cast<std::uintptr_t>(base), index);  // the first one at a base wins
     sources_.push_back(std::move(s));
-    return static_cast<std::uint32_t>(sources_.size() - 1);
+    return index;
   }
 
   /// Registers bytes computed at describe time (small converted buffers); returns its index.
@@ -21752,13 +21768,25 @@ class SourceTable {
     if (v.numel() == 0) return at;
     const std::uint64_t extent = v.extent_bytes();
     const auto p = reinterpret_cast<std::uintptr_t>(v.data());
-    for (std::size_t i = 0; i < entries_.size(); ++i) {
-      if (entries_[i].base == nullptr) continue;
+    auto holds = [&](std::size_t i) {
       const auto b = reinterpret_cast<std::uintptr_t>(entries_[i].base);
       const std::uint64_t size = entries_[i].size;
-      if (p >= b && p - b <= size && extent <= size - (p - b)) {
+      return entries_[i].base != nullptr && p >= b && p - b <= size && extent <= size - (p - b);
+    };
+    // The source with the greatest base at or below the view: sources are mapped files, lazily
+    // reserved ranges and owned buffers, which do not overlap (where two would, both hold the
+    // same bytes). Rank files of a many-rank checkpoint register thousands of sources, each
+    // located once per chunk; the scan below is for views in no registered source's range.
+    if (auto it = by_base_.upper_bound(p); it != by_base_.begin() && holds(std::prev(it)->second)) {
+      const std::uint32_t i = std::prev(it)->second;
+      at.source = i;
+      at.byte_offset = p - reinterpret_cast<std::uintptr_t>(entries_[i].base);
+      return at;
+    }
+    for (std::size_t i = 0; i < entries_.size(); ++i) {
+      if (holds(i)) {
         at.source = static_cast<std::uint32_t>(i);
-        at.byte_offset = p - b;
+        at.byte_offset = p - reinterpret_cast<std::uintptr_t>(entries_[i].base);
         return at;
       }
     }
@@ -21790,6 +21818,7 @@ class SourceTable {
   [[nodiscard]] const std::vector<std::shared_ptr<const ByteSource>>& sources() const noexcept { return sources_; }
   std::vector<std::shared_ptr<const ByteSource>> take() {
     entries_.clear();
+    by_base_.clear();
     return std::move(sources_);
   }
 
@@ -21800,6 +21829,7 @@ class SourceTable {
   };
   std::vector<std::shared_ptr<const ByteSource>> sources_;
   std::vector<entry> entries_;
+  std::map<std::uintptr_t, std::uint32_t> by_base_;
 };
 
 /// A chunk holding all of `v` (a whole tensor stored as-is) as one box.
@@ -23877,6 +23907,7 @@ inline constexpr error_id tr_out_of_record    {753, error_kind::format,      "dc
 inline constexpr error_id tr_bad_rebuild_args {754, error_kind::format,      "dcp.record_bad_rebuild_args"};
 inline constexpr error_id tr_unsupported      {755, error_kind::unsupported, "dcp.record_unsupported_tensor"};
 inline constexpr error_id tr_pickle_too_large {756, error_kind::limit,       "dcp.record_pickle_too_large"};
+inline constexpr error_id tr_bad_archive      {757, error_kind::format,      "dcp.record_bad_archive"};
 // clang-format on
 }  // namespace errors
 
@@ -24036,10 +24067,12 @@ inline Value rebuild(State& st, pickle::Call& c, bool v3) {
   st.archive->check_readable(*e);
   t.record_offset = e->data_offset;
   t.record_size = e->size;
-  if (storage_bytes > e->size)
-    c.reader.fail(errors::tr_out_of_record, "storage of " + std::to_string(storage_numel) + " elements (" +
-                                                std::to_string(storage_bytes) + " bytes) but record " + quote(record) +
-                                                " holds " + std::to_string(e->size) + " bytes");
+  // torch.load reads a storage record of exactly numel x itemsize bytes (a longer one is
+  // "record size ... does not match expected size").
+  if (storage_bytes != e->size)
+    c.reader.fail(storage_bytes > e->size ? errors::tr_out_of_record : errors::tr_bad_archive,
+                  "storage of " + std::to_string(storage_numel) + " elements (" + std::to_string(storage_bytes) +
+                      " bytes) but record " + quote(record) + " holds " + std::to_string(e->size) + " bytes");
   const std::uint64_t n = numel(t.sizes);
   if (n > 0) {
     std::uint64_t last = t.storage_offset;
@@ -24054,6 +24087,41 @@ inline Value rebuild(State& st, pickle::Call& c, bool v3) {
   }
   st.tensors.push_back(std::move(t));
   return make_ref(st.tensors.size() - 1);
+}
+
+/// What torch.load (which DCP's reader calls on each embedded archive) requires of the archive
+/// beyond its pickle, as io/torch_file.hpp holds a torch.save file to it: every record in the
+/// first record's folder, a readable version record within the versions torch reads, and
+/// little-endian storages (the only byte order these references describe).
+inline void check_archive(const zip::Archive& ar, const std::string& prefix, const std::string& where) {
+  for (const zip::Entry& e : ar.entries())
+    if (e.name.compare(0, prefix.size(), prefix) != 0)
+      throw_error(errors::tr_bad_archive, where, "record " + quote(e.name) + " is not in the archive's folder " + quote(prefix) +
+                                                     " (torch.load: file in archive is not in a subdirectory)");
+  auto text = [&](const zip::Entry& e) {
+    if (e.size > 64) return std::string(65, '?');  // longer than any valid content
+    const Region r = ar.read(e);
+    return std::string(reinterpret_cast<const char*>(r.data), static_cast<std::size_t>(r.size));
+  };
+  const zip::Entry* ver = ar.find(prefix + ".data/version");
+  if (!ver) ver = ar.find(prefix + "version");
+  if (!ver)
+    throw_error(errors::tr_bad_archive, where, "no record " + quote(prefix + "version") +
+                                                   ", which torch.load requires (Expected hasRecord(\"version\") to be true)");
+  const std::string v = text(*ver);
+  const std::optional<std::uint64_t> n = torch::detail::stoull_prefix(v);
+  if (!n || *n < torch::detail::min_file_version || *n > torch::detail::max_file_version)
+    throw_error(errors::tr_bad_archive, where, "record " + quote(ver->name) + " holds " + quote(v.substr(0, 64)) +
+                                                   ", not a version torch.load reads (" +
+                                                   std::to_string(torch::detail::min_file_version) + " to " +
+                                                   std::to_string(torch::detail::max_file_version) + ")");
+  if (const zip::Entry* bo = ar.find(prefix + "byteorder")) {
+    const std::string b = text(*bo);
+    if (b == "big")
+      throw_error(errors::tr_unsupported, where, "record " + quote(bo->name) + " says big-endian storages, which embedded archives are not read with");
+    if (b != "little")
+      throw_error(errors::tr_bad_archive, where, "record " + quote(bo->name) + " holds " + quote(b.substr(0, 64)) + ", not little or big");
+  }
 }
 
 inline pickle::Registry registry(State& st) {
@@ -24116,6 +24184,7 @@ inline Tree load(const std::shared_ptr<const ByteSource>& src, const load_option
   st.prefix = first.substr(0, slash + 1);
   const zip::Entry* pkl = ar.find(st.prefix + "data.pkl");
   if (!pkl) throw_error(errors::tr_no_data_pkl, where, "no entry " + quote(st.prefix + "data.pkl"));
+  impl::check_archive(ar, st.prefix, where);
   if (pkl->size > opt.max_pickle_bytes)
     throw_error(errors::tr_pickle_too_large, where,
                 "data.pkl of " + std::to_string(pkl->size) + " bytes exceeds max_pickle_bytes (" +
@@ -25762,6 +25831,7 @@ class format final : public formats::Format {
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -25840,6 +25910,11 @@ struct options {
   bool cast_integer_buffers = true;
   /// The tag folder to read; empty: the one `latest` names.
   std::string tag;
+  /// At stage 3 every rank's model-states file repeats rank 0's param_shapes. Describing parses
+  /// rank 0's and, of the others, only those it needs (their fragments of frozen parameters);
+  /// with this set (open_options::check_replicas, `--check-replicas`) every one is parsed and its
+  /// param_shapes and frozen_param_shapes checked against rank 0's.
+  bool check_rank_files = false;
   read_mode mode = read_mode::mmap;
   deepspeed::limits limits{};
 };
@@ -26002,6 +26077,11 @@ inline detection detect(const std::filesystem::path& dir, std::string_view tag =
 struct Inputs {
   std::vector<optim_shard::LoadedFile> model;  ///< `*_model_states.pt`, natural order
   std::vector<optim_shard::LoadedFile> optim;  ///< `*_optim_states.pt`, natural order
+  /// Model-states files loaded on demand: when `load_model` is set, `model_names` lists every
+  /// model-states file (natural order), `model` holds only the first, and describing calls
+  /// `load_model(i)` for a file it needs, parses it and drops it before loading the next.
+  std::vector<std::string> model_names;
+  std::function<optim_shard::LoadedFile(std::size_t)> load_model;
   std::vector<std::string> expert_files;       ///< names of MoE expert files, if any
   std::string tag;
 };
@@ -26320,16 +26400,19 @@ inline void add_frozen12(builder& b, const model_file& m) {
 /// Stage 3 frozen parameters: rank r's fragment holds elements [r * pn, (r + 1) * pn) of the
 /// parameter, pn = ceil(numel / W), the tail of the last one uninitialised
 /// (zero_to_fp32 _zero3_merge_frozen_params; partition_parameters.py _partition_param).
-inline void add_frozen3(builder& b, const std::vector<model_file>& models, std::uint32_t W) {
-  const model_file& m0 = models[0];
-  for (const auto& [name, shape] : m0.frozen_shapes) {
-    const std::uint64_t n = numel(shape);
-    const std::uint64_t pn = layout::zero3_partitioned_param_info(n, W).partitioned_numel;
-    std::vector<optim_shard::RankBuffer> bufs(W);
-    std::optional<statedict::dtype> dt;
-    for (std::uint32_t r = 0; r < W; ++r) {
-      const model_file& m = models[r];
-      const std::string where = file_ctx(*m.file);
+/// Fed one rank's model-states file at a time (add_rank, ranks in order), so that no more than
+/// one of them is parsed at once; finish() checks the cover and adds the tensors.
+class frozen3 {
+ public:
+  frozen3(builder& b, const model_file& m0, std::uint32_t W) : b_(b), m0_(m0), W_(W), chunks_(m0.frozen_shapes.size()),
+                                                               dtypes_(m0.frozen_shapes.size()) {}
+
+  void add_rank(const model_file& m, std::uint32_t r) {
+    const std::string where = file_ctx(*m.file);
+    for (std::size_t k = 0; k < m0_.frozen_shapes.size(); ++k) {
+      const auto& [name, shape] = m0_.frozen_shapes[k];
+      const std::uint64_t n = numel(shape);
+      const std::uint64_t pn = layout::zero3_partitioned_param_info(n, W_).partitioned_numel;
       const Value* v = m.frozen_fragments ? m.frozen_fragments->find(name) : nullptr;
       if (!v || !v->is_tensor())
         throw_error(errors::ds_frozen, where, "frozen_param_fragments has no tensor for frozen parameter " + quote(name));
@@ -26338,22 +26421,37 @@ inline void add_frozen3(builder& b, const std::vector<model_file>& models, std::
         throw_error(errors::ds_frozen, where,
                     "rank " + std::to_string(r) + "'s fragment of frozen parameter " + quote(name) + " has " +
                         std::to_string(t.numel()) + " elements; a " + std::to_string(n) + "-element parameter over " +
-                        std::to_string(W) + " ranks has partitions of ceil(" + std::to_string(n) + "/" +
-                        std::to_string(W) + ") = " + std::to_string(pn));
-      if (!is_floating(t.dtype()) || (dt && *dt != t.dtype()))
+                        std::to_string(W_) + " ranks has partitions of ceil(" + std::to_string(n) + "/" +
+                        std::to_string(W_) + ") = " + std::to_string(pn));
+      if (!is_floating(t.dtype()) || (dtypes_[k] && *dtypes_[k] != t.dtype()))
         throw_error(errors::ds_dtype, where, "fragment of frozen parameter " + quote(name) + " is " +
                                                  std::string(statedict::name(t.dtype())));
-      dt = t.dtype();
-      bufs[r].push_back(optim_shard::Segment{&t, pn, where + ": frozen_param_fragments[" + quote(name) + "]"});
+      dtypes_[k] = t.dtype();
+      const std::uint64_t lo = static_cast<std::uint64_t>(r) * pn;  // < n + W: no overflow
+      if (lo >= n) continue;                                           // all padding on this rank
+      const layout::FlatPiece piece{0, FlatRange{lo, std::min(n, lo + pn)}, 0};
+      const optim_shard::RankBuffer buf{optim_shard::Segment{&t, pn, where + ": frozen_param_fragments[" + quote(name) + "]"}};
+      for (Chunk& c : optim_shard::place(std::span(&piece, 1), std::span(&buf, 1), b_.table, "frozen parameter " + quote(name)))
+        chunks_[k].push_back(std::move(c));
     }
-    const std::uint64_t numels[] = {n};
-    const auto pieces = layout::zero3_pieces(numels, W);
-    TensorInfo info{name, out_dtype(b.opt, dt.value_or(dtype::F32)), shape, {}};
-    info.chunks = optim_shard::place(pieces[0], bufs, b.table, "frozen parameter " + quote(name));
-    optim_shard::check_flat_cover(info.chunks, n, errors::ds_frozen, "frozen parameter " + quote(name));
-    b.add_model_tensor(std::move(info), "frozen parameter", file_ctx(*m0.file));
   }
-}
+
+  void finish() {
+    for (std::size_t k = 0; k < m0_.frozen_shapes.size(); ++k) {
+      const auto& [name, shape] = m0_.frozen_shapes[k];
+      TensorInfo info{name, out_dtype(b_.opt, dtypes_[k].value_or(dtype::F32)), shape, std::move(chunks_[k])};
+      optim_shard::check_flat_cover(info.chunks, numel(shape), errors::ds_frozen, "frozen parameter " + quote(name));
+      b_.add_model_tensor(std::move(info), "frozen parameter", file_ctx(*m0_.file));
+    }
+  }
+
+ private:
+  builder& b_;
+  const model_file& m0_;
+  std::uint32_t W_;
+  std::vector<std::vector<Chunk>> chunks_;
+  std::vector<std::optional<statedict::dtype>> dtypes_;
+};
 
 /// Stage 1/2 with frozen_from_module: `module` entries that are not buffers, trainable
 /// parameters or tied names are the frozen parameters, whole in the model dtype.
@@ -27579,27 +27677,23 @@ inline ShardedCheckpoint describe(const Inputs& in, const options& opt = {}) {
                                                                               "; only mp_rank_00 checkpoints are consolidated");
     }
 
-  std::vector<model_file> models;
-  for (const auto& f : in.model) models.push_back(parse_model(f, opt.limits));
-  if (stage <= 2 && models.size() != 1)
+  const std::size_t n_models = in.load_model ? in.model_names.size() : in.model.size();
+  auto model_name = [&](std::size_t i) -> const std::string& { return in.load_model ? in.model_names[i] : in.model[i].name; };
+  const model_file m0 = parse_model(in.model[0], opt.limits);
+  if (stage <= 2 && n_models != 1)
     throw_error(errors::ds_file_count, "tag " + quote(in.tag),
-                std::to_string(models.size()) + " *_model_states.pt files; stage " + std::to_string(stage) +
+                std::to_string(n_models) + " *_model_states.pt files; stage " + std::to_string(stage) +
                     " writes one (mp_rank_00_model_states.pt, by data-parallel rank 0)");
   if (stage == 3) {
-    if (models.size() != W)
+    if (n_models != W)
       throw_error(errors::ds_file_count, "tag " + quote(in.tag),
-                  std::to_string(models.size()) + " *_model_states.pt files; stage 3 writes one per data-parallel rank (" +
+                  std::to_string(n_models) + " *_model_states.pt files; stage 3 writes one per data-parallel rank (" +
                       std::to_string(W) + ")");
-    for (std::size_t i = 0; i < models.size(); ++i) {
-      if (auto rn = parse_rank_name(base_name(models[i].file->name)); rn && rn->dp != i)
-        throw_error(errors::ds_rank_order, file_ctx(*models[i].file),
+    for (std::size_t i = 0; i < n_models; ++i)
+      if (auto rn = parse_rank_name(base_name(model_name(i))); rn && rn->dp != i)
+        throw_error(errors::ds_rank_order, "file " + quote(model_name(i)),
                     "is model file " + std::to_string(i) + " in natural order but names dp rank " + std::to_string(rn->dp));
-      if (models[i].param_shapes != models[0].param_shapes || models[i].frozen_shapes != models[0].frozen_shapes)
-        throw_error(errors::ds_bad_model_states, file_ctx(*models[i].file),
-                    "param_shapes or frozen_param_shapes differ from rank 0's");
-    }
   }
-  const model_file& m0 = models[0];
   if (const Value* dp = Access::opt(*m0.top, "dp_world_size"); dp && dp->is_int() && dp->as_int() != W64)
     throw_error(errors::ds_world_size, file_ctx(*m0.file),
                 "dp_world_size is " + std::to_string(dp->as_int()) + " but the optimizer is partitioned over " +
@@ -27607,14 +27701,30 @@ inline ShardedCheckpoint describe(const Inputs& in, const options& opt = {}) {
 
   builder b(opt);
   for (const auto& f : in.optim) b.table.add(f.source, f.base);
-  for (const auto& f : in.model) b.table.add(f.source, f.base);
+  b.table.add(in.model[0].source, in.model[0].base);
 
   add_buffers(b, m0);
   if (stage <= 2) {
     add_frozen12(b, m0);
     if (opt.frozen_from_module && m0.frozen_shapes.empty()) add_frozen_from_module(b, m0);
   } else {
-    add_frozen3(b, models, W);
+    // Ranks 1.. are parsed one at a time, and only when they hold what the description needs
+    // (their fragments of frozen parameters), when the caller asks for the repeated
+    // param_shapes to be checked, or when they were loaded already.
+    frozen3 frozen(b, m0, W);
+    frozen.add_rank(m0, 0);
+    if (!m0.frozen_shapes.empty() || opt.check_rank_files || !in.load_model)
+      for (std::uint32_t r = 1; r < W; ++r) {
+        std::optional<optim_shard::LoadedFile> loaded;
+        if (in.load_model) loaded.emplace(in.load_model(r));
+        const optim_shard::LoadedFile& f = loaded ? *loaded : in.model[r];
+        const model_file m = parse_model(f, opt.limits);
+        if (m.param_shapes != m0.param_shapes || m.frozen_shapes != m0.frozen_shapes)
+          throw_error(errors::ds_bad_model_states, file_ctx(f), "param_shapes or frozen_param_shapes differ from rank 0's");
+        if (!m0.frozen_shapes.empty()) b.table.add(f.source, f.base);
+        frozen.add_rank(m, r);
+      }
+    frozen.finish();
   }
   const trainable tr = stage <= 2 ? add_trainable12(b, m0, optims, W) : add_trainable3(b, m0, optims, W);
   add_aliases(b, m0);
@@ -27651,7 +27761,10 @@ inline ShardedCheckpoint describe(const std::filesystem::path& dir, const option
     throw_error(errors::ds_limit, "directory " + quote(d.tag_dir.string()),
                 std::to_string(d.optim_files.size()) + " optim files, more than limits::max_ranks");
   for (const auto& p : d.optim_files) in.optim.push_back(load(p));
-  for (const auto& p : d.model_files) in.model.push_back(load(p));
+  // Model-states files: the first now, the others when describe() needs them (one at a time).
+  if (!d.model_files.empty()) in.model.push_back(load(d.model_files[0]));
+  for (const auto& p : d.model_files) in.model_names.push_back(p.string());
+  in.load_model = [&](std::size_t i) { return load(d.model_files.at(i)); };
   return describe(in, opt);
 }
 
@@ -27676,6 +27789,7 @@ class format final : public formats::Format {
     o.dtype = opt.dtype;
     o.cast_integer_buffers = opt.cast_integer_origin;
     o.with_optimizer = opt.with_optimizer;
+    o.check_rank_files = o.check_rank_files || opt.check_replicas;
     o.mode = opt.mode;
     return deepspeed::describe(in.path(), o);
   }
@@ -29652,7 +29766,27 @@ inline bool holds_objects(const Skeleton& s) {
       if (n.kind == statedict::detail::snode::object) return true;
     return false;
   }
-  return true;  // a document: walked to tell
+  // A document: walked (nodes are {"dict": [[key, node]...]}, {"list": [...]}, {"tuple": [...]},
+  // {"object": {...}} or leaves) until the first object node.
+  std::vector<const nlohmann::json*> work;
+  const nlohmann::json& doc = s.json();
+  if (doc.is_object())
+    if (const auto r = doc.find("root"); r != doc.end()) work.push_back(&*r);
+  while (!work.empty()) {
+    const nlohmann::json& n = *work.back();
+    work.pop_back();
+    if (!n.is_object()) continue;
+    if (n.size() == 1 && n.contains("object")) return true;
+    if (const auto it = n.find("dict"); it != n.end() && it->is_array()) {
+      for (const auto& kv : *it)
+        if (kv.is_array() && kv.size() == 2) work.push_back(&kv[1]);
+    } else {
+      for (const char* key : {"list", "tuple"})
+        if (const auto c = n.find(key); c != n.end() && c->is_array())
+          for (const auto& x : *c) work.push_back(&x);
+    }
+  }
+  return false;
 }
 
 }  // namespace detail
