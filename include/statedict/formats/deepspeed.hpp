@@ -415,8 +415,10 @@ inline ShardedCheckpoint describe(const Inputs& in, const options& opt = {}) {
         const model_file m = parse_model(f, opt.limits);
         if (m.param_shapes != m0.param_shapes || m.frozen_shapes != m0.frozen_shapes)
           throw_error(errors::ds_bad_model_states, file_ctx(f), "param_shapes or frozen_param_shapes differ from rank 0's");
-        if (!m0.frozen_shapes.empty()) b.table.add(f.source, f.base);
+        if (m0.frozen_shapes.empty()) continue;
+        const std::uint32_t source = b.table.add(f.source, f.base);
         frozen.add_rank(m, r);
+        if (loaded) b.table.retire(source);  // its views go with it (pread: their addresses are reused)
       }
     frozen.finish();
   }

@@ -238,6 +238,16 @@ class SourceTable {
     return index;
   }
 
+  /// Stops locating views in source `i` (it stays registered: chunks keep pointing at it). For a
+  /// file whose views are gone (its parsed tree dropped): in pread mode its views lay in an address
+  /// range reserved for them, which the next file loaded may be given again.
+  void retire(std::uint32_t i) {
+    if (i >= entries_.size() || entries_[i].base == nullptr) return;
+    const auto it = by_base_.find(reinterpret_cast<std::uintptr_t>(entries_[i].base));
+    if (it != by_base_.end() && it->second == i) by_base_.erase(it);
+    entries_[i].base = nullptr;
+  }
+
   /// Registers bytes computed at describe time (small converted buffers); returns its index.
   std::uint32_t add_owned(std::string name, std::vector<std::byte> bytes) {
     auto buf = std::make_shared<std::vector<std::byte>>(std::move(bytes));
