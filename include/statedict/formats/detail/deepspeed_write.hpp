@@ -291,8 +291,18 @@ inline write_input prepare(const ShardedCheckpoint& ck, const write_options& o) 
         throw_error(errors::ds_write_input, "optim.param_groups", "lists a parameter that is not a name (read the input with its names, as statedict reads DeepSpeed, FSDP and DCP optimizer state)");
       const std::string& name = n->as_string();
       auto it = index.find(name);
-      if (it == index.end())
-        throw_error(errors::ds_write_input, "parameter " + quote(name), "is listed by optim.param_groups but is not a tensor of the checkpoint");
+      if (it == index.end()) {
+        // A model saved under a key of its own ({"model": ..., "optim": ...}, as DCP checkpoints
+        // of get_state_dict are): its tensors carry a prefix the optimizer's names do not.
+        std::string hint;
+        for (const TensorInfo& t : ck.tensors)
+          if (t.name.size() > name.size() && t.name.compare(t.name.size() - name.size(), name.size(), name) == 0 &&
+              t.name[t.name.size() - name.size() - 1] == '.' && t.name.rfind("optim.", 0) != 0) {
+            hint = "; the checkpoint has " + quote(t.name) + " (--strip-prefix " + t.name.substr(0, t.name.size() - name.size()) + ")";
+            break;
+          }
+        throw_error(errors::ds_write_input, "parameter " + quote(name), "is listed by optim.param_groups but is not a tensor of the checkpoint" + hint);
+      }
       if (!trained.insert(name).second) throw_error(errors::ds_write_input, "parameter " + quote(name), "is listed by two param groups");
       const TensorInfo& t = ck.tensors[it->second];
       if (!is_floating(t.dtype)) throw_error(errors::ds_write_input, "parameter " + quote(name), "is " + std::string(statedict::name(t.dtype)) + ", not floating");
