@@ -553,7 +553,7 @@ int cmd_convert(const std::vector<std::string>& argv) {
   }
   // A weights-only input written for the DeepSpeed engine with a freshly constructed optimizer.
   if (auto f = a.value("--fresh-optimizer")) {
-    if (format->name() != "deepspeed" && format->name() != "deepspeed-universal")
+    if (format->name() != "deepspeed")
       a.fail(cli::errors::bad_option, "--fresh-optimizer applies to DeepSpeed output (--to deepspeed)");
     auto fresh = sd::deepspeed::parse_fresh_optimizer(*f);
     fresh.frozen = a.values("--frozen");

@@ -870,8 +870,8 @@ TEST_CASE("deepspeed write: weights only, with a fresh optimizer, as the engine 
       const auto got = sha256_tensors(back);
       std::map<std::string, std::string> gm(got.begin(), got.end());
       // The integer buffer is read back as zero_to_fp32 gives it (.float()); it is saved as I64.
-      for (const auto& [k, v] : want)
-        if (k != "ids") CHECK_MESSAGE(gm[k] == v, k);
+      for (const auto& kv : want)
+        if (kv.first != "ids") CHECK_MESSAGE(gm[kv.first] == kv.second, kv.first);
       CHECK(gm.size() == want.size());
       REQUIRE(back.find("ids") != nullptr);
       CHECK(back.find("ids")->converted_from == std::optional<dtype>(dtype::I64));
@@ -964,6 +964,11 @@ TEST_CASE("deepspeed write: a fresh optimizer is refused where it cannot be what
   w = fresh_options(2, 2);
   w.fresh->frozen = {"w|b|frozen\\.w"};
   CHECK(error_of([&] { (void)ds::write(weights_only(), out, w); }) == 725);
+  // The universal layout (ds_to_universal.py's of a trained state) is not written for one.
+  w = fresh_options(2, 2);
+  w.universal = true;
+  CHECK(error_of([&] { (void)ds::write(weights_only(), out, w); }, &what) == 726);
+  CHECK(what.find("--to deepspeed") != std::string::npos);
   // A bad regular expression.
   w = fresh_options(2, 2);
   w.fresh->buffers = {"pos("};

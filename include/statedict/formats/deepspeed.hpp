@@ -237,7 +237,8 @@ struct write_options {
   /// model-states files are those of `world_size` ranks.
   bool universal = false;
   /// For an input without optimizer state: the optimizer to write, freshly constructed (see
-  /// fresh_optimizer). Unset, such an input is refused; set, an input with optimizer state is.
+  /// fresh_optimizer). Unset, such an input is refused; set, an input with optimizer state is,
+  /// and so is `universal` (a step-0 state is written as the rank files, for any world size).
   std::optional<deepspeed::fresh_optimizer> fresh;
   exec_options exec{};
   plan_options plan{};

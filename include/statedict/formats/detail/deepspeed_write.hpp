@@ -218,6 +218,10 @@ inline write_input prepare(const ShardedCheckpoint& ck, const write_options& o) 
   in.root = formats::detail::source_tree(ck, in.space);
   const Value* optim = child(in.root, "optim");
   const Value* pgs = optim ? child(*optim, "param_groups") : nullptr;
+  if (o.fresh && o.universal)
+    throw_error(errors::ds_write_option, "--fresh-optimizer",
+                "writes the rank files (--to deepspeed), for any world size; a universal checkpoint of an optimizer that "
+                "has not stepped is not what ds_to_universal.py makes of the engine's files");
   if (pgs && o.fresh)
     throw_error(errors::ds_write_option, "--fresh-optimizer",
                 "the input has optimizer state (optim.param_groups), which is written as it is; read the input without "
