@@ -121,7 +121,7 @@ TEST_CASE("deepspeed cli: --fresh-optimizer mistakes are refused with the part t
       {with({"--frozen", "frozen.*"}), "apply with --fresh-optimizer"},
       {{"convert", model, out, "--to", "dcp", "--world-size", "2", "--fresh-optimizer", "adamw"}, "--fresh-optimizer applies to DeepSpeed output"},
       {{"convert", (engine / "zero2_ws2_fp32").string(), out, "--to", "deepspeed", "--world-size", "2", "--with-optimizer", "--fresh-optimizer", "adamw"},
-       "read the input without --with-optimizer"},
+       "read the input without it"},
   };
   for (const auto& c : cases) {
     const run_result r = cli(c.args);

@@ -224,8 +224,8 @@ inline write_input prepare(const ShardedCheckpoint& ck, const write_options& o) 
                 "has not stepped is not what ds_to_universal.py makes of the engine's files");
   if (pgs && o.fresh)
     throw_error(errors::ds_write_option, "--fresh-optimizer",
-                "the input has optimizer state (optim.param_groups), which is written as it is; read the input without "
-                "--with-optimizer to start a fresh optimizer");
+                "the input has optimizer state (optim.param_groups), which is written as it is; to start a fresh optimizer, "
+                "read the input without it (without --with-optimizer, or with --drop 'optim\\..*')");
   if (!pgs && !o.fresh)
     throw_error(errors::ds_write_input, "the checkpoint",
                 "has no optimizer state (optim.param_groups): read a checkpoint that has one with --with-optimizer; for "
