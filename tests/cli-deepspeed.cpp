@@ -96,6 +96,17 @@ TEST_CASE("deepspeed cli: weights only, --fresh-optimizer writes what the engine
       CHECK(j.at("values").at("optim.param_groups.0.weight_decay") == 0.05);
       for (const auto& t : j.at("tensors").items()) CHECK(t.key().rfind("optim.", 0) != 0);
     }
+  // A DeepSpeed checkpoint read without its optimizer state: the same weights with the optimizer
+  // started afresh (at step 0, whatever the input's tag), its stage kept unless asked.
+  const std::string out = (dir / "reset").string();
+  run_result r = cli({"convert", (engine / "zero2_ws2_fp32").string(), out, "--to", "deepspeed", "--world-size", "3", "--fresh-optimizer", spec,
+                      "--frozen", "frozen\\..*", "--buffer", "pos"});
+  INFO(r.describe());
+  REQUIRE(r.code == 0);
+  CHECK(read_file(fs::path(out) / "latest") == "global_step0");
+  r = cli({"verify", (engine / "zero2_ws2_fp32").string(), out});
+  INFO(r.describe());
+  CHECK(r.code == 0);
   drop_scratch("deepspeed-fresh");
 }
 

@@ -27728,7 +27728,8 @@ inline std::vector<std::string> write(const ShardedCheckpoint& ck, const std::fi
                                                                : std::string("is needed: the input is not a DeepSpeed checkpoint that names its stage"));
   const auto bf16o = ck.metadata.find("deepspeed.optimizer");
   const bool bf16_optimizer = bf16o != ck.metadata.end() && bf16o->second == "BF16_Optimizer" && stage == 1 && !o.zero_stage;
-  std::string tag = o.tag.empty() ? in.tag : o.tag;
+  // A fresh optimizer is at step 0 whatever the input's tag said (global_steps is 0 too).
+  std::string tag = o.tag.empty() ? (o.fresh ? std::string() : in.tag) : o.tag;
   if (tag.empty()) {
     const Value* gs = in.carried.find(Key(std::string("global_steps")));
     tag = "global_step" + std::to_string(gs && gs->is_int() ? gs->as_int() : 0);
