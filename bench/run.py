@@ -43,7 +43,7 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     a = ap.add_argument
-    a("--cases", default=env_default("cases", ",".join(cases.ALL)), help="comma-separated subset of B1..B9, B11")
+    a("--cases", default=env_default("cases", ",".join(cases.ALL)), help="comma-separated subset of B1..B11")
     a("--reps", type=int, default=int(env_default("reps", 5)), help="warm repetitions per peer (default 5)")
     a("--cold-reps", type=int, default=int(env_default("cold_reps", 2)), help="cold repetitions (default 2)")
     a("--scale-reps", type=int, default=int(env_default("scale_reps", 3)), help="repetitions per B6 size (default 3)")
@@ -175,6 +175,10 @@ def generate(ctx, selected):
     for g in sizes:
         jobs.append([PY, os.path.join(HERE, "gen", "gen_zero.py"), ctx.data, "--gib", f"{g:g}",
                      "--ranks", str(args.zero_ranks)])
+    if "B10" in selected:
+        for r in cases.B10_RANKS:
+            jobs.append([PY, os.path.join(HERE, "gen", "gen_zero.py"), ctx.data, "--gib", f"{cases.B10_GIB:g}",
+                         "--layers", str(cases.B10_LAYERS), "--ranks", str(r)])
     if "B7" in selected:
         jobs.append([PY, os.path.join(HERE, "gen", "gen_megatron.py"), ctx.data, "--gib", f"{args.megatron_gib:g}",
                      "--tp", str(args.megatron_tp), "--pp", str(args.megatron_pp)])

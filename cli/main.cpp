@@ -2,6 +2,7 @@
 //
 // Exit codes: 0 success, 1 a check failed (verify), 2 bad input or usage. Errors are one line on
 // stderr: "statedict: [statedict.<kind>.<id>] <where>: <what was expected>".
+#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 #if defined(__GLIBC__)
@@ -22,6 +23,7 @@
 #include <iostream>
 #include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -31,6 +33,7 @@
 #include <vector>
 
 #include "args.hpp"
+#include "progress.hpp"
 
 namespace sd = statedict;
 
@@ -39,7 +42,7 @@ namespace {
 constexpr const char* usage_text = R"(statedict: read, convert and verify ML checkpoints without PyTorch.
 
 usage:
-  statedict inspect PATH [--json] [--hash] [--with-optimizer] [--from FORMAT] [--io mmap|pread]
+  statedict inspect PATH [--json] [--hash] [--with-optimizer] [--from FORMAT] [--io mmap|pread] [--quiet]
   statedict convert IN OUT [--to safetensors|hf|torch|dcp|olmo|colossalai|megatron|deepspeed|deepspeed-universal] [--from FORMAT] [--dtype F32|BF16|F16]
                     [--cast-integer-buffers] [--keep-dtype REGEX]... [--dequantize fp8-block|mxfp4|auto]
                     [--max-shard-size 5GB] [--world-size M] [--dcp-layout 2|1.13]
@@ -47,7 +50,7 @@ usage:
                     [--rename FROM=TO]... [--rename-regex REGEX=REPLACEMENT]... [--map NAMES.json]...
                     [--with-optimizer] [--threads N] [--memory-budget 256MiB]
                     [--part k/K | --part index] [--check-replicas] [--io mmap|pread] [--write direct|cached]
-                    [--keep-class MODULE.CLASS]... [--tp N] [--pp M] [--vpp V] [--zero-stage 1|2|3]
+                    [--keep-class MODULE.CLASS]... [--tp N] [--pp M] [--vpp V] [--zero-stage 1|2|3] [--quiet]
                     [--fresh-optimizer adamw:lr=1e-4,betas=0.9/0.999,eps=1e-8,weight_decay=0.01]
                     [--frozen REGEX]... [--buffer REGEX]...
   statedict verify A B [--rtol R] [--atol A] [--with-optimizer] [--from FORMAT] [--io mmap|pread]
@@ -63,7 +66,8 @@ Megatron-LM checkpoint (legacy mp_rank_* files or torch_dist). The format is det
 from the content (--from FORMAT reads it as that format). The name options of convert apply in
 the order given. Pickled objects are read as data, never run; convert writes each object whose
 class torch.load(weights_only=True) refuses as its data (--keep-class writes that class as itself,
-for input you trust). Exit codes: 0 success, 1 verify found a difference, 2 bad input or usage.
+for input you trust). Progress goes to stderr: one line redrawn on a terminal, a few plain lines
+otherwise, nothing with --quiet (which also leaves out convert's summary). Exit codes: 0 success, 1 verify found a difference, 2 bad input or usage.
 See docs/cli.md.
 )";
 
@@ -121,15 +125,32 @@ std::optional<sd::dtype> parse_dtype(const cli::Args& a) {
   return t;
 }
 
-/// Progress on stderr when it is a terminal: "\r  37% 1.1 GB of 3.0 GB".
-std::function<void(std::uint64_t, std::uint64_t)> progress_printer() {
-  if (!::isatty(STDERR_FILENO)) return {};
-  return [](std::uint64_t done, std::uint64_t total) {
-    const double pct = total ? 100.0 * static_cast<double>(done) / static_cast<double>(total) : 100.0;
-    std::fprintf(stderr, "\r  %3.0f%%  %.2f GB of %.2f GB", pct, static_cast<double>(done) / 1e9, static_cast<double>(total) / 1e9);
-    if (done >= total) std::fprintf(stderr, "\n");
-    std::fflush(stderr);
-  };
+/// The command's progress display (progress.hpp); main() erases its line before an error.
+std::unique_ptr<cli::progress_renderer> progress;
+
+/// Sets up `progress` on stderr: nothing with --quiet, a line redrawn in place on a terminal,
+/// plain lines otherwise. `copying` names the copy phase ("hashing" for inspect --hash).
+cli::progress_renderer& start_progress(const cli::Args& a, std::string copying) {
+  cli::progress_renderer::settings s;
+  s.copying = std::move(copying);
+  if (a.flag("--quiet")) {
+    s.mode = cli::progress_mode::off;
+  } else if (::isatty(STDERR_FILENO)) {
+    s.mode = cli::progress_mode::terminal;
+    winsize ws{};
+    if (::ioctl(STDERR_FILENO, TIOCGWINSZ, &ws) == 0 && ws.ws_col >= 20) s.width = ws.ws_col;
+  } else {
+    s.mode = cli::progress_mode::lines;
+  }
+  const auto start = std::chrono::steady_clock::now();
+  progress = std::make_unique<cli::progress_renderer>(
+      std::move(s),
+      [](std::string_view text) {
+        std::fwrite(text.data(), 1, text.size(), stderr);
+        std::fflush(stderr);
+      },
+      [start] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); });
+  return *progress;
 }
 
 sd::exec_options exec_options_from(const cli::Args& a) {
@@ -137,7 +158,8 @@ sd::exec_options exec_options_from(const cli::Args& a) {
   const unsigned hw = std::max(1U, std::thread::hardware_concurrency());
   e.threads = a.value("--threads") ? static_cast<unsigned>(parse_count(*a.value("--threads"), "--threads", 1, 256)) : hw;
   if (auto b = a.value("--memory-budget")) e.memory_budget = parse_bytes(*b, "--memory-budget");
-  e.progress = progress_printer();
+  if (progress && progress->mode() != cli::progress_mode::off)
+    e.progress = [r = progress.get()](const sd::progress_event& ev) { r->update(ev); };
   return e;
 }
 
@@ -263,7 +285,7 @@ std::string json_string(const std::string& s) {
 int cmd_inspect(const std::vector<std::string>& argv) {
   cli::Args a(argv,
               with_megatron({{"--json", false}, {"--hash", false}, {"--with-optimizer", false}, {"--from", true}, {"--io", true},
-                             {"--threads", true}, {"--memory-budget", true}}),
+                             {"--threads", true}, {"--memory-budget", true}, {"--quiet", false}}),
               1, 1, "inspect");
   heap_for_many_small_objects();
   auto opened = open_input(a.positional()[0], a);
@@ -273,7 +295,14 @@ int cmd_inspect(const std::vector<std::string>& argv) {
                                                            : sd::skeleton_values(opened.checkpoint.skeleton);
   sd::ShardedCheckpoint ck = sd::formats::expand_ties(std::move(opened.checkpoint), ties);
   std::vector<std::pair<std::string, std::string>> hashes;
-  if (a.flag("--hash")) hashes = sd::sha256_tensors(ck, exec_options_from(a));
+  if (a.flag("--hash")) {
+    auto& shown = start_progress(a, "hashing");
+    {
+      const cli::progress_ticker ticker(shown);
+      hashes = sd::sha256_tensors(ck, exec_options_from(a));
+    }
+    shown.clear();
+  }
 
   if (a.flag("--json")) {
     // Written piece by piece, in the layout of nlohmann's dump(1): an ordered_json object searches
@@ -483,7 +512,8 @@ int cmd_convert(const std::vector<std::string>& argv) {
                {"--with-optimizer", false}, {"--threads", true}, {"--memory-budget", true}, {"--part", true},
                {"--check-replicas", false}, {"--io", true}, {"--write", true}, {"--dcp-layout", true},
                {"--keep-class", true, true}, {"--tp", true}, {"--pp", true}, {"--vpp", true}, {"--zero-stage", true},
-               {"--fresh-optimizer", true}, {"--frozen", true, true}, {"--buffer", true, true}}),
+               {"--fresh-optimizer", true}, {"--frozen", true, true}, {"--buffer", true, true},
+               {"--quiet", false}}),
               2, 2, "convert");
   const std::string in = a.positional()[0], out = a.positional()[1];
   const auto dtype = parse_dtype(a);
@@ -506,6 +536,7 @@ int cmd_convert(const std::vector<std::string>& argv) {
     };
   }
 
+  auto& shown = start_progress(a, "copying");
   sd::formats::save_options w;
   w.format = a.value("--to").value_or("");
   w.exec = exec_options_from(a);
@@ -572,14 +603,15 @@ int cmd_convert(const std::vector<std::string>& argv) {
 
   const auto t0 = std::chrono::steady_clock::now();
   const bool dequantizing = how.dequantize.has_value();
+  std::optional<cli::progress_ticker> ticker(std::in_place, shown);
+  shown.update({sd::progress_phase::reading, 0, 0, in});
   auto opened = open_input(in, a, dtype, to_megatron, std::move(how));
   sd::ShardedCheckpoint ck = std::move(opened.checkpoint);
   for (const auto& t : transforms) ck = t(ck);
   // Objects are written as their data (classes torch's weights_only list has, and --keep-class
   // ones, as themselves): one line per class says what was done.
   for (const auto& note : sd::formats::objects_as_data(ck, w.keep_classes))
-    std::fprintf(stderr, "statedict: %s%s\n", note.describe().c_str(),
-                 note.instances ? (" (--keep-class " + note.cls + " writes it as itself)").c_str() : "");
+    shown.message("statedict: " + note.describe() + (note.instances ? " (--keep-class " + note.cls + " writes it as itself)" : "") + "\n");
 
   std::uint64_t bytes = 0;
   for (const auto& t : ck.tensors) bytes += sd::byte_size(t.shape, sd::itemsize(t.dtype));
@@ -590,6 +622,8 @@ int cmd_convert(const std::vector<std::string>& argv) {
     if (ec) sd::throw_error(sd::errors::open_failed, "folder " + sd::quote(parent.string()), "cannot create: " + ec.message());
   }
   const auto files = sd::formats::save(ck, out, w);
+  ticker.reset();
+  shown.clear();
   if (dequantizing && format->name() == "hf" && !w.part && std::filesystem::is_directory(in)) copy_hf_side_files(in, out, *dtype);
   std::string what = std::string(format->title()) + " checkpoint";
   if (w.index_only) what = "the index of a " + what;
@@ -602,8 +636,9 @@ int cmd_convert(const std::vector<std::string>& argv) {
   if (files.size() > 1) what += " (" + std::to_string(files.size()) + " files)";
   if (w.part) what += " (part " + std::to_string(w.part->index) + "/" + std::to_string(w.part->count) + ")";
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  std::fprintf(stderr, "statedict: wrote %s %s: %zu tensors, %.3f GB from %s in %.2f s\n", what.c_str(), sd::quote(out).c_str(),
-               ck.tensors.size(), static_cast<double>(bytes) / 1e9, ck.format.c_str(), secs);
+  if (!a.flag("--quiet"))
+    std::fprintf(stderr, "statedict: wrote %s %s: %zu tensors, %.3f GB from %s in %.2f s\n", what.c_str(), sd::quote(out).c_str(),
+                 ck.tensors.size(), static_cast<double>(bytes) / 1e9, ck.format.c_str(), secs);
   return 0;
 }
 
@@ -626,8 +661,7 @@ int cmd_verify(const std::vector<std::string>& argv) {
   };
   vo.rtol = num("--rtol");
   vo.atol = num("--atol");
-  vo.exec = exec_options_from(a);
-  vo.exec.progress = {};
+  vo.exec = exec_options_from(a);  // no progress: verify starts none
   auto A = open_input(a.positional()[0], a);
   auto B = open_input(a.positional()[1], a);
   // Objects are compared as the data convert writes them as (an argparse.Namespace read from A
@@ -672,12 +706,15 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "statedict: unknown command %s (inspect, convert, verify; see statedict --help)\n", sd::quote(cmd).c_str());
     return 2;
   } catch (const sd::error& e) {
+    if (progress) progress->clear();
     std::fprintf(stderr, "statedict: %s\n", e.what());
     return 2;
   } catch (const std::bad_alloc&) {
+    if (progress) progress->clear();
     std::fprintf(stderr, "statedict: out of memory\n");
     return 2;
   } catch (const std::exception& e) {
+    if (progress) progress->clear();
     std::fprintf(stderr, "statedict: %s\n", e.what());
     return 2;
   }

@@ -26,7 +26,7 @@
 #include <string>
 #include <vector>
 
-#include "error_of.hpp"
+#include "test_util.hpp"
 
 using namespace statedict;
 namespace fs = std::filesystem;
@@ -54,15 +54,8 @@ fs::path dir() {
   return d;
 }
 
-void write_file(const fs::path& p, const std::string& bytes) {
-  std::ofstream f(p, std::ios::binary | std::ios::trunc);
-  f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  REQUIRE(f.good());
-}
-std::string read_file(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(f), {});
-}
+using statedict_test::read_all;
+using statedict_test::write_all;
 
 std::string le(std::uint64_t v, int n) {
   std::string s(static_cast<std::size_t>(n), '\0');
@@ -119,7 +112,7 @@ run_result run_cli(const std::vector<std::string>& args) {
   run_result r;
   if (WIFEXITED(status)) r.exit_code = WEXITSTATUS(status);
   if (WIFSIGNALED(status)) r.signal = WTERMSIG(status);
-  r.err = read_file(err_path);
+  r.err = read_all(err_path);
   return r;
 }
 
@@ -157,7 +150,7 @@ void expect(const fs::path& path, const error_id& id, const std::function<void()
 std::string st_bytes(const std::string& header, const std::string& data) { return le(header.size(), 8) + header + data; }
 fs::path st_file(const std::string& name, const std::string& header, const std::string& data) {
   const fs::path p = dir() / (name + ".safetensors");
-  write_file(p, st_bytes(header, data));
+  write_all(p, st_bytes(header, data));
   return p;
 }
 void expect_st(const fs::path& p, const error_id& id) {
@@ -242,7 +235,7 @@ std::string torch_bytes(const std::string& pickle, std::vector<Rec> storages = {
 }
 fs::path pt_file(const std::string& name, const std::string& bytes) {
   const fs::path p = dir() / (name + ".pt");
-  write_file(p, bytes);
+  write_all(p, bytes);
   return p;
 }
 void expect_pt(const fs::path& p, const error_id& id) {
@@ -282,14 +275,14 @@ TEST_CASE("safetensors: truncated at every cut point") {
   const std::string data = std::string(40, '\x11');
   const std::string full = st_bytes(header, data);
   CHECK(error_of([&] {
-          write_file(dir() / "full.safetensors", full);
+          write_all(dir() / "full.safetensors", full);
           (void)safetensors::File::open(dir() / "full.safetensors");
         }) == 0);
   for (std::size_t cut = 0; cut < full.size(); ++cut) {
     // every cut in the first 16 bytes and the last 16, every 7th in between (CLI runs are slower)
     const bool run_cli_too = cut < 16 || cut + 16 > full.size() || cut % 7 == 0;
     const fs::path p = dir() / ("cut" + std::to_string(cut) + ".safetensors");
-    write_file(p, full.substr(0, cut));
+    write_all(p, full.substr(0, cut));
     const error_id& id = cut < 8                    ? errors::st_header_too_small
                          : cut < 8 + header.size() ? errors::st_header_length
                                                    : errors::st_incomplete_buffer;
@@ -306,7 +299,7 @@ TEST_CASE("safetensors: lying headers, offsets, shapes, dtypes, metadata") {
     std::string b = st_bytes(R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})", f16);
     put(b, 0, b.size(), 8);
     const fs::path p = dir() / "hdr_past_end.safetensors";
-    write_file(p, b);
+    write_all(p, b);
     expect_st(p, errors::st_header_length);
   }
   SUBCASE("header length huge (2^62, 2^64-1)") {
@@ -314,7 +307,7 @@ TEST_CASE("safetensors: lying headers, offsets, shapes, dtypes, metadata") {
       std::string b = st_bytes(R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})", f16);
       put(b, 0, n, 8);
       const fs::path p = dir() / ("hdr_huge_" + std::to_string(n) + ".safetensors");
-      write_file(p, b);
+      write_all(p, b);
       expect_st(p, errors::st_header_too_large);
     }
   }
@@ -405,7 +398,7 @@ TEST_CASE("torch.save zip: truncated at every cut point") {
   for (std::size_t cut = 0; cut < full.size(); ++cut) {
     const bool run_cli_too = cut < 8 || cut + 64 > full.size() || cut % 9 == 0;
     const fs::path p = dir() / ("cut" + std::to_string(cut) + ".pt");
-    write_file(p, full.substr(0, cut));
+    write_all(p, full.substr(0, cut));
     CAPTURE(cut);
     if (cut < 4) {
       // too short to be anything: the library says "not a torch file", the tool "unknown format"
@@ -591,7 +584,7 @@ TEST_CASE("DCP: an item whose length runs past its data file") {
   fs::resize_file(victim, 0);
   expect(d, errors::dcp_item_outside_file, [&] { (void)dcp::describe(d); }, victim.filename().string());
   // The whole .metadata truncated: a pickle that ends early.
-  const std::string md = read_file(d / ".metadata");
-  write_file(d / ".metadata", md.substr(0, md.size() / 2));
+  const std::string md = read_all(d / ".metadata");
+  write_all(d / ".metadata", md.substr(0, md.size() / 2));
   expect(d, errors::pk_truncated, [&] { (void)dcp::describe(d); }, ".metadata");
 }

@@ -25,6 +25,8 @@
 #include <string>
 #include <vector>
 
+#include "test_util.hpp"
+
 extern char** environ;  // NOLINT
 
 namespace cli_test {
@@ -45,24 +47,14 @@ struct run_result {
   }
 };
 
-inline std::string read_file(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
-}
-
-inline void write_file(const fs::path& p, const std::string& s) {
-  std::ofstream f(p, std::ios::binary | std::ios::trunc);
-  f << s;
-}
+using statedict_test::read_all;
+using statedict_test::write_all;
+/// read_all and write_all (test_util.hpp) under the names the command-line tests use.
+inline std::string read_file(const fs::path& p) { return read_all(p); }
+inline void write_file(const fs::path& p, const std::string& s) { write_all(p, s); }
 
 /// A fresh, empty directory under STATEDICT_TEST_TMP, unique to this process.
-inline fs::path scratch(const std::string& name) {
-  const fs::path d = fs::path(STATEDICT_TEST_TMP) / ("cli-" + std::to_string(::getpid())) / name;
-  std::error_code ec;
-  fs::remove_all(d, ec);
-  fs::create_directories(d);
-  return d;
-}
+inline fs::path scratch(const std::string& name) { return statedict_test::fresh_dir("cli-" + std::to_string(::getpid()), name); }
 
 /// Removes this process's scratch tree (call at the end of a test case that succeeded).
 inline void drop_scratch(const std::string& name) {

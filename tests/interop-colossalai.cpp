@@ -66,7 +66,7 @@ void edit_json(const fs::path& p, const std::function<void(ojson&)>& f) {
 }
 
 int open_error(const fs::path& p, bool with_optimizer = false) {
-  return layout_test::error_id_of([&] {
+  return layout_test::error_of([&] {
     formats::open_options o;
     o.with_optimizer = with_optimizer;
     (void)formats::open(p, o);
@@ -196,9 +196,9 @@ TEST_CASE("colossalai interop: replicas that differ are caught by --check-replic
   const fs::path out = cli_test::scratch("colo-replicas-out") / "x.safetensors";
   formats::save_options so;
   so.plan.check_replicas = true;
-  CHECK(layout_test::error_id_of([&] { (void)formats::save(ck, out, so); }) == errors::replica_mismatch.id);
+  CHECK(layout_test::error_of([&] { (void)formats::save(ck, out, so); }) == errors::replica_mismatch.id);
   so.plan.check_replicas = false;
-  CHECK(layout_test::error_id_of([&] { (void)formats::save(ck, out, so); }) == 0);
+  CHECK(layout_test::error_of([&] { (void)formats::save(ck, out, so); }) == 0);
 }
 
 TEST_CASE("colossalai interop: a released checkpoint whose index does not fit its optimizer is refused") {
@@ -308,7 +308,7 @@ TEST_CASE("colossalai interop: ColossalAI to ColossalAI keeps the split dims; se
   CHECK(b["metadata"]["embed_tokens.weight"]["offsets"] == json::array({0, 3}));
   CHECK(b["metadata"]["embed_tokens.weight"]["lengths"] == json::array({24, 3}));
   so.settings.set<colossalai::save_settings>().partition_dims["pos_embed.weight"] = 0;  // 9 rows on 2 ranks
-  CHECK(layout_test::error_id_of([&] { (void)formats::save(src, out / "uneven", so); }) == errors::colossalai_bad_option.id);
+  CHECK(layout_test::error_of([&] { (void)formats::save(src, out / "uneven", so); }) == errors::colossalai_bad_option.id);
   const auto r = layout_test::layout_check({"colossalai", (out / "stated").string(), [&] {
                                               json m = cli_test::load_json(colo_dir / (c + ".manifest.json"));
                                               m.erase("not_in_metadata");

@@ -42,7 +42,7 @@ json merged(const std::string& c) {
 }
 
 int open_error(const fs::path& p, bool with_optimizer = false) {
-  return layout_test::error_id_of([&] {
+  return layout_test::error_of([&] {
     formats::open_options o;
     o.with_optimizer = with_optimizer;
     (void)formats::open(p, o);
@@ -188,7 +188,7 @@ TEST_CASE("fairscale interop: corrupt rank files are refused with their error id
     CHECK(open_error(d) == errors::unknown_format.id);
     formats::open_options o;
     o.format = "fairscale";
-    CHECK(layout_test::error_id_of([&] { (void)formats::open(d, o); }) == errors::fairscale_not_found.id);
+    CHECK(layout_test::error_of([&] { (void)formats::open(d, o); }) == errors::fairscale_not_found.id);
   }
   SUBCASE("steps that differ between ranks") {
     const fs::path d = variants(c) / "step";

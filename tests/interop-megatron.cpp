@@ -25,6 +25,8 @@
 #include <string>
 #include <vector>
 
+#include "test_util.hpp"
+
 using namespace statedict;
 namespace fs = std::filesystem;
 using json = nlohmann::ordered_json;
@@ -98,13 +100,7 @@ int oracle(const fs::path& dir, const std::string& manifest, std::uint64_t tp, s
   return run(cmd);
 }
 
-fs::path scratch(const std::string& name) {
-  const fs::path d = fs::path(STATEDICT_TEST_TMP) / ("interop-megatron-" + std::to_string(::getpid())) / name;
-  std::error_code ec;
-  fs::remove_all(d, ec);
-  fs::create_directories(d.parent_path());
-  return d;
-}
+fs::path scratch(const std::string& name) { return statedict_test::fresh_path("interop-megatron-" + std::to_string(::getpid()), name); }
 
 }  // namespace
 

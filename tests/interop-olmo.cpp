@@ -91,7 +91,7 @@ TEST_CASE("olmo interop: a value whose pickle calls posix.system is refused, nev
   const fs::path sentinel = m["malicious"]["sentinel"].get<std::string>();
   std::error_code ec;
   fs::remove(sentinel, ec);
-  const int id = layout_test::error_id_of([&] { (void)formats::open(olmo_dir / "olmo_malicious.safetensors"); });
+  const int id = layout_test::error_of([&] { (void)formats::open(olmo_dir / "olmo_malicious.safetensors"); });
   CHECK(id == errors::pk_blocked_module.id);
   CHECK_FALSE(fs::exists(sentinel));
   try {

@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "test_util.hpp"
+
 using namespace statedict;
 namespace st = statedict::safetensors;
 namespace fs = std::filesystem;
@@ -27,21 +29,11 @@ namespace {
 
 const fs::path fixtures = fs::path(STATEDICT_FIXTURE_DIR) / "gen_safetensors";
 
-fs::path tmp_dir() {
-  fs::path d = fs::path(STATEDICT_TEST_TMP) / "interop-safetensors";
-  fs::create_directories(d);
-  return d;
-}
+fs::path tmp_dir() { return statedict_test::test_dir("interop-safetensors"); }
 
-std::string read_all(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(f), {});
-}
+using statedict_test::read_all;
 
-void write_all(const fs::path& p, const std::string& s) {
-  std::ofstream f(p, std::ios::binary);
-  f << s;
-}
+using statedict_test::write_all;
 
 std::string shell_quote(const std::string& s) {
   std::string q = "'";

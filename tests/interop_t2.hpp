@@ -5,7 +5,7 @@
 #pragma once
 
 #include "cli_util.hpp"
-#include "error_of.hpp"
+#include "test_util.hpp"
 
 #include <statedict/statedict.hpp>
 

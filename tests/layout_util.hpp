@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "cli_util.hpp"
+#include "test_util.hpp"
 
 namespace layout_test {
 
@@ -100,15 +101,7 @@ inline std::optional<json> skeleton_node(const json& skeleton, const json& keys)
   return *node;
 }
 
-/// The error id of what `f` throws (0: nothing thrown).
-inline int error_id_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const statedict::error& e) {
-    return e.id();
-  }
-  return 0;
-}
+using statedict_test::error_of;
 
 /// Runs tests/python/layout_check.py with `args`; its output and exit code.
 inline cli_test::run_result layout_check(const std::vector<std::string>& args) {

@@ -17,6 +17,8 @@
 #include <unistd.h>
 #include <vector>
 
+#include "test_util.hpp"
+
 using namespace statedict;
 namespace fs = std::filesystem;
 using ojson = nlohmann::ordered_json;
@@ -30,14 +32,7 @@ fs::path fresh(const std::string& name) {
   return d;
 }
 
-int id_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const error& e) {
-    return e.id();
-  }
-  return 0;
-}
+using statedict_test::error_of;
 
 Tensor f32(std::vector<float> v, shape_t s) { return Tensor::from<float>(std::span<const float>(v), std::move(s)); }
 
@@ -110,7 +105,7 @@ TEST_CASE("colossalai: what the metadata gets wrong is refused with its error id
   auto with = [](const std::string& name, const std::function<void(const fs::path&)>& edit) {
     const fs::path d = tp2(name);
     edit(d);
-    return id_of([&] { (void)colossalai::describe(d); });
+    return error_of([&] { (void)colossalai::describe(d); });
   };
   auto edit_meta = [](const fs::path& d, int r, const std::function<void(ojson&)>& f) {
     const fs::path p = d / ("pytorch_model-meta-dist-0000" + std::to_string(r) + ".index.json");
@@ -119,7 +114,7 @@ TEST_CASE("colossalai: what the metadata gets wrong is refused with its error id
     f(j);
     std::ofstream(p) << j.dump();
   };
-  CHECK(id_of([&] { (void)colossalai::describe(tp2("f16", dtype::F16)); }) == errors::colossalai_dtype.id);
+  CHECK(error_of([&] { (void)colossalai::describe(tp2("f16", dtype::F16)); }) == errors::colossalai_dtype.id);
   CHECK(with("neg", [&](const fs::path& d) { edit_meta(d, 1, [](ojson& j) { j["metadata"]["w"]["offsets"][0] = -1; }); }) ==
         errors::colossalai_bad_json.id);
   CHECK(with("rank-str", [&](const fs::path& d) { edit_meta(d, 1, [](ojson& j) { j["metadata"]["w"]["rank"] = "1"; }); }) ==
@@ -147,13 +142,13 @@ TEST_CASE("colossalai: the caps") {
   const fs::path d = tp2("caps");
   colossalai::options o;
   o.limits.max_json_bytes = 64;
-  CHECK(id_of([&] { (void)colossalai::describe(d, o); }) == errors::colossalai_limit.id);
+  CHECK(error_of([&] { (void)colossalai::describe(d, o); }) == errors::colossalai_limit.id);
   o = {};
   o.limits.max_entries = 3;
-  CHECK(id_of([&] { (void)colossalai::describe(d, o); }) == errors::colossalai_limit.id);
+  CHECK(error_of([&] { (void)colossalai::describe(d, o); }) == errors::colossalai_limit.id);
   o = {};
   o.limits.max_files = 1;
-  CHECK(id_of([&] { (void)colossalai::describe(d, o); }) == errors::colossalai_limit.id);
+  CHECK(error_of([&] { (void)colossalai::describe(d, o); }) == errors::colossalai_limit.id);
 }
 
 TEST_CASE("colossalai: released layout detection by ColossalAI's shard names, not Hugging Face's") {
@@ -192,12 +187,12 @@ TEST_CASE("colossalai: the writer splits evenly on the chosen dim, by size into 
   CHECK(m["metadata"]["b"]["lengths"] == ojson::array({2}));     // replicated in the source
   // usage errors: an unknown tensor, a dim out of range, a world size of 0
   so.settings.set<colossalai::save_settings>().partition_dims["nope"] = 0;
-  CHECK(id_of([&] { (void)formats::save(ck, fresh("w2") / "o", so); }) == errors::colossalai_bad_option.id);
+  CHECK(error_of([&] { (void)formats::save(ck, fresh("w2") / "o", so); }) == errors::colossalai_bad_option.id);
   so.settings.set<colossalai::save_settings>().partition_dims = {{"w", 2}};
-  CHECK(id_of([&] { (void)formats::save(ck, fresh("w3") / "o", so); }) == errors::colossalai_bad_option.id);
+  CHECK(error_of([&] { (void)formats::save(ck, fresh("w3") / "o", so); }) == errors::colossalai_bad_option.id);
   so.settings.set<colossalai::save_settings>().partition_dims = {};
   so.world_size = 0;
-  CHECK(id_of([&] { (void)formats::choose_output(fresh("w4") / "o", so); }) == errors::colossalai_bad_option.id);
+  CHECK(error_of([&] { (void)formats::choose_output(fresh("w4") / "o", so); }) == errors::colossalai_bad_option.id);
 }
 
 TEST_CASE("colossalai: without recorded dims, tensors of 2 or more dims split on the first dim M divides") {

@@ -10,24 +10,16 @@
 #include <string>
 #include <vector>
 
-#include "error_of.hpp"
+#include "test_util.hpp"
 
 using namespace statedict;
 namespace fs = std::filesystem;
 
 namespace {
 
-fs::path tmp_dir(const std::string& sub) {
-  fs::path d = fs::path(STATEDICT_TEST_TMP) / "unit-convert" / sub;
-  fs::remove_all(d);
-  fs::create_directories(d.parent_path());
-  return d;
-}
+fs::path tmp_dir(const std::string& sub) { return statedict_test::fresh_path("unit-convert", sub); }
 
-std::string read_all(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(f), {});
-}
+using statedict_test::read_all;
 
 using statedict_test::error_of;
 

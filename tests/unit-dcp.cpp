@@ -11,6 +11,7 @@
 #include <statedict/formats/torch.hpp>
 #include <statedict/formats/safetensors.hpp>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -18,29 +19,18 @@
 #include <string>
 #include <vector>
 
-#include "error_of.hpp"
+#include "test_util.hpp"
 
 using namespace statedict;
 namespace fs = std::filesystem;
 
 namespace {
 
-fs::path tmp_dir(const std::string& sub) {
-  fs::path d = fs::path(STATEDICT_TEST_TMP) / "unit-dcp" / sub;
-  fs::remove_all(d);
-  fs::create_directories(d.parent_path());
-  return d;
-}
+fs::path tmp_dir(const std::string& sub) { return statedict_test::fresh_path("unit-dcp", sub); }
 
-std::string read_all(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(f), {});
-}
+using statedict_test::read_all;
 
-void write_all(const fs::path& p, std::span<const std::byte> b) {
-  std::ofstream f(p, std::ios::binary | std::ios::trunc);
-  f.write(reinterpret_cast<const char*>(b.data()), static_cast<std::streamsize>(b.size()));
-}
+using statedict_test::write_all;
 
 /// A ShardedCheckpoint over in-memory tensors: flatten(tree), one source per tensor.
 ShardedCheckpoint from_tree(const Value& tree) {
@@ -602,8 +592,19 @@ TEST_CASE("detect: the rule that matched, or what was looked for and found") {
 // ---- the item archive reader (formats/detail/torch_refs.hpp)
 
 namespace {
-/// A stored zip archive with the given entries, laid out as torch writes it.
-std::shared_ptr<const ByteSource> archive(const std::vector<std::pair<std::string, std::vector<std::byte>>>& entries) {
+std::vector<std::byte> text_bytes(std::string_view t) {
+  std::vector<std::byte> out(t.size());
+  std::memcpy(out.data(), t.data(), t.size());
+  return out;
+}
+
+/// A stored zip archive with the given entries, laid out as torch writes it, with the `version`
+/// record torch.save writes last (unless `with_version` is false or no entry has a folder).
+std::shared_ptr<const ByteSource> archive(std::vector<std::pair<std::string, std::vector<std::byte>>> entries,
+                                          bool with_version = true) {
+  if (with_version && !entries.empty())
+    if (const auto slash = entries.front().first.find('/'); slash != std::string::npos)
+      entries.emplace_back(entries.front().first.substr(0, slash + 1) + "version", text_bytes("3\n"));
   std::vector<zip::EntrySpec> specs;
   for (const auto& [n, b] : entries) specs.push_back({n, b.size()});
   const zip::Layout L = zip::plan(specs);
@@ -676,6 +677,25 @@ TEST_CASE("item archives: located tensors and each error of the reference reader
     CHECK(r.strides == shape_t{1, 2});
     CHECK(r.byte_offset() == r.record_offset + 8);
     CHECK(r.record_offset % 64 == 0);
+  }
+  {
+    // what torch.load refuses in an archive, beyond its pickle (DCP's reader runs it on each one)
+    const auto pkl = tensor_pickle("FloatStorage", "0", 12, 0, {12}, {1});
+    CHECK(load_error(archive({{"archive/data.pkl", pkl}, {"archive/data/0", bytes_of(48)}}, false)) == errors::tr_bad_archive.id);
+    for (const char* v : {"0\n", "11\n", "x\n", ""})
+      CHECK(load_error(archive({{"archive/data.pkl", pkl}, {"archive/data/0", bytes_of(48)}, {"archive/version", text_bytes(v)}},
+                               false)) == errors::tr_bad_archive.id);
+    CHECK(load_error(archive({{"archive/data.pkl", pkl}, {"archive/data/0", bytes_of(48)}, {"other/extra", bytes_of(1)}})) ==
+          errors::tr_bad_archive.id);
+    CHECK(load_error(archive({{"archive/data.pkl", pkl}, {"archive/data/0", bytes_of(52)}})) == errors::tr_bad_archive.id);
+    CHECK(load_error(archive({{"archive/data.pkl", pkl}, {"archive/data/0", bytes_of(48)}, {"archive/byteorder", text_bytes("big")}})) ==
+          errors::tr_unsupported.id);
+    CHECK(load_error(archive({{"archive/data.pkl", pkl}, {"archive/data/0", bytes_of(48)}, {"archive/byteorder", text_bytes("middle")}})) ==
+          errors::tr_bad_archive.id);
+    // the same archive with what torch writes is read
+    CHECK(load_error(archive({{"archive/data.pkl", pkl}, {"archive/data/0", bytes_of(48)}, {"archive/byteorder", text_bytes("little")}})) == 0);
+    CHECK(load_error(archive({{"archive/data.pkl", pkl}, {"archive/data/0", bytes_of(48)}, {"archive/.data/version", text_bytes("3\n")}},
+                             false)) == 0);
   }
   CHECK(load_error(archive({{"archive/other", bytes_of(3)}})) == errors::tr_no_data_pkl.id);
   CHECK(load_error(archive({{"noslash", bytes_of(3)}})) == errors::tr_no_data_pkl.id);

@@ -6,6 +6,8 @@
 #include <statedict/core/sha256.hpp>
 #include <statedict/exec/digest.hpp>
 #include <statedict/formats/deepspeed.hpp>
+#include <statedict/formats/registry.hpp>
+#include <statedict/formats/torch.hpp>
 #include <statedict/io/torch_file.hpp>
 #include <statedict/shard/views.hpp>
 
@@ -19,7 +21,7 @@
 #include <string>
 #include <vector>
 
-#include "error_of.hpp"
+#include "test_util.hpp"
 
 using namespace statedict;
 namespace ds = statedict::deepspeed;
@@ -974,4 +976,49 @@ TEST_CASE("deepspeed write: a fresh optimizer is refused where it cannot be what
   w.fresh->buffers = {"pos("};
   CHECK(error_of([&] { (void)ds::write(weights_only(), out, w); }) == errors::bad_regex.id);
   CHECK_FALSE(fs::exists(out));
+}
+
+TEST_CASE("deepspeed: at stage 3, rank files beyond the first are parsed only when needed or asked for") {
+  // Every ZeRO-3 rank writes a model-states file repeating rank 0's param_shapes. Describing
+  // parses rank 0's; the others only for what they alone hold (frozen fragments) or when
+  // check_rank_files asks for the repeated metadata to be compared.
+  const ShardedCheckpoint ck = named_optimizer_state();
+  const fs::path out = fs::path(STATEDICT_TEST_TMP) / "ds-lazy-rank-files";
+  fs::remove_all(out);
+  ds::write_options w;
+  w.world_size = 3;
+  w.zero_stage = 3;
+  (void)ds::write(ck, out, w);
+  const fs::path rank2 = out / "global_step0" / "zero_pp_rank_2_mp_rank_00_model_states.pt";
+  REQUIRE(fs::exists(rank2));
+  ds::options o;
+  const auto want = sha256_tensors(ds::describe(out, o));
+  o.check_rank_files = true;
+  CHECK(sha256_tensors(ds::describe(out, o)) == want);
+
+  // Rank 2's model states say something else: only the check sees it, and names the file.
+  {
+    Value v = torch::load(rank2);
+    Dict& sg0 = v.as_dict().at(Key(std::string("param_shapes"))).as_list()[0].as_dict();
+    REQUIRE(!sg0.empty());
+    const Value shape = sg0.begin()->second;
+    sg0.set("an_extra_parameter", shape);
+    torch::save(rank2, v);
+  }
+  o.check_rank_files = false;
+  CHECK(sha256_tensors(ds::describe(out, o)) == want);
+  o.check_rank_files = true;
+  CHECK(error_of([&] { (void)ds::describe(out, o); }) == 702);
+  try {
+    (void)ds::describe(out, o);
+  } catch (const error& e) {
+    CHECK(std::string(e.what()).find("zero_pp_rank_2_mp_rank_00_model_states.pt") != std::string::npos);
+    CHECK(std::string(e.what()).find("differ from rank 0's") != std::string::npos);
+  }
+  // The plug-in asks for the check when open_options::check_replicas is set (--check-replicas).
+  formats::open_options oo;
+  CHECK_NOTHROW((void)formats::open(out, oo));
+  oo.check_replicas = true;
+  CHECK(error_of([&] { (void)formats::open(out, oo); }) == 702);
+  fs::remove_all(out);
 }

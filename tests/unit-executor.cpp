@@ -11,6 +11,7 @@
 #include <statedict/io/file.hpp>
 #include <statedict/shard/layout.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <filesystem>
@@ -18,11 +19,12 @@
 #include <optional>
 #include <memory>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
-#include "error_of.hpp"
+#include "test_util.hpp"
 
 using namespace statedict;
 namespace fs = std::filesystem;
@@ -31,22 +33,11 @@ namespace {
 
 using bytes = std::vector<std::byte>;
 
-fs::path scratch(const std::string& name) {
-  const fs::path dir = fs::path(STATEDICT_TEST_TMP) / "unit-executor" / name;
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
+fs::path scratch(const std::string& name) { return statedict_test::fresh_dir("unit-executor", name); }
 
 fs::path existing(const std::string& name) { return fs::path(STATEDICT_TEST_TMP) / "unit-executor" / name; }
 
-bytes read_file(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  std::vector<char> c((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  bytes b(c.size());
-  if (!c.empty()) std::memcpy(b.data(), c.data(), c.size());
-  return b;
-}
+using statedict_test::read_bytes;
 
 /// Writes `dst` as files in `dir` (one per destination), from `src`.
 exec_stats write_files(const ShardedCheckpoint& src, const Destination& dst, const fs::path& dir, const exec_options& opt,
@@ -125,7 +116,7 @@ TEST_CASE("resharding real files gives identical bytes for 1..4 threads and any 
         CHECK(st.buffer_bytes <= budget);
         CHECK(st.bytes_written == make_plan(open_files(z8, d8, mode), c3).bytes());
         std::vector<bytes> got;
-        for (const auto& n : c3.names) got.push_back(read_file(out / n));
+        for (const auto& n : c3.names) got.push_back(read_bytes(out / n));
         if (reference.empty()) reference = got;
         CHECK(got == reference);
       }
@@ -133,7 +124,7 @@ TEST_CASE("resharding real files gives identical bytes for 1..4 threads and any 
   const fs::path back = scratch("back");
   opt.threads = 2;
   (void)write_files(open_files(c3, existing("c3"), read_mode::mmap), layout::single(m.tensors, "one"), back, opt);
-  CHECK(read_file(back / "one") == m.data);
+  CHECK(read_bytes(back / "one") == m.data);
 }
 
 TEST_CASE("zero-copy paths: copy_file_range and writes from the mapping") {
@@ -159,7 +150,7 @@ TEST_CASE("zero-copy paths: copy_file_range and writes from the mapping") {
   const exec_stats st2 = write_files(open_files(one, d1, read_mode::mmap), c2, scratch("c2slow"), slow);
   CHECK(st2.bytes_in_kernel == 0);
   CHECK(st2.bytes_from_mapping == 0);
-  for (const auto& n : c2.names) CHECK(read_file(existing("c2") / n) == read_file(existing("c2slow") / n));
+  for (const auto& n : c2.names) CHECK(read_bytes(existing("c2") / n) == read_bytes(existing("c2slow") / n));
   // Positioned writes straight from the mapping (pread_files off, no copy_file_range): the same bytes.
   exec_options mapped;
   mapped.pread_files = false;
@@ -168,7 +159,7 @@ TEST_CASE("zero-copy paths: copy_file_range and writes from the mapping") {
   const exec_stats st3 = write_files(open_files(one, d1, read_mode::mmap), c2, scratch("c2map"), mapped);
   CHECK(st3.bytes_in_kernel == 0);
   CHECK(st3.bytes_from_mapping > 0);
-  for (const auto& n : c2.names) CHECK(read_file(existing("c2") / n) == read_file(existing("c2map") / n));
+  for (const auto& n : c2.names) CHECK(read_bytes(existing("c2") / n) == read_bytes(existing("c2map") / n));
 }
 
 TEST_CASE("default copy path: plain runs of mapped files are written from the mapping, pread sources through the buffers") {
@@ -193,7 +184,7 @@ TEST_CASE("default copy path: plain runs of mapped files are written from the ma
       CHECK(st.bytes_in_kernel == 0);
       CHECK(st.bytes_from_mapping >= (std::uint64_t{1000} * 384 + std::uint64_t{384} * 700) * 4);  // embed, w1
       std::vector<bytes> got;
-      for (const auto& n : c2.names) got.push_back(read_file(out / n));
+      for (const auto& n : c2.names) got.push_back(read_bytes(out / n));
       if (reference.empty()) reference = got;
       CHECK(got == reference);
     }
@@ -208,7 +199,7 @@ TEST_CASE("default copy path: plain runs of mapped files are written from the ma
     CHECK(st.bytes_from_mapping == 0);
     CHECK(st.bytes_in_kernel == 0);
     std::vector<bytes> got;
-    for (const auto& n : c2.names) got.push_back(read_file(out / n));
+    for (const auto& n : c2.names) got.push_back(read_bytes(out / n));
     CHECK(got == reference);
   }
 }
@@ -405,7 +396,7 @@ TEST_CASE("mapped sources are read into the page cache in 2 MiB folios (exec_opt
     const ShardedCheckpoint src = open_files(z4, d4, read_mode::mmap);
     const fs::path out = scratch("folios-one");
     (void)write_files(src, one, out, exec_options{});
-    CHECK(read_file(out / "one") == data);
+    CHECK(read_bytes(out / "one") == data);
     large = cached = 0;
     for (const auto& name : z4.names) {
       const auto f = pages_in_large_folios(d4 / name);
@@ -447,7 +438,7 @@ TEST_CASE("exec_options::read_ahead: cold mapped sources are read ahead of the c
     opt.threads = threads;
     const fs::path out = scratch("ahead-one");
     const exec_stats st = write_files(src, one, out, opt);
-    CHECK(read_file(out / "one") == data);
+    CHECK(read_bytes(out / "one") == data);
     return st.bytes_read_ahead;
   };
   CHECK(consolidate(0, 2) == 0);  // off
@@ -497,7 +488,7 @@ TEST_CASE("mapped sources: every page a copy mapped is released again, fault-aro
       const exec_stats st = write_files(src, one, out, opt);
       const std::uint64_t after = rss_file_kib();
       CHECK(after <= before + 512);  // KiB: what a copy of 24 MB leaves mapped
-      CHECK(read_file(out / "one") == data);
+      CHECK(read_bytes(out / "one") == data);
       // Each work item is a piece of one rank file. Released after every item, that is a range
       // per item; held until 8 MiB, the pieces of a rank in a row are one range.
       if (release_after == 0)
@@ -525,7 +516,7 @@ TEST_CASE("FileSink starts writeback every write_behind bytes, and writes the sa
     sink.finish();
     f.commit();
     CHECK(sink.writebacks_started() == (pace ? 4U : 0U));
-    CHECK(read_file(d / "out") == want);
+    CHECK(read_bytes(d / "out") == want);
   }
 }
 
@@ -588,7 +579,7 @@ TEST_CASE("FileSink with direct I/O: pieces in any order and from several thread
       CHECK_FALSE(in->cached(8 * 4096, 16 * 4096));
     }
     f.commit();
-    CHECK(read_file(d / "out") == want);
+    CHECK(read_bytes(d / "out") == want);
   }
 }
 
@@ -762,7 +753,7 @@ TEST_CASE("hashing sinks: CRC-32 of regions in any order, SHA-256 in order") {
     opt.memory_budget = 1 << 20;
     execute(plan, sharded, p, opt);
     f.commit();
-    const bytes file = read_file(dir / "one.bin");
+    const bytes file = read_bytes(dir / "one.bin");
     CHECK(file.size() == 100 + one.sizes[0]);
     for (std::size_t i = 0; i < regions.size(); ++i) {
       const auto r = regions[i];
@@ -812,15 +803,23 @@ TEST_CASE("progress, padding and usage errors") {
   const Destination fs7 = layout::fsdp(f32, std::vector<std::vector<std::size_t>>{{0, 1, 2, 3, 4}}, 7, true);
   const fs::path dir = scratch("fsdp");
   std::vector<std::pair<std::uint64_t, std::uint64_t>> calls;
+  std::set<std::string> files;
   exec_options opt;
   opt.threads = 3;
-  opt.progress = [&](std::uint64_t done, std::uint64_t total) { calls.emplace_back(done, total); };
+  opt.progress = [&](const progress_event& e) {
+    CHECK(e.phase == progress_phase::copying);
+    calls.emplace_back(e.done, e.total);
+    if (!e.file.empty()) files.emplace(e.file);
+  };
   (void)write_files(src, fs7, dir, opt);
   for (std::size_t r = 0; r < 7; ++r) CHECK(fs::file_size(dir / fs7.names[r]) == fs7.sizes[r]);
   REQUIRE(!calls.empty());
   for (std::size_t i = 1; i < calls.size(); ++i) CHECK(calls[i].first >= calls[i - 1].first);
   CHECK(calls.back().first == calls.back().second);
   CHECK(calls.size() < 2100);
+  // Each report names the destination the bytes went to: every rank file written is named.
+  for (const auto& f : files) CHECK(std::find(fs7.names.begin(), fs7.names.end(), f) != fs7.names.end());
+  CHECK(files.size() >= 2);
 
   const Plan plan = make_plan(src, layout::single(m.tensors, "x"));
   MemorySink sink("x");

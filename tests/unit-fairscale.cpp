@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "test_util.hpp"
+
 using namespace statedict;
 namespace fd = statedict::fairscale::detail;
 
@@ -134,14 +136,7 @@ std::vector<float> values(const ShardedCheckpoint& ck, const std::string& n) {
   return v;
 }
 
-int id_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const error& e) {
-    return e.id();
-  }
-  return 0;
-}
+using statedict_test::error_of;
 
 /// rank files 0 and 1, with `edit` applied to rank `r`'s tree (r = 2: to both)
 std::vector<optim_shard::LoadedFile> pair(Arena& ar, std::uint32_t r = 0, const std::function<void(Dict&)>& edit = {}) {
@@ -220,14 +215,14 @@ TEST_CASE("fairscale: the optimizer state keyed by name, steps and other keys ch
   auto files = pair(b, 1, [](Dict& top) {
     top.at("last_optimizer_state").as_dict().at("state").as_dict().at(Key(1)).as_dict().set("step", 3);
   });
-  CHECK(id_of([&] { (void)fairscale::describe(std::move(files), o); }) == errors::os_state_differs.id);
+  CHECK(error_of([&] { (void)fairscale::describe(std::move(files), o); }) == errors::os_state_differs.id);
 }
 
 TEST_CASE("fairscale: metadata errors") {
   fairscale::options o;
   auto bad = [&](const std::function<void(Dict&)>& edit, std::uint32_t r = 1) {
     Arena ar("arena");
-    return id_of([&] { (void)fairscale::describe(pair(ar, r, edit), o); });
+    return error_of([&] { (void)fairscale::describe(pair(ar, r, edit), o); });
   };
   CHECK(bad([](Dict& t) { unit(t, 0).erase("fsdp_path"); }, 0) == errors::fairscale_bad_metadata.id);
   CHECK(bad([](Dict& t) { unit(t, 0).erase("params"); }, 0) == errors::fairscale_bad_metadata.id);

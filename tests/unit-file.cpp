@@ -13,40 +13,24 @@
 #include <string>
 #include <vector>
 
+#include "test_util.hpp"
+
 using namespace statedict;
 namespace fs = std::filesystem;
 
 namespace {
 
-fs::path tmp_dir(const std::string& sub) {
-  fs::path d = fs::path(STATEDICT_TEST_TMP) / "unit-file" / sub;
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
-}
+fs::path tmp_dir(const std::string& sub) { return statedict_test::fresh_dir("unit-file", sub); }
 
-std::string read_all(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(f), {});
-}
+using statedict_test::read_all;
 
-void write_all(const fs::path& p, const std::string& s) {
-  std::ofstream f(p, std::ios::binary);
-  f << s;
-}
+using statedict_test::write_all;
 
 std::span<const std::byte> bytes(std::string_view s) { return std::as_bytes(std::span<const char>(s.data(), s.size())); }
 
 std::string str(std::span<const std::byte> b) { return std::string(reinterpret_cast<const char*>(b.data()), b.size()); }
 
-int id_of(auto&& f) {
-  try {
-    f();
-  } catch (const error& e) {
-    return e.id();
-  }
-  return 0;
-}
+using statedict_test::error_of;
 
 /// Names in `dir` (temporaries included).
 std::vector<std::string> listing(const fs::path& dir) {
@@ -97,11 +81,11 @@ TEST_CASE("InputFile in pread mode reads without mapping") {
   Region r = read_region(*f, 2, 3);
   CHECK(str(r.span()) == "234");
   // Out-of-range reads are format errors, not crashes.
-  CHECK(id_of([&] { f->read(8, buf); }) == 116);
-  CHECK(id_of([&] { f->read(~std::uint64_t{0}, buf); }) == 116);
+  CHECK(error_of([&] { f->read(8, buf); }) == 116);
+  CHECK(error_of([&] { f->read(~std::uint64_t{0}, buf); }) == 116);
   // A file that shrank after it was opened.
   CHECK(::truncate((d / "a.bin").c_str(), 4) == 0);
-  CHECK(id_of([&] { f->read(6, buf); }) == 386);
+  CHECK(error_of([&] { f->read(6, buf); }) == 386);
 }
 
 TEST_CASE("InputFile: drop_sparse_blocks drops the blocks with a few pages cached; read_ahead and cached") {
@@ -195,8 +179,8 @@ TEST_CASE("InputFile: drop_sparse_blocks drops the blocks with a few pages cache
 
 TEST_CASE("InputFile refuses what it cannot open") {
   const fs::path d = tmp_dir("refuse");
-  CHECK(id_of([&] { (void)InputFile::open(d / "missing"); }) == 380);
-  CHECK(id_of([&] { (void)InputFile::open(d); }) == 383);
+  CHECK(error_of([&] { (void)InputFile::open(d / "missing"); }) == 380);
+  CHECK(error_of([&] { (void)InputFile::open(d); }) == 383);
   write_all(d / "empty", "");
   auto e = InputFile::open(d / "empty");
   CHECK(e->size() == 0);
@@ -311,7 +295,7 @@ TEST_CASE("OutputDir appears whole on commit and replaces an existing directory 
   CHECK(listing(target) == std::vector<std::string>{"c.txt"});
   CHECK(listing(root) == std::vector<std::string>{"ckpt"});
   write_all(root / "plain", "a file");
-  CHECK(id_of([&] {
+  CHECK(error_of([&] {
           OutputDir o = OutputDir::create(root / "plain");
           o.commit();
         }) == 387);

@@ -11,28 +11,19 @@
 #include <string>
 #include <vector>
 
+#include "test_util.hpp"
+
 using namespace statedict;
 namespace st = statedict::safetensors;
 namespace fs = std::filesystem;
 
 namespace {
 
-fs::path tmp_dir(const std::string& sub) {
-  fs::path d = fs::path(STATEDICT_TEST_TMP) / "unit-hf" / sub;
-  fs::remove_all(d);
-  fs::create_directories(d.parent_path());
-  return d;
-}
+fs::path tmp_dir(const std::string& sub) { return statedict_test::fresh_path("unit-hf", sub); }
 
-std::string read_all(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(f), {});
-}
+using statedict_test::read_all;
 
-void write_all(const fs::path& p, const std::string& s) {
-  std::ofstream f(p, std::ios::binary);
-  f << s;
-}
+using statedict_test::write_all;
 
 std::uint64_t size_of(std::string_view s) { return hf::parse_max_shard_size(s); }
 

@@ -17,7 +17,7 @@
 #include <functional>
 #include <string>
 
-#include "error_of.hpp"
+#include "test_util.hpp"
 
 using namespace statedict;
 namespace fs = std::filesystem;
@@ -30,10 +30,7 @@ fs::path tmp(const std::string& name) {
   return d / name;
 }
 
-void write_file(const fs::path& p, const std::string& bytes) {
-  std::ofstream f(p, std::ios::binary | std::ios::trunc);
-  f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-}
+using statedict_test::write_all;
 
 std::string le64(std::uint64_t v) {
   std::string s(8, '\0');
@@ -43,7 +40,7 @@ std::string le64(std::uint64_t v) {
 
 fs::path st_file(const std::string& name, const std::string& header, const std::string& data) {
   const fs::path p = tmp(name + ".safetensors");
-  write_file(p, le64(header.size()) + header + data);
+  write_all(p, le64(header.size()) + header + data);
   return p;
 }
 
@@ -220,7 +217,7 @@ TEST_CASE("DeepSpeed: max_tag_bytes of the 'latest' file, raised") {
   const fs::path dir = tmp("ds_tag");
   fs::remove_all(dir);
   fs::create_directories(dir);
-  write_file(dir / "latest", std::string(5000, 'x'));
+  write_all(dir / "latest", std::string(5000, 'x'));
   CHECK(error_of([&] { (void)deepspeed::detect(dir); }) == errors::ds_bad_tag.id);
   deepspeed::limits lim;
   lim.max_tag_bytes = 10000;

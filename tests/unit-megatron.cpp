@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "error_of.hpp"
+#include "test_util.hpp"
 
 using namespace statedict;
 namespace mg = statedict::megatron;
@@ -46,18 +46,9 @@ std::string message_of(const std::function<void()>& f) {
   return "";
 }
 
-fs::path scratch(const std::string& name) {
-  const fs::path d = fs::path(STATEDICT_TEST_TMP) / ("unit-megatron-" + std::to_string(::getpid())) / name;
-  std::error_code ec;
-  fs::remove_all(d, ec);
-  fs::create_directories(d);
-  return d;
-}
+fs::path scratch(const std::string& name) { return statedict_test::fresh_dir("unit-megatron-" + std::to_string(::getpid()), name); }
 
-void write_text(const fs::path& p, const std::string& s) {
-  std::ofstream f(p, std::ios::binary | std::ios::trunc);
-  f << s;
-}
+using statedict_test::write_all;
 
 /// A full tensor of distinct values (base, base + 1, ...).
 struct full {
@@ -124,7 +115,7 @@ struct synthetic {
 
   fs::path write(const std::string& name) const {
     const fs::path root = scratch(name);
-    write_text(root / "latest_checkpointed_iteration.txt", "7");
+    write_all(root / "latest_checkpointed_iteration.txt", "7");
     for (std::uint64_t p = 0; p < pp; ++p)
       for (std::uint64_t r = 0; r < tp; ++r) {
         Dict args;
@@ -313,17 +304,17 @@ TEST_CASE("megatron: refusals name the file, the tensor and what was expected") 
   SUBCASE("tracker") {
     synthetic s;
     const fs::path root = s.write("tracker");
-    write_text(root / "latest_checkpointed_iteration.txt", "seven\n");
+    write_all(root / "latest_checkpointed_iteration.txt", "seven\n");
     CHECK(error_of([&] { (void)mg::describe(root); }) == 951);
     CHECK(mg::detect(root).damaged);
-    write_text(root / "latest_checkpointed_iteration.txt", "0");
+    write_all(root / "latest_checkpointed_iteration.txt", "0");
     CHECK(error_of([&] { (void)mg::describe(root); }) == 951);
-    write_text(root / "latest_checkpointed_iteration.txt", "8");
+    write_all(root / "latest_checkpointed_iteration.txt", "8");
     CHECK(error_of([&] { (void)mg::describe(root); }) == 950);
     fs::rename(root / "iter_0000007", root / "iter_0000008");  // the files say 7
     CHECK(message_of([&] { (void)mg::describe(root); }).find("records iteration 7, latest_checkpointed_iteration.txt names 8") != std::string::npos);
     fs::rename(root / "iter_0000008", root / "iter_0000007");
-    write_text(root / "latest_checkpointed_iteration.txt", " 7\n");
+    write_all(root / "latest_checkpointed_iteration.txt", " 7\n");
     CHECK(error_of([&] { (void)mg::describe(root); }) == 0);
   }
   SUBCASE("rank folders") {

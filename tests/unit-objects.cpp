@@ -347,6 +347,16 @@ TEST_CASE("objects_as_data: skeleton object nodes become dicts recording their c
   plain.skeleton = flatten(Value(Dict{{"w", Value(t.view())}})).skeleton;
   CHECK(formats::objects_as_data(plain, {}).empty());
   CHECK(plain.skeleton.tape() != nullptr);
+  // A skeleton held as a JSON document is walked to tell: save() copies a checkpoint (every
+  // chunk record of a many-rank one) only when there are objects to rewrite.
+  CHECK_FALSE(formats::detail::holds_objects(Skeleton(plain.skeleton.json())));
+  CHECK(formats::detail::holds_objects(Skeleton(flat.skeleton.json())));
+  const nlohmann::json nested = nlohmann::json::parse(
+      R"({"statedict_skeleton": 1, "root": {"dict": [["a", {"list": [{"tuple": [{"object": {"module": "m", "name": "n"}}]}]}]]}})");
+  CHECK(formats::detail::holds_objects(Skeleton(nested)));
+  const nlohmann::json no_object = nlohmann::json::parse(
+      R"({"statedict_skeleton": 1, "root": {"dict": [["a", {"list": [{"tuple": [{"value": 1}]}]}]]}})");
+  CHECK_FALSE(formats::detail::holds_objects(Skeleton(no_object)));
 }
 
 TEST_CASE("formats::save writes every output's skeleton with its objects as data; keep_classes spares a class") {

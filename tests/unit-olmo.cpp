@@ -16,6 +16,8 @@
 #include <unistd.h>
 #include <vector>
 
+#include "test_util.hpp"
+
 using namespace statedict;
 namespace fs = std::filesystem;
 namespace ol = statedict::formats::detail::olmo;
@@ -28,14 +30,7 @@ fs::path tmp(const std::string& name) {
   return d / name;
 }
 
-int id_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const error& e) {
-    return e.id();
-  }
-  return 0;
-}
+using statedict_test::error_of;
 
 std::vector<std::byte> bytes_of(std::initializer_list<int> b) {
   std::vector<std::byte> out;
@@ -157,9 +152,9 @@ TEST_CASE("olmo: a file reads as its nested tree, typed keys and values included
 TEST_CASE("olmo: a plain safetensors file stays plain; a mix is refused") {
   const fs::path plain = write("plain.safetensors", {{"model.w", f32({1})}, {"b", f32({2})}});
   CHECK(formats::open(plain).format->name() == "safetensors");
-  CHECK(id_of([&] { (void)olmo_safetensors::describe(plain); }) == errors::olmo_bad_name.id);
+  CHECK(error_of([&] { (void)olmo_safetensors::describe(plain); }) == errors::olmo_bad_name.id);
   const fs::path mixed = write("mixed.safetensors", {{"model.w", f32({1})}, {key({"b"}), f32({2})}});
-  CHECK(id_of([&] { (void)formats::open(mixed); }) == errors::olmo_mixed_names.id);
+  CHECK(error_of([&] { (void)formats::open(mixed); }) == errors::olmo_mixed_names.id);
 }
 
 TEST_CASE("olmo: conflicting key paths are refused, not overwritten") {
@@ -171,21 +166,21 @@ TEST_CASE("olmo: conflicting key paths are refused, not overwritten") {
   REQUIRE(std::holds_alternative<ol::DecodedKey>(d));
   CHECK(std::get<ol::DecodedKey>(d).keys == Path{"a", "a"});
   const fs::path dup = write("dup.safetensors", {{key({"a", "a"}), f32({1})}, {name_of_pickle(unmemo), f32({2})}});
-  CHECK(id_of([&] { (void)formats::open(dup); }) == errors::olmo_path_conflict.id);
+  CHECK(error_of([&] { (void)formats::open(dup); }) == errors::olmo_path_conflict.id);
   // a path through a pickled leaf (OLMo writes into the list, or replaces a None by a dict)
   const fs::path through = write("through.safetensors", {{key({"a"}, true), pickled(Value::list({Value(1)}))}, {key({"a", 0}), f32({1})}});
-  CHECK(id_of([&] { (void)formats::open(through); }) == errors::olmo_path_conflict.id);
+  CHECK(error_of([&] { (void)formats::open(through); }) == errors::olmo_path_conflict.id);
   const fs::path none = write("none.safetensors", {{key({"a"}, true), pickled(Value())}, {key({"a", "b"}), f32({1})}});
-  CHECK(id_of([&] { (void)formats::open(none); }) == errors::olmo_path_conflict.id);
+  CHECK(error_of([&] { (void)formats::open(none); }) == errors::olmo_path_conflict.id);
   // a leaf where other entries make a dict
   const fs::path dict_leaf = write("dictleaf.safetensors", {{key({"a", "b"}), f32({1})}, {key({"a"}), f32({2})}});
-  CHECK(id_of([&] { (void)formats::open(dict_leaf); }) == errors::olmo_path_conflict.id);
+  CHECK(error_of([&] { (void)formats::open(dict_leaf); }) == errors::olmo_path_conflict.id);
 }
 
 TEST_CASE("olmo: key pickles that are not (str/int path, bool) are refused with olmo.bad_key") {
   auto bad = [&](const std::string& name) {
     const fs::path p = write("badkey.safetensors", {{key({"ok"}), f32({1})}, {name, f32({2})}});
-    return id_of([&] { (void)formats::open(p); });
+    return error_of([&] { (void)formats::open(p); });
   };
   CHECK(bad(name_of_value(Value::tuple({Value::tuple(), Value(false)}))) == errors::olmo_bad_key.id);  // empty path
   CHECK(bad(name_of_value(Value::tuple({Value::tuple({Value(1.5)}), Value(false)}))) == errors::olmo_bad_key.id);
@@ -212,31 +207,31 @@ TEST_CASE("olmo: key pickles that are not (str/int path, bool) are refused with 
   olmo_safetensors::limits lim;
   lim.max_key_depth = 2;
   const fs::path deep = write("deep.safetensors", {{key({"a", "b", "c"}), f32({1})}});
-  CHECK(id_of([&] { (void)olmo_safetensors::entries(safetensors::File::open(deep), lim); }) == errors::olmo_bad_key.id);
+  CHECK(error_of([&] { (void)olmo_safetensors::entries(safetensors::File::open(deep), lim); }) == errors::olmo_bad_key.id);
 }
 
 TEST_CASE("olmo: pickled values must be 1-D U8 pickles of non-dicts, within the cap") {
   const fs::path not_u8 = write("notu8.safetensors", {{key({"a"}, true), f32({1, 2})}});
-  CHECK(id_of([&] { (void)formats::open(not_u8); }) == errors::olmo_pickled_value.id);
+  CHECK(error_of([&] { (void)formats::open(not_u8); }) == errors::olmo_pickled_value.id);
   const fs::path dict = write("dict.safetensors", {{key({"a"}, true), pickled(Value(Dict{{"k", 1}}))}});
-  CHECK(id_of([&] { (void)formats::open(dict); }) == errors::olmo_pickled_value.id);
+  CHECK(error_of([&] { (void)formats::open(dict); }) == errors::olmo_pickled_value.id);
   Tensor trunc = pickled(Value::list({Value(1), Value(2)}));
   Tensor cut(dtype::U8, shape_t{trunc.shape()[0] - 2});
   std::memcpy(cut.data(), trunc.data(), static_cast<std::size_t>(cut.nbytes()));
   const fs::path t = write("trunc.safetensors", {{key({"a"}, true), std::move(cut)}});
-  CHECK(id_of([&] { (void)formats::open(t); }) == errors::pk_truncated.id);
+  CHECK(error_of([&] { (void)formats::open(t); }) == errors::pk_truncated.id);
   // a value naming code to run: refused by the unpickler, never called
   const auto evil = bytes_of({0x80, 0x02, 'c', 'p', 'o', 's', 'i', 'x', '\n', 's', 'y', 's', 't', 'e', 'm', '\n', 'X', 4, 0, 0, 0,
                               't', 'r', 'u', 'e', 0x85, 'R', 0x2e});
   Tensor e(dtype::U8, shape_t{static_cast<dim_t>(evil.size())});
   std::memcpy(e.data(), evil.data(), evil.size());
   const fs::path ev = write("evil.safetensors", {{key({"epoch"}, true), std::move(e)}});
-  CHECK(id_of([&] { (void)formats::open(ev); }) == errors::pk_blocked_module.id);
+  CHECK(error_of([&] { (void)formats::open(ev); }) == errors::pk_blocked_module.id);
   // the value cap
   olmo_safetensors::options o;
   o.limits.max_value_bytes = 4;
   const fs::path big = write("bigvalue.safetensors", {{key({"a"}, true), pickled(Value("a long string"))}});
-  CHECK(id_of([&] { (void)olmo_safetensors::describe(big, o); }) == errors::olmo_limit.id);
+  CHECK(error_of([&] { (void)olmo_safetensors::describe(big, o); }) == errors::olmo_limit.id);
   // unknown classes are read as data (a numpy-like scalar); written back as themselves only when
   // the caller keeps their class, else as their data (no global of theirs in the output)
   const auto np = bytes_of({0x80, 0x04, 0x95, 0x20, 0, 0, 0, 0, 0, 0, 0, 0x8c, 0x05, 'n', 'u', 'm', 'p', 'y', 0x94, 0x8c, 0x05,
@@ -282,20 +277,20 @@ TEST_CASE("olmo: the writer refuses what a mapped file cannot hold") {
   FlatStateDict flat = flatten(Value(d));
   ShardedCheckpoint tied = describe_views(flat.tensors);
   tied.skeleton = std::move(flat.skeleton);
-  CHECK(id_of([&] { (void)formats::save(tied, tmp("tied.safetensors"), so); }) == errors::olmo_unwritable.id);
+  CHECK(error_of([&] { (void)formats::save(tied, tmp("tied.safetensors"), so); }) == errors::olmo_unwritable.id);
   // a tree that is not a dict
   FlatStateDict lst = flatten(Value::list({Value(w.view())}));
   ShardedCheckpoint as_list = describe_views(lst.tensors);
   as_list.skeleton = std::move(lst.skeleton);
-  CHECK(id_of([&] { (void)formats::save(as_list, tmp("list.safetensors"), so); }) == errors::olmo_unwritable.id);
+  CHECK(error_of([&] { (void)formats::save(as_list, tmp("list.safetensors"), so); }) == errors::olmo_unwritable.id);
   // a tensor inside a pickled value
   Dict inner;
   inner.set("x", Value::list({Value(w.view())}));
   FlatStateDict in = flatten(Value(inner));
   ShardedCheckpoint nested = describe_views(in.tensors);
   nested.skeleton = std::move(in.skeleton);
-  CHECK(id_of([&] { (void)formats::save(nested, tmp("nested.safetensors"), so); }) == errors::olmo_unwritable.id);
+  CHECK(error_of([&] { (void)formats::save(nested, tmp("nested.safetensors"), so); }) == errors::olmo_unwritable.id);
   // options that do not apply
   so.world_size = 2;
-  CHECK(id_of([&] { (void)formats::choose_output(tmp("x.safetensors"), so); }) == errors::bad_save_option.id);
+  CHECK(error_of([&] { (void)formats::choose_output(tmp("x.safetensors"), so); }) == errors::bad_save_option.id);
 }

@@ -155,6 +155,12 @@ TEST_CASE("strings and bytes") {
   expect_error_p(P2 + binunicode("\xc0\x80") + ".", errors::pk_bad_utf8);
   expect_error_p(P2 + binunicode("\xff") + ".", errors::pk_bad_utf8);
   expect_error_p(P2 + binunicode("\xf4\x90\x80\x80") + ".", errors::pk_bad_utf8);
+  // GLOBAL and INST name lines are decoded strictly (Python's unpicklers: errors='strict'), so a
+  // corrupt class name is an error, not an unknown class kept as data; surrogates too.
+  CHECK(val(P2 + "cmym\xc3\xa9" "dule\nThing\n)\x81.", keep()).as_object().module == "mym\xc3\xa9" "dule");
+  expect_error([&] { (void)val(P2 + "cmym\xff" "dule\nThing\n)\x81.", keep()); }, errors::pk_bad_utf8);
+  expect_error([&] { (void)val(P2 + "cmymodule\nTh\xed\xa0\x80ing\n)\x81.", keep()); }, errors::pk_bad_utf8);
+  expect_error([&] { (void)val(P2 + "(imym\xc0\x80" "dule\nThing\n.", keep()); }, errors::pk_bad_utf8);
   const Value ba = val("\x80\x05\x96" + u64(2) + "ab.");
   CHECK(ba.as_object().qualified() == "builtins.bytearray");
   CHECK(ba.as_object().args.at(0).as_bytes().data == std::vector<std::uint8_t>{'a', 'b'});

@@ -15,6 +15,8 @@
 #include <utility>
 #include <vector>
 
+#include "test_util.hpp"
+
 using namespace statedict;
 
 namespace demo {
@@ -119,15 +121,7 @@ struct Anonymous {
   double second;
 };
 
-template <class F>
-int error_id_of(F&& f) {
-  try {
-    f();
-  } catch (const error& e) {
-    return e.id();
-  }
-  return 0;
-}
+using statedict_test::error_of;
 
 template <class F>
 std::string error_text(F&& f) {
@@ -273,7 +267,7 @@ TEST_CASE("errors name the field path and what was expected") {
   {
     Value bad = v;
     bad["optim"].as_dict().set("betas", Value::tuple({0.9, 0.99, 0.999}));
-    CHECK(error_id_of([&] { (void)from_value<demo::Checkpoint>(bad); }) == 244);
+    CHECK(error_of([&] { (void)from_value<demo::Checkpoint>(bad); }) == 244);
   }
   {
     Value bad = v;
@@ -311,12 +305,12 @@ TEST_CASE("errors name the field path and what was expected") {
   {
     Value bad = v;
     bad.as_dict().set("scale", 1e300);
-    CHECK(error_id_of([&] { (void)from_value<demo::Checkpoint>(bad); }) == 243);
+    CHECK(error_of([&] { (void)from_value<demo::Checkpoint>(bad); }) == 243);
   }
   {
     Value bad = v;
     bad.as_dict().set("version", true);  // a bool is not an int here
-    CHECK(error_id_of([&] { (void)from_value<demo::Checkpoint>(bad); }) == 240);
+    CHECK(error_of([&] { (void)from_value<demo::Checkpoint>(bad); }) == 240);
   }
   {
     Value bad = v;

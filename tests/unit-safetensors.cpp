@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "test_util.hpp"
+
 using namespace statedict;
 namespace st = statedict::safetensors;
 namespace fs = std::filesystem;
@@ -50,21 +52,11 @@ std::string tensor_json(const std::string& name, const std::string& dtype, const
          "," + std::to_string(e) + "]}";
 }
 
-fs::path tmp_dir() {
-  fs::path d = fs::path(STATEDICT_TEST_TMP) / "unit-safetensors";
-  fs::create_directories(d);
-  return d;
-}
+fs::path tmp_dir() { return statedict_test::test_dir("unit-safetensors"); }
 
-std::string read_all(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(f), {});
-}
+using statedict_test::read_all;
 
-void write_all(const fs::path& p, const std::string& s) {
-  std::ofstream f(p, std::ios::binary);
-  f << s;
-}
+using statedict_test::write_all;
 
 std::string bytes_of(const void* p, std::size_t n) { return std::string(static_cast<const char*>(p), n); }
 

@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "error_of.hpp"
+#include "test_util.hpp"
 
 using namespace statedict;
 namespace fs = std::filesystem;
@@ -34,12 +34,7 @@ void save_as_written(const fs::path& path, const Value& tree) {
   torch::save(path, tree, so);
 }
 
-fs::path tmp_dir(const std::string& sub) {
-  fs::path d = fs::path(STATEDICT_TEST_TMP) / "unit-sharded-tensor" / sub;
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
-}
+fs::path tmp_dir(const std::string& sub) { return statedict_test::fresh_dir("unit-sharded-tensor", sub); }
 
 using statedict_test::error_of;
 

@@ -28,6 +28,8 @@
 #include <thread>
 #include <vector>
 
+#include "test_util.hpp"
+
 using namespace statedict;
 
 namespace {
@@ -39,12 +41,7 @@ std::filesystem::path tmp(const std::string& name) {
   return std::filesystem::path(STATEDICT_TEST_TMP) / ("unit-torch-" + name);
 }
 
-std::vector<std::byte> read_all(const std::filesystem::path& p) {
-  auto f = InputFile::open(p, read_mode::pread);
-  std::vector<std::byte> v(static_cast<std::size_t>(f->size()));
-  f->read(0, v);
-  return v;
-}
+using statedict_test::read_bytes;
 
 template <class F>
 void expect_error(F&& f, const error_id& id) {
@@ -532,7 +529,7 @@ TEST_CASE("hostile files: one error id each") {
   }
   SUBCASE("CRC verification is opt-in") {
     const auto p = torch_zip("crc.pt", pkl(ok_tensor), {{"0", floats({1, 2, 3, 4})}});
-    auto bytes = read_all(p);
+    auto bytes = read_bytes(p);
     const auto ar = zip::Archive::open(MemorySource::copy_of("crc.pt", bytes));
     bytes[static_cast<std::size_t>(ar.at("a/data/0").data_offset)] ^= std::byte{1};
     auto src = MemorySource::copy_of("crc.pt", bytes);
@@ -788,7 +785,7 @@ TEST_CASE("describe: offsets of the tensors' first bytes, strides, skeleton, att
     const ShardedCheckpoint ck = torch::describe(path, o);
     CHECK(ck.format == "torch");
     REQUIRE(ck.sources.size() == 1);
-    const auto bytes = read_all(path);
+    const auto bytes = read_bytes(path);
     const TensorInfo* w = ck.find("w");
     REQUIRE(w);
     CHECK(w->shape == shape_t{2, 3});
@@ -819,7 +816,7 @@ TEST_CASE("PlannedWriter: storages filled by positioned writes from threads, in 
   const Value tree = sample_tree();
   const auto ref = tmp("ref.pt");
   torch::save(ref, tree);
-  const auto ref_bytes = read_all(ref);
+  const auto ref_bytes = read_bytes(ref);
   torch::save_options o;
   o.archive_name = "unit-torch-ref";
   for (int variant = 0; variant < 3; ++variant) {
@@ -854,7 +851,7 @@ TEST_CASE("PlannedWriter: storages filled by positioned writes from threads, in 
     t1.join();
     t2.join();
     w.finish();
-    CHECK(read_all(path) == ref_bytes);
+    CHECK(read_bytes(path) == ref_bytes);
   }
   torch::PlannedWriter bad(tmp("bad.pt"), torch::plan_save(tree, o));
   expect_error([&] { bad.write(0, 1000000, std::span<const std::byte>()); }, errors::pt_unwritable);
@@ -926,7 +923,7 @@ TEST_CASE("an archive embedded in a larger file (a DCP item) reads the same, zer
   const auto path = tmp("item.pt");
   const Value tree = Value(Dict{{"t", Tensor::from<float>({1, 2, 3}, {3})}});
   torch::save(path, tree);
-  const auto item = read_all(path);
+  const auto item = read_bytes(path);
   std::vector<std::byte> file;
   file.reserve(333 + item.size() + 100);
   file.insert(file.end(), 333, std::byte{7});
@@ -956,7 +953,7 @@ TEST_CASE("local headers read alongside the pickle: the same File; an archive la
   const Value tree{std::move(d)};
   const auto path = tmp("overlap.pt");
   torch::save(path, tree);
-  const auto bytes = read_all(path);
+  const auto bytes = read_bytes(path);
 
   // The same archive with its data aligned to 128 bytes instead of torch's 64.
   std::vector<std::byte> repacked;
@@ -972,7 +969,7 @@ TEST_CASE("local headers read alongside the pickle: the same File; an archive la
     for (const auto& e : ar.entries()) w.entry(ar.read(e).span());
     w.finish();
     out.commit();
-    repacked = read_all(out_path);
+    repacked = read_bytes(out_path);
     std::size_t moved = 0;
     const auto ar2 = zip::Archive::open(MemorySource::copy_of("overlap-128.pt", repacked));
     for (const auto& e : ar2.entries()) moved += zip::written_data_offset(ar2, e) != e.data_offset;
@@ -1019,10 +1016,10 @@ TEST_CASE("local headers read alongside the pickle: the same File; an archive la
 TEST_CASE("save is atomic and forces nothing on failure") {
   const auto path = tmp("atomic.pt");
   torch::save(path, Value(Dict{{"a", 1}}));
-  const auto before = read_all(path);
+  const auto before = read_bytes(path);
   Dict bad{{"s", Value(std::string("\xff"))}};
   expect_error([&] { torch::save(path, Value(bad)); }, errors::pk_write_utf8);
-  CHECK(read_all(path) == before);
+  CHECK(read_bytes(path) == before);
   // ZIP64 fields on every record (threshold lowered) still read back.
   torch::save_options o;
   o.zip.zip64_threshold = 1;

@@ -16,6 +16,8 @@
 #include <numeric>
 #include <vector>
 
+#include "test_util.hpp"
+
 using namespace statedict;
 
 namespace {
@@ -26,15 +28,7 @@ Tensor iota_f32(shape_t shape) {
   return t;
 }
 
-template <class F>
-int error_id_of(F&& f) {
-  try {
-    f();
-  } catch (const error& e) {
-    return e.id();
-  }
-  return 0;
-}
+using statedict_test::error_of;
 }  // namespace
 
 TEST_CASE("xt_adapt of a contiguous view reads the same memory") {
@@ -50,7 +44,7 @@ TEST_CASE("xt_adapt of a contiguous view reads the same memory") {
   CHECK(doubled(1, 1) == 8.0F);
   auto m = xt_adapt<float, 2>(v);
   CHECK(m(1, 0) == 3.0F);
-  CHECK(error_id_of([&] { (void)xt_adapt<float, 3>(v); }) == errors::shape_mismatch.id);
+  CHECK(error_of([&] { (void)xt_adapt<float, 3>(v); }) == errors::shape_mismatch.id);
 }
 
 TEST_CASE("strided views keep their strides") {
@@ -80,13 +74,13 @@ TEST_CASE("strided views keep their strides") {
 
 TEST_CASE("dtype and alignment are checked") {
   Tensor t = iota_f32({4});
-  CHECK(error_id_of([&] { (void)xt_adapt<double>(t.view()); }) == errors::dtype_mismatch.id);
+  CHECK(error_of([&] { (void)xt_adapt<double>(t.view()); }) == errors::dtype_mismatch.id);
   CHECK_THROWS_AS((void)xt_adapt<std::int32_t>(t.view()), type_error);
   // An F32 tensor one byte into a buffer, as a safetensors file may lay it out.
   std::vector<std::byte> raw(1 + 4 * sizeof(float));
   std::memcpy(raw.data() + 1, t.data(), 4 * sizeof(float));
   TensorView odd = TensorView::contiguous(dtype::F32, {4}, raw.data() + 1);
-  CHECK(error_id_of([&] { (void)xt_adapt<float>(odd); }) == errors::misaligned.id);
+  CHECK(error_of([&] { (void)xt_adapt<float>(odd); }) == errors::misaligned.id);
   CHECK_THROWS_AS(((void)xt_adapt<float, 1>(odd)), usage_error);
   // The way out the message suggests: an aligned copy.
   Tensor aligned = contiguous(odd);
@@ -140,7 +134,7 @@ TEST_CASE("tensor_view_of: xtensor containers and strided views as TensorViews, 
   CHECK(std::memcmp(copied.data(), evaluated.data(), 6 * sizeof(std::int64_t)) == 0);
   // Flipped views have negative strides, which TensorView does not have.
   auto flipped = xt::flip(big, 0);
-  CHECK(error_id_of([&] { (void)tensor_view_of(flipped); }) == errors::bad_stride.id);
+  CHECK(error_of([&] { (void)tensor_view_of(flipped); }) == errors::bad_stride.id);
 }
 
 TEST_CASE("tensor_span_of writes into the container; shared_ptr containers are kept alive") {

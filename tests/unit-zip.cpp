@@ -18,6 +18,8 @@
 #include <thread>
 #include <vector>
 
+#include "test_util.hpp"
+
 using namespace statedict;
 
 namespace {
@@ -39,12 +41,7 @@ std::filesystem::path tmp(const std::string& name) {
   return std::filesystem::path(STATEDICT_TEST_TMP) / ("unit-zip-" + name);
 }
 
-std::vector<std::byte> read_all(const std::filesystem::path& p) {
-  auto f = InputFile::open(p, read_mode::pread);
-  std::vector<std::byte> v(static_cast<std::size_t>(f->size()));
-  f->read(0, v);
-  return v;
-}
+using statedict_test::read_bytes;
 
 std::shared_ptr<const ByteSource> mem(std::vector<std::byte> v, std::string name = "mem.zip") {
   return MemorySource::copy_of(std::move(name), v);
@@ -67,7 +64,7 @@ std::vector<std::byte> make_zip(const std::vector<Rec>& recs, zip::write_options
     w.finish();
     out.commit();
   }
-  return read_all(path);
+  return read_bytes(path);
 }
 
 template <class F>
@@ -705,7 +702,7 @@ TEST_CASE("torch: an archive whose records another zip tool deflated reads as th
   torch::save(path, Value(d));
   const torch::File orig = torch::read(path);
   // Every record, in the same order, stored -> deflated (the data.pkl too).
-  const zip::Archive ar = zip::Archive::open(mem(read_all(path)));
+  const zip::Archive ar = zip::Archive::open(mem(read_bytes(path)));
   std::vector<Packed> entries;
   for (const auto& e : ar.entries()) {
     const Region r = ar.read(e);

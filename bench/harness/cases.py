@@ -1,4 +1,4 @@
-"""The benchmark cases B1..B9 (see bench/README.md for what each measures and why); B8 and B9 are in
+"""The benchmark cases B1..B11 (see bench/README.md for what each measures and why); B8 and B9 are in
 cases_library.py."""
 import json
 import math
@@ -24,8 +24,15 @@ TARGETS = {
           "(max - min <= max(32 MiB, 25% of min)); at the largest size (6 GiB on disk: 2 GiB of parameters) "
           ">= 8x faster than the zero_to_fp32 algorithm",
     "B7": "statedict <= 1.15x cp wall and <= 1.1x cp CPU time (user + sys), peak anonymous RSS <= 256 MiB",
+    "B10": "ZeRO-3 of 4,917 parameters at 64, 512 and 1,024 ranks: statedict's peak anonymous RSS <= 256 MiB at "
+           "every point, its time growing at most linearly in ranks + tensors (1,024 ranks <= 1.5x the (R + T) "
+           "ratio over 64 ranks), >= 20x faster than the zero_to_fp32 algorithm at 512 ranks",
     "B11": "statedict <= 1.3x cp wall, peak anonymous RSS <= 256 MiB",
 }
+
+# B10: many ranks, few bytes (0.05 GiB of fp32 weights); the description, not the copy, is measured.
+B10_GIB, B10_LAYERS, B10_RANKS = 0.15, 546, (64, 512, 1024)
+B10_TENSORS = 9 * B10_LAYERS + 3  # gen_zero's LLaMA-like skeleton: 4,917 parameters
 
 
 def cp_argv(src, dst):
@@ -289,6 +296,60 @@ def b11(ctx, runner):
                         "DeepSpeed's rank files for 3 ranks", anon_cap_mib=256)
 
 
+# ------------------------------------------------------------------------------------------ B10
+def b10_paths(ctx, ranks):
+    name = f"zero-{B10_GIB:g}g-ws{ranks}"
+    return os.path.join(ctx.data, name), os.path.join(ctx.data, name + ".reference.safetensors")
+
+
+def b10(ctx, runner):
+    """Consolidation of the same 4,917 parameters saved by 64, 512 and 1,024 ZeRO-3 ranks: every
+    rank writes a model-states file listing every parameter, so a reader that keeps what each rank
+    file repeats, or a chunk record per (rank, parameter), grows as ranks x tensors."""
+    points = []
+    for ranks in B10_RANKS:
+        root, ref = b10_paths(ctx, ranks)
+        ctx.log(f"  {ranks} ranks")
+        peers = zero_peers(ctx, f"B10-{ranks}", root, ref)
+        peers.insert(1, Peer("statedict inspect", [ctx.statedict, "inspect", root], kind="context", inputs=[root],
+                             binary=ctx.statedict, cold=False))
+        res = runner.run(f"B10-{ranks}", peers, ctx.args.scale_reps, 0, "none")
+        points.append({"ranks": ranks, "results": res})
+    base = {"title": "many ranks: ZeRO-3 consolidation at 64, 512 and 1,024 ranks -> safetensors",
+            "input": f"DeepSpeed ZeRO-3 checkpoints of the same {B10_TENSORS} parameters (0.05 GiB of fp32 weights) "
+                     f"saved by {', '.join(str(r) for r in B10_RANKS)} ranks, warm page cache",
+            "points": points}
+
+    def warm(p, kind):
+        r = next((r for r in p["results"] if r["kind"] == kind), None)
+        if r is None or r["status"] not in ("ok", "wrong") or not r["summary"].get("warm"):
+            return None
+        return r["summary"]["warm"]
+    tool = [warm(p, "statedict") for p in points]
+    if any(t is None for t in tool):
+        return dict(base, verdict="n/a", detail="statedict: not available in this build or failed")
+    ok = True
+    parts = []
+    anon = [(t["peak_anon_kib"] or 0) / 1024 for t in tool]
+    ok = ok and all(a <= 256 for a in anon)
+    parts.append("peak anon RSS " + ", ".join(f"{a:.0f}" for a in anon) + " MiB (target <= 256 MiB)")
+    grow = tool[-1]["wall_median"] / tool[0]["wall_median"]
+    allowed = 1.5 * (B10_RANKS[-1] + B10_TENSORS) / (B10_RANKS[0] + B10_TENSORS)
+    ok = ok and grow <= allowed
+    parts.append(f"time {tool[0]['wall_median']:.2f} s at {B10_RANKS[0]} ranks, {tool[-1]['wall_median']:.2f} s at "
+                 f"{B10_RANKS[-1]}: {grow:.2f}x (target <= {allowed:.2f}x)")
+    mid = B10_RANKS.index(512)
+    peer = warm(points[mid], "peer")
+    if peer:
+        speedup = peer["wall_median"] / tool[mid]["wall_median"]
+        ok = ok and speedup >= 20
+        parts.append(f"at 512 ranks {speedup:.1f}x faster than the zero_to_fp32 algorithm (target >= 20x)")
+    else:
+        ok = False
+        parts.append("no zero_to_fp32 measurement at 512 ranks")
+    return dict(base, verdict="PASS" if ok else "MISS", detail="; ".join(parts))
+
+
 # ------------------------------------------------------------------------------------------- B5
 def _gbench_figure(benchmarks):
     """(seconds, rule, {name: {"real": s, "cpu": s}}) for flatten + unflatten.  The figure is the
@@ -425,7 +486,7 @@ def b7(ctx, runner):
     }
 
 
-ALL = ["B1", "B2", "B3", "B4", "B5", "B6", "B7", "B8", "B9", "B11"]
+ALL = ["B1", "B2", "B3", "B4", "B5", "B6", "B7", "B8", "B9", "B10", "B11"]
 TARGETS.update(cases_library.TARGETS)
 
 
@@ -440,7 +501,7 @@ def run_all(ctx, runner, selected):
             out[cid] = b6(ctx, runner, out.get("B1"))
         else:
             out[cid] = {"B1": b1, "B2": b2, "B3": b3, "B4": b4, "B5": b5, "B7": b7, "B8": cases_library.b8,
-                        "B9": cases_library.b9, "B11": b11}[cid](ctx, runner)
+                        "B9": cases_library.b9, "B10": b10, "B11": b11}[cid](ctx, runner)
         out[cid]["target"] = TARGETS[cid]
         out[cid]["seconds"] = ctx.clock() - t0
         ctx.log(f"   {cid}: {out[cid]['verdict']} -- {out[cid]['detail']}  ({out[cid]['seconds']:.0f}s)")

@@ -151,6 +151,12 @@ def write(doc, path, chart_rel):
                              f"| {v['peak_rss_mb']:.0f} MB | {runs} |")
                 L.append("")
             continue
+        if cid == "B10":
+            for p in c.get("points", []):
+                L.append(f"**{p['ranks']} ranks**\n")
+                L.append(peer_table(p["results"]))
+                L.append("")
+            continue
         if cid == "B6":
             for p in c["points"]:
                 src = " (the B1 measurement)" if p.get("from_b1") else ""

@@ -37,6 +37,7 @@ namespace statedict::inline v0 {
 /// options are checked before the input is read.
 STATEDICT_API conversion convert(const std::filesystem::path& in, const std::filesystem::path& out, const convert_options& opt = {}) {
   const auto writer = formats::choose_output(out, opt.output);
+  detail::report_progress(opt.output.exec, progress_phase::reading, 0, 0, in.string());
   formats::Opened opened = formats::open(in, opt.input);
   ShardedCheckpoint ck = std::move(opened.checkpoint);
   for (const transform_fn& t : opt.transforms) ck = t(ck);

@@ -5885,6 +5885,7 @@ inline Region read_region(const ByteSource& src, std::uint64_t offset, std::uint
 #include <cstddef>
 #include <functional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace statedict::inline v0 {
@@ -5892,24 +5893,42 @@ namespace statedict::inline v0 {
 /// 256 MiB.
 inline constexpr std::uint64_t default_memory_budget = std::uint64_t{256} << 20;
 
-/// How to run a plan.
+/// What a job is doing when it reports progress (exec_options::progress).
+enum class progress_phase : std::uint8_t {
+  reading,   ///< reading the input's description (headers, metadata): convert() reports it
+  planning,  ///< working out where every byte goes (make_plan), before the copy
+  copying,   ///< the executor writes the planned bytes
+  syncing,   ///< the output files are flushed to disk and moved into place
+};
+
+/// One progress report.
+struct progress_event {
+  progress_phase phase = progress_phase::copying;
+  /// Bytes the copy has written, and will write in all (0 before the copy is planned).
+  std::uint64_t done = 0, total = 0;
+  /// The file the job is on (empty when not known; valid during the call only): reading, the
+  /// input; copying, the destination the last bytes went to (its name in the plan); syncing, the
+  /// output file being flushed.
+  std::string_view file;
+};
+
+/// How to run a plan. The defaults are the fastest measured on ext4 (the figures behind each:
+/// bench/HISTORY.md, "the figures behind the executor's defaults"; docs/planner.md).
 struct exec_options {
   /// Bytes of buffers the executor may allocate in all (threads included).
   std::uint64_t memory_budget = default_memory_budget;
   /// Worker threads (the calling thread is one of them); 0 means one per CPU.
   unsigned threads = 1;
-  /// Called with (bytes written, total bytes) from worker threads, one call at a time, at most
-  /// about a thousand times per run, and once at the end.
-  std::function<void(std::uint64_t done, std::uint64_t total)> progress;
+  /// Called with what the job is doing, one call at a time: while copying from worker threads,
+  /// at most about a thousand times per run and once at the end; the writers also report planning
+  /// before the copy and syncing after it, and convert() reading before them. Rendering (and
+  /// throttling to a screen's pace) is the caller's.
+  std::function<void(const progress_event&)> progress;
   /// Allow writes straight from source mappings (and copy_file_range, when that is on too).
   bool zero_copy = true;
-  /// Let the kernel copy plain runs between files (copy_file_range). Off by default: on ext4 with
-  /// Linux 6.x it writes the destination a 4 KiB page at a time (splice), and writeback of those small
-  /// folios cost more than the copy it saves. `.pt` -> `.safetensors`, 3 GiB, 10,005 tensors,
-  /// system-wide cycles including writeback: 9.0-11.3 G with it, 6.7-6.9 G with pread + pwrite in
-  /// blocks, 6.3-6.8 G for `cp` + `sync` of the same bytes (perf: memcpy_orig, filemap_get_folios_tag,
-  /// folio start/end writeback, ext4_finish_bio). Measured again with 1-64 MiB per call against
-  /// the mapping path: no better in CPU time or wall time (docs/planner.md).
+  /// Let the kernel copy plain runs between files (copy_file_range) instead of the executor's
+  /// reads and writes. Off by default: on ext4 it writes the destination a 4 KiB page at a time,
+  /// and the writeback of those pages costs more than the copy it saves.
   bool copy_file_range = false;
   /// Smallest run handed to copy_file_range.
   std::uint64_t copy_file_range_min = std::uint64_t{1} << 20;
@@ -5920,58 +5939,34 @@ struct exec_options {
   bool release_source_pages = true;
   /// Bytes of mapped sources a thread leaves mapped before it releases them (with
   /// release_source_pages; 0: after every work item). The ranges it used, neighbours in one file
-  /// joined, are released together once they reach this size and when the thread ends. Each
-  /// release is a madvise that flushes the other threads' TLBs; released after every item, a
-  /// ZeRO-3 8 ranks -> DCP 3 ranks reshard (1 GiB) made 3,852 madvise calls (2,096 now) and
-  /// unmapped the 2 MiB around each piece that the next piece of its rank file mapped again.
-  /// Warm, CPU time, medians of 16 runs: 0.474 s against 0.494 s (docs/planner.md). The mappings'
-  /// peak RSS grows by up to this much per thread (that job: 33 MiB against 19 MiB).
+  /// joined, are released together once they reach this size and when the thread ends: fewer
+  /// madvise calls (each flushes the other threads' TLBs), at the cost of up to this much more
+  /// resident memory per thread.
   std::uint64_t release_after = std::uint64_t{8} << 20;
   /// Ask that mapped sources be read into the page cache in 2 MiB folios and mapped whole
-  /// (MADV_HUGEPAGE; takes effect where transparent huge pages are "madvise" or "always"). Read in
-  /// through a mapping without it, a file is cached in 4 KiB folios, and every later copy out of it
-  /// pays a page-table entry per 4 KiB (populate and release). Warm runs whose inputs the previous
-  /// run read in, CPU time with / without (`cp` + `sync` of the output): ZeRO-3 8 ranks -> one
-  /// .safetensors 0.44 / 0.49 s (0.42 s), -> DCP 3 ranks 0.59 / 0.68 s (0.50 s), Megatron-LM
-  /// TP 4 x PP 2 merge 1.82 / 2.01 s (1.28 s); cold, wall: 1.66 / 2.17 s, 2.10 / 2.28 s,
-  /// 6.00 / 6.77 s (docs/planner.md).
+  /// (MADV_HUGEPAGE; takes effect where transparent huge pages are "madvise" or "always"), so that
+  /// a copy out of them pays a page-table entry per 2 MiB rather than per 4 KiB.
   bool large_folios = true;
   /// Bytes of mapped sources a helper thread reads into the page cache ahead of the copy (0: none;
   /// with large_folios and release_source_pages only): the ranges the plan reads, in plan order,
-  /// 8 MiB at a time, what is cached already skipped, in 2 MiB folios; for jobs that read 16 MiB
-  /// or more (a thread for each small read_tensor() would cost more than it saves). Without it a
-  /// cold source in 2 MiB folios is read by the copy's own faults, each waited for. Cold runs
-  /// against the code without it: `.pt` -> `.safetensors` (3 GiB, 10,005 tensors) 4.57 s against
-  /// 5.31 s (`cp` + `sync` 5.01 s), ZeRO-3 8 ranks -> one `.safetensors` 1.42 s against 1.67 s
-  /// (docs/planner.md).
+  /// 8 MiB at a time, what is cached already skipped, in 2 MiB folios. Started only for jobs that
+  /// read 16 MiB or more. Without it a cold source is read by the copy's own page faults, each
+  /// waited for.
   std::uint64_t read_ahead = std::uint64_t{64} << 20;
   /// Read sources that have a file descriptor with pread, even when they are mapped, rather than
-  /// writing from or casting out of the mapping (two copies of each byte instead of one). Off: a
-  /// pwrite straight from the mapping, after MADV_POPULATE_READ has mapped the run's pages in one
-  /// call, cost 0.8-0.9x the CPU time of pread + pwrite when the source is cached in large folios
-  /// (as a file read from disk is), the same when it is cached in 4 KiB folios (docs/planner.md
-  /// has the figures). Without the populate call, the pages faulted in one by one inside pwrite,
-  /// and that cost more than the copy it saved (ZeRO-3 -> DCP, 2 threads: 1.3-2.3 s of system time
-  /// from the mapping, 0.9-1.0 s with pread), which is why pread was the default before.
+  /// writing from or casting out of the mapping (two copies of each byte instead of one). Off: the
+  /// executor maps a run's pages in one call (MADV_POPULATE_READ) and writes straight from the
+  /// mapping.
   bool pread_files = false;
   /// Largest buffer per thread and direction. 1 MiB: a block read with pread is still in the
-  /// core's cache when pwrite copies it out. Warm cache, 2 threads, whole command, medians of 6-8
-  /// runs interleaved with `cp` + `sync` of the output bytes:
-  ///   ZeRO-3 8 ranks -> one .safetensors (1 GiB): 1.01x cp with 1 MiB blocks, 1.18x with 4 MiB,
-  ///   1.19x with 64 MiB, 1.14x with 64 MiB and copy_file_range (the former defaults);
-  ///   .pt -> .safetensors (3 GiB, 10,005 tensors): 1.01x with 512 KiB, 0.92x with 1 MiB, 1.01x
-  ///   with 4 MiB, 1.13x with 64 MiB and copy_file_range.
+  /// core's cache when pwrite copies it out.
   std::uint64_t max_block = std::uint64_t{1} << 20;
   /// Output files (FileSink::use_direct_io, by the format writers) are written with O_DIRECT
   /// where the file system supports it (statx STATX_DIOALIGN: ext4, XFS, Btrfs; not tmpfs): each
   /// byte is copied once, into a 1 MiB aligned buffer, and goes from there to the disk, instead of
-  /// being copied into the page cache, tracked there block by block and written back. Warm cache,
-  /// medians of 12 runs interleaved with `cp` + `sync` of the same bytes, CPU time direct / through
-  /// the cache / cp: ZeRO-3 8 ranks -> one .safetensors 0.195 / 0.390 / 0.278 s, -> DCP 3 ranks
-  /// 0.248 / 0.420 / 0.321 s; .pt (10,005 tensors) -> .safetensors 0.660 / 1.451 / 0.794 s. In
-  /// `make bench`, wall / CPU against cp: 0.98x / 0.92x, 0.85x / 0.80x, 1.06x / 0.98x
-  /// (docs/planner.md; a cold .pt on a busy disk is faster through the cache). Off: through the
-  /// page cache, with writeback started every 64 MiB.
+  /// being copied into the page cache, tracked there block by block and written back. Off: through
+  /// the page cache, with writeback started every 64 MiB (for a cold input on a busy disk this can
+  /// be faster: the reads do not compete with the writes).
   bool direct_io = true;
 };
 
@@ -12157,6 +12152,17 @@ class Reader {
     pos_ += n + 1;
     return s;
   }
+  /// A module or class name line of GLOBAL / INST: strict UTF-8, surrogates refused (Python's
+  /// unpicklers decode these lines with errors='strict'; strings with 'surrogatepass').
+  std::string_view global_line(std::string_view op) {
+    const std::size_t at = pos_;
+    const std::string_view s = line();
+    if (const std::size_t bad = statedict::detail::first_invalid_utf8(s, statedict::detail::utf8_surrogates::refused);
+        bad != std::string_view::npos)
+      fail(errors::pk_bad_utf8, std::string(op) + " name at byte " + std::to_string(at) + " is not valid UTF-8 (byte " +
+                                    std::to_string(bad) + " of the line)");
+    return s;
+  }
   std::string_view view(std::uint64_t off, std::uint64_t len) const {
     if (off >= size_) [[unlikely]]  // decoded text (protocol 0 escapes)
       return std::string_view(text_pool_).substr(static_cast<std::size_t>(off - size_), static_cast<std::size_t>(len));
@@ -13296,8 +13302,8 @@ inline Result Reader::run() {
       }
       // --- globals and calls
       case 'c': {  // GLOBAL
-        const std::string_view module = line();
-        const std::string_view name = line();
+        const std::string_view module = global_line("GLOBAL");
+        const std::string_view name = global_line("GLOBAL");
         push(resolve_global(module, name));
         break;
       }
@@ -13329,8 +13335,8 @@ inline Result Reader::run() {
         break;
       }
       case 'i': {  // INST: module, name, then args from the mark
-        const std::string_view module = line();
-        const std::string_view name = line();
+        const std::string_view module = global_line("INST");
+        const std::string_view name = global_line("INST");
         const auto& items = pop_mark();
         const std::uint32_t g = resolve_global(module, name);
         push(apply(g, add_seq(nk::tuple, items), object_build::reduce));
@@ -17860,11 +17866,12 @@ inline void merge_ops(std::vector<CopyOp>& ops) {
   std::sort(ops.begin(), ops.end(), [](const CopyOp& a, const CopyOp& b) {
     return std::tie(a.src, a.src_offset, a.dst, a.dst_offset) < std::tie(b.src, b.src_offset, b.dst, b.dst_offset);
   });
-  std::vector<CopyOp> out;
-  out.reserve(ops.size());
-  for (const CopyOp& o : ops) {
-    if (!out.empty()) {
-      CopyOp& p = out.back();
+  // Merged in place (a plan of millions of ops is not copied): ops[0, w) are the merged ones.
+  std::size_t w = 0;
+  for (std::size_t i = 0; i < ops.size(); ++i) {
+    const CopyOp& o = ops[i];
+    if (w > 0) {
+      CopyOp& p = ops[w - 1];
       const bool same = p.src == o.src && p.dst == o.dst && p.src_dtype == o.src_dtype && p.dst_dtype == o.dst_dtype &&
                         p.nvia == o.nvia && p.via == o.via && p.swap == o.swap;
       if (same && p.reps == 1 && o.reps == 1 && o.src_offset == p.src_offset + p.count * itemsize(p.src_dtype) &&
@@ -17879,9 +17886,10 @@ inline void merge_ops(std::vector<CopyOp>& ops) {
         continue;
       }
     }
-    out.push_back(o);
+    if (w != i) ops[w] = o;
+    ++w;
   }
-  ops.swap(out);
+  ops.resize(w);
 }
 
 }  // namespace detail
@@ -18391,8 +18399,8 @@ namespace detail {
 class direct_writer {
  public:
   /// Staging buffers at most (filled or in flight), and the threads that write them (per file,
-  /// started on its first direct write, ended by finish()). B2 (.pt -> .safetensors, 3.2 GB),
-  /// wall: 2.06 s with 1 thread, 1.61 s with 2, 1.34 s with 4, 1.36 s with 8; `cp` 1.39 s.
+  /// started on its first direct write, ended by finish()); bench/HISTORY.md has the figures
+  /// for 1 to 8 threads.
   static constexpr std::size_t max_buffers = 8, io_threads = 4;
 
   direct_writer() = default;
@@ -18973,6 +18981,7 @@ class Sha256Sink final : public Sink {
 #include <mutex>
 #include <span>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <tuple>
 #include <vector>
@@ -19204,6 +19213,12 @@ inline std::vector<file_extent> read_extents(const Plan& plan, std::span<const s
   return out;
 }
 
+/// Reports `phase` to opt.progress, when there is one.
+inline void report_progress(const exec_options& opt, progress_phase phase, std::uint64_t done = 0, std::uint64_t total = 0,
+                            std::string_view file = {}) {
+  if (opt.progress) opt.progress(progress_event{phase, done, total, file});
+}
+
 struct exec_shared {
   const Plan& plan;
   std::span<const std::shared_ptr<const ByteSource>> sources;
@@ -19233,7 +19248,8 @@ struct exec_shared {
               const exec_options& o)
       : plan(p), sources(s), sinks(k), opt(o) {}
 
-  void progress(std::uint64_t n) {
+  /// Counts `n` bytes written into `to`; reports progress every progress_step bytes.
+  void progress(std::uint64_t n, const Sink* to) {
     const std::uint64_t d = done.fetch_add(n) + n;
     if (!opt.progress) return;
     std::uint64_t due = next_report.load();
@@ -19242,7 +19258,13 @@ struct exec_shared {
     due = next_report.load();
     if (d < due && d < total) return;
     next_report.store(d + progress_step);
-    opt.progress(std::min(done.load(), total), total);
+    std::string_view file;
+    for (std::size_t k = 0; k < sinks.size() && k < plan.destination_names.size(); ++k)
+      if (sinks[k] == to) {
+        file = plan.destination_names[k];
+        break;
+      }
+    opt.progress(progress_event{progress_phase::copying, std::min(done.load(), total), total, file});
   }
 };
 
@@ -19400,7 +19422,7 @@ class exec_worker {
       flush();
       const std::uint64_t k = kernel_copy(src, so, dst, doff, len);
       s_.in_kernel.fetch_add(k);
-      s_.progress(k);
+      s_.progress(k, &dst);
       so += k;
       doff += k;
       len -= k;
@@ -19412,7 +19434,7 @@ class exec_worker {
       src.check_range(so, len);
       dst.write(doff, std::span<const std::byte>(map + so, static_cast<std::size_t>(len)));
       s_.from_mapping.fetch_add(len);
-      s_.progress(len);
+      s_.progress(len, &dst);
       return;
     }
     while (len) {
@@ -19552,7 +19574,7 @@ class exec_worker {
     const std::uint64_t n = acc_len_;
     acc_len_ = 0;
     acc_sink_->write(acc_off_, std::span<const std::byte>(wbuf_.get(), static_cast<std::size_t>(n)));
-    s_.progress(n);
+    s_.progress(n, acc_sink_);
   }
 
   // ---- pages of mapped sources ----------------------------------------------------------------
@@ -19852,7 +19874,7 @@ inline exec_stats execute(const Plan& plan, std::span<const std::shared_ptr<cons
   if (s.error) std::rethrow_exception(s.error);
   for (std::size_t d = 0; d < sinks.size(); ++d)
     if (sinks[d]) sinks[d]->finish();
-  if (opt.progress) opt.progress(s.total, s.total);
+  if (opt.progress) opt.progress(progress_event{progress_phase::copying, s.total, s.total, {}});
 
   exec_stats st;
   st.bytes_written = s.done.load();
@@ -21526,6 +21548,7 @@ STATEDICT_API void check_consistent(const ShardedCheckpoint& ck) {
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <optional>
 #include <span>
@@ -21721,9 +21744,11 @@ class SourceTable {
   /// a lazy reader placed the views in.
   std::uint32_t add(std::shared_ptr<const ByteSource> s, const std::byte* base = nullptr) {
     if (base == nullptr) base = s->data();
+    const auto index = static_cast<std::uint32_t>(sources_.size());
     entries_.push_back(entry{base, s->size()});
+    if (base != nullptr) by_base_.emplace(reinterpret_cast<std::uintptr_t>(base), index);  // the first one at a base wins
     sources_.push_back(std::move(s));
-    return static_cast<std::uint32_t>(sources_.size() - 1);
+    return index;
   }
 
   /// Registers bytes computed at describe time (small converted buffers); returns its index.
@@ -21743,13 +21768,25 @@ class SourceTable {
     if (v.numel() == 0) return at;
     const std::uint64_t extent = v.extent_bytes();
     const auto p = reinterpret_cast<std::uintptr_t>(v.data());
-    for (std::size_t i = 0; i < entries_.size(); ++i) {
-      if (entries_[i].base == nullptr) continue;
+    auto holds = [&](std::size_t i) {
       const auto b = reinterpret_cast<std::uintptr_t>(entries_[i].base);
       const std::uint64_t size = entries_[i].size;
-      if (p >= b && p - b <= size && extent <= size - (p - b)) {
+      return entries_[i].base != nullptr && p >= b && p - b <= size && extent <= size - (p - b);
+    };
+    // The source with the greatest base at or below the view: sources are mapped files, lazily
+    // reserved ranges and owned buffers, which do not overlap (where two would, both hold the
+    // same bytes). Rank files of a many-rank checkpoint register thousands of sources, each
+    // located once per chunk; the scan below is for views in no registered source's range.
+    if (auto it = by_base_.upper_bound(p); it != by_base_.begin() && holds(std::prev(it)->second)) {
+      const std::uint32_t i = std::prev(it)->second;
+      at.source = i;
+      at.byte_offset = p - reinterpret_cast<std::uintptr_t>(entries_[i].base);
+      return at;
+    }
+    for (std::size_t i = 0; i < entries_.size(); ++i) {
+      if (holds(i)) {
         at.source = static_cast<std::uint32_t>(i);
-        at.byte_offset = p - b;
+        at.byte_offset = p - reinterpret_cast<std::uintptr_t>(entries_[i].base);
         return at;
       }
     }
@@ -21781,6 +21818,7 @@ class SourceTable {
   [[nodiscard]] const std::vector<std::shared_ptr<const ByteSource>>& sources() const noexcept { return sources_; }
   std::vector<std::shared_ptr<const ByteSource>> take() {
     entries_.clear();
+    by_base_.clear();
     return std::move(sources_);
   }
 
@@ -21791,6 +21829,7 @@ class SourceTable {
   };
   std::vector<std::shared_ptr<const ByteSource>> sources_;
   std::vector<entry> entries_;
+  std::map<std::uintptr_t, std::uint32_t> by_base_;
 };
 
 /// A chunk holding all of `v` (a whole tensor stored as-is) as one box.
@@ -23183,6 +23222,7 @@ inline safetensors::Layout write_safetensors_file(const ShardedCheckpoint& ck, c
                                                   const safetensors::limits& lim = {}) {
   safetensors::Layout lay = safetensors::layout(specs_of(ck.tensors), metadata, lim);
   const Destination dst = safetensors_destination(ck.tensors, lay, path.filename().string());
+  statedict::detail::report_progress(exec, progress_phase::planning);
   const Plan plan = make_plan(ck, dst, popt);
   OutputFile out = OutputFile::create(path);
   try {
@@ -23195,6 +23235,7 @@ inline safetensors::Layout write_safetensors_file(const ShardedCheckpoint& ck, c
     e.add_context("file " + quote(path.string()));
     throw;
   }
+  statedict::detail::report_progress(exec, progress_phase::syncing, plan.bytes(), plan.bytes(), dst.names[0]);
   out.commit();
   return lay;
 }
@@ -23414,6 +23455,7 @@ inline std::vector<std::string> write_file_set(const ShardedCheckpoint& src, con
     write_index([&](const std::string& name) { return OutputFile::create(dir / name); });
     return {files.index_name};
   }
+  statedict::detail::report_progress(opt.exec, progress_phase::planning);
   Plan plan = make_plan(src, files.dst, opt.plan);
   std::vector<bool> mine(n, true);
   if (opt.part) {
@@ -23437,16 +23479,19 @@ inline std::vector<std::string> write_file_set(const ShardedCheckpoint& src, con
     ptrs[d] = sinks[d].get();
   }
   (void)execute(plan, src, ptrs, opt.exec);
+  const std::uint64_t bytes = plan.bytes();
   std::vector<std::string> written;
   for (std::size_t d = 0; d < n; ++d) {
     if (!outs[d]) continue;
     if (files.finish) files.finish(d, *outs[d], *sinks[d]);
+    statedict::detail::report_progress(opt.exec, progress_phase::syncing, bytes, bytes, files.dst.names[d]);
     outs[d]->commit();
     written.push_back(files.dst.names[d]);
   }
   if (!out) return written;  // a part: the index step writes the index
   write_index([&](const std::string& name) { return out->create_file(name); });
   if (!files.index_name.empty()) written.push_back(files.index_name);
+  statedict::detail::report_progress(opt.exec, progress_phase::syncing, bytes, bytes, files.index_name);
   out->commit();
   return written;
 }
@@ -23862,6 +23907,7 @@ inline constexpr error_id tr_out_of_record    {753, error_kind::format,      "dc
 inline constexpr error_id tr_bad_rebuild_args {754, error_kind::format,      "dcp.record_bad_rebuild_args"};
 inline constexpr error_id tr_unsupported      {755, error_kind::unsupported, "dcp.record_unsupported_tensor"};
 inline constexpr error_id tr_pickle_too_large {756, error_kind::limit,       "dcp.record_pickle_too_large"};
+inline constexpr error_id tr_bad_archive      {757, error_kind::format,      "dcp.record_bad_archive"};
 // clang-format on
 }  // namespace errors
 
@@ -24021,10 +24067,12 @@ inline Value rebuild(State& st, pickle::Call& c, bool v3) {
   st.archive->check_readable(*e);
   t.record_offset = e->data_offset;
   t.record_size = e->size;
-  if (storage_bytes > e->size)
-    c.reader.fail(errors::tr_out_of_record, "storage of " + std::to_string(storage_numel) + " elements (" +
-                                                std::to_string(storage_bytes) + " bytes) but record " + quote(record) +
-                                                " holds " + std::to_string(e->size) + " bytes");
+  // torch.load reads a storage record of exactly numel x itemsize bytes (a longer one is
+  // "record size ... does not match expected size").
+  if (storage_bytes != e->size)
+    c.reader.fail(storage_bytes > e->size ? errors::tr_out_of_record : errors::tr_bad_archive,
+                  "storage of " + std::to_string(storage_numel) + " elements (" + std::to_string(storage_bytes) +
+                      " bytes) but record " + quote(record) + " holds " + std::to_string(e->size) + " bytes");
   const std::uint64_t n = numel(t.sizes);
   if (n > 0) {
     std::uint64_t last = t.storage_offset;
@@ -24039,6 +24087,41 @@ inline Value rebuild(State& st, pickle::Call& c, bool v3) {
   }
   st.tensors.push_back(std::move(t));
   return make_ref(st.tensors.size() - 1);
+}
+
+/// What torch.load (which DCP's reader calls on each embedded archive) requires of the archive
+/// beyond its pickle, as io/torch_file.hpp holds a torch.save file to it: every record in the
+/// first record's folder, a readable version record within the versions torch reads, and
+/// little-endian storages (the only byte order these references describe).
+inline void check_archive(const zip::Archive& ar, const std::string& prefix, const std::string& where) {
+  for (const zip::Entry& e : ar.entries())
+    if (e.name.compare(0, prefix.size(), prefix) != 0)
+      throw_error(errors::tr_bad_archive, where, "record " + quote(e.name) + " is not in the archive's folder " + quote(prefix) +
+                                                     " (torch.load: file in archive is not in a subdirectory)");
+  auto text = [&](const zip::Entry& e) {
+    if (e.size > 64) return std::string(65, '?');  // longer than any valid content
+    const Region r = ar.read(e);
+    return std::string(reinterpret_cast<const char*>(r.data), static_cast<std::size_t>(r.size));
+  };
+  const zip::Entry* ver = ar.find(prefix + ".data/version");
+  if (!ver) ver = ar.find(prefix + "version");
+  if (!ver)
+    throw_error(errors::tr_bad_archive, where, "no record " + quote(prefix + "version") +
+                                                   ", which torch.load requires (Expected hasRecord(\"version\") to be true)");
+  const std::string v = text(*ver);
+  const std::optional<std::uint64_t> n = torch::detail::stoull_prefix(v);
+  if (!n || *n < torch::detail::min_file_version || *n > torch::detail::max_file_version)
+    throw_error(errors::tr_bad_archive, where, "record " + quote(ver->name) + " holds " + quote(v.substr(0, 64)) +
+                                                   ", not a version torch.load reads (" +
+                                                   std::to_string(torch::detail::min_file_version) + " to " +
+                                                   std::to_string(torch::detail::max_file_version) + ")");
+  if (const zip::Entry* bo = ar.find(prefix + "byteorder")) {
+    const std::string b = text(*bo);
+    if (b == "big")
+      throw_error(errors::tr_unsupported, where, "record " + quote(bo->name) + " says big-endian storages, which embedded archives are not read with");
+    if (b != "little")
+      throw_error(errors::tr_bad_archive, where, "record " + quote(bo->name) + " holds " + quote(b.substr(0, 64)) + ", not little or big");
+  }
 }
 
 inline pickle::Registry registry(State& st) {
@@ -24101,6 +24184,7 @@ inline Tree load(const std::shared_ptr<const ByteSource>& src, const load_option
   st.prefix = first.substr(0, slash + 1);
   const zip::Entry* pkl = ar.find(st.prefix + "data.pkl");
   if (!pkl) throw_error(errors::tr_no_data_pkl, where, "no entry " + quote(st.prefix + "data.pkl"));
+  impl::check_archive(ar, st.prefix, where);
   if (pkl->size > opt.max_pickle_bytes)
     throw_error(errors::tr_pickle_too_large, where,
                 "data.pkl of " + std::to_string(pkl->size) + " bytes exceeds max_pickle_bytes (" +
@@ -25749,6 +25833,7 @@ class format final : public formats::Format {
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -25828,6 +25913,11 @@ struct options {
   bool cast_integer_buffers = true;
   /// The tag folder to read; empty: the one `latest` names.
   std::string tag;
+  /// At stage 3 every rank's model-states file repeats rank 0's param_shapes. Describing parses
+  /// rank 0's and, of the others, only those it needs (their fragments of frozen parameters);
+  /// with this set (open_options::check_replicas, `--check-replicas`) every one is parsed and its
+  /// param_shapes and frozen_param_shapes checked against rank 0's.
+  bool check_rank_files = false;
   read_mode mode = read_mode::mmap;
   deepspeed::limits limits{};
 };
@@ -26085,6 +26175,11 @@ inline detection detect(const std::filesystem::path& dir, std::string_view tag =
 struct Inputs {
   std::vector<optim_shard::LoadedFile> model;  ///< `*_model_states.pt`, natural order
   std::vector<optim_shard::LoadedFile> optim;  ///< `*_optim_states.pt`, natural order
+  /// Model-states files loaded on demand: when `load_model` is set, `model_names` lists every
+  /// model-states file (natural order), `model` holds only the first, and describing calls
+  /// `load_model(i)` for a file it needs, parses it and drops it before loading the next.
+  std::vector<std::string> model_names;
+  std::function<optim_shard::LoadedFile(std::size_t)> load_model;
   std::vector<std::string> expert_files;       ///< names of MoE expert files, if any
   std::string tag;
 };
@@ -26403,16 +26498,19 @@ inline void add_frozen12(builder& b, const model_file& m) {
 /// Stage 3 frozen parameters: rank r's fragment holds elements [r * pn, (r + 1) * pn) of the
 /// parameter, pn = ceil(numel / W), the tail of the last one uninitialised
 /// (zero_to_fp32 _zero3_merge_frozen_params; partition_parameters.py _partition_param).
-inline void add_frozen3(builder& b, const std::vector<model_file>& models, std::uint32_t W) {
-  const model_file& m0 = models[0];
-  for (const auto& [name, shape] : m0.frozen_shapes) {
-    const std::uint64_t n = numel(shape);
-    const std::uint64_t pn = layout::zero3_partitioned_param_info(n, W).partitioned_numel;
-    std::vector<optim_shard::RankBuffer> bufs(W);
-    std::optional<statedict::dtype> dt;
-    for (std::uint32_t r = 0; r < W; ++r) {
-      const model_file& m = models[r];
-      const std::string where = file_ctx(*m.file);
+/// Fed one rank's model-states file at a time (add_rank, ranks in order), so that no more than
+/// one of them is parsed at once; finish() checks the cover and adds the tensors.
+class frozen3 {
+ public:
+  frozen3(builder& b, const model_file& m0, std::uint32_t W) : b_(b), m0_(m0), W_(W), chunks_(m0.frozen_shapes.size()),
+                                                               dtypes_(m0.frozen_shapes.size()) {}
+
+  void add_rank(const model_file& m, std::uint32_t r) {
+    const std::string where = file_ctx(*m.file);
+    for (std::size_t k = 0; k < m0_.frozen_shapes.size(); ++k) {
+      const auto& [name, shape] = m0_.frozen_shapes[k];
+      const std::uint64_t n = numel(shape);
+      const std::uint64_t pn = layout::zero3_partitioned_param_info(n, W_).partitioned_numel;
       const Value* v = m.frozen_fragments ? m.frozen_fragments->find(name) : nullptr;
       if (!v || !v->is_tensor())
         throw_error(errors::ds_frozen, where, "frozen_param_fragments has no tensor for frozen parameter " + quote(name));
@@ -26421,22 +26519,37 @@ inline void add_frozen3(builder& b, const std::vector<model_file>& models, std::
         throw_error(errors::ds_frozen, where,
                     "rank " + std::to_string(r) + "'s fragment of frozen parameter " + quote(name) + " has " +
                         std::to_string(t.numel()) + " elements; a " + std::to_string(n) + "-element parameter over " +
-                        std::to_string(W) + " ranks has partitions of ceil(" + std::to_string(n) + "/" +
-                        std::to_string(W) + ") = " + std::to_string(pn));
-      if (!is_floating(t.dtype()) || (dt && *dt != t.dtype()))
+                        std::to_string(W_) + " ranks has partitions of ceil(" + std::to_string(n) + "/" +
+                        std::to_string(W_) + ") = " + std::to_string(pn));
+      if (!is_floating(t.dtype()) || (dtypes_[k] && *dtypes_[k] != t.dtype()))
         throw_error(errors::ds_dtype, where, "fragment of frozen parameter " + quote(name) + " is " +
                                                  std::string(statedict::name(t.dtype())));
-      dt = t.dtype();
-      bufs[r].push_back(optim_shard::Segment{&t, pn, where + ": frozen_param_fragments[" + quote(name) + "]"});
+      dtypes_[k] = t.dtype();
+      const std::uint64_t lo = static_cast<std::uint64_t>(r) * pn;  // < n + W: no overflow
+      if (lo >= n) continue;                                           // all padding on this rank
+      const layout::FlatPiece piece{0, FlatRange{lo, std::min(n, lo + pn)}, 0};
+      const optim_shard::RankBuffer buf{optim_shard::Segment{&t, pn, where + ": frozen_param_fragments[" + quote(name) + "]"}};
+      for (Chunk& c : optim_shard::place(std::span(&piece, 1), std::span(&buf, 1), b_.table, "frozen parameter " + quote(name)))
+        chunks_[k].push_back(std::move(c));
     }
-    const std::uint64_t numels[] = {n};
-    const auto pieces = layout::zero3_pieces(numels, W);
-    TensorInfo info{name, out_dtype(b.opt, dt.value_or(dtype::F32)), shape, {}};
-    info.chunks = optim_shard::place(pieces[0], bufs, b.table, "frozen parameter " + quote(name));
-    optim_shard::check_flat_cover(info.chunks, n, errors::ds_frozen, "frozen parameter " + quote(name));
-    b.add_model_tensor(std::move(info), "frozen parameter", file_ctx(*m0.file));
   }
-}
+
+  void finish() {
+    for (std::size_t k = 0; k < m0_.frozen_shapes.size(); ++k) {
+      const auto& [name, shape] = m0_.frozen_shapes[k];
+      TensorInfo info{name, out_dtype(b_.opt, dtypes_[k].value_or(dtype::F32)), shape, std::move(chunks_[k])};
+      optim_shard::check_flat_cover(info.chunks, numel(shape), errors::ds_frozen, "frozen parameter " + quote(name));
+      b_.add_model_tensor(std::move(info), "frozen parameter", file_ctx(*m0_.file));
+    }
+  }
+
+ private:
+  builder& b_;
+  const model_file& m0_;
+  std::uint32_t W_;
+  std::vector<std::vector<Chunk>> chunks_;
+  std::vector<std::optional<statedict::dtype>> dtypes_;
+};
 
 /// Stage 1/2 with frozen_from_module: `module` entries that are not buffers, trainable
 /// parameters or tied names are the frozen parameters, whole in the model dtype.
@@ -27858,27 +27971,23 @@ inline ShardedCheckpoint describe(const Inputs& in, const options& opt = {}) {
                                                                               "; only mp_rank_00 checkpoints are consolidated");
     }
 
-  std::vector<model_file> models;
-  for (const auto& f : in.model) models.push_back(parse_model(f, opt.limits));
-  if (stage <= 2 && models.size() != 1)
+  const std::size_t n_models = in.load_model ? in.model_names.size() : in.model.size();
+  auto model_name = [&](std::size_t i) -> const std::string& { return in.load_model ? in.model_names[i] : in.model[i].name; };
+  const model_file m0 = parse_model(in.model[0], opt.limits);
+  if (stage <= 2 && n_models != 1)
     throw_error(errors::ds_file_count, "tag " + quote(in.tag),
-                std::to_string(models.size()) + " *_model_states.pt files; stage " + std::to_string(stage) +
+                std::to_string(n_models) + " *_model_states.pt files; stage " + std::to_string(stage) +
                     " writes one (mp_rank_00_model_states.pt, by data-parallel rank 0)");
   if (stage == 3) {
-    if (models.size() != W)
+    if (n_models != W)
       throw_error(errors::ds_file_count, "tag " + quote(in.tag),
-                  std::to_string(models.size()) + " *_model_states.pt files; stage 3 writes one per data-parallel rank (" +
+                  std::to_string(n_models) + " *_model_states.pt files; stage 3 writes one per data-parallel rank (" +
                       std::to_string(W) + ")");
-    for (std::size_t i = 0; i < models.size(); ++i) {
-      if (auto rn = parse_rank_name(base_name(models[i].file->name)); rn && rn->dp != i)
-        throw_error(errors::ds_rank_order, file_ctx(*models[i].file),
+    for (std::size_t i = 0; i < n_models; ++i)
+      if (auto rn = parse_rank_name(base_name(model_name(i))); rn && rn->dp != i)
+        throw_error(errors::ds_rank_order, "file " + quote(model_name(i)),
                     "is model file " + std::to_string(i) + " in natural order but names dp rank " + std::to_string(rn->dp));
-      if (models[i].param_shapes != models[0].param_shapes || models[i].frozen_shapes != models[0].frozen_shapes)
-        throw_error(errors::ds_bad_model_states, file_ctx(*models[i].file),
-                    "param_shapes or frozen_param_shapes differ from rank 0's");
-    }
   }
-  const model_file& m0 = models[0];
   if (const Value* dp = Access::opt(*m0.top, "dp_world_size"); dp && dp->is_int() && dp->as_int() != W64)
     throw_error(errors::ds_world_size, file_ctx(*m0.file),
                 "dp_world_size is " + std::to_string(dp->as_int()) + " but the optimizer is partitioned over " +
@@ -27886,14 +27995,30 @@ inline ShardedCheckpoint describe(const Inputs& in, const options& opt = {}) {
 
   builder b(opt);
   for (const auto& f : in.optim) b.table.add(f.source, f.base);
-  for (const auto& f : in.model) b.table.add(f.source, f.base);
+  b.table.add(in.model[0].source, in.model[0].base);
 
   add_buffers(b, m0);
   if (stage <= 2) {
     add_frozen12(b, m0);
     if (opt.frozen_from_module && m0.frozen_shapes.empty()) add_frozen_from_module(b, m0);
   } else {
-    add_frozen3(b, models, W);
+    // Ranks 1.. are parsed one at a time, and only when they hold what the description needs
+    // (their fragments of frozen parameters), when the caller asks for the repeated
+    // param_shapes to be checked, or when they were loaded already.
+    frozen3 frozen(b, m0, W);
+    frozen.add_rank(m0, 0);
+    if (!m0.frozen_shapes.empty() || opt.check_rank_files || !in.load_model)
+      for (std::uint32_t r = 1; r < W; ++r) {
+        std::optional<optim_shard::LoadedFile> loaded;
+        if (in.load_model) loaded.emplace(in.load_model(r));
+        const optim_shard::LoadedFile& f = loaded ? *loaded : in.model[r];
+        const model_file m = parse_model(f, opt.limits);
+        if (m.param_shapes != m0.param_shapes || m.frozen_shapes != m0.frozen_shapes)
+          throw_error(errors::ds_bad_model_states, file_ctx(f), "param_shapes or frozen_param_shapes differ from rank 0's");
+        if (!m0.frozen_shapes.empty()) b.table.add(f.source, f.base);
+        frozen.add_rank(m, r);
+      }
+    frozen.finish();
   }
   const trainable tr = stage <= 2 ? add_trainable12(b, m0, optims, W) : add_trainable3(b, m0, optims, W);
   add_aliases(b, m0);
@@ -27930,7 +28055,10 @@ inline ShardedCheckpoint describe(const std::filesystem::path& dir, const option
     throw_error(errors::ds_limit, "directory " + quote(d.tag_dir.string()),
                 std::to_string(d.optim_files.size()) + " optim files, more than limits::max_ranks");
   for (const auto& p : d.optim_files) in.optim.push_back(load(p));
-  for (const auto& p : d.model_files) in.model.push_back(load(p));
+  // Model-states files: the first now, the others when describe() needs them (one at a time).
+  if (!d.model_files.empty()) in.model.push_back(load(d.model_files[0]));
+  for (const auto& p : d.model_files) in.model_names.push_back(p.string());
+  in.load_model = [&](std::size_t i) { return load(d.model_files.at(i)); };
   return describe(in, opt);
 }
 
@@ -27955,6 +28083,7 @@ class format final : public formats::Format {
     o.dtype = opt.dtype;
     o.cast_integer_buffers = opt.cast_integer_origin;
     o.with_optimizer = opt.with_optimizer;
+    o.check_rank_files = o.check_rank_files || opt.check_replicas;
     o.mode = opt.mode;
     return deepspeed::describe(in.path(), o);
   }
@@ -29931,7 +30060,27 @@ inline bool holds_objects(const Skeleton& s) {
       if (n.kind == statedict::detail::snode::object) return true;
     return false;
   }
-  return true;  // a document: walked to tell
+  // A document: walked (nodes are {"dict": [[key, node]...]}, {"list": [...]}, {"tuple": [...]},
+  // {"object": {...}} or leaves) until the first object node.
+  std::vector<const nlohmann::json*> work;
+  const nlohmann::json& doc = s.json();
+  if (doc.is_object())
+    if (const auto r = doc.find("root"); r != doc.end()) work.push_back(&*r);
+  while (!work.empty()) {
+    const nlohmann::json& n = *work.back();
+    work.pop_back();
+    if (!n.is_object()) continue;
+    if (n.size() == 1 && n.contains("object")) return true;
+    if (const auto it = n.find("dict"); it != n.end() && it->is_array()) {
+      for (const auto& kv : *it)
+        if (kv.is_array() && kv.size() == 2) work.push_back(&kv[1]);
+    } else {
+      for (const char* key : {"list", "tuple"})
+        if (const auto c = n.find(key); c != n.end() && c->is_array())
+          for (const auto& x : *c) work.push_back(&x);
+    }
+  }
+  return false;
 }
 
 }  // namespace detail
@@ -34123,6 +34272,7 @@ inline void write_planned(SavePlan sp, const ShardedCheckpoint& src, const Desti
                           const exec_options& exec, const plan_options& popt) {
   std::vector<FlatRange> regions = sp.storage_ranges();
   std::sort(regions.begin(), regions.end(), [](const FlatRange& a, const FlatRange& b) { return a.begin < b.begin; });
+  statedict::detail::report_progress(exec, progress_phase::planning);
   const Plan plan = make_plan(src, dst, popt);
   PlannedWriter w(path, std::move(sp));
   try {
@@ -34133,6 +34283,7 @@ inline void write_planned(SavePlan sp, const ShardedCheckpoint& src, const Desti
     (void)execute(plan, src, sinks, exec);
     for (std::size_t i = 0; i < regions.size(); ++i)
       if (regions[i].size()) w.report_file_crc(regions[i].begin, regions[i].size(), sink.crc32(i));
+    statedict::detail::report_progress(exec, progress_phase::syncing, plan.bytes(), plan.bytes(), path.filename().string());
     w.finish();
   } catch (error& e) {
     e.add_context("file " + quote(path.string()));
@@ -34430,6 +34581,7 @@ namespace statedict::inline v0 {
 /// options are checked before the input is read.
 STATEDICT_API conversion convert(const std::filesystem::path& in, const std::filesystem::path& out, const convert_options& opt = {}) {
   const auto writer = formats::choose_output(out, opt.output);
+  detail::report_progress(opt.output.exec, progress_phase::reading, 0, 0, in.string());
   formats::Opened opened = formats::open(in, opt.input);
   ShardedCheckpoint ck = std::move(opened.checkpoint);
   for (const transform_fn& t : opt.transforms) ck = t(ck);

@@ -63,6 +63,7 @@
 #include <mutex>
 #include <span>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <tuple>
 #include <vector>
@@ -301,6 +302,12 @@ inline std::vector<file_extent> read_extents(const Plan& plan, std::span<const s
   return out;
 }
 
+/// Reports `phase` to opt.progress, when there is one.
+inline void report_progress(const exec_options& opt, progress_phase phase, std::uint64_t done = 0, std::uint64_t total = 0,
+                            std::string_view file = {}) {
+  if (opt.progress) opt.progress(progress_event{phase, done, total, file});
+}
+
 struct exec_shared {
   const Plan& plan;
   std::span<const std::shared_ptr<const ByteSource>> sources;
@@ -330,7 +337,8 @@ struct exec_shared {
               const exec_options& o)
       : plan(p), sources(s), sinks(k), opt(o) {}
 
-  void progress(std::uint64_t n) {
+  /// Counts `n` bytes written into `to`; reports progress every progress_step bytes.
+  void progress(std::uint64_t n, const Sink* to) {
     const std::uint64_t d = done.fetch_add(n) + n;
     if (!opt.progress) return;
     std::uint64_t due = next_report.load();
@@ -339,7 +347,13 @@ struct exec_shared {
     due = next_report.load();
     if (d < due && d < total) return;
     next_report.store(d + progress_step);
-    opt.progress(std::min(done.load(), total), total);
+    std::string_view file;
+    for (std::size_t k = 0; k < sinks.size() && k < plan.destination_names.size(); ++k)
+      if (sinks[k] == to) {
+        file = plan.destination_names[k];
+        break;
+      }
+    opt.progress(progress_event{progress_phase::copying, std::min(done.load(), total), total, file});
   }
 };
 
@@ -497,7 +511,7 @@ class exec_worker {
       flush();
       const std::uint64_t k = kernel_copy(src, so, dst, doff, len);
       s_.in_kernel.fetch_add(k);
-      s_.progress(k);
+      s_.progress(k, &dst);
       so += k;
       doff += k;
       len -= k;
@@ -509,7 +523,7 @@ class exec_worker {
       src.check_range(so, len);
       dst.write(doff, std::span<const std::byte>(map + so, static_cast<std::size_t>(len)));
       s_.from_mapping.fetch_add(len);
-      s_.progress(len);
+      s_.progress(len, &dst);
       return;
     }
     while (len) {
@@ -649,7 +663,7 @@ class exec_worker {
     const std::uint64_t n = acc_len_;
     acc_len_ = 0;
     acc_sink_->write(acc_off_, std::span<const std::byte>(wbuf_.get(), static_cast<std::size_t>(n)));
-    s_.progress(n);
+    s_.progress(n, acc_sink_);
   }
 
   // ---- pages of mapped sources ----------------------------------------------------------------
@@ -949,7 +963,7 @@ inline exec_stats execute(const Plan& plan, std::span<const std::shared_ptr<cons
   if (s.error) std::rethrow_exception(s.error);
   for (std::size_t d = 0; d < sinks.size(); ++d)
     if (sinks[d]) sinks[d]->finish();
-  if (opt.progress) opt.progress(s.total, s.total);
+  if (opt.progress) opt.progress(progress_event{progress_phase::copying, s.total, s.total, {}});
 
   exec_stats st;
   st.bytes_written = s.done.load();

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <functional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace statedict::inline v0 {
@@ -14,24 +15,42 @@ namespace statedict::inline v0 {
 /// 256 MiB.
 inline constexpr std::uint64_t default_memory_budget = std::uint64_t{256} << 20;
 
-/// How to run a plan.
+/// What a job is doing when it reports progress (exec_options::progress).
+enum class progress_phase : std::uint8_t {
+  reading,   ///< reading the input's description (headers, metadata): convert() reports it
+  planning,  ///< working out where every byte goes (make_plan), before the copy
+  copying,   ///< the executor writes the planned bytes
+  syncing,   ///< the output files are flushed to disk and moved into place
+};
+
+/// One progress report.
+struct progress_event {
+  progress_phase phase = progress_phase::copying;
+  /// Bytes the copy has written, and will write in all (0 before the copy is planned).
+  std::uint64_t done = 0, total = 0;
+  /// The file the job is on (empty when not known; valid during the call only): reading, the
+  /// input; copying, the destination the last bytes went to (its name in the plan); syncing, the
+  /// output file being flushed.
+  std::string_view file;
+};
+
+/// How to run a plan. The defaults are the fastest measured on ext4 (the figures behind each:
+/// bench/HISTORY.md, "the figures behind the executor's defaults"; docs/planner.md).
 struct exec_options {
   /// Bytes of buffers the executor may allocate in all (threads included).
   std::uint64_t memory_budget = default_memory_budget;
   /// Worker threads (the calling thread is one of them); 0 means one per CPU.
   unsigned threads = 1;
-  /// Called with (bytes written, total bytes) from worker threads, one call at a time, at most
-  /// about a thousand times per run, and once at the end.
-  std::function<void(std::uint64_t done, std::uint64_t total)> progress;
+  /// Called with what the job is doing, one call at a time: while copying from worker threads,
+  /// at most about a thousand times per run and once at the end; the writers also report planning
+  /// before the copy and syncing after it, and convert() reading before them. Rendering (and
+  /// throttling to a screen's pace) is the caller's.
+  std::function<void(const progress_event&)> progress;
   /// Allow writes straight from source mappings (and copy_file_range, when that is on too).
   bool zero_copy = true;
-  /// Let the kernel copy plain runs between files (copy_file_range). Off by default: on ext4 with
-  /// Linux 6.x it writes the destination a 4 KiB page at a time (splice), and writeback of those small
-  /// folios cost more than the copy it saves. `.pt` -> `.safetensors`, 3 GiB, 10,005 tensors,
-  /// system-wide cycles including writeback: 9.0-11.3 G with it, 6.7-6.9 G with pread + pwrite in
-  /// blocks, 6.3-6.8 G for `cp` + `sync` of the same bytes (perf: memcpy_orig, filemap_get_folios_tag,
-  /// folio start/end writeback, ext4_finish_bio). Measured again with 1-64 MiB per call against
-  /// the mapping path: no better in CPU time or wall time (docs/planner.md).
+  /// Let the kernel copy plain runs between files (copy_file_range) instead of the executor's
+  /// reads and writes. Off by default: on ext4 it writes the destination a 4 KiB page at a time,
+  /// and the writeback of those pages costs more than the copy it saves.
   bool copy_file_range = false;
   /// Smallest run handed to copy_file_range.
   std::uint64_t copy_file_range_min = std::uint64_t{1} << 20;
@@ -42,58 +61,34 @@ struct exec_options {
   bool release_source_pages = true;
   /// Bytes of mapped sources a thread leaves mapped before it releases them (with
   /// release_source_pages; 0: after every work item). The ranges it used, neighbours in one file
-  /// joined, are released together once they reach this size and when the thread ends. Each
-  /// release is a madvise that flushes the other threads' TLBs; released after every item, a
-  /// ZeRO-3 8 ranks -> DCP 3 ranks reshard (1 GiB) made 3,852 madvise calls (2,096 now) and
-  /// unmapped the 2 MiB around each piece that the next piece of its rank file mapped again.
-  /// Warm, CPU time, medians of 16 runs: 0.474 s against 0.494 s (docs/planner.md). The mappings'
-  /// peak RSS grows by up to this much per thread (that job: 33 MiB against 19 MiB).
+  /// joined, are released together once they reach this size and when the thread ends: fewer
+  /// madvise calls (each flushes the other threads' TLBs), at the cost of up to this much more
+  /// resident memory per thread.
   std::uint64_t release_after = std::uint64_t{8} << 20;
   /// Ask that mapped sources be read into the page cache in 2 MiB folios and mapped whole
-  /// (MADV_HUGEPAGE; takes effect where transparent huge pages are "madvise" or "always"). Read in
-  /// through a mapping without it, a file is cached in 4 KiB folios, and every later copy out of it
-  /// pays a page-table entry per 4 KiB (populate and release). Warm runs whose inputs the previous
-  /// run read in, CPU time with / without (`cp` + `sync` of the output): ZeRO-3 8 ranks -> one
-  /// .safetensors 0.44 / 0.49 s (0.42 s), -> DCP 3 ranks 0.59 / 0.68 s (0.50 s), Megatron-LM
-  /// TP 4 x PP 2 merge 1.82 / 2.01 s (1.28 s); cold, wall: 1.66 / 2.17 s, 2.10 / 2.28 s,
-  /// 6.00 / 6.77 s (docs/planner.md).
+  /// (MADV_HUGEPAGE; takes effect where transparent huge pages are "madvise" or "always"), so that
+  /// a copy out of them pays a page-table entry per 2 MiB rather than per 4 KiB.
   bool large_folios = true;
   /// Bytes of mapped sources a helper thread reads into the page cache ahead of the copy (0: none;
   /// with large_folios and release_source_pages only): the ranges the plan reads, in plan order,
-  /// 8 MiB at a time, what is cached already skipped, in 2 MiB folios; for jobs that read 16 MiB
-  /// or more (a thread for each small read_tensor() would cost more than it saves). Without it a
-  /// cold source in 2 MiB folios is read by the copy's own faults, each waited for. Cold runs
-  /// against the code without it: `.pt` -> `.safetensors` (3 GiB, 10,005 tensors) 4.57 s against
-  /// 5.31 s (`cp` + `sync` 5.01 s), ZeRO-3 8 ranks -> one `.safetensors` 1.42 s against 1.67 s
-  /// (docs/planner.md).
+  /// 8 MiB at a time, what is cached already skipped, in 2 MiB folios. Started only for jobs that
+  /// read 16 MiB or more. Without it a cold source is read by the copy's own page faults, each
+  /// waited for.
   std::uint64_t read_ahead = std::uint64_t{64} << 20;
   /// Read sources that have a file descriptor with pread, even when they are mapped, rather than
-  /// writing from or casting out of the mapping (two copies of each byte instead of one). Off: a
-  /// pwrite straight from the mapping, after MADV_POPULATE_READ has mapped the run's pages in one
-  /// call, cost 0.8-0.9x the CPU time of pread + pwrite when the source is cached in large folios
-  /// (as a file read from disk is), the same when it is cached in 4 KiB folios (docs/planner.md
-  /// has the figures). Without the populate call, the pages faulted in one by one inside pwrite,
-  /// and that cost more than the copy it saved (ZeRO-3 -> DCP, 2 threads: 1.3-2.3 s of system time
-  /// from the mapping, 0.9-1.0 s with pread), which is why pread was the default before.
+  /// writing from or casting out of the mapping (two copies of each byte instead of one). Off: the
+  /// executor maps a run's pages in one call (MADV_POPULATE_READ) and writes straight from the
+  /// mapping.
   bool pread_files = false;
   /// Largest buffer per thread and direction. 1 MiB: a block read with pread is still in the
-  /// core's cache when pwrite copies it out. Warm cache, 2 threads, whole command, medians of 6-8
-  /// runs interleaved with `cp` + `sync` of the output bytes:
-  ///   ZeRO-3 8 ranks -> one .safetensors (1 GiB): 1.01x cp with 1 MiB blocks, 1.18x with 4 MiB,
-  ///   1.19x with 64 MiB, 1.14x with 64 MiB and copy_file_range (the former defaults);
-  ///   .pt -> .safetensors (3 GiB, 10,005 tensors): 1.01x with 512 KiB, 0.92x with 1 MiB, 1.01x
-  ///   with 4 MiB, 1.13x with 64 MiB and copy_file_range.
+  /// core's cache when pwrite copies it out.
   std::uint64_t max_block = std::uint64_t{1} << 20;
   /// Output files (FileSink::use_direct_io, by the format writers) are written with O_DIRECT
   /// where the file system supports it (statx STATX_DIOALIGN: ext4, XFS, Btrfs; not tmpfs): each
   /// byte is copied once, into a 1 MiB aligned buffer, and goes from there to the disk, instead of
-  /// being copied into the page cache, tracked there block by block and written back. Warm cache,
-  /// medians of 12 runs interleaved with `cp` + `sync` of the same bytes, CPU time direct / through
-  /// the cache / cp: ZeRO-3 8 ranks -> one .safetensors 0.195 / 0.390 / 0.278 s, -> DCP 3 ranks
-  /// 0.248 / 0.420 / 0.321 s; .pt (10,005 tensors) -> .safetensors 0.660 / 1.451 / 0.794 s. In
-  /// `make bench`, wall / CPU against cp: 0.98x / 0.92x, 0.85x / 0.80x, 1.06x / 0.98x
-  /// (docs/planner.md; a cold .pt on a busy disk is faster through the cache). Off: through the
-  /// page cache, with writeback started every 64 MiB.
+  /// being copied into the page cache, tracked there block by block and written back. Off: through
+  /// the page cache, with writeback started every 64 MiB (for a cold input on a busy disk this can
+  /// be faster: the reads do not compete with the writes).
   bool direct_io = true;
 };
 

@@ -100,8 +100,8 @@ namespace detail {
 class direct_writer {
  public:
   /// Staging buffers at most (filled or in flight), and the threads that write them (per file,
-  /// started on its first direct write, ended by finish()). B2 (.pt -> .safetensors, 3.2 GB),
-  /// wall: 2.06 s with 1 thread, 1.61 s with 2, 1.34 s with 4, 1.36 s with 8; `cp` 1.39 s.
+  /// started on its first direct write, ended by finish()); bench/HISTORY.md has the figures
+  /// for 1 to 8 threads.
   static constexpr std::size_t max_buffers = 8, io_threads = 4;
 
   direct_writer() = default;

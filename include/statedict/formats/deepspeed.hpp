@@ -35,6 +35,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -126,6 +127,11 @@ struct options {
   bool cast_integer_buffers = true;
   /// The tag folder to read; empty: the one `latest` names.
   std::string tag;
+  /// At stage 3 every rank's model-states file repeats rank 0's param_shapes. Describing parses
+  /// rank 0's and, of the others, only those it needs (their fragments of frozen parameters);
+  /// with this set (open_options::check_replicas, `--check-replicas`) every one is parsed and its
+  /// param_shapes and frozen_param_shapes checked against rank 0's.
+  bool check_rank_files = false;
   read_mode mode = read_mode::mmap;
   deepspeed::limits limits{};
 };
@@ -383,6 +389,11 @@ inline detection detect(const std::filesystem::path& dir, std::string_view tag =
 struct Inputs {
   std::vector<optim_shard::LoadedFile> model;  ///< `*_model_states.pt`, natural order
   std::vector<optim_shard::LoadedFile> optim;  ///< `*_optim_states.pt`, natural order
+  /// Model-states files loaded on demand: when `load_model` is set, `model_names` lists every
+  /// model-states file (natural order), `model` holds only the first, and describing calls
+  /// `load_model(i)` for a file it needs, parses it and drops it before loading the next.
+  std::vector<std::string> model_names;
+  std::function<optim_shard::LoadedFile(std::size_t)> load_model;
   std::vector<std::string> expert_files;       ///< names of MoE expert files, if any
   std::string tag;
 };
@@ -458,27 +469,23 @@ inline ShardedCheckpoint describe(const Inputs& in, const options& opt = {}) {
                                                                               "; only mp_rank_00 checkpoints are consolidated");
     }
 
-  std::vector<model_file> models;
-  for (const auto& f : in.model) models.push_back(parse_model(f, opt.limits));
-  if (stage <= 2 && models.size() != 1)
+  const std::size_t n_models = in.load_model ? in.model_names.size() : in.model.size();
+  auto model_name = [&](std::size_t i) -> const std::string& { return in.load_model ? in.model_names[i] : in.model[i].name; };
+  const model_file m0 = parse_model(in.model[0], opt.limits);
+  if (stage <= 2 && n_models != 1)
     throw_error(errors::ds_file_count, "tag " + quote(in.tag),
-                std::to_string(models.size()) + " *_model_states.pt files; stage " + std::to_string(stage) +
+                std::to_string(n_models) + " *_model_states.pt files; stage " + std::to_string(stage) +
                     " writes one (mp_rank_00_model_states.pt, by data-parallel rank 0)");
   if (stage == 3) {
-    if (models.size() != W)
+    if (n_models != W)
       throw_error(errors::ds_file_count, "tag " + quote(in.tag),
-                  std::to_string(models.size()) + " *_model_states.pt files; stage 3 writes one per data-parallel rank (" +
+                  std::to_string(n_models) + " *_model_states.pt files; stage 3 writes one per data-parallel rank (" +
                       std::to_string(W) + ")");
-    for (std::size_t i = 0; i < models.size(); ++i) {
-      if (auto rn = parse_rank_name(base_name(models[i].file->name)); rn && rn->dp != i)
-        throw_error(errors::ds_rank_order, file_ctx(*models[i].file),
+    for (std::size_t i = 0; i < n_models; ++i)
+      if (auto rn = parse_rank_name(base_name(model_name(i))); rn && rn->dp != i)
+        throw_error(errors::ds_rank_order, "file " + quote(model_name(i)),
                     "is model file " + std::to_string(i) + " in natural order but names dp rank " + std::to_string(rn->dp));
-      if (models[i].param_shapes != models[0].param_shapes || models[i].frozen_shapes != models[0].frozen_shapes)
-        throw_error(errors::ds_bad_model_states, file_ctx(*models[i].file),
-                    "param_shapes or frozen_param_shapes differ from rank 0's");
-    }
   }
-  const model_file& m0 = models[0];
   if (const Value* dp = Access::opt(*m0.top, "dp_world_size"); dp && dp->is_int() && dp->as_int() != W64)
     throw_error(errors::ds_world_size, file_ctx(*m0.file),
                 "dp_world_size is " + std::to_string(dp->as_int()) + " but the optimizer is partitioned over " +
@@ -486,14 +493,30 @@ inline ShardedCheckpoint describe(const Inputs& in, const options& opt = {}) {
 
   builder b(opt);
   for (const auto& f : in.optim) b.table.add(f.source, f.base);
-  for (const auto& f : in.model) b.table.add(f.source, f.base);
+  b.table.add(in.model[0].source, in.model[0].base);
 
   add_buffers(b, m0);
   if (stage <= 2) {
     add_frozen12(b, m0);
     if (opt.frozen_from_module && m0.frozen_shapes.empty()) add_frozen_from_module(b, m0);
   } else {
-    add_frozen3(b, models, W);
+    // Ranks 1.. are parsed one at a time, and only when they hold what the description needs
+    // (their fragments of frozen parameters), when the caller asks for the repeated
+    // param_shapes to be checked, or when they were loaded already.
+    frozen3 frozen(b, m0, W);
+    frozen.add_rank(m0, 0);
+    if (!m0.frozen_shapes.empty() || opt.check_rank_files || !in.load_model)
+      for (std::uint32_t r = 1; r < W; ++r) {
+        std::optional<optim_shard::LoadedFile> loaded;
+        if (in.load_model) loaded.emplace(in.load_model(r));
+        const optim_shard::LoadedFile& f = loaded ? *loaded : in.model[r];
+        const model_file m = parse_model(f, opt.limits);
+        if (m.param_shapes != m0.param_shapes || m.frozen_shapes != m0.frozen_shapes)
+          throw_error(errors::ds_bad_model_states, file_ctx(f), "param_shapes or frozen_param_shapes differ from rank 0's");
+        if (!m0.frozen_shapes.empty()) b.table.add(f.source, f.base);
+        frozen.add_rank(m, r);
+      }
+    frozen.finish();
   }
   const trainable tr = stage <= 2 ? add_trainable12(b, m0, optims, W) : add_trainable3(b, m0, optims, W);
   add_aliases(b, m0);
@@ -530,7 +553,10 @@ inline ShardedCheckpoint describe(const std::filesystem::path& dir, const option
     throw_error(errors::ds_limit, "directory " + quote(d.tag_dir.string()),
                 std::to_string(d.optim_files.size()) + " optim files, more than limits::max_ranks");
   for (const auto& p : d.optim_files) in.optim.push_back(load(p));
-  for (const auto& p : d.model_files) in.model.push_back(load(p));
+  // Model-states files: the first now, the others when describe() needs them (one at a time).
+  if (!d.model_files.empty()) in.model.push_back(load(d.model_files[0]));
+  for (const auto& p : d.model_files) in.model_names.push_back(p.string());
+  in.load_model = [&](std::size_t i) { return load(d.model_files.at(i)); };
   return describe(in, opt);
 }
 
@@ -555,6 +581,7 @@ class format final : public formats::Format {
     o.dtype = opt.dtype;
     o.cast_integer_buffers = opt.cast_integer_origin;
     o.with_optimizer = opt.with_optimizer;
+    o.check_rank_files = o.check_rank_files || opt.check_replicas;
     o.mode = opt.mode;
     return deepspeed::describe(in.path(), o);
   }

@@ -141,7 +141,27 @@ inline bool holds_objects(const Skeleton& s) {
       if (n.kind == statedict::detail::snode::object) return true;
     return false;
   }
-  return true;  // a document: walked to tell
+  // A document: walked (nodes are {"dict": [[key, node]...]}, {"list": [...]}, {"tuple": [...]},
+  // {"object": {...}} or leaves) until the first object node.
+  std::vector<const nlohmann::json*> work;
+  const nlohmann::json& doc = s.json();
+  if (doc.is_object())
+    if (const auto r = doc.find("root"); r != doc.end()) work.push_back(&*r);
+  while (!work.empty()) {
+    const nlohmann::json& n = *work.back();
+    work.pop_back();
+    if (!n.is_object()) continue;
+    if (n.size() == 1 && n.contains("object")) return true;
+    if (const auto it = n.find("dict"); it != n.end() && it->is_array()) {
+      for (const auto& kv : *it)
+        if (kv.is_array() && kv.size() == 2) work.push_back(&kv[1]);
+    } else {
+      for (const char* key : {"list", "tuple"})
+        if (const auto c = n.find(key); c != n.end() && c->is_array())
+          for (const auto& x : *c) work.push_back(&x);
+    }
+  }
+  return false;
 }
 
 }  // namespace detail

@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <optional>
 #include <span>
@@ -230,9 +231,11 @@ class SourceTable {
   /// a lazy reader placed the views in.
   std::uint32_t add(std::shared_ptr<const ByteSource> s, const std::byte* base = nullptr) {
     if (base == nullptr) base = s->data();
+    const auto index = static_cast<std::uint32_t>(sources_.size());
     entries_.push_back(entry{base, s->size()});
+    if (base != nullptr) by_base_.emplace(reinterpret_cast<std::uintptr_t>(base), index);  // the first one at a base wins
     sources_.push_back(std::move(s));
-    return static_cast<std::uint32_t>(sources_.size() - 1);
+    return index;
   }
 
   /// Registers bytes computed at describe time (small converted buffers); returns its index.
@@ -252,13 +255,25 @@ class SourceTable {
     if (v.numel() == 0) return at;
     const std::uint64_t extent = v.extent_bytes();
     const auto p = reinterpret_cast<std::uintptr_t>(v.data());
-    for (std::size_t i = 0; i < entries_.size(); ++i) {
-      if (entries_[i].base == nullptr) continue;
+    auto holds = [&](std::size_t i) {
       const auto b = reinterpret_cast<std::uintptr_t>(entries_[i].base);
       const std::uint64_t size = entries_[i].size;
-      if (p >= b && p - b <= size && extent <= size - (p - b)) {
+      return entries_[i].base != nullptr && p >= b && p - b <= size && extent <= size - (p - b);
+    };
+    // The source with the greatest base at or below the view: sources are mapped files, lazily
+    // reserved ranges and owned buffers, which do not overlap (where two would, both hold the
+    // same bytes). Rank files of a many-rank checkpoint register thousands of sources, each
+    // located once per chunk; the scan below is for views in no registered source's range.
+    if (auto it = by_base_.upper_bound(p); it != by_base_.begin() && holds(std::prev(it)->second)) {
+      const std::uint32_t i = std::prev(it)->second;
+      at.source = i;
+      at.byte_offset = p - reinterpret_cast<std::uintptr_t>(entries_[i].base);
+      return at;
+    }
+    for (std::size_t i = 0; i < entries_.size(); ++i) {
+      if (holds(i)) {
         at.source = static_cast<std::uint32_t>(i);
-        at.byte_offset = p - b;
+        at.byte_offset = p - reinterpret_cast<std::uintptr_t>(entries_[i].base);
         return at;
       }
     }
@@ -290,6 +305,7 @@ class SourceTable {
   [[nodiscard]] const std::vector<std::shared_ptr<const ByteSource>>& sources() const noexcept { return sources_; }
   std::vector<std::shared_ptr<const ByteSource>> take() {
     entries_.clear();
+    by_base_.clear();
     return std::move(sources_);
   }
 
@@ -300,6 +316,7 @@ class SourceTable {
   };
   std::vector<std::shared_ptr<const ByteSource>> sources_;
   std::vector<entry> entries_;
+  std::map<std::uintptr_t, std::uint32_t> by_base_;
 };
 
 /// A chunk holding all of `v` (a whole tensor stored as-is) as one box.

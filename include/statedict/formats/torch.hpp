@@ -43,6 +43,7 @@ inline void write_planned(SavePlan sp, const ShardedCheckpoint& src, const Desti
                           const exec_options& exec, const plan_options& popt) {
   std::vector<FlatRange> regions = sp.storage_ranges();
   std::sort(regions.begin(), regions.end(), [](const FlatRange& a, const FlatRange& b) { return a.begin < b.begin; });
+  statedict::detail::report_progress(exec, progress_phase::planning);
   const Plan plan = make_plan(src, dst, popt);
   PlannedWriter w(path, std::move(sp));
   try {
@@ -53,6 +54,7 @@ inline void write_planned(SavePlan sp, const ShardedCheckpoint& src, const Desti
     (void)execute(plan, src, sinks, exec);
     for (std::size_t i = 0; i < regions.size(); ++i)
       if (regions[i].size()) w.report_file_crc(regions[i].begin, regions[i].size(), sink.crc32(i));
+    statedict::detail::report_progress(exec, progress_phase::syncing, plan.bytes(), plan.bytes(), path.filename().string());
     w.finish();
   } catch (error& e) {
     e.add_context("file " + quote(path.string()));

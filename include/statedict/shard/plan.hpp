@@ -366,11 +366,12 @@ inline void merge_ops(std::vector<CopyOp>& ops) {
   std::sort(ops.begin(), ops.end(), [](const CopyOp& a, const CopyOp& b) {
     return std::tie(a.src, a.src_offset, a.dst, a.dst_offset) < std::tie(b.src, b.src_offset, b.dst, b.dst_offset);
   });
-  std::vector<CopyOp> out;
-  out.reserve(ops.size());
-  for (const CopyOp& o : ops) {
-    if (!out.empty()) {
-      CopyOp& p = out.back();
+  // Merged in place (a plan of millions of ops is not copied): ops[0, w) are the merged ones.
+  std::size_t w = 0;
+  for (std::size_t i = 0; i < ops.size(); ++i) {
+    const CopyOp& o = ops[i];
+    if (w > 0) {
+      CopyOp& p = ops[w - 1];
       const bool same = p.src == o.src && p.dst == o.dst && p.src_dtype == o.src_dtype && p.dst_dtype == o.dst_dtype &&
                         p.nvia == o.nvia && p.via == o.via && p.swap == o.swap;
       if (same && p.reps == 1 && o.reps == 1 && o.src_offset == p.src_offset + p.count * itemsize(p.src_dtype) &&
@@ -385,9 +386,10 @@ inline void merge_ops(std::vector<CopyOp>& ops) {
         continue;
       }
     }
-    out.push_back(o);
+    if (w != i) ops[w] = o;
+    ++w;
   }
-  ops.swap(out);
+  ops.resize(w);
 }
 
 }  // namespace detail

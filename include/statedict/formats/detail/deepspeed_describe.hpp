@@ -322,16 +322,19 @@ inline void add_frozen12(builder& b, const model_file& m) {
 /// Stage 3 frozen parameters: rank r's fragment holds elements [r * pn, (r + 1) * pn) of the
 /// parameter, pn = ceil(numel / W), the tail of the last one uninitialised
 /// (zero_to_fp32 _zero3_merge_frozen_params; partition_parameters.py _partition_param).
-inline void add_frozen3(builder& b, const std::vector<model_file>& models, std::uint32_t W) {
-  const model_file& m0 = models[0];
-  for (const auto& [name, shape] : m0.frozen_shapes) {
-    const std::uint64_t n = numel(shape);
-    const std::uint64_t pn = layout::zero3_partitioned_param_info(n, W).partitioned_numel;
-    std::vector<optim_shard::RankBuffer> bufs(W);
-    std::optional<statedict::dtype> dt;
-    for (std::uint32_t r = 0; r < W; ++r) {
-      const model_file& m = models[r];
-      const std::string where = file_ctx(*m.file);
+/// Fed one rank's model-states file at a time (add_rank, ranks in order), so that no more than
+/// one of them is parsed at once; finish() checks the cover and adds the tensors.
+class frozen3 {
+ public:
+  frozen3(builder& b, const model_file& m0, std::uint32_t W) : b_(b), m0_(m0), W_(W), chunks_(m0.frozen_shapes.size()),
+                                                               dtypes_(m0.frozen_shapes.size()) {}
+
+  void add_rank(const model_file& m, std::uint32_t r) {
+    const std::string where = file_ctx(*m.file);
+    for (std::size_t k = 0; k < m0_.frozen_shapes.size(); ++k) {
+      const auto& [name, shape] = m0_.frozen_shapes[k];
+      const std::uint64_t n = numel(shape);
+      const std::uint64_t pn = layout::zero3_partitioned_param_info(n, W_).partitioned_numel;
       const Value* v = m.frozen_fragments ? m.frozen_fragments->find(name) : nullptr;
       if (!v || !v->is_tensor())
         throw_error(errors::ds_frozen, where, "frozen_param_fragments has no tensor for frozen parameter " + quote(name));
@@ -340,22 +343,37 @@ inline void add_frozen3(builder& b, const std::vector<model_file>& models, std::
         throw_error(errors::ds_frozen, where,
                     "rank " + std::to_string(r) + "'s fragment of frozen parameter " + quote(name) + " has " +
                         std::to_string(t.numel()) + " elements; a " + std::to_string(n) + "-element parameter over " +
-                        std::to_string(W) + " ranks has partitions of ceil(" + std::to_string(n) + "/" +
-                        std::to_string(W) + ") = " + std::to_string(pn));
-      if (!is_floating(t.dtype()) || (dt && *dt != t.dtype()))
+                        std::to_string(W_) + " ranks has partitions of ceil(" + std::to_string(n) + "/" +
+                        std::to_string(W_) + ") = " + std::to_string(pn));
+      if (!is_floating(t.dtype()) || (dtypes_[k] && *dtypes_[k] != t.dtype()))
         throw_error(errors::ds_dtype, where, "fragment of frozen parameter " + quote(name) + " is " +
                                                  std::string(statedict::name(t.dtype())));
-      dt = t.dtype();
-      bufs[r].push_back(optim_shard::Segment{&t, pn, where + ": frozen_param_fragments[" + quote(name) + "]"});
+      dtypes_[k] = t.dtype();
+      const std::uint64_t lo = static_cast<std::uint64_t>(r) * pn;  // < n + W: no overflow
+      if (lo >= n) continue;                                           // all padding on this rank
+      const layout::FlatPiece piece{0, FlatRange{lo, std::min(n, lo + pn)}, 0};
+      const optim_shard::RankBuffer buf{optim_shard::Segment{&t, pn, where + ": frozen_param_fragments[" + quote(name) + "]"}};
+      for (Chunk& c : optim_shard::place(std::span(&piece, 1), std::span(&buf, 1), b_.table, "frozen parameter " + quote(name)))
+        chunks_[k].push_back(std::move(c));
     }
-    const std::uint64_t numels[] = {n};
-    const auto pieces = layout::zero3_pieces(numels, W);
-    TensorInfo info{name, out_dtype(b.opt, dt.value_or(dtype::F32)), shape, {}};
-    info.chunks = optim_shard::place(pieces[0], bufs, b.table, "frozen parameter " + quote(name));
-    optim_shard::check_flat_cover(info.chunks, n, errors::ds_frozen, "frozen parameter " + quote(name));
-    b.add_model_tensor(std::move(info), "frozen parameter", file_ctx(*m0.file));
   }
-}
+
+  void finish() {
+    for (std::size_t k = 0; k < m0_.frozen_shapes.size(); ++k) {
+      const auto& [name, shape] = m0_.frozen_shapes[k];
+      TensorInfo info{name, out_dtype(b_.opt, dtypes_[k].value_or(dtype::F32)), shape, std::move(chunks_[k])};
+      optim_shard::check_flat_cover(info.chunks, numel(shape), errors::ds_frozen, "frozen parameter " + quote(name));
+      b_.add_model_tensor(std::move(info), "frozen parameter", file_ctx(*m0_.file));
+    }
+  }
+
+ private:
+  builder& b_;
+  const model_file& m0_;
+  std::uint32_t W_;
+  std::vector<std::vector<Chunk>> chunks_;
+  std::vector<std::optional<statedict::dtype>> dtypes_;
+};
 
 /// Stage 1/2 with frozen_from_module: `module` entries that are not buffers, trainable
 /// parameters or tied names are the frozen parameters, whole in the model dtype.

@@ -67,6 +67,7 @@ inline safetensors::Layout write_safetensors_file(const ShardedCheckpoint& ck, c
                                                   const safetensors::limits& lim = {}) {
   safetensors::Layout lay = safetensors::layout(specs_of(ck.tensors), metadata, lim);
   const Destination dst = safetensors_destination(ck.tensors, lay, path.filename().string());
+  statedict::detail::report_progress(exec, progress_phase::planning);
   const Plan plan = make_plan(ck, dst, popt);
   OutputFile out = OutputFile::create(path);
   try {
@@ -79,6 +80,7 @@ inline safetensors::Layout write_safetensors_file(const ShardedCheckpoint& ck, c
     e.add_context("file " + quote(path.string()));
     throw;
   }
+  statedict::detail::report_progress(exec, progress_phase::syncing, plan.bytes(), plan.bytes(), dst.names[0]);
   out.commit();
   return lay;
 }

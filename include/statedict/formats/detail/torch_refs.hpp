@@ -28,6 +28,7 @@
 #include "../../core/source.hpp"
 #include "../../core/value.hpp"
 #include "../../io/pickle_read.hpp"
+#include "../../io/torch_file.hpp"
 #include "../../io/zip.hpp"
 
 namespace statedict::inline v0 {
@@ -41,6 +42,7 @@ inline constexpr error_id tr_out_of_record    {753, error_kind::format,      "dc
 inline constexpr error_id tr_bad_rebuild_args {754, error_kind::format,      "dcp.record_bad_rebuild_args"};
 inline constexpr error_id tr_unsupported      {755, error_kind::unsupported, "dcp.record_unsupported_tensor"};
 inline constexpr error_id tr_pickle_too_large {756, error_kind::limit,       "dcp.record_pickle_too_large"};
+inline constexpr error_id tr_bad_archive      {757, error_kind::format,      "dcp.record_bad_archive"};
 // clang-format on
 }  // namespace errors
 
@@ -200,10 +202,12 @@ inline Value rebuild(State& st, pickle::Call& c, bool v3) {
   st.archive->check_readable(*e);
   t.record_offset = e->data_offset;
   t.record_size = e->size;
-  if (storage_bytes > e->size)
-    c.reader.fail(errors::tr_out_of_record, "storage of " + std::to_string(storage_numel) + " elements (" +
-                                                std::to_string(storage_bytes) + " bytes) but record " + quote(record) +
-                                                " holds " + std::to_string(e->size) + " bytes");
+  // torch.load reads a storage record of exactly numel x itemsize bytes (a longer one is
+  // "record size ... does not match expected size").
+  if (storage_bytes != e->size)
+    c.reader.fail(storage_bytes > e->size ? errors::tr_out_of_record : errors::tr_bad_archive,
+                  "storage of " + std::to_string(storage_numel) + " elements (" + std::to_string(storage_bytes) +
+                      " bytes) but record " + quote(record) + " holds " + std::to_string(e->size) + " bytes");
   const std::uint64_t n = numel(t.sizes);
   if (n > 0) {
     std::uint64_t last = t.storage_offset;
@@ -218,6 +222,41 @@ inline Value rebuild(State& st, pickle::Call& c, bool v3) {
   }
   st.tensors.push_back(std::move(t));
   return make_ref(st.tensors.size() - 1);
+}
+
+/// What torch.load (which DCP's reader calls on each embedded archive) requires of the archive
+/// beyond its pickle, as io/torch_file.hpp holds a torch.save file to it: every record in the
+/// first record's folder, a readable version record within the versions torch reads, and
+/// little-endian storages (the only byte order these references describe).
+inline void check_archive(const zip::Archive& ar, const std::string& prefix, const std::string& where) {
+  for (const zip::Entry& e : ar.entries())
+    if (e.name.compare(0, prefix.size(), prefix) != 0)
+      throw_error(errors::tr_bad_archive, where, "record " + quote(e.name) + " is not in the archive's folder " + quote(prefix) +
+                                                     " (torch.load: file in archive is not in a subdirectory)");
+  auto text = [&](const zip::Entry& e) {
+    if (e.size > 64) return std::string(65, '?');  // longer than any valid content
+    const Region r = ar.read(e);
+    return std::string(reinterpret_cast<const char*>(r.data), static_cast<std::size_t>(r.size));
+  };
+  const zip::Entry* ver = ar.find(prefix + ".data/version");
+  if (!ver) ver = ar.find(prefix + "version");
+  if (!ver)
+    throw_error(errors::tr_bad_archive, where, "no record " + quote(prefix + "version") +
+                                                   ", which torch.load requires (Expected hasRecord(\"version\") to be true)");
+  const std::string v = text(*ver);
+  const std::optional<std::uint64_t> n = torch::detail::stoull_prefix(v);
+  if (!n || *n < torch::detail::min_file_version || *n > torch::detail::max_file_version)
+    throw_error(errors::tr_bad_archive, where, "record " + quote(ver->name) + " holds " + quote(v.substr(0, 64)) +
+                                                   ", not a version torch.load reads (" +
+                                                   std::to_string(torch::detail::min_file_version) + " to " +
+                                                   std::to_string(torch::detail::max_file_version) + ")");
+  if (const zip::Entry* bo = ar.find(prefix + "byteorder")) {
+    const std::string b = text(*bo);
+    if (b == "big")
+      throw_error(errors::tr_unsupported, where, "record " + quote(bo->name) + " says big-endian storages, which embedded archives are not read with");
+    if (b != "little")
+      throw_error(errors::tr_bad_archive, where, "record " + quote(bo->name) + " holds " + quote(b.substr(0, 64)) + ", not little or big");
+  }
 }
 
 inline pickle::Registry registry(State& st) {
@@ -280,6 +319,7 @@ inline Tree load(const std::shared_ptr<const ByteSource>& src, const load_option
   st.prefix = first.substr(0, slash + 1);
   const zip::Entry* pkl = ar.find(st.prefix + "data.pkl");
   if (!pkl) throw_error(errors::tr_no_data_pkl, where, "no entry " + quote(st.prefix + "data.pkl"));
+  impl::check_archive(ar, st.prefix, where);
   if (pkl->size > opt.max_pickle_bytes)
     throw_error(errors::tr_pickle_too_large, where,
                 "data.pkl of " + std::to_string(pkl->size) + " bytes exceeds max_pickle_bytes (" +

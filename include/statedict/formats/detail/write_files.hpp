@@ -68,6 +68,7 @@ inline std::vector<std::string> write_file_set(const ShardedCheckpoint& src, con
     write_index([&](const std::string& name) { return OutputFile::create(dir / name); });
     return {files.index_name};
   }
+  statedict::detail::report_progress(opt.exec, progress_phase::planning);
   Plan plan = make_plan(src, files.dst, opt.plan);
   std::vector<bool> mine(n, true);
   if (opt.part) {
@@ -91,16 +92,19 @@ inline std::vector<std::string> write_file_set(const ShardedCheckpoint& src, con
     ptrs[d] = sinks[d].get();
   }
   (void)execute(plan, src, ptrs, opt.exec);
+  const std::uint64_t bytes = plan.bytes();
   std::vector<std::string> written;
   for (std::size_t d = 0; d < n; ++d) {
     if (!outs[d]) continue;
     if (files.finish) files.finish(d, *outs[d], *sinks[d]);
+    statedict::detail::report_progress(opt.exec, progress_phase::syncing, bytes, bytes, files.dst.names[d]);
     outs[d]->commit();
     written.push_back(files.dst.names[d]);
   }
   if (!out) return written;  // a part: the index step writes the index
   write_index([&](const std::string& name) { return out->create_file(name); });
   if (!files.index_name.empty()) written.push_back(files.index_name);
+  statedict::detail::report_progress(opt.exec, progress_phase::syncing, bytes, bytes, files.index_name);
   out->commit();
   return written;
 }

@@ -443,8 +443,8 @@ inline Result Reader::run() {
       }
       // --- globals and calls
       case 'c': {  // GLOBAL
-        const std::string_view module = line();
-        const std::string_view name = line();
+        const std::string_view module = global_line("GLOBAL");
+        const std::string_view name = global_line("GLOBAL");
         push(resolve_global(module, name));
         break;
       }
@@ -476,8 +476,8 @@ inline Result Reader::run() {
         break;
       }
       case 'i': {  // INST: module, name, then args from the mark
-        const std::string_view module = line();
-        const std::string_view name = line();
+        const std::string_view module = global_line("INST");
+        const std::string_view name = global_line("INST");
         const auto& items = pop_mark();
         const std::uint32_t g = resolve_global(module, name);
         push(apply(g, add_seq(nk::tuple, items), object_build::reduce));

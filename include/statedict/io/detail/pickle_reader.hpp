@@ -318,6 +318,17 @@ class Reader {
     pos_ += n + 1;
     return s;
   }
+  /// A module or class name line of GLOBAL / INST: strict UTF-8, surrogates refused (Python's
+  /// unpicklers decode these lines with errors='strict'; strings with 'surrogatepass').
+  std::string_view global_line(std::string_view op) {
+    const std::size_t at = pos_;
+    const std::string_view s = line();
+    if (const std::size_t bad = statedict::detail::first_invalid_utf8(s, statedict::detail::utf8_surrogates::refused);
+        bad != std::string_view::npos)
+      fail(errors::pk_bad_utf8, std::string(op) + " name at byte " + std::to_string(at) + " is not valid UTF-8 (byte " +
+                                    std::to_string(bad) + " of the line)");
+    return s;
+  }
   std::string_view view(std::uint64_t off, std::uint64_t len) const {
     if (off >= size_) [[unlikely]]  // decoded text (protocol 0 escapes)
       return std::string_view(text_pool_).substr(static_cast<std::size_t>(off - size_), static_cast<std::size_t>(len));
