@@ -51,6 +51,8 @@ usage:
                     [--with-optimizer] [--threads N] [--memory-budget 256MiB]
                     [--part k/K | --part index] [--check-replicas] [--io mmap|pread] [--write direct|cached]
                     [--keep-class MODULE.CLASS]... [--tp N] [--pp M] [--vpp V] [--zero-stage 1|2|3] [--quiet]
+                    [--fresh-optimizer adamw:lr=1e-4,betas=0.9/0.999,eps=1e-8,weight_decay=0.01]
+                    [--frozen REGEX]... [--buffer REGEX]...
   statedict verify A B [--rtol R] [--atol A] [--with-optimizer] [--from FORMAT] [--io mmap|pread]
   statedict --version
 Megatron-LM (all commands): [--megatron-rule PATTERN=KIND]... [--true-vocab-size N]
@@ -510,6 +512,7 @@ int cmd_convert(const std::vector<std::string>& argv) {
                {"--with-optimizer", false}, {"--threads", true}, {"--memory-budget", true}, {"--part", true},
                {"--check-replicas", false}, {"--io", true}, {"--write", true}, {"--dcp-layout", true},
                {"--keep-class", true, true}, {"--tp", true}, {"--pp", true}, {"--vpp", true}, {"--zero-stage", true},
+               {"--fresh-optimizer", true}, {"--frozen", true, true}, {"--buffer", true, true},
                {"--quiet", false}}),
               2, 2, "convert");
   const std::string in = a.positional()[0], out = a.positional()[1];
@@ -578,6 +581,17 @@ int cmd_convert(const std::vector<std::string>& argv) {
   if (auto z = a.value("--zero-stage")) {
     if (format->name() != "deepspeed") a.fail(cli::errors::bad_option, "--zero-stage applies to DeepSpeed output (--to deepspeed)");
     w.settings.set<sd::deepspeed::write_options>().zero_stage = static_cast<int>(parse_count(*z, "--zero-stage", 1, 3));
+  }
+  // A weights-only input written for the DeepSpeed engine with a freshly constructed optimizer.
+  if (auto f = a.value("--fresh-optimizer")) {
+    if (format->name() != "deepspeed")
+      a.fail(cli::errors::bad_option, "--fresh-optimizer applies to DeepSpeed output (--to deepspeed)");
+    auto fresh = sd::deepspeed::parse_fresh_optimizer(*f);
+    fresh.frozen = a.values("--frozen");
+    fresh.buffers = a.values("--buffer");
+    w.settings.set<sd::deepspeed::write_options>().fresh = std::move(fresh);
+  } else if (!a.values("--frozen").empty() || !a.values("--buffer").empty()) {
+    a.fail(cli::errors::bad_option, "--frozen and --buffer say which tensors a fresh optimizer leaves out: they apply with --fresh-optimizer");
   }
   if (auto l = a.value("--dcp-layout")) {
     if (format->name() != "dcp") a.fail(cli::errors::bad_value, "--dcp-layout applies to DCP output (--to dcp) only");

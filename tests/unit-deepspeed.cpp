@@ -779,6 +779,205 @@ TEST_CASE("deepspeed write: what it cannot write is refused before a file appear
   CHECK_FALSE(fs::exists(out));
 }
 
+TEST_CASE("deepspeed write: --fresh-optimizer specs are read, or refused naming the part that is wrong") {
+  ds::fresh_optimizer f = ds::parse_fresh_optimizer("adamw");
+  CHECK(f.type == ds::fresh_optimizer::kind::adamw);
+  CHECK(f.lr == 1e-3);
+  CHECK(f.beta1 == 0.9);
+  CHECK(f.beta2 == 0.999);
+  CHECK(f.eps == 1e-8);
+  CHECK_FALSE(f.weight_decay.has_value());
+  f = ds::parse_fresh_optimizer("adam:lr=3e-4,betas=0.8/0.99,eps=1e-6,weight_decay=0,amsgrad=true,maximize=false");
+  CHECK(f.type == ds::fresh_optimizer::kind::adam);
+  CHECK(f.lr == 3e-4);
+  CHECK(f.beta1 == 0.8);
+  CHECK(f.beta2 == 0.99);
+  CHECK(f.eps == 1e-6);
+  CHECK(f.weight_decay == std::optional<double>(0.0));
+  CHECK(f.amsgrad);
+  CHECK_FALSE(f.maximize);
+  for (const char* bad : {"sgd:lr=0.1", "", "AdamW", "adamw:", "adamw:lr", "adamw:=1", "adamw:lr=", "adamw:lr=x", "adamw:lr=1e-3x",
+                          "adamw:lr=-1", "adamw:lr=inf", "adamw:lr=nan", "adamw:lr=1,lr=2", "adamw:betas=0.9", "adamw:betas=0.9/1",
+                          "adamw:betas=0.9/0.999/0.5", "adamw:momentum=0.9", "adamw:amsgrad=1", "adamw:lr=1e-3,", "adamw:eps=1e-8;"}) {
+    const std::string spec = bad;
+    CAPTURE(spec);
+    std::string what;
+    CHECK(error_of([&] { (void)ds::parse_fresh_optimizer(bad); }, &what) == 727);
+    CHECK(what.find("--fresh-optimizer") != std::string::npos);
+  }
+}
+
+namespace {
+
+/// A weights-only tree: what a torch model file or a Hugging Face folder holds.
+ShardedCheckpoint weights_only(dtype d = dtype::F32) {
+  static std::vector<Tensor> keep;
+  auto t = [&](std::vector<float> v, shape_t s) {
+    Tensor x = Tensor::from<float>(v, s);
+    if (d == dtype::BF16) {
+      x = Tensor(dtype::BF16, s);
+      for (std::size_t i = 0; i < v.size(); ++i) {
+        std::uint32_t u = 0;
+        std::memcpy(&u, &v[i], 4);
+        const auto h = static_cast<std::uint16_t>(u >> 16);  // exact: every value here fits in bf16
+        std::memcpy(x.data() + 2 * i, &h, 2);
+      }
+    }
+    keep.push_back(std::move(x));
+    return Value(keep.back().view());
+  };
+  Dict root;
+  root.set("w", t({1, 2, 3, 4, 5, 6, 7}, {7}));
+  root.set("b", t({0.5F, -1.5F}, {2}));
+  root.set("frozen.w", t({2, 4, 8}, {3}));
+  root.set("pos", t({0.25F, 0.75F}, {2}));
+  static const Tensor ids = Tensor::from<std::int64_t>({3, 1, 2}, {3});
+  root.set("ids", Value(ids.view()));
+  root.set("tied", root.at(Key(std::string("w"))));
+  FlatStateDict f = flatten(Value(root));
+  ShardedCheckpoint ck = describe_views(f.tensors);
+  ck.skeleton = f.skeleton;
+  return ck;
+}
+
+ds::write_options fresh_options(int stage, std::uint32_t M) {
+  ds::write_options w;
+  w.world_size = M;
+  w.zero_stage = stage;
+  w.fresh = ds::parse_fresh_optimizer("adamw:lr=2e-3,betas=0.9/0.95,eps=1e-6,weight_decay=0.05");
+  w.fresh->frozen = {"frozen\\..*"};
+  w.fresh->buffers = {"pos"};
+  return w;
+}
+
+}  // namespace
+
+TEST_CASE("deepspeed write: weights only, with a fresh optimizer, as the engine saves it before its first step") {
+  const ShardedCheckpoint ck = weights_only();
+  const auto want_sha = sha256_tensors(ck);
+  const std::map<std::string, std::string> want(want_sha.begin(), want_sha.end());
+  for (int stage : {1, 2, 3})
+    for (std::uint32_t M : {1U, 2U, 3U}) {
+      CAPTURE(stage);
+      CAPTURE(M);
+      const fs::path out = fs::path(STATEDICT_TEST_TMP) / ("ds-write-fresh-" + std::to_string(stage) + "-" + std::to_string(M));
+      (void)ds::write(ck, out, fresh_options(stage, M));
+      std::ifstream latest(out / "latest");
+      CHECK(std::string(std::istreambuf_iterator<char>(latest), std::istreambuf_iterator<char>()) == "global_step0");
+      // Read back: the same weights (masters, frozen, buffers, the tie), no optimizer state, one group.
+      ds::options o;
+      o.with_optimizer = true;
+      o.frozen_from_module = true;
+      const ShardedCheckpoint back = ds::describe(out, o);
+      const auto got = sha256_tensors(back);
+      std::map<std::string, std::string> gm(got.begin(), got.end());
+      // The integer buffer is read back as zero_to_fp32 gives it (.float()); it is saved as I64.
+      for (const auto& kv : want)
+        if (kv.first != "ids") CHECK_MESSAGE(gm[kv.first] == kv.second, kv.first);
+      CHECK(gm.size() == want.size());
+      REQUIRE(back.find("ids") != nullptr);
+      CHECK(back.find("ids")->converted_from == std::optional<dtype>(dtype::I64));
+      std::map<std::string, Value> values;
+      for (auto& [k, v] : skeleton_values(back.skeleton)) values.emplace(k, v);
+      CHECK(values.at("optim.param_groups.0.lr") == Value(2e-3));
+      CHECK(values.at("optim.param_groups.0.weight_decay") == Value(0.05));
+      CHECK(values.at("optim.param_groups.0.params.0") == Value("w"));
+      CHECK(values.at("optim.param_groups.0.params.1") == Value("b"));
+      CHECK(values.count("optim.param_groups.0.params.2") == 0);
+      // The files: an empty torch state, torch's param group, the buffers named.
+      const Value of = torch::load(out / "global_step0" / "zero_pp_rank_0_mp_rank_00_optim_states.pt");
+      const Dict& osd = of.as_dict().at(Key(std::string("optimizer_state_dict"))).as_dict();
+      const Dict& tsd = osd.at(Key(std::string(stage == 3 ? "optimizer_state_dict" : "base_optimizer_state"))).as_dict();
+      CHECK(tsd.at(Key(std::string("state"))).as_dict().size() == 0);
+      const Dict& g = tsd.at(Key(std::string("param_groups"))).as_list().at(0).as_dict();
+      std::vector<std::string> keys;
+      for (const auto& [k, v] : g) keys.push_back(k.str());
+      CHECK(keys == std::vector<std::string>{"lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach", "capturable",
+                                             "differentiable", "fused", "decoupled_weight_decay", "params"});
+      CHECK(g.at(Key(std::string("betas"))) == Value::tuple(List{Value(0.9), Value(0.95)}));
+      CHECK(g.at(Key(std::string("decoupled_weight_decay"))) == Value(true));
+      CHECK(g.at(Key(std::string("foreach"))).is_none());
+      const std::string model = stage == 3 ? "zero_pp_rank_0_mp_rank_00_model_states.pt" : "mp_rank_00_model_states.pt";
+      const Value mf = torch::load(out / "global_step0" / model);
+      CHECK(mf.as_dict().at(Key(std::string("buffer_names"))) == Value::list(List{Value("pos"), Value("ids")}));
+      CHECK(mf.as_dict().at(Key(std::string("global_steps"))) == Value(0));
+      CHECK(mf.as_dict().at(Key(std::string("shared_params"))) == Value(Dict{{"tied", "w"}}));
+      std::vector<std::string> module;
+      for (const auto& [k, v] : mf.as_dict().at(Key(std::string("module"))).as_dict()) module.push_back(k.str());
+      CHECK(module == std::vector<std::string>{"w", "b", "frozen.w", "pos", "ids", "tied"});
+    }
+  // Adam's defaults where the spec leaves them: weight_decay the integer 0, no decoupled decay.
+  ds::write_options w = fresh_options(2, 2);
+  w.fresh = ds::parse_fresh_optimizer("adam:lr=0.1");
+  w.fresh->frozen = {"frozen\\..*"};
+  w.fresh->buffers = {"pos"};
+  const fs::path out = fs::path(STATEDICT_TEST_TMP) / "ds-write-fresh-adam";
+  (void)ds::write(ck, out, w);
+  const Value of = torch::load(out / "global_step0" / "zero_pp_rank_1_mp_rank_00_optim_states.pt");
+  const Dict& g = of.as_dict().at(Key(std::string("optimizer_state_dict"))).as_dict().at(Key(std::string("base_optimizer_state"))).as_dict().at(Key(std::string("param_groups"))).as_list().at(0).as_dict();
+  CHECK(g.at(Key(std::string("weight_decay"))) == Value(0));
+  CHECK(g.at(Key(std::string("decoupled_weight_decay"))) == Value(false));
+  CHECK(g.at(Key(std::string("betas"))) == Value::tuple(List{Value(0.9), Value(0.999)}));
+}
+
+TEST_CASE("deepspeed write: a bf16 input starts a bf16 engine: bf16_ files, a bf16 module, fp32 masters equal to the weights") {
+  const ShardedCheckpoint ck = weights_only(dtype::BF16);
+  const fs::path out = fs::path(STATEDICT_TEST_TMP) / "ds-write-fresh-bf16";
+  (void)ds::write(ck, out, fresh_options(2, 2));
+  CHECK(fs::exists(out / "global_step0" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"));
+  const Value of = torch::load(out / "global_step0" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt");
+  const TensorView part = of.as_dict().at(Key(std::string("optimizer_state_dict"))).as_dict().at(Key(std::string("single_partition_of_fp32_groups"))).as_list().at(0).as_tensor();
+  CHECK(part.dtype() == dtype::F32);
+  REQUIRE(part.numel() == 6);  // 9 trained elements padded to a multiple of 2·M, 6 per rank
+  std::vector<float> v(6);
+  std::memcpy(v.data(), part.data(), 24);
+  CHECK(v == std::vector<float>{1, 2, 3, 4, 5, 6});
+  const Value mf = torch::load(out / "global_step0" / "mp_rank_00_model_states.pt");
+  const Dict& module = mf.as_dict().at(Key(std::string("module"))).as_dict();
+  CHECK(module.at(Key(std::string("w"))).as_tensor().dtype() == dtype::BF16);
+  CHECK(module.at(Key(std::string("pos"))).as_tensor().dtype() == dtype::BF16);
+  CHECK(module.at(Key(std::string("ids"))).as_tensor().dtype() == dtype::I64);
+}
+
+TEST_CASE("deepspeed write: a fresh optimizer is refused where it cannot be what the user meant, before a file appears") {
+  const fs::path out = fs::path(STATEDICT_TEST_TMP) / "ds-write-fresh-refused";
+  fs::remove_all(out);
+  std::string what;
+  // Weights only, no fresh optimizer asked for: refused, saying how to ask.
+  ds::write_options w = fresh_options(2, 2);
+  w.fresh.reset();
+  CHECK(error_of([&] { (void)ds::write(weights_only(), out, w); }, &what) == 725);
+  CHECK(what.find("--fresh-optimizer") != std::string::npos);
+  // An input with optimizer state: it is written as it is, not replaced.
+  CHECK(error_of([&] { (void)ds::write(named_optimizer_state(), out, fresh_options(2, 2)); }, &what) == 726);
+  // A pattern that matches nothing (a typo would otherwise train a frozen layer).
+  w = fresh_options(2, 2);
+  w.fresh->frozen.push_back("frozn\\..*");
+  CHECK(error_of([&] { (void)ds::write(weights_only(), out, w); }, &what) == 726);
+  CHECK(what.find("frozn") != std::string::npos);
+  // Frozen and a buffer at once; an integer tensor frozen.
+  w = fresh_options(2, 2);
+  w.fresh->buffers.push_back("frozen\\.w");
+  CHECK(error_of([&] { (void)ds::write(weights_only(), out, w); }) == 726);
+  w = fresh_options(2, 2);
+  w.fresh->frozen.push_back("ids");
+  CHECK(error_of([&] { (void)ds::write(weights_only(), out, w); }) == 726);
+  // Nothing left to train.
+  w = fresh_options(2, 2);
+  w.fresh->frozen = {"w|b|frozen\\.w"};
+  CHECK(error_of([&] { (void)ds::write(weights_only(), out, w); }) == 725);
+  // The universal layout (ds_to_universal.py's of a trained state) is not written for one.
+  w = fresh_options(2, 2);
+  w.universal = true;
+  CHECK(error_of([&] { (void)ds::write(weights_only(), out, w); }, &what) == 726);
+  CHECK(what.find("--to deepspeed") != std::string::npos);
+  // A bad regular expression.
+  w = fresh_options(2, 2);
+  w.fresh->buffers = {"pos("};
+  CHECK(error_of([&] { (void)ds::write(weights_only(), out, w); }) == errors::bad_regex.id);
+  CHECK_FALSE(fs::exists(out));
+}
+
 TEST_CASE("deepspeed: at stage 3, rank files beyond the first are parsed only when needed or asked for") {
   // Every ZeRO-3 rank writes a model-states file repeating rank 0's param_shapes. Describing
   // parses rank 0's; the others only for what they alone hold (frozen fragments) or when

@@ -25827,6 +25827,8 @@ class format final : public formats::Format {
 // names; a failure names the file, the group or parameter, the rank, and what was expected.
 
 #include <algorithm>
+#include <charconv>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -25870,6 +25872,7 @@ inline constexpr error_id ds_limit            {718, error_kind::limit,       "de
 inline constexpr error_id ds_bad_option       {719, error_kind::usage,       "deepspeed.bad_option"};
 inline constexpr error_id ds_write_input      {725, error_kind::format,      "deepspeed.write_input"};
 inline constexpr error_id ds_write_option     {726, error_kind::usage,       "deepspeed.write_option"};
+inline constexpr error_id ds_fresh_optimizer  {727, error_kind::usage,       "deepspeed.fresh_optimizer"};
 // clang-format on
 }  // namespace errors
 
@@ -25919,6 +25922,97 @@ struct options {
   deepspeed::limits limits{};
 };
 
+/// The optimizer a DeepSpeed checkpoint is written with when the input has no optimizer state
+/// (weights only: a Hugging Face folder, a .safetensors file, a torch model state dict): a freshly
+/// constructed `torch.optim.AdamW` / `torch.optim.Adam` with these hyperparameters, as the engine
+/// saves it before its first step (empty per-parameter state, the param group's hyperparameters,
+/// fp32 master partitions equal to the weights upcast). parse_fresh_optimizer() reads the
+/// command line's `--fresh-optimizer adamw:lr=1e-4,betas=0.9/0.999,eps=1e-8,weight_decay=0.01`.
+struct fresh_optimizer {
+  enum class kind { adamw, adam };
+  kind type = kind::adamw;
+  double lr = 1e-3;
+  double beta1 = 0.9, beta2 = 0.999;
+  double eps = 1e-8;
+  /// Unset: torch's default, 0.01 for AdamW and the integer 0 for Adam (as torch stores it).
+  std::optional<double> weight_decay;
+  bool amsgrad = false;
+  bool maximize = false;
+  /// Patterns (ECMAScript regex matching the whole name) of the parameters the engine does not
+  /// train (`requires_grad=False`): written as frozen parameters, not in the param group.
+  std::vector<std::string> frozen;
+  /// Patterns of the module's floating buffers (`register_buffer`); tensors that are not floating
+  /// are buffers without being named (a parameter is floating).
+  std::vector<std::string> buffers;
+};
+
+/// Reads `adamw[:key=value,...]` or `adam[:...]`: keys lr, betas (two numbers, `/`-separated),
+/// eps, weight_decay (non-negative finite numbers; betas in [0, 1)), amsgrad and maximize (true
+/// or false). Throws ds_fresh_optimizer naming the part that is wrong.
+inline fresh_optimizer parse_fresh_optimizer(std::string_view spec) {
+  const std::string what = "--fresh-optimizer " + quote(std::string(spec));
+  fresh_optimizer f;
+  const auto colon = spec.find(':');
+  const std::string_view name = spec.substr(0, colon);
+  if (name == "adamw") f.type = fresh_optimizer::kind::adamw;
+  else if (name == "adam") f.type = fresh_optimizer::kind::adam;
+  else
+    throw_error(errors::ds_fresh_optimizer, what,
+                "names the optimizer " + quote(std::string(name)) + "; expected adamw or adam (torch.optim.AdamW / Adam)");
+  if (colon == std::string_view::npos) return f;
+  auto number = [&](std::string_view key, std::string_view text) {
+    double d = 0;
+    const char* end = text.data() + text.size();
+    const auto [p, ec] = std::from_chars(text.data(), end, d);
+    if (text.empty() || ec != std::errc() || p != end || !std::isfinite(d) || d < 0)
+      throw_error(errors::ds_fresh_optimizer, what,
+                  std::string(key) + "=" + quote(std::string(text)) + " is not a non-negative finite number");
+    return d;
+  };
+  auto boolean = [&](std::string_view key, std::string_view text) {
+    if (text == "true") return true;
+    if (text == "false") return false;
+    throw_error(errors::ds_fresh_optimizer, what, std::string(key) + "=" + quote(std::string(text)) + " is not true or false");
+  };
+  std::set<std::string> seen;
+  std::string_view rest = spec.substr(colon + 1);
+  for (;;) {
+    const auto comma = rest.find(',');
+    const std::string_view item = rest.substr(0, comma);
+    const auto eq = item.find('=');
+    if (eq == std::string_view::npos || eq == 0)
+      throw_error(errors::ds_fresh_optimizer, what, quote(std::string(item)) + " is not key=value");
+    const std::string key(item.substr(0, eq));
+    const std::string_view value = item.substr(eq + 1);
+    if (!seen.insert(key).second) throw_error(errors::ds_fresh_optimizer, what, "sets " + key + " twice");
+    if (key == "lr") {
+      f.lr = number(key, value);
+    } else if (key == "eps") {
+      f.eps = number(key, value);
+    } else if (key == "weight_decay") {
+      f.weight_decay = number(key, value);
+    } else if (key == "betas") {
+      const auto slash = value.find('/');
+      if (slash == std::string_view::npos)
+        throw_error(errors::ds_fresh_optimizer, what, "betas=" + quote(std::string(value)) + " is not two numbers BETA1/BETA2");
+      f.beta1 = number("beta1", value.substr(0, slash));
+      f.beta2 = number("beta2", value.substr(slash + 1));
+      if (f.beta1 >= 1 || f.beta2 >= 1)
+        throw_error(errors::ds_fresh_optimizer, what, "betas=" + quote(std::string(value)) + ": each beta must be in [0, 1), as torch requires");
+    } else if (key == "amsgrad") {
+      f.amsgrad = boolean(key, value);
+    } else if (key == "maximize") {
+      f.maximize = boolean(key, value);
+    } else {
+      throw_error(errors::ds_fresh_optimizer, what,
+                  "has the key " + quote(key) + "; expected lr, betas, eps, weight_decay, amsgrad or maximize");
+    }
+    if (comma == std::string_view::npos) break;
+    rest = rest.substr(comma + 1);
+  }
+  return f;
+}
+
 /// How write() lays a checkpoint out.
 struct write_options {
   /// Data-parallel ranks to write for (save_options::world_size, --world-size).
@@ -25934,6 +26028,10 @@ struct write_options {
   /// `"checkpoint": {"load_universal": true}` at any world size) instead of the rank files; its
   /// model-states files are those of `world_size` ranks.
   bool universal = false;
+  /// For an input without optimizer state: the optimizer to write, freshly constructed (see
+  /// fresh_optimizer). Unset, such an input is refused; set, an input with optimizer state is,
+  /// and so is `universal` (a step-0 state is written as the rank files, for any world size).
+  std::optional<deepspeed::fresh_optimizer> fresh;
   exec_options exec{};
   plan_options plan{};
 };
@@ -26865,6 +26963,7 @@ inline void add_optimizer3(builder& b, const trainable& tr, const model_file& m,
 #include <map>
 #include <memory>
 #include <optional>
+#include <regex>
 #include <set>
 #include <string>
 #include <unordered_map>
@@ -26872,6 +26971,66 @@ inline void add_optimizer3(builder& b, const trainable& tr, const model_file& m,
 #include <variant>
 #include <vector>
 
+// ---- statedict/formats/transform_regex.hpp ----
+// statedict: renamings and filters by regular expression (ECMAScript syntax, std::regex), for the
+// transforms of formats/transform.hpp. A header of its own: <regex> is heavy to compile, and the
+// umbrella header leaves it out.
+// SPDX-License-Identifier: MIT
+
+#include <functional>
+#include <regex>
+#include <string>
+#include <string_view>
+
+
+namespace statedict::inline v0 {
+
+namespace errors {
+// clang-format off
+inline constexpr error_id bad_regex {856, error_kind::usage, "transform.bad_regex"};
+// clang-format on
+}  // namespace errors
+
+namespace formats {
+
+namespace detail {
+inline std::regex compile_regex(const std::string& pattern) {
+  try {
+    return std::regex(pattern, std::regex::ECMAScript);
+  } catch (const std::regex_error& e) {
+    throw_error(errors::bad_regex, "regular expression " + quote(pattern), e.what());
+  }
+}
+/// `replacement` with `\1`..`\9` written as ECMAScript's `$1`..`$9` (both spellings accepted).
+inline std::string ecma_format(const std::string& replacement) {
+  std::string out;
+  for (std::size_t i = 0; i < replacement.size(); ++i) {
+    if (replacement[i] == '\\' && i + 1 < replacement.size() && replacement[i + 1] >= '0' && replacement[i + 1] <= '9') {
+      out += '$';
+      continue;
+    }
+    out += replacement[i];
+  }
+  return out;
+}
+}  // namespace detail
+
+/// Names that `pattern` matches as a whole get `replacement`, with `$1` (or `\1`) .. for its
+/// groups ("^module\.(.*)$" -> "$1"); the others stay.
+inline name_map rename_regex(const std::string& pattern, const std::string& replacement) {
+  return [re = detail::compile_regex(pattern), fmt = detail::ecma_format(replacement)](std::string_view n) {
+    const std::string s(n);
+    return std::regex_match(s, re) ? std::regex_replace(s, re, fmt, std::regex_constants::format_first_only) : s;
+  };
+}
+
+/// True for names that `pattern` matches as a whole (for filter and drop).
+inline std::function<bool(std::string_view)> regex_matches(const std::string& pattern) {
+  return [re = detail::compile_regex(pattern)](std::string_view n) { return std::regex_match(std::string(n), re); };
+}
+
+}  // namespace formats
+}  // namespace statedict::inline v0
 
 namespace statedict::inline v0::deepspeed::detail {
 
@@ -26938,17 +27097,127 @@ inline std::vector<std::size_t> round_robin_order(std::size_t n, std::uint64_t w
   return out;
 }
 
+/// The param group of a freshly constructed torch AdamW / Adam: its hyperparameters in the order
+/// torch stores them (the constructor's defaults), with the user's values.
+inline Value fresh_hyper(const fresh_optimizer& f) {
+  const bool adamw = f.type == fresh_optimizer::kind::adamw;
+  Dict h;
+  h.set("lr", f.lr);
+  h.set("betas", Value::tuple(List{Value(f.beta1), Value(f.beta2)}));
+  h.set("eps", f.eps);
+  if (f.weight_decay) h.set("weight_decay", *f.weight_decay);
+  else if (adamw) h.set("weight_decay", 1e-2);
+  else h.set("weight_decay", 0);
+  h.set("amsgrad", f.amsgrad);
+  h.set("maximize", f.maximize);
+  h.set("foreach", Value());
+  h.set("capturable", false);
+  h.set("differentiable", false);
+  h.set("fused", Value());
+  h.set("decoupled_weight_decay", adamw);
+  return Value(std::move(h));
+}
+
+/// A checkpoint without optimizer state, written with a fresh optimizer (write_options::fresh):
+/// every floating tensor is a trained parameter unless a pattern names it frozen or a buffer;
+/// tensors that are not floating are buffers. One param group in module order, no state: what
+/// the engine saves before its first step (DeepSpeed 0.16.5 keeps torch's lazy state: neither
+/// stage_1_and_2.py nor stage3.py initialize_optimizer_states steps the optimizer).
+inline void prepare_fresh(const ShardedCheckpoint& ck, const fresh_optimizer& f, bool model_given, write_input& in) {
+  struct pattern {
+    std::string flag, text;
+    std::regex re;
+    bool used = false;
+  };
+  std::vector<pattern> frozen, buffers;
+  for (const auto& t : f.frozen) frozen.push_back({"--frozen", t, formats::detail::compile_regex(t), false});
+  for (const auto& t : f.buffers) buffers.push_back({"--buffer", t, formats::detail::compile_regex(t), false});
+  auto named = [](std::vector<pattern>& ps, const std::string& n) {
+    bool any = false;
+    for (auto& p : ps)
+      if (std::regex_match(n, p.re)) any = p.used = true;
+    return any;
+  };
+  std::unordered_map<std::string, std::size_t> index;
+  for (std::size_t i = 0; i < ck.tensors.size(); ++i) index.emplace(ck.tensors[i].name, i);
+  const std::set<std::string> engine_buffers(in.buffer_names.begin(), in.buffer_names.end());
+  const bool engine_module = !in.module.empty();
+  std::vector<std::pair<std::string, std::size_t>> order;  // module entries: (name, tensor index or npos for a tie)
+  std::set<std::string> listed;
+  for (const auto& t : statedict::detail::list_tensorish(ck.skeleton.json())) {
+    const bool tensor = t.kind == statedict::detail::snode::tensor;
+    const std::string& n = tensor ? t.target : t.name;
+    if (n.rfind("optim.", 0) == 0)
+      throw_error(errors::ds_write_input, "tensor " + quote(n),
+                  "is optimizer state, but the checkpoint has no param groups (optim.param_groups) to say whose");
+    if (!listed.insert(n).second) continue;
+    if (!tensor) {
+      order.emplace_back(n, std::string::npos);
+      continue;
+    }
+    const auto it = index.find(n);
+    if (it == index.end()) throw_error(errors::ds_write_input, "tensor " + quote(n), "is in the checkpoint's tree but not in its tensor list");
+    const std::size_t i = it->second;
+    order.emplace_back(n, i);
+    const TensorInfo& ti = ck.tensors[i];
+    const bool is_frozen = named(frozen, n);
+    const bool is_buffer = named(buffers, n) || engine_buffers.count(n) || !is_floating(ti.dtype);
+    if (is_frozen && is_buffer)
+      throw_error(errors::ds_write_option, "tensor " + quote(n),
+                  is_floating(ti.dtype) ? "is named both frozen (--frozen) and a buffer (--buffer)"
+                                        : "is " + std::string(statedict::name(ti.dtype)) + ", so a buffer, and cannot be frozen (--frozen): only floating tensors are parameters");
+    if (is_buffer) {
+      in.buffers.push_back(i);
+      if (!engine_buffers.count(n)) in.buffer_names.push_back(n);
+    } else if (is_frozen) {
+      in.frozen.push_back(i);
+    } else {
+      in.params.push_back(w_param{n, i, ti.shape, numel(ti.shape), {}, {}});
+    }
+  }
+  for (const auto* ps : {&frozen, &buffers})
+    for (const auto& p : *ps)
+      if (!p.used) throw_error(errors::ds_write_option, p.flag + " " + quote(p.text), "matches no tensor of the checkpoint (a pattern matches whole names)");
+  if (in.params.empty())
+    throw_error(errors::ds_write_input, "the checkpoint", "has no parameter to train: every tensor is frozen (--frozen) or a buffer");
+  // The engine's module dtype: the trained parameters' own, as the engine takes the module it is given.
+  if (!model_given) {
+    in.model = ck.tensors[in.params[0].tensor].dtype;
+    for (const w_param& p : in.params)
+      if (ck.tensors[p.tensor].dtype != in.model)
+        throw_error(errors::ds_write_input, "parameter " + quote(p.name),
+                    "is " + std::string(statedict::name(ck.tensors[p.tensor].dtype)) + " while " + quote(in.params[0].name) + " is " +
+                        std::string(statedict::name(in.model)) + ": the engine's module has one dtype (read the input with --dtype)");
+  }
+  if (!engine_module)
+    for (const auto& [n, i] : order)
+      in.module.emplace_back(n, i != std::string::npos && !is_floating(ck.tensors[i].dtype) ? ck.tensors[i].dtype : in.model);
+  w_group g;
+  g.hyper = fresh_hyper(f);
+  for (std::size_t k = 0; k < in.params.size(); ++k) g.params.push_back(k);
+  in.groups.push_back(std::move(g));
+}
+
 /// Reads what the writer needs from `ck` (see deepspeed::write).
 inline write_input prepare(const ShardedCheckpoint& ck, const write_options& o) {
   write_input in;
   in.root = formats::detail::source_tree(ck, in.space);
   const Value* optim = child(in.root, "optim");
   const Value* pgs = optim ? child(*optim, "param_groups") : nullptr;
-  if (!pgs)
+  if (o.fresh && o.universal)
+    throw_error(errors::ds_write_option, "--fresh-optimizer",
+                "writes the rank files (--to deepspeed), for any world size; a universal checkpoint of an optimizer that "
+                "has not stepped is not what ds_to_universal.py makes of the engine's files");
+  if (pgs && o.fresh)
+    throw_error(errors::ds_write_option, "--fresh-optimizer",
+                "the input has optimizer state (optim.param_groups), which is written as it is; to start a fresh optimizer, "
+                "read the input without it (without --with-optimizer, or with --drop 'optim\\..*')");
+  if (!pgs && !o.fresh)
     throw_error(errors::ds_write_input, "the checkpoint",
-                "has no optimizer param groups (optim.param_groups): a DeepSpeed checkpoint is written from one read with "
-                "its optimizer state (--with-optimizer)");
-  const Value* states = child(*optim, "state");
+                "has no optimizer state (optim.param_groups): read a checkpoint that has one with --with-optimizer; for "
+                "weights only, --fresh-optimizer adamw:lr=...,betas=.../...,eps=...,weight_decay=... writes the state of a "
+                "freshly constructed optimizer (deepspeed::write_options::fresh)");
+  const Value* states = optim ? child(*optim, "state") : nullptr;
   std::unordered_map<std::string, std::size_t> index;
   for (std::size_t i = 0; i < ck.tensors.size(); ++i) index.emplace(ck.tensors[i].name, i);
   for (const auto& [a, t] : skeleton_aliases(ck.skeleton)) in.aliases.emplace_back(a, t);
@@ -26971,13 +27240,27 @@ inline write_input prepare(const ShardedCheckpoint& ck, const write_options& o) 
   if (auto it = ck.metadata.find("deepspeed.world_size"); it != ck.metadata.end())
     in.source_world = static_cast<std::uint32_t>(std::stoul("0" + it->second));
   if (auto it = ck.metadata.find("deepspeed.tag"); it != ck.metadata.end()) in.tag = it->second;
+  bool model_given = true;
   if (o.model_dtype) {
     in.model = *o.model_dtype;
   } else if (const Value* v = child(engine, "model_dtype"); v && v->is_string()) {
     in.model = dtype_from_name(v->as_string()).value_or(dtype::F32);
+  } else {
+    model_given = false;
   }
   if (!is_floating(in.model))
     throw_error(errors::ds_write_option, "model dtype", std::string(name(in.model)) + " is not a floating dtype");
+  if (o.fresh) {
+    if (const Value* v = child(engine, "buffer_names"); v && v->is_sequence())
+      for (const Value& n : v->as_list())
+        if (n.is_string()) in.buffer_names.push_back(n.as_string());
+    if (const Value* v = child(engine, "module"); v && v->is_sequence())
+      for (const Value& e : v->as_list())
+        if (e.is_sequence() && e.as_list().size() == 2 && e.as_list()[0].is_string() && e.as_list()[1].is_string())
+          in.module.emplace_back(e.as_list()[0].as_string(), dtype_from_name(e.as_list()[1].as_string()).value_or(in.model));
+    prepare_fresh(ck, *o.fresh, model_given, in);
+    return in;
+  }
 
   // Param groups and the optimizer state of each parameter.
   std::set<std::string> trained;
@@ -26998,8 +27281,18 @@ inline write_input prepare(const ShardedCheckpoint& ck, const write_options& o) 
         throw_error(errors::ds_write_input, "optim.param_groups", "lists a parameter that is not a name (read the input with its names, as statedict reads DeepSpeed, FSDP and DCP optimizer state)");
       const std::string& name = n->as_string();
       auto it = index.find(name);
-      if (it == index.end())
-        throw_error(errors::ds_write_input, "parameter " + quote(name), "is listed by optim.param_groups but is not a tensor of the checkpoint");
+      if (it == index.end()) {
+        // A model saved under a key of its own ({"model": ..., "optim": ...}, as DCP checkpoints
+        // of get_state_dict are): its tensors carry a prefix the optimizer's names do not.
+        std::string hint;
+        for (const TensorInfo& t : ck.tensors)
+          if (t.name.size() > name.size() && t.name.compare(t.name.size() - name.size(), name.size(), name) == 0 &&
+              t.name[t.name.size() - name.size() - 1] == '.' && t.name.rfind("optim.", 0) != 0) {
+            hint = "; the checkpoint has " + quote(t.name) + " (--strip-prefix " + t.name.substr(0, t.name.size() - name.size()) + ")";
+            break;
+          }
+        throw_error(errors::ds_write_input, "parameter " + quote(name), "is listed by optim.param_groups but is not a tensor of the checkpoint" + hint);
+      }
       if (!trained.insert(name).second) throw_error(errors::ds_write_input, "parameter " + quote(name), "is listed by two param groups");
       const TensorInfo& t = ck.tensors[it->second];
       if (!is_floating(t.dtype)) throw_error(errors::ds_write_input, "parameter " + quote(name), "is " + std::string(statedict::name(t.dtype)) + ", not floating");
@@ -27548,7 +27841,8 @@ inline std::vector<std::string> write(const ShardedCheckpoint& ck, const std::fi
                                                                : std::string("is needed: the input is not a DeepSpeed checkpoint that names its stage"));
   const auto bf16o = ck.metadata.find("deepspeed.optimizer");
   const bool bf16_optimizer = bf16o != ck.metadata.end() && bf16o->second == "BF16_Optimizer" && stage == 1 && !o.zero_stage;
-  std::string tag = o.tag.empty() ? in.tag : o.tag;
+  // A fresh optimizer is at step 0 whatever the input's tag said (global_steps is 0 too).
+  std::string tag = o.tag.empty() ? (o.fresh ? std::string() : in.tag) : o.tag;
   if (tag.empty()) {
     const Value* gs = in.carried.find(Key(std::string("global_steps")));
     tag = "global_step" + std::to_string(gs && gs->is_int() ? gs->as_int() : 0);

@@ -29,6 +29,8 @@
 #pragma once
 
 #include <algorithm>
+#include <charconv>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -84,6 +86,7 @@ inline constexpr error_id ds_limit            {718, error_kind::limit,       "de
 inline constexpr error_id ds_bad_option       {719, error_kind::usage,       "deepspeed.bad_option"};
 inline constexpr error_id ds_write_input      {725, error_kind::format,      "deepspeed.write_input"};
 inline constexpr error_id ds_write_option     {726, error_kind::usage,       "deepspeed.write_option"};
+inline constexpr error_id ds_fresh_optimizer  {727, error_kind::usage,       "deepspeed.fresh_optimizer"};
 // clang-format on
 }  // namespace errors
 
@@ -133,6 +136,97 @@ struct options {
   deepspeed::limits limits{};
 };
 
+/// The optimizer a DeepSpeed checkpoint is written with when the input has no optimizer state
+/// (weights only: a Hugging Face folder, a .safetensors file, a torch model state dict): a freshly
+/// constructed `torch.optim.AdamW` / `torch.optim.Adam` with these hyperparameters, as the engine
+/// saves it before its first step (empty per-parameter state, the param group's hyperparameters,
+/// fp32 master partitions equal to the weights upcast). parse_fresh_optimizer() reads the
+/// command line's `--fresh-optimizer adamw:lr=1e-4,betas=0.9/0.999,eps=1e-8,weight_decay=0.01`.
+struct fresh_optimizer {
+  enum class kind { adamw, adam };
+  kind type = kind::adamw;
+  double lr = 1e-3;
+  double beta1 = 0.9, beta2 = 0.999;
+  double eps = 1e-8;
+  /// Unset: torch's default, 0.01 for AdamW and the integer 0 for Adam (as torch stores it).
+  std::optional<double> weight_decay;
+  bool amsgrad = false;
+  bool maximize = false;
+  /// Patterns (ECMAScript regex matching the whole name) of the parameters the engine does not
+  /// train (`requires_grad=False`): written as frozen parameters, not in the param group.
+  std::vector<std::string> frozen;
+  /// Patterns of the module's floating buffers (`register_buffer`); tensors that are not floating
+  /// are buffers without being named (a parameter is floating).
+  std::vector<std::string> buffers;
+};
+
+/// Reads `adamw[:key=value,...]` or `adam[:...]`: keys lr, betas (two numbers, `/`-separated),
+/// eps, weight_decay (non-negative finite numbers; betas in [0, 1)), amsgrad and maximize (true
+/// or false). Throws ds_fresh_optimizer naming the part that is wrong.
+inline fresh_optimizer parse_fresh_optimizer(std::string_view spec) {
+  const std::string what = "--fresh-optimizer " + quote(std::string(spec));
+  fresh_optimizer f;
+  const auto colon = spec.find(':');
+  const std::string_view name = spec.substr(0, colon);
+  if (name == "adamw") f.type = fresh_optimizer::kind::adamw;
+  else if (name == "adam") f.type = fresh_optimizer::kind::adam;
+  else
+    throw_error(errors::ds_fresh_optimizer, what,
+                "names the optimizer " + quote(std::string(name)) + "; expected adamw or adam (torch.optim.AdamW / Adam)");
+  if (colon == std::string_view::npos) return f;
+  auto number = [&](std::string_view key, std::string_view text) {
+    double d = 0;
+    const char* end = text.data() + text.size();
+    const auto [p, ec] = std::from_chars(text.data(), end, d);
+    if (text.empty() || ec != std::errc() || p != end || !std::isfinite(d) || d < 0)
+      throw_error(errors::ds_fresh_optimizer, what,
+                  std::string(key) + "=" + quote(std::string(text)) + " is not a non-negative finite number");
+    return d;
+  };
+  auto boolean = [&](std::string_view key, std::string_view text) {
+    if (text == "true") return true;
+    if (text == "false") return false;
+    throw_error(errors::ds_fresh_optimizer, what, std::string(key) + "=" + quote(std::string(text)) + " is not true or false");
+  };
+  std::set<std::string> seen;
+  std::string_view rest = spec.substr(colon + 1);
+  for (;;) {
+    const auto comma = rest.find(',');
+    const std::string_view item = rest.substr(0, comma);
+    const auto eq = item.find('=');
+    if (eq == std::string_view::npos || eq == 0)
+      throw_error(errors::ds_fresh_optimizer, what, quote(std::string(item)) + " is not key=value");
+    const std::string key(item.substr(0, eq));
+    const std::string_view value = item.substr(eq + 1);
+    if (!seen.insert(key).second) throw_error(errors::ds_fresh_optimizer, what, "sets " + key + " twice");
+    if (key == "lr") {
+      f.lr = number(key, value);
+    } else if (key == "eps") {
+      f.eps = number(key, value);
+    } else if (key == "weight_decay") {
+      f.weight_decay = number(key, value);
+    } else if (key == "betas") {
+      const auto slash = value.find('/');
+      if (slash == std::string_view::npos)
+        throw_error(errors::ds_fresh_optimizer, what, "betas=" + quote(std::string(value)) + " is not two numbers BETA1/BETA2");
+      f.beta1 = number("beta1", value.substr(0, slash));
+      f.beta2 = number("beta2", value.substr(slash + 1));
+      if (f.beta1 >= 1 || f.beta2 >= 1)
+        throw_error(errors::ds_fresh_optimizer, what, "betas=" + quote(std::string(value)) + ": each beta must be in [0, 1), as torch requires");
+    } else if (key == "amsgrad") {
+      f.amsgrad = boolean(key, value);
+    } else if (key == "maximize") {
+      f.maximize = boolean(key, value);
+    } else {
+      throw_error(errors::ds_fresh_optimizer, what,
+                  "has the key " + quote(key) + "; expected lr, betas, eps, weight_decay, amsgrad or maximize");
+    }
+    if (comma == std::string_view::npos) break;
+    rest = rest.substr(comma + 1);
+  }
+  return f;
+}
+
 /// How write() lays a checkpoint out.
 struct write_options {
   /// Data-parallel ranks to write for (save_options::world_size, --world-size).
@@ -148,6 +242,10 @@ struct write_options {
   /// `"checkpoint": {"load_universal": true}` at any world size) instead of the rank files; its
   /// model-states files are those of `world_size` ranks.
   bool universal = false;
+  /// For an input without optimizer state: the optimizer to write, freshly constructed (see
+  /// fresh_optimizer). Unset, such an input is refused; set, an input with optimizer state is,
+  /// and so is `universal` (a step-0 state is written as the rank files, for any world size).
+  std::optional<deepspeed::fresh_optimizer> fresh;
   exec_options exec{};
   plan_options plan{};
 };

@@ -26,6 +26,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <regex>
 #include <set>
 #include <string>
 #include <unordered_map>
@@ -42,6 +43,7 @@
 #include "../../io/zip.hpp"
 #include "../../shard/checkpoint.hpp"
 #include "../../shard/layout.hpp"
+#include "../transform_regex.hpp"
 #include "write_files.hpp"
 
 namespace statedict::inline v0::deepspeed::detail {
@@ -109,17 +111,127 @@ inline std::vector<std::size_t> round_robin_order(std::size_t n, std::uint64_t w
   return out;
 }
 
+/// The param group of a freshly constructed torch AdamW / Adam: its hyperparameters in the order
+/// torch stores them (the constructor's defaults), with the user's values.
+inline Value fresh_hyper(const fresh_optimizer& f) {
+  const bool adamw = f.type == fresh_optimizer::kind::adamw;
+  Dict h;
+  h.set("lr", f.lr);
+  h.set("betas", Value::tuple(List{Value(f.beta1), Value(f.beta2)}));
+  h.set("eps", f.eps);
+  if (f.weight_decay) h.set("weight_decay", *f.weight_decay);
+  else if (adamw) h.set("weight_decay", 1e-2);
+  else h.set("weight_decay", 0);
+  h.set("amsgrad", f.amsgrad);
+  h.set("maximize", f.maximize);
+  h.set("foreach", Value());
+  h.set("capturable", false);
+  h.set("differentiable", false);
+  h.set("fused", Value());
+  h.set("decoupled_weight_decay", adamw);
+  return Value(std::move(h));
+}
+
+/// A checkpoint without optimizer state, written with a fresh optimizer (write_options::fresh):
+/// every floating tensor is a trained parameter unless a pattern names it frozen or a buffer;
+/// tensors that are not floating are buffers. One param group in module order, no state: what
+/// the engine saves before its first step (DeepSpeed 0.16.5 keeps torch's lazy state: neither
+/// stage_1_and_2.py nor stage3.py initialize_optimizer_states steps the optimizer).
+inline void prepare_fresh(const ShardedCheckpoint& ck, const fresh_optimizer& f, bool model_given, write_input& in) {
+  struct pattern {
+    std::string flag, text;
+    std::regex re;
+    bool used = false;
+  };
+  std::vector<pattern> frozen, buffers;
+  for (const auto& t : f.frozen) frozen.push_back({"--frozen", t, formats::detail::compile_regex(t), false});
+  for (const auto& t : f.buffers) buffers.push_back({"--buffer", t, formats::detail::compile_regex(t), false});
+  auto named = [](std::vector<pattern>& ps, const std::string& n) {
+    bool any = false;
+    for (auto& p : ps)
+      if (std::regex_match(n, p.re)) any = p.used = true;
+    return any;
+  };
+  std::unordered_map<std::string, std::size_t> index;
+  for (std::size_t i = 0; i < ck.tensors.size(); ++i) index.emplace(ck.tensors[i].name, i);
+  const std::set<std::string> engine_buffers(in.buffer_names.begin(), in.buffer_names.end());
+  const bool engine_module = !in.module.empty();
+  std::vector<std::pair<std::string, std::size_t>> order;  // module entries: (name, tensor index or npos for a tie)
+  std::set<std::string> listed;
+  for (const auto& t : statedict::detail::list_tensorish(ck.skeleton.json())) {
+    const bool tensor = t.kind == statedict::detail::snode::tensor;
+    const std::string& n = tensor ? t.target : t.name;
+    if (n.rfind("optim.", 0) == 0)
+      throw_error(errors::ds_write_input, "tensor " + quote(n),
+                  "is optimizer state, but the checkpoint has no param groups (optim.param_groups) to say whose");
+    if (!listed.insert(n).second) continue;
+    if (!tensor) {
+      order.emplace_back(n, std::string::npos);
+      continue;
+    }
+    const auto it = index.find(n);
+    if (it == index.end()) throw_error(errors::ds_write_input, "tensor " + quote(n), "is in the checkpoint's tree but not in its tensor list");
+    const std::size_t i = it->second;
+    order.emplace_back(n, i);
+    const TensorInfo& ti = ck.tensors[i];
+    const bool is_frozen = named(frozen, n);
+    const bool is_buffer = named(buffers, n) || engine_buffers.count(n) || !is_floating(ti.dtype);
+    if (is_frozen && is_buffer)
+      throw_error(errors::ds_write_option, "tensor " + quote(n),
+                  is_floating(ti.dtype) ? "is named both frozen (--frozen) and a buffer (--buffer)"
+                                        : "is " + std::string(statedict::name(ti.dtype)) + ", so a buffer, and cannot be frozen (--frozen): only floating tensors are parameters");
+    if (is_buffer) {
+      in.buffers.push_back(i);
+      if (!engine_buffers.count(n)) in.buffer_names.push_back(n);
+    } else if (is_frozen) {
+      in.frozen.push_back(i);
+    } else {
+      in.params.push_back(w_param{n, i, ti.shape, numel(ti.shape), {}, {}});
+    }
+  }
+  for (const auto* ps : {&frozen, &buffers})
+    for (const auto& p : *ps)
+      if (!p.used) throw_error(errors::ds_write_option, p.flag + " " + quote(p.text), "matches no tensor of the checkpoint (a pattern matches whole names)");
+  if (in.params.empty())
+    throw_error(errors::ds_write_input, "the checkpoint", "has no parameter to train: every tensor is frozen (--frozen) or a buffer");
+  // The engine's module dtype: the trained parameters' own, as the engine takes the module it is given.
+  if (!model_given) {
+    in.model = ck.tensors[in.params[0].tensor].dtype;
+    for (const w_param& p : in.params)
+      if (ck.tensors[p.tensor].dtype != in.model)
+        throw_error(errors::ds_write_input, "parameter " + quote(p.name),
+                    "is " + std::string(statedict::name(ck.tensors[p.tensor].dtype)) + " while " + quote(in.params[0].name) + " is " +
+                        std::string(statedict::name(in.model)) + ": the engine's module has one dtype (read the input with --dtype)");
+  }
+  if (!engine_module)
+    for (const auto& [n, i] : order)
+      in.module.emplace_back(n, i != std::string::npos && !is_floating(ck.tensors[i].dtype) ? ck.tensors[i].dtype : in.model);
+  w_group g;
+  g.hyper = fresh_hyper(f);
+  for (std::size_t k = 0; k < in.params.size(); ++k) g.params.push_back(k);
+  in.groups.push_back(std::move(g));
+}
+
 /// Reads what the writer needs from `ck` (see deepspeed::write).
 inline write_input prepare(const ShardedCheckpoint& ck, const write_options& o) {
   write_input in;
   in.root = formats::detail::source_tree(ck, in.space);
   const Value* optim = child(in.root, "optim");
   const Value* pgs = optim ? child(*optim, "param_groups") : nullptr;
-  if (!pgs)
+  if (o.fresh && o.universal)
+    throw_error(errors::ds_write_option, "--fresh-optimizer",
+                "writes the rank files (--to deepspeed), for any world size; a universal checkpoint of an optimizer that "
+                "has not stepped is not what ds_to_universal.py makes of the engine's files");
+  if (pgs && o.fresh)
+    throw_error(errors::ds_write_option, "--fresh-optimizer",
+                "the input has optimizer state (optim.param_groups), which is written as it is; to start a fresh optimizer, "
+                "read the input without it (without --with-optimizer, or with --drop 'optim\\..*')");
+  if (!pgs && !o.fresh)
     throw_error(errors::ds_write_input, "the checkpoint",
-                "has no optimizer param groups (optim.param_groups): a DeepSpeed checkpoint is written from one read with "
-                "its optimizer state (--with-optimizer)");
-  const Value* states = child(*optim, "state");
+                "has no optimizer state (optim.param_groups): read a checkpoint that has one with --with-optimizer; for "
+                "weights only, --fresh-optimizer adamw:lr=...,betas=.../...,eps=...,weight_decay=... writes the state of a "
+                "freshly constructed optimizer (deepspeed::write_options::fresh)");
+  const Value* states = optim ? child(*optim, "state") : nullptr;
   std::unordered_map<std::string, std::size_t> index;
   for (std::size_t i = 0; i < ck.tensors.size(); ++i) index.emplace(ck.tensors[i].name, i);
   for (const auto& [a, t] : skeleton_aliases(ck.skeleton)) in.aliases.emplace_back(a, t);
@@ -142,13 +254,27 @@ inline write_input prepare(const ShardedCheckpoint& ck, const write_options& o) 
   if (auto it = ck.metadata.find("deepspeed.world_size"); it != ck.metadata.end())
     in.source_world = static_cast<std::uint32_t>(std::stoul("0" + it->second));
   if (auto it = ck.metadata.find("deepspeed.tag"); it != ck.metadata.end()) in.tag = it->second;
+  bool model_given = true;
   if (o.model_dtype) {
     in.model = *o.model_dtype;
   } else if (const Value* v = child(engine, "model_dtype"); v && v->is_string()) {
     in.model = dtype_from_name(v->as_string()).value_or(dtype::F32);
+  } else {
+    model_given = false;
   }
   if (!is_floating(in.model))
     throw_error(errors::ds_write_option, "model dtype", std::string(name(in.model)) + " is not a floating dtype");
+  if (o.fresh) {
+    if (const Value* v = child(engine, "buffer_names"); v && v->is_sequence())
+      for (const Value& n : v->as_list())
+        if (n.is_string()) in.buffer_names.push_back(n.as_string());
+    if (const Value* v = child(engine, "module"); v && v->is_sequence())
+      for (const Value& e : v->as_list())
+        if (e.is_sequence() && e.as_list().size() == 2 && e.as_list()[0].is_string() && e.as_list()[1].is_string())
+          in.module.emplace_back(e.as_list()[0].as_string(), dtype_from_name(e.as_list()[1].as_string()).value_or(in.model));
+    prepare_fresh(ck, *o.fresh, model_given, in);
+    return in;
+  }
 
   // Param groups and the optimizer state of each parameter.
   std::set<std::string> trained;
@@ -169,8 +295,18 @@ inline write_input prepare(const ShardedCheckpoint& ck, const write_options& o) 
         throw_error(errors::ds_write_input, "optim.param_groups", "lists a parameter that is not a name (read the input with its names, as statedict reads DeepSpeed, FSDP and DCP optimizer state)");
       const std::string& name = n->as_string();
       auto it = index.find(name);
-      if (it == index.end())
-        throw_error(errors::ds_write_input, "parameter " + quote(name), "is listed by optim.param_groups but is not a tensor of the checkpoint");
+      if (it == index.end()) {
+        // A model saved under a key of its own ({"model": ..., "optim": ...}, as DCP checkpoints
+        // of get_state_dict are): its tensors carry a prefix the optimizer's names do not.
+        std::string hint;
+        for (const TensorInfo& t : ck.tensors)
+          if (t.name.size() > name.size() && t.name.compare(t.name.size() - name.size(), name.size(), name) == 0 &&
+              t.name[t.name.size() - name.size() - 1] == '.' && t.name.rfind("optim.", 0) != 0) {
+            hint = "; the checkpoint has " + quote(t.name) + " (--strip-prefix " + t.name.substr(0, t.name.size() - name.size()) + ")";
+            break;
+          }
+        throw_error(errors::ds_write_input, "parameter " + quote(name), "is listed by optim.param_groups but is not a tensor of the checkpoint" + hint);
+      }
       if (!trained.insert(name).second) throw_error(errors::ds_write_input, "parameter " + quote(name), "is listed by two param groups");
       const TensorInfo& t = ck.tensors[it->second];
       if (!is_floating(t.dtype)) throw_error(errors::ds_write_input, "parameter " + quote(name), "is " + std::string(statedict::name(t.dtype)) + ", not floating");
@@ -719,7 +855,8 @@ inline std::vector<std::string> write(const ShardedCheckpoint& ck, const std::fi
                                                                : std::string("is needed: the input is not a DeepSpeed checkpoint that names its stage"));
   const auto bf16o = ck.metadata.find("deepspeed.optimizer");
   const bool bf16_optimizer = bf16o != ck.metadata.end() && bf16o->second == "BF16_Optimizer" && stage == 1 && !o.zero_stage;
-  std::string tag = o.tag.empty() ? in.tag : o.tag;
+  // A fresh optimizer is at step 0 whatever the input's tag said (global_steps is 0 too).
+  std::string tag = o.tag.empty() ? (o.fresh ? std::string() : in.tag) : o.tag;
   if (tag.empty()) {
     const Value* gs = in.carried.find(Key(std::string("global_steps")));
     tag = "global_step" + std::to_string(gs && gs->is_int() ? gs->as_int() : 0);
