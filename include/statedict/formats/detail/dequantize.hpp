@@ -86,17 +86,36 @@ inline std::vector<quant_pair> find_quant_pairs(const ShardedCheckpoint& ck, qua
 /// The bytes of tensor `t` as one source of its own, row-major and little-endian: what a
 /// safetensors or Hugging Face reader describes. Anything else (a sharded or strided tensor) is
 /// refused: the computed sources read the quantized bytes by element index.
-inline std::shared_ptr<const ByteSource> whole_bytes(const ShardedCheckpoint& ck, const TensorInfo& t, std::string_view of) {
+inline std::shared_ptr<const ByteSource> whole_bytes(const ShardedCheckpoint& ck, const TensorInfo& t, std::string_view of,
+                                                      std::string_view verb = "dequantizing") {
   const auto& c = t.chunks;
   const bool whole = c.size() == 1 && c[0].at.stored == t.dtype && c[0].at.order == byte_order::little &&
                      (c[0].at.strides.empty() || c[0].at.strides == contiguous_strides(t.shape)) && covers_whole(c[0].region, t.shape) &&
                      c[0].at.source < ck.sources.size() && ck.sources[c[0].at.source];
   if (!whole)
     throw_error(errors::dequantize_layout, "tensor " + quote(t.name),
-                std::string("is stored in several pieces or strided; dequantizing ") + std::string(of) +
+                "is stored in several pieces or strided; " + std::string(verb) + " " + std::string(of) +
                     " needs it whole and contiguous (a safetensors or Hugging Face checkpoint)");
   const std::uint64_t n = byte_size(t.shape, itemsize(t.dtype));
   return std::make_shared<SliceSource>(ck.sources[c[0].at.source], c[0].at.byte_offset, n, ck.sources[c[0].at.source]->name());
+}
+
+/// After a read of [offset, offset + length) of `src` (a mapped file, or a slice of one)
+/// consumed bytes up to offset + length: the mapped pages of each 2 MiB window of the file that
+/// the read finished are released, as the executor releases the pages of the sources it copies
+/// itself, so the file-backed RSS does not grow with the input. A window another thread still
+/// reads is mapped again where it is used: slower, never wrong.
+inline void release_read_pages(const ByteSource& src, std::uint64_t offset, std::uint64_t length) {
+  constexpr std::uint64_t window = std::uint64_t{2} << 20;
+  const ByteSource* p = &src;
+  while (const auto* sl = dynamic_cast<const SliceSource*>(p)) {
+    offset += sl->offset();
+    p = sl->base().get();
+  }
+  const auto* f = dynamic_cast<const InputFile*>(p);
+  if (!f || !f->data()) return;
+  const std::uint64_t lo = offset / window, hi = (offset + length) / window;
+  if (hi > lo) f->advise(lo * window, (hi - lo) * window, access_hint::dontneed);  // windows lo .. hi - 1 are behind
 }
 
 /// A tensor computed from others, element by element, as F32 bytes in row-major order: reading
@@ -130,23 +149,6 @@ class computed_source : public ByteSource {
  protected:
   /// Elements [first, first + n) (n <= 2048) into out.
   virtual void compute(std::uint64_t first, std::size_t n, float* out) const = 0;
-  /// After a read of [offset, offset + length) of `src` (a mapped file, or a slice of one)
-  /// consumed bytes up to offset + length: the mapped pages of each 2 MiB window of the file that
-  /// the read finished are released, as the executor releases the pages of the sources it copies
-  /// itself, so the file-backed RSS does not grow with the input. A window another thread still
-  /// reads is mapped again where it is used: slower, never wrong.
-  static void release_done(const ByteSource& src, std::uint64_t offset, std::uint64_t length) {
-    constexpr std::uint64_t window = std::uint64_t{2} << 20;
-    const ByteSource* p = &src;
-    while (const auto* sl = dynamic_cast<const SliceSource*>(p)) {
-      offset += sl->offset();
-      p = sl->base().get();
-    }
-    const auto* f = dynamic_cast<const InputFile*>(p);
-    if (!f || !f->data()) return;
-    const std::uint64_t lo = offset / window, hi = (offset + length) / window;
-    if (hi > lo) f->advise(lo * window, (hi - lo) * window, access_hint::dontneed);  // windows lo .. hi - 1 are behind
-  }
   /// Bytes [offset, offset + dst.size()) of `src`: in place when mapped, else read into dst.
   static const std::byte* bytes(const ByteSource& src, std::uint64_t offset, std::span<std::byte> dst) {
     src.check_range(offset, dst.size());
@@ -177,7 +179,7 @@ class fp8_block_source final : public computed_source {
  private:
   void compute(std::uint64_t first, std::size_t n, float* out) const override {
     compute_values(first, n, out);
-    release_done(*w_, first, n);
+    release_read_pages(*w_, first, n);
   }
   void compute_values(std::uint64_t first, std::size_t n, float* out) const {
     std::byte wbuf[2048];
@@ -248,7 +250,7 @@ class mxfp4_source final : public computed_source {
     const std::uint64_t per = size_ / 4 / static_cast<std::uint64_t>(out_shape_[0]);
     if (per != 0 && (first + n) / per > first / per) {
       const std::uint64_t e0 = first / per, e1 = (first + n) / per;  // experts e0 .. e1 - 1 are done
-      release_done(*b_, e0 * (per / 2), (e1 - e0) * (per / 2));
+      release_read_pages(*b_, e0 * (per / 2), (e1 - e0) * (per / 2));
     }
   }
   void compute_values(std::uint64_t first, std::size_t n, float* out) const {
