@@ -20576,6 +20576,7 @@ class mxfp4_source final : public computed_source {
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -20678,6 +20679,12 @@ class fp8_quant_blocks {
     return dst.data();
   }
 
+  static std::string shown(float v) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.9g", static_cast<double>(v));
+    return buf;
+  }
+
   std::vector<float> compute_band(std::uint64_t mat, std::uint64_t band) const {
     std::vector<float> amax(static_cast<std::size_t>(scols_), 0.0F);
     float buf[2048];
@@ -20694,7 +20701,7 @@ class fp8_quant_blocks {
             if (!std::isfinite(buf[k]))
               throw_error(errors::quantize_bad_value, "tensor " + quote(tensor_),
                           "element [" + std::to_string(r) + ", " + std::to_string(j + k) + "] of its matrix " + std::to_string(mat) +
-                              " is " + std::to_string(buf[k]) + ": a block-FP8 scale needs finite values");
+                              " is " + shown(buf[k]) + ": a block-FP8 scale needs finite values");
         // Column blocks of this run: the maximum of each, |x| exact in f32.
         for (std::size_t k = 0; k < n;) {
           const std::uint64_t c = (j + k) / bc_;
@@ -20717,7 +20724,7 @@ class fp8_quant_blocks {
       if (!std::isfinite(m))
         throw_error(errors::quantize_bad_value, "tensor " + quote(tensor_),
                     "block [" + std::to_string(band) + ", " + std::to_string(c) + "] of its matrix " + std::to_string(mat) +
-                        " has largest magnitude " + std::to_string(a) +
+                        " has largest magnitude " + shown(a) +
                         ": 1 / that overflows float32, so no block-FP8 scale represents it (keep the tensor's dtype)");
       amax[c] = m;
     }

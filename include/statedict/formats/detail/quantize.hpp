@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -115,6 +116,12 @@ class fp8_quant_blocks {
     return dst.data();
   }
 
+  static std::string shown(float v) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.9g", static_cast<double>(v));
+    return buf;
+  }
+
   std::vector<float> compute_band(std::uint64_t mat, std::uint64_t band) const {
     std::vector<float> amax(static_cast<std::size_t>(scols_), 0.0F);
     float buf[2048];
@@ -131,7 +138,7 @@ class fp8_quant_blocks {
             if (!std::isfinite(buf[k]))
               throw_error(errors::quantize_bad_value, "tensor " + quote(tensor_),
                           "element [" + std::to_string(r) + ", " + std::to_string(j + k) + "] of its matrix " + std::to_string(mat) +
-                              " is " + std::to_string(buf[k]) + ": a block-FP8 scale needs finite values");
+                              " is " + shown(buf[k]) + ": a block-FP8 scale needs finite values");
         // Column blocks of this run: the maximum of each, |x| exact in f32.
         for (std::size_t k = 0; k < n;) {
           const std::uint64_t c = (j + k) / bc_;
@@ -154,7 +161,7 @@ class fp8_quant_blocks {
       if (!std::isfinite(m))
         throw_error(errors::quantize_bad_value, "tensor " + quote(tensor_),
                     "block [" + std::to_string(band) + ", " + std::to_string(c) + "] of its matrix " + std::to_string(mat) +
-                        " has largest magnitude " + std::to_string(a) +
+                        " has largest magnitude " + shown(a) +
                         ": 1 / that overflows float32, so no block-FP8 scale represents it (keep the tensor's dtype)");
       amax[c] = m;
     }
