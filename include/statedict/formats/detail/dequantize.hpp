@@ -5,6 +5,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -98,6 +99,25 @@ inline std::shared_ptr<const ByteSource> whole_bytes(const ShardedCheckpoint& ck
                     " needs it whole and contiguous (a safetensors or Hugging Face checkpoint)");
   const std::uint64_t n = byte_size(t.shape, itemsize(t.dtype));
   return std::make_shared<SliceSource>(ck.sources[c[0].at.source], c[0].at.byte_offset, n, ck.sources[c[0].at.source]->name());
+}
+
+/// float8_e4m3fn and E8M0 decoded once into tables (core/dtype.hpp's exact conversions), so the
+/// dequantizing loops below are a load and a multiply an element, with no call or branch.
+inline const float* f8e4m3_table() {
+  static const auto t = [] {
+    std::array<float, 256> a{};
+    for (unsigned i = 0; i < 256; ++i) a[i] = f32_from_f8e4m3(static_cast<std::uint8_t>(i));
+    return a;
+  }();
+  return t.data();
+}
+inline const float* f8e8m0_table() {
+  static const auto t = [] {
+    std::array<float, 256> a{};
+    for (unsigned i = 0; i < 256; ++i) a[i] = f32_from_f8e8m0(static_cast<std::uint8_t>(i));
+    return a;
+  }();
+  return t.data();
 }
 
 /// After a read of [offset, offset + length) of `src` (a mapped file, or a slice of one)
@@ -211,9 +231,15 @@ class fp8_block_source final : public computed_source {
           throw_error(errors::dequantize_scale_value, "tensor " + quote(tensor_),
                       "scale [" + std::to_string(i / br_) + ", " + std::to_string(c0 + c) + "] of its matrix " + std::to_string(mat) +
                           " is not finite (" + std::to_string(sv[c]) + ")");
-      for (std::size_t x = 0; x < run; ++x) {
-        const float v = f32_from_f8e4m3(static_cast<std::uint8_t>(w[x]));
-        out[k + x] = v * sv[(j0 + x) / bc_ - c0];
+      // One column block at a time: its scale is a constant of the inner loop.
+      const float* lut = f8e4m3_table();
+      const auto* wb = reinterpret_cast<const std::uint8_t*>(w);
+      for (std::size_t x = 0, c = 0; x < run; ++c) {
+        const auto end = static_cast<std::size_t>(std::min<std::uint64_t>(run, (c0 + c + 1) * bc_ - j0));
+        const float scale = sv[c];
+        float* o = out + k;
+        for (std::size_t y = x; y < end; ++y) o[y] = lut[wb[y]] * scale;
+        x = end;
       }
       k += run;
     }
@@ -253,9 +279,46 @@ class mxfp4_source final : public computed_source {
       release_read_pages(*b_, e0 * (per / 2), (e1 - e0) * (per / 2));
     }
   }
+  static constexpr float lut[16] = {0.0F, 0.5F, 1.0F, 1.5F, 2.0F, 3.0F, 4.0F, 6.0F, -0.0F, -0.5F, -1.0F, -1.5F, -2.0F, -3.0F, -4.0F, -6.0F};
+  [[noreturn]] void nan_scale(std::uint64_t row) const {
+    throw_error(errors::dequantize_scale_value, "tensor " + quote(tensor_),
+                "scale " + std::to_string(row) + " (row-major, of " + std::to_string(s_->size()) + ") is 0xff, E8M0's NaN");
+  }
+  /// gpt-oss' layout, values [E, N, G * 32] read as [E, G * 32, N], both sources mapped: along an
+  /// output row, value v of each of the N block rows (G * 16 bytes apart), the same byte and
+  /// nibble of each; a strided load, two table look-ups and a multiply an element.
+  void compute_transposed(std::uint64_t first, std::size_t n, float* out, const std::uint8_t* b, const std::uint8_t* s) const {
+    const float* e8 = f8e8m0_table();
+    const auto v_size = static_cast<std::uint64_t>(out_shape_[1]), n_size = static_cast<std::uint64_t>(out_shape_[2]);
+    const std::uint64_t groups = v_size / 32;
+    std::size_t k = 0;
+    while (k < n) {
+      const std::uint64_t at = first + k, e = at / (v_size * n_size), v = (at / n_size) % v_size, n0 = at % n_size;
+      const auto run = static_cast<std::size_t>(std::min<std::uint64_t>(n - k, n_size - n0));
+      const std::uint64_t row0 = (e * n_size + n0) * groups + v / 32;
+      const unsigned shift = static_cast<unsigned>(v % 2) * 4;
+      const std::uint8_t* bp = b + row0 * 16 + (v % 32) / 2;
+      const std::uint8_t* sp = s + row0;
+      const std::size_t bstep = static_cast<std::size_t>(groups) * 16, sstep = static_cast<std::size_t>(groups);
+      float* o = out + k;
+      unsigned nan = 0;
+      for (std::size_t x = 0; x < run; ++x) {
+        const std::uint8_t sc = sp[x * sstep];
+        nan |= static_cast<unsigned>(sc == 0xff);
+        o[x] = lut[(bp[x * bstep] >> shift) & 0xfU] * e8[sc];
+      }
+      if (nan)
+        for (std::size_t x = 0; x < run; ++x)
+          if (sp[x * sstep] == 0xff) nan_scale(row0 + x * sstep);
+      k += run;
+    }
+  }
   void compute_values(std::uint64_t first, std::size_t n, float* out) const {
-    static constexpr float lut[16] = {0.0F, 0.5F, 1.0F, 1.5F, 2.0F, 3.0F, 4.0F, 6.0F, -0.0F, -0.5F, -1.0F, -1.5F, -2.0F, -3.0F, -4.0F, -6.0F};
     const std::size_t r = out_shape_.size();
+    if (r == 3 && b_->data() && s_->data()) {
+      compute_transposed(first, n, out, reinterpret_cast<const std::uint8_t*>(b_->data()), reinterpret_cast<const std::uint8_t*>(s_->data()));
+      return;
+    }
     // The output index of `first`, and the values' flat index t it reads.
     std::vector<std::uint64_t> idx(r);
     std::uint64_t rest = first, t = 0;
@@ -277,9 +340,7 @@ class mxfp4_source final : public computed_source {
         row = t / 32;
         b = bmap ? bmap + row * 16 : bytes(*b_, row * 16, blk);
         const auto e = static_cast<std::uint8_t>(smap ? smap[row] : *bytes(*s_, row, sc));
-        if (e == 0xff)
-          throw_error(errors::dequantize_scale_value, "tensor " + quote(tensor_),
-                      "scale " + std::to_string(row) + " (row-major, of " + std::to_string(s_->size()) + ") is 0xff, E8M0's NaN");
+        if (e == 0xff) nan_scale(row);
         scale = f32_from_f8e8m0(e);
       }
       const std::uint64_t q = t % 32;
