@@ -185,7 +185,7 @@ TEST_CASE("quantize then dequantize: zeros exact, every value within half an e4m
   for (std::size_t i = 0; i < 256; ++i)
     for (std::size_t j = 0; j < 384; ++j) {
       const std::size_t k = i * 384 + j;
-      const double s = inv[(i / 128) * 3 + j / 128];
+      const auto s = static_cast<double>(inv[(i / 128) * 3 + j / 128]);
       // e4m3 keeps 3 mantissa bits: half a step is 2^-4 of the value, or 2^-10 in its subnormals.
       const double bound = std::max(std::fabs(static_cast<double>(x[k])) / 16, std::ldexp(s, -10)) * (1 + 1e-6);
       const double err = std::fabs(static_cast<double>(x[k]) - static_cast<double>(d[k]));
