@@ -21,7 +21,7 @@
 #include <utility>
 #include <vector>
 
-#include "error_of.hpp"
+#include "test_util.hpp"
 
 using namespace statedict;
 namespace fs = std::filesystem;
