@@ -43,7 +43,7 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     a = ap.add_argument
-    a("--cases", default=env_default("cases", ",".join(cases.ALL)), help="comma-separated subset of B1..B11")
+    a("--cases", default=env_default("cases", ",".join(cases.ALL)), help="comma-separated subset of B1..B13")
     a("--reps", type=int, default=int(env_default("reps", 5)), help="warm repetitions per peer (default 5)")
     a("--cold-reps", type=int, default=int(env_default("cold_reps", 2)), help="cold repetitions (default 2)")
     a("--scale-reps", type=int, default=int(env_default("scale_reps", 3)), help="repetitions per B6 size (default 3)")
@@ -63,6 +63,8 @@ def parse_args(argv):
       help="B7 Megatron-LM checkpoint size, bf16 weights, GiB (default 3)")
     a("--megatron-tp", type=int, default=int(env_default("megatron_tp", 4)))
     a("--megatron-pp", type=int, default=int(env_default("megatron_pp", 2)))
+    a("--quant-gib", type=float, default=float(env_default("quant_gib", 3.0)),
+      help="B12/B13 size of the quantized input, GiB (default 3)")
     a("--data", default=env_default("data", os.path.join(HERE, "data")))
     a("--build-dir", default=env_default("build_dir", os.path.join(REPO, "build", "bench")))
     a("--no-build", action="store_true", default=bool(env_default("no_build", "")))
@@ -80,6 +82,7 @@ def parse_args(argv):
     args = ap.parse_args(argv)
     if args.quick:
         args.pt_gib, args.pt_tensors, args.zero_gib, args.megatron_gib = 0.25, 1000, 0.3, 0.3
+        args.quant_gib = 0.3
         args.scale_gib = [0.1, 0.2, 0.3]
         args.reps, args.cold_reps, args.scale_reps = 3, 2, 2
         args.peer_reps, args.peer_cold_reps = min(args.peer_reps, 3), min(args.peer_cold_reps, 2)
@@ -121,6 +124,9 @@ class Ctx:
     def megatron(self, gib):
         name = f"megatron-{gib:g}g-tp{self.args.megatron_tp}pp{self.args.megatron_pp}"
         return os.path.join(self.data, name), os.path.join(self.data, name + ".reference.safetensors")
+
+    def quant(self, scheme):
+        return os.path.join(self.data, f"{'fp8block' if scheme == 'fp8-block' else 'mxfp4'}-{self.args.quant_gib:g}g")
 
     def pt_dir(self):
         return os.path.join(self.data, f"pt-{self.args.pt_gib:g}g-{self.args.pt_tensors}")
@@ -182,6 +188,9 @@ def generate(ctx, selected):
     if "B7" in selected:
         jobs.append([PY, os.path.join(HERE, "gen", "gen_megatron.py"), ctx.data, "--gib", f"{args.megatron_gib:g}",
                      "--tp", str(args.megatron_tp), "--pp", str(args.megatron_pp)])
+    for cid, scheme in (("B12", "fp8-block"), ("B13", "mxfp4")):
+        if cid in selected:
+            jobs.append([PY, os.path.join(HERE, "gen", "gen_quant.py"), ctx.data, "--scheme", scheme, "--gib", f"{args.quant_gib:g}"])
     t0 = time.perf_counter()
     for j in jobs:
         ctx.log("gen: " + " ".join(os.path.relpath(x, REPO) if x.startswith(REPO) else x for x in j[1:]))

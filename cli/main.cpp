@@ -45,6 +45,7 @@ usage:
   statedict inspect PATH [--json] [--hash] [--with-optimizer] [--from FORMAT] [--io mmap|pread] [--quiet]
   statedict convert IN OUT [--to safetensors|hf|torch|dcp|olmo|colossalai|megatron|deepspeed|deepspeed-universal] [--from FORMAT] [--dtype F32|BF16|F16]
                     [--cast-integer-buffers] [--keep-dtype REGEX]... [--dequantize fp8-block|mxfp4|auto]
+                    [--quantize fp8-block[:128]] [--quantize-match REGEX]... [--quantize-partial]
                     [--max-shard-size 5GB] [--world-size M] [--dcp-layout 2|1.13]
                     [--only NAME_PREFIX]... [--drop REGEX]... [--strip-prefix P]... [--add-prefix P]...
                     [--rename FROM=TO]... [--rename-regex REGEX=REPLACEMENT]... [--map NAMES.json]...
@@ -471,10 +472,12 @@ constexpr const char* hf_side_files[] = {"config.json",           "generation_co
                                          "special_tokens_map.json", "tokenizer.model",       "vocab.json",      "merges.txt",
                                          "added_tokens.json",     "chat_template.jinja"};
 
-/// After `convert --dequantize` of a folder into a Hugging Face folder: the input's config.json
-/// without its quantization_config (and its dtype entry set to the output's), and its other
-/// small files as they are, each written atomically. Files above 64 MiB are left out.
-void copy_hf_side_files(const std::filesystem::path& in, const std::filesystem::path& out, sd::dtype dtype) {
+/// After `convert --dequantize` (or `--quantize`) of a folder into a Hugging Face folder: the
+/// input's config.json without its quantization_config (with `quant`, this one instead), its
+/// dtype entry set to `dtype` when given, and its other small files as they are, each written
+/// atomically. Files above 64 MiB are left out.
+void copy_hf_side_files(const std::filesystem::path& in, const std::filesystem::path& out, std::optional<sd::dtype> dtype,
+                        const nlohmann::ordered_json& quant = nullptr) {
   for (const char* name : hf_side_files) {
     std::error_code ec;
     const auto from = in / name;
@@ -493,8 +496,10 @@ void copy_hf_side_files(const std::filesystem::path& in, const std::filesystem::
         continue;
       }
       j.erase("quantization_config");
-      for (const char* key : {"torch_dtype", "dtype"})
-        if (j.contains(key)) j[key] = std::string(sd::info(dtype).torch_name);
+      if (!quant.is_null()) j["quantization_config"] = quant;
+      if (dtype)
+        for (const char* key : {"torch_dtype", "dtype"})
+          if (j.contains(key)) j[key] = std::string(sd::info(*dtype).torch_name);
       text = j.dump(2) + "\n";
     }
     auto o = sd::OutputFile::create(out / name);
@@ -503,10 +508,41 @@ void copy_hf_side_files(const std::filesystem::path& in, const std::filesystem::
   }
 }
 
+/// `--quantize fp8-block[:B]`: block B x B (128 by default).
+std::uint64_t parse_quantize(const cli::Args& a, const std::string& v) {
+  constexpr std::string_view scheme = "fp8-block";
+  if (v == scheme) return 128;
+  if (v.size() > scheme.size() + 1 && v.compare(0, scheme.size() + 1, "fp8-block:") == 0)
+    return parse_count(v.substr(scheme.size() + 1), "--quantize fp8-block:", 1, 1U << 16);
+  a.fail(cli::errors::bad_value, "--quantize takes fp8-block or fp8-block:BLOCK (e.g. fp8-block:128), not " + sd::quote(v));
+}
+
+/// The `quantization_config` of a block-FP8 Hugging Face folder (transformers' FineGrainedFP8,
+/// DeepSeek-V3's keys): every 2-D `X.weight` left unquantized is named in modules_to_not_convert,
+/// as an anchored regular expression (transformers matches its entries as prefixes).
+nlohmann::ordered_json fp8_quantization_config(const sd::ShardedCheckpoint& ck, std::uint64_t block) {
+  nlohmann::ordered_json q = {{"quant_method", "fp8"}, {"fmt", "e4m3"}, {"activation_scheme", "dynamic"}, {"weight_block_size", {block, block}}};
+  auto skip = nlohmann::ordered_json::array();
+  constexpr std::string_view suffix = ".weight";
+  for (const auto& t : ck.tensors) {
+    const std::string_view n = t.name;
+    if (t.shape.size() < 2 || t.dtype == sd::dtype::F8_E4M3 || n.size() <= suffix.size() || n.substr(n.size() - suffix.size()) != suffix) continue;
+    std::string re;
+    for (const char c : n.substr(0, n.size() - suffix.size())) {
+      if (std::string_view(".^$*+?()[]{}|\\").find(c) != std::string_view::npos) re += '\\';
+      re += c;
+    }
+    skip.push_back(re + "$");
+  }
+  q["modules_to_not_convert"] = skip;
+  return q;
+}
+
 int cmd_convert(const std::vector<std::string>& argv) {
   cli::Args a(argv,
               with_megatron({{"--to", true}, {"--from", true}, {"--dtype", true}, {"--cast-integer-buffers", false}, {"--keep-dtype", true, true},
-               {"--dequantize", true}, {"--max-shard-size", true},
+               {"--dequantize", true}, {"--quantize", true}, {"--quantize-match", true, true}, {"--quantize-partial", false},
+               {"--max-shard-size", true},
                {"--world-size", true}, {"--only", true, true}, {"--drop", true, true}, {"--strip-prefix", true, true},
                {"--add-prefix", true, true}, {"--rename", true, true}, {"--rename-regex", true, true}, {"--map", true, true},
                {"--with-optimizer", false}, {"--threads", true}, {"--memory-budget", true}, {"--part", true},
@@ -527,8 +563,29 @@ int cmd_convert(const std::vector<std::string>& argv) {
     if (!dtype) a.fail(cli::errors::bad_option, "--dequantize needs --dtype BF16, F16 or F32: the dtype the dequantized tensors are written in");
     how.dequantize = d;
   }
+  std::optional<std::uint64_t> quant_block;
+  if (auto v = a.value("--quantize")) {
+    if (how.dequantize) a.fail(cli::errors::bad_option, "--quantize and --dequantize do not go together");
+    sd::formats::quantize_options q;
+    quant_block = parse_quantize(a, *v);
+    q.block_rows = q.block_cols = *quant_block;
+    q.partial_blocks = a.flag("--quantize-partial");
+    std::vector<std::function<bool(std::string_view)>> match, keep;
+    for (const auto& r : a.values("--quantize-match")) match.push_back(sd::formats::regex_matches(r));
+    for (const auto& r : a.values("--keep-dtype")) keep.push_back(sd::formats::regex_matches(r));
+    auto any = [](const std::vector<std::function<bool(std::string_view)>>& preds, std::string_view n) {
+      return std::any_of(preds.begin(), preds.end(), [&](const auto& p) { return p(n); });
+    };
+    if (!match.empty() || !keep.empty())
+      q.select = [match = std::move(match), keep = std::move(keep), any](std::string_view n) {
+        return !any(keep, n) && (match.empty() ? sd::formats::default_quantized(n) : any(match, n));
+      };
+    how.quantize = q;
+  } else if (a.flag("--quantize-match") || a.flag("--quantize-partial")) {
+    a.fail(cli::errors::bad_option, "--quantize-match and --quantize-partial apply with --quantize");
+  }
   if (const auto keep = a.values("--keep-dtype"); !keep.empty()) {
-    if (!dtype) a.fail(cli::errors::bad_option, "--keep-dtype applies with --dtype");
+    if (!dtype && !how.quantize) a.fail(cli::errors::bad_option, "--keep-dtype applies with --dtype or --quantize");
     std::vector<std::function<bool(std::string_view)>> preds;
     for (const auto& r : keep) preds.push_back(sd::formats::regex_matches(r));
     how.keep_dtype = [preds = std::move(preds)](std::string_view n) {
@@ -624,7 +681,13 @@ int cmd_convert(const std::vector<std::string>& argv) {
   const auto files = sd::formats::save(ck, out, w);
   ticker.reset();
   shown.clear();
-  if (dequantizing && format->name() == "hf" && !w.part && std::filesystem::is_directory(in)) copy_hf_side_files(in, out, *dtype);
+  if (dequantizing && format->name() == "hf" && !w.part && std::filesystem::is_directory(in)) copy_hf_side_files(in, out, dtype);
+  if (quant_block && format->name() == "hf" && !w.part) {
+    if (std::filesystem::is_regular_file(std::filesystem::path(in) / "config.json"))
+      copy_hf_side_files(in, out, dtype, fp8_quantization_config(ck, *quant_block));
+    else
+      std::fprintf(stderr, "statedict: %s has no config.json: the output has none, so no quantization_config either\n", sd::quote(in).c_str());
+  }
   std::string what = std::string(format->title()) + " checkpoint";
   if (w.index_only) what = "the index of a " + what;
   if (w.world_size) what += " for " + std::to_string(*w.world_size) + " rank" + (*w.world_size == 1 ? "" : "s");

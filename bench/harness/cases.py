@@ -7,7 +7,7 @@ import shutil
 import subprocess
 import sys
 
-from . import cache, cases_library, stcheck
+from . import cache, cases_library, quantcheck, stcheck
 from .runner import Peer
 
 PY = "/usr/bin/python3"  # Debian's python3 with PyTorch 1.13 (the pyenv python3 on PATH has no torch)
@@ -28,6 +28,8 @@ TARGETS = {
            "every point, its time growing at most linearly in ranks + tensors (1,024 ranks <= 1.5x the (R + T) "
            "ratio over 64 ranks), >= 20x faster than the zero_to_fp32 algorithm at 512 ranks",
     "B11": "statedict <= 1.3x cp wall, peak anonymous RSS <= 256 MiB",
+    "B12": "statedict <= 1.5x cp wall, peak anonymous RSS <= 256 MiB",
+    "B13": "statedict <= 1.5x cp wall, peak anonymous RSS <= 256 MiB",
 }
 
 # B10: many ranks, few bytes (0.05 GiB of fp32 weights); the description, not the copy, is measured.
@@ -350,6 +352,65 @@ def b10(ctx, runner):
     return dict(base, verdict="PASS" if ok else "MISS", detail="; ".join(parts))
 
 
+# -------------------------------------------------------------------------------------- B12, B13
+def _dequantize_case(ctx, runner, cid, scheme, check):
+    """A quantized Hugging Face folder (bench/gen/gen_quant.py) dequantized to BF16 with
+    `convert --dequantize`; cp copies statedict's own warm-up output (the same files and bytes)."""
+    root = ctx.quant(scheme)
+    sd, w = ctx.statedict, ctx.work
+    out_sd = os.path.join(w, f"{cid}-statedict.hf")
+    cp_src = os.path.join(w, f"{cid}-cp-source")
+    out_cp = os.path.join(w, f"{cid}-cp.out")
+    state = {"src": None}
+    if os.path.lexists(cp_src):
+        shutil.rmtree(cp_src)
+
+    def keep_output(peer):
+        if os.path.isdir(peer.output):
+            os.rename(peer.output, cp_src)
+            state["src"] = cp_src
+
+    def validate(peer, _stdout):
+        return check(root, peer.output)
+
+    peers = [
+        Peer("statedict", [sd, "convert", root, out_sd, "--to", "hf", "--dequantize", scheme, "--dtype", "BF16"],
+             kind="statedict", inputs=[root], output=out_sd, binary=sd, after_warmup=keep_output, validate=validate),
+        Peer("cp of the output bytes", lambda: cp_argv(state["src"] or root, out_cp), kind="limit",
+             inputs=lambda: [state["src"] or root], output=out_cp),
+    ]
+    results = runner.run(cid, peers, ctx.args.reps, ctx.args.cold_reps, ctx.args.cold_method)
+    status, detail = _ratio_verdict(results, 1.5, anon_cap_mib=256)
+    src = state["src"]
+    note = (f"cp copies statedict's own warm-up output ({cache.total_bytes([src]) / GiB:.2f} GiB, "
+            f"{sum(1 for _ in cache.files_under([src]))} files)" if src else "statedict did not run: cp copies the input")
+    if src:
+        shutil.rmtree(src, ignore_errors=True)
+    return {"root": root, "results": results, "verdict": status, "detail": detail, "note": note}
+
+
+def b12(ctx, runner):
+    """DeepSeek-V3-shaped block-FP8 weights (F8_E4M3 + F32 weight_scale_inv per 128 x 128 block,
+    576-row weights with a partial block row) dequantized to BF16: twice the input's bytes."""
+    names = [f"model.layers.0.self_attn.{n}.weight" for n in ("kv_a_proj_with_mqa", "q_b_proj")] + ["model.layers.1.mlp.down_proj.weight"]
+    r = _dequantize_case(ctx, runner, "B12", "fp8-block", lambda src, out: quantcheck.fp8_block(src, out, names))
+    r["title"] = "dequantize block-FP8 -> BF16 (Hugging Face folder, DeepSeek-V3 shapes)"
+    r["input"] = (f"{cache.total_bytes([r.pop('root')]) / GiB:.2f} GiB of F8_E4M3 weights with F32 scales in 3 files; "
+                  f"output: BF16 Hugging Face folder; {r.pop('note')}; checked: 3 weights bit for bit against numpy")
+    return r
+
+
+def b13(ctx, runner):
+    """gpt-oss-shaped MXFP4 experts (U8 blocks [32, N, 90, 16], E8M0 scales) dequantized to BF16
+    [32, 2880, N] as transformers lays them out: about four times the input's bytes."""
+    names = ["model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"]
+    r = _dequantize_case(ctx, runner, "B13", "mxfp4", lambda src, out: quantcheck.mxfp4(src, out, names))
+    r["title"] = "dequantize MXFP4 -> BF16 (Hugging Face folder, gpt-oss expert shapes)"
+    r["input"] = (f"{cache.total_bytes([r.pop('root')]) / GiB:.2f} GiB of MXFP4 experts; output: BF16 [E, 2880, N] "
+                  f"tensors; {r.pop('note')}; checked: one expert of 2 tensors bit for bit against numpy")
+    return r
+
+
 # ------------------------------------------------------------------------------------------- B5
 def _gbench_figure(benchmarks):
     """(seconds, rule, {name: {"real": s, "cpu": s}}) for flatten + unflatten.  The figure is the
@@ -486,7 +547,7 @@ def b7(ctx, runner):
     }
 
 
-ALL = ["B1", "B2", "B3", "B4", "B5", "B6", "B7", "B8", "B9", "B10", "B11"]
+ALL = ["B1", "B2", "B3", "B4", "B5", "B6", "B7", "B8", "B9", "B10", "B11", "B12", "B13"]
 TARGETS.update(cases_library.TARGETS)
 
 
@@ -501,7 +562,7 @@ def run_all(ctx, runner, selected):
             out[cid] = b6(ctx, runner, out.get("B1"))
         else:
             out[cid] = {"B1": b1, "B2": b2, "B3": b3, "B4": b4, "B5": b5, "B7": b7, "B8": cases_library.b8,
-                        "B9": cases_library.b9, "B10": b10, "B11": b11}[cid](ctx, runner)
+                        "B9": cases_library.b9, "B10": b10, "B11": b11, "B12": b12, "B13": b13}[cid](ctx, runner)
         out[cid]["target"] = TARGETS[cid]
         out[cid]["seconds"] = ctx.clock() - t0
         ctx.log(f"   {cid}: {out[cid]['verdict']} -- {out[cid]['detail']}  ({out[cid]['seconds']:.0f}s)")

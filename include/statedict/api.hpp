@@ -92,6 +92,8 @@ STATEDICT_API ShardedCheckpoint rename(const ShardedCheckpoint& ck, const name_m
 STATEDICT_API ShardedCheckpoint filter(const ShardedCheckpoint& ck, const std::function<bool(std::string_view)>& keep);
 STATEDICT_API ShardedCheckpoint drop(const ShardedCheckpoint& ck, const std::function<bool(std::string_view)>& pred);
 STATEDICT_API ShardedCheckpoint dequantize(const ShardedCheckpoint& ck, const dequantize_options& opt = {});
+STATEDICT_API bool default_quantized(std::string_view name);
+STATEDICT_API ShardedCheckpoint quantize(const ShardedCheckpoint& ck, const quantize_options& opt = {});
 STATEDICT_API ShardedCheckpoint split(const ShardedCheckpoint& ck, std::string_view name, std::size_t dim, const std::vector<part>& parts);
 STATEDICT_API ShardedCheckpoint concat(const ShardedCheckpoint& ck, const std::vector<std::string>& names, std::size_t dim,
                                        const std::string& to);

@@ -6842,6 +6842,22 @@ struct dequantize_options {
   std::uint64_t block_cols = 128;
 };
 
+/// What quantize() does: block-FP8 (`float8_e4m3fn` weights with F32 `weight_scale_inv`, the
+/// layout of DeepSeek-V3 and of transformers' FineGrainedFP8; docs/formats/quantized.md).
+struct quantize_options {
+  /// The block, rows then columns (written as `quantization_config.weight_block_size`).
+  std::uint64_t block_rows = 128;
+  std::uint64_t block_cols = 128;
+  /// The tensors to quantize; empty: default_quantized(), the 2-D F32 / BF16 / F16 `.weight`
+  /// tensors except embeddings, lm_head, norms and MoE routers. A tensor it selects that cannot
+  /// be quantized (another dtype, fewer than 2 dimensions) is an error.
+  std::function<bool(std::string_view)> select;
+  /// Tensors whose rows or columns are not a multiple of the block: quantized on the block grid,
+  /// the last blocks cut (DeepSeek's layout), when true; left as they are when false, as
+  /// transformers' quantizer leaves them (its dequantization assumes whole blocks).
+  bool partial_blocks = false;
+};
+
 /// One part of a split: its name and its size along the split dimension.
 struct part {
   std::string name;
@@ -6974,6 +6990,9 @@ struct open_options {
   /// Dequantize block-FP8 / MXFP4 pairs (formats::dequantize) before `dtype` is applied. For a
   /// directory with a config.json, its `quantization_config.weight_block_size` gives the block.
   std::optional<dequantize_options> dequantize;
+  /// Quantize the selected weights to block-FP8 (formats::quantize) after `dequantize` and before
+  /// `dtype`, which then leaves the quantized weights and their scales as they are.
+  std::optional<quantize_options> quantize;
   /// Check that replicated copies agree (ShardedTensor rank files; the planner checks the rest).
   bool check_replicas = false;
   /// Read the input as this format (its registry name) instead of detecting it.
@@ -7168,6 +7187,8 @@ STATEDICT_API ShardedCheckpoint rename(const ShardedCheckpoint& ck, const name_m
 STATEDICT_API ShardedCheckpoint filter(const ShardedCheckpoint& ck, const std::function<bool(std::string_view)>& keep);
 STATEDICT_API ShardedCheckpoint drop(const ShardedCheckpoint& ck, const std::function<bool(std::string_view)>& pred);
 STATEDICT_API ShardedCheckpoint dequantize(const ShardedCheckpoint& ck, const dequantize_options& opt = {});
+STATEDICT_API bool default_quantized(std::string_view name);
+STATEDICT_API ShardedCheckpoint quantize(const ShardedCheckpoint& ck, const quantize_options& opt = {});
 STATEDICT_API ShardedCheckpoint split(const ShardedCheckpoint& ck, std::string_view name, std::size_t dim, const std::vector<part>& parts);
 STATEDICT_API ShardedCheckpoint concat(const ShardedCheckpoint& ck, const std::vector<std::string>& names, std::size_t dim,
                                        const std::string& to);
@@ -20226,6 +20247,7 @@ STATEDICT_API comparison compare(const ShardedCheckpoint& A, const ShardedCheckp
 //   cast(ck, dtype)         every floating tensor's dtype (cast_options: also integer-origin buffers,
 //                           or keep some); refuses quantized pairs that dequantize() has not replaced
 //   dequantize(ck, opt)     block-FP8 and MXFP4 pairs as computed F32 tensors, scales dropped
+//   quantize(ck, opt)       selected weights as computed block-FP8 pairs (F8_E4M3 + F32 scale_inv)
 //   split(ck, name, ...)    a tensor cut along a dimension into named parts
 //   concat(ck, names, ...)  tensors joined along a dimension into one
 //   check_consistent(ck)    the skeleton and the tensors agree (every writer checks it first)
@@ -20256,6 +20278,7 @@ STATEDICT_API comparison compare(const ShardedCheckpoint& A, const ShardedCheckp
 // SPDX-License-Identifier: MIT
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -20329,17 +20352,55 @@ inline std::vector<quant_pair> find_quant_pairs(const ShardedCheckpoint& ck, qua
 /// The bytes of tensor `t` as one source of its own, row-major and little-endian: what a
 /// safetensors or Hugging Face reader describes. Anything else (a sharded or strided tensor) is
 /// refused: the computed sources read the quantized bytes by element index.
-inline std::shared_ptr<const ByteSource> whole_bytes(const ShardedCheckpoint& ck, const TensorInfo& t, std::string_view of) {
+inline std::shared_ptr<const ByteSource> whole_bytes(const ShardedCheckpoint& ck, const TensorInfo& t, std::string_view of,
+                                                      std::string_view verb = "dequantizing") {
   const auto& c = t.chunks;
   const bool whole = c.size() == 1 && c[0].at.stored == t.dtype && c[0].at.order == byte_order::little &&
                      (c[0].at.strides.empty() || c[0].at.strides == contiguous_strides(t.shape)) && covers_whole(c[0].region, t.shape) &&
                      c[0].at.source < ck.sources.size() && ck.sources[c[0].at.source];
   if (!whole)
     throw_error(errors::dequantize_layout, "tensor " + quote(t.name),
-                std::string("is stored in several pieces or strided; dequantizing ") + std::string(of) +
+                "is stored in several pieces or strided; " + std::string(verb) + " " + std::string(of) +
                     " needs it whole and contiguous (a safetensors or Hugging Face checkpoint)");
   const std::uint64_t n = byte_size(t.shape, itemsize(t.dtype));
   return std::make_shared<SliceSource>(ck.sources[c[0].at.source], c[0].at.byte_offset, n, ck.sources[c[0].at.source]->name());
+}
+
+/// float8_e4m3fn and E8M0 decoded once into tables (core/dtype.hpp's exact conversions), so the
+/// dequantizing loops below are a load and a multiply an element, with no call or branch.
+inline const float* f8e4m3_table() {
+  static const auto t = [] {
+    std::array<float, 256> a{};
+    for (unsigned i = 0; i < 256; ++i) a[i] = f32_from_f8e4m3(static_cast<std::uint8_t>(i));
+    return a;
+  }();
+  return t.data();
+}
+inline const float* f8e8m0_table() {
+  static const auto t = [] {
+    std::array<float, 256> a{};
+    for (unsigned i = 0; i < 256; ++i) a[i] = f32_from_f8e8m0(static_cast<std::uint8_t>(i));
+    return a;
+  }();
+  return t.data();
+}
+
+/// After a read of [offset, offset + length) of `src` (a mapped file, or a slice of one)
+/// consumed bytes up to offset + length: the mapped pages of each 2 MiB window of the file that
+/// the read finished are released, as the executor releases the pages of the sources it copies
+/// itself, so the file-backed RSS does not grow with the input. A window another thread still
+/// reads is mapped again where it is used: slower, never wrong.
+inline void release_read_pages(const ByteSource& src, std::uint64_t offset, std::uint64_t length) {
+  constexpr std::uint64_t window = std::uint64_t{2} << 20;
+  const ByteSource* p = &src;
+  while (const auto* sl = dynamic_cast<const SliceSource*>(p)) {
+    offset += sl->offset();
+    p = sl->base().get();
+  }
+  const auto* f = dynamic_cast<const InputFile*>(p);
+  if (!f || !f->data()) return;
+  const std::uint64_t lo = offset / window, hi = (offset + length) / window;
+  if (hi > lo) f->advise(lo * window, (hi - lo) * window, access_hint::dontneed);  // windows lo .. hi - 1 are behind
 }
 
 /// A tensor computed from others, element by element, as F32 bytes in row-major order: reading
@@ -20373,23 +20434,6 @@ class computed_source : public ByteSource {
  protected:
   /// Elements [first, first + n) (n <= 2048) into out.
   virtual void compute(std::uint64_t first, std::size_t n, float* out) const = 0;
-  /// After a read of [offset, offset + length) of `src` (a mapped file, or a slice of one)
-  /// consumed bytes up to offset + length: the mapped pages of each 2 MiB window of the file that
-  /// the read finished are released, as the executor releases the pages of the sources it copies
-  /// itself, so the file-backed RSS does not grow with the input. A window another thread still
-  /// reads is mapped again where it is used: slower, never wrong.
-  static void release_done(const ByteSource& src, std::uint64_t offset, std::uint64_t length) {
-    constexpr std::uint64_t window = std::uint64_t{2} << 20;
-    const ByteSource* p = &src;
-    while (const auto* sl = dynamic_cast<const SliceSource*>(p)) {
-      offset += sl->offset();
-      p = sl->base().get();
-    }
-    const auto* f = dynamic_cast<const InputFile*>(p);
-    if (!f || !f->data()) return;
-    const std::uint64_t lo = offset / window, hi = (offset + length) / window;
-    if (hi > lo) f->advise(lo * window, (hi - lo) * window, access_hint::dontneed);  // windows lo .. hi - 1 are behind
-  }
   /// Bytes [offset, offset + dst.size()) of `src`: in place when mapped, else read into dst.
   static const std::byte* bytes(const ByteSource& src, std::uint64_t offset, std::span<std::byte> dst) {
     src.check_range(offset, dst.size());
@@ -20420,7 +20464,7 @@ class fp8_block_source final : public computed_source {
  private:
   void compute(std::uint64_t first, std::size_t n, float* out) const override {
     compute_values(first, n, out);
-    release_done(*w_, first, n);
+    release_read_pages(*w_, first, n);
   }
   void compute_values(std::uint64_t first, std::size_t n, float* out) const {
     std::byte wbuf[2048];
@@ -20452,9 +20496,15 @@ class fp8_block_source final : public computed_source {
           throw_error(errors::dequantize_scale_value, "tensor " + quote(tensor_),
                       "scale [" + std::to_string(i / br_) + ", " + std::to_string(c0 + c) + "] of its matrix " + std::to_string(mat) +
                           " is not finite (" + std::to_string(sv[c]) + ")");
-      for (std::size_t x = 0; x < run; ++x) {
-        const float v = f32_from_f8e4m3(static_cast<std::uint8_t>(w[x]));
-        out[k + x] = v * sv[(j0 + x) / bc_ - c0];
+      // One column block at a time: its scale is a constant of the inner loop.
+      const float* lut = f8e4m3_table();
+      const auto* wb = reinterpret_cast<const std::uint8_t*>(w);
+      for (std::size_t x = 0, c = 0; x < run; ++c) {
+        const auto end = static_cast<std::size_t>(std::min<std::uint64_t>(run, (c0 + c + 1) * bc_ - j0));
+        const float scale = sv[c];
+        float* o = out + k;
+        for (std::size_t y = x; y < end; ++y) o[y] = lut[wb[y]] * scale;
+        x = end;
       }
       k += run;
     }
@@ -20491,12 +20541,49 @@ class mxfp4_source final : public computed_source {
     const std::uint64_t per = size_ / 4 / static_cast<std::uint64_t>(out_shape_[0]);
     if (per != 0 && (first + n) / per > first / per) {
       const std::uint64_t e0 = first / per, e1 = (first + n) / per;  // experts e0 .. e1 - 1 are done
-      release_done(*b_, e0 * (per / 2), (e1 - e0) * (per / 2));
+      release_read_pages(*b_, e0 * (per / 2), (e1 - e0) * (per / 2));
+    }
+  }
+  static constexpr float lut[16] = {0.0F, 0.5F, 1.0F, 1.5F, 2.0F, 3.0F, 4.0F, 6.0F, -0.0F, -0.5F, -1.0F, -1.5F, -2.0F, -3.0F, -4.0F, -6.0F};
+  [[noreturn]] void nan_scale(std::uint64_t row) const {
+    throw_error(errors::dequantize_scale_value, "tensor " + quote(tensor_),
+                "scale " + std::to_string(row) + " (row-major, of " + std::to_string(s_->size()) + ") is 0xff, E8M0's NaN");
+  }
+  /// gpt-oss' layout, values [E, N, G * 32] read as [E, G * 32, N], both sources mapped: along an
+  /// output row, value v of each of the N block rows (G * 16 bytes apart), the same byte and
+  /// nibble of each; a strided load, two table look-ups and a multiply an element.
+  void compute_transposed(std::uint64_t first, std::size_t n, float* out, const std::uint8_t* b, const std::uint8_t* s) const {
+    const float* e8 = f8e8m0_table();
+    const auto v_size = static_cast<std::uint64_t>(out_shape_[1]), n_size = static_cast<std::uint64_t>(out_shape_[2]);
+    const std::uint64_t groups = v_size / 32;
+    std::size_t k = 0;
+    while (k < n) {
+      const std::uint64_t at = first + k, e = at / (v_size * n_size), v = (at / n_size) % v_size, n0 = at % n_size;
+      const auto run = static_cast<std::size_t>(std::min<std::uint64_t>(n - k, n_size - n0));
+      const std::uint64_t row0 = (e * n_size + n0) * groups + v / 32;
+      const unsigned shift = static_cast<unsigned>(v % 2) * 4;
+      const std::uint8_t* bp = b + row0 * 16 + (v % 32) / 2;
+      const std::uint8_t* sp = s + row0;
+      const std::size_t bstep = static_cast<std::size_t>(groups) * 16, sstep = static_cast<std::size_t>(groups);
+      float* o = out + k;
+      unsigned nan = 0;
+      for (std::size_t x = 0; x < run; ++x) {
+        const std::uint8_t sc = sp[x * sstep];
+        nan |= static_cast<unsigned>(sc == 0xff);
+        o[x] = lut[(bp[x * bstep] >> shift) & 0xfU] * e8[sc];
+      }
+      if (nan)
+        for (std::size_t x = 0; x < run; ++x)
+          if (sp[x * sstep] == 0xff) nan_scale(row0 + x * sstep);
+      k += run;
     }
   }
   void compute_values(std::uint64_t first, std::size_t n, float* out) const {
-    static constexpr float lut[16] = {0.0F, 0.5F, 1.0F, 1.5F, 2.0F, 3.0F, 4.0F, 6.0F, -0.0F, -0.5F, -1.0F, -1.5F, -2.0F, -3.0F, -4.0F, -6.0F};
     const std::size_t r = out_shape_.size();
+    if (r == 3 && b_->data() && s_->data()) {
+      compute_transposed(first, n, out, reinterpret_cast<const std::uint8_t*>(b_->data()), reinterpret_cast<const std::uint8_t*>(s_->data()));
+      return;
+    }
     // The output index of `first`, and the values' flat index t it reads.
     std::vector<std::uint64_t> idx(r);
     std::uint64_t rest = first, t = 0;
@@ -20518,9 +20605,7 @@ class mxfp4_source final : public computed_source {
         row = t / 32;
         b = bmap ? bmap + row * 16 : bytes(*b_, row * 16, blk);
         const auto e = static_cast<std::uint8_t>(smap ? smap[row] : *bytes(*s_, row, sc));
-        if (e == 0xff)
-          throw_error(errors::dequantize_scale_value, "tensor " + quote(tensor_),
-                      "scale " + std::to_string(row) + " (row-major, of " + std::to_string(s_->size()) + ") is 0xff, E8M0's NaN");
+        if (e == 0xff) nan_scale(row);
         scale = f32_from_f8e8m0(e);
       }
       const std::uint64_t q = t % 32;
@@ -20538,6 +20623,243 @@ class mxfp4_source final : public computed_source {
   std::string tensor_;
   std::shared_ptr<const ByteSource> b_, s_;
   shape_t out_shape_, step_;
+};
+
+}  // namespace formats::detail
+}  // namespace statedict::inline v0
+// ---- statedict/formats/detail/quantize.hpp ----
+// statedict: block-FP8 quantization while streaming (formats/transform.hpp quantize;
+// docs/formats/quantized.md): the F8_E4M3 weight and its F32 `weight_scale_inv` as two computed
+// byte sources over the same input, sharing each band of block rows' multipliers.
+// SPDX-License-Identifier: MIT
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+
+namespace statedict::inline v0 {
+
+namespace errors {
+// clang-format off
+inline constexpr error_id quantize_bad_value  {867, error_kind::format,      "quantize.bad_value"};
+inline constexpr error_id quantize_bad_tensor {868, error_kind::type,        "quantize.bad_tensor"};
+inline constexpr error_id quantize_name_taken {869, error_kind::key,         "quantize.name_taken"};
+// clang-format on
+}  // namespace errors
+
+namespace formats::detail {
+
+/// The largest finite float8_e4m3fn value.
+inline constexpr float fp8_e4m3_max = 448.0F;
+
+/// One block-FP8 quantization of tensor `tensor` (F32, BF16 or F16 [..., rows, cols], its bytes
+/// `in`): the multiplier of every block, computed a band of block rows at a time as transformers'
+/// FineGrainedFP8 quantizer does (docs/formats/quantized.md, "Quantizing"):
+///   amax = max |x| over the block (x widened exactly to f32),
+///   m    = amax > 0 ? f32(f32(1 / amax) * 448) : 1,
+/// the stored value is e4m3(clamp(f32(x * m), -448, 448)) rounded to nearest even, and the stored
+/// inverse scale f32(1 / m). A block whose last rows or columns are cut (rows or cols not a
+/// multiple of the block) takes its maximum over the elements it has (DeepSeek's grid).
+/// A value that is not finite, or a maximum so small that 1 / amax overflows, is an error naming
+/// the tensor and the element or block (errors::quantize_bad_value), thrown while streaming.
+class fp8_quant_blocks {
+ public:
+  fp8_quant_blocks(std::string tensor, std::shared_ptr<const ByteSource> in, dtype dt, const shape_t& shape, std::uint64_t br,
+                   std::uint64_t bc)
+      : tensor_(std::move(tensor)), in_(std::move(in)), dt_(dt), br_(br), bc_(bc) {
+    rows_ = static_cast<std::uint64_t>(shape[shape.size() - 2]);
+    cols_ = static_cast<std::uint64_t>(shape.back());
+    srows_ = (rows_ + br - 1) / br;
+    scols_ = (cols_ + bc - 1) / bc;
+    elements_ = numel(shape);
+    mats_ = rows_ * cols_ == 0 ? 0 : elements_ / (rows_ * cols_);
+    in_->check_range(0, checked_mul(elements_, itemsize(dt_)), "tensor to quantize");
+  }
+  [[nodiscard]] const std::string& tensor() const noexcept { return tensor_; }
+  [[nodiscard]] std::uint64_t rows() const noexcept { return rows_; }
+  [[nodiscard]] std::uint64_t cols() const noexcept { return cols_; }
+  [[nodiscard]] std::uint64_t block_rows() const noexcept { return br_; }
+  [[nodiscard]] std::uint64_t block_cols() const noexcept { return bc_; }
+  [[nodiscard]] std::uint64_t scale_rows() const noexcept { return srows_; }
+  [[nodiscard]] std::uint64_t scale_cols() const noexcept { return scols_; }
+  [[nodiscard]] std::uint64_t elements() const noexcept { return elements_; }
+  [[nodiscard]] const ByteSource& input() const noexcept { return *in_; }
+  [[nodiscard]] std::uint64_t input_itemsize() const noexcept { return itemsize(dt_); }
+
+  /// Elements [first, first + n) of the input (n <= 2048) widened exactly to f32.
+  void widen(std::uint64_t first, std::size_t n, float* out) const {
+    const std::size_t isz = itemsize(dt_);
+    std::byte buf[2048 * 4];
+    const std::byte* b = bytes(*in_, first * isz, std::span<std::byte>(buf, n * isz));
+    if (dt_ == dtype::F32) {
+      std::memcpy(out, b, n * 4);
+    } else if (dt_ == dtype::BF16) {
+      for (std::size_t k = 0; k < n; ++k) {
+        std::uint16_t h = 0;
+        std::memcpy(&h, b + k * 2, 2);
+        out[k] = f32_from_bf16(h);
+      }
+    } else {
+      for (std::size_t k = 0; k < n; ++k) {
+        std::uint16_t h = 0;
+        std::memcpy(&h, b + k * 2, 2);
+        out[k] = f32_from_f16(h);
+      }
+    }
+  }
+
+  /// The multipliers m of the blocks of band `band` (block row) of matrix `mat`: scale_cols() floats.
+  std::shared_ptr<const std::vector<float>> band(std::uint64_t mat, std::uint64_t band) const {
+    const std::uint64_t key = mat * srows_ + band;
+    {
+      const std::lock_guard<std::mutex> lock(m_);
+      for (const auto& [k, v] : cache_)
+        if (k == key) return v;
+    }
+    auto v = std::make_shared<std::vector<float>>(compute_band(mat, band));
+    const std::lock_guard<std::mutex> lock(m_);
+    if (cache_.size() >= 8) cache_.erase(cache_.begin());
+    cache_.emplace_back(key, v);
+    return v;
+  }
+
+ private:
+  static const std::byte* bytes(const ByteSource& src, std::uint64_t offset, std::span<std::byte> dst) {
+    if (const std::byte* d = src.data()) return d + offset;
+    src.read(offset, dst);
+    return dst.data();
+  }
+
+  static std::string shown(float v) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.9g", static_cast<double>(v));
+    return buf;
+  }
+
+  std::vector<float> compute_band(std::uint64_t mat, std::uint64_t band) const {
+    std::vector<float> amax(static_cast<std::size_t>(scols_), 0.0F);
+    float buf[2048];
+    const std::uint64_t r0 = band * br_, r1 = std::min(rows_, r0 + br_);
+    for (std::uint64_t r = r0; r < r1; ++r) {
+      const std::uint64_t row = (mat * rows_ + r) * cols_;
+      for (std::uint64_t j = 0; j < cols_;) {
+        const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(2048, cols_ - j));
+        widen(row + j, n, buf);
+        bool finite = true;
+        for (std::size_t k = 0; k < n; ++k) finite &= std::isfinite(buf[k]);
+        if (!finite)
+          for (std::size_t k = 0; k < n; ++k)
+            if (!std::isfinite(buf[k]))
+              throw_error(errors::quantize_bad_value, "tensor " + quote(tensor_),
+                          "element [" + std::to_string(r) + ", " + std::to_string(j + k) + "] of its matrix " + std::to_string(mat) +
+                              " is " + shown(buf[k]) + ": a block-FP8 scale needs finite values");
+        // Column blocks of this run: the maximum of each, |x| exact in f32.
+        for (std::size_t k = 0; k < n;) {
+          const std::uint64_t c = (j + k) / bc_;
+          const auto end = static_cast<std::size_t>(std::min<std::uint64_t>(n, (c + 1) * bc_ - j));
+          float m = amax[static_cast<std::size_t>(c)];
+          for (std::size_t x = k; x < end; ++x) m = std::max(m, std::fabs(buf[x]));
+          amax[static_cast<std::size_t>(c)] = m;
+          k = end;
+        }
+        j += n;
+      }
+    }
+    for (std::size_t c = 0; c < amax.size(); ++c) {
+      const float a = amax[c];
+      if (a == 0.0F) {
+        amax[c] = 1.0F;  // an all-zero block: multiplier and inverse scale 1, zeros kept with their signs
+        continue;
+      }
+      const float m = (1.0F / a) * fp8_e4m3_max;
+      if (!std::isfinite(m))
+        throw_error(errors::quantize_bad_value, "tensor " + quote(tensor_),
+                    "block [" + std::to_string(band) + ", " + std::to_string(c) + "] of its matrix " + std::to_string(mat) +
+                        " has largest magnitude " + shown(a) +
+                        ": 1 / that overflows float32, so no block-FP8 scale represents it (keep the tensor's dtype)");
+      amax[c] = m;
+    }
+    return amax;
+  }
+
+  std::string tensor_;
+  std::shared_ptr<const ByteSource> in_;
+  dtype dt_;
+  std::uint64_t br_, bc_, rows_ = 0, cols_ = 0, srows_ = 0, scols_ = 0, elements_ = 0, mats_ = 0;
+  mutable std::mutex m_;
+  mutable std::vector<std::pair<std::uint64_t, std::shared_ptr<const std::vector<float>>>> cache_;
+};
+
+/// The F8_E4M3 bytes of a quantized weight, row-major: each element computed from its block's
+/// multiplier (fp8_quant_blocks) when read.
+class fp8_quant_values_source final : public ByteSource {
+ public:
+  explicit fp8_quant_values_source(std::shared_ptr<const fp8_quant_blocks> q) : name_("quantized " + quote(q->tensor())), q_(std::move(q)) {}
+  [[nodiscard]] const std::string& name() const noexcept override { return name_; }
+  [[nodiscard]] std::uint64_t size() const noexcept override { return q_->elements(); }
+  [[nodiscard]] keep_alive owner() const override { return {}; }
+  void read(std::uint64_t offset, std::span<std::byte> dst) const override {
+    check_range(offset, dst.size());
+    float buf[2048];
+    const std::uint64_t rows = q_->rows(), cols = q_->cols(), bc = q_->block_cols();
+    std::size_t done = 0;
+    while (done < dst.size()) {
+      const std::uint64_t e = offset + done;
+      const std::uint64_t mat = e / (rows * cols), rem = e % (rows * cols);
+      const std::uint64_t i = rem / cols, j0 = rem % cols;
+      const auto run = static_cast<std::size_t>(std::min<std::uint64_t>({2048, dst.size() - done, cols - j0}));
+      const auto m = q_->band(mat, i / q_->block_rows());
+      q_->widen(e, run, buf);
+      auto* out = reinterpret_cast<std::uint8_t*>(dst.data() + done);
+      for (std::size_t x = 0; x < run;) {
+        const std::uint64_t c = (j0 + x) / bc;
+        const auto end = static_cast<std::size_t>(std::min<std::uint64_t>(run, (c + 1) * bc - j0));
+        const float mul = (*m)[static_cast<std::size_t>(c)];
+        for (std::size_t k = x; k < end; ++k)
+          out[k] = f8e4m3_from_f32(std::clamp(buf[k] * mul, -fp8_e4m3_max, fp8_e4m3_max));
+        x = end;
+      }
+      done += run;
+    }
+    release_read_pages(q_->input(), offset * q_->input_itemsize(), dst.size() * q_->input_itemsize());
+  }
+
+ private:
+  std::string name_;
+  std::shared_ptr<const fp8_quant_blocks> q_;
+};
+
+/// The F32 inverse scales [..., scale rows, scale cols] of a quantized weight: 1 / multiplier.
+class fp8_quant_scales_source final : public computed_source {
+ public:
+  explicit fp8_quant_scales_source(std::shared_ptr<const fp8_quant_blocks> q)
+      : computed_source("scales of quantized " + quote(q->tensor()),
+                        checked_mul(q->elements() == 0 ? 0 : q->elements() / (q->rows() * q->cols()), q->scale_rows() * q->scale_cols())),
+        q_(std::move(q)) {}
+
+ private:
+  void compute(std::uint64_t first, std::size_t n, float* out) const override {
+    const std::uint64_t sr = q_->scale_rows(), sc = q_->scale_cols();
+    for (std::size_t k = 0; k < n;) {
+      const std::uint64_t e = first + k;
+      const std::uint64_t mat = e / (sr * sc), band = (e % (sr * sc)) / sc, c0 = e % sc;
+      const auto m = q_->band(mat, band);
+      const auto run = static_cast<std::size_t>(std::min<std::uint64_t>(n - k, sc - c0));
+      for (std::size_t x = 0; x < run; ++x) out[k + x] = 1.0F / (*m)[static_cast<std::size_t>(c0 + x)];
+      k += run;
+    }
+  }
+  std::shared_ptr<const fp8_quant_blocks> q_;
 };
 
 }  // namespace formats::detail
@@ -21392,6 +21714,94 @@ STATEDICT_API ShardedCheckpoint dequantize(const ShardedCheckpoint& ck, const de
   return out;
 }
 
+/// The tensors quantize() takes by default, by name: `X.weight` except embeddings (`embed`,
+/// `wte`, `wpe`), `lm_head`, norms (`norm`, `ln_`) and MoE routers (a module named `gate` or
+/// `router`); quantize() adds: F32, BF16 or F16 with exactly 2 dimensions (Linear weights).
+STATEDICT_API bool default_quantized(std::string_view name) {
+  constexpr std::string_view suffix = ".weight";
+  if (!detail::quant_ends_with(name, suffix)) return false;
+  std::string lower(name);
+  for (char& c : lower) c = static_cast<char>(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c);
+  for (const std::string_view no : {"embed", "wte", "wpe", "lm_head", "norm", "ln_"})
+    if (lower.find(no) != std::string::npos) return false;
+  const std::string_view module = std::string_view(lower).substr(0, lower.size() - suffix.size());
+  const std::string_view last = module.substr(module.rfind('.') == std::string_view::npos ? 0 : module.rfind('.') + 1);
+  return last != "gate" && last != "router";
+}
+
+/// The checkpoint with the selected weights (opt.select, else default_quantized() among the 2-D
+/// F32 / BF16 / F16 tensors) replaced by block-FP8 pairs as transformers' FineGrainedFP8 and
+/// DeepSeek-V3 store them: `N` F8_E4M3 of the same shape and `N_scale_inv` (`X.weight_scale_inv`)
+/// F32 [..., ceil(rows / block_rows), ceil(cols / block_cols)], both computed sources that the
+/// executor fills while it streams, a band of block rows at a time (detail/quantize.hpp gives the
+/// arithmetic). A tensor whose rows or columns are not a multiple of the block stays as it is
+/// unless opt.partial_blocks. Every other tensor stays as it is.
+/// Errors, before anything is written: a selected tensor of another dtype or with fewer than 2
+/// dimensions (quantize.bad_tensor), a scale name already taken (quantize.name_taken), a tensor
+/// stored in pieces; while streaming (the executor then commits no file): a value that is not
+/// finite, a block whose largest magnitude has no float32 reciprocal (quantize.bad_value).
+STATEDICT_API ShardedCheckpoint quantize(const ShardedCheckpoint& ck, const quantize_options& opt = {}) {
+  if (opt.block_rows == 0 || opt.block_cols == 0)
+    throw_error(errors::quantize_bad_tensor, "block size", "block-FP8 blocks of " + std::to_string(opt.block_rows) + " x " +
+                                                             std::to_string(opt.block_cols) + " elements: both must be at least 1");
+  auto dims = [](const shape_t& s) { return to_string(s); };
+  ShardedCheckpoint out = ck;
+  std::vector<std::pair<TensorInfo, TensorInfo>> made;  // (F8 weight, its scales)
+  for (const TensorInfo& t : ck.tensors) {
+    const bool quantizable = (t.dtype == dtype::F32 || t.dtype == dtype::BF16 || t.dtype == dtype::F16) && t.shape.size() >= 2;
+    if (opt.select) {
+      if (!opt.select(t.name)) continue;
+      if (!quantizable)
+        throw_error(errors::quantize_bad_tensor, "tensor " + quote(t.name),
+                    "is " + std::string(name(t.dtype)) + " " + dims(t.shape) +
+                        "; block-FP8 quantizes F32, BF16 or F16 tensors of at least 2 dimensions (the pattern selects it)");
+    } else if (!quantizable || t.shape.size() != 2 || !default_quantized(t.name)) {
+      continue;
+    }
+    const auto rows = static_cast<std::uint64_t>(t.shape[t.shape.size() - 2]), cols = static_cast<std::uint64_t>(t.shape.back());
+    if (!opt.partial_blocks && (rows % opt.block_rows != 0 || cols % opt.block_cols != 0)) continue;
+    const std::string scale = detail::fp8_scale_name(t.name);
+    if (ck.find(scale))
+      throw_error(errors::quantize_name_taken, "tensor " + quote(scale),
+                  "is already in the checkpoint: the scales of the quantized " + quote(t.name) + " would take its name");
+    auto q = std::make_shared<const detail::fp8_quant_blocks>(t.name, detail::whole_bytes(ck, t, "it", "quantizing"), t.dtype, t.shape,
+                                                              opt.block_rows, opt.block_cols);
+    shape_t sshape = t.shape;
+    sshape[sshape.size() - 2] = static_cast<dim_t>(q->scale_rows());
+    sshape.back() = static_cast<dim_t>(q->scale_cols());
+    out.sources.push_back(std::make_shared<detail::fp8_quant_values_source>(q));
+    TensorInfo w{t.name, dtype::F8_E4M3, t.shape, {Chunk{full_box(t.shape), Placement{static_cast<std::uint32_t>(out.sources.size() - 1), 0, {}, dtype::F8_E4M3}}}};
+    out.sources.push_back(std::make_shared<detail::fp8_quant_scales_source>(q));
+    TensorInfo s{scale, dtype::F32, sshape, {Chunk{full_box(sshape), Placement{static_cast<std::uint32_t>(out.sources.size() - 1), 0, {}, dtype::F32}}}};
+    made.emplace_back(std::move(w), std::move(s));
+  }
+  if (made.empty()) return ck;
+  if (out.skeleton.is_null()) {
+    for (auto& [w, s] : made) {
+      out.tensors[static_cast<std::size_t>(out.find(w.name) - out.tensors.data())] = std::move(w);
+      out.tensors.push_back(std::move(s));
+    }
+    return out;
+  }
+  // A tree (a torch.save file): the weight's entry gets the quantized tensor, and its dictionary a
+  // sibling entry, the weight's key + "_scale_inv", for the scales.
+  detail::tree_form form(out);
+  for (auto& [w, s] : made) {
+    const std::string n = w.name;
+    const Path at = detail::entry_of(form.tree(), *form.placeholder(n), n);
+    if (at.empty() || !at.back().is_string())
+      throw_error(errors::quantize_bad_tensor, "tensor " + quote(n), "is not an entry of a dictionary: its scales have no place beside it");
+    const std::string key = at.back().as_string() + "_scale_inv";
+    *find_path(form.tree(), at) = Value(form.add(std::move(w)));
+    Value* parent = find_path(form.tree(), Path(at.begin(), at.end() - 1));
+    if (!parent || !parent->is_dict() || parent->as_dict().contains(key))
+      throw_error(errors::quantize_name_taken, "tensor " + quote(n), "has a sibling entry " + quote(key) + " already: its scales would take it");
+    parent->as_dict().insert(Key(key), Value(form.add(std::move(s))));
+  }
+  return form.result();
+}
+
+
 /// Throws errors::stale_skeleton unless the skeleton and the tensors agree: every tensor node
 /// names a tensor of the checkpoint with its dtype and shape, and every tensor is named by one
 /// (a null skeleton agrees with any tensors). Writers check this before writing a byte.
@@ -21440,6 +21850,7 @@ STATEDICT_API void check_consistent(const ShardedCheckpoint& ck) {
 #include <filesystem>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -34508,7 +34919,22 @@ STATEDICT_API Opened open(const std::filesystem::path& path, const open_options&
     if (in.is_directory()) detail::block_size_from_config(path / "config.json", d);
     out.checkpoint = dequantize(out.checkpoint, d);
   }
-  if (opt.dtype && !out.format->applies_dtype()) cast(out.checkpoint, *opt.dtype, cast_options{opt.cast_integer_origin, opt.keep_dtype});
+  cast_options how{opt.cast_integer_origin, opt.keep_dtype};
+  if (opt.quantize) {
+    std::set<std::string, std::less<>> before;
+    for (const TensorInfo& t : out.checkpoint.tensors)
+      if (t.dtype == dtype::F8_E4M3) before.insert(t.name);
+    out.checkpoint = quantize(out.checkpoint, *opt.quantize);
+    // `dtype` leaves the new block-FP8 pairs as they are: F8_E4M3 weights and F32 scales.
+    auto made = std::make_shared<std::set<std::string, std::less<>>>();
+    for (const TensorInfo& t : out.checkpoint.tensors)
+      if (t.dtype == dtype::F8_E4M3 && !before.contains(t.name)) {
+        made->insert(t.name);
+        made->insert(detail::fp8_scale_name(t.name));
+      }
+    how.keep = [made, user = opt.keep_dtype](std::string_view n) { return made->contains(n) || (user && user(n)); };
+  }
+  if (opt.dtype && !out.format->applies_dtype()) cast(out.checkpoint, *opt.dtype, how);
   return out;
 }
 

@@ -117,6 +117,9 @@ struct open_options {
   /// Dequantize block-FP8 / MXFP4 pairs (formats::dequantize) before `dtype` is applied. For a
   /// directory with a config.json, its `quantization_config.weight_block_size` gives the block.
   std::optional<dequantize_options> dequantize;
+  /// Quantize the selected weights to block-FP8 (formats::quantize) after `dequantize` and before
+  /// `dtype`, which then leaves the quantized weights and their scales as they are.
+  std::optional<quantize_options> quantize;
   /// Check that replicated copies agree (ShardedTensor rank files; the planner checks the rest).
   bool check_replicas = false;
   /// Read the input as this format (its registry name) instead of detecting it.

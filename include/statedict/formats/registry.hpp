@@ -18,6 +18,7 @@
 #include <filesystem>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -162,7 +163,22 @@ STATEDICT_API Opened open(const std::filesystem::path& path, const open_options&
     if (in.is_directory()) detail::block_size_from_config(path / "config.json", d);
     out.checkpoint = dequantize(out.checkpoint, d);
   }
-  if (opt.dtype && !out.format->applies_dtype()) cast(out.checkpoint, *opt.dtype, cast_options{opt.cast_integer_origin, opt.keep_dtype});
+  cast_options how{opt.cast_integer_origin, opt.keep_dtype};
+  if (opt.quantize) {
+    std::set<std::string, std::less<>> before;
+    for (const TensorInfo& t : out.checkpoint.tensors)
+      if (t.dtype == dtype::F8_E4M3) before.insert(t.name);
+    out.checkpoint = quantize(out.checkpoint, *opt.quantize);
+    // `dtype` leaves the new block-FP8 pairs as they are: F8_E4M3 weights and F32 scales.
+    auto made = std::make_shared<std::set<std::string, std::less<>>>();
+    for (const TensorInfo& t : out.checkpoint.tensors)
+      if (t.dtype == dtype::F8_E4M3 && !before.contains(t.name)) {
+        made->insert(t.name);
+        made->insert(detail::fp8_scale_name(t.name));
+      }
+    how.keep = [made, user = opt.keep_dtype](std::string_view n) { return made->contains(n) || (user && user(n)); };
+  }
+  if (opt.dtype && !out.format->applies_dtype()) cast(out.checkpoint, *opt.dtype, how);
   return out;
 }
 

@@ -12,6 +12,7 @@
 //   cast(ck, dtype)         every floating tensor's dtype (cast_options: also integer-origin buffers,
 //                           or keep some); refuses quantized pairs that dequantize() has not replaced
 //   dequantize(ck, opt)     block-FP8 and MXFP4 pairs as computed F32 tensors, scales dropped
+//   quantize(ck, opt)       selected weights as computed block-FP8 pairs (F8_E4M3 + F32 scale_inv)
 //   split(ck, name, ...)    a tensor cut along a dimension into named parts
 //   concat(ck, names, ...)  tensors joined along a dimension into one
 //   check_consistent(ck)    the skeleton and the tensors agree (every writer checks it first)
@@ -45,6 +46,7 @@
 #include "../shard/box.hpp"
 #include "../shard/checkpoint.hpp"
 #include "detail/dequantize.hpp"
+#include "detail/quantize.hpp"
 #include "detail/rename_tree.hpp"
 #include "transform_types.hpp"
 #include "detail/tree_form.hpp"
@@ -487,6 +489,94 @@ STATEDICT_API ShardedCheckpoint dequantize(const ShardedCheckpoint& ck, const de
   if (!renames.empty()) out = rename(out, rename_map(std::move(renames)));
   return out;
 }
+
+/// The tensors quantize() takes by default, by name: `X.weight` except embeddings (`embed`,
+/// `wte`, `wpe`), `lm_head`, norms (`norm`, `ln_`) and MoE routers (a module named `gate` or
+/// `router`); quantize() adds: F32, BF16 or F16 with exactly 2 dimensions (Linear weights).
+STATEDICT_API bool default_quantized(std::string_view name) {
+  constexpr std::string_view suffix = ".weight";
+  if (!detail::quant_ends_with(name, suffix)) return false;
+  std::string lower(name);
+  for (char& c : lower) c = static_cast<char>(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c);
+  for (const std::string_view no : {"embed", "wte", "wpe", "lm_head", "norm", "ln_"})
+    if (lower.find(no) != std::string::npos) return false;
+  const std::string_view module = std::string_view(lower).substr(0, lower.size() - suffix.size());
+  const std::string_view last = module.substr(module.rfind('.') == std::string_view::npos ? 0 : module.rfind('.') + 1);
+  return last != "gate" && last != "router";
+}
+
+/// The checkpoint with the selected weights (opt.select, else default_quantized() among the 2-D
+/// F32 / BF16 / F16 tensors) replaced by block-FP8 pairs as transformers' FineGrainedFP8 and
+/// DeepSeek-V3 store them: `N` F8_E4M3 of the same shape and `N_scale_inv` (`X.weight_scale_inv`)
+/// F32 [..., ceil(rows / block_rows), ceil(cols / block_cols)], both computed sources that the
+/// executor fills while it streams, a band of block rows at a time (detail/quantize.hpp gives the
+/// arithmetic). A tensor whose rows or columns are not a multiple of the block stays as it is
+/// unless opt.partial_blocks. Every other tensor stays as it is.
+/// Errors, before anything is written: a selected tensor of another dtype or with fewer than 2
+/// dimensions (quantize.bad_tensor), a scale name already taken (quantize.name_taken), a tensor
+/// stored in pieces; while streaming (the executor then commits no file): a value that is not
+/// finite, a block whose largest magnitude has no float32 reciprocal (quantize.bad_value).
+STATEDICT_API ShardedCheckpoint quantize(const ShardedCheckpoint& ck, const quantize_options& opt = {}) {
+  if (opt.block_rows == 0 || opt.block_cols == 0)
+    throw_error(errors::quantize_bad_tensor, "block size", "block-FP8 blocks of " + std::to_string(opt.block_rows) + " x " +
+                                                             std::to_string(opt.block_cols) + " elements: both must be at least 1");
+  auto dims = [](const shape_t& s) { return to_string(s); };
+  ShardedCheckpoint out = ck;
+  std::vector<std::pair<TensorInfo, TensorInfo>> made;  // (F8 weight, its scales)
+  for (const TensorInfo& t : ck.tensors) {
+    const bool quantizable = (t.dtype == dtype::F32 || t.dtype == dtype::BF16 || t.dtype == dtype::F16) && t.shape.size() >= 2;
+    if (opt.select) {
+      if (!opt.select(t.name)) continue;
+      if (!quantizable)
+        throw_error(errors::quantize_bad_tensor, "tensor " + quote(t.name),
+                    "is " + std::string(name(t.dtype)) + " " + dims(t.shape) +
+                        "; block-FP8 quantizes F32, BF16 or F16 tensors of at least 2 dimensions (the pattern selects it)");
+    } else if (!quantizable || t.shape.size() != 2 || !default_quantized(t.name)) {
+      continue;
+    }
+    const auto rows = static_cast<std::uint64_t>(t.shape[t.shape.size() - 2]), cols = static_cast<std::uint64_t>(t.shape.back());
+    if (!opt.partial_blocks && (rows % opt.block_rows != 0 || cols % opt.block_cols != 0)) continue;
+    const std::string scale = detail::fp8_scale_name(t.name);
+    if (ck.find(scale))
+      throw_error(errors::quantize_name_taken, "tensor " + quote(scale),
+                  "is already in the checkpoint: the scales of the quantized " + quote(t.name) + " would take its name");
+    auto q = std::make_shared<const detail::fp8_quant_blocks>(t.name, detail::whole_bytes(ck, t, "it", "quantizing"), t.dtype, t.shape,
+                                                              opt.block_rows, opt.block_cols);
+    shape_t sshape = t.shape;
+    sshape[sshape.size() - 2] = static_cast<dim_t>(q->scale_rows());
+    sshape.back() = static_cast<dim_t>(q->scale_cols());
+    out.sources.push_back(std::make_shared<detail::fp8_quant_values_source>(q));
+    TensorInfo w{t.name, dtype::F8_E4M3, t.shape, {Chunk{full_box(t.shape), Placement{static_cast<std::uint32_t>(out.sources.size() - 1), 0, {}, dtype::F8_E4M3}}}};
+    out.sources.push_back(std::make_shared<detail::fp8_quant_scales_source>(q));
+    TensorInfo s{scale, dtype::F32, sshape, {Chunk{full_box(sshape), Placement{static_cast<std::uint32_t>(out.sources.size() - 1), 0, {}, dtype::F32}}}};
+    made.emplace_back(std::move(w), std::move(s));
+  }
+  if (made.empty()) return ck;
+  if (out.skeleton.is_null()) {
+    for (auto& [w, s] : made) {
+      out.tensors[static_cast<std::size_t>(out.find(w.name) - out.tensors.data())] = std::move(w);
+      out.tensors.push_back(std::move(s));
+    }
+    return out;
+  }
+  // A tree (a torch.save file): the weight's entry gets the quantized tensor, and its dictionary a
+  // sibling entry, the weight's key + "_scale_inv", for the scales.
+  detail::tree_form form(out);
+  for (auto& [w, s] : made) {
+    const std::string n = w.name;
+    const Path at = detail::entry_of(form.tree(), *form.placeholder(n), n);
+    if (at.empty() || !at.back().is_string())
+      throw_error(errors::quantize_bad_tensor, "tensor " + quote(n), "is not an entry of a dictionary: its scales have no place beside it");
+    const std::string key = at.back().as_string() + "_scale_inv";
+    *find_path(form.tree(), at) = Value(form.add(std::move(w)));
+    Value* parent = find_path(form.tree(), Path(at.begin(), at.end() - 1));
+    if (!parent || !parent->is_dict() || parent->as_dict().contains(key))
+      throw_error(errors::quantize_name_taken, "tensor " + quote(n), "has a sibling entry " + quote(key) + " already: its scales would take it");
+    parent->as_dict().insert(Key(key), Value(form.add(std::move(s))));
+  }
+  return form.result();
+}
+
 
 /// Throws errors::stale_skeleton unless the skeleton and the tensors agree: every tensor node
 /// names a tensor of the checkpoint with its dtype and shape, and every tensor is named by one

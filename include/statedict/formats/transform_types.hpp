@@ -49,6 +49,22 @@ struct dequantize_options {
   std::uint64_t block_cols = 128;
 };
 
+/// What quantize() does: block-FP8 (`float8_e4m3fn` weights with F32 `weight_scale_inv`, the
+/// layout of DeepSeek-V3 and of transformers' FineGrainedFP8; docs/formats/quantized.md).
+struct quantize_options {
+  /// The block, rows then columns (written as `quantization_config.weight_block_size`).
+  std::uint64_t block_rows = 128;
+  std::uint64_t block_cols = 128;
+  /// The tensors to quantize; empty: default_quantized(), the 2-D F32 / BF16 / F16 `.weight`
+  /// tensors except embeddings, lm_head, norms and MoE routers. A tensor it selects that cannot
+  /// be quantized (another dtype, fewer than 2 dimensions) is an error.
+  std::function<bool(std::string_view)> select;
+  /// Tensors whose rows or columns are not a multiple of the block: quantized on the block grid,
+  /// the last blocks cut (DeepSeek's layout), when true; left as they are when false, as
+  /// transformers' quantizer leaves them (its dequantization assumes whole blocks).
+  bool partial_blocks = false;
+};
+
 /// One part of a split: its name and its size along the split dimension.
 struct part {
   std::string name;

@@ -15,6 +15,20 @@ of the dequantized checkpoint):
   mxfp4      gpt-oss style: `mlp.experts.gate_up_proj_blocks` uint8 [E, N, G, 16] with
              `gate_up_proj_scales` uint8 [E, N, G]; expected values from transformers'
              `convert_moe_packed_tensors` (its name without `_blocks`, its [E, G * 32, N] layout).
+  quantize_bf16, quantize_f32
+             A tiny Qwen3 (transformers' own random initialisation, seeded) as a Hugging Face
+             folder in bf16 (and in f32), one 128 x 128 block of a q_proj all zeros (some -0.0).
+             Expected ("expected" maps "default" to every tensor of the quantized checkpoint):
+             transformers' FineGrainedFP8 quantizer itself (`Fp8Quantize.convert`) on exactly the
+             weights its `replace_with_fp8_linear` turns into FP8Linear, everything else as it is.
+  quantize_partial
+             A bf16 safetensors file with weights whose rows or columns are not multiples of 128.
+             Expected "default": as transformers' quantizer leaves them (unchanged); "partial":
+             reference math written here on DeepSeek's grid (the last blocks cut), in the same
+             order of operations as transformers' quantizer.
+  qwen3_fp8  The bf16 Qwen3 quantized by transformers' quantizer and saved with its
+             quantization_config: what `--dequantize` reads, and what transformers loads with
+             `dequantize=True` as the logits oracle (t2_quant_check.py).
 """
 import json
 import os
@@ -97,6 +111,105 @@ def mxfp4(out):
     T.write_manifest(out, "mxfp4", {"format": "hf", "path": "mxfp4", "expected": exp})
 
 
+def qwen3_config():
+    from transformers import Qwen3Config
+    return Qwen3Config(vocab_size=160, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=128, max_position_embeddings=64,
+                       tie_word_embeddings=False)
+
+
+def tf_quantizer():
+    from transformers import FineGrainedFP8Config
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+    q = FineGrainedFP8HfQuantizer(FineGrainedFP8Config(weight_block_size=[128, 128]))
+    q.pre_quantized = False
+    return q
+
+
+def tf_fp8_modules(config):
+    """The modules transformers' FineGrainedFP8 quantizer turns into FP8Linear / FP8Experts."""
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    tf_quantizer()._process_model_before_weight_loading(model)
+    return sorted(n for n, m in model.named_modules() if isinstance(m, (FP8Linear, FP8Experts)))
+
+
+def tf_quantize(tensors, weights):
+    """`tensors` with each of `weights` through transformers' Fp8Quantize (it leaves tensors whose
+    dimensions are not multiples of the block as they are)."""
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+    op = Fp8Quantize(tf_quantizer())
+    out = {}
+    for k, v in tensors.items():
+        out.update(op.convert({k: v}) if k in weights else {k: v})
+    return out
+
+
+def save_hf(d, tensors, config):
+    os.makedirs(d, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(d, "model.safetensors"))
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def qwen3(out):
+    from transformers import AutoModelForCausalLM
+    config = qwen3_config()
+    torch.manual_seed(11)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    q = "model.layers.0.self_attn.q_proj.weight"
+    sd[q][:128, 128:] = 0.0
+    sd[q][5:9, 130:140] = -0.0
+    weights = {m + ".weight" for m in tf_fp8_modules(config)}
+    assert weights and all(w in sd for w in weights), weights
+    for name, dt in (("bf16", torch.bfloat16), ("f32", torch.float32)):
+        tensors = {k: v.to(dt) for k, v in sd.items()}
+        cfg = config.to_dict()
+        cfg["dtype"] = str(dt).replace("torch.", "")
+        save_hf(os.path.join(out, "qwen3_" + name), tensors, cfg)
+        quantized = tf_quantize(tensors, weights)
+        assert sum(1 for v in quantized.values() if v.dtype == torch.float8_e4m3fn) == len(weights)
+        T.write_manifest(out, "quantize_" + name, {"format": "hf", "path": "qwen3_" + name,
+                                                 "quantized": sorted(weights),
+                                                 "expected": {"default": entries(quantized)}})
+        if dt == torch.bfloat16:
+            cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                          "weight_block_size": [128, 128]}
+            save_hf(os.path.join(out, "qwen3_fp8"), quantized, cfg)
+
+
+def quantize_partial(out):
+    """Weights of 200 x 256, 256 x 300 and 130 x 130 (bf16): partial blocks on either side."""
+    d = os.path.join(out, "quantize_partial")
+    os.makedirs(d, exist_ok=True)
+    tensors = {"a.weight": torch.randn(200, 256, generator=gen(21)).to(torch.bfloat16),
+               "b.weight": (torch.randn(256, 300, generator=gen(22)) * 3).to(torch.bfloat16),
+               "c.weight": (torch.randn(130, 130, generator=gen(23)) * 1e-3).to(torch.bfloat16)}
+    tensors["c.weight"][128:, :] = 0.0   # a partial block of zeros only
+    save_file(tensors, os.path.join(d, "model.safetensors"))
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    partial = {}
+    for k, v in tensors.items():
+        b = 128
+        rows, cols = v.shape
+        x = v.float()
+        pr, pc = -rows % b, -cols % b
+        padded = torch.nn.functional.pad(x, (0, pc, 0, pr))   # zeros change no maximum of magnitudes
+        blocks = padded.reshape(padded.shape[0] // b, b, padded.shape[1] // b, b)
+        amax = blocks.abs().amax(dim=(1, 3))
+        # transformers' order: 448 / amax is computed as reciprocal(amax) * 448; zero blocks get 1
+        mul = torch.where(amax > 0, amax.reciprocal() * fp8_max, torch.ones_like(amax))
+        q = (blocks * mul[:, None, :, None]).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn)
+        partial[k] = q.reshape(padded.shape)[:rows, :cols]
+        partial[k + "_scale_inv"] = mul.reciprocal()
+    T.write_manifest(out, "quantize_partial", {
+        "format": "safetensors", "path": "quantize_partial/model.safetensors",
+        "expected": {"default": entries(tf_quantize(tensors, set(tensors))), "partial": entries(partial)}})
+
+
 def main():
     if len(sys.argv) != 2:
         print(__doc__, file=sys.stderr)
@@ -105,6 +218,8 @@ def main():
     os.makedirs(out, exist_ok=True)
     fp8_block(out)
     mxfp4(out)
+    qwen3(out)
+    quantize_partial(out)
     return 0
 
 

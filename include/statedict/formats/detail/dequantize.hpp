@@ -5,6 +5,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -86,17 +87,55 @@ inline std::vector<quant_pair> find_quant_pairs(const ShardedCheckpoint& ck, qua
 /// The bytes of tensor `t` as one source of its own, row-major and little-endian: what a
 /// safetensors or Hugging Face reader describes. Anything else (a sharded or strided tensor) is
 /// refused: the computed sources read the quantized bytes by element index.
-inline std::shared_ptr<const ByteSource> whole_bytes(const ShardedCheckpoint& ck, const TensorInfo& t, std::string_view of) {
+inline std::shared_ptr<const ByteSource> whole_bytes(const ShardedCheckpoint& ck, const TensorInfo& t, std::string_view of,
+                                                      std::string_view verb = "dequantizing") {
   const auto& c = t.chunks;
   const bool whole = c.size() == 1 && c[0].at.stored == t.dtype && c[0].at.order == byte_order::little &&
                      (c[0].at.strides.empty() || c[0].at.strides == contiguous_strides(t.shape)) && covers_whole(c[0].region, t.shape) &&
                      c[0].at.source < ck.sources.size() && ck.sources[c[0].at.source];
   if (!whole)
     throw_error(errors::dequantize_layout, "tensor " + quote(t.name),
-                std::string("is stored in several pieces or strided; dequantizing ") + std::string(of) +
+                "is stored in several pieces or strided; " + std::string(verb) + " " + std::string(of) +
                     " needs it whole and contiguous (a safetensors or Hugging Face checkpoint)");
   const std::uint64_t n = byte_size(t.shape, itemsize(t.dtype));
   return std::make_shared<SliceSource>(ck.sources[c[0].at.source], c[0].at.byte_offset, n, ck.sources[c[0].at.source]->name());
+}
+
+/// float8_e4m3fn and E8M0 decoded once into tables (core/dtype.hpp's exact conversions), so the
+/// dequantizing loops below are a load and a multiply an element, with no call or branch.
+inline const float* f8e4m3_table() {
+  static const auto t = [] {
+    std::array<float, 256> a{};
+    for (unsigned i = 0; i < 256; ++i) a[i] = f32_from_f8e4m3(static_cast<std::uint8_t>(i));
+    return a;
+  }();
+  return t.data();
+}
+inline const float* f8e8m0_table() {
+  static const auto t = [] {
+    std::array<float, 256> a{};
+    for (unsigned i = 0; i < 256; ++i) a[i] = f32_from_f8e8m0(static_cast<std::uint8_t>(i));
+    return a;
+  }();
+  return t.data();
+}
+
+/// After a read of [offset, offset + length) of `src` (a mapped file, or a slice of one)
+/// consumed bytes up to offset + length: the mapped pages of each 2 MiB window of the file that
+/// the read finished are released, as the executor releases the pages of the sources it copies
+/// itself, so the file-backed RSS does not grow with the input. A window another thread still
+/// reads is mapped again where it is used: slower, never wrong.
+inline void release_read_pages(const ByteSource& src, std::uint64_t offset, std::uint64_t length) {
+  constexpr std::uint64_t window = std::uint64_t{2} << 20;
+  const ByteSource* p = &src;
+  while (const auto* sl = dynamic_cast<const SliceSource*>(p)) {
+    offset += sl->offset();
+    p = sl->base().get();
+  }
+  const auto* f = dynamic_cast<const InputFile*>(p);
+  if (!f || !f->data()) return;
+  const std::uint64_t lo = offset / window, hi = (offset + length) / window;
+  if (hi > lo) f->advise(lo * window, (hi - lo) * window, access_hint::dontneed);  // windows lo .. hi - 1 are behind
 }
 
 /// A tensor computed from others, element by element, as F32 bytes in row-major order: reading
@@ -130,23 +169,6 @@ class computed_source : public ByteSource {
  protected:
   /// Elements [first, first + n) (n <= 2048) into out.
   virtual void compute(std::uint64_t first, std::size_t n, float* out) const = 0;
-  /// After a read of [offset, offset + length) of `src` (a mapped file, or a slice of one)
-  /// consumed bytes up to offset + length: the mapped pages of each 2 MiB window of the file that
-  /// the read finished are released, as the executor releases the pages of the sources it copies
-  /// itself, so the file-backed RSS does not grow with the input. A window another thread still
-  /// reads is mapped again where it is used: slower, never wrong.
-  static void release_done(const ByteSource& src, std::uint64_t offset, std::uint64_t length) {
-    constexpr std::uint64_t window = std::uint64_t{2} << 20;
-    const ByteSource* p = &src;
-    while (const auto* sl = dynamic_cast<const SliceSource*>(p)) {
-      offset += sl->offset();
-      p = sl->base().get();
-    }
-    const auto* f = dynamic_cast<const InputFile*>(p);
-    if (!f || !f->data()) return;
-    const std::uint64_t lo = offset / window, hi = (offset + length) / window;
-    if (hi > lo) f->advise(lo * window, (hi - lo) * window, access_hint::dontneed);  // windows lo .. hi - 1 are behind
-  }
   /// Bytes [offset, offset + dst.size()) of `src`: in place when mapped, else read into dst.
   static const std::byte* bytes(const ByteSource& src, std::uint64_t offset, std::span<std::byte> dst) {
     src.check_range(offset, dst.size());
@@ -177,7 +199,7 @@ class fp8_block_source final : public computed_source {
  private:
   void compute(std::uint64_t first, std::size_t n, float* out) const override {
     compute_values(first, n, out);
-    release_done(*w_, first, n);
+    release_read_pages(*w_, first, n);
   }
   void compute_values(std::uint64_t first, std::size_t n, float* out) const {
     std::byte wbuf[2048];
@@ -209,9 +231,15 @@ class fp8_block_source final : public computed_source {
           throw_error(errors::dequantize_scale_value, "tensor " + quote(tensor_),
                       "scale [" + std::to_string(i / br_) + ", " + std::to_string(c0 + c) + "] of its matrix " + std::to_string(mat) +
                           " is not finite (" + std::to_string(sv[c]) + ")");
-      for (std::size_t x = 0; x < run; ++x) {
-        const float v = f32_from_f8e4m3(static_cast<std::uint8_t>(w[x]));
-        out[k + x] = v * sv[(j0 + x) / bc_ - c0];
+      // One column block at a time: its scale is a constant of the inner loop.
+      const float* lut = f8e4m3_table();
+      const auto* wb = reinterpret_cast<const std::uint8_t*>(w);
+      for (std::size_t x = 0, c = 0; x < run; ++c) {
+        const auto end = static_cast<std::size_t>(std::min<std::uint64_t>(run, (c0 + c + 1) * bc_ - j0));
+        const float scale = sv[c];
+        float* o = out + k;
+        for (std::size_t y = x; y < end; ++y) o[y] = lut[wb[y]] * scale;
+        x = end;
       }
       k += run;
     }
@@ -248,12 +276,49 @@ class mxfp4_source final : public computed_source {
     const std::uint64_t per = size_ / 4 / static_cast<std::uint64_t>(out_shape_[0]);
     if (per != 0 && (first + n) / per > first / per) {
       const std::uint64_t e0 = first / per, e1 = (first + n) / per;  // experts e0 .. e1 - 1 are done
-      release_done(*b_, e0 * (per / 2), (e1 - e0) * (per / 2));
+      release_read_pages(*b_, e0 * (per / 2), (e1 - e0) * (per / 2));
+    }
+  }
+  static constexpr float lut[16] = {0.0F, 0.5F, 1.0F, 1.5F, 2.0F, 3.0F, 4.0F, 6.0F, -0.0F, -0.5F, -1.0F, -1.5F, -2.0F, -3.0F, -4.0F, -6.0F};
+  [[noreturn]] void nan_scale(std::uint64_t row) const {
+    throw_error(errors::dequantize_scale_value, "tensor " + quote(tensor_),
+                "scale " + std::to_string(row) + " (row-major, of " + std::to_string(s_->size()) + ") is 0xff, E8M0's NaN");
+  }
+  /// gpt-oss' layout, values [E, N, G * 32] read as [E, G * 32, N], both sources mapped: along an
+  /// output row, value v of each of the N block rows (G * 16 bytes apart), the same byte and
+  /// nibble of each; a strided load, two table look-ups and a multiply an element.
+  void compute_transposed(std::uint64_t first, std::size_t n, float* out, const std::uint8_t* b, const std::uint8_t* s) const {
+    const float* e8 = f8e8m0_table();
+    const auto v_size = static_cast<std::uint64_t>(out_shape_[1]), n_size = static_cast<std::uint64_t>(out_shape_[2]);
+    const std::uint64_t groups = v_size / 32;
+    std::size_t k = 0;
+    while (k < n) {
+      const std::uint64_t at = first + k, e = at / (v_size * n_size), v = (at / n_size) % v_size, n0 = at % n_size;
+      const auto run = static_cast<std::size_t>(std::min<std::uint64_t>(n - k, n_size - n0));
+      const std::uint64_t row0 = (e * n_size + n0) * groups + v / 32;
+      const unsigned shift = static_cast<unsigned>(v % 2) * 4;
+      const std::uint8_t* bp = b + row0 * 16 + (v % 32) / 2;
+      const std::uint8_t* sp = s + row0;
+      const std::size_t bstep = static_cast<std::size_t>(groups) * 16, sstep = static_cast<std::size_t>(groups);
+      float* o = out + k;
+      unsigned nan = 0;
+      for (std::size_t x = 0; x < run; ++x) {
+        const std::uint8_t sc = sp[x * sstep];
+        nan |= static_cast<unsigned>(sc == 0xff);
+        o[x] = lut[(bp[x * bstep] >> shift) & 0xfU] * e8[sc];
+      }
+      if (nan)
+        for (std::size_t x = 0; x < run; ++x)
+          if (sp[x * sstep] == 0xff) nan_scale(row0 + x * sstep);
+      k += run;
     }
   }
   void compute_values(std::uint64_t first, std::size_t n, float* out) const {
-    static constexpr float lut[16] = {0.0F, 0.5F, 1.0F, 1.5F, 2.0F, 3.0F, 4.0F, 6.0F, -0.0F, -0.5F, -1.0F, -1.5F, -2.0F, -3.0F, -4.0F, -6.0F};
     const std::size_t r = out_shape_.size();
+    if (r == 3 && b_->data() && s_->data()) {
+      compute_transposed(first, n, out, reinterpret_cast<const std::uint8_t*>(b_->data()), reinterpret_cast<const std::uint8_t*>(s_->data()));
+      return;
+    }
     // The output index of `first`, and the values' flat index t it reads.
     std::vector<std::uint64_t> idx(r);
     std::uint64_t rest = first, t = 0;
@@ -275,9 +340,7 @@ class mxfp4_source final : public computed_source {
         row = t / 32;
         b = bmap ? bmap + row * 16 : bytes(*b_, row * 16, blk);
         const auto e = static_cast<std::uint8_t>(smap ? smap[row] : *bytes(*s_, row, sc));
-        if (e == 0xff)
-          throw_error(errors::dequantize_scale_value, "tensor " + quote(tensor_),
-                      "scale " + std::to_string(row) + " (row-major, of " + std::to_string(s_->size()) + ") is 0xff, E8M0's NaN");
+        if (e == 0xff) nan_scale(row);
         scale = f32_from_f8e8m0(e);
       }
       const std::uint64_t q = t % 32;
