@@ -22162,6 +22162,16 @@ class SourceTable {
     return index;
   }
 
+  /// Stops locating views in source `i` (it stays registered: chunks keep pointing at it). For a
+  /// file whose views are gone (its parsed tree dropped): in pread mode its views lay in an address
+  /// range reserved for them, which the next file loaded may be given again.
+  void retire(std::uint32_t i) {
+    if (i >= entries_.size() || entries_[i].base == nullptr) return;
+    const auto it = by_base_.find(reinterpret_cast<std::uintptr_t>(entries_[i].base));
+    if (it != by_base_.end() && it->second == i) by_base_.erase(it);
+    entries_[i].base = nullptr;
+  }
+
   /// Registers bytes computed at describe time (small converted buffers); returns its index.
   std::uint32_t add_owned(std::string name, std::vector<std::byte> bytes) {
     auto buf = std::make_shared<std::vector<std::byte>>(std::move(bytes));
@@ -28426,8 +28436,10 @@ inline ShardedCheckpoint describe(const Inputs& in, const options& opt = {}) {
         const model_file m = parse_model(f, opt.limits);
         if (m.param_shapes != m0.param_shapes || m.frozen_shapes != m0.frozen_shapes)
           throw_error(errors::ds_bad_model_states, file_ctx(f), "param_shapes or frozen_param_shapes differ from rank 0's");
-        if (!m0.frozen_shapes.empty()) b.table.add(f.source, f.base);
+        if (m0.frozen_shapes.empty()) continue;
+        const std::uint32_t source = b.table.add(f.source, f.base);
         frozen.add_rank(m, r);
+        if (loaded) b.table.retire(source);  // its views go with it (pread: their addresses are reused)
       }
     frozen.finish();
   }
