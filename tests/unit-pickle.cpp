@@ -161,6 +161,13 @@ TEST_CASE("strings and bytes") {
   expect_error([&] { (void)val(P2 + "cmym\xff" "dule\nThing\n)\x81.", keep()); }, errors::pk_bad_utf8);
   expect_error([&] { (void)val(P2 + "cmymodule\nTh\xed\xa0\x80ing\n)\x81.", keep()); }, errors::pk_bad_utf8);
   expect_error([&] { (void)val(P2 + "(imym\xc0\x80" "dule\nThing\n.", keep()); }, errors::pk_bad_utf8);
+  // A name its module does not have, in the modules whose pickled names are a closed set: a
+  // corrupt pickle (Python cannot load it), not an unknown class kept as data.
+  expect_error([&] { (void)val(P2 + "ctorch._utils\n_rebuild_tenor_v2\n)R.", keep()); }, errors::pk_no_such_name);
+  expect_error([&] { (void)val(P2 + "ccollections\nObderedDict\n)R.", keep()); }, errors::pk_no_such_name);
+  expect_error([&] { (void)val(P2 + "c_codecs\nencoded\n)R.", keep()); }, errors::pk_no_such_name);
+  CHECK(val(P2 + "ccollections\nOrderedDict\n)R.").is_dict());
+  CHECK(val(P2 + "cUserDict\nIterableUserDict\n)\x81.", keep()).is_object());  // Python 2's name, mapped by Python
   const Value ba = val("\x80\x05\x96" + u64(2) + "ab.");
   CHECK(ba.as_object().qualified() == "builtins.bytearray");
   CHECK(ba.as_object().args.at(0).as_bytes().data == std::vector<std::uint8_t>{'a', 'b'});

@@ -368,6 +368,16 @@ TEST_CASE("hostile files: one error id each") {
     expect_error([&] { (void)torch::load(torch_zip("cls2.pt", pkl(tensor_v2("NopeStorage", "0", 1, 0, {1}, {1})), {{"0", floats({1})}})); },
                  errors::pt_bad_storage);
     expect_error([&] { (void)torch::load(torch_zip("pid.pt", pkl("(" + str("module") + "tQ"))); }, errors::pt_bad_storage);
+    // A location torch cannot restore (a corrupt tag); any device torch knows is read.
+    auto located = [&](const std::string& loc) {
+      return torch_zip("loc.pt", pkl(glob("torch._utils", "_rebuild_tensor_v2") + "((" + str("storage") + glob("torch", "FloatStorage") +
+                                     str("0") + str(loc) + integer(1) + "tQ" + integer(0) + tuple({1}) + tuple({1}) + "\x89" +
+                                     glob("collections", "OrderedDict") + ")RtR"),
+                       {{"0", floats({1})}});
+    };
+    for (const char* bad : {"cpe", "cuda:", "cuda:x", "f64", "", "cuda:0:1"})
+      expect_error([&] { (void)torch::load(located(bad)); }, errors::pt_bad_location);
+    for (const char* ok : {"cpu", "cuda:0", "cuda", "mps", "meta", "xpu:12"}) CHECK(torch::load(located(ok)).is_tensor());
     expect_error([&] { (void)torch::load(torch_zip("pid2.pt", pkl("(" + str("storage") + glob("torch", "FloatStorage") + integer(0) + str("cpu") + integer(1) + "tQ"))); },
                  errors::pt_bad_storage);
   }

@@ -11402,6 +11402,7 @@ class Writer {
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <initializer_list>
 #include <limits>
 #include <memory>
 #include <new>
@@ -11607,6 +11608,7 @@ inline constexpr error_id pk_no_persistent_load {468, error_kind::format,      "
 inline constexpr error_id pk_bad_call           {469, error_kind::format,      "pickle.bad_call"};
 inline constexpr error_id pk_bad_text           {470, error_kind::format,      "pickle.bad_text"};
 inline constexpr error_id pk_bad_numpy          {471, error_kind::format,      "pickle.bad_numpy"};
+inline constexpr error_id pk_no_such_name       {472, error_kind::format,      "pickle.no_such_name"};
 // clang-format on
 }  // namespace errors
 
@@ -11781,6 +11783,29 @@ inline bool blocked_global(std::string_view module, std::string_view name) noexc
     for (auto n : names)
       if (name == n) return true;
   }
+  return false;
+}
+
+/// A global naming what its module does not have, for the modules whose pickled names are a
+/// known, closed set: Python's unpickler cannot find it (AttributeError), torch.load refuses it,
+/// and it is a corrupt pickle, not an unknown class to keep as data.
+inline bool no_such_name(std::string_view module, std::string_view name) noexcept {
+  auto none_of = [&](std::initializer_list<std::string_view> names) {
+    for (std::string_view n : names)
+      if (name == n) return false;
+    return true;
+  };
+  if (module == "torch._utils")  // every _rebuild_* function torch has had
+    return none_of({"_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter",
+                    "_rebuild_parameter_with_state", "_rebuild_qtensor", "_rebuild_sparse_tensor",
+                    "_rebuild_sparse_csr_tensor", "_rebuild_nested_tensor", "_rebuild_meta_tensor_no_storage",
+                    "_rebuild_wrapper_subclass", "_rebuild_device_tensor_from_numpy",
+                    "_rebuild_device_tensor_from_cpu_tensor", "_rebuild_xla_tensor", "_rebuild_mlc_tensor"});
+  if (module == "collections")
+    return none_of({"OrderedDict", "defaultdict", "deque", "Counter", "ChainMap", "UserDict", "UserList", "UserString",
+                    "namedtuple"});
+  if (module == "_codecs") return none_of({"encode", "decode"});
+  if (module == "copyreg") return none_of({"_reconstructor", "__newobj__", "__newobj_ex__", "_reduce_ex"});
   return false;
 }
 
@@ -12348,6 +12373,9 @@ class Reader {
     if (blocked_global(module, name))
       fail(errors::pk_blocked_module, "global " + quote(std::string(module) + "." + std::string(name)) +
                                           " is never allowed: loading this pickle with Python would run code");
+    if (module == module_in && no_such_name(module, name))  // Python 2 names are mapped, not checked
+      fail(errors::pk_no_such_name, "global " + quote(std::string(module) + "." + std::string(name)) + ": module " +
+                                        quote(std::string(module)) + " has no such name (a corrupt pickle; Python cannot load it)");
     std::string q;
     q.reserve(module.size() + name.size() + 1);
     q.append(module).append(".").append(name);
@@ -14313,6 +14341,7 @@ inline constexpr error_id pt_record_too_long   {515, error_kind::format,      "t
 inline constexpr error_id pt_no_version        {516, error_kind::format,      "torch.no_version"};
 inline constexpr error_id pt_record_outside    {517, error_kind::format,      "torch.record_outside_archive"};
 inline constexpr error_id pt_bad_alignment     {518, error_kind::format,      "torch.bad_storage_alignment"};
+inline constexpr error_id pt_bad_location      {519, error_kind::format,      "torch.bad_location"};
 inline constexpr error_id pt_unwritable        {520, error_kind::usage,       "torch.unwritable"};
 inline constexpr error_id pt_crc_incomplete    {521, error_kind::usage,       "torch.crc_incomplete"};
 inline constexpr error_id pt_bad_name          {522, error_kind::usage,       "torch.bad_archive_name"};
@@ -14946,6 +14975,27 @@ inline void swap_storages(File& f, const std::vector<zip_storage>& seen) {
 /// The `version` record as PyTorchStreamReader reads it (std::stoull): leading white space, a
 /// sign, the longest run of decimal digits, the rest ignored; nullopt where stoull throws (no
 /// digit, or beyond uint64). A minus sign wraps, as stoull's does.
+/// A storage's location as torch.save writes it: a device type torch knows, alone or with
+/// ":<index>" ("cpu", "cuda:3", "mps", "meta", "xpu:0", ...). torch.load refuses any other
+/// ("don't know how to restore data location"); statedict reads the bytes of a storage saved on
+/// any device without restoring it there (torch needs that device, or map_location).
+inline void check_location(std::string_view key, std::string_view location) {
+  constexpr std::string_view types[] = {"cpu", "cuda", "mps", "meta", "hpu", "xpu", "xla", "npu", "mtia", "maia",
+                                        "ipu", "lazy", "vulkan", "hip", "ve", "fpga", "ort", "mkldnn", "opengl",
+                                        "opencl", "ideep", "privateuseone"};
+  const std::string_view type = location.substr(0, location.find(':'));
+  bool ok = false;
+  for (std::string_view t : types) ok = ok || type == t;
+  if (ok && type.size() < location.size()) {
+    const std::string_view index = location.substr(type.size() + 1);
+    ok = !index.empty() && index.size() <= 9 && std::all_of(index.begin(), index.end(), [](char c) { return c >= '0' && c <= '9'; });
+  }
+  if (!ok)
+    throw_error(errors::pt_bad_location, "storage " + quote(std::string(key)),
+                "location " + quote(std::string(location.substr(0, 64))) +
+                    " is not a device torch knows (cpu, cuda:N, ...): torch.load cannot restore it");
+}
+
 inline std::optional<std::uint64_t> stoull_prefix(std::string_view s) noexcept {
   std::size_t i = 0;
   while (i < s.size() && (s[i] == ' ' || (s[i] >= '\t' && s[i] <= '\r'))) ++i;
@@ -15185,6 +15235,7 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
     // ('storage', <class cls>, key, location, numel), its fields checked by the caller: the
     // storage's index in f.storages, placed when its key is first met.
     auto storage_index = [&](std::uint32_t cls, std::string_view key, std::string_view location, std::int64_t numel_in) -> std::uint32_t {
+      check_location(key, location);
       const statedict::dtype t = classes[cls].dtype;
       if (numel_in < 0) throw_error(errors::pt_bad_storage, "storage " + quote(key) + " has a negative size");
       const auto numel = static_cast<std::uint64_t>(numel_in);
@@ -15411,6 +15462,7 @@ inline File read_legacy(std::shared_ptr<const ByteSource> src, const load_option
     if (!p[1].is_object() || !p[2].is_string() || !p[3].is_string() || !p[4].is_int())
       throw_error(errors::pt_bad_storage, "legacy persistent id fields have the wrong types");
     root = p[2].as_string();
+    check_location(root, p[3].as_string());
     if (p[4].as_int() < 0) throw_error(errors::pt_bad_storage, "storage " + quote(root) + " has a negative size");
     if (!p[5].is_none()) {
       if (!p[5].is_tuple() || p[5].as_list().size() != 3 || !p[5].at(0).is_string() || !p[5].at(1).is_int() || !p[5].at(2).is_int())

@@ -46,6 +46,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <initializer_list>
 #include <limits>
 #include <memory>
 #include <new>
@@ -90,6 +91,7 @@ inline constexpr error_id pk_no_persistent_load {468, error_kind::format,      "
 inline constexpr error_id pk_bad_call           {469, error_kind::format,      "pickle.bad_call"};
 inline constexpr error_id pk_bad_text           {470, error_kind::format,      "pickle.bad_text"};
 inline constexpr error_id pk_bad_numpy          {471, error_kind::format,      "pickle.bad_numpy"};
+inline constexpr error_id pk_no_such_name       {472, error_kind::format,      "pickle.no_such_name"};
 // clang-format on
 }  // namespace errors
 
@@ -264,6 +266,29 @@ inline bool blocked_global(std::string_view module, std::string_view name) noexc
     for (auto n : names)
       if (name == n) return true;
   }
+  return false;
+}
+
+/// A global naming what its module does not have, for the modules whose pickled names are a
+/// known, closed set: Python's unpickler cannot find it (AttributeError), torch.load refuses it,
+/// and it is a corrupt pickle, not an unknown class to keep as data.
+inline bool no_such_name(std::string_view module, std::string_view name) noexcept {
+  auto none_of = [&](std::initializer_list<std::string_view> names) {
+    for (std::string_view n : names)
+      if (name == n) return false;
+    return true;
+  };
+  if (module == "torch._utils")  // every _rebuild_* function torch has had
+    return none_of({"_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter",
+                    "_rebuild_parameter_with_state", "_rebuild_qtensor", "_rebuild_sparse_tensor",
+                    "_rebuild_sparse_csr_tensor", "_rebuild_nested_tensor", "_rebuild_meta_tensor_no_storage",
+                    "_rebuild_wrapper_subclass", "_rebuild_device_tensor_from_numpy",
+                    "_rebuild_device_tensor_from_cpu_tensor", "_rebuild_xla_tensor", "_rebuild_mlc_tensor"});
+  if (module == "collections")
+    return none_of({"OrderedDict", "defaultdict", "deque", "Counter", "ChainMap", "UserDict", "UserList", "UserString",
+                    "namedtuple"});
+  if (module == "_codecs") return none_of({"encode", "decode"});
+  if (module == "copyreg") return none_of({"_reconstructor", "__newobj__", "__newobj_ex__", "_reduce_ex"});
   return false;
 }
 

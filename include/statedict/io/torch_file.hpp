@@ -80,6 +80,7 @@ inline constexpr error_id pt_record_too_long   {515, error_kind::format,      "t
 inline constexpr error_id pt_no_version        {516, error_kind::format,      "torch.no_version"};
 inline constexpr error_id pt_record_outside    {517, error_kind::format,      "torch.record_outside_archive"};
 inline constexpr error_id pt_bad_alignment     {518, error_kind::format,      "torch.bad_storage_alignment"};
+inline constexpr error_id pt_bad_location      {519, error_kind::format,      "torch.bad_location"};
 inline constexpr error_id pt_unwritable        {520, error_kind::usage,       "torch.unwritable"};
 inline constexpr error_id pt_crc_incomplete    {521, error_kind::usage,       "torch.crc_incomplete"};
 inline constexpr error_id pt_bad_name          {522, error_kind::usage,       "torch.bad_archive_name"};

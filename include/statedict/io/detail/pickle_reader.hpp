@@ -493,6 +493,9 @@ class Reader {
     if (blocked_global(module, name))
       fail(errors::pk_blocked_module, "global " + quote(std::string(module) + "." + std::string(name)) +
                                           " is never allowed: loading this pickle with Python would run code");
+    if (module == module_in && no_such_name(module, name))  // Python 2 names are mapped, not checked
+      fail(errors::pk_no_such_name, "global " + quote(std::string(module) + "." + std::string(name)) + ": module " +
+                                        quote(std::string(module)) + " has no such name (a corrupt pickle; Python cannot load it)");
     std::string q;
     q.reserve(module.size() + name.size() + 1);
     q.append(module).append(".").append(name);

@@ -515,6 +515,27 @@ inline void swap_storages(File& f, const std::vector<zip_storage>& seen) {
 /// The `version` record as PyTorchStreamReader reads it (std::stoull): leading white space, a
 /// sign, the longest run of decimal digits, the rest ignored; nullopt where stoull throws (no
 /// digit, or beyond uint64). A minus sign wraps, as stoull's does.
+/// A storage's location as torch.save writes it: a device type torch knows, alone or with
+/// ":<index>" ("cpu", "cuda:3", "mps", "meta", "xpu:0", ...). torch.load refuses any other
+/// ("don't know how to restore data location"); statedict reads the bytes of a storage saved on
+/// any device without restoring it there (torch needs that device, or map_location).
+inline void check_location(std::string_view key, std::string_view location) {
+  constexpr std::string_view types[] = {"cpu", "cuda", "mps", "meta", "hpu", "xpu", "xla", "npu", "mtia", "maia",
+                                        "ipu", "lazy", "vulkan", "hip", "ve", "fpga", "ort", "mkldnn", "opengl",
+                                        "opencl", "ideep", "privateuseone"};
+  const std::string_view type = location.substr(0, location.find(':'));
+  bool ok = false;
+  for (std::string_view t : types) ok = ok || type == t;
+  if (ok && type.size() < location.size()) {
+    const std::string_view index = location.substr(type.size() + 1);
+    ok = !index.empty() && index.size() <= 9 && std::all_of(index.begin(), index.end(), [](char c) { return c >= '0' && c <= '9'; });
+  }
+  if (!ok)
+    throw_error(errors::pt_bad_location, "storage " + quote(std::string(key)),
+                "location " + quote(std::string(location.substr(0, 64))) +
+                    " is not a device torch knows (cpu, cuda:N, ...): torch.load cannot restore it");
+}
+
 inline std::optional<std::uint64_t> stoull_prefix(std::string_view s) noexcept {
   std::size_t i = 0;
   while (i < s.size() && (s[i] == ' ' || (s[i] >= '\t' && s[i] <= '\r'))) ++i;
@@ -754,6 +775,7 @@ inline File read_zip(std::shared_ptr<const ByteSource> src, const load_options& 
     // ('storage', <class cls>, key, location, numel), its fields checked by the caller: the
     // storage's index in f.storages, placed when its key is first met.
     auto storage_index = [&](std::uint32_t cls, std::string_view key, std::string_view location, std::int64_t numel_in) -> std::uint32_t {
+      check_location(key, location);
       const statedict::dtype t = classes[cls].dtype;
       if (numel_in < 0) throw_error(errors::pt_bad_storage, "storage " + quote(key) + " has a negative size");
       const auto numel = static_cast<std::uint64_t>(numel_in);
@@ -980,6 +1002,7 @@ inline File read_legacy(std::shared_ptr<const ByteSource> src, const load_option
     if (!p[1].is_object() || !p[2].is_string() || !p[3].is_string() || !p[4].is_int())
       throw_error(errors::pt_bad_storage, "legacy persistent id fields have the wrong types");
     root = p[2].as_string();
+    check_location(root, p[3].as_string());
     if (p[4].as_int() < 0) throw_error(errors::pt_bad_storage, "storage " + quote(root) + " has a negative size");
     if (!p[5].is_none()) {
       if (!p[5].is_tuple() || p[5].as_list().size() != 3 || !p[5].at(0).is_string() || !p[5].at(1).is_int() || !p[5].at(2).is_int())
