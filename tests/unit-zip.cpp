@@ -427,6 +427,11 @@ TEST_CASE("reader: hostile archives, one error id each") {
     put32(v, loc + 8, 3);         // and the recorded offset points into a local header
     expect_error([&] { (void)open(v); }, errors::zip_bad_zip64);
   }
+  SUBCASE("ZIP64 locator recording another offset than the record's") {
+    auto v = good;
+    put32(v, loc + 8, 3);  // the record is intact right before the locator
+    expect_error([&] { (void)open(v); }, errors::zip_bad_zip64);
+  }
   SUBCASE("multi-disk archives") {
     auto v = good;
     put32(v, loc + 16, 2);

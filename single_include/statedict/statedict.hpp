@@ -10375,6 +10375,7 @@ inline bool crc32_accelerated() noexcept {
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -10809,6 +10810,8 @@ class Archive {
     std::uint64_t n_disk = detail::rd16(e + 8), n_total = detail::rd16(e + 10);
     std::uint64_t cd_size = detail::rd32(e + 12), cd_offset = detail::rd32(e + 16);
     std::uint64_t cd_end = end_pos;  // where the central directory must end
+    // The ZIP64 locator's recorded offset of its end record, and where the record is.
+    std::optional<std::pair<std::uint64_t, std::uint64_t>> recorded_end64;
 
     // ZIP64: a locator right before the end record.
     if (end_pos >= detail::locator64_size) {
@@ -10826,6 +10829,7 @@ class Archive {
           const Region r = read_region(src, pos, 4);
           return detail::rd32(r.data) == detail::sig_end64;
         };
+        if (is_rec(rec_pos)) recorded_end64.emplace(detail::rd64(loc.data + 8), rec_pos);
         if (!is_rec(rec_pos)) {
           rec_pos = detail::rd64(loc.data + 8);
           if (!is_rec(rec_pos))
@@ -10912,6 +10916,13 @@ class Archive {
       entries_.push_back(std::move(en));
     }
     check_header_offsets();
+    // Data in front of the archive shifts the locator's recorded offset as much as every other
+    // one; a different shift is a corrupt locator, which torch's reader (going by the recorded
+    // offset) refuses.
+    if (recorded_end64 && recorded_end64->first + delta_ != recorded_end64->second)
+      fail(errors::zip_bad_zip64, "the ZIP64 locator records its end record at offset " + std::to_string(recorded_end64->first) +
+                                      (delta_ ? " (+" + std::to_string(delta_) + " bytes in front of the archive)" : std::string()) +
+                                      ", but it is at " + std::to_string(recorded_end64->second));
     if (!options_.defer_local_headers) adopt_data_offsets(data_offsets());
   }
 
