@@ -111,6 +111,9 @@ def generate() -> dict[pathlib.Path, str]:
         ROOT_FILE[0] = path
         depth = bridge.count("/")
         main_ref = "../" * depth + MAIN
+        if path.resolve() in in_main:  # a header of the umbrella includes it: statedict.hpp holds it
+            files[DST / bridge] = BANNER.format(name=bridge) + "#pragma once\n" + f'#include "{main_ref}"\n'
+            continue
         seen_b: set[pathlib.Path] = {path.resolve()}
         lines = inline(path, seen_b, in_main, main_ref)
         files[DST / bridge] = BANNER.format(name=bridge) + "\n".join(lines) + "\n"
